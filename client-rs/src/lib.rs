@@ -1,0 +1,5 @@
+pub mod proto {
+    tonic::include_proto!("weightstream.v1");
+    pub const FILE_DESCRIPTOR_SET: &[u8] =
+        tonic::include_file_descriptor_set!("weightstream_descriptor");
+}
