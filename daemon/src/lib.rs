@@ -1,1 +1,17 @@
+//! weightstream daemon: streams frozen model weights from a shared host store into device
+//! memory that trainer processes map, just in time for their forward and backward passes.
+//!
+//! Module map (each knows only those below it):
+//! `cli` → `server` (gRPC, validation) → `core` (shared state) → `session` (actors, staging
+//! arenas, plans) → `residency` / `scheduler` → `store` (safetensors, shared memory) →
+//! `backend` (host today; the only place with FFI once CUDA lands).
 
+pub mod backend;
+pub mod cli;
+pub mod config;
+pub mod core;
+pub mod residency;
+pub mod scheduler;
+pub mod server;
+pub mod session;
+pub mod store;

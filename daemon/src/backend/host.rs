@@ -1,0 +1,122 @@
+//! Host backend: "device" memory is a shared-memory file the client maps, a copy is a memcpy.
+//! It keeps the same messages and ordering as the CUDA backend so that every test of the
+//! protocol, the store and the sessions runs on machines without a GPU.
+#![forbid(unsafe_code)]
+
+use std::sync::{Arc, Mutex};
+
+use super::{Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, RegionHandle};
+use crate::store::shm::{ShmDir, ShmSegment};
+
+pub const HOST_DEVICE_UUID: &str = "host-0";
+const ALIGNMENT: u64 = 256;
+
+pub struct HostBackend {
+    shm: Arc<ShmDir>,
+}
+
+impl HostBackend {
+    pub fn new(shm: Arc<ShmDir>) -> Self {
+        HostBackend { shm }
+    }
+}
+
+/// A staging or resident region in shared memory. The mutex serialises writers; clients read
+/// through their own mapping and are ordered by the `Staged`/`Release` messages.
+struct HostRegion {
+    segment: Mutex<ShmSegment>,
+    size: u64,
+    path: String,
+}
+
+impl DeviceRegion for HostRegion {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn handle(&self) -> RegionHandle {
+        RegionHandle::ShmPath(self.path.clone())
+    }
+
+    fn write(&self, offset: u64, src: &[u8]) -> Result<(), BackendError> {
+        let end = offset.checked_add(src.len() as u64);
+        if end.is_none_or(|end| end > self.size) {
+            return Err(BackendError::OutOfBounds {
+                offset,
+                bytes: src.len() as u64,
+                size: self.size,
+            });
+        }
+        let mut segment = self
+            .segment
+            .lock()
+            .map_err(|_| BackendError::Copy("region lock poisoned".into()))?;
+        let start = offset as usize;
+        segment.bytes_mut()[start..start + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+}
+
+impl Backend for HostBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Host
+    }
+
+    fn devices(&self) -> Vec<DeviceInfo> {
+        let (total, free) = host_memory();
+        vec![DeviceInfo {
+            uuid: HOST_DEVICE_UUID.to_string(),
+            name: "host memory (no GPU)".to_string(),
+            total_memory: total,
+            free_memory: free,
+            pci_bus_id: String::new(),
+        }]
+    }
+
+    fn alignment(&self) -> u64 {
+        ALIGNMENT
+    }
+
+    fn alloc_region(
+        &self,
+        device: usize,
+        size: u64,
+        purpose: &'static str,
+    ) -> Result<Arc<dyn DeviceRegion>, BackendError> {
+        let segment = self
+            .shm
+            .create(purpose, size, 0o640)
+            .map_err(|e| BackendError::Alloc {
+                device: device.to_string(),
+                bytes: size,
+                purpose,
+                reason: e.to_string(),
+            })?;
+        let path = segment.path().display().to_string();
+        Ok(Arc::new(HostRegion {
+            segment: Mutex::new(segment),
+            size,
+            path,
+        }))
+    }
+
+    fn copy(&self, _device: usize, job: &CopyJob) -> Result<(), BackendError> {
+        for (src, dst_offset) in &job.spans {
+            job.region.write(*dst_offset, src.bytes())?;
+        }
+        Ok(())
+    }
+}
+
+/// (total, available) bytes of host memory from /proc/meminfo; zeros where it is unreadable.
+pub fn host_memory() -> (u64, u64) {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |key: &str| {
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |kib| kib * 1024)
+    };
+    (field("MemTotal:"), field("MemAvailable:"))
+}

@@ -1,0 +1,303 @@
+//! The daemon's shared state and the operations the gRPC service maps onto.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use tokio::sync::{mpsc, watch};
+
+use crate::backend::{Backend, BackendError, RegionHandle};
+use crate::config::Config;
+use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
+use crate::scheduler::CopyScheduler;
+use crate::server::conn::Peer;
+use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
+use crate::session::{ActorParts, CloseReason, SessionShared, SessionStats};
+use crate::store::shm::ShmDir;
+use crate::store::{Model, Store, StoreError, StoreLimits};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CoreError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    #[error(transparent)]
+    Budget(#[from] BudgetError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Residency(#[from] ResidencyError),
+    #[error("unknown session_id '{0}'")]
+    UnknownSession(String),
+    #[error("session_id '{0}' belongs to another connection")]
+    NotOwner(String),
+    #[error("device_uuid '{0}' is not a device of this daemon")]
+    UnknownDevice(String),
+    #[error("max_sessions = {0} sessions are already open")]
+    TooManySessions(u32),
+    #[error("the daemon is stopping")]
+    ShuttingDown,
+}
+
+/// A new session as its opener sees it.
+pub struct OpenedSession {
+    pub shared: Arc<SessionShared>,
+    pub regions: Vec<(u64, RegionHandle)>,
+    pub groups: Vec<crate::session::layout::GroupPlacement>,
+    pub resident: Vec<bool>,
+    pub model: Arc<Model>,
+}
+
+pub struct OpenRequest {
+    pub model_id: String,
+    pub device_uuid: String,
+    pub vram_budget: u64,
+    pub staging_bytes: u64,
+    pub groups: Vec<(String, Vec<String>)>,
+    pub label: String,
+}
+
+pub struct Daemon {
+    pub config: Config,
+    pub backend: Arc<dyn Backend>,
+    pub store: Store,
+    pub scheduler: Arc<CopyScheduler>,
+    pub shm: Arc<ShmDir>,
+    residency: ResidencyRegistry,
+    sessions: Mutex<HashMap<String, Arc<SessionShared>>>,
+    next_session: AtomicU64,
+    stopping: AtomicBool,
+    pub started: Instant,
+}
+
+impl Daemon {
+    pub fn new(
+        config: Config,
+        backend: Arc<dyn Backend>,
+        shm: Arc<ShmDir>,
+    ) -> std::io::Result<Arc<Daemon>> {
+        let devices = backend.devices().len();
+        let scheduler = CopyScheduler::start(backend.clone(), devices)?;
+        let limits = StoreLimits {
+            max_tensors: config.limits.max_tensors_per_model,
+            max_upload_bytes: config.limits.max_upload_bytes.as_u64(),
+            max_name_bytes: config.limits.max_name_bytes,
+        };
+        Ok(Arc::new(Daemon {
+            store: Store::new(shm.clone(), limits),
+            config,
+            backend,
+            scheduler,
+            shm,
+            residency: ResidencyRegistry::default(),
+            sessions: Mutex::new(HashMap::new()),
+            next_session: AtomicU64::new(1),
+            stopping: AtomicBool::new(false),
+            started: Instant::now(),
+        }))
+    }
+
+    fn sessions(&self) -> MutexGuard<'_, HashMap<String, Arc<SessionShared>>> {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn list_sessions(&self) -> Vec<Arc<SessionShared>> {
+        let mut list: Vec<_> = self.sessions().values().cloned().collect();
+        list.sort_by_key(|s| s.number);
+        list
+    }
+
+    pub fn device_index(&self, uuid: &str) -> Result<(usize, String), CoreError> {
+        let devices = self.backend.devices();
+        if uuid.is_empty() {
+            return Ok((0, devices[0].uuid.clone()));
+        }
+        devices
+            .iter()
+            .position(|d| d.uuid == uuid)
+            .map(|i| (i, uuid.to_string()))
+            .ok_or_else(|| CoreError::UnknownDevice(uuid.to_string()))
+    }
+
+    /// Opens a session: layout, budget split, staging arena, resident lease, then the actor.
+    pub async fn open_session(
+        self: &Arc<Self>,
+        owner: Peer,
+        req: OpenRequest,
+    ) -> Result<OpenedSession, CoreError> {
+        if self.stopping.load(Ordering::Relaxed) {
+            return Err(CoreError::ShuttingDown);
+        }
+        let max = self.config.limits.max_sessions;
+        if self.sessions().len() >= max as usize {
+            return Err(CoreError::TooManySessions(max));
+        }
+        let (device, device_uuid) = self.device_index(&req.device_uuid)?;
+        let model = self.store.open_session(&req.model_id)?;
+        let opened = self
+            .build_session(owner, req, model.clone(), device, device_uuid)
+            .await;
+        if opened.is_err() {
+            self.store.close_session(&model.id);
+        }
+        opened
+    }
+
+    async fn build_session(
+        self: &Arc<Self>,
+        owner: Peer,
+        req: OpenRequest,
+        model: Arc<Model>,
+        device: usize,
+        device_uuid: String,
+    ) -> Result<OpenedSession, CoreError> {
+        let align = self.backend.alignment();
+        let groups = layout_groups(&model, &req.groups, align)?;
+        let split = split_budget(&groups, req.vram_budget, req.staging_bytes, align)?;
+        let number = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let staging = self
+            .backend
+            .alloc_region(device, split.staging_bytes, "staging")?;
+        let wanted = groups
+            .iter()
+            .zip(&split.resident)
+            .filter(|(_, r)| **r)
+            .map(|(g, _)| ResidentWant {
+                key: g.key.clone(),
+                nbytes: g.nbytes,
+                spans: g
+                    .tensors
+                    .iter()
+                    .map(|&(t, rel)| (model.slice(t), rel))
+                    .collect(),
+            })
+            .collect();
+        let lease = self
+            .residency
+            .lease(
+                self.backend.as_ref(),
+                &self.scheduler,
+                number,
+                &model.id,
+                device,
+                wanted,
+            )
+            .await?;
+        let resident_of = groups
+            .iter()
+            .map(|g| {
+                let (region, offset) = lease.placements.get(&g.key)?;
+                Some((*region as u32 + 1, *offset))
+            })
+            .collect();
+        let mut regions = vec![(staging.size(), staging.handle())];
+        regions.extend(
+            lease
+                .regions
+                .iter()
+                .map(|r| (r.region().size(), r.region().handle())),
+        );
+        let (control_tx, control_rx) = mpsc::unbounded_channel();
+        let (finished_tx, finished_rx) = watch::channel(false);
+        let shared = Arc::new(SessionShared {
+            id: format!("s-{number}"),
+            number,
+            model_id: model.id.clone(),
+            device,
+            device_uuid,
+            label: req.label,
+            owner,
+            vram_budget: req.vram_budget,
+            staging_bytes: split.staging_bytes,
+            resident_bytes: split.resident_bytes,
+            created: Instant::now(),
+            stats: SessionStats::default(),
+            attached: AtomicBool::new(false),
+            plan_len: Default::default(),
+            live_tickets: Default::default(),
+            control: control_tx,
+            finished: finished_rx,
+        });
+        SessionStats::bump(&shared.stats.bytes_copied, lease.copied_bytes);
+        let groups_arc = Arc::new(groups.clone());
+        let parts = ActorParts {
+            shared: shared.clone(),
+            model: model.clone(),
+            groups: groups_arc,
+            staging,
+            alignment: align,
+            resident: lease,
+            resident_of,
+            scheduler: self.scheduler.clone(),
+            max_live_tickets: self.config.limits.max_live_tickets,
+            max_plan_length: self.config.limits.max_plan_length,
+            prefetch_depth: self.config.prefetch_depth as usize,
+        };
+        self.sessions().insert(shared.id.clone(), shared.clone());
+        let daemon = Arc::clone(self);
+        let (id, model_id) = (shared.id.clone(), model.id.clone());
+        crate::session::spawn(parts, control_rx, finished_tx, move || {
+            daemon.sessions().remove(&id);
+            daemon.store.close_session(&model_id);
+        });
+        tracing::info!(session = %shared.id, model = %model.id, staging = split.staging_bytes,
+            resident = split.resident_bytes, "session opened");
+        Ok(OpenedSession {
+            shared,
+            regions,
+            groups,
+            resident: split.resident,
+            model,
+        })
+    }
+
+    /// The session, if `peer` may drive it.
+    pub fn owned_session(&self, peer: &Peer, id: &str) -> Result<Arc<SessionShared>, CoreError> {
+        let session = self
+            .sessions()
+            .get(id)
+            .cloned()
+            .ok_or_else(|| CoreError::UnknownSession(id.to_string()))?;
+        if session.owner.conn != peer.conn {
+            return Err(CoreError::NotOwner(id.to_string()));
+        }
+        Ok(session)
+    }
+
+    /// A connection closed: its sessions and uncommitted uploads go.
+    pub async fn connection_closed(&self, conn: u64) {
+        let dropped = self.store.drop_uploads_of(conn);
+        let owned: Vec<_> = self
+            .sessions()
+            .values()
+            .filter(|s| s.owner.conn == conn)
+            .cloned()
+            .collect();
+        if dropped > 0 || !owned.is_empty() {
+            tracing::info!(
+                conn,
+                sessions = owned.len(),
+                uploads = dropped,
+                "connection closed"
+            );
+        }
+        for session in owned {
+            session.close(CloseReason::ConnectionClosed).await;
+        }
+    }
+
+    /// Closes every session (clients get a Fault saying so) and stops the copy threads.
+    pub async fn shutdown(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+        let all: Vec<_> = self.sessions().values().cloned().collect();
+        futures::future::join_all(all.iter().map(|s| s.close(CloseReason::Shutdown))).await;
+        self.scheduler.shutdown();
+    }
+
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::Relaxed)
+    }
+}

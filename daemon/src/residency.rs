@@ -1,0 +1,157 @@
+//! ResidentSet: groups kept on the device for a session's whole life, shared read-only between
+//! sessions of the same model on the same device.
+//!
+//! A session asks for the groups its budget lets it keep; those already resident for that
+//! (model, device) are shared, the rest are copied into one new region. A region is freed when
+//! the last lease that uses it is dropped (the registry keeps only weak references).
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+
+use tokio::sync::{Mutex, oneshot};
+
+use crate::backend::{Backend, CopyJob, DeviceRegion};
+use crate::scheduler::{CopyError, CopyRequest, CopyScheduler, Priority};
+use crate::store::{HostSlice, align_up};
+
+/// Identifies a group across sessions: its tensor names in order.
+pub type GroupKey = String;
+
+/// A group to keep resident: its key, its size and the bytes to put there.
+pub struct ResidentWant {
+    pub key: GroupKey,
+    pub nbytes: u64,
+    /// (source, offset from the group's start)
+    pub spans: Vec<(HostSlice, u64)>,
+}
+
+pub struct ResidentRegion {
+    region: Arc<dyn DeviceRegion>,
+    offsets: HashMap<GroupKey, u64>,
+}
+
+impl ResidentRegion {
+    pub fn region(&self) -> &Arc<dyn DeviceRegion> {
+        &self.region
+    }
+}
+
+/// One session's share of the resident set.
+#[derive(Default)]
+pub struct ResidentLease {
+    pub regions: Vec<Arc<ResidentRegion>>,
+    /// group key -> (index into `regions`, offset in that region)
+    pub placements: HashMap<GroupKey, (usize, u64)>,
+    /// Bytes this lease copied itself (the rest were already resident).
+    pub copied_bytes: u64,
+}
+
+#[derive(Default)]
+pub struct ResidencyRegistry {
+    sets: Mutex<HashMap<(String, usize), Vec<Weak<ResidentRegion>>>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ResidencyError {
+    #[error(transparent)]
+    Backend(#[from] crate::backend::BackendError),
+    #[error("resident copy failed: {0}")]
+    Copy(#[from] CopyError),
+    #[error("resident copy abandoned: the copy thread stopped")]
+    Abandoned,
+}
+
+impl ResidencyRegistry {
+    /// Leases `wanted` groups of `model_id` on `device`, copying those not yet resident.
+    pub async fn lease(
+        &self,
+        backend: &dyn Backend,
+        scheduler: &CopyScheduler,
+        session: u64,
+        model_id: &str,
+        device: usize,
+        wanted: Vec<ResidentWant>,
+    ) -> Result<ResidentLease, ResidencyError> {
+        let mut lease = ResidentLease::default();
+        if wanted.is_empty() {
+            return Ok(lease);
+        }
+        // Held across the copy so that two sessions opening at once share one copy.
+        let mut sets = self.sets.lock().await;
+        let live = sets.entry((model_id.to_string(), device)).or_default();
+        live.retain(|w| w.strong_count() > 0);
+        let mut missing = Vec::new();
+        for want in wanted {
+            let found = live.iter().filter_map(Weak::upgrade).find_map(|r| {
+                let offset = *r.offsets.get(&want.key)?;
+                Some((r, offset))
+            });
+            match found {
+                Some((region, offset)) => {
+                    let index = lease_index(&mut lease, region);
+                    lease.placements.insert(want.key, (index, offset));
+                }
+                None => missing.push(want),
+            }
+        }
+        if !missing.is_empty() {
+            let region = place_missing(backend, scheduler, session, device, missing).await?;
+            lease.copied_bytes = region.region.size();
+            live.push(Arc::downgrade(&region));
+            let index = lease_index(&mut lease, region.clone());
+            for (key, offset) in &region.offsets {
+                lease.placements.insert(key.clone(), (index, *offset));
+            }
+        }
+        Ok(lease)
+    }
+}
+
+fn lease_index(lease: &mut ResidentLease, region: Arc<ResidentRegion>) -> usize {
+    match lease.regions.iter().position(|r| Arc::ptr_eq(r, &region)) {
+        Some(i) => i,
+        None => {
+            lease.regions.push(region);
+            lease.regions.len() - 1
+        }
+    }
+}
+
+async fn place_missing(
+    backend: &dyn Backend,
+    scheduler: &CopyScheduler,
+    session: u64,
+    device: usize,
+    missing: Vec<ResidentWant>,
+) -> Result<Arc<ResidentRegion>, ResidencyError> {
+    let align = backend.alignment();
+    let mut offsets = HashMap::new();
+    let mut spans = Vec::new();
+    let mut end = 0u64;
+    for want in missing {
+        let at = align_up(end, align);
+        end = at + want.nbytes;
+        spans.extend(want.spans.into_iter().map(|(s, rel)| (s, at + rel)));
+        offsets.insert(want.key, at);
+    }
+    let region = backend.alloc_region(device, end, "resident")?;
+    let (tx, rx) = oneshot::channel();
+    scheduler.submit(
+        device,
+        CopyRequest {
+            session,
+            tag: u32::MAX,
+            priority: Priority::Demand,
+            job: CopyJob {
+                region: region.clone(),
+                spans,
+            },
+            done: Box::new(move |outcome| {
+                let _ = tx.send(outcome);
+            }),
+        },
+    );
+    rx.await.map_err(|_| ResidencyError::Abandoned)?.result?;
+    Ok(Arc::new(ResidentRegion { region, offsets }))
+}

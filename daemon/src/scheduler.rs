@@ -1,0 +1,325 @@
+//! CopyScheduler: one queue and one copy thread per device, shared by every session.
+//!
+//! The host-to-device link is one resource (two processes copying at once get half each), so
+//! all copies to a device go through one queue: demand fetches (a client is waiting) before
+//! prefetches, and round-robin between sessions within each class, so that one session's deep
+//! prefetch cannot starve another's demand. The thread is dedicated because the CUDA backend
+//! binds its context to it (tokio moves tasks between threads).
+#![forbid(unsafe_code)]
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::backend::{Backend, BackendError, CopyJob};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Priority {
+    Demand,
+    Prefetch,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CopyError {
+    #[error("copy cancelled: its session ended")]
+    Cancelled,
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// What the scheduler reports back to whoever submitted a copy.
+#[derive(Debug)]
+pub struct CopyOutcome {
+    pub result: Result<(), CopyError>,
+    pub bytes: u64,
+    pub elapsed: Duration,
+}
+
+pub type CopyDone = Box<dyn FnOnce(CopyOutcome) + Send>;
+
+pub struct CopyRequest {
+    pub session: u64,
+    /// What the copy is for (a group id), so that a queued prefetch can be promoted.
+    pub tag: u32,
+    pub priority: Priority,
+    pub job: CopyJob,
+    pub done: CopyDone,
+}
+
+/// Per-device counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceCopyStats {
+    pub copies: u64,
+    pub bytes: u64,
+    pub busy_ns: u64,
+    pub queued: u64,
+}
+
+#[derive(Default)]
+struct Lanes {
+    per_session: HashMap<u64, VecDeque<CopyRequest>>,
+    order: VecDeque<u64>,
+}
+
+impl Lanes {
+    fn push(&mut self, req: CopyRequest) {
+        let queue = self.per_session.entry(req.session).or_default();
+        if queue.is_empty() {
+            self.order.push_back(req.session);
+        }
+        queue.push_back(req);
+    }
+
+    /// The next request, one session at a time in turn.
+    fn pop(&mut self) -> Option<CopyRequest> {
+        let session = self.order.pop_front()?;
+        let queue = self.per_session.get_mut(&session)?;
+        let req = queue.pop_front();
+        if queue.is_empty() {
+            self.per_session.remove(&session);
+        } else {
+            self.order.push_back(session);
+        }
+        req
+    }
+
+    fn take(&mut self, session: u64, tag: u32) -> Option<CopyRequest> {
+        let queue = self.per_session.get_mut(&session)?;
+        let at = queue.iter().position(|r| r.tag == tag)?;
+        let req = queue.remove(at);
+        if queue.is_empty() {
+            self.per_session.remove(&session);
+            self.order.retain(|s| *s != session);
+        }
+        req
+    }
+
+    fn take_session(&mut self, session: u64) -> VecDeque<CopyRequest> {
+        self.order.retain(|s| *s != session);
+        self.per_session.remove(&session).unwrap_or_default()
+    }
+
+    fn len(&self) -> usize {
+        self.per_session.values().map(VecDeque::len).sum()
+    }
+}
+
+#[derive(Default)]
+struct QueueState {
+    demand: Lanes,
+    prefetch: Lanes,
+    stopping: bool,
+    stats: DeviceCopyStats,
+}
+
+struct DeviceQueue {
+    state: Mutex<QueueState>,
+    wake: Condvar,
+}
+
+impl DeviceQueue {
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+pub struct CopyScheduler {
+    queues: Vec<Arc<DeviceQueue>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl CopyScheduler {
+    /// Starts one copy thread per device.
+    pub fn start(backend: Arc<dyn Backend>, devices: usize) -> std::io::Result<Arc<Self>> {
+        let mut queues = Vec::new();
+        let mut threads = Vec::new();
+        for device in 0..devices {
+            let queue = Arc::new(DeviceQueue {
+                state: Mutex::new(QueueState::default()),
+                wake: Condvar::new(),
+            });
+            let (q, b) = (queue.clone(), backend.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("ws-copy-{device}"))
+                .spawn(move || copy_loop(device, &q, b.as_ref()))?;
+            queues.push(queue);
+            threads.push(thread);
+        }
+        Ok(Arc::new(CopyScheduler {
+            queues,
+            threads: Mutex::new(threads),
+        }))
+    }
+
+    pub fn submit(&self, device: usize, req: CopyRequest) {
+        let queue = &self.queues[device];
+        let mut state = queue.lock();
+        if state.stopping {
+            drop(state);
+            cancel(req);
+            return;
+        }
+        match req.priority {
+            Priority::Demand => state.demand.push(req),
+            Priority::Prefetch => state.prefetch.push(req),
+        }
+        queue.wake.notify_one();
+    }
+
+    /// A client now waits for a queued prefetch: move it to the demand queue. False when it is
+    /// not queued (already copying or done).
+    pub fn promote(&self, device: usize, session: u64, tag: u32) -> bool {
+        let mut state = self.queues[device].lock();
+        match state.prefetch.take(session, tag) {
+            Some(mut req) => {
+                req.priority = Priority::Demand;
+                state.demand.push(req);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops a session's queued copies (each reports `Cancelled`); a copy already running
+    /// finishes and reports as usual. Returns how many were dropped.
+    pub fn cancel_session(&self, device: usize, session: u64) -> usize {
+        let dropped: Vec<CopyRequest> = {
+            let mut state = self.queues[device].lock();
+            let mut d: Vec<_> = state.demand.take_session(session).into();
+            d.extend(state.prefetch.take_session(session));
+            d
+        };
+        let n = dropped.len();
+        dropped.into_iter().for_each(cancel);
+        n
+    }
+
+    pub fn stats(&self, device: usize) -> DeviceCopyStats {
+        let state = self.queues[device].lock();
+        DeviceCopyStats {
+            queued: (state.demand.len() + state.prefetch.len()) as u64,
+            ..state.stats
+        }
+    }
+
+    pub fn devices(&self) -> usize {
+        self.queues.len()
+    }
+
+    /// Cancels what is queued, lets running copies finish, joins the threads.
+    pub fn shutdown(&self) {
+        for queue in &self.queues {
+            let dropped: Vec<CopyRequest> = {
+                let mut state = queue.lock();
+                state.stopping = true;
+                let mut d = Vec::new();
+                while let Some(r) = state.demand.pop().or_else(|| state.prefetch.pop()) {
+                    d.push(r);
+                }
+                d
+            };
+            dropped.into_iter().for_each(cancel);
+            queue.wake.notify_all();
+        }
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+fn cancel(req: CopyRequest) {
+    (req.done)(CopyOutcome {
+        result: Err(CopyError::Cancelled),
+        bytes: 0,
+        elapsed: Duration::ZERO,
+    });
+}
+
+fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend) {
+    loop {
+        let req = {
+            let mut state = queue.lock();
+            loop {
+                if let Some(r) = state.demand.pop().or_else(|| state.prefetch.pop()) {
+                    break r;
+                }
+                if state.stopping {
+                    return;
+                }
+                state = queue.wake.wait(state).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        let started = Instant::now();
+        let bytes = req.job.bytes();
+        let result = backend.copy(device, &req.job).map_err(CopyError::from);
+        let elapsed = started.elapsed();
+        {
+            let mut state = queue.lock();
+            state.stats.copies += 1;
+            state.stats.bytes += bytes;
+            state.stats.busy_ns += elapsed.as_nanos() as u64;
+        }
+        (req.done)(CopyOutcome {
+            result,
+            bytes,
+            elapsed,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(session: u64, tag: u32) -> CopyRequest {
+        CopyRequest {
+            session,
+            tag,
+            priority: Priority::Prefetch,
+            job: CopyJob {
+                region: Arc::new(NullRegion),
+                spans: Vec::new(),
+            },
+            done: Box::new(|_| {}),
+        }
+    }
+
+    struct NullRegion;
+    impl crate::backend::DeviceRegion for NullRegion {
+        fn size(&self) -> u64 {
+            0
+        }
+        fn handle(&self) -> crate::backend::RegionHandle {
+            crate::backend::RegionHandle::ShmPath(String::new())
+        }
+        fn write(&self, _: u64, _: &[u8]) -> Result<(), BackendError> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn lanes_are_round_robin_between_sessions() {
+        let mut lanes = Lanes::default();
+        for (s, t) in [(1, 10), (1, 11), (1, 12), (2, 20), (3, 30), (2, 21)] {
+            lanes.push(req(s, t));
+        }
+        let order: Vec<u32> = std::iter::from_fn(|| lanes.pop()).map(|r| r.tag).collect();
+        assert_eq!(order, vec![10, 20, 30, 11, 21, 12]);
+    }
+
+    #[test]
+    fn take_and_cancel_remove_only_what_they_name() {
+        let mut lanes = Lanes::default();
+        for (s, t) in [(1, 10), (1, 11), (2, 20)] {
+            lanes.push(req(s, t));
+        }
+        assert_eq!(lanes.take(1, 11).map(|r| r.tag), Some(11));
+        assert!(lanes.take(1, 99).is_none());
+        assert_eq!(lanes.take_session(2).len(), 1);
+        let order: Vec<u32> = std::iter::from_fn(|| lanes.pop()).map(|r| r.tag).collect();
+        assert_eq!(order, vec![10]);
+        assert_eq!(lanes.len(), 0);
+    }
+}

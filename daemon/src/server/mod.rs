@@ -1,0 +1,212 @@
+//! The gRPC server on the Unix socket: start, serve, stop.
+#![forbid(unsafe_code)]
+
+pub mod conn;
+mod convert;
+mod service;
+mod validate;
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use weightstream_client::proto::FILE_DESCRIPTOR_SET;
+use weightstream_client::proto::weight_stream_server::WeightStreamServer;
+
+pub use self::convert::{dtype_from_pb, dtype_to_pb};
+use crate::backend::Backend;
+use crate::backend::host::HostBackend;
+use crate::config::{BackendChoice, Config};
+use crate::core::Daemon;
+use crate::store::shm::ShmDir;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("{path}: another daemon is serving this socket")]
+    SocketInUse { path: PathBuf },
+    #[error("{path}: {source}")]
+    Socket {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("backend: {0}")]
+    Backend(String),
+    #[error("cannot start: {0}")]
+    Start(std::io::Error),
+    #[error("server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+}
+
+/// A running daemon.
+pub struct ServerHandle {
+    pub daemon: Arc<Daemon>,
+    pub socket: PathBuf,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<Result<(), ServeError>>,
+}
+
+impl ServerHandle {
+    /// Stops serving: sessions are closed (clients get a Fault), copies drain, shared memory
+    /// and the socket are removed.
+    pub async fn stop(mut self) -> Result<(), ServeError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        self.wait().await
+    }
+
+    /// Waits until the server ends by itself (its stop was requested elsewhere).
+    pub async fn wait(self) -> Result<(), ServeError> {
+        self.task
+            .await
+            .map_err(|e| ServeError::Start(std::io::Error::other(e)))?
+    }
+}
+
+/// Tells daemons on one box apart in /dev/shm: a hash of the socket path.
+pub fn shm_tag(socket: &Path) -> String {
+    blake3::hash(socket.as_os_str().as_encoded_bytes()).to_hex()[..8].to_string()
+}
+
+fn select_backend(
+    choice: BackendChoice,
+    shm: &Arc<ShmDir>,
+) -> Result<Arc<dyn Backend>, ServeError> {
+    match choice {
+        BackendChoice::Host => {
+            tracing::info!("backend: host (requested)");
+            Ok(Arc::new(HostBackend::new(shm.clone())))
+        }
+        BackendChoice::Auto => {
+            tracing::info!("backend: host (this build has no CUDA backend)");
+            Ok(Arc::new(HostBackend::new(shm.clone())))
+        }
+        BackendChoice::Cuda => Err(ServeError::Backend(
+            "cuda was requested but this build has no CUDA backend".into(),
+        )),
+    }
+}
+
+/// Removes a socket file no daemon answers on; refuses one a live daemon serves.
+async fn claim_socket(path: &Path) -> Result<(), ServeError> {
+    let io = |source| ServeError::Socket {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if UnixStream::connect(path).await.is_ok() {
+                return Err(ServeError::SocketInUse {
+                    path: path.to_path_buf(),
+                });
+            }
+            std::fs::remove_file(path).map_err(io)
+        }
+        Ok(_) => Err(io(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            "exists and is not a socket",
+        ))),
+        Err(_) => Ok(()),
+    }
+}
+
+/// Binds the socket and starts serving in a background task.
+pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
+    let socket = config.socket.clone();
+    claim_socket(&socket).await?;
+    let shm = Arc::new(ShmDir::new(&config.shm_dir, &shm_tag(&socket)));
+    let swept = shm.sweep();
+    if swept > 0 {
+        tracing::warn!(
+            swept,
+            prefix = shm.prefix(),
+            "removed shared memory left by an earlier daemon"
+        );
+    }
+    let backend = select_backend(config.backend, &shm)?;
+    let listener = UnixListener::bind(&socket).map_err(|source| ServeError::Socket {
+        path: socket.clone(),
+        source,
+    })?;
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o660)).map_err(
+        |source| ServeError::Socket {
+            path: socket.clone(),
+            source,
+        },
+    )?;
+    let drain = Duration::from_secs(config.drain_timeout_secs);
+    let max_message = config.limits.max_message_bytes.as_u64() as usize;
+    let daemon = Daemon::new(config, backend, shm).map_err(ServeError::Start)?;
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<WeightStreamServer<service::Service>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let service = WeightStreamServer::new(service::Service::new(daemon.clone()))
+        .max_decoding_message_size(max_message)
+        .max_encoding_message_size(max_message);
+    let (closed_tx, mut closed_rx) = mpsc::unbounded_channel::<u64>();
+    let watcher = daemon.clone();
+    tokio::spawn(async move {
+        while let Some(conn) = closed_rx.recv().await {
+            let d = watcher.clone();
+            tokio::spawn(async move { d.connection_closed(conn).await });
+        }
+    });
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let d = daemon.clone();
+    let path = socket.clone();
+    let task =
+        tokio::spawn(async move {
+            let shutdown = {
+                let d = d.clone();
+                async move {
+                    let _ = stop_rx.await;
+                    tracing::info!("stopping: closing sessions");
+                    health
+                        .set_not_serving::<WeightStreamServer<service::Service>>()
+                        .await;
+                    d.shutdown().await;
+                }
+            };
+            let server = tonic::transport::Server::builder()
+                .add_service(health_service)
+                .add_service(reflection)
+                .add_service(service)
+                .serve_with_incoming_shutdown(conn::incoming(listener, closed_tx), shutdown);
+            let result =
+                match tokio::time::timeout(drain + Duration::from_secs(3600 * 24 * 365), server)
+                    .await
+                {
+                    Ok(r) => r.map_err(ServeError::from),
+                    Err(_) => Ok(()),
+                };
+            d.store.clear();
+            let _ = std::fs::remove_file(&path);
+            let left = d.shm.sweep();
+            if left > 0 {
+                tracing::warn!(left, "removed shared memory still held at exit");
+            }
+            tracing::info!("stopped");
+            result
+        });
+    tracing::info!(socket = %socket.display(), "serving");
+    Ok(ServerHandle {
+        daemon,
+        socket,
+        stop: Some(stop_tx),
+        task,
+    })
+}

@@ -1,0 +1,229 @@
+//! Group layouts and the split of a session's budget into staging and resident bytes.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+
+use crate::store::{Model, align_up};
+
+/// Where each tensor of a group sits, relative to the group's start.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupPlacement {
+    pub name: String,
+    /// (tensor index in the model, offset from the group's start)
+    pub tensors: Vec<(usize, u64)>,
+    /// Bytes the group takes, tensor alignment included.
+    pub nbytes: u64,
+    /// Tensor names joined: the group's identity across sessions.
+    pub key: String,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum LayoutError {
+    #[error("groups: none declared")]
+    NoGroups,
+    #[error("groups[{index}] ('{group}'): no tensors")]
+    EmptyGroup { index: usize, group: String },
+    #[error("groups[{index}] ('{group}'): tensor '{tensor}' is not in the model")]
+    UnknownTensor {
+        index: usize,
+        group: String,
+        tensor: String,
+    },
+    #[error("groups[{index}] ('{group}'): tensor '{tensor}' is already in group '{other}'")]
+    TensorTwice {
+        index: usize,
+        group: String,
+        tensor: String,
+        other: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum BudgetError {
+    #[error(
+        "vram_budget {budget} is smaller than the largest group '{group}' ({bytes} bytes, aligned)"
+    )]
+    BudgetTooSmall {
+        budget: u64,
+        group: String,
+        bytes: u64,
+    },
+    #[error("staging_bytes {staging} is smaller than the largest group '{group}' ({bytes} bytes)")]
+    StagingTooSmall {
+        staging: u64,
+        group: String,
+        bytes: u64,
+    },
+    #[error("staging_bytes {staging} exceeds vram_budget {budget}")]
+    StagingOverBudget { staging: u64, budget: u64 },
+}
+
+pub fn layout_groups(
+    model: &Model,
+    specs: &[(String, Vec<String>)],
+    align: u64,
+) -> Result<Vec<GroupPlacement>, LayoutError> {
+    if specs.is_empty() {
+        return Err(LayoutError::NoGroups);
+    }
+    let mut owner: HashMap<&str, &str> = HashMap::new();
+    let mut groups = Vec::with_capacity(specs.len());
+    for (index, (name, tensors)) in specs.iter().enumerate() {
+        if tensors.is_empty() {
+            return Err(LayoutError::EmptyGroup {
+                index,
+                group: name.clone(),
+            });
+        }
+        let mut placed = Vec::with_capacity(tensors.len());
+        let mut end = 0u64;
+        for tensor in tensors {
+            let t = model
+                .tensor_index(tensor)
+                .ok_or_else(|| LayoutError::UnknownTensor {
+                    index,
+                    group: name.clone(),
+                    tensor: tensor.clone(),
+                })?;
+            if let Some(other) = owner.insert(tensor, name) {
+                return Err(LayoutError::TensorTwice {
+                    index,
+                    group: name.clone(),
+                    tensor: tensor.clone(),
+                    other: other.to_string(),
+                });
+            }
+            let at = align_up(end, align);
+            end = at + model.tensors[t].nbytes;
+            placed.push((t, at));
+        }
+        groups.push(GroupPlacement {
+            name: name.clone(),
+            tensors: placed,
+            nbytes: align_up(end.max(1), align),
+            key: tensors.join("\n"),
+        });
+    }
+    Ok(groups)
+}
+
+/// The staging size and which groups stay resident.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BudgetSplit {
+    pub staging_bytes: u64,
+    pub resident: Vec<bool>,
+    pub resident_bytes: u64,
+}
+
+/// Staging gets what was asked, or by default a quarter of the budget but at least three of the
+/// largest group (double buffering plus one for a re-acquire), capped by the budget. Resident
+/// groups fill the rest in declaration order, skipping those that do not fit.
+pub fn split_budget(
+    groups: &[GroupPlacement],
+    budget: u64,
+    staging_request: u64,
+    align: u64,
+) -> Result<BudgetSplit, BudgetError> {
+    let largest = groups
+        .iter()
+        .max_by_key(|g| g.nbytes)
+        .expect("layout_groups refuses empty group lists");
+    if budget < largest.nbytes {
+        return Err(BudgetError::BudgetTooSmall {
+            budget,
+            group: largest.name.clone(),
+            bytes: largest.nbytes,
+        });
+    }
+    let staging = if staging_request == 0 {
+        (budget / 4).max(3 * largest.nbytes).min(budget)
+    } else if staging_request < largest.nbytes {
+        return Err(BudgetError::StagingTooSmall {
+            staging: staging_request,
+            group: largest.name.clone(),
+            bytes: largest.nbytes,
+        });
+    } else if staging_request > budget {
+        return Err(BudgetError::StagingOverBudget {
+            staging: staging_request,
+            budget,
+        });
+    } else {
+        staging_request
+    };
+    let staging = align_up(staging, align).min(budget);
+    let mut left = budget - staging;
+    let mut resident_bytes = 0;
+    let resident = groups
+        .iter()
+        .map(|g| {
+            let fits = g.nbytes <= left;
+            if fits {
+                left -= g.nbytes;
+                resident_bytes += g.nbytes;
+            }
+            fits
+        })
+        .collect();
+    Ok(BudgetSplit {
+        staging_bytes: staging,
+        resident,
+        resident_bytes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group(name: &str, nbytes: u64) -> GroupPlacement {
+        GroupPlacement {
+            name: name.into(),
+            tensors: vec![],
+            nbytes,
+            key: name.into(),
+        }
+    }
+
+    #[test]
+    fn default_split_keeps_a_quarter_or_three_largest_for_staging() {
+        let groups: Vec<_> = (0..8).map(|i| group(&format!("g{i}"), 1024)).collect();
+        let s = split_budget(&groups, 16 * 1024, 0, 256).unwrap();
+        assert_eq!(s.staging_bytes, 4096);
+        assert_eq!(s.resident, [true; 8]);
+        assert_eq!(s.resident_bytes, 8192);
+        let s = split_budget(&groups, 6 * 1024, 0, 256).unwrap();
+        assert_eq!(s.staging_bytes, 3072);
+        assert_eq!(
+            s.resident,
+            [true, true, true, false, false, false, false, false]
+        );
+        let s = split_budget(&groups, 1024, 0, 256).unwrap();
+        assert_eq!((s.staging_bytes, s.resident_bytes), (1024, 0));
+    }
+
+    #[test]
+    fn budget_errors_name_the_field_and_limit() {
+        let groups = vec![group("small", 256), group("big", 4096)];
+        let e = split_budget(&groups, 1000, 0, 256).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "vram_budget 1000 is smaller than the largest group 'big' (4096 bytes, aligned)"
+        );
+        let e = split_budget(&groups, 8192, 1024, 256).unwrap_err();
+        assert!(matches!(
+            e,
+            BudgetError::StagingTooSmall { staging: 1024, .. }
+        ));
+        let e = split_budget(&groups, 8192, 9000, 256).unwrap_err();
+        assert_eq!(
+            e,
+            BudgetError::StagingOverBudget {
+                staging: 9000,
+                budget: 8192
+            }
+        );
+        let s = split_budget(&groups, 8192, 4096, 256).unwrap();
+        assert_eq!(s.resident, [true, false]);
+    }
+}

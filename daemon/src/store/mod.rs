@@ -1,0 +1,629 @@
+//! The host weight store: immutable, named models whose tensors live in shared-memory arenas.
+//!
+//! Sources are safetensors files the daemon reads itself, or uploads that a client writes into a
+//! region the daemon hands it. Identical sources dedupe (same file identity, or same content
+//! digest) and are reference counted, so one host copy serves every job on the box.
+// Only `shm` maps memory (memmap2's map is unsafe); the rest of the store is safe code.
+#![deny(unsafe_code)]
+
+pub mod safetensors;
+pub mod shm;
+mod sources;
+
+use std::collections::HashMap;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use self::safetensors::{DType, HeaderError, TensorEntry};
+use self::shm::{ShmDir, ShmSegment};
+pub use self::sources::{SourceError, resolve_sources};
+
+/// Alignment of each tensor in an arena (what device copies and tensor views like).
+pub const TENSOR_ALIGN: u64 = 256;
+/// Load progress is reported at least this often (in bytes).
+const PROGRESS_STEP: u64 = 64 << 20;
+
+pub fn align_up(n: u64, align: u64) -> u64 {
+    n.div_ceil(align) * align
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct StoreLimits {
+    pub max_tensors: u32,
+    pub max_upload_bytes: u64,
+    pub max_name_bytes: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error("{path}: {source}")]
+    Header { path: PathBuf, source: HeaderError },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("tensor '{name}' is in both {first} and {second}")]
+    DuplicateTensor {
+        name: String,
+        first: PathBuf,
+        second: PathBuf,
+    },
+    #[error("the model has {count} tensors, more than the limit of {limit}")]
+    TooManyTensors { count: u64, limit: u32 },
+    #[error("cannot create a shared-memory arena of {bytes} bytes: {source}")]
+    Arena { bytes: u64, source: std::io::Error },
+    #[error("unknown model_id '{0}'")]
+    UnknownModel(String),
+    #[error("unknown upload_id '{0}'")]
+    UnknownUpload(String),
+    #[error("upload_id '{0}' belongs to another connection")]
+    NotOwner(String),
+    #[error("upload region {path} is {actual} bytes, expected {expected}: it was truncated")]
+    UploadTruncated {
+        path: PathBuf,
+        expected: u64,
+        actual: u64,
+    },
+    #[error("upload of {bytes} bytes exceeds max_upload_bytes = {limit}")]
+    UploadTooLarge { bytes: u64, limit: u64 },
+}
+
+/// A shared-memory arena holding one model's tensors; written once, then read-only.
+#[derive(Debug)]
+pub struct HostArena {
+    segment: ShmSegment,
+}
+
+impl HostArena {
+    pub fn bytes(&self) -> &[u8] {
+        self.segment.bytes()
+    }
+
+    pub fn path(&self) -> &Path {
+        self.segment.path()
+    }
+}
+
+/// A range of a host arena, kept alive by its `Arc`.
+#[derive(Debug, Clone)]
+pub struct HostSlice {
+    arena: Arc<HostArena>,
+    offset: u64,
+    len: u64,
+}
+
+impl HostSlice {
+    pub fn bytes(&self) -> &[u8] {
+        &self.arena.bytes()[self.offset as usize..(self.offset + self.len) as usize]
+    }
+
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    /// Offset in the model's arena.
+    pub offset: u64,
+    pub nbytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelSource {
+    File,
+    Upload,
+}
+
+#[derive(Debug)]
+pub struct Model {
+    pub id: String,
+    pub name: String,
+    pub source: ModelSource,
+    pub tensors: Vec<StoredTensor>,
+    by_name: HashMap<String, usize>,
+    arena: Arc<HostArena>,
+    pub total_bytes: u64,
+}
+
+impl Model {
+    fn new(
+        id: String,
+        name: String,
+        source: ModelSource,
+        tensors: Vec<StoredTensor>,
+        arena: HostArena,
+    ) -> Model {
+        let by_name = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.name.clone(), i))
+            .collect();
+        let total_bytes = tensors.iter().map(|t| t.nbytes).sum();
+        Model {
+            id,
+            name,
+            source,
+            tensors,
+            by_name,
+            arena: Arc::new(arena),
+            total_bytes,
+        }
+    }
+
+    pub fn tensor_index(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+
+    pub fn slice(&self, index: usize) -> HostSlice {
+        let t = &self.tensors[index];
+        HostSlice {
+            arena: Arc::clone(&self.arena),
+            offset: t.offset,
+            len: t.nbytes,
+        }
+    }
+
+    pub fn arena(&self) -> &Arc<HostArena> {
+        &self.arena
+    }
+}
+
+/// A model as listed: the model and its reference counts.
+#[derive(Debug, Clone)]
+pub struct ModelEntry {
+    pub model: Arc<Model>,
+    pub refs: u32,
+    pub sessions: u32,
+}
+
+struct Upload {
+    owner: u64,
+    name: String,
+    tensors: Vec<StoredTensor>,
+    segment: ShmSegment,
+}
+
+/// Where a fresh upload is to be written.
+#[derive(Debug, Clone)]
+pub struct UploadTicket {
+    pub upload_id: String,
+    pub path: PathBuf,
+    pub size: u64,
+    pub tensors: Vec<StoredTensor>,
+}
+
+#[derive(Default)]
+struct Inner {
+    models: HashMap<String, ModelEntry>,
+    uploads: HashMap<String, Upload>,
+    next_upload: u64,
+}
+
+pub struct Store {
+    shm: Arc<ShmDir>,
+    limits: StoreLimits,
+    inner: Mutex<Inner>,
+    /// Loads run one at a time, so two loads of the same files make one copy.
+    load_lock: Mutex<()>,
+}
+
+/// Load progress as (bytes done, bytes total, current file).
+pub type Progress<'a> = &'a mut dyn FnMut(u64, u64, &Path);
+
+impl Store {
+    pub fn new(shm: Arc<ShmDir>, limits: StoreLimits) -> Store {
+        Store {
+            shm,
+            limits,
+            inner: Mutex::new(Inner::default()),
+            load_lock: Mutex::new(()),
+        }
+    }
+
+    fn inner(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding the lock leaves plain maps behind; their content stays usable.
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Loads safetensors sources (blocking; run it off the async runtime). Returns the model and
+    /// whether it was already in the store.
+    pub fn load(
+        &self,
+        paths: &[PathBuf],
+        name: &str,
+        progress: Progress<'_>,
+    ) -> Result<(Arc<Model>, bool), StoreError> {
+        let files = resolve_sources(paths)?;
+        let _serial = self.load_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let id = file_identity(&files)?;
+        if let Some(model) = self.add_ref(&id) {
+            let total = model.total_bytes;
+            progress(total, total, files.last().map_or(Path::new(""), |p| p));
+            return Ok((model, true));
+        }
+        let plan = self.plan_load(&files)?;
+        let total: u64 = plan.iter().map(|(_, e, _)| e.nbytes).sum();
+        let arena_len = plan.last().map_or(0, |(_, e, off)| off + e.nbytes);
+        let mut segment = self
+            .shm
+            .create("model", arena_len, 0o640)
+            .map_err(|source| StoreError::Arena {
+                bytes: arena_len,
+                source,
+            })?;
+        copy_tensors(&plan, &mut segment, total, progress)?;
+        let tensors = plan
+            .into_iter()
+            .map(|(_, e, offset)| StoredTensor {
+                name: e.name,
+                dtype: e.dtype,
+                shape: e.shape,
+                offset,
+                nbytes: e.nbytes,
+            })
+            .collect();
+        let name = if name.is_empty() {
+            default_name(&files)
+        } else {
+            name.to_string()
+        };
+        let model = Arc::new(Model::new(
+            id.clone(),
+            name,
+            ModelSource::File,
+            tensors,
+            HostArena { segment },
+        ));
+        self.insert(model.clone());
+        Ok((model, false))
+    }
+
+    /// Reads every header, rejects duplicates and places each tensor in the future arena.
+    fn plan_load(&self, files: &[PathBuf]) -> Result<Vec<(PathBuf, TensorEntry, u64)>, StoreError> {
+        let mut seen: HashMap<String, PathBuf> = HashMap::new();
+        let mut plan = Vec::new();
+        let mut offset = 0u64;
+        for path in files {
+            let io = |source| StoreError::Io {
+                path: path.clone(),
+                source,
+            };
+            let mut file = std::fs::File::open(path).map_err(io)?;
+            let len = file.metadata().map_err(io)?.len();
+            let header =
+                safetensors::read_header(&mut file, len).map_err(|source| StoreError::Header {
+                    path: path.clone(),
+                    source,
+                })?;
+            let count = (seen.len() + header.tensors.len()) as u64;
+            if count > u64::from(self.limits.max_tensors) {
+                return Err(StoreError::TooManyTensors {
+                    count,
+                    limit: self.limits.max_tensors,
+                });
+            }
+            for entry in header.tensors {
+                if let Some(first) = seen.insert(entry.name.clone(), path.clone()) {
+                    return Err(StoreError::DuplicateTensor {
+                        name: entry.name,
+                        first,
+                        second: path.clone(),
+                    });
+                }
+                offset = align_up(offset, TENSOR_ALIGN);
+                let at = offset;
+                offset += entry.nbytes;
+                plan.push((path.clone(), entry, at));
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Creates an upload region for the declared tensors, owned by connection `owner`.
+    pub fn begin_upload(
+        &self,
+        owner: u64,
+        name: &str,
+        tensors: Vec<(String, DType, Vec<u64>, u64)>,
+    ) -> Result<UploadTicket, StoreError> {
+        if tensors.len() as u64 > u64::from(self.limits.max_tensors) {
+            return Err(StoreError::TooManyTensors {
+                count: tensors.len() as u64,
+                limit: self.limits.max_tensors,
+            });
+        }
+        let mut offset = 0u64;
+        let mut placed = Vec::with_capacity(tensors.len());
+        for (name, dtype, shape, nbytes) in tensors {
+            offset = align_up(offset, TENSOR_ALIGN);
+            placed.push(StoredTensor {
+                name,
+                dtype,
+                shape,
+                offset,
+                nbytes,
+            });
+            offset = offset.saturating_add(nbytes);
+        }
+        if offset > self.limits.max_upload_bytes {
+            return Err(StoreError::UploadTooLarge {
+                bytes: offset,
+                limit: self.limits.max_upload_bytes,
+            });
+        }
+        let segment =
+            self.shm
+                .create("upload", offset, 0o660)
+                .map_err(|source| StoreError::Arena {
+                    bytes: offset,
+                    source,
+                })?;
+        let mut inner = self.inner();
+        inner.next_upload += 1;
+        let upload_id = format!("up-{}", inner.next_upload);
+        let ticket = UploadTicket {
+            upload_id: upload_id.clone(),
+            path: segment.path().to_path_buf(),
+            size: offset,
+            tensors: placed.clone(),
+        };
+        inner.uploads.insert(
+            upload_id,
+            Upload {
+                owner,
+                name: name.to_string(),
+                tensors: placed,
+                segment,
+            },
+        );
+        Ok(ticket)
+    }
+
+    /// Turns a filled upload into a model, or into one more reference to an identical one.
+    pub fn commit_upload(
+        &self,
+        owner: u64,
+        upload_id: &str,
+    ) -> Result<(Arc<Model>, bool), StoreError> {
+        let upload = {
+            let mut inner = self.inner();
+            match inner.uploads.get(upload_id) {
+                None => return Err(StoreError::UnknownUpload(upload_id.to_string())),
+                Some(u) if u.owner != owner => {
+                    return Err(StoreError::NotOwner(upload_id.to_string()));
+                }
+                Some(_) => inner.uploads.remove(upload_id).expect("present"),
+            }
+        };
+        let actual = upload.segment.file_len().map_err(|source| StoreError::Io {
+            path: upload.segment.path().to_path_buf(),
+            source,
+        })?;
+        if actual < upload.segment.size() {
+            return Err(StoreError::UploadTruncated {
+                path: upload.segment.path().to_path_buf(),
+                expected: upload.segment.size(),
+                actual,
+            });
+        }
+        let id = content_identity(&upload.tensors, upload.segment.bytes());
+        let _serial = self.load_lock.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(model) = self.add_ref(&id) {
+            return Ok((model, true));
+        }
+        let name = if upload.name.is_empty() {
+            id.clone()
+        } else {
+            upload.name
+        };
+        let model = Arc::new(Model::new(
+            id,
+            name,
+            ModelSource::Upload,
+            upload.tensors,
+            HostArena {
+                segment: upload.segment,
+            },
+        ));
+        self.insert(model.clone());
+        Ok((model, false))
+    }
+
+    /// Drops the uploads a closed connection left uncommitted.
+    pub fn drop_uploads_of(&self, owner: u64) -> usize {
+        let mut inner = self.inner();
+        let before = inner.uploads.len();
+        inner.uploads.retain(|_, u| u.owner != owner);
+        before - inner.uploads.len()
+    }
+
+    fn add_ref(&self, id: &str) -> Option<Arc<Model>> {
+        let mut inner = self.inner();
+        let entry = inner.models.get_mut(id)?;
+        entry.refs += 1;
+        Some(entry.model.clone())
+    }
+
+    fn insert(&self, model: Arc<Model>) {
+        let entry = ModelEntry {
+            model: model.clone(),
+            refs: 1,
+            sessions: 0,
+        };
+        self.inner().models.insert(model.id.clone(), entry);
+    }
+
+    /// Drops one load reference; returns the references left.
+    pub fn release(&self, id: &str) -> Result<u32, StoreError> {
+        let mut inner = self.inner();
+        let entry = inner
+            .models
+            .get_mut(id)
+            .ok_or_else(|| StoreError::UnknownModel(id.to_string()))?;
+        if entry.refs == 0 {
+            return Err(StoreError::UnknownModel(id.to_string()));
+        }
+        entry.refs -= 1;
+        let left = entry.refs;
+        Self::collect(&mut inner, id);
+        Ok(left)
+    }
+
+    /// A session starts using the model; it stays in the store until the session ends.
+    pub fn open_session(&self, id: &str) -> Result<Arc<Model>, StoreError> {
+        let mut inner = self.inner();
+        match inner.models.get_mut(id) {
+            Some(entry) if entry.refs > 0 => {
+                entry.sessions += 1;
+                Ok(entry.model.clone())
+            }
+            _ => Err(StoreError::UnknownModel(id.to_string())),
+        }
+    }
+
+    pub fn close_session(&self, id: &str) {
+        let mut inner = self.inner();
+        if let Some(entry) = inner.models.get_mut(id) {
+            entry.sessions = entry.sessions.saturating_sub(1);
+        }
+        Self::collect(&mut inner, id);
+    }
+
+    fn collect(inner: &mut Inner, id: &str) {
+        if inner
+            .models
+            .get(id)
+            .is_some_and(|e| e.refs == 0 && e.sessions == 0)
+        {
+            inner.models.remove(id);
+        }
+    }
+
+    pub fn models(&self) -> Vec<ModelEntry> {
+        let mut list: Vec<ModelEntry> = self.inner().models.values().cloned().collect();
+        list.sort_by(|a, b| a.model.id.cmp(&b.model.id));
+        list
+    }
+
+    pub fn get(&self, id: &str) -> Option<ModelEntry> {
+        self.inner().models.get(id).cloned()
+    }
+
+    /// Host bytes held by models and pending uploads.
+    pub fn bytes(&self) -> u64 {
+        let inner = self.inner();
+        let models: u64 = inner.models.values().map(|e| e.model.total_bytes).sum();
+        let uploads: u64 = inner.uploads.values().map(|u| u.segment.size()).sum();
+        models + uploads
+    }
+
+    /// Drops every model and upload (at shutdown, once no session is left).
+    pub fn clear(&self) {
+        let mut inner = self.inner();
+        inner.models.clear();
+        inner.uploads.clear();
+    }
+
+    pub fn upload_count(&self) -> usize {
+        self.inner().uploads.len()
+    }
+}
+
+/// Copies each tensor from its file into the arena with positioned reads: unlike a mapping of
+/// the source, a file truncated under us is an error here, not a SIGBUS.
+fn copy_tensors(
+    plan: &[(PathBuf, TensorEntry, u64)],
+    segment: &mut ShmSegment,
+    total: u64,
+    progress: Progress<'_>,
+) -> Result<(), StoreError> {
+    let mut done = 0u64;
+    let mut reported = 0u64;
+    let mut open: Option<(PathBuf, std::fs::File)> = None;
+    let arena = segment.bytes_mut();
+    for (path, entry, offset) in plan {
+        if open.as_ref().is_none_or(|(p, _)| p != path) {
+            let file = std::fs::File::open(path).map_err(|source| StoreError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            open = Some((path.clone(), file));
+        }
+        let (_, file) = open.as_ref().expect("opened above");
+        let mut at = 0u64;
+        while at < entry.nbytes {
+            let n = (entry.nbytes - at).min(PROGRESS_STEP);
+            let dst = &mut arena[(offset + at) as usize..(offset + at + n) as usize];
+            file.read_exact_at(dst, entry.file_offset + at)
+                .map_err(|source| StoreError::Io {
+                    path: path.clone(),
+                    source,
+                })?;
+            at += n;
+            done += n;
+            if done - reported >= PROGRESS_STEP {
+                reported = done;
+                progress(done, total, path);
+            }
+        }
+    }
+    if let Some((path, _)) = &open {
+        progress(done, total, path);
+    }
+    Ok(())
+}
+
+/// Same files (device, inode, size, mtime) give the same id.
+fn file_identity(files: &[PathBuf]) -> Result<String, StoreError> {
+    let mut hasher = blake3::Hasher::new();
+    for path in files {
+        let meta = std::fs::metadata(path).map_err(|source| StoreError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let key = format!(
+            "{}:{}:{}:{}.{}\n",
+            meta.dev(),
+            meta.ino(),
+            meta.len(),
+            meta.mtime(),
+            meta.mtime_nsec()
+        );
+        hasher.update(key.as_bytes());
+    }
+    Ok(format!("m-{}", &hasher.finalize().to_hex()[..16]))
+}
+
+/// Same tensors (names, dtypes, shapes, bytes) give the same id.
+fn content_identity(tensors: &[StoredTensor], arena: &[u8]) -> String {
+    let mut hasher = blake3::Hasher::new();
+    for t in tensors {
+        hasher.update(format!("{}\0{}\0{:?}\0", t.name, t.dtype, t.shape).as_bytes());
+        hasher.update(&arena[t.offset as usize..(t.offset + t.nbytes) as usize]);
+    }
+    format!("u-{}", &hasher.finalize().to_hex()[..16])
+}
+
+fn default_name(files: &[PathBuf]) -> String {
+    let first = files.first().map(PathBuf::as_path).unwrap_or(Path::new(""));
+    let base = if files.len() > 1 {
+        first.parent().unwrap_or(first)
+    } else {
+        first
+    };
+    base.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
