@@ -1,5 +1,209 @@
+//! Rust client of the weightstream daemon.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), weightstream_client::ClientError> {
+//! use weightstream_client::{Client, SessionOptions};
+//! let mut client = Client::connect(None).await?;
+//! let model = client.load_model(&["/models/flux.safetensors".into()], "flux", |_| {}).await?;
+//! let groups = SessionOptions::one_group_per_tensor(&model);
+//! let session = client
+//!     .open_session(SessionOptions::new(&model.model_id, 8 << 30, groups))
+//!     .await?;
+//! for step in 0..10 {
+//!     for g in 0..session.group_count() {
+//!         let acquired = session.acquire(g).await?;
+//!         let _weights: &[u8] = acquired.tensor(0);
+//!     } // each view's drop releases its ticket
+//!     session.end_step(); // the first step's acquisitions become the plan
+//! }
+//! session.close().await?;
+//! # Ok(()) }
+//! ```
+
+mod error;
+mod session;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+pub use crate::error::ClientError;
+use crate::proto::weight_stream_client::WeightStreamClient;
+pub use crate::session::{Acquired, Session, SessionOptions};
+
 pub mod proto {
     tonic::include_proto!("weightstream.v1");
     pub const FILE_DESCRIPTOR_SET: &[u8] =
         tonic::include_file_descriptor_set!("weightstream_descriptor");
+}
+
+/// Where the daemon listens unless told otherwise.
+pub const DEFAULT_SOCKET: &str = "/run/weightstream/weightstream.sock";
+/// The environment variable that names the socket.
+pub const SOCKET_ENV: &str = "WEIGHTSTREAM_SOCKET";
+
+/// A tensor to upload: its name, dtype, shape and bytes.
+pub struct TensorData<'a> {
+    pub name: &'a str,
+    pub dtype: proto::Dtype,
+    pub shape: &'a [u64],
+    pub bytes: &'a [u8],
+}
+
+/// A connection to the daemon.
+#[derive(Clone)]
+pub struct Client {
+    rpc: WeightStreamClient<Channel>,
+    socket: PathBuf,
+}
+
+impl Client {
+    /// The socket to use: `explicit`, else `$WEIGHTSTREAM_SOCKET`, else [`DEFAULT_SOCKET`].
+    pub fn socket_path(explicit: Option<&Path>) -> PathBuf {
+        match explicit {
+            Some(p) => p.to_path_buf(),
+            None => std::env::var_os(SOCKET_ENV)
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET)),
+        }
+    }
+
+    /// Connects now, so that a missing daemon is an error here rather than a hang later.
+    pub async fn connect(socket: Option<&Path>) -> Result<Client, ClientError> {
+        let socket = Client::socket_path(socket);
+        let unavailable = |reason: String| ClientError::Unavailable {
+            socket: socket.clone(),
+            reason,
+        };
+        let path = socket.clone();
+        // The URI is a placeholder: the connector below dials the socket.
+        let channel = Endpoint::from_static("http://weightstream.local")
+            .connect_timeout(Duration::from_secs(5))
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let path = path.clone();
+                async move {
+                    let stream = UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                }
+            }))
+            .await
+            .map_err(|e| unavailable(error::source_chain(&e)))?;
+        Ok(Client {
+            rpc: WeightStreamClient::new(channel)
+                .max_decoding_message_size(1 << 30)
+                .max_encoding_message_size(1 << 30),
+            socket,
+        })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    pub(crate) fn rpc(&self) -> WeightStreamClient<Channel> {
+        self.rpc.clone()
+    }
+
+    fn status(&self, status: tonic::Status) -> ClientError {
+        ClientError::from_status(&self.socket, status)
+    }
+
+    pub async fn info(&mut self) -> Result<proto::GetInfoResponse, ClientError> {
+        let r = self.rpc.get_info(proto::GetInfoRequest {}).await;
+        Ok(r.map_err(|s| self.status(s))?.into_inner())
+    }
+
+    /// Loads safetensors files (paths as the daemon sees them); `progress` sees each update.
+    pub async fn load_model(
+        &mut self,
+        paths: &[PathBuf],
+        name: &str,
+        mut progress: impl FnMut(&proto::LoadProgress),
+    ) -> Result<proto::ModelManifest, ClientError> {
+        let request = proto::LoadModelRequest {
+            paths: paths.iter().map(|p| p.display().to_string()).collect(),
+            name: name.to_string(),
+        };
+        let mut events = self
+            .rpc
+            .load_model(request)
+            .await
+            .map_err(|s| self.status(s))?
+            .into_inner();
+        while let Some(event) = events.message().await.map_err(|s| self.status(s))? {
+            match event.event {
+                Some(proto::load_model_event::Event::Progress(p)) => progress(&p),
+                Some(proto::load_model_event::Event::Manifest(m)) => return Ok(m),
+                None => {}
+            }
+        }
+        Err(ClientError::Protocol(
+            "LoadModel ended without a manifest".into(),
+        ))
+    }
+
+    /// Uploads tensors through a shared-memory region; returns the manifest and whether an
+    /// identical model was already in the store.
+    pub async fn upload_model(
+        &mut self,
+        name: &str,
+        tensors: &[TensorData<'_>],
+    ) -> Result<(proto::ModelManifest, bool), ClientError> {
+        let request = proto::BeginUploadRequest {
+            name: name.to_string(),
+            tensors: tensors
+                .iter()
+                .map(|t| proto::TensorInfo {
+                    name: t.name.to_string(),
+                    dtype: t.dtype as i32,
+                    shape: t.shape.to_vec(),
+                    nbytes: t.bytes.len() as u64,
+                })
+                .collect(),
+        };
+        let begun = self
+            .rpc
+            .begin_upload(request)
+            .await
+            .map_err(|s| self.status(s))?
+            .into_inner();
+        session::write_upload(&begun, tensors)?;
+        let committed = self
+            .rpc
+            .commit_upload(proto::CommitUploadRequest {
+                upload_id: begun.upload_id,
+            })
+            .await
+            .map_err(|s| self.status(s))?
+            .into_inner();
+        let manifest = committed
+            .manifest
+            .ok_or_else(|| ClientError::Protocol("CommitUpload without a manifest".into()))?;
+        Ok((manifest, committed.deduplicated))
+    }
+
+    pub async fn release_model(&mut self, model_id: &str) -> Result<u32, ClientError> {
+        let request = proto::ReleaseModelRequest {
+            model_id: model_id.to_string(),
+        };
+        let r = self.rpc.release_model(request).await;
+        Ok(r.map_err(|s| self.status(s))?.into_inner().refcount)
+    }
+
+    pub async fn list_models(&mut self) -> Result<proto::ListModelsResponse, ClientError> {
+        let r = self.rpc.list_models(proto::ListModelsRequest {}).await;
+        Ok(r.map_err(|s| self.status(s))?.into_inner())
+    }
+
+    pub async fn list_sessions(&mut self) -> Result<Vec<proto::SessionInfo>, ClientError> {
+        let r = self.rpc.list_sessions(proto::ListSessionsRequest {}).await;
+        Ok(r.map_err(|s| self.status(s))?.into_inner().sessions)
+    }
+
+    /// Opens a session and attaches its hot-path stream.
+    pub async fn open_session(&mut self, options: SessionOptions) -> Result<Session, ClientError> {
+        Session::open(self.clone(), options).await
+    }
 }

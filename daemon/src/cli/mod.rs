@@ -1,1 +1,112 @@
+//! Command-line interface: every flag also reads an environment variable, sizes take human
+//! units (`64MiB`, `2GiB`), and `serve` reads a TOML config file that flags override.
 #![forbid(unsafe_code)]
+
+mod demo;
+mod load;
+mod serve;
+mod status;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "weightstream",
+    version,
+    about = "Streams frozen model weights from pinned host memory to the GPU for trainers"
+)]
+pub struct Cli {
+    /// The daemon's Unix socket.
+    #[arg(long, global = true, env = "WEIGHTSTREAM_SOCKET")]
+    socket: Option<PathBuf>,
+    /// Log line format (the filter is WEIGHTSTREAM_LOG, e.g. `info,weightstream_daemon=debug`).
+    #[arg(
+        long,
+        global = true,
+        env = "WEIGHTSTREAM_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the daemon.
+    Serve(serve::ServeArgs),
+    /// Show the daemon's devices, models and sessions.
+    Status(status::StatusArgs),
+    /// Load safetensors files (a file, a *.safetensors.index.json, or a directory) into the store.
+    Load(load::LoadArgs),
+    /// Run an embedded daemon and a training-like client on a synthetic model, then report.
+    Demo(demo::DemoArgs),
+}
+
+fn init_logging(format: LogFormat, default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("WEIGHTSTREAM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The daemon logs at info; the interactive commands only warn, so their output stays clean.
+    let default = match cli.command {
+        Command::Serve(_) => "info",
+        _ => "warn",
+    };
+    init_logging(cli.log_format, default);
+    let rt = match runtime() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let socket = cli.socket;
+    let result = rt.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => serve::run(socket, args).await,
+            Command::Status(args) => status::run(socket, args).await,
+            Command::Load(args) => load::run(socket, args).await,
+            Command::Demo(args) => demo::run(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The CLI's error: a message for the user.
+pub type CliResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+/// Bytes as people read them.
+pub fn human(bytes: u64) -> String {
+    bytesize::ByteSize::b(bytes).display().iec().to_string()
+}

@@ -1,0 +1,388 @@
+//! A session: its mapped regions, its hot-path stream and plan recording.
+//!
+//! The stream is read by a background task that routes each `Staged` or `Fault` to the
+//! acquire waiting for that ticket, so acquires from several tasks can be in flight at once.
+//! Views release their ticket when dropped.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use memmap2::Mmap;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::error::ClientError;
+use crate::proto::{self, client_message::Msg, server_message::Msg as Reply};
+use crate::{Client, TensorData};
+
+/// What `OpenSession` asks for.
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    pub model_id: String,
+    /// Empty: the daemon's first device.
+    pub device_uuid: String,
+    pub vram_budget: u64,
+    /// 0: chosen by the daemon.
+    pub staging_bytes: u64,
+    pub groups: Vec<proto::GroupSpec>,
+    pub label: String,
+    /// Record the first step's acquisitions and send them as the plan at `end_step`.
+    pub record_plan: bool,
+}
+
+impl SessionOptions {
+    pub fn new(model_id: &str, vram_budget: u64, groups: Vec<proto::GroupSpec>) -> Self {
+        SessionOptions {
+            model_id: model_id.to_string(),
+            device_uuid: String::new(),
+            vram_budget,
+            staging_bytes: 0,
+            groups,
+            label: String::new(),
+            record_plan: true,
+        }
+    }
+
+    /// One group per tensor, in the manifest's order.
+    pub fn one_group_per_tensor(manifest: &proto::ModelManifest) -> Vec<proto::GroupSpec> {
+        manifest
+            .tensors
+            .iter()
+            .map(|t| proto::GroupSpec {
+                name: t.name.clone(),
+                tensors: vec![t.name.clone()],
+            })
+            .collect()
+    }
+}
+
+type Waiter = oneshot::Sender<Result<proto::Staged, ClientError>>;
+
+#[derive(Default)]
+struct Routes {
+    waiting: HashMap<u64, Waiter>,
+    /// Set once the stream has ended: later acquires fail at once with this reason.
+    ended: Option<String>,
+}
+
+struct Recorder {
+    recording: bool,
+    groups: Vec<u32>,
+}
+
+/// A mapped region: the host backend's shared memory, read-only.
+struct MappedRegion {
+    map: Mmap,
+}
+
+pub struct Session {
+    client: Client,
+    id: String,
+    opened: proto::OpenSessionResponse,
+    regions: Vec<MappedRegion>,
+    tx: mpsc::UnboundedSender<proto::ClientMessage>,
+    routes: Arc<Mutex<Routes>>,
+    next_ticket: AtomicU64,
+    recorder: Mutex<Recorder>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn map_region(region: &proto::Region) -> Result<MappedRegion, ClientError> {
+    match &region.handle {
+        Some(proto::region::Handle::ShmPath(path)) => {
+            let err = |source| ClientError::Map {
+                path: path.into(),
+                source,
+            };
+            let file = File::open(path).map_err(err)?;
+            // SAFETY: the daemon created this shared-memory file for this session and never
+            // truncates it while the session lives; we only read bytes it says are staged.
+            let map = unsafe { Mmap::map(&file) }.map_err(err)?;
+            Ok(MappedRegion { map })
+        }
+        Some(proto::region::Handle::CudaIpcHandle(_)) => Err(ClientError::Unsupported(
+            "the Rust client maps host-backend regions only; use the Python client on CUDA".into(),
+        )),
+        None => Err(ClientError::Protocol(format!(
+            "region {} has no handle",
+            region.index
+        ))),
+    }
+}
+
+impl Session {
+    pub(crate) async fn open(
+        client: Client,
+        options: SessionOptions,
+    ) -> Result<Session, ClientError> {
+        let mut rpc = client.rpc();
+        let request = proto::OpenSessionRequest {
+            model_id: options.model_id,
+            device_uuid: options.device_uuid,
+            vram_budget: options.vram_budget,
+            staging_bytes: options.staging_bytes,
+            groups: options.groups,
+            label: options.label,
+        };
+        let status = |s| ClientError::from_status(client.socket(), s);
+        let opened = rpc
+            .open_session(request)
+            .await
+            .map_err(status)?
+            .into_inner();
+        let regions = opened
+            .regions
+            .iter()
+            .map(map_region)
+            .collect::<Result<Vec<_>, _>>()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let attach = proto::ClientMessage {
+            msg: Some(Msg::Attach(proto::Attach {
+                session_id: opened.session_id.clone(),
+            })),
+        };
+        tx.send(attach)
+            .map_err(|_| ClientError::Protocol("stream closed".into()))?;
+        let mut inbound = rpc
+            .run(UnboundedReceiverStream::new(rx))
+            .await
+            .map_err(status)?
+            .into_inner();
+        match inbound.message().await.map_err(status)?.and_then(|m| m.msg) {
+            Some(Reply::Attached(_)) => {}
+            other => {
+                return Err(ClientError::Protocol(format!(
+                    "expected Attached, got {other:?}"
+                )));
+            }
+        }
+        let routes = Arc::new(Mutex::new(Routes::default()));
+        tokio::spawn(read_replies(inbound, routes.clone()));
+        Ok(Session {
+            id: opened.session_id.clone(),
+            client,
+            opened,
+            regions,
+            tx,
+            routes,
+            next_ticket: AtomicU64::new(1),
+            recorder: Mutex::new(Recorder {
+                recording: options.record_plan,
+                groups: Vec::new(),
+            }),
+        })
+    }
+
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    pub fn layout(&self) -> &proto::OpenSessionResponse {
+        &self.opened
+    }
+
+    pub fn group_count(&self) -> u32 {
+        self.opened.groups.len() as u32
+    }
+
+    pub fn group_index(&self, name: &str) -> Option<u32> {
+        self.opened
+            .groups
+            .iter()
+            .position(|g| g.name == name)
+            .map(|i| i as u32)
+    }
+
+    fn send(&self, msg: Msg) -> Result<(), ClientError> {
+        self.tx
+            .send(proto::ClientMessage { msg: Some(msg) })
+            .map_err(|_| ClientError::SessionEnded("the stream is closed".into()))
+    }
+
+    /// Acquires a group; the returned view releases it when dropped.
+    pub async fn acquire(&self, group: u32) -> Result<Acquired<'_>, ClientError> {
+        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut routes = lock(&self.routes);
+            if let Some(reason) = &routes.ended {
+                return Err(ClientError::SessionEnded(reason.clone()));
+            }
+            routes.waiting.insert(ticket, tx);
+        }
+        {
+            let mut rec = lock(&self.recorder);
+            if rec.recording {
+                rec.groups.push(group);
+            }
+        }
+        self.send(Msg::Acquire(proto::Acquire { group, ticket }))?;
+        let staged = rx
+            .await
+            .map_err(|_| ClientError::SessionEnded("the stream reader stopped".into()))??;
+        let region = self.regions.get(staged.region as usize).ok_or_else(|| {
+            ClientError::Protocol(format!("Staged names region {}", staged.region))
+        })?;
+        let layout = &self.opened.groups[group as usize];
+        let start = staged.offset as usize;
+        let bytes = region
+            .map
+            .get(start..start + layout.nbytes as usize)
+            .ok_or_else(|| ClientError::Protocol(format!("Staged offset {start} out of range")))?;
+        Ok(Acquired {
+            session: self,
+            ticket,
+            layout,
+            bytes,
+        })
+    }
+
+    /// Ends a training step. After the first (when recording), the step's acquisitions are
+    /// sent as the plan, so that later steps are prefetched.
+    pub fn end_step(&self) {
+        let plan = {
+            let mut rec = lock(&self.recorder);
+            if !rec.recording {
+                return;
+            }
+            rec.recording = false;
+            std::mem::take(&mut rec.groups)
+        };
+        self.send_plan(plan);
+    }
+
+    /// Sends a plan explicitly.
+    pub fn send_plan(&self, groups: Vec<u32>) {
+        let _ = self.send(Msg::Plan(proto::Plan { groups }));
+    }
+
+    /// Closes the session; its views must be dropped first (the borrow checker sees to it).
+    pub async fn close(self) -> Result<(), ClientError> {
+        let mut rpc = self.client.rpc();
+        let request = proto::CloseSessionRequest {
+            session_id: self.id.clone(),
+        };
+        rpc.close_session(request)
+            .await
+            .map_err(|s| ClientError::from_status(self.client.socket(), s))?;
+        Ok(())
+    }
+}
+
+async fn read_replies(
+    mut inbound: tonic::Streaming<proto::ServerMessage>,
+    routes: Arc<Mutex<Routes>>,
+) {
+    let reason = loop {
+        match inbound.message().await {
+            Ok(Some(proto::ServerMessage { msg: Some(reply) })) => route(&routes, reply),
+            Ok(Some(_)) => {}
+            Ok(None) => break "the daemon closed the session".to_string(),
+            Err(status) => break format!("{:?}: {}", status.code(), status.message()),
+        }
+    };
+    let mut routes = lock(&routes);
+    let reason = routes.ended.clone().unwrap_or(reason);
+    for (_, waiter) in routes.waiting.drain() {
+        let _ = waiter.send(Err(ClientError::SessionEnded(reason.clone())));
+    }
+    routes.ended = Some(reason);
+}
+
+fn route(routes: &Mutex<Routes>, reply: Reply) {
+    let mut routes = lock(routes);
+    match reply {
+        Reply::Staged(staged) => {
+            if let Some(waiter) = routes.waiting.remove(&staged.ticket) {
+                let _ = waiter.send(Ok(staged));
+            }
+        }
+        Reply::Fault(fault) => {
+            let code = proto::FaultCode::try_from(fault.code)
+                .unwrap_or(proto::FaultCode::FaultUnspecified);
+            if code == proto::FaultCode::FaultShuttingDown {
+                routes.ended = Some(fault.message.clone());
+            }
+            if let Some(waiter) = routes.waiting.remove(&fault.ticket) {
+                let _ = waiter.send(Err(ClientError::Fault {
+                    ticket: fault.ticket,
+                    code,
+                    message: fault.message,
+                }));
+            } else {
+                tracing::warn!(ticket = fault.ticket, ?code, message = %fault.message, "session fault");
+            }
+        }
+        Reply::Attached(_) => {}
+    }
+}
+
+/// A staged group: views of its tensors, valid until dropped (which releases the ticket).
+pub struct Acquired<'s> {
+    session: &'s Session,
+    ticket: u64,
+    layout: &'s proto::GroupLayout,
+    bytes: &'s [u8],
+}
+
+impl Acquired<'_> {
+    pub fn ticket(&self) -> u64 {
+        self.ticket
+    }
+
+    pub fn layout(&self) -> &proto::GroupLayout {
+        self.layout
+    }
+
+    /// The bytes of tensor `i` of the group.
+    pub fn tensor(&self, i: usize) -> &[u8] {
+        let t = &self.layout.tensors[i];
+        &self.bytes[t.offset as usize..(t.offset + t.nbytes) as usize]
+    }
+
+    pub fn tensor_by_name(&self, name: &str) -> Option<&[u8]> {
+        let i = self.layout.tensors.iter().position(|t| t.name == name)?;
+        Some(self.tensor(i))
+    }
+}
+
+impl Drop for Acquired<'_> {
+    fn drop(&mut self) {
+        let _ = self.session.send(Msg::Release(proto::Release {
+            ticket: self.ticket,
+        }));
+    }
+}
+
+/// Writes the tensors into the upload region the daemon created.
+pub(crate) fn write_upload(
+    begun: &proto::BeginUploadResponse,
+    tensors: &[TensorData<'_>],
+) -> Result<(), ClientError> {
+    let path = &begun.shm_path;
+    let err = |source| ClientError::Map {
+        path: path.into(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(err)?;
+    // SAFETY: the daemon made this file for this upload alone and reads it only after commit.
+    let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(err)?;
+    for (slot, t) in begun.tensors.iter().zip(tensors) {
+        let start = slot.offset as usize;
+        let dst = map.get_mut(start..start + t.bytes.len()).ok_or_else(|| {
+            ClientError::Protocol(format!("upload slot of '{}' out of range", t.name))
+        })?;
+        dst.copy_from_slice(t.bytes);
+    }
+    map.flush().map_err(err)?;
+    Ok(())
+}

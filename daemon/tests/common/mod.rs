@@ -1,0 +1,513 @@
+//! Helpers shared by the end-to-end tests: an in-process daemon on a temporary socket and
+//! shared-memory directory, real safetensors files with seeded pseudo-random contents, byte
+//! checks of acquired groups against those files, and a raw gRPC connection for the messages
+//! the Rust client never sends.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rand::{RngCore, SeedableRng};
+use safetensors::Dtype;
+use safetensors::tensor::TensorView;
+use tempfile::TempDir;
+use tokio::net::UnixStream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+use weightstream_client::proto::client_message::Msg;
+use weightstream_client::proto::server_message::Msg as Reply;
+use weightstream_client::proto::weight_stream_client::WeightStreamClient;
+use weightstream_client::{Acquired, Client, Session, proto};
+use weightstream_daemon::config::{BackendChoice, Config};
+use weightstream_daemon::server::{self, ServeError, ServerHandle};
+
+/// How long any single wait in a test may take before it counts as a hang.
+pub const DEADLINE: Duration = Duration::from_secs(10);
+
+/// Awaits `fut`, failing the test if it takes longer than [`DEADLINE`].
+pub async fn within<T>(what: &str, fut: impl Future<Output = T>) -> T {
+    match tokio::time::timeout(DEADLINE, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what}: no answer within {DEADLINE:?}"),
+    }
+}
+
+/// Polls `cond` until it holds, failing the test after [`DEADLINE`]. For effects the daemon
+/// applies asynchronously (a vanished connection's teardown), never as a delay.
+pub async fn eventually<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    within(what, async {
+        while !cond().await {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+}
+
+// ---------------------------------------------------------------------------------------------
+// The daemon
+
+/// An in-process daemon (host backend) on its own socket and shared-memory directory.
+pub struct TestDaemon {
+    handle: Option<ServerHandle>,
+    pub socket: PathBuf,
+    pub shm_dir: PathBuf,
+    _socket_tmp: TempDir,
+    _shm_tmp: TempDir,
+}
+
+pub async fn start_daemon() -> TestDaemon {
+    start_daemon_with(|_| {}).await
+}
+
+/// Starts a daemon after `adjust` has changed the test configuration (e.g. its limits).
+pub async fn start_daemon_with(adjust: impl FnOnce(&mut Config)) -> TestDaemon {
+    let socket_tmp = tempfile::tempdir().expect("socket tempdir");
+    let shm_tmp = tempfile::tempdir().expect("shm tempdir");
+    let socket = socket_tmp.path().join("ws.sock");
+    let mut config = Config {
+        socket: socket.clone(),
+        shm_dir: shm_tmp.path().to_path_buf(),
+        backend: BackendChoice::Host,
+        ..Default::default()
+    };
+    adjust(&mut config);
+    config.validate().expect("test config is valid");
+    let handle = server::start(config).await.expect("daemon starts");
+    TestDaemon {
+        handle: Some(handle),
+        socket,
+        shm_dir: shm_tmp.path().to_path_buf(),
+        _socket_tmp: socket_tmp,
+        _shm_tmp: shm_tmp,
+    }
+}
+
+impl TestDaemon {
+    pub async fn client(&self) -> Client {
+        Client::connect(Some(&self.socket))
+            .await
+            .expect("connect to the test daemon")
+    }
+
+    /// Names of the files in the shared-memory directory, sorted.
+    pub fn shm_files(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.shm_dir)
+            .expect("read shm dir")
+            .map(|e| e.expect("shm dir entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// How many segments of one kind ("model", "upload", "staging", "resident") exist.
+    pub fn shm_count(&self, kind: &str) -> usize {
+        let tag = format!("-{kind}-");
+        self.shm_files().iter().filter(|n| n.contains(&tag)).count()
+    }
+
+    /// Stops the daemon and waits until it has (bounded by [`DEADLINE`]).
+    pub async fn stop(&mut self) -> Result<(), ServeError> {
+        let handle = self.handle.take().expect("daemon already stopped");
+        within("daemon stop", handle.stop()).await
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Models
+
+/// A tensor as written to a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tensor {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    /// The shape as the protocol spells it.
+    pub dims: Vec<u64>,
+    pub bytes: Vec<u8>,
+}
+
+impl Tensor {
+    pub fn new(name: &str, dtype: Dtype, shape: &[usize], bytes: Vec<u8>) -> Tensor {
+        Tensor {
+            name: name.to_string(),
+            dtype,
+            shape: shape.to_vec(),
+            dims: shape.iter().map(|&d| d as u64).collect(),
+            bytes,
+        }
+    }
+
+    /// The tensor as `Client::upload_model` takes it.
+    pub fn as_upload(&self) -> weightstream_client::TensorData<'_> {
+        weightstream_client::TensorData {
+            name: &self.name,
+            dtype: pb_dtype(self.dtype),
+            shape: &self.dims,
+            bytes: &self.bytes,
+        }
+    }
+}
+
+/// Tensors with `seed`-determined pseudo-random bytes.
+pub fn random_tensors(seed: u64, specs: &[(&str, Dtype, &[usize])]) -> Vec<Tensor> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    specs
+        .iter()
+        .map(|&(name, dtype, shape)| {
+            let elems: usize = shape.iter().product();
+            let mut bytes = vec![0u8; elems * dtype.bitsize() / 8];
+            rng.fill_bytes(&mut bytes);
+            Tensor::new(name, dtype, shape, bytes)
+        })
+        .collect()
+}
+
+/// A model with several dtypes (BF16, F32, F16, I64, U8, F8_E4M3) and ranks (scalar, 1-D, 2-D,
+/// 3-D), several of odd byte sizes so that the daemon's alignment padding is exercised.
+pub fn mixed_model(seed: u64) -> Vec<Tensor> {
+    random_tensors(
+        seed,
+        &[
+            ("embed.weight", Dtype::BF16, &[64, 48]),
+            ("layers.0.attn.q.weight", Dtype::F32, &[32, 32]),
+            ("layers.0.attn.q.bias", Dtype::BF16, &[7]),
+            ("layers.0.mlp.experts", Dtype::F16, &[4, 16, 8]),
+            ("layers.0.norm.weight", Dtype::F32, &[48]),
+            ("layers.0.fp8.weight", Dtype::F8_E4M3, &[16, 33]),
+            ("position_ids", Dtype::I64, &[2, 17]),
+            ("attention_mask", Dtype::U8, &[3, 5, 7]),
+            ("logit_scale", Dtype::F32, &[]),
+            ("lm_head.weight", Dtype::BF16, &[48, 40]),
+        ],
+    )
+}
+
+/// `layers` tensors `layers.{i}.weight` of `bytes_each` bytes (BF16, 2-D).
+pub fn uniform_model(seed: u64, layers: usize, bytes_each: usize) -> Vec<Tensor> {
+    assert_eq!(bytes_each % 256, 0, "bytes_each is a multiple of 256");
+    let names: Vec<String> = (0..layers).map(|i| format!("layers.{i}.weight")).collect();
+    let shape = [bytes_each / 256, 128];
+    let specs: Vec<(&str, Dtype, &[usize])> = names
+        .iter()
+        .map(|n| (n.as_str(), Dtype::BF16, &shape[..]))
+        .collect();
+    random_tensors(seed, &specs)
+}
+
+/// Writes `tensors` as `dir/name` with the `safetensors` crate; returns the path.
+pub fn write_model(dir: &Path, name: &str, tensors: &[Tensor]) -> PathBuf {
+    let path = dir.join(name);
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|t| {
+            let view = TensorView::new(t.dtype, t.shape.clone(), &t.bytes).expect("tensor view");
+            (t.name.clone(), view)
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &path).expect("write safetensors file");
+    path
+}
+
+/// Every tensor of the given safetensors files, read back with the `safetensors` crate.
+pub fn read_model(files: &[PathBuf]) -> BTreeMap<String, Tensor> {
+    let mut out = BTreeMap::new();
+    for file in files {
+        let buffer = std::fs::read(file).expect("read safetensors file");
+        let parsed = safetensors::SafeTensors::deserialize(&buffer).expect("valid safetensors");
+        for (name, view) in parsed.tensors() {
+            let t = Tensor::new(&name, view.dtype(), view.shape(), view.data().to_vec());
+            assert!(out.insert(name, t).is_none(), "tensor twice in {files:?}");
+        }
+    }
+    out
+}
+
+/// Bytes of the model's tensors (what `ModelManifest.total_bytes` counts).
+pub fn model_bytes(model: &BTreeMap<String, Tensor>) -> u64 {
+    model.values().map(|t| t.bytes.len() as u64).sum()
+}
+
+pub fn pb_dtype(d: Dtype) -> proto::Dtype {
+    use proto::Dtype as P;
+    match d {
+        Dtype::BOOL => P::Bool,
+        Dtype::U8 => P::U8,
+        Dtype::I8 => P::I8,
+        Dtype::F8_E5M2 => P::F8E5m2,
+        Dtype::F8_E4M3 => P::F8E4m3,
+        Dtype::I16 => P::I16,
+        Dtype::U16 => P::U16,
+        Dtype::F16 => P::F16,
+        Dtype::BF16 => P::Bf16,
+        Dtype::I32 => P::I32,
+        Dtype::U32 => P::U32,
+        Dtype::F32 => P::F32,
+        Dtype::F64 => P::F64,
+        Dtype::I64 => P::I64,
+        Dtype::U64 => P::U64,
+        other => panic!("the daemon has no dtype {other:?}"),
+    }
+}
+
+/// Loads `paths` and checks that the manifest lists exactly `expected`'s tensors.
+pub async fn load(
+    client: &mut Client,
+    paths: &[PathBuf],
+    expected: &BTreeMap<String, Tensor>,
+) -> proto::ModelManifest {
+    let manifest = client
+        .load_model(paths, "", |_| {})
+        .await
+        .unwrap_or_else(|e| panic!("load {paths:?}: {e}"));
+    check_manifest(&manifest, expected);
+    manifest
+}
+
+pub fn check_manifest(manifest: &proto::ModelManifest, expected: &BTreeMap<String, Tensor>) {
+    let listed: BTreeMap<&str, (i32, &[u64], u64)> = manifest
+        .tensors
+        .iter()
+        .map(|t| (t.name.as_str(), (t.dtype, &t.shape[..], t.nbytes)))
+        .collect();
+    assert_eq!(listed.len(), manifest.tensors.len(), "names are unique");
+    let want: BTreeMap<&str, (i32, &[u64], u64)> = expected
+        .values()
+        .map(|t| {
+            let info = (pb_dtype(t.dtype) as i32, &t.dims[..], t.bytes.len() as u64);
+            (t.name.as_str(), info)
+        })
+        .collect();
+    assert_eq!(listed, want, "manifest tensors of {}", manifest.model_id);
+    assert_eq!(manifest.total_bytes, model_bytes(expected));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sessions
+
+/// One group per tensor, in the manifest's order.
+pub fn per_tensor_groups(manifest: &proto::ModelManifest) -> Vec<proto::GroupSpec> {
+    weightstream_client::SessionOptions::one_group_per_tensor(manifest)
+}
+
+pub fn group(name: &str, tensors: &[&str]) -> proto::GroupSpec {
+    proto::GroupSpec {
+        name: name.to_string(),
+        tensors: tensors.iter().map(|t| t.to_string()).collect(),
+    }
+}
+
+/// Session options with an explicit staging size and budget.
+pub fn options(
+    model_id: &str,
+    groups: Vec<proto::GroupSpec>,
+    staging_bytes: u64,
+    vram_budget: u64,
+) -> weightstream_client::SessionOptions {
+    let mut o = weightstream_client::SessionOptions::new(model_id, vram_budget, groups);
+    o.staging_bytes = staging_bytes;
+    o
+}
+
+/// Asserts that every tensor of an acquired group has the file's dtype, shape and bytes, at an
+/// offset the daemon's alignment allows; returns the tensor bytes checked.
+pub fn check_acquired(acquired: &Acquired<'_>, expected: &BTreeMap<String, Tensor>) -> u64 {
+    let layout = acquired.layout();
+    assert!(!layout.tensors.is_empty(), "group {} is empty", layout.name);
+    let mut checked = 0;
+    for (i, placed) in layout.tensors.iter().enumerate() {
+        let want = expected
+            .get(&placed.name)
+            .unwrap_or_else(|| panic!("group {} has unknown tensor {}", layout.name, placed.name));
+        assert_eq!(placed.dtype, pb_dtype(want.dtype) as i32, "{}", placed.name);
+        assert_eq!(placed.shape, want.dims, "{}", placed.name);
+        assert_eq!(placed.nbytes, want.bytes.len() as u64, "{}", placed.name);
+        assert_eq!(placed.offset % 256, 0, "{} is not 256-aligned", placed.name);
+        assert!(placed.offset + placed.nbytes <= layout.nbytes, "{}", placed.name);
+        assert_bytes(&placed.name, acquired.tensor(i), &want.bytes);
+        assert_eq!(acquired.tensor_by_name(&placed.name), Some(acquired.tensor(i)));
+        checked += placed.nbytes;
+    }
+    checked
+}
+
+/// Compares bytes, reporting the first difference instead of dumping both buffers.
+pub fn assert_bytes(what: &str, got: &[u8], want: &[u8]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: bytes differ from the file at byte {i} of {}: got {:#04x}, want {:#04x}",
+            want.len(),
+            got[i],
+            want[i]
+        );
+    }
+}
+
+/// Acquires `order`'s groups one after the other like a training step (each released before
+/// the next), checking every byte; returns the tensor bytes acquired.
+pub async fn run_step(session: &Session, order: &[u32], expected: &BTreeMap<String, Tensor>) -> u64 {
+    let mut bytes = 0;
+    for &g in order {
+        let acquired = within("acquire", session.acquire(g))
+            .await
+            .unwrap_or_else(|e| panic!("acquire group {g}: {e}"));
+        bytes += check_acquired(&acquired, expected);
+    }
+    bytes
+}
+
+pub async fn session_info(client: &mut Client, id: &str) -> Option<proto::SessionInfo> {
+    let sessions = client.list_sessions().await.expect("ListSessions");
+    sessions.into_iter().find(|s| s.session_id == id)
+}
+
+pub async fn stats(client: &mut Client, id: &str) -> proto::SessionStats {
+    session_info(client, id)
+        .await
+        .unwrap_or_else(|| panic!("session {id} is not listed"))
+        .stats
+        .expect("stats")
+}
+
+pub fn shm_path(region: &proto::Region) -> &str {
+    match &region.handle {
+        Some(proto::region::Handle::ShmPath(p)) => p,
+        other => panic!("region {} has no shm path: {other:?}", region.index),
+    }
+}
+
+pub async fn model_listed(client: &mut Client, id: &str) -> Option<proto::ModelManifest> {
+    let models = client.list_models().await.expect("ListModels");
+    models.models.into_iter().find(|m| m.model_id == id)
+}
+
+/// A daemon that has refused bad requests still serves a well-behaved client: a new model
+/// loads, and every group of it is acquired with the file's bytes.
+pub async fn assert_still_serves(daemon: &TestDaemon, seed: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path(), "healthy.safetensors", &mixed_model(seed));
+    let expected = read_model(std::slice::from_ref(&path));
+    let mut client = daemon.client().await;
+    let manifest = load(&mut client, &[path], &expected).await;
+    let groups = per_tensor_groups(&manifest);
+    let n = groups.len() as u32;
+    let session = client
+        .open_session(options(&manifest.model_id, groups, 0, 64 << 10))
+        .await
+        .expect("open a session after bad input");
+    let order: Vec<u32> = (0..n).collect();
+    let bytes = run_step(&session, &order, &expected).await;
+    assert_eq!(bytes, model_bytes(&expected));
+    session.close().await.expect("close");
+    assert_eq!(client.release_model(&manifest.model_id).await.unwrap(), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw protocol access
+
+/// The generated client over a fresh connection of its own (one connection: the daemon ties
+/// sessions to the connection that opened them).
+pub async fn raw_client(socket: &Path) -> WeightStreamClient<Channel> {
+    let path = socket.to_path_buf();
+    let channel = Endpoint::from_static("http://weightstream.test")
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move {
+                let stream = UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
+        .expect("raw connection");
+    WeightStreamClient::new(channel)
+}
+
+/// A `Run` stream driven message by message.
+pub struct RawRun {
+    tx: mpsc::UnboundedSender<proto::ClientMessage>,
+    rx: tonic::Streaming<proto::ServerMessage>,
+}
+
+impl RawRun {
+    /// Starts `Run` with `first` as its first message; the daemon's answer to it is either an
+    /// error status or an open stream.
+    pub async fn start(
+        rpc: &mut WeightStreamClient<Channel>,
+        first: Msg,
+    ) -> Result<RawRun, tonic::Status> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tx.send(proto::ClientMessage { msg: Some(first) }).unwrap();
+        let response = within("Run", rpc.run(UnboundedReceiverStream::new(rx))).await?;
+        Ok(RawRun {
+            tx,
+            rx: response.into_inner(),
+        })
+    }
+
+    /// Attaches to `session_id` and reads the `Attached` reply.
+    pub async fn attach(
+        rpc: &mut WeightStreamClient<Channel>,
+        session_id: &str,
+    ) -> Result<RawRun, tonic::Status> {
+        let mut run = RawRun::start(
+            rpc,
+            Msg::Attach(proto::Attach {
+                session_id: session_id.to_string(),
+            }),
+        )
+        .await?;
+        match run.next().await {
+            Reply::Attached(a) => assert_eq!(a.session_id, session_id),
+            other => panic!("expected Attached, got {other:?}"),
+        }
+        Ok(run)
+    }
+
+    pub fn send(&self, msg: Msg) {
+        self.tx
+            .send(proto::ClientMessage { msg: Some(msg) })
+            .expect("Run stream open");
+    }
+
+    pub fn acquire(&self, group: u32, ticket: u64) {
+        self.send(Msg::Acquire(proto::Acquire { group, ticket }));
+    }
+
+    pub fn release(&self, ticket: u64) {
+        self.send(Msg::Release(proto::Release { ticket }));
+    }
+
+    /// The next server message (failing the test on a status, an end or a hang).
+    pub async fn next(&mut self) -> Reply {
+        match within("Run reply", self.rx.message()).await {
+            Ok(Some(proto::ServerMessage { msg: Some(m) })) => m,
+            other => panic!("expected a server message, got {other:?}"),
+        }
+    }
+
+    /// The next message, which must be a fault.
+    pub async fn fault(&mut self) -> proto::Fault {
+        match self.next().await {
+            Reply::Fault(f) => f,
+            other => panic!("expected a Fault, got {other:?}"),
+        }
+    }
+
+    /// The next message, which must be `Staged` for `ticket`.
+    pub async fn staged(&mut self, ticket: u64) -> proto::Staged {
+        match self.next().await {
+            Reply::Staged(s) => {
+                assert_eq!(s.ticket, ticket, "Staged for another ticket");
+                s
+            }
+            other => panic!("expected Staged for ticket {ticket}, got {other:?}"),
+        }
+    }
+}
