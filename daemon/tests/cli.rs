@@ -1,0 +1,139 @@
+//! The `weightstream` binary as a user runs it.
+
+use std::process::Command;
+
+fn weightstream() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_weightstream"))
+}
+
+#[test]
+fn demo_runs_to_completion_and_leaves_no_shared_memory() {
+    let shm = tempfile::tempdir().unwrap();
+    let out = weightstream()
+        .args([
+            "demo",
+            "--size",
+            "8MiB",
+            "--steps",
+            "3",
+            "--backend",
+            "host",
+        ])
+        .arg("--shm-dir")
+        .arg(shm.path())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("prefetch hit rate"), "{stdout}");
+    assert!(stdout.contains("no shared memory left behind"), "{stdout}");
+    assert_eq!(std::fs::read_dir(shm.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn status_against_a_missing_daemon_fails_fast_with_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("none.sock");
+    let out = weightstream()
+        .arg("status")
+        .arg("--socket")
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot reach the weightstream daemon at") && stderr.contains("none.sock"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn serve_refuses_a_bad_config_with_the_key_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("bad.toml");
+    std::fs::write(&config, "prefetch_depth = 0\n").unwrap();
+    let out = weightstream()
+        .args(["serve", "--config"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("prefetch_depth = 0 is out of range: 1 to 1024"),
+        "{stderr}"
+    );
+}
+
+/// Polls `done` until it holds or the deadline passes (a condition, not a fixed sleep).
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ws.sock");
+    // A real safetensors file written by the safetensors crate.
+    let data: Vec<u8> = (0..4096u32)
+        .flat_map(|i| (i as f32).to_le_bytes())
+        .collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![64, 64], &data).unwrap();
+    let model = dir.path().join("m.safetensors");
+    safetensors::serialize_to_file(vec![("w", view)], None, &model).unwrap();
+
+    let mut daemon = weightstream()
+        .args(["serve", "--backend", "host", "--socket"])
+        .arg(&socket)
+        .arg("--shm-dir")
+        .arg(shm.path())
+        .spawn()
+        .unwrap();
+    wait_until("the socket", || socket.exists());
+    let load = weightstream()
+        .arg("load")
+        .arg(&model)
+        .arg("--socket")
+        .arg(&socket)
+        .output()
+        .unwrap();
+    let loaded = String::from_utf8_lossy(&load.stdout);
+    assert!(load.status.success(), "{loaded}");
+    assert!(
+        loaded.contains("1 tensors") && loaded.contains("16.0 KiB"),
+        "{loaded}"
+    );
+    let status = weightstream()
+        .args(["status", "--json", "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(status.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(json["backend"], "host");
+    assert_eq!(json["models"][0]["tensors"], 1);
+    assert_eq!(json["models"][0]["total_bytes"], 16384);
+    assert_eq!(json["store_bytes"], 16384);
+    assert_eq!(std::fs::read_dir(shm.path()).unwrap().count(), 1);
+
+    let kill = Command::new("kill")
+        .args(["-TERM", &daemon.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let exit = daemon.wait().unwrap();
+    assert!(exit.success(), "daemon exited with {exit:?}");
+    assert!(!socket.exists(), "socket left behind");
+    assert_eq!(std::fs::read_dir(shm.path()).unwrap().count(), 0);
+}

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every test that runs without a GPU: formatting, lints, the Rust unit and integration tests
+# (the daemon end to end on its host backend, the CLI and `weightstream demo`), and the Python
+# linter. Installs what it needs from the package registries. GPU suites live in tests/gpu/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "toolchain"
+cargo --version
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "cargo test"
+cargo test --workspace --locked
+
+step "ruff (client-py/, tests/)"
+python3 -m pip install --quiet --disable-pip-version-check "ruff==0.17.6"
+py_dirs=()
+for d in client-py tests; do [ -d "$d" ] && py_dirs+=("$d"); done
+python3 -m ruff check "${py_dirs[@]}"
+python3 -m ruff format --check "${py_dirs[@]}"
+
+step "all passed"
