@@ -47,9 +47,12 @@ pub struct ResidentLease {
     pub copied_bytes: u64,
 }
 
+/// Live resident regions per (model id, device).
+type ResidentSets = HashMap<(String, usize), Vec<Weak<ResidentRegion>>>;
+
 #[derive(Default)]
 pub struct ResidencyRegistry {
-    sets: Mutex<HashMap<(String, usize), Vec<Weak<ResidentRegion>>>>,
+    sets: Mutex<ResidentSets>,
 }
 
 #[derive(Debug, thiserror::Error)]

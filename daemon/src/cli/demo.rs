@@ -11,7 +11,7 @@ use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use indicatif::{ProgressBar, ProgressStyle};
 use weightstream_client::{Client, SessionOptions, proto};
 
-use super::{CliResult, human};
+use super::{BoxError, CliResult, human};
 use crate::config::{BackendChoice, Config};
 
 #[derive(Debug, clap::Args)]
@@ -78,10 +78,7 @@ fn fill(seed: u64, out: &mut [u8]) {
     }
 }
 
-fn write_model(
-    dir: &std::path::Path,
-    p: &Plan,
-) -> Result<(PathBuf, Vec<Vec<u8>>), Box<dyn std::error::Error + Send + Sync>> {
+fn write_model(dir: &std::path::Path, p: &Plan) -> Result<(PathBuf, Vec<Vec<u8>>), BoxError> {
     let elems = p.group / 2;
     let data: Vec<Vec<u8>> = (0..p.groups)
         .map(|i| {
@@ -165,7 +162,7 @@ async fn drive(
     p: &Plan,
     data: &[Vec<u8>],
     steps: u32,
-) -> Result<Table, Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<Table, BoxError> {
     let mut client = Client::connect(Some(socket)).await?;
     let load = bar(
         p.size,
@@ -224,10 +221,7 @@ async fn drive(
     Ok(report(p, steps, &measured))
 }
 
-async fn stats(
-    client: &mut Client,
-    id: &str,
-) -> Result<proto::SessionStats, Box<dyn std::error::Error + Send + Sync>> {
+async fn stats(client: &mut Client, id: &str) -> Result<proto::SessionStats, BoxError> {
     let sessions = client.list_sessions().await?;
     let s = sessions
         .into_iter()

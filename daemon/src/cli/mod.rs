@@ -104,7 +104,8 @@ pub fn main() -> ExitCode {
 }
 
 /// The CLI's error: a message for the user.
-pub type CliResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub type CliResult = Result<(), BoxError>;
 
 /// Bytes as people read them.
 pub fn human(bytes: u64) -> String {

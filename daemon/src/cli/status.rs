@@ -69,7 +69,7 @@ fn to_json(
             "source": m.source,
         })).collect::<Vec<_>>(),
         "sessions": sessions.iter().map(|s| {
-            let st = s.stats.clone().unwrap_or_default();
+            let st = s.stats.unwrap_or_default();
             json!({
                 "session_id": s.session_id, "model_id": s.model_id, "label": s.label,
                 "device_uuid": s.device_uuid, "peer": {"uid": s.peer_uid, "gid": s.peer_gid, "pid": s.peer_pid},
@@ -137,7 +137,7 @@ fn print_tables(
         "hit rate", "copied", "stall",
     ]);
     for x in sessions {
-        let st = x.stats.clone().unwrap_or_default();
+        let st = x.stats.unwrap_or_default();
         s.add_row(vec![
             x.session_id.clone(),
             x.label.clone(),

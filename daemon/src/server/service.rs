@@ -302,7 +302,7 @@ impl WeightStream for Service {
         session
             .control
             .send(Control::Attach {
-                inbound,
+                inbound: Box::new(inbound),
                 outbound,
                 reply,
             })

@@ -8,7 +8,8 @@ use tonic::Status;
 use weightstream_client::proto as pb;
 
 use crate::config::Limits;
-use crate::store::safetensors::{DType, tensor_nbytes};
+use crate::store::TensorDecl;
+use crate::store::safetensors::tensor_nbytes;
 
 /// Most dimensions a tensor may have.
 pub const MAX_RANK: usize = 16;
@@ -71,7 +72,7 @@ pub fn check_name(check: &Check, field: &str, value: &str) -> Result<(), Status>
 pub fn check_upload_tensors(
     check: &Check,
     tensors: &[pb::TensorInfo],
-) -> Result<Vec<(String, DType, Vec<u64>, u64)>, Status> {
+) -> Result<Vec<TensorDecl>, Status> {
     check.count("tensors", tensors.len(), 1, usize::MAX)?;
     let mut names = HashSet::new();
     let mut out = Vec::with_capacity(tensors.len());

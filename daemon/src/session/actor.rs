@@ -139,7 +139,7 @@ impl Actor {
         mut control: mpsc::UnboundedReceiver<Control>,
         mut done_rx: mpsc::UnboundedReceiver<CopyDone>,
     ) {
-        let mut inbound: Option<Streaming<pb::ClientMessage>> = None;
+        let mut inbound: Option<Box<Streaming<pb::ClientMessage>>> = None;
         let mut outbound: Option<Outbound> = None;
         let reason = loop {
             tokio::select! {
@@ -563,7 +563,7 @@ impl Actor {
 }
 
 async fn next_message(
-    inbound: &mut Option<Streaming<pb::ClientMessage>>,
+    inbound: &mut Option<Box<Streaming<pb::ClientMessage>>>,
 ) -> Option<Result<pb::ClientMessage, Status>> {
     match inbound {
         Some(stream) => stream.next().await,

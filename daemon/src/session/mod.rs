@@ -33,7 +33,7 @@ pub type Outbound = mpsc::Sender<Result<pb::ServerMessage, Status>>;
 
 pub enum Control {
     Attach {
-        inbound: Streaming<pb::ClientMessage>,
+        inbound: Box<Streaming<pb::ClientMessage>>,
         outbound: Outbound,
         reply: oneshot::Sender<Result<(), Status>>,
     },

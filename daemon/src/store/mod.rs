@@ -28,6 +28,9 @@ pub fn align_up(n: u64, align: u64) -> u64 {
     n.div_ceil(align) * align
 }
 
+/// A tensor declared for upload: name, dtype, shape, bytes.
+pub type TensorDecl = (String, DType, Vec<u64>, u64);
+
 #[derive(Debug, Clone, Copy)]
 pub struct StoreLimits {
     pub max_tensors: u32,
@@ -336,7 +339,7 @@ impl Store {
         &self,
         owner: u64,
         name: &str,
-        tensors: Vec<(String, DType, Vec<u64>, u64)>,
+        tensors: Vec<TensorDecl>,
     ) -> Result<UploadTicket, StoreError> {
         if tensors.len() as u64 > u64::from(self.limits.max_tensors) {
             return Err(StoreError::TooManyTensors {
