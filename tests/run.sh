@@ -24,7 +24,7 @@ step "ruff (client-py/, tests/)"
 python3 -m pip install --quiet --disable-pip-version-check "ruff==0.17.6"
 py_dirs=()
 for d in client-py tests; do [ -d "$d" ] && py_dirs+=("$d"); done
-python3 -m ruff check "${py_dirs[@]}"
-python3 -m ruff format --check "${py_dirs[@]}"
+python3 -m ruff check --config client-py/pyproject.toml "${py_dirs[@]}"
+python3 -m ruff format --config client-py/pyproject.toml --check "${py_dirs[@]}"
 
 step "all passed"

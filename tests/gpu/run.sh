@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# GPU suite and benchmarks, in one call on the GPU machine (see tests/gpu/README.md):
+#   target/release/weightstream (built on the build machine) must be carried along.
+# Writes logs and results under $OUT; exits non-zero if any check failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/ws-gpu-out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/client-py/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+BIN=${WEIGHTSTREAM_BIN:-target/release/weightstream}
+status=0
+nvidia-smi --query-gpu=name,uuid,pci.bus_id,memory.total,memory.used --format=csv | tee "$OUT/gpu.txt"
+python3 tests/gpu/suite.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/suite.log" || status=1
+if [ "${WS_SKIP_BENCH:-0}" != 1 ]; then
+  python3 tests/bench/stream_bandwidth.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+fi
+exit $status
