@@ -12,7 +12,7 @@
 //! for step in 0..10 {
 //!     for g in 0..session.group_count() {
 //!         let acquired = session.acquire(g).await?;
-//!         let _weights: &[u8] = acquired.tensor(0);
+//!         let _weights: Option<&[u8]> = acquired.tensor(0); // None in device memory
 //!     } // each view's drop releases its ticket
 //!     session.end_step(); // the first step's acquisitions become the plan
 //! }

@@ -72,9 +72,11 @@ struct Recorder {
     groups: Vec<u32>,
 }
 
-/// A mapped region: the host backend's shared memory, read-only.
-struct MappedRegion {
-    map: Mmap,
+/// A region as this process sees it: the host backend's shared memory, mapped read-only, or
+/// device memory (CUDA), which this client does not map: its views carry no bytes.
+enum MappedRegion {
+    Host(Mmap),
+    Device { size: u64 },
 }
 
 pub struct Session {
@@ -103,11 +105,11 @@ fn map_region(region: &proto::Region) -> Result<MappedRegion, ClientError> {
             // SAFETY: the daemon created this shared-memory file for this session and never
             // truncates it while the session lives; we only read bytes it says are staged.
             let map = unsafe { Mmap::map(&file) }.map_err(err)?;
-            Ok(MappedRegion { map })
+            Ok(MappedRegion::Host(map))
         }
-        Some(proto::region::Handle::CudaIpcHandle(_)) => Err(ClientError::Unsupported(
-            "the Rust client maps host-backend regions only; use the Python client on CUDA".into(),
-        )),
+        Some(proto::region::Handle::CudaIpcHandle(_)) => {
+            Ok(MappedRegion::Device { size: region.size })
+        }
         None => Err(ClientError::Protocol(format!(
             "region {} has no handle",
             region.index
@@ -229,15 +231,21 @@ impl Session {
             ClientError::Protocol(format!("Staged names region {}", staged.region))
         })?;
         let layout = &self.opened.groups[group as usize];
-        let start = staged.offset as usize;
-        let bytes = region
-            .map
-            .get(start..start + layout.nbytes as usize)
-            .ok_or_else(|| ClientError::Protocol(format!("Staged offset {start} out of range")))?;
+        let start = staged.offset;
+        let out_of_range = || ClientError::Protocol(format!("Staged offset {start} out of range"));
+        let bytes = match region {
+            MappedRegion::Host(map) => Some(
+                map.get(start as usize..(start + layout.nbytes) as usize)
+                    .ok_or_else(out_of_range)?,
+            ),
+            MappedRegion::Device { size } if start + layout.nbytes <= *size => None,
+            MappedRegion::Device { .. } => return Err(out_of_range()),
+        };
         Ok(Acquired {
             session: self,
             ticket,
             layout,
+            staged,
             bytes,
         })
     }
@@ -327,7 +335,9 @@ pub struct Acquired<'s> {
     session: &'s Session,
     ticket: u64,
     layout: &'s proto::GroupLayout,
-    bytes: &'s [u8],
+    staged: proto::Staged,
+    /// None where the group is in device memory (CUDA backend).
+    bytes: Option<&'s [u8]>,
 }
 
 impl Acquired<'_> {
@@ -339,15 +349,21 @@ impl Acquired<'_> {
         self.layout
     }
 
-    /// The bytes of tensor `i` of the group.
-    pub fn tensor(&self, i: usize) -> &[u8] {
+    /// Where the daemon put the group (region, offset) and its events.
+    pub fn staged(&self) -> &proto::Staged {
+        &self.staged
+    }
+
+    /// The bytes of tensor `i` of the group; None in device memory (CUDA backend), which
+    /// this client does not map.
+    pub fn tensor(&self, i: usize) -> Option<&[u8]> {
         let t = &self.layout.tensors[i];
-        &self.bytes[t.offset as usize..(t.offset + t.nbytes) as usize]
+        Some(&self.bytes?[t.offset as usize..(t.offset + t.nbytes) as usize])
     }
 
     pub fn tensor_by_name(&self, name: &str) -> Option<&[u8]> {
         let i = self.layout.tensors.iter().position(|t| t.name == name)?;
-        Some(self.tensor(i))
+        self.tensor(i)
     }
 }
 

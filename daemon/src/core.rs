@@ -45,11 +45,16 @@ pub enum CoreError {
 /// A new session as its opener sees it.
 pub struct OpenedSession {
     pub shared: Arc<SessionShared>,
+    pub event_handles: Vec<Vec<u8>>,
     pub regions: Vec<(u64, RegionHandle)>,
     pub groups: Vec<crate::session::layout::GroupPlacement>,
     pub resident: Vec<bool>,
     pub model: Arc<Model>,
 }
+
+/// Interprocess events per session (CUDA): enough for every staged block and live ticket of
+/// a training step; clients open each handle the first time a Staged names it.
+pub const EVENTS_PER_SESSION: u32 = 1024;
 
 pub struct OpenRequest {
     pub model_id: String,
@@ -87,7 +92,7 @@ impl Daemon {
             max_name_bytes: config.limits.max_name_bytes,
         };
         Ok(Arc::new(Daemon {
-            store: Store::new(shm.clone(), limits),
+            store: Store::new(shm.clone(), backend.clone(), limits),
             config,
             backend,
             scheduler,
@@ -200,6 +205,8 @@ impl Daemon {
                 .iter()
                 .map(|r| (r.region().size(), r.region().handle())),
         );
+        let events = self.backend.event_pool(device, EVENTS_PER_SESSION)?;
+        let event_handles = events.as_ref().map_or_else(Vec::new, |p| p.handles());
         let (control_tx, control_rx) = mpsc::unbounded_channel();
         let (finished_tx, finished_rx) = watch::channel(false);
         let shared = Arc::new(SessionShared {
@@ -235,6 +242,7 @@ impl Daemon {
             max_live_tickets: self.config.limits.max_live_tickets,
             max_plan_length: self.config.limits.max_plan_length,
             prefetch_depth: self.config.prefetch_depth as usize,
+            events: events.clone(),
         };
         self.sessions().insert(shared.id.clone(), shared.clone());
         let daemon = Arc::clone(self);
@@ -247,6 +255,7 @@ impl Daemon {
             resident = split.resident_bytes, "session opened");
         Ok(OpenedSession {
             shared,
+            event_handles,
             regions,
             groups,
             resident: split.resident,

@@ -146,9 +146,10 @@ async fn place_missing(
             session,
             tag: u32::MAX,
             priority: Priority::Demand,
+            // Resident groups have no ready event: the copy completes before any Staged.
             job: CopyJob {
-                region: region.clone(),
-                spans,
+                synchronous: true,
+                ..CopyJob::copy(region.clone(), spans)
             },
             done: Box::new(move |outcome| {
                 let _ = tx.send(outcome);

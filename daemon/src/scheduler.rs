@@ -278,10 +278,7 @@ mod tests {
             session,
             tag,
             priority: Priority::Prefetch,
-            job: CopyJob {
-                region: Arc::new(NullRegion),
-                spans: Vec::new(),
-            },
+            job: CopyJob::copy(Arc::new(NullRegion), Vec::new()),
             done: Box::new(|_| {}),
         }
     }
@@ -296,6 +293,9 @@ mod tests {
         }
         fn write(&self, _: u64, _: &[u8]) -> Result<(), BackendError> {
             Ok(())
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
         }
     }
 

@@ -3,9 +3,13 @@
 //! protocol, the store and the sessions runs on machines without a GPU.
 #![forbid(unsafe_code)]
 
+use std::any::Any;
 use std::sync::{Arc, Mutex};
 
-use super::{Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, RegionHandle};
+use super::{
+    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, PinGuard,
+    RegionHandle,
+};
 use crate::store::shm::{ShmDir, ShmSegment};
 
 pub const HOST_DEVICE_UUID: &str = "host-0";
@@ -55,6 +59,10 @@ impl DeviceRegion for HostRegion {
         segment.bytes_mut()[start..start + src.len()].copy_from_slice(src);
         Ok(())
     }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
 }
 
 impl Backend for HostBackend {
@@ -101,10 +109,25 @@ impl Backend for HostBackend {
     }
 
     fn copy(&self, _device: usize, job: &CopyJob) -> Result<(), BackendError> {
+        let Some(region) = &job.region else {
+            return Ok(());
+        };
         for (src, dst_offset) in &job.spans {
-            job.region.write(*dst_offset, src.bytes())?;
+            region.write(*dst_offset, src.bytes())?;
         }
         Ok(())
+    }
+
+    fn pin_host(&self, _chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, BackendError> {
+        Ok(None)
+    }
+
+    fn event_pool(
+        &self,
+        _device: usize,
+        _count: u32,
+    ) -> Result<Option<Arc<dyn EventPool>>, BackendError> {
+        Ok(None)
     }
 }
 

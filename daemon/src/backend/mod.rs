@@ -4,10 +4,13 @@
 //! the copies from the host store into it. The host backend (shared-memory regions and memcpy)
 //! runs everywhere; the CUDA backend (IPC-exported `cuMemAlloc` memory and async copies) is the
 //! reason the project exists. Everything above this module is backend-agnostic.
-#![forbid(unsafe_code)]
+// Only `cuda` calls FFI; everything else here is safe code.
+#![deny(unsafe_code)]
 
+pub mod cuda;
 pub mod host;
 
+use std::any::Any;
 use std::sync::Arc;
 
 use crate::store::HostSlice;
@@ -58,6 +61,10 @@ pub enum BackendError {
     OutOfBounds { offset: u64, bytes: u64, size: u64 },
     #[error("copy failed: {0}")]
     Copy(String),
+    #[error("pinning {bytes} bytes of host memory failed: {reason}")]
+    Pin { bytes: u64, reason: String },
+    #[error("cannot create {count} interprocess events: {reason}")]
+    Events { count: u32, reason: String },
 }
 
 /// Device memory that clients map: a staging arena or a resident region. Freed on drop.
@@ -66,13 +73,49 @@ pub trait DeviceRegion: Send + Sync {
     fn handle(&self) -> RegionHandle;
     /// Writes `src` at `offset`. Runs only on the device's copy thread.
     fn write(&self, offset: u64, src: &[u8]) -> Result<(), BackendError>;
+    fn as_any(&self) -> &dyn Any;
 }
 
-/// One group's bytes to move: from store slices to consecutive places in a region.
+/// A session's interprocess events, exported once; indices are 1-based (0 means "no event").
+#[allow(clippy::len_without_is_empty)] // a pool is never empty: it is made with its size
+pub trait EventPool: Send + Sync {
+    fn len(&self) -> u32;
+    /// The exported handles, in index order (index i is `handles()[i - 1]`).
+    fn handles(&self) -> Vec<Vec<u8>>;
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// What keeps host memory page-locked; dropping it unlocks the memory.
+pub type PinGuard = Box<dyn Any + Send + Sync>;
+
+/// One unit of work for a device's copy thread: wait on events, copy store slices into a
+/// region, record an event. A job without a region only orders events (it merges the free
+/// events of a cached block into one, off the copy stream).
 pub struct CopyJob {
-    pub region: Arc<dyn DeviceRegion>,
+    pub region: Option<Arc<dyn DeviceRegion>>,
     /// (source, destination offset in the region).
     pub spans: Vec<(HostSlice, u64)>,
+    pub events: Option<Arc<dyn EventPool>>,
+    /// Events to wait on before writing (the free events of the space's previous occupants).
+    pub wait: Vec<u32>,
+    /// Event to record once the bytes are written (the ready event).
+    pub record: Option<u32>,
+    /// Return only once the bytes are in place (resident regions have no ready event).
+    pub synchronous: bool,
+}
+
+impl CopyJob {
+    /// A plain copy with no events.
+    pub fn copy(region: Arc<dyn DeviceRegion>, spans: Vec<(HostSlice, u64)>) -> CopyJob {
+        CopyJob {
+            region: Some(region),
+            spans,
+            events: None,
+            wait: Vec::new(),
+            record: None,
+            synchronous: false,
+        }
+    }
 }
 
 impl CopyJob {
@@ -94,6 +137,14 @@ pub trait Backend: Send + Sync + 'static {
         purpose: &'static str,
     ) -> Result<Arc<dyn DeviceRegion>, BackendError>;
     /// Runs on the device's copy thread. Returns once the client may be told the bytes are
-    /// staged (host: the bytes are in place).
+    /// staged (host: the bytes are in place; CUDA: the copy and its ready event are queued).
     fn copy(&self, device: usize, job: &CopyJob) -> Result<(), BackendError>;
+    /// Page-locks host ranges (a store arena, in chunks) for fast device copies.
+    fn pin_host(&self, chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, BackendError>;
+    /// Interprocess events for one session; None where the backend needs none (host).
+    fn event_pool(
+        &self,
+        device: usize,
+        count: u32,
+    ) -> Result<Option<Arc<dyn EventPool>>, BackendError>;
 }

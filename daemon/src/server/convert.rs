@@ -109,7 +109,7 @@ pub fn opened(o: &OpenedSession) -> pb::OpenSessionResponse {
             .collect(),
         staging_bytes: o.shared.staging_bytes,
         resident_bytes: o.shared.resident_bytes,
-        event_handles: Vec::new(),
+        event_handles: o.event_handles.clone(),
     }
 }
 
@@ -133,6 +133,7 @@ pub fn status_of(e: &CoreError) -> Status {
             }
             StoreError::UnknownModel(_) | StoreError::UnknownUpload(_) => Status::not_found(msg),
             StoreError::NotOwner(_) => Status::permission_denied(msg),
+            StoreError::Pin(_) => Status::resource_exhausted(msg),
         },
         CoreError::Layout(_) | CoreError::Budget(_) => Status::invalid_argument(msg),
         CoreError::Backend(BackendError::Alloc { .. }) => Status::resource_exhausted(msg),

@@ -19,6 +19,7 @@ use weightstream_client::proto::weight_stream_server::WeightStreamServer;
 
 pub use self::convert::{dtype_from_pb, dtype_to_pb};
 use crate::backend::Backend;
+use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
 use crate::config::{BackendChoice, Config};
 use crate::core::Daemon;
@@ -83,13 +84,22 @@ fn select_backend(
             tracing::info!("backend: host (requested)");
             Ok(Arc::new(HostBackend::new(shm.clone())))
         }
-        BackendChoice::Auto => {
-            tracing::info!("backend: host (this build has no CUDA backend)");
-            Ok(Arc::new(HostBackend::new(shm.clone())))
+        BackendChoice::Auto => match CudaBackend::new() {
+            Ok(cuda) => {
+                tracing::info!("backend: cuda (driver and device found)");
+                Ok(Arc::new(cuda))
+            }
+            Err(why) => {
+                tracing::info!("backend: host (CUDA unavailable: {why})");
+                Ok(Arc::new(HostBackend::new(shm.clone())))
+            }
+        },
+        BackendChoice::Cuda => {
+            let cuda = CudaBackend::new()
+                .map_err(|why| ServeError::Backend(format!("cuda was requested but {why}")))?;
+            tracing::info!("backend: cuda (requested)");
+            Ok(Arc::new(cuda))
         }
-        BackendChoice::Cuda => Err(ServeError::Backend(
-            "cuda was requested but this build has no CUDA backend".into(),
-        )),
     }
 }
 
@@ -166,42 +176,54 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
         }
     });
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    // Sent once the sessions are closed: the drain deadline counts from then, not from start.
+    let (draining_tx, draining_rx) = oneshot::channel::<()>();
     let d = daemon.clone();
     let path = socket.clone();
-    let task =
-        tokio::spawn(async move {
-            let shutdown = {
-                let d = d.clone();
-                async move {
-                    let _ = stop_rx.await;
-                    tracing::info!("stopping: closing sessions");
-                    health
-                        .set_not_serving::<WeightStreamServer<service::Service>>()
-                        .await;
-                    d.shutdown().await;
-                }
-            };
-            let server = tonic::transport::Server::builder()
-                .add_service(health_service)
-                .add_service(reflection)
-                .add_service(service)
-                .serve_with_incoming_shutdown(conn::incoming(listener, closed_tx), shutdown);
-            let result =
-                match tokio::time::timeout(drain + Duration::from_secs(3600 * 24 * 365), server)
-                    .await
-                {
-                    Ok(r) => r.map_err(ServeError::from),
-                    Err(_) => Ok(()),
-                };
-            d.store.clear();
-            let _ = std::fs::remove_file(&path);
-            let left = d.shm.sweep();
-            if left > 0 {
-                tracing::warn!(left, "removed shared memory still held at exit");
+    let task = tokio::spawn(async move {
+        let shutdown = {
+            let d = d.clone();
+            async move {
+                let _ = stop_rx.await;
+                tracing::info!("stopping: closing sessions");
+                health
+                    .set_not_serving::<WeightStreamServer<service::Service>>()
+                    .await;
+                d.shutdown().await;
+                let _ = draining_tx.send(());
             }
-            tracing::info!("stopped");
-            result
-        });
+        };
+        let server = tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(service)
+            .serve_with_incoming_shutdown(conn::incoming(listener, closed_tx), shutdown);
+        let deadline = async move {
+            match draining_rx.await {
+                Ok(()) => tokio::time::sleep(drain).await,
+                // The server ended without a stop request: nothing to bound.
+                Err(_) => std::future::pending().await,
+            }
+        };
+        let result = tokio::select! {
+            r = server => r.map_err(ServeError::from),
+            () = deadline => {
+                tracing::warn!(
+                    secs = drain.as_secs(),
+                    "drain timeout: cutting the connections still open"
+                );
+                Ok(())
+            }
+        };
+        d.store.clear();
+        let _ = std::fs::remove_file(&path);
+        let left = d.shm.sweep();
+        if left > 0 {
+            tracing::warn!(left, "removed shared memory still held at exit");
+        }
+        tracing::info!("stopped");
+        result
+    });
     tracing::info!(socket = %socket.display(), "serving");
     Ok(ServerHandle {
         daemon,

@@ -14,10 +14,11 @@ use weightstream_client::proto::client_message::Msg;
 use weightstream_client::proto::server_message::Msg as Out;
 
 use super::arena::{AllocError, BlockState, StagingArena};
+use super::events::EventBook;
 use super::layout::GroupPlacement;
 use super::plan::{CursorMove, GroupId, Plan};
 use super::{CloseReason, Control, Outbound, SessionShared, SessionStats};
-use crate::backend::{CopyJob, DeviceRegion};
+use crate::backend::{CopyJob, DeviceRegion, EventPool};
 use crate::residency::ResidentLease;
 use crate::scheduler::{CopyError, CopyOutcome, CopyRequest, CopyScheduler, Priority};
 use crate::store::Model;
@@ -36,12 +37,17 @@ pub struct ActorParts {
     pub max_live_tickets: u32,
     pub max_plan_length: u32,
     pub prefetch_depth: usize,
+    /// The session's interprocess events (CUDA); None on the host backend.
+    pub events: Option<Arc<dyn EventPool>>,
 }
 
 struct CopyDone {
-    group: GroupId,
+    /// None for an event-only job.
+    group: Option<GroupId>,
     priority: Priority,
     outcome: CopyOutcome,
+    /// Event slots whose waits are now queued: free to hand out again.
+    returns: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +61,7 @@ struct Ticket {
     place: Place,
     staged: bool,
     acquired: Instant,
+    free_event: u32,
 }
 
 struct Actor {
@@ -72,6 +79,7 @@ struct Actor {
     prefetch_inflight: usize,
     done_tx: mpsc::UnboundedSender<CopyDone>,
     outbox: Vec<pb::ServerMessage>,
+    events: Option<EventBook>,
 }
 
 /// Starts the actor; `on_finish` runs after teardown, before waiters are told.
@@ -83,6 +91,7 @@ pub fn spawn(
 ) {
     let (done_tx, done_rx) = mpsc::unbounded_channel();
     let arena = StagingArena::new(parts.staging.size(), parts.alignment);
+    let events = parts.events.clone().map(EventBook::new);
     let actor = Actor {
         p: parts,
         arena,
@@ -95,6 +104,7 @@ pub fn spawn(
         prefetch_inflight: 0,
         done_tx,
         outbox: Vec::new(),
+        events,
     };
     let span = tracing::info_span!("session", id = %actor.p.shared.id);
     tokio::spawn(tracing::Instrument::instrument(
@@ -107,14 +117,14 @@ pub fn spawn(
     ));
 }
 
-fn staged(ticket: u64, region: u32, offset: u64) -> pb::ServerMessage {
+fn staged(ticket: u64, region: u32, offset: u64, events: (u32, u32)) -> pb::ServerMessage {
     pb::ServerMessage {
         msg: Some(Out::Staged(pb::Staged {
             ticket,
             region,
             offset,
-            ready_event: 0,
-            free_event: 0,
+            ready_event: events.0,
+            free_event: events.1,
         })),
     }
 }
@@ -293,9 +303,11 @@ impl Actor {
                     place: Place::Resident,
                     staged: true,
                     acquired: now,
+                    free_event: 0,
                 },
             );
-            self.outbox.push(staged(ticket, region, offset));
+            // Resident bytes were copied before the session opened: no events to order.
+            self.outbox.push(staged(ticket, region, offset, (0, 0)));
             return;
         }
         self.tickets.insert(
@@ -305,6 +317,7 @@ impl Actor {
                 place: Place::Staging,
                 staged: false,
                 acquired: now,
+                free_event: 0,
             },
         );
         if self.arena.get(group).is_some() {
@@ -337,11 +350,32 @@ impl Actor {
     }
 
     fn mark_staged(&mut self, ticket: u64, offset: u64) {
-        if let Some(t) = self.tickets.get_mut(&ticket) {
-            t.staged = true;
-            let stall = t.acquired.elapsed().as_nanos() as u64;
-            SessionStats::bump(&self.p.shared.stats.stall_ns, stall);
-            self.outbox.push(staged(ticket, 0, offset));
+        let Some(t) = self.tickets.get_mut(&ticket) else {
+            return;
+        };
+        let events = match &mut self.events {
+            None => Ok((0, 0)),
+            Some(book) => book.ticket(t.group),
+        };
+        match events {
+            Ok(events) => {
+                t.staged = true;
+                t.free_event = events.1;
+                let stall = t.acquired.elapsed().as_nanos() as u64;
+                SessionStats::bump(&self.p.shared.stats.stall_ns, stall);
+                self.outbox.push(staged(ticket, 0, offset, events));
+            }
+            Err(e) => {
+                let group = t.group;
+                self.tickets.remove(&ticket);
+                self.arena.unhold(group);
+                let message = format!("acquire: {e}; release tickets first");
+                self.outbox.push(fault(
+                    ticket,
+                    pb::FaultCode::FaultResourceExhausted,
+                    message,
+                ));
+            }
         }
     }
 
@@ -372,8 +406,23 @@ impl Actor {
                         &self.p.shared.stats.evictions,
                         placement.evicted.len() as u64,
                     );
-                    self.submit(group, placement.offset, Priority::Demand);
-                    self.join(ticket, group);
+                    if self.submit(
+                        group,
+                        placement.offset,
+                        Priority::Demand,
+                        &placement.evicted,
+                    ) {
+                        self.join(ticket, group);
+                    } else {
+                        self.tickets.remove(&ticket);
+                        let message = "acquire: all interprocess events of the session are in \
+                                       use; release tickets first";
+                        self.outbox.push(fault(
+                            ticket,
+                            pb::FaultCode::FaultResourceExhausted,
+                            message.into(),
+                        ));
+                    }
                 }
                 Err(AllocError::NoSpace { .. }) if self.inflight > 0 => return,
                 Err(e) => return self.fail_pending(e),
@@ -401,35 +450,61 @@ impl Actor {
         }
     }
 
-    fn submit(&mut self, group: GroupId, offset: u64, priority: Priority) {
+    /// Queues the copy of a freshly placed block (after the free events of the blocks it
+    /// evicted). False when no event is left for it: the block is dropped again.
+    fn submit(
+        &mut self,
+        group: GroupId,
+        offset: u64,
+        priority: Priority,
+        evicted: &[GroupId],
+    ) -> bool {
         let layout = &self.p.groups[group as usize];
         let spans = layout
             .tensors
             .iter()
             .map(|&(t, rel)| (self.p.model.slice(t), offset + rel))
             .collect();
-        let tx = self.done_tx.clone();
-        self.inflight += 1;
+        let mut job = CopyJob::copy(self.p.staging.clone(), spans);
+        if let Some(book) = &mut self.events {
+            match book.place(group, evicted) {
+                Ok(ev) => {
+                    job.events = Some(book.pool().clone());
+                    job.record = Some(ev.ready);
+                    job.wait = ev.wait;
+                }
+                Err(_) => {
+                    self.arena.remove(group);
+                    return false;
+                }
+            }
+        }
         if priority == Priority::Prefetch {
             self.prefetch_inflight += 1;
             SessionStats::bump(&self.p.shared.stats.prefetches, 1);
         }
+        self.queue(Some(group), priority, job);
+        true
+    }
+
+    fn queue(&mut self, group: Option<GroupId>, priority: Priority, job: CopyJob) {
+        let tx = self.done_tx.clone();
+        let returns = job.wait.clone();
+        self.inflight += 1;
         let shared = &self.p.shared;
         self.p.scheduler.submit(
             shared.device,
             CopyRequest {
                 session: shared.number,
-                tag: group,
+                tag: group.unwrap_or(u32::MAX),
                 priority,
-                job: CopyJob {
-                    region: self.p.staging.clone(),
-                    spans,
-                },
+                job,
                 done: Box::new(move |outcome| {
                     let _ = tx.send(CopyDone {
                         group,
                         priority,
                         outcome,
+                        returns,
                     });
                 }),
             },
@@ -461,50 +536,79 @@ impl Actor {
                         placement.evicted.len() as u64,
                     );
                     self.used.remove(&group);
-                    chosen.push((group, placement.offset));
+                    chosen.push((group, placement));
                 }
                 Err(_) => break,
             }
         }
-        for (group, offset) in chosen {
-            self.submit(group, offset, Priority::Prefetch);
+        let mut chosen = chosen.into_iter();
+        for (group, placement) in chosen.by_ref() {
+            if !self.submit(
+                group,
+                placement.offset,
+                Priority::Prefetch,
+                &placement.evicted,
+            ) {
+                break;
+            }
+        }
+        // Out of events: blocks placed but not queued must not stay "copying" forever.
+        for (group, _) in chosen {
+            self.arena.remove(group);
         }
     }
 
     fn on_copy_done(&mut self, done: CopyDone) {
         self.inflight -= 1;
+        if let Some(book) = &mut self.events {
+            book.give_back(&done.returns);
+        }
+        let Some(group) = done.group else {
+            if let Err(e) = done.outcome.result {
+                tracing::error!(error = %e, "event merge failed");
+            }
+            return;
+        };
         if done.priority == Priority::Prefetch {
             self.prefetch_inflight -= 1;
         }
-        let waiters = self.waiting.remove(&done.group).unwrap_or_default();
-        match done.outcome.result {
+        let done = (group, done.outcome);
+        self.on_group_copied(done.0, done.1);
+        self.serve_pending();
+        self.prefetch();
+        self.publish_counts();
+    }
+
+    fn on_group_copied(&mut self, group: GroupId, outcome: CopyOutcome) {
+        let waiters = self.waiting.remove(&group).unwrap_or_default();
+        match outcome.result {
             Ok(()) => {
                 let stats = self.stats();
                 SessionStats::bump(&stats.copies, 1);
-                SessionStats::bump(&stats.bytes_copied, done.outcome.bytes);
-                self.arena.mark_valid(done.group);
-                let offset = self.arena.get(done.group).map_or(0, |b| b.offset);
+                SessionStats::bump(&stats.bytes_copied, outcome.bytes);
+                self.arena.mark_valid(group);
+                let offset = self.arena.get(group).map_or(0, |b| b.offset);
                 for ticket in waiters {
                     self.mark_staged(ticket, offset);
                 }
             }
             Err(e) => {
-                self.arena.remove(done.group);
-                self.used.remove(&done.group);
+                self.arena.remove(group);
+                self.used.remove(&group);
+                if let Some(book) = &mut self.events {
+                    book.forget(group);
+                }
                 if !matches!(e, CopyError::Cancelled) {
-                    tracing::error!(group = done.group, error = %e, "copy failed");
+                    tracing::error!(group, error = %e, "copy failed");
                 }
                 for ticket in waiters {
                     self.tickets.remove(&ticket);
-                    let message = format!("acquire: copy of group {} failed: {e}", done.group);
+                    let message = format!("acquire: copy of group {group} failed: {e}");
                     self.outbox
                         .push(fault(ticket, pb::FaultCode::FaultInternal, message));
                 }
             }
         }
-        self.serve_pending();
-        self.prefetch();
-        self.publish_counts();
     }
 
     fn on_release(&mut self, ticket: u64) {
@@ -524,10 +628,23 @@ impl Actor {
             ));
             return;
         }
-        let (group, place) = (t.group, t.place);
+        let (group, place, free) = (t.group, t.place, t.free_event);
         self.tickets.remove(&ticket);
         if place == Place::Staging {
             self.arena.unhold(group);
+            let merge = self.events.as_mut().and_then(|b| b.release(group, free));
+            if let Some(merge) = merge {
+                // Demand class: it must be queued ahead of any copy that waits on `into`.
+                let job = CopyJob {
+                    region: None,
+                    spans: Vec::new(),
+                    events: self.events.as_ref().map(|b| b.pool().clone()),
+                    wait: merge.wait,
+                    record: Some(merge.into),
+                    synchronous: false,
+                };
+                self.queue(None, Priority::Demand, job);
+            }
         }
         SessionStats::bump(&self.stats().releases, 1);
         self.serve_pending();

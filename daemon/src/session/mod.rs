@@ -7,6 +7,7 @@
 
 mod actor;
 pub mod arena;
+pub mod events;
 pub mod layout;
 pub mod plan;
 

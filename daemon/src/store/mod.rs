@@ -18,9 +18,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use self::safetensors::{DType, HeaderError, TensorEntry};
 use self::shm::{ShmDir, ShmSegment};
 pub use self::sources::{SourceError, resolve_sources};
+use crate::backend::{Backend, BackendError, PinGuard};
 
-/// Alignment of each tensor in an arena (what device copies and tensor views like).
-pub const TENSOR_ALIGN: u64 = 256;
+/// Alignment of each tensor in an arena: a page, so that the arena can be page-locked in
+/// chunks that end on tensor boundaries (a copy never spans two registrations).
+pub const TENSOR_ALIGN: u64 = 4096;
+/// Page-lock chunks are about this large (and never split a tensor).
+const PIN_CHUNK: u64 = 1 << 30;
 /// Load progress is reported at least this often (in bytes).
 const PROGRESS_STEP: u64 = 64 << 20;
 
@@ -73,12 +77,24 @@ pub enum StoreError {
     },
     #[error("upload of {bytes} bytes exceeds max_upload_bytes = {limit}")]
     UploadTooLarge { bytes: u64, limit: u64 },
+    #[error(transparent)]
+    Pin(#[from] BackendError),
 }
 
 /// A shared-memory arena holding one model's tensors; written once, then read-only.
-#[derive(Debug)]
 pub struct HostArena {
+    /// Declared before `segment`: the memory is unlocked before it is unmapped.
+    _pin: Option<PinGuard>,
     segment: ShmSegment,
+}
+
+impl std::fmt::Debug for HostArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostArena")
+            .field("segment", &self.segment)
+            .field("pinned", &self._pin.is_some())
+            .finish()
+    }
 }
 
 impl HostArena {
@@ -216,6 +232,7 @@ struct Inner {
 
 pub struct Store {
     shm: Arc<ShmDir>,
+    backend: Arc<dyn Backend>,
     limits: StoreLimits,
     inner: Mutex<Inner>,
     /// Loads run one at a time, so two loads of the same files make one copy.
@@ -226,9 +243,10 @@ pub struct Store {
 pub type Progress<'a> = &'a mut dyn FnMut(u64, u64, &Path);
 
 impl Store {
-    pub fn new(shm: Arc<ShmDir>, limits: StoreLimits) -> Store {
+    pub fn new(shm: Arc<ShmDir>, backend: Arc<dyn Backend>, limits: StoreLimits) -> Store {
         Store {
             shm,
+            backend,
             limits,
             inner: Mutex::new(Inner::default()),
             load_lock: Mutex::new(()),
@@ -258,7 +276,10 @@ impl Store {
         }
         let plan = self.plan_load(&files)?;
         let total: u64 = plan.iter().map(|(_, e, _)| e.nbytes).sum();
-        let arena_len = plan.last().map_or(0, |(_, e, off)| off + e.nbytes);
+        let arena_len = align_up(
+            plan.last().map_or(0, |(_, e, off)| off + e.nbytes),
+            TENSOR_ALIGN,
+        );
         let mut segment = self
             .shm
             .create("model", arena_len, 0o640)
@@ -267,7 +288,7 @@ impl Store {
                 source,
             })?;
         copy_tensors(&plan, &mut segment, total, progress)?;
-        let tensors = plan
+        let tensors: Vec<StoredTensor> = plan
             .into_iter()
             .map(|(_, e, offset)| StoredTensor {
                 name: e.name,
@@ -282,12 +303,14 @@ impl Store {
         } else {
             name.to_string()
         };
+        progress(total, total, Path::new("page-locking host memory"));
+        let arena = self.pin(segment, &tensors)?;
         let model = Arc::new(Model::new(
             id.clone(),
             name,
             ModelSource::File,
             tensors,
-            HostArena { segment },
+            arena,
         ));
         self.insert(model.clone());
         Ok((model, false))
@@ -366,6 +389,7 @@ impl Store {
                 limit: self.limits.max_upload_bytes,
             });
         }
+        let offset = align_up(offset, TENSOR_ALIGN);
         let segment =
             self.shm
                 .create("upload", offset, 0o660)
@@ -410,18 +434,11 @@ impl Store {
                 Some(_) => inner.uploads.remove(upload_id).expect("present"),
             }
         };
-        let actual = upload.segment.file_len().map_err(|source| StoreError::Io {
-            path: upload.segment.path().to_path_buf(),
-            source,
-        })?;
-        if actual < upload.segment.size() {
-            return Err(StoreError::UploadTruncated {
-                path: upload.segment.path().to_path_buf(),
-                expected: upload.segment.size(),
-                actual,
-            });
-        }
-        let id = content_identity(&upload.tensors, upload.segment.bytes());
+        // The client can still write or truncate its upload file: copy the bytes into a
+        // segment only the daemon writes, with positioned reads (a truncated file is an error
+        // here, never a SIGBUS), and hash that copy.
+        let segment = self.seal_upload(&upload)?;
+        let id = content_identity(&upload.tensors, segment.bytes());
         let _serial = self.load_lock.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(model) = self.add_ref(&id) {
             return Ok((model, true));
@@ -431,17 +448,54 @@ impl Store {
         } else {
             upload.name
         };
+        let arena = self.pin(segment, &upload.tensors)?;
         let model = Arc::new(Model::new(
             id,
             name,
             ModelSource::Upload,
             upload.tensors,
-            HostArena {
-                segment: upload.segment,
-            },
+            arena,
         ));
         self.insert(model.clone());
         Ok((model, false))
+    }
+
+    fn seal_upload(&self, upload: &Upload) -> Result<ShmSegment, StoreError> {
+        let path = upload.segment.path();
+        let io = |source| StoreError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let expected = upload.segment.size();
+        let file = std::fs::File::open(path).map_err(io)?;
+        let truncated = |actual| StoreError::UploadTruncated {
+            path: path.to_path_buf(),
+            expected,
+            actual,
+        };
+        let actual = file.metadata().map_err(io)?.len();
+        if actual < expected {
+            return Err(truncated(actual));
+        }
+        let mut segment = self
+            .shm
+            .create("model", expected, 0o640)
+            .map_err(|source| StoreError::Arena {
+                bytes: expected,
+                source,
+            })?;
+        let bytes = segment.bytes_mut();
+        for t in &upload.tensors {
+            let dst = &mut bytes[t.offset as usize..(t.offset + t.nbytes) as usize];
+            file.read_exact_at(dst, t.offset)
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof => {
+                        truncated(file.metadata().map_or(0, |m| m.len()))
+                    }
+                    _ => io(e),
+                })?;
+        }
+        Ok(segment)
     }
 
     /// Drops the uploads a closed connection left uncommitted.
@@ -450,6 +504,26 @@ impl Store {
         let before = inner.uploads.len();
         inner.uploads.retain(|_, u| u.owner != owner);
         before - inner.uploads.len()
+    }
+
+    /// Page-locks a filled arena (CUDA) in chunks that end on tensor boundaries.
+    fn pin(&self, segment: ShmSegment, tensors: &[StoredTensor]) -> Result<HostArena, StoreError> {
+        let base = segment.bytes().as_ptr() as usize;
+        let chunks = pin_chunks(tensors, segment.size())
+            .into_iter()
+            .map(|(start, len)| (base + start as usize, len as usize))
+            .collect::<Vec<_>>();
+        let started = std::time::Instant::now();
+        let pin = self.backend.pin_host(&chunks)?;
+        if pin.is_some() {
+            tracing::info!(
+                bytes = segment.size(),
+                chunks = chunks.len(),
+                secs = started.elapsed().as_secs_f64(),
+                "host memory page-locked"
+            );
+        }
+        Ok(HostArena { _pin: pin, segment })
     }
 
     fn add_ref(&self, id: &str) -> Option<Arc<Model>> {
@@ -588,6 +662,25 @@ fn copy_tensors(
     Ok(())
 }
 
+/// Ranges of about PIN_CHUNK bytes that start on a tensor and end on a page (tensors are
+/// page-aligned), covering every tensor; `len` bounds the last.
+fn pin_chunks(tensors: &[StoredTensor], len: u64) -> Vec<(u64, u64)> {
+    let mut sorted: Vec<(u64, u64)> = tensors.iter().map(|t| (t.offset, t.nbytes)).collect();
+    sorted.sort_unstable();
+    let mut chunks: Vec<(u64, u64)> = Vec::new();
+    for (offset, nbytes) in sorted {
+        let end = align_up(offset + nbytes, TENSOR_ALIGN).min(len);
+        match chunks.last_mut() {
+            Some((start, clen)) if end - *start <= PIN_CHUNK && offset <= *start + *clen => {
+                *clen = (*clen).max(end - *start);
+            }
+            _ if end > offset => chunks.push((offset, end - offset)),
+            _ => {}
+        }
+    }
+    chunks
+}
+
 /// Same files (device, inode, size, mtime) give the same id.
 fn file_identity(files: &[PathBuf]) -> Result<String, StoreError> {
     let mut hasher = blake3::Hasher::new();
@@ -629,4 +722,39 @@ fn default_name(files: &[PathBuf]) -> String {
     base.file_stem()
         .map(|s| s.to_string_lossy().into_owned())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t(offset: u64, nbytes: u64) -> StoredTensor {
+        StoredTensor {
+            name: String::new(),
+            dtype: DType::U8,
+            shape: vec![nbytes],
+            offset,
+            nbytes,
+        }
+    }
+
+    #[test]
+    fn pin_chunks_cover_every_tensor_and_never_split_one() {
+        let g = 1u64 << 30;
+        let mb = 1u64 << 20;
+        let tensors = [
+            t(0, 100),
+            t(4096, 600 * mb),
+            t(4096 + 600 * mb, 600 * mb),
+            t(2 * g, 0),
+        ];
+        let len = align_up(4096 + 1200 * mb, 4096);
+        let chunks = pin_chunks(&tensors, len);
+        assert_eq!(
+            chunks,
+            vec![(0, 4096 + 600 * mb), (4096 + 600 * mb, 600 * mb)]
+        );
+        let big = [t(0, 3 * g)];
+        assert_eq!(pin_chunks(&big, 3 * g), vec![(0, 3 * g)]);
+    }
 }

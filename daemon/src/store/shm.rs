@@ -106,10 +106,9 @@ pub struct ShmSegment {
 impl ShmSegment {
     fn mapped(mut self, file: &File) -> io::Result<ShmSegment> {
         // SAFETY: the file is one we just created in our own prefix with create_new, sized and
-        // reserved it; the only other writers are clients writing an upload region before
-        // commit, and we treat the mapping as plain bytes (no references into it outlive a
-        // read of bytes whose content we validate). Truncation by a client is checked with
-        // `file_len` before an upload is read.
+        // reserved. Clients get write access only to upload files, which the daemon never
+        // reads through this mapping (commit copies them with positioned reads), so a client
+        // that truncates or rewrites one cannot fault or change what the daemon reads.
         self.map = Some(unsafe { memmap2::MmapOptions::new().map_mut(file)? });
         Ok(self)
     }
@@ -135,11 +134,6 @@ impl ShmSegment {
             Some(m) => &mut m[..size],
             None => &mut [],
         }
-    }
-
-    /// Size of the file now: a client could have truncated an upload it was given.
-    pub fn file_len(&self) -> io::Result<u64> {
-        Ok(std::fs::metadata(&self.path)?.len())
     }
 }
 
