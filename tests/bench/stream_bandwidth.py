@@ -85,7 +85,9 @@ def upload_model(stub, total: int):
 LOOKAHEAD = 8
 
 
-def run_pass(session, order, compute=None, xs=None, cpu=None):
+def run_pass(
+    session, order, compute=None, xs=None, cpu=None, timeline=None, early_free=False, no_wait=False
+):
     """One step over `order`: acquire, wait on the ready event, (compute), free, release.
     Keeps LOOKAHEAD acquires in flight, as a trainer's client does from a background thread,
     so that no group waits on a message round trip. `cpu` collects the time the loop itself
@@ -97,16 +99,34 @@ def run_pass(session, order, compute=None, xs=None, cpu=None):
         ticket, staged, view = session.wait_staged(tickets[i])
         if i + LOOKAHEAD < len(order):
             tickets.append(session.send_acquire(order[i + LOOKAHEAD]))
-        session.wait_ready(staged)
+        if not no_wait:
+            session.wait_ready(staged)
+        if timeline is not None:
+            timeline.append([torch.cuda.Event(enable_timing=True) for _ in range(2)])
+            timeline[-1][0].record()
+        if early_free:  # probe only: frees the space before the compute reads it
+            session.release(ticket, staged)
         if compute is not None:
             k = view.numel() // 8192
             w = view[: k * 8192].view(torch.bfloat16).view(k, 4096)
             compute(xs[k], w)
-        session.release(ticket, staged)
+        if timeline is not None:
+            timeline[-1][1].record()
+        if not early_free:
+            session.release(ticket, staged)
     if cpu is not None:
         cpu.append(time.monotonic() - started)
     torch.cuda.synchronize()
     return time.monotonic() - started
+
+
+def gaps(timeline):
+    """(total ms the compute stream waited for data, total ms it computed)."""
+    wait = sum(
+        timeline[i][0].elapsed_time(timeline[i - 1][1]) * -1 for i in range(1, len(timeline))
+    )
+    busy = sum(a.elapsed_time(b) for a, b in timeline)
+    return round(wait, 1), round(busy, 1)
 
 
 def main():
@@ -116,6 +136,7 @@ def main():
     parser.add_argument("--size-gib", type=float, default=16.0)
     parser.add_argument("--staging-gib", type=float, default=4.0)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--probe", action="store_true", help="timelines of (b) and variants")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,6 +199,22 @@ def main():
         stats = session.stats()
         both_s = statistics.median(both)
         bound = max(compute_s, transfer_s)
+        probe = {}
+        if args.probe:
+            tl = []
+            probe["b_step_s"] = round(run_pass(session, order, mm, xs, timeline=tl), 4)
+            probe["b_wait_busy_ms"] = gaps(tl)
+            tl = []
+            probe["early_free_step_s"] = round(
+                run_pass(session, order, mm, xs, timeline=tl, early_free=True), 4
+            )
+            probe["early_free_wait_busy_ms"] = gaps(tl)
+            tl = []
+            probe["no_client_wait_step_s"] = round(
+                run_pass(session, order, mm, xs, timeline=tl, no_wait=True), 4
+            )
+            probe["no_client_wait_wait_busy_ms"] = gaps(tl)
+            print("probe", probe, flush=True)
         session.close()
     finally:
         daemon.terminate()
@@ -211,6 +248,7 @@ def main():
             "target": "<= 1.10",
         },
         "lookahead": LOOKAHEAD,
+        "probe": probe,
         "session_stats": {
             "acquires": stats.acquires,
             "hits": stats.hits,
