@@ -73,15 +73,28 @@ impl Lanes {
 
     /// The next request, one session at a time in turn.
     fn pop(&mut self) -> Option<CopyRequest> {
-        let session = self.order.pop_front()?;
-        let queue = self.per_session.get_mut(&session)?;
-        let req = queue.pop_front();
-        if queue.is_empty() {
-            self.per_session.remove(&session);
-        } else {
-            self.order.push_back(session);
+        self.pop_ready(|_| true)
+    }
+
+    /// The next request that `ready` accepts: sessions in turn, and within a session the
+    /// oldest ready one (a copy still waiting on its client's reads lets the others pass).
+    fn pop_ready(&mut self, ready: impl Fn(&CopyRequest) -> bool) -> Option<CopyRequest> {
+        for turn in 0..self.order.len() {
+            let session = self.order[turn];
+            let queue = self.per_session.get_mut(&session)?;
+            let Some(at) = queue.iter().position(&ready) else {
+                continue;
+            };
+            let req = queue.remove(at);
+            self.order.remove(turn);
+            if queue.is_empty() {
+                self.per_session.remove(&session);
+            } else {
+                self.order.push_back(session);
+            }
+            return req;
         }
-        req
+        None
     }
 
     fn take(&mut self, session: u64, tag: u32) -> Option<CopyRequest> {
@@ -237,18 +250,36 @@ fn cancel(req: CopyRequest) {
     });
 }
 
+/// How often queued copies whose events are pending are looked at again.
+const POLL: Duration = Duration::from_micros(50);
+
 fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend) {
     loop {
         let req = {
             let mut state = queue.lock();
             loop {
-                if let Some(r) = state.demand.pop().or_else(|| state.prefetch.pop()) {
+                let ready = |r: &CopyRequest| r.job.ready();
+                if let Some(r) = state
+                    .demand
+                    .pop_ready(ready)
+                    .or_else(|| state.prefetch.pop_ready(ready))
+                {
                     break r;
                 }
-                if state.stopping {
+                let queued = state.demand.len() + state.prefetch.len();
+                if state.stopping && queued == 0 {
                     return;
                 }
-                state = queue.wake.wait(state).unwrap_or_else(|p| p.into_inner());
+                state = if queued == 0 {
+                    queue.wake.wait(state).unwrap_or_else(|p| p.into_inner())
+                } else {
+                    // Waiting on clients' free events: look again shortly.
+                    queue
+                        .wake
+                        .wait_timeout(state, POLL)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                };
             }
         };
         let started = Instant::now();
@@ -307,6 +338,20 @@ mod tests {
         }
         let order: Vec<u32> = std::iter::from_fn(|| lanes.pop()).map(|r| r.tag).collect();
         assert_eq!(order, vec![10, 20, 30, 11, 21, 12]);
+    }
+
+    #[test]
+    fn a_request_that_is_not_ready_lets_others_pass() {
+        let mut lanes = Lanes::default();
+        for (s, t) in [(1, 10), (1, 11), (2, 20)] {
+            lanes.push(req(s, t));
+        }
+        let not_10 = |r: &CopyRequest| r.tag != 10;
+        assert_eq!(lanes.pop_ready(not_10).map(|r| r.tag), Some(11));
+        assert_eq!(lanes.pop_ready(not_10).map(|r| r.tag), Some(20));
+        assert!(lanes.pop_ready(not_10).is_none());
+        assert_eq!(lanes.pop().map(|r| r.tag), Some(10));
+        assert_eq!(lanes.len(), 0);
     }
 
     #[test]

@@ -257,8 +257,7 @@ def main():
             "resyncs": stats.resyncs,
             "stall_ms": round(stats.stall_ns / 1e6, 1),
         },
-        "command": "tests/gpu/run.sh (python3 tests/bench/stream_bandwidth.py --bin "
-        "target/release/weightstream), nvidia-h200 device machine",
+        "command": "PYTHONPATH=$PWD/client-py/src python3 " + " ".join(sys.argv),
     }
     (out / "stream_bandwidth.json").write_text(json.dumps(result, indent=2))
     a, b = result["a_no_compute"], result["b_matmul_per_group"]

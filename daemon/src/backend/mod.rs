@@ -82,17 +82,18 @@ pub trait EventPool: Send + Sync {
     fn len(&self) -> u32;
     /// The exported handles, in index order (index i is `handles()[i - 1]`).
     fn handles(&self) -> Vec<Vec<u8>>;
+    /// Whether the work before the event's latest record is done (a never-recorded event is).
+    fn is_complete(&self, index: u32) -> bool;
     fn as_any(&self) -> &dyn Any;
 }
 
 /// What keeps host memory page-locked; dropping it unlocks the memory.
 pub type PinGuard = Box<dyn Any + Send + Sync>;
 
-/// One unit of work for a device's copy thread: wait on events, copy store slices into a
-/// region, record an event. A job without a region only orders events (it merges the free
-/// events of a cached block into one, off the copy stream).
+/// One unit of work for a device's copy thread: once the events it waits on are complete,
+/// copy store slices into a region and record an event.
 pub struct CopyJob {
-    pub region: Option<Arc<dyn DeviceRegion>>,
+    pub region: Arc<dyn DeviceRegion>,
     /// (source, destination offset in the region).
     pub spans: Vec<(HostSlice, u64)>,
     pub events: Option<Arc<dyn EventPool>>,
@@ -108,7 +109,7 @@ impl CopyJob {
     /// A plain copy with no events.
     pub fn copy(region: Arc<dyn DeviceRegion>, spans: Vec<(HostSlice, u64)>) -> CopyJob {
         CopyJob {
-            region: Some(region),
+            region,
             spans,
             events: None,
             wait: Vec::new(),
@@ -121,6 +122,17 @@ impl CopyJob {
 impl CopyJob {
     pub fn bytes(&self) -> u64 {
         self.spans.iter().map(|(s, _)| s.len() as u64).sum()
+    }
+
+    /// Whether every event the job waits on is complete, so it can run without a device-side
+    /// wait. The scheduler runs only ready jobs: measured on the H200, a copy stream that waits
+    /// on another process's event (a client's free event) stalls the copies far beyond the
+    /// event's completion (see the README's performance notes).
+    pub fn ready(&self) -> bool {
+        match &self.events {
+            Some(pool) => self.wait.iter().all(|&w| pool.is_complete(w)),
+            None => true,
+        }
     }
 }
 

@@ -42,8 +42,7 @@ pub struct ActorParts {
 }
 
 struct CopyDone {
-    /// None for an event-only job.
-    group: Option<GroupId>,
+    group: GroupId,
     priority: Priority,
     outcome: CopyOutcome,
     /// Event slots whose waits are now queued: free to hand out again.
@@ -483,11 +482,11 @@ impl Actor {
             self.prefetch_inflight += 1;
             SessionStats::bump(&self.p.shared.stats.prefetches, 1);
         }
-        self.queue(Some(group), priority, job);
+        self.queue(group, priority, job);
         true
     }
 
-    fn queue(&mut self, group: Option<GroupId>, priority: Priority, job: CopyJob) {
+    fn queue(&mut self, group: GroupId, priority: Priority, job: CopyJob) {
         let tx = self.done_tx.clone();
         let returns = job.wait.clone();
         self.inflight += 1;
@@ -496,7 +495,7 @@ impl Actor {
             shared.device,
             CopyRequest {
                 session: shared.number,
-                tag: group.unwrap_or(u32::MAX),
+                tag: group,
                 priority,
                 job,
                 done: Box::new(move |outcome| {
@@ -563,17 +562,10 @@ impl Actor {
         if let Some(book) = &mut self.events {
             book.give_back(&done.returns);
         }
-        let Some(group) = done.group else {
-            if let Err(e) = done.outcome.result {
-                tracing::error!(error = %e, "event merge failed");
-            }
-            return;
-        };
         if done.priority == Priority::Prefetch {
             self.prefetch_inflight -= 1;
         }
-        let done = (group, done.outcome);
-        self.on_group_copied(done.0, done.1);
+        self.on_group_copied(done.group, done.outcome);
         self.serve_pending();
         self.prefetch();
         self.publish_counts();
@@ -632,18 +624,8 @@ impl Actor {
         self.tickets.remove(&ticket);
         if place == Place::Staging {
             self.arena.unhold(group);
-            let merge = self.events.as_mut().and_then(|b| b.release(group, free));
-            if let Some(merge) = merge {
-                // Demand class: it must be queued ahead of any copy that waits on `into`.
-                let job = CopyJob {
-                    region: None,
-                    spans: Vec::new(),
-                    events: self.events.as_ref().map(|b| b.pool().clone()),
-                    wait: merge.wait,
-                    record: Some(merge.into),
-                    synchronous: false,
-                };
-                self.queue(None, Priority::Demand, job);
+            if let Some(book) = &mut self.events {
+                book.release(group, free);
             }
         }
         SessionStats::bump(&self.stats().releases, 1);

@@ -1,7 +1,9 @@
 //! Which interprocess event means what (CUDA backend): each staged block has a *ready* event
 //! (recorded by the daemon after its copy), each ticket a *free* event (recorded by the client
-//! after its last read, before it sends Release). A copy into reused space first waits on the
-//! free events of the blocks it evicts; only then are those events' slots handed out again.
+//! after its last read, before it sends Release). A copy into reused space runs only after the
+//! free events of the blocks it evicts are complete; only then are their slots handed out
+//! again. A cached block drops the free events that are already complete as new ones arrive,
+//! so a block reused for many steps holds few slots.
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -9,9 +11,6 @@ use std::sync::Arc;
 
 use super::plan::GroupId;
 use crate::backend::EventPool;
-
-/// Free events a cached block may collect before they are merged into one.
-const MERGE_AT: usize = 3;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("all {0} interprocess events of the session are in use")]
@@ -28,13 +27,6 @@ pub struct CopyEvents {
     pub ready: u32,
     /// Free events to wait on; their slots come back once the wait is queued.
     pub wait: Vec<u32>,
-}
-
-/// An event-only job: wait on `wait` (off the copy stream), record `into`.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Merge {
-    pub wait: Vec<u32>,
-    pub into: u32,
 }
 
 pub struct EventBook {
@@ -94,22 +86,19 @@ impl EventBook {
         Ok((ready, self.take()?))
     }
 
-    /// A ticket's free event was recorded; returns a merge to queue when the block has
-    /// collected enough of them (and no slot is left to merge into, it just keeps them).
-    pub fn release(&mut self, group: GroupId, free: u32) -> Option<Merge> {
-        let len = self.blocks.get(&group)?.frees.len();
-        if len + 1 < MERGE_AT {
-            self.blocks.get_mut(&group)?.frees.push(free);
-            return None;
-        }
-        let Ok(into) = self.take() else {
-            self.blocks.get_mut(&group)?.frees.push(free);
-            return None;
+    /// A ticket's free event was recorded: the block keeps it, and gives back the slots of
+    /// its earlier free events that are complete.
+    pub fn release(&mut self, group: GroupId, free: u32) {
+        let Some(block) = self.blocks.get_mut(&group) else {
+            self.free.push(free);
+            return;
         };
-        let block = self.blocks.get_mut(&group)?;
-        let mut wait = std::mem::replace(&mut block.frees, vec![into]);
-        wait.push(free);
-        Some(Merge { wait, into })
+        let pool = &self.pool;
+        let (done, pending): (Vec<u32>, Vec<u32>) =
+            block.frees.drain(..).partition(|&f| pool.is_complete(f));
+        block.frees = pending;
+        block.frees.push(free);
+        self.free.extend(done);
     }
 
     /// A block whose copy failed or was cancelled.
@@ -134,13 +123,17 @@ impl EventBook {
 mod tests {
     use super::*;
 
-    struct Pool(u32);
+    /// A pool whose complete events are listed in the mutex.
+    struct Pool(u32, std::sync::Mutex<Vec<u32>>);
     impl EventPool for Pool {
         fn len(&self) -> u32 {
             self.0
         }
         fn handles(&self) -> Vec<Vec<u8>> {
             Vec::new()
+        }
+        fn is_complete(&self, index: u32) -> bool {
+            self.1.lock().unwrap().contains(&index)
         }
         fn as_any(&self) -> &dyn std::any::Any {
             self
@@ -149,7 +142,7 @@ mod tests {
 
     #[test]
     fn evicting_a_block_waits_on_its_tickets_free_events() {
-        let mut book = EventBook::new(Arc::new(Pool(8)));
+        let mut book = EventBook::new(Arc::new(Pool(8, Default::default())));
         let a = book.place(10, &[]).unwrap();
         assert_eq!(
             a,
@@ -161,8 +154,8 @@ mod tests {
         let (ready, f1) = book.ticket(10).unwrap();
         assert_eq!((ready, f1), (1, 2));
         let (_, f2) = book.ticket(10).unwrap();
-        assert_eq!(book.release(10, f1), None);
-        assert_eq!(book.release(10, f2), None);
+        book.release(10, f1);
+        book.release(10, f2);
         // Block 20 takes 10's space: waits on both tickets' free events.
         let b = book.place(20, &[10]).unwrap();
         assert_eq!(b.wait, vec![2, 3]);
@@ -173,21 +166,24 @@ mod tests {
     }
 
     #[test]
-    fn many_releases_of_a_cached_block_are_merged() {
-        let mut book = EventBook::new(Arc::new(Pool(16)));
+    fn a_cached_block_keeps_only_pending_free_events() {
+        let pool = Arc::new(Pool(16, std::sync::Mutex::new(vec![])));
+        let mut book = EventBook::new(pool.clone());
         book.place(1, &[]).unwrap();
         let frees: Vec<u32> = (0..3).map(|_| book.ticket(1).unwrap().1).collect();
-        assert_eq!(book.release(1, frees[0]), None);
-        assert_eq!(book.release(1, frees[1]), None);
-        let merge = book.release(1, frees[2]).unwrap();
-        assert_eq!(merge.wait, frees);
+        book.release(1, frees[0]);
+        book.release(1, frees[1]);
+        // The first two reads are done; the third is still running.
+        *pool.1.lock().unwrap() = vec![frees[0], frees[1]];
+        book.release(1, frees[2]);
         let evicting = book.place(2, &[1]).unwrap();
-        assert_eq!(evicting.wait, vec![merge.into]);
+        assert_eq!(evicting.wait, vec![frees[2]]);
+        assert_eq!(book.available(), 16 - 2);
     }
 
     #[test]
     fn exhaustion_is_an_error_not_a_panic() {
-        let mut book = EventBook::new(Arc::new(Pool(2)));
+        let mut book = EventBook::new(Arc::new(Pool(2, Default::default())));
         book.place(1, &[]).unwrap();
         book.ticket(1).unwrap();
         assert_eq!(book.ticket(1), Err(Exhausted(2)));

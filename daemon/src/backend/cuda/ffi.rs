@@ -44,6 +44,7 @@ const SYMBOLS: &[&str] = &[
     "cuEventCreate",
     "cuEventDestroy_v2",
     "cuEventRecord",
+    "cuEventQuery",
     "cuIpcGetEventHandle",
     "cuGetErrorName",
     "cuGetErrorString",
@@ -132,8 +133,6 @@ pub struct Device {
     pub total_memory: u64,
     /// High-priority stream for copies.
     pub copy: Handle<sys::CUstream>,
-    /// Stream for event bookkeeping that must not delay copies.
-    pub aux: Handle<sys::CUstream>,
 }
 
 impl Device {
@@ -159,18 +158,16 @@ impl Device {
             pci_bus_id: String::new(),
             total_memory: 0,
             copy: Handle(std::ptr::null_mut()),
-            aux: Handle(std::ptr::null_mut()),
         };
         device.bind()?;
         device.describe()?;
-        let (mut least, mut greatest) = (0, 0);
+        let (mut _least, mut greatest) = (0, 0);
         // SAFETY: writes the priority range of the current context.
         check(
-            unsafe { sys::cuCtxGetStreamPriorityRange(&mut least, &mut greatest) },
+            unsafe { sys::cuCtxGetStreamPriorityRange(&mut _least, &mut greatest) },
             "cuCtxGetStreamPriorityRange",
         )?;
         device.copy = Handle(new_stream(greatest)?);
-        device.aux = Handle(new_stream(least)?);
         Ok(device)
     }
 
@@ -234,14 +231,9 @@ impl Device {
 
     pub fn sync_copies(&self) -> Result<(), CudaError> {
         self.bind()?;
-        // SAFETY: the streams live as long as `self`.
+        // SAFETY: the stream lives as long as `self`.
         check(
             unsafe { sys::cuStreamSynchronize(self.copy.0) },
-            "cuStreamSynchronize",
-        )?;
-        // SAFETY: as above.
-        check(
-            unsafe { sys::cuStreamSynchronize(self.aux.0) },
             "cuStreamSynchronize",
         )
     }
@@ -250,13 +242,10 @@ impl Device {
 impl Drop for Device {
     fn drop(&mut self) {
         if self.bind().is_ok() {
-            // SAFETY: the streams were created in this context and are not used after this.
+            // SAFETY: the stream was created in this context and is not used after this.
             unsafe {
                 if !self.copy.0.is_null() {
                     sys::cuStreamDestroy_v2(self.copy.0);
-                }
-                if !self.aux.0.is_null() {
-                    sys::cuStreamDestroy_v2(self.aux.0);
                 }
                 sys::cuDevicePrimaryCtxRelease_v2(self.dev);
             }
@@ -374,6 +363,13 @@ pub fn wait_event(stream: sys::CUstream, event: sys::CUevent) -> Result<(), Cuda
         unsafe { sys::cuStreamWaitEvent(stream, event, 0) },
         "cuStreamWaitEvent",
     )
+}
+
+/// True when the event is complete (or was never recorded); false while pending or on error
+/// (a wait is then queued, which is always correct).
+pub fn query_event(event: sys::CUevent) -> bool {
+    // SAFETY: the event is live (owned by the session's pool).
+    unsafe { sys::cuEventQuery(event) == sys::CUresult::CUDA_SUCCESS }
 }
 
 pub fn record_event(stream: sys::CUstream, event: sys::CUevent) -> Result<(), CudaError> {

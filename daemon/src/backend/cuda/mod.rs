@@ -104,6 +104,13 @@ impl EventPool for CudaEvents {
         self.handles.clone()
     }
 
+    fn is_complete(&self, index: u32) -> bool {
+        match self.event(index) {
+            Ok(e) => self.device.bind().is_ok() && ffi::query_event(e.0.0),
+            Err(_) => true,
+        }
+    }
+
     fn as_any(&self) -> &dyn Any {
         self
     }
@@ -205,38 +212,29 @@ impl Backend for CudaBackend {
                 "job names events but has no pool".into(),
             )),
         };
-        // Event-only jobs (merging free events) run on the aux stream, off the copy path.
-        let stream = if job.region.is_some() {
-            d.copy.0
-        } else {
-            d.aux.0
-        };
-        let started = std::time::Instant::now();
-        let skip = std::env::var_os("WS_PROBE_SKIP_FREE_WAITS").is_some() && job.region.is_some();
-        for &w in job.wait.iter().filter(|_| !skip) {
-            ffi::wait_event(stream, event(w)?).map_err(copy_err)?;
-        }
-        let waited = started.elapsed();
-        if waited > std::time::Duration::from_millis(1) {
-            // Queuing a wait should not block; if the driver does, the pipeline serialises.
-            tracing::warn!(?waited, events = job.wait.len(), "cuStreamWaitEvent blocked the copy thread");
-        }
-        if let Some(region) = &job.region {
-            let region = region
-                .as_any()
-                .downcast_ref::<CudaRegion>()
-                .ok_or_else(|| BackendError::Copy("not a CUDA region".into()))?;
-            for (src, offset) in &job.spans {
-                let len = src.len() as u64;
-                if offset + len > region.size {
-                    return Err(BackendError::OutOfBounds {
-                        offset: *offset,
-                        bytes: len,
-                        size: region.size,
-                    });
-                }
-                ffi::copy_h2d(region.ptr + offset, src.bytes(), stream).map_err(copy_err)?;
+        let stream = d.copy.0;
+        // The scheduler runs jobs once their events are complete; a wait is queued only for
+        // one that is not (it keeps the order correct, at the cost measured in the README).
+        for &w in &job.wait {
+            if !pool.is_some_and(|p| p.is_complete(w)) {
+                ffi::wait_event(stream, event(w)?).map_err(copy_err)?;
             }
+        }
+        let region = job
+            .region
+            .as_any()
+            .downcast_ref::<CudaRegion>()
+            .ok_or_else(|| BackendError::Copy("not a CUDA region".into()))?;
+        for (src, offset) in &job.spans {
+            let len = src.len() as u64;
+            if offset + len > region.size {
+                return Err(BackendError::OutOfBounds {
+                    offset: *offset,
+                    bytes: len,
+                    size: region.size,
+                });
+            }
+            ffi::copy_h2d(region.ptr + offset, src.bytes(), stream).map_err(copy_err)?;
         }
         if let Some(r) = job.record {
             ffi::record_event(stream, event(r)?).map_err(copy_err)?;
