@@ -20,6 +20,18 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test"
 cargo test --workspace --locked
 
+step "python: .venv with the pinned test requirements (torch, peft, grpcio, pytest)"
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e client-py
+
+step "generated Python stubs are current"
+PYTHON=.venv/bin/python client-py/scripts/gen_proto.sh --check
+
+step "pytest (the Python client and weightstream.torch against the daemon's host backend)"
+cargo build --locked --bin weightstream
+WEIGHTSTREAM_BIN="$PWD/target/debug/weightstream" .venv/bin/python -m pytest -q tests/python
+
 step "ruff (client-py/, tests/)"
 python3 -m pip install --quiet --disable-pip-version-check "ruff==0.17.6"
 py_dirs=()

@@ -1,0 +1,85 @@
+"""Mapping the daemon's regions into this process: shared memory (host backend) or CUDA IPC
+handles opened with ctypes on the driver library (CUDA backend), wrapped as uint8 tensors."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import warnings
+
+import torch
+
+_cuda = None
+
+
+class _IpcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+def _driver():
+    global _cuda
+    if _cuda is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuIpcOpenMemHandle_v2.argtypes = [
+            ctypes.POINTER(ctypes.c_uint64),
+            _IpcMemHandle,
+            ctypes.c_uint,
+        ]
+        lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+        _cuda = lib
+    return _cuda
+
+
+class _DevicePointer:
+    """Lets torch wrap IPC-mapped device memory without a copy (it keeps this object alive)."""
+
+    def __init__(self, ptr: int, size: int):
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+        }
+
+
+class HostRegion:
+    """A shared-memory region, mapped read-only."""
+
+    def __init__(self, path: str, size: int):
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        with warnings.catch_warnings():
+            # The mapping is read-only on purpose: streamed weights are frozen.
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def close(self):
+        self.bytes = None
+        try:
+            self._map.close()
+        except BufferError:
+            # A view is still alive somewhere; the mapping goes when it does.
+            pass
+
+
+class CudaRegion:
+    """Device memory exported by the daemon, opened once per session."""
+
+    def __init__(self, handle: bytes, size: int, device: torch.device):
+        if len(handle) != 64:
+            raise ValueError(f"CUDA IPC handle of {len(handle)} bytes, expected 64")
+        torch.zeros(1, device=device)  # the primary context must be current
+        raw = _IpcMemHandle()
+        ctypes.memmove(ctypes.addressof(raw), handle, 64)
+        ptr = ctypes.c_uint64()
+        res = _driver().cuIpcOpenMemHandle_v2(ctypes.byref(ptr), raw, 1)
+        if res != 0:
+            raise RuntimeError(f"cuIpcOpenMemHandle failed with CUDA error {res}")
+        self.ptr = ptr.value
+        self.bytes = torch.as_tensor(_DevicePointer(self.ptr, size), device=device)
+
+    def close(self):
+        self.bytes = None
+        if self.ptr:
+            _driver().cuIpcCloseMemHandle(self.ptr)
+            self.ptr = 0

@@ -1,0 +1,162 @@
+"""Connection to the daemon: models, uploads, sessions.
+
+The gRPC channel is created lazily in each process (channels do not survive ``fork``, and
+DataLoader workers fork), and every call fails fast with ``DaemonUnavailable`` when the daemon
+is not there.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+
+import grpc
+import torch
+
+from weightstream import _dtypes
+from weightstream.errors import DaemonUnavailable, RequestRejected
+from weightstream.v1 import weightstream_pb2 as pb
+from weightstream.v1 import weightstream_pb2_grpc as rpc
+
+DEFAULT_SOCKET = "/run/weightstream/weightstream.sock"
+SOCKET_ENV = "WEIGHTSTREAM_SOCKET"
+#: Unary calls give up after this many seconds (loads and uploads have none).
+CALL_TIMEOUT = 60.0
+
+
+def socket_path(socket: str | None = None) -> str:
+    """``socket``, else ``$WEIGHTSTREAM_SOCKET``, else the default."""
+    return socket or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+
+
+def rpc_error(socket: str, e: grpc.RpcError) -> Exception:
+    """The exception for a failed call: unavailable daemons apart from refused requests."""
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, None):
+        return DaemonUnavailable(
+            f"cannot reach the weightstream daemon at {socket}: {details} "
+            f"(is `weightstream serve` running? {SOCKET_ENV} names another socket)"
+        )
+    return RequestRejected(code.name, details)
+
+
+class Client:
+    def __init__(self, socket: str | None = None):
+        self.socket = socket_path(socket)
+        self._lock = threading.Lock()
+        self._pid = None
+        self._channel = None
+        self._stub = None
+
+    @property
+    def stub(self) -> rpc.WeightStreamStub:
+        """The stub of this process's channel (made on first use, again after a fork)."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._channel = grpc.insecure_channel(
+                    f"unix://{self.socket}",
+                    options=[
+                        # grpc-core would send the socket path as :authority, which the
+                        # daemon's HTTP/2 stack refuses.
+                        ("grpc.default_authority", "localhost"),
+                        ("grpc.max_receive_message_length", 1 << 30),
+                        ("grpc.max_send_message_length", 1 << 30),
+                    ],
+                )
+                self._stub = rpc.WeightStreamStub(self._channel)
+                self._pid = os.getpid()
+            return self._stub
+
+    def call(self, method: str, request, timeout: float | None = CALL_TIMEOUT):
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise rpc_error(self.socket, e) from None
+
+    def info(self) -> pb.GetInfoResponse:
+        return self.call("GetInfo", pb.GetInfoRequest())
+
+    def load_model(
+        self,
+        paths: Iterable[str],
+        name: str = "",
+        progress: Callable[[pb.LoadProgress], None] | None = None,
+    ) -> pb.ModelManifest:
+        """Loads safetensors files (paths as the daemon sees them) into the store."""
+        request = pb.LoadModelRequest(paths=[os.path.abspath(p) for p in paths], name=name)
+        try:
+            for event in self.stub.LoadModel(request):
+                if event.HasField("manifest"):
+                    return event.manifest
+                if progress is not None:
+                    progress(event.progress)
+        except grpc.RpcError as e:
+            raise rpc_error(self.socket, e) from None
+        raise DaemonUnavailable("LoadModel ended without a manifest")
+
+    def upload_model(
+        self, name: str, tensors: Mapping[str, torch.Tensor]
+    ) -> tuple[pb.ModelManifest, bool]:
+        """Writes tensors into a shared-memory region the daemon makes, then commits them.
+        Returns the manifest and whether an identical model was already stored."""
+        infos = [
+            pb.TensorInfo(name=n, dtype=_dtypes.to_wire(t.dtype), shape=list(t.shape))
+            for n, t in tensors.items()
+        ]
+        begun = self.call("BeginUpload", pb.BeginUploadRequest(name=name, tensors=infos))
+        with open(begun.shm_path, "r+b") as f, mmap.mmap(f.fileno(), begun.size) as m:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                region = torch.frombuffer(m, dtype=torch.uint8)
+            for slot, t in zip(begun.tensors, tensors.values(), strict=True):
+                if slot.nbytes:
+                    src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                    region[slot.offset : slot.offset + slot.nbytes].copy_(src.cpu())
+            del region
+        done = self.call(
+            "CommitUpload", pb.CommitUploadRequest(upload_id=begun.upload_id), timeout=None
+        )
+        return done.manifest, done.deduplicated
+
+    def release_model(self, model_id: str) -> int:
+        return self.call("ReleaseModel", pb.ReleaseModelRequest(model_id=model_id)).refcount
+
+    def list_models(self) -> pb.ListModelsResponse:
+        return self.call("ListModels", pb.ListModelsRequest())
+
+    def list_sessions(self) -> list:
+        return list(self.call("ListSessions", pb.ListSessionsRequest()).sessions)
+
+    def open_session(
+        self,
+        model_id: str,
+        groups: Iterable[tuple[str, list[str]]],
+        vram_budget: int,
+        *,
+        staging_bytes: int = 0,
+        device: torch.device | str | None = None,
+        label: str = "",
+    ):
+        """Opens a session and attaches its stream (see ``weightstream.session.Session``)."""
+        from weightstream.session import Session
+
+        return Session(
+            self,
+            model_id,
+            list(groups),
+            vram_budget,
+            staging_bytes=staging_bytes,
+            device=device,
+            label=label,
+        )
+
+
+def connect(socket: str | None = None) -> Client:
+    """A client of the daemon at ``socket`` (default: ``$WEIGHTSTREAM_SOCKET`` or
+    ``/run/weightstream/weightstream.sock``). Connects lazily; a call to a daemon that is not
+    there raises ``DaemonUnavailable`` at once."""
+    return Client(socket)

@@ -1,0 +1,1 @@
+"""Drop-in adapters for training tools."""

@@ -1,0 +1,340 @@
+"""``weightstream.torch.attach(model, device)``: stream a model's frozen weights through the
+daemon, with outputs and gradients identical to the model run with its weights in place.
+
+Each streamed module's forward becomes an autograd Function that acquires the module's group
+(weight and bias) in forward and again in backward, and saves no view of streamed memory: in
+backward it re-runs the module's own operation on the saved input, under the same autocast
+state, and differentiates that (so the gradient is the one autograd computes for the original
+module, bit for bit). Weights that are read other than through their module's forward (tied
+weights, parametrizations, ``nn.MultiheadAttention``'s ``out_proj``) stay on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+import weightstream
+from weightstream.client import Client
+from weightstream.session import Session
+
+#: Modules smaller than this stay on the device by default: not worth a round trip.
+DEFAULT_MIN_BYTES = 1 << 20
+
+
+@dataclass
+class _Streamed:
+    """What a streamed module's forward needs."""
+
+    handle: Handle
+    module: nn.Module
+    name: str
+    group: int
+    has_bias: bool
+
+
+def _in_backward() -> bool | None:
+    """True while autograd runs a backward pass (a checkpoint's recompute runs inside one);
+    None where torch cannot tell (then the plan needs ``Handle.end_step``)."""
+    graph_task = getattr(torch._C, "_current_graph_task_id", None)
+    return None if graph_task is None else graph_task() != -1
+
+
+def _op(module: nn.Module, x, weight, bias):
+    """The module's own operation with the given weight and bias."""
+    if isinstance(module, nn.Linear):
+        return F.linear(x, weight, bias)
+    if isinstance(module, nn.Conv2d):
+        return module._conv_forward(x, weight, bias)
+    raise TypeError(f"cannot stream {type(module).__name__}")
+
+
+class _StreamedOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, state: _Streamed, x: torch.Tensor):
+        ticket = state.handle._acquire(state, training=True)
+        try:
+            out = _op(state.module, x, *ticket.weights)
+        finally:
+            state.handle._release(ticket)
+        ctx.state = state
+        ctx.autocast = (
+            torch.is_autocast_enabled(x.device.type),
+            torch.get_autocast_dtype(x.device.type),
+        )
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        state: _Streamed = ctx.state
+        enabled, dtype = ctx.autocast
+        ticket = state.handle._acquire(state, training=True)
+        try:
+            with torch.enable_grad(), torch.autocast(x.device.type, dtype, enabled=enabled):
+                x_ = x.detach().requires_grad_(True)
+                out = _op(state.module, x_, *ticket.weights)
+            (grad_x,) = torch.autograd.grad(out, x_, grad_out)
+        finally:
+            state.handle._release(ticket)
+        return None, grad_x
+
+
+def _streamed_forward(state: _Streamed, x, *args, **kwargs):
+    if args or kwargs:
+        raise TypeError(f"{state.name}: streamed modules take one input")
+    if not x.requires_grad:
+        training = torch.is_grad_enabled()
+        with torch.no_grad():
+            ticket = state.handle._acquire(state, training=training)
+            try:
+                return _op(state.module, x, *ticket.weights)
+            finally:
+                state.handle._release(ticket)
+    return _StreamedOp.apply(state, x)
+
+
+class _Acquired:
+    def __init__(self, ticket, has_bias):
+        self.ticket = ticket
+        self.weights = (ticket.tensors[0], ticket.tensors[1] if has_bias else None)
+
+
+@dataclass
+class Handle:
+    """What ``attach`` returns: statistics, plan control, and ``detach``."""
+
+    client: Client
+    session: Session
+    model_id: str
+    device: torch.device
+    streamed: dict[str, _Streamed] = field(default_factory=dict)
+    resident: list[str] = field(default_factory=list)
+    _placeholders: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    _recording: list[int] | None = field(default_factory=list)
+    _seen_backward: bool = False
+
+    # --- used by the streamed modules ---------------------------------------------------
+
+    def _acquire(self, state: _Streamed, training: bool) -> _Acquired:
+        if training:
+            self._record(state.group)
+        ticket = self.session.acquire(state.group)
+        return _Acquired(ticket, state.has_bias)
+
+    def _release(self, acquired: _Acquired):
+        self.session.release(acquired.ticket)
+
+    def _record(self, group: int):
+        """Records the first training step's acquisitions as the plan: the step ends when the
+        first group is acquired again outside a backward pass, after a backward pass ran.
+        (Passes under ``no_grad``, such as sampling, are not recorded.)"""
+        if self._recording is None:
+            return
+        backward = _in_backward()
+        if backward is None:
+            self._recording.append(group)
+            return
+        if self._recording and group == self._recording[0] and not backward and self._seen_backward:
+            self.end_step()
+            return
+        self._seen_backward = self._seen_backward or backward
+        self._recording.append(group)
+
+    # --- public ------------------------------------------------------------------------
+
+    def end_step(self):
+        """Marks the end of the first training step explicitly (attach also detects it): its
+        acquisitions are sent as the plan, and later steps are prefetched along it."""
+        if self._recording:
+            self.session.plan(self._recording)
+        self._recording = None
+
+    def stats(self) -> dict:
+        s = self.session.stats()
+        if s is None:
+            return {}
+        fields = [f.name for f in s.DESCRIPTOR.fields]
+        out = {f: getattr(s, f) for f in fields}
+        out["hit_rate"] = s.hits / s.acquires if s.acquires else 0.0
+        return out
+
+    def detach(self, release: bool = False):
+        """Puts the weights back into the modules (on ``device``) and closes the session;
+        with ``release``, also drops this handle's reference to the daemon's copy (it goes
+        when no other session uses it)."""
+        for state in self.streamed.values():
+            ticket = self.session.acquire(state.group)
+            weight = ticket.tensors[0].to(self.device, copy=True)
+            bias = ticket.tensors[1].to(self.device, copy=True) if state.has_bias else None
+            self.session.release(ticket)
+            m = state.module
+            del m.forward
+            m.weight = nn.Parameter(weight, requires_grad=False)
+            if state.has_bias:
+                m.bias = nn.Parameter(bias, requires_grad=False)
+        self.streamed.clear()
+        self.session.close()
+        if release:
+            self.client.release_model(self.model_id)
+
+
+def _shared_parameters(root: nn.Module) -> set[int]:
+    """Ids of parameters that appear under more than one module (tied weights)."""
+    owners: dict[int, int] = {}
+    for _, m in root.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return {pid for pid, n in owners.items() if n > 1}
+
+
+def _why_resident(root, name, m, shared, min_bytes) -> str | None:
+    w, b = m.weight, m.bias
+    if not isinstance(w, torch.Tensor) or w.device.type == "meta":
+        return "no weight"
+    if w.requires_grad or (b is not None and b.requires_grad):
+        return "trainable (only frozen weights are streamed)"
+    if parametrize.is_parametrized(m):
+        return "parametrized (its weight is computed, not read)"
+    if id(w) in shared or (b is not None and id(b) in shared):
+        return "tied to another module's weight"
+    if w.nbytes + (b.nbytes if b is not None else 0) < min_bytes:
+        return "smaller than min_bytes"
+    return None
+
+
+def _select(root, include, ignore, min_bytes):
+    shared = _shared_parameters(root)
+    # Weights that another module reads directly: keep those modules resident.
+    direct = {
+        f"{n}.out_proj" if n else "out_proj"
+        for n, m in root.named_modules()
+        if isinstance(m, nn.MultiheadAttention)
+    }
+    chosen, resident = [], []
+    for name, m in root.named_modules():
+        if not isinstance(m, include):
+            continue
+        base = nn.Linear if isinstance(m, nn.Linear) else nn.Conv2d
+        if not isinstance(m, (nn.Linear, nn.Conv2d)) or type(m).forward is not base.forward:
+            resident.append(name)  # a custom forward: replacing it could change the result
+            continue
+        if name in ignore or isinstance(m, tuple(t for t in ignore if isinstance(t, type))):
+            resident.append(name)
+            continue
+        if name in direct:
+            resident.append(name)
+            continue
+        if _why_resident(root, name, m, shared, min_bytes) is None:
+            chosen.append((name, m))
+        else:
+            resident.append(name)
+    return chosen, resident
+
+
+def attach(
+    module: nn.Module,
+    device: torch.device | str,
+    *,
+    vram_budget: int | None = None,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    include: tuple[type, ...] = (nn.Linear, nn.Conv2d),
+    ignore: Iterable = (),
+    model: str | None = None,
+    client: Client | None = None,
+    staging_bytes: int = 0,
+    label: str = "",
+) -> Handle:
+    """Streams the frozen weights (and biases) of ``module``'s Linear and Conv2d layers of at
+    least ``min_bytes`` through the daemon; everything else moves to ``device`` as usual.
+
+    - ``vram_budget``: device bytes the daemon may use for this session (default: a quarter
+      of the streamed bytes, at least three times the largest layer).
+    - ``model``: the id of a model the daemon already loaded from safetensors whose tensor
+      names match the module's parameter names; otherwise the weights are uploaded.
+    - ``ignore``: module names or types to keep on the device.
+    The trainer's own copies of the streamed weights are freed.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    client = client or weightstream.connect()
+    chosen, resident = _select(module, tuple(include), set(ignore), min_bytes)
+    if not chosen:
+        raise ValueError("attach: no module to stream (check include, ignore and min_bytes)")
+    tensors = {}
+    for name, m in chosen:
+        tensors[f"{name}.weight"] = m.weight.detach()
+        if m.bias is not None:
+            tensors[f"{name}.bias"] = m.bias.detach()
+    if model is None:
+        manifest, _ = client.upload_model(label or type(module).__name__, tensors)
+    else:
+        manifest = _match(client, model, tensors)
+    groups = [
+        (name, [f"{name}.weight"] + ([f"{name}.bias"] if m.bias is not None else []))
+        for name, m in chosen
+    ]
+    sizes = [sum(tensors[t].nbytes for t in g[1]) for g in groups]
+    if vram_budget is None:
+        vram_budget = max(sum(sizes) // 4, 3 * max(sizes) + 3 * 4096)
+    session = client.open_session(
+        manifest.model_id,
+        groups,
+        vram_budget,
+        staging_bytes=staging_bytes,
+        device=device,
+        label=label or type(module).__name__,
+    )
+    handle = Handle(client, session, manifest.model_id, device, resident=resident)
+    for (name, m), (gname, _) in zip(chosen, groups, strict=True):
+        state = _Streamed(handle, m, name, session.group_index(gname), m.bias is not None)
+        handle.streamed[name] = state
+        # Placeholders keep shape and dtype for code that inspects them, and fail loudly if
+        # anything computes with them instead of going through the module's forward.
+        m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
+        if m.bias is not None:
+            m.bias = nn.Parameter(torch.empty_like(m.bias, device="meta"), requires_grad=False)
+        m.forward = functools.partial(_streamed_forward, state)
+    del tensors
+    for name, m in module.named_modules():
+        if name in handle.streamed:
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            if p.device != device:
+                setattr(m, pname, nn.Parameter(p.data.to(device), requires_grad=p.requires_grad))
+        for bname, b in m.named_buffers(recurse=False):
+            if b is not None and b.device != device:
+                m.register_buffer(bname, b.to(device))
+    return handle
+
+
+def _match(client: Client, model_id: str, tensors: dict[str, torch.Tensor]):
+    """The daemon's loaded model, checked against the module's weights (names and shapes)."""
+    listed = {m.model_id: m for m in client.list_models().models}
+    if model_id not in listed:
+        raise ValueError(f"model={model_id!r}: the daemon has no such model")
+    manifest = listed[model_id]
+    have = {t.name: t for t in manifest.tensors}
+    for name, t in tensors.items():
+        info = have.get(name)
+        if info is None:
+            raise ValueError(f"model={model_id!r} has no tensor {name!r}")
+        if list(info.shape) != list(t.shape):
+            raise ValueError(
+                f"model={model_id!r}: tensor {name!r} has shape {list(info.shape)}, "
+                f"the module's is {list(t.shape)}"
+            )
+    warnings.warn(
+        "attach(model=...): streaming the daemon's copy; the module's own weights are freed",
+        stacklevel=3,
+    )
+    return manifest

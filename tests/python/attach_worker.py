@@ -1,0 +1,24 @@
+"""A trainer process for test_two_processes_share_one_copy: attaches a seeded model, prints
+the model id, runs a step, and waits for its stdin to close before detaching."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import weightstream.torch as wst
+from torch import nn
+
+
+def main():
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).requires_grad_(False)
+    handle = wst.attach(model, "cpu", min_bytes=0)
+    print(handle.model_id, flush=True)
+    model(torch.randn(2, 256))
+    sys.stdin.read()
+    handle.detach()
+
+
+if __name__ == "__main__":
+    main()

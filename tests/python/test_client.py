@@ -1,0 +1,82 @@
+"""The Python client against a real daemon (host backend)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import weightstream
+from safetensors.torch import save_file
+from weightstream.v1 import weightstream_pb2 as pb
+
+
+def test_a_missing_daemon_fails_fast_with_a_clear_error(tmp_path):
+    client = weightstream.connect(str(tmp_path / "none.sock"))
+    started = time.monotonic()
+    with pytest.raises(
+        weightstream.DaemonUnavailable, match="cannot reach the weightstream daemon"
+    ):
+        client.info()
+    assert time.monotonic() - started < 5
+
+
+def test_upload_then_acquire_gives_the_same_tensors(daemon):
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "a": torch.randn(64, 32, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c": torch.randint(0, 100, (3, 4, 5), generator=g),
+        "s": torch.tensor(2.5, dtype=torch.float16),
+    }
+    manifest, dedup = daemon.client.upload_model("up", tensors)
+    assert not dedup and [t.name for t in manifest.tensors] == list(tensors)
+    _, again = daemon.client.upload_model("again", tensors)
+    assert again
+    groups = [("ab", ["a", "b"]), ("c", ["c"]), ("s", ["s"])]
+    with daemon.client.open_session(manifest.model_id, groups, 1 << 20) as session:
+        for i, (_, names) in enumerate(groups):
+            ticket = session.acquire(i)
+            for name, view in zip(names, ticket.tensors, strict=True):
+                assert view.dtype == tensors[name].dtype
+                assert torch.equal(view, tensors[name]), name
+            session.release(ticket)
+
+
+def test_load_model_from_safetensors_and_idempotence(daemon, tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.arange(12.0).reshape(3, 4)}, str(path))
+    seen = []
+    first = daemon.client.load_model([str(path)], "m", progress=seen.append)
+    second = daemon.client.load_model([str(path)])
+    assert first.model_id == second.model_id and second.refcount == 2
+    assert seen and seen[-1].bytes_done == seen[-1].bytes_total == 48
+    assert daemon.client.list_models().store_bytes == 48
+
+
+def test_bad_requests_are_refused_with_the_field_named(daemon):
+    manifest, _ = daemon.client.upload_model("x", {"w": torch.zeros(1024)})
+    with pytest.raises(weightstream.RequestRejected) as e:
+        daemon.client.open_session(manifest.model_id, [("w", ["w"])], 100)
+    assert e.value.code == "INVALID_ARGUMENT"
+    assert "vram_budget 100 is smaller than the largest group 'w'" in e.value.message
+    with pytest.raises(weightstream.RequestRejected, match="NOT_FOUND: unknown model_id 'nope'"):
+        daemon.client.open_session("nope", [("w", ["w"])], 1 << 20)
+    with daemon.client.open_session(manifest.model_id, [("w", ["w"])], 1 << 20) as session:
+        with pytest.raises(weightstream.SessionFault, match="acquire.group 5 is out of range"):
+            session.acquire(5)
+        ticket = session.acquire(0)
+        assert torch.equal(ticket.tensors[0], torch.zeros(1024))
+        session.release(ticket)
+
+
+def test_a_stopped_daemon_fails_the_next_acquire(daemon):
+    manifest, _ = daemon.client.upload_model("x", {"w": torch.ones(256)})
+    session = daemon.client.open_session(manifest.model_id, [("w", ["w"])], 1 << 20)
+    session.release(session.acquire(0))
+    daemon.stop()
+    started = time.monotonic()
+    with pytest.raises(weightstream.DaemonUnavailable):
+        session.acquire(0)
+    assert time.monotonic() - started < 5
+    assert pb.FAULT_SHUTTING_DOWN  # the fault the daemon sends on its way out

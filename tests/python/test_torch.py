@@ -1,0 +1,263 @@
+"""weightstream.torch.attach on the CPU against the daemon's host backend: outputs, LoRA
+gradients and losses equal (torch.equal) to the same model with its weights in place."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import weightstream
+import weightstream.torch as wst
+from peft import LoraConfig, inject_adapter_in_model
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from weightstream.integrations.ai_toolkit import MemoryManager
+
+DIM = 64
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM) for _ in range(4))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        heads = [t(x).view(b, n, 4, DIM // 4).transpose(1, 2) for t in (self.q, self.k, self.v)]
+        y = F.scaled_dot_product_attention(*heads)
+        return self.o(y.transpose(1, 2).reshape(b, n, DIM))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.attn = Attention()
+        self.fc1, self.fc2 = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Net(nn.Module):
+    """Conv2d, Linear, LayerNorm, attention (ours and nn.MultiheadAttention)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv_in = nn.Conv2d(4, DIM, 3, padding=1)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.mha = nn.MultiheadAttention(DIM, 4, batch_first=True)
+        self.proj_out = nn.Linear(DIM, 4)
+        self.ckpt = None  # None, "reentrant" or "non-reentrant"
+
+    def forward(self, x):
+        h = self.conv_in(x).flatten(2).transpose(1, 2)
+        for block in self.blocks:
+            if self.ckpt is None:
+                h = block(h)
+            else:
+                h = checkpoint(block, h, use_reentrant=self.ckpt == "reentrant")
+        h = h + self.mha(h, h, h, need_weights=False)[0]
+        return self.proj_out(h)
+
+
+def make_model(dtype=torch.float32) -> nn.Module:
+    torch.manual_seed(0)  # peft's LoRA init uses the global RNG
+    model = Net()
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q", "k", "v", "o", "fc1", "fc2"])
+    model = inject_adapter_in_model(config, model)
+    for name, p in model.named_parameters():
+        p.requires_grad = "lora_" in name
+    return model.to(dtype)
+
+
+def inputs(steps, dtype):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(2, 4, 8, 8, generator=g).to(dtype).requires_grad_() for _ in range(steps)]
+
+
+def train(model, xs, sample_between=False, autocast=False):
+    """AdamW on the LoRA parameters; returns losses, outputs, LoRA gradients of each step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses, outs, grads, samples = [], [], [], []
+    for x in xs:
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            out = model(x)
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        losses.append(loss.detach().clone())
+        outs.append(out.detach().clone())
+        grads.append([p.grad.clone() for p in params])
+        opt.step()
+        opt.zero_grad()
+        if sample_between:
+            with torch.no_grad():
+                samples.append(model(x.detach()).clone())
+    return losses, outs, grads, samples
+
+
+def assert_equal_runs(ref, got):
+    for what, a, b in zip(("loss", "output", "grads", "samples"), ref, got, strict=True):
+        assert len(a) == len(b), what
+        for step, (x, y) in enumerate(zip(a, b, strict=True)):
+            if isinstance(x, list):
+                for i, (gx, gy) in enumerate(zip(x, y, strict=True)):
+                    assert torch.equal(gx, gy), f"{what} {i} differs at step {step}"
+            else:
+                assert torch.equal(x, y), f"{what} differs at step {step}"
+
+
+@pytest.mark.parametrize(
+    "dtype,ckpt,autocast",
+    [
+        (torch.float32, None, False),
+        (torch.float32, "reentrant", False),
+        (torch.bfloat16, None, False),
+        (torch.bfloat16, "non-reentrant", False),
+        (torch.float32, "non-reentrant", True),
+    ],
+)
+def test_attach_is_bit_exact(daemon, dtype, ckpt, autocast):
+    steps = 4
+    ref = make_model(dtype)
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = ckpt
+    handle = wst.attach(streamed, "cpu", client=daemon.client, min_bytes=0, vram_budget=96 << 10)
+    # Every frozen Linear and Conv2d streams, except MultiheadAttention's out_proj, which the
+    # attention reads directly; the LoRA layers are trainable and stay.
+    assert "mha.out_proj" in handle.resident
+    assert len(handle.streamed) == 1 + 3 * 6 + 1
+    assert streamed.blocks[0].attn.q.base_layer.weight.device.type == "meta"
+    xs = inputs(steps, dtype)
+    assert_equal_runs(
+        train(ref, xs, sample_between=True, autocast=autocast),
+        train(streamed, xs, sample_between=True, autocast=autocast),
+    )
+    stats = handle.stats()
+    assert stats["acquires"] > 0 and stats["misses"] < stats["acquires"]
+    handle.detach(release=True)
+
+
+def test_later_steps_are_prefetched(daemon):
+    model = make_model()
+    model.ckpt = "non-reentrant"
+    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, vram_budget=96 << 10)
+    xs = inputs(6, torch.float32)
+    train(model, xs[:1])
+    first = handle.stats()
+    train(model, xs[1:])
+    after = handle.stats()
+    acquires, hits = after["acquires"] - first["acquires"], after["hits"] - first["hits"]
+    assert after["misses"] > 0, "the budget is small enough that groups must be copied"
+    assert handle._recording is None, "the first step's plan was sent"
+    assert hits / acquires >= 0.95, f"{hits}/{acquires} hits after the first step"
+    assert after["reuses"] > first["reuses"], "recompute and backward reuse the staged bytes"
+    handle.detach()
+
+
+def test_detach_gives_the_weights_back(daemon):
+    model = make_model()
+    ref = copy.deepcopy(model)
+    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0)
+    handle.detach(release=True)
+    for (name, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+    assert daemon.client.list_models().models == []
+    assert [f for f in daemon.shm_files() if "model" in f] == []
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_attach_frees_the_trainers_copy(daemon):
+    big = nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(16))).requires_grad_(
+        False
+    )
+    gc.collect()
+    before = rss()
+    handle = wst.attach(big, "cpu", client=daemon.client, vram_budget=64 << 20)
+    gc.collect()
+    dropped = before - rss()
+    assert dropped > 200 << 20, f"RSS fell by only {dropped >> 20} MiB of 256"
+    x = torch.randn(3, 2048)
+    assert big(x).shape == (3, 2048)
+    handle.detach(release=True)
+
+
+def test_two_processes_share_one_copy(daemon, tmp_path):
+    worker = Path(__file__).with_name("attach_worker.py")
+    env = {**os.environ, "WEIGHTSTREAM_SOCKET": daemon.socket}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(tmp_path), str(i)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    ids = [p.stdout.readline().strip() for p in procs]
+    listed = daemon.client.list_models()
+    sessions = daemon.client.list_sessions()
+    for p in procs:
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0
+    assert ids[0] == ids[1] and ids[0].startswith("u-"), ids
+    assert len(sessions) == 2
+    assert len(listed.models) == 1
+    assert listed.store_bytes == listed.models[0].total_bytes
+
+
+def test_a_killed_daemon_fails_the_trainer_fast(daemon):
+    model = make_model()
+    wst.attach(model, "cpu", client=daemon.client, min_bytes=0)
+    xs = inputs(2, torch.float32)
+    train(model, xs[:1])
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait(timeout=30)
+    with pytest.raises(weightstream.DaemonUnavailable):
+        train(model, xs[1:])
+
+
+def test_ai_toolkit_adapter(daemon, monkeypatch):
+    monkeypatch.setenv("WEIGHTSTREAM_SOCKET", daemon.socket)
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    manager = MemoryManager.attach(
+        model, torch.device("cpu"), offload_percent=0.5, ignore_modules=[]
+    )
+    MemoryManager.sync_grad_transfers()
+    streamed = set(manager.handle.streamed)
+    again = copy.deepcopy(ref)
+    streamed_again = set(MemoryManager.attach(again, "cpu", offload_percent=0.5).handle.streamed)
+    assert streamed == streamed_again, "the choice is deterministic"
+    frozen = sum(
+        m.weight.nbytes
+        for n, m in ref.named_modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d)) and not m.weight.requires_grad
+    )
+    chosen = sum(
+        m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
+        for n, m in ref.named_modules()
+        if n in streamed
+    )
+    assert 0.5 * frozen <= chosen < frozen
+    xs = inputs(3, torch.float32)
+    assert_equal_runs(train(ref, xs), train(model, xs))
+    MemoryManager.detach(again)
+    MemoryManager.detach(model, release=True)
