@@ -80,9 +80,12 @@ def make_model(dtype=torch.float32) -> nn.Module:
     return model.to(dtype)
 
 
-def inputs(steps, dtype):
+def inputs(steps, dtype, device="cpu"):
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(2, 4, 8, 8, generator=g).to(dtype).requires_grad_() for _ in range(steps)]
+    return [
+        torch.randn(2, 4, 8, 8, generator=g).to(device, dtype).requires_grad_()
+        for _ in range(steps)
+    ]
 
 
 def train(model, xs, sample_between=False, autocast=False):
@@ -91,7 +94,7 @@ def train(model, xs, sample_between=False, autocast=False):
     opt = torch.optim.AdamW(params, lr=1e-2)
     losses, outs, grads, samples = [], [], [], []
     for x in xs:
-        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        with torch.autocast(x.device.type, torch.bfloat16, enabled=autocast):
             out = model(x)
         loss = out.float().pow(2).mean()
         loss.backward()

@@ -115,6 +115,10 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    fn synchronize(&self, _device: usize) -> Result<(), BackendError> {
+        Ok(()) // host copies are complete when `copy` returns
+    }
+
     fn pin_host(&self, _chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, BackendError> {
         Ok(None)
     }

@@ -151,6 +151,8 @@ pub trait Backend: Send + Sync + 'static {
     /// Runs on the device's copy thread. Returns once the client may be told the bytes are
     /// staged (host: the bytes are in place; CUDA: the copy and its ready event are queued).
     fn copy(&self, device: usize, job: &CopyJob) -> Result<(), BackendError>;
+    /// Waits until every copy queued to the device so far has completed.
+    fn synchronize(&self, device: usize) -> Result<(), BackendError>;
     /// Page-locks host ranges (a store arena, in chunks) for fast device copies.
     fn pin_host(&self, chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, BackendError>;
     /// Interprocess events for one session; None where the backend needs none (host).

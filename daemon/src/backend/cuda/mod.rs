@@ -245,6 +245,10 @@ impl Backend for CudaBackend {
         Ok(())
     }
 
+    fn synchronize(&self, device: usize) -> Result<(), BackendError> {
+        self.devices[device].sync_copies().map_err(copy_err)
+    }
+
     /// Registers the chunks in parallel (registration runs at ~2 GB/s per thread).
     fn pin_host(&self, chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, BackendError> {
         let d = self.devices[0].clone();

@@ -1,0 +1,110 @@
+"""weightstream.torch.attach on the H200: the CPU tests' equality checks on CUDA (bf16, with
+gradient checkpointing, deterministic algorithms on both sides) and the prefetch hit rate.
+Prints PASS/FAIL per check and "N passed, M failed"; exits non-zero on any failure."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "python"))
+import test_torch as t  # noqa: E402
+import weightstream  # noqa: E402
+import weightstream.torch as wst  # noqa: E402
+
+
+def start_daemon(binary: str, tmp: Path, out: Path):
+    socket = str(tmp / "ws.sock")
+    proc = subprocess.Popen(
+        [binary, "serve", "--backend", "cuda", "--socket", socket],
+        stderr=open(out / "torch-daemon.log", "ab"),
+    )
+    deadline = time.monotonic() + 60
+    while not os.path.exists(socket):
+        assert proc.poll() is None and time.monotonic() < deadline, "daemon did not start"
+        time.sleep(0.05)
+    return proc, weightstream.connect(socket)
+
+
+def equality(client, dtype, ckpt, autocast=False, steps=4):
+    ref = t.make_model(dtype).cuda()
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = ckpt
+    handle = wst.attach(streamed, "cuda", client=client, min_bytes=0, vram_budget=96 << 10)
+    xs = t.inputs(steps, dtype, device="cuda")
+    t.assert_equal_runs(
+        t.train(ref, xs, sample_between=True, autocast=autocast),
+        t.train(streamed, xs, sample_between=True, autocast=autocast),
+    )
+    stats = handle.stats()
+    handle.detach(release=True)
+    return f"{len(handle.resident)} resident, {stats['acquires']} acquires"
+
+
+def hit_rate(client):
+    model = t.make_model(torch.bfloat16).cuda()
+    model.ckpt = "non-reentrant"
+    handle = wst.attach(model, "cuda", client=client, min_bytes=0, vram_budget=96 << 10)
+    xs = t.inputs(6, torch.bfloat16, device="cuda")
+    t.train(model, xs[:1])
+    first = handle.stats()
+    t.train(model, xs[1:])
+    after = handle.stats()
+    handle.detach(release=True)
+    hits = after["hits"] - first["hits"]
+    acquires = after["acquires"] - first["acquires"]
+    assert after["misses"] > 0 and hits / acquires >= 0.95, (hits, acquires)
+    return f"{hits}/{acquires} hits after the first step, {after['reuses']} reuses"
+
+
+def main():
+    binary = sys.argv[1] if len(sys.argv) > 1 else "target/release/weightstream"
+    out = Path(os.environ.get("OUT", "/tmp/ws-gpu-out"))
+    out.mkdir(parents=True, exist_ok=True)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.use_deterministic_algorithms(True)
+    proc, client = start_daemon(binary, Path(tempfile.mkdtemp(prefix="ws-torch-")), out)
+    checks = [
+        ("equal: bf16, no checkpointing", lambda: equality(client, torch.bfloat16, None)),
+        (
+            "equal: bf16, reentrant checkpointing",
+            lambda: equality(client, torch.bfloat16, "reentrant"),
+        ),
+        (
+            "equal: bf16, non-reentrant checkpointing",
+            lambda: equality(client, torch.bfloat16, "non-reentrant"),
+        ),
+        (
+            "equal: fp32 under bf16 autocast, checkpointing",
+            lambda: equality(client, torch.float32, "non-reentrant", autocast=True),
+        ),
+        ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
+    ]
+    passed = failed = 0
+    for name, fn in checks:
+        try:
+            detail = fn()
+            passed += 1
+            print(f"PASS {name}: {detail}", flush=True)
+        except Exception as e:  # noqa: BLE001 - every failure is reported, then counted
+            failed += 1
+            print(f"FAIL {name}: {e!r}", flush=True)
+            traceback.print_exc()
+    proc.terminate()
+    proc.wait(timeout=60)
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
