@@ -264,3 +264,65 @@ def test_ai_toolkit_adapter(daemon, monkeypatch):
     assert_equal_runs(train(ref, xs), train(model, xs))
     MemoryManager.detach(again)
     MemoryManager.detach(model, release=True)
+
+
+def test_weights_read_outside_forward_stay_resident(daemon):
+    from torch.nn.utils import parametrizations
+
+    torch.manual_seed(5)
+    tied, twin = nn.Linear(32, 32, bias=False), nn.Linear(32, 32, bias=False)
+    twin.weight = tied.weight  # tied weights: one Parameter in two modules
+    model = nn.Sequential(
+        tied,
+        nn.Linear(32, 32),
+        twin,
+        parametrizations.weight_norm(nn.Linear(32, 32)),
+    ).requires_grad_(False)
+    ref = copy.deepcopy(model)
+    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0)
+    assert set(handle.streamed) == {"1"}
+    assert {"0", "2", "3"} <= set(handle.resident)
+    x = torch.randn(4, 32)
+    assert torch.equal(model(x), ref(x))
+    handle.detach(release=True)
+
+
+def test_attach_to_a_model_the_daemon_loaded(daemon, tmp_path):
+    from safetensors.torch import save_file
+
+    model = make_model()
+    ref = copy.deepcopy(model)
+    frozen = {
+        n: p.detach()
+        for n, p in model.named_parameters()
+        if not p.requires_grad and not n.startswith(("mha.", "blocks.0.norm", "blocks.1.norm"))
+    }
+    path = tmp_path / "base.safetensors"
+    save_file({n: t.contiguous() for n, t in frozen.items()}, str(path))
+    manifest = daemon.client.load_model([str(path)], "base")
+    with pytest.warns(UserWarning, match="streaming the daemon's copy"):
+        handle = wst.attach(
+            model, "cpu", client=daemon.client, min_bytes=0, model=manifest.model_id
+        )
+    assert handle.model_id == manifest.model_id
+    assert len(daemon.client.list_models().models) == 1, "nothing was uploaded"
+    xs = inputs(2, torch.float32)
+    assert_equal_runs(train(ref, xs), train(model, xs))
+    bad = make_model()
+    bad.blocks[0].fc1.base_layer.weight.data = torch.zeros(8, 8)
+    with pytest.raises(ValueError, match="blocks.0.fc1.base_layer.weight' has shape"):
+        wst.attach(bad, "cpu", client=daemon.client, min_bytes=0, model=manifest.model_id)
+    handle.detach()
+
+
+def test_a_daemon_killed_mid_step_fails_the_trainer(daemon):
+    model = make_model()
+    wst.attach(model, "cpu", client=daemon.client, min_bytes=0)
+
+    def kill(*_):
+        daemon.proc.send_signal(signal.SIGKILL)
+        daemon.proc.wait(timeout=30)
+
+    model.blocks[1].register_forward_pre_hook(kill)
+    with pytest.raises(weightstream.DaemonUnavailable):
+        train(model, inputs(1, torch.float32))
