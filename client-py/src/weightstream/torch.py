@@ -27,6 +27,10 @@ from weightstream.session import Session
 
 #: Modules smaller than this stay on the device by default: not worth a round trip.
 DEFAULT_MIN_BYTES = 1 << 20
+#: How backward gets a streamed layer's input gradient: "formula" applies autograd's own
+#: formula to the re-acquired weight; "recompute" re-runs the layer and differentiates it
+#: (one more forward operation per layer, exact for any layer type).
+INPUT_GRAD = "formula"
 
 
 @dataclass
@@ -79,13 +83,58 @@ class _StreamedOp(torch.autograd.Function):
         enabled, dtype = ctx.autocast
         ticket = state.handle._acquire(state, training=True)
         try:
-            with torch.enable_grad(), torch.autocast(x.device.type, dtype, enabled=enabled):
-                x_ = x.detach().requires_grad_(True)
-                out = _op(state.module, x_, *ticket.weights)
-            (grad_x,) = torch.autograd.grad(out, x_, grad_out)
+            weight = ticket.weights[0]
+            grad_x = None
+            if INPUT_GRAD == "formula":
+                grad_x = _input_grad(state.module, x, grad_out, weight, enabled, dtype)
+            if grad_x is None:
+                grad_x = _input_grad_by_recompute(state.module, x, grad_out, ticket, enabled, dtype)
         finally:
             state.handle._release(ticket)
         return None, grad_x
+
+
+def _input_grad(module, x, grad_out, weight, autocast: bool, dtype):
+    """The input gradient by the formula autograd applies to the module's op (the same kernel
+    on the same operands, so the same bits), without running the op again. None where this
+    module's op has no such formula here (then the op is recomputed and differentiated)."""
+    if autocast and weight.is_floating_point() and weight.dtype != dtype:
+        weight = weight.to(dtype)  # what autocast fed the op
+    if isinstance(module, nn.Linear):
+        # aten::linear runs addmm/mm on the input flattened to 2-D; the gradient of that
+        # operand is grad @ weight (mm_mat1_backward), reshaped back.
+        g = grad_out.reshape(-1, grad_out.shape[-1]).mm(weight)
+        g = g.reshape(*x.shape[:-1], weight.shape[1])
+    elif (
+        isinstance(module, nn.Conv2d)
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+    ):
+        xin = x.to(dtype) if autocast and x.is_floating_point() else x
+        g = torch.ops.aten.convolution_backward(
+            grad_out,
+            xin,
+            weight,
+            None,
+            module.stride,
+            module.padding,
+            module.dilation,
+            False,
+            [0, 0],
+            module.groups,
+            [True, False, False],
+        )[0]
+    else:
+        return None
+    return g.to(x.dtype) if g.dtype != x.dtype else g
+
+
+def _input_grad_by_recompute(module, x, grad_out, ticket, autocast: bool, dtype):
+    with torch.enable_grad(), torch.autocast(x.device.type, dtype, enabled=autocast):
+        x_ = x.detach().requires_grad_(True)
+        out = _op(module, x_, *ticket.weights)
+    (grad_x,) = torch.autograd.grad(out, x_, grad_out)
+    return grad_x
 
 
 def _streamed_forward(state: _Streamed, x, *args, **kwargs):
@@ -157,6 +206,22 @@ class Handle:
         if self._recording:
             self.session.plan(self._recording)
         self._recording = None
+
+    def set_budget(self, vram_budget: int, staging_bytes: int = 0):
+        """Reopens the session with another device budget (same model, same groups); the plan
+        is recorded again from the next step."""
+        old = self.session
+        groups = [(g.name, [t.name for t in g.tensors]) for g in old.groups]
+        old.close()
+        self.session = self.client.open_session(
+            self.model_id,
+            groups,
+            vram_budget,
+            staging_bytes=staging_bytes,
+            device=self.device,
+            label=old.opened.session_id,
+        )
+        self._recording, self._seen_backward = [], False
 
     def stats(self) -> dict:
         s = self.session.stats()
