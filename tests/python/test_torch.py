@@ -326,3 +326,29 @@ def test_a_daemon_killed_mid_step_fails_the_trainer(daemon):
     model.blocks[1].register_forward_pre_hook(kill)
     with pytest.raises(weightstream.DaemonUnavailable):
         train(model, inputs(1, torch.float32))
+
+
+@pytest.mark.parametrize("ckpt", [None, "reentrant", "non-reentrant"])
+def test_lookahead_keeps_results_exact(daemon, ckpt):
+    """With room in staging, the plan's next acquires are kept in flight (the trainer never
+    waits on a round trip); results stay equal, also across no_grad sampling passes that leave
+    the plan."""
+    ref = make_model()
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = ckpt
+    handle = wst.attach(
+        streamed,
+        "cpu",
+        client=daemon.client,
+        min_bytes=0,
+        vram_budget=1 << 20,
+        staging_bytes=512 << 10,
+    )
+    xs = inputs(4, torch.float32)
+    assert_equal_runs(train(ref, xs, sample_between=True), train(streamed, xs, sample_between=True))
+    ahead = handle._lookahead
+    assert ahead is not None and ahead.cap > 4 * 66560, "the lookahead had room"
+    stats = handle.stats()
+    assert stats["acquires"] > 3 * len(handle.streamed)
+    handle.detach(release=True)
+    assert daemon.client.list_sessions() == []

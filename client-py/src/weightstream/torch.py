@@ -11,7 +11,9 @@ weights, parametrizations, ``nn.MultiheadAttention``'s ``out_proj``) stay on the
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ from torch.nn.utils import parametrize
 
 import weightstream
 from weightstream.client import Client
+from weightstream.errors import SessionFault
 from weightstream.session import Session
 
 #: Modules smaller than this stay on the device by default: not worth a round trip.
@@ -170,13 +173,28 @@ class Handle:
     _placeholders: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     _recording: list[int] | None = field(default_factory=list)
     _seen_backward: bool = False
+    _lookahead: _Lookahead | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # --- used by the streamed modules ---------------------------------------------------
 
     def _acquire(self, state: _Streamed, training: bool) -> _Acquired:
         if training:
             self._record(state.group)
-        ticket = self.session.acquire(state.group)
+        with self._lock:
+            ahead = self._lookahead
+            number = ahead.take(state.group) if ahead else self.session.submit(state.group)
+        try:
+            ticket = self.session.wait(number)
+        except SessionFault as e:
+            if ahead is None or e.code != "FAULT_RESOURCE_EXHAUSTED":
+                raise
+            # A lookahead acquire found the arena full of tickets still in use: ask again
+            # now that they are released, without lookahead in the way.
+            with self._lock:
+                ahead.drain()
+                number = self.session.submit(state.group)
+            ticket = self.session.wait(number)
         return _Acquired(ticket, state.has_bias)
 
     def _release(self, acquired: _Acquired):
@@ -205,11 +223,13 @@ class Handle:
         acquisitions are sent as the plan, and later steps are prefetched along it."""
         if self._recording:
             self.session.plan(self._recording)
+            self._lookahead = _Lookahead(self.session, self._recording)
         self._recording = None
 
     def set_budget(self, vram_budget: int, staging_bytes: int = 0):
         """Reopens the session with another device budget (same model, same groups); the plan
         is recorded again from the next step."""
+        self._drop_lookahead()
         old = self.session
         groups = [(g.name, [t.name for t in g.tensors]) for g in old.groups]
         old.close()
@@ -232,10 +252,17 @@ class Handle:
         out["hit_rate"] = s.hits / s.acquires if s.acquires else 0.0
         return out
 
+    def _drop_lookahead(self):
+        with self._lock:
+            if self._lookahead is not None:
+                self._lookahead.drain()
+            self._lookahead = None
+
     def detach(self, release: bool = False):
         """Puts the weights back into the modules (on ``device``) and closes the session;
         with ``release``, also drops this handle's reference to the daemon's copy (it goes
         when no other session uses it)."""
+        self._drop_lookahead()
         for state in self.streamed.values():
             ticket = self.session.acquire(state.group)
             weight = ticket.tensors[0].to(self.device, copy=True)
@@ -250,6 +277,69 @@ class Handle:
         self.session.close()
         if release:
             self.client.release_model(self.model_id)
+
+
+class _Lookahead:
+    """Keeps the plan's next acquires in flight, so that a layer's acquire finds its reply
+    already there instead of waiting for a round trip (the trainer's thread must never block
+    on the daemon when the plan is followed). The tickets in flight hold their space, so they
+    are bounded to the staging arena less room for two of the largest groups (the one in use
+    and the next one placed)."""
+
+    def __init__(self, session: Session, plan: list[int]):
+        self.session = session
+        self.plan = plan
+        self.cursor = 0  # the plan position that ahead[0] stands for
+        self.ahead: collections.deque[tuple[int, int]] = collections.deque()
+        self.bytes = 0
+        largest = max(g.nbytes for g in session.groups)
+        self.cap = max(0, session.opened.staging_bytes - 2 * largest)
+
+    def size(self, group: int) -> int:
+        return self.session.groups[group].nbytes
+
+    def take(self, group: int) -> int:
+        """The ticket number for an acquire of `group`: the one in flight if the client
+        follows the plan, else a fresh one (and the lookahead re-syncs)."""
+        if self.ahead and self.ahead[0][0] == group:
+            _, number = self.ahead.popleft()
+            self.bytes -= self.size(group)
+            self.cursor = (self.cursor + 1) % len(self.plan)
+        else:
+            self.drain()
+            number = self.session.submit(group)
+            position = self.next_position(group)
+            if position is None:
+                return number  # off the plan (a sampling pass of other layers): no lookahead
+            self.cursor = (position + 1) % len(self.plan)
+        self.top_up()
+        return number
+
+    def next_position(self, group: int) -> int | None:
+        n = len(self.plan)
+        for i in range(n):
+            if self.plan[(self.cursor + i) % n] == group:
+                return (self.cursor + i) % n
+        return None
+
+    def top_up(self):
+        n = len(self.plan)
+        while len(self.ahead) < n:
+            group = self.plan[(self.cursor + len(self.ahead)) % n]
+            if self.bytes + self.size(group) > self.cap:
+                break
+            self.ahead.append((group, self.session.submit(group)))
+            self.bytes += self.size(group)
+
+    def drain(self):
+        """Gives back the acquires in flight that the client did not follow."""
+        while self.ahead:
+            _, number = self.ahead.popleft()
+            try:
+                self.session.release(self.session.wait(number))
+            except SessionFault:
+                pass  # refused (arena full): nothing to give back
+        self.bytes = 0
 
 
 def _shared_parameters(root: nn.Module) -> set[int]:
