@@ -11,6 +11,16 @@ step "toolchain"
 cargo --version
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
+step "Debian packages the tests use: systemd (systemd-analyze), tmux (weightstream top)"
+if ! command -v systemd-analyze >/dev/null || ! command -v tmux >/dev/null; then
+    if [ "$(id -u)" -ne 0 ]; then
+        echo "systemd-analyze or tmux missing: apt-get install systemd tmux (as root)" >&2
+        exit 1
+    fi
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends systemd tmux
+fi
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
@@ -30,7 +40,20 @@ PYTHON=.venv/bin/python client-py/scripts/gen_proto.sh --check
 
 step "pytest (the Python client and weightstream.torch against the daemon's host backend)"
 cargo build --locked --bin weightstream
-WEIGHTSTREAM_BIN="$PWD/target/debug/weightstream" .venv/bin/python -m pytest -q tests/python
+WEIGHTSTREAM_BIN="$PWD/target/debug/weightstream" WEIGHTSTREAM_REQUIRE_TMUX=1 \
+    .venv/bin/python -m pytest -q tests/python
+
+step "systemd-analyze verify deploy/weightstream.service"
+# verify checks that ExecStart exists: point it at the binary built above. It exits 0 on
+# warnings (an unknown key, a bad value), so any output at all fails the step.
+unit_dir=$(mktemp -d)
+sed "s#^ExecStart=/usr/local/bin/weightstream#ExecStart=$PWD/target/debug/weightstream#" \
+    deploy/weightstream.service >"$unit_dir/weightstream.service"
+verify_out=$(systemd-analyze verify "$unit_dir/weightstream.service" 2>&1) || {
+    echo "$verify_out"; exit 1; }
+rm -r "$unit_dir"
+if [ -n "$verify_out" ]; then echo "$verify_out"; exit 1; fi
+bash -n deploy/install.sh
 
 step "ruff (client-py/, tests/)"
 python3 -m pip install --quiet --disable-pip-version-check "ruff==0.17.6"

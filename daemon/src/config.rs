@@ -2,12 +2,16 @@
 //! command-line flags and environment variables override it.
 #![forbid(unsafe_code)]
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use bytesize::ByteSize;
 use serde::Deserialize;
 
 pub const DEFAULT_SOCKET: &str = "/run/weightstream/weightstream.sock";
+/// Loopback by default: the numbers name models and trainers' labels, which are not for the
+/// network unless the operator says so.
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -49,11 +53,38 @@ impl Default for Limits {
     }
 }
 
-/// The `[daemon]` settings as the file gives them.
+/// The Prometheus endpoint (`[metrics]`): off unless enabled.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    pub enabled: bool,
+    /// `address:port`; kept as text so that a bad value is refused with the key named.
+    pub listen: String,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            enabled: false,
+            listen: DEFAULT_METRICS_LISTEN.to_string(),
+        }
+    }
+}
+
+impl MetricsConfig {
+    /// The address to serve on, when enabled (validation has checked that it parses).
+    pub fn address(&self) -> Option<SocketAddr> {
+        self.enabled.then(|| self.listen.parse().ok()).flatten()
+    }
+}
+
+/// The daemon's settings as the file gives them.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     pub socket: PathBuf,
+    /// Group that owns the socket (a name or a numeric gid): its members may connect.
+    pub socket_group: Option<String>,
     pub backend: BackendChoice,
     /// Where shared-memory segments are created.
     pub shm_dir: PathBuf,
@@ -62,17 +93,20 @@ pub struct Config {
     /// How long shutdown waits for running copies and connections.
     pub drain_timeout_secs: u64,
     pub limits: Limits,
+    pub metrics: MetricsConfig,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Config {
             socket: PathBuf::from(DEFAULT_SOCKET),
+            socket_group: None,
             backend: BackendChoice::Auto,
             shm_dir: PathBuf::from("/dev/shm"),
             prefetch_depth: 16,
             drain_timeout_secs: 10,
             limits: Limits::default(),
+            metrics: MetricsConfig::default(),
         }
     }
 }
@@ -92,6 +126,12 @@ pub enum ConfigError {
         value: String,
         limit: &'static str,
     },
+    #[error("{key} = {value:?} is invalid: {why}")]
+    Invalid {
+        key: &'static str,
+        value: String,
+        why: &'static str,
+    },
 }
 
 impl Config {
@@ -110,9 +150,19 @@ impl Config {
     }
 
     pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            path: PathBuf::new(),
-            message: e.message().to_string(),
+        let config: Config = toml::from_str(text).map_err(|e| {
+            // toml's message alone does not say where; a line number finds the key.
+            let line = e
+                .span()
+                .map(|span| 1 + text[..span.start.min(text.len())].matches('\n').count());
+            let message = match line {
+                Some(line) => format!("line {line}: {}", e.message()),
+                None => e.message().to_string(),
+            };
+            ConfigError::Parse {
+                path: PathBuf::new(),
+                message,
+            }
         })?;
         config.validate()?;
         Ok(config)
@@ -130,6 +180,35 @@ impl Config {
                 })
             }
         };
+        if !self.socket.is_absolute() {
+            return Err(ConfigError::Invalid {
+                key: "socket",
+                value: self.socket.display().to_string(),
+                why: "must be an absolute path",
+            });
+        }
+        if let Some(group) = &self.socket_group
+            && group.trim().is_empty()
+        {
+            return Err(ConfigError::Invalid {
+                key: "socket_group",
+                value: group.clone(),
+                why: "must name a group or be left out",
+            });
+        }
+        if self.metrics.listen.parse::<SocketAddr>().is_err() {
+            return Err(ConfigError::Invalid {
+                key: "metrics.listen",
+                value: self.metrics.listen.clone(),
+                why: "must be address:port, e.g. 127.0.0.1:9464",
+            });
+        }
+        range(
+            "drain_timeout_secs",
+            self.drain_timeout_secs,
+            self.drain_timeout_secs <= 3600,
+            "0 to 3600",
+        )?;
         let l = &self.limits;
         let msg = l.max_message_bytes.as_u64();
         range(
@@ -168,6 +247,24 @@ impl Config {
             (16..=65536).contains(&l.max_name_bytes),
             "16 to 65536",
         )?;
+        range(
+            "limits.max_tensors_per_model",
+            l.max_tensors_per_model.into(),
+            l.max_tensors_per_model >= 1,
+            "at least 1",
+        )?;
+        range(
+            "limits.max_plan_length",
+            l.max_plan_length.into(),
+            l.max_plan_length >= 1,
+            "at least 1",
+        )?;
+        range(
+            "limits.max_upload_bytes",
+            l.max_upload_bytes.as_u64(),
+            l.max_upload_bytes.as_u64() >= 1,
+            "at least 1 byte",
+        )?;
         Ok(())
     }
 }
@@ -185,20 +282,126 @@ mod tests {
         assert_eq!(c.limits.max_message_bytes, ByteSize::mib(64));
         assert_eq!(c.backend, BackendChoice::Host);
         assert_eq!(c.prefetch_depth, 16);
-        let e = Config::from_toml("sockets = \"/x\"")
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("unknown field `sockets`"), "{e}");
-        let e = Config::from_toml("prefetch_depth = 0")
-            .unwrap_err()
-            .to_string();
-        assert_eq!(e, "prefetch_depth = 0 is out of range: 1 to 1024");
-        let e = Config::from_toml("[limits]\nmax_message_bytes = \"1KiB\"")
-            .unwrap_err()
-            .to_string();
+        assert_eq!(c.metrics.address(), None);
+    }
+
+    #[test]
+    fn the_example_config_parses_to_the_defaults() {
+        let text = include_str!("../../deploy/config.example.toml");
+        let example = Config::from_toml(text).unwrap();
+        assert_eq!(example, Config::default());
+        // Every key the daemon knows is in the example (socket_group commented out, as its
+        // default is "none").
+        let keys = [
+            "socket =",
+            "# socket_group =",
+            "backend =",
+            "shm_dir =",
+            "prefetch_depth =",
+            "drain_timeout_secs =",
+            "[metrics]",
+            "enabled =",
+            "listen =",
+            "[limits]",
+            "max_message_bytes =",
+            "max_tensors_per_model =",
+            "max_groups_per_session =",
+            "max_plan_length =",
+            "max_live_tickets =",
+            "max_upload_bytes =",
+            "max_sessions =",
+            "max_name_bytes =",
+        ];
+        for key in keys {
+            assert!(
+                text.lines().any(|l| l.starts_with(key)),
+                "{key} missing from the example"
+            );
+        }
+        let on = Config::from_toml("[metrics]\nenabled = true\n").unwrap();
         assert_eq!(
-            e,
-            "limits.max_message_bytes = 1024 is out of range: 4 KiB to 1 GiB"
+            on.metrics.address(),
+            Some("127.0.0.1:9464".parse().unwrap())
         );
+    }
+
+    #[test]
+    fn each_bad_config_is_refused_with_its_own_message() {
+        let cases: &[(&str, &str)] = &[
+            (
+                "sockets = \"/x\"",
+                "line 1: unknown field `sockets`, expected one of `socket`, `socket_group`, \
+                 `backend`, `shm_dir`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`",
+            ),
+            (
+                "[limits]\nmax_sesions = 3",
+                "line 2: unknown field `max_sesions`, expected one of `max_message_bytes`, \
+                 `max_tensors_per_model`, `max_groups_per_session`, `max_plan_length`, \
+                 `max_live_tickets`, `max_upload_bytes`, `max_sessions`, `max_name_bytes`",
+            ),
+            (
+                "[metrics]\nport = 9464",
+                "line 2: unknown field `port`, expected `enabled` or `listen`",
+            ),
+            (
+                "backend = \"gpu\"",
+                "line 1: unknown variant `gpu`, expected one of `auto`, `host`, `cuda`",
+            ),
+            (
+                "prefetch_depth = \"many\"",
+                "line 1: invalid type: string \"many\", expected u32",
+            ),
+            (
+                "prefetch_depth = 0",
+                "prefetch_depth = 0 is out of range: 1 to 1024",
+            ),
+            (
+                "prefetch_depth = 1025",
+                "prefetch_depth = 1025 is out of range: 1 to 1024",
+            ),
+            (
+                "drain_timeout_secs = 86400",
+                "drain_timeout_secs = 86400 is out of range: 0 to 3600",
+            ),
+            (
+                "[limits]\nmax_message_bytes = \"1KiB\"",
+                "limits.max_message_bytes = 1024 is out of range: 4 KiB to 1 GiB",
+            ),
+            (
+                "[limits]\nmax_live_tickets = 0",
+                "limits.max_live_tickets = 0 is out of range: 1 to 1048576",
+            ),
+            (
+                "[limits]\nmax_sessions = 0",
+                "limits.max_sessions = 0 is out of range: at least 1",
+            ),
+            (
+                "[limits]\nmax_name_bytes = 8",
+                "limits.max_name_bytes = 8 is out of range: 16 to 65536",
+            ),
+            (
+                "[limits]\nmax_plan_length = 0",
+                "limits.max_plan_length = 0 is out of range: at least 1",
+            ),
+            (
+                "socket = \"ws.sock\"",
+                "socket = \"ws.sock\" is invalid: must be an absolute path",
+            ),
+            (
+                "socket_group = \" \"",
+                "socket_group = \" \" is invalid: must name a group or be left out",
+            ),
+            (
+                "[metrics]\nlisten = \"localhost\"",
+                "metrics.listen = \"localhost\" is invalid: must be address:port, e.g. \
+                 127.0.0.1:9464",
+            ),
+        ];
+        for (text, want) in cases {
+            let got = Config::from_toml(text).unwrap_err().to_string();
+            // Parse errors carry the file's path (none here) before the message.
+            let got = got.strip_prefix(": ").unwrap_or(&got);
+            assert_eq!(got, *want, "for config {text:?}");
+        }
     }
 }

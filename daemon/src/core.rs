@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, watch};
 use crate::backend::{Backend, BackendError, RegionHandle};
 use crate::config::Config;
 use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
-use crate::scheduler::CopyScheduler;
+use crate::scheduler::{CopyScheduler, SessionTotals};
 use crate::server::conn::Peer;
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
 use crate::session::{ActorParts, CloseReason, SessionShared, SessionStats};
@@ -246,9 +246,16 @@ impl Daemon {
         };
         self.sessions().insert(shared.id.clone(), shared.clone());
         let daemon = Arc::clone(self);
-        let (id, model_id) = (shared.id.clone(), model.id.clone());
+        let (ended, model_id) = (shared.clone(), model.id.clone());
         crate::session::spawn(parts, control_rx, finished_tx, move || {
-            daemon.sessions().remove(&id);
+            // Under the sessions lock, so that a scrape sees the session either live or
+            // retired, never both or neither (device counters must not jump).
+            let mut sessions = daemon.sessions();
+            daemon
+                .scheduler
+                .retire(ended.device, session_totals(&ended.stats));
+            sessions.remove(&ended.id);
+            drop(sessions);
             daemon.store.close_session(&model_id);
         });
         tracing::info!(session = %shared.id, model = %model.id, staging = split.staging_bytes,
@@ -261,6 +268,23 @@ impl Daemon {
             resident: split.resident,
             model,
         })
+    }
+
+    /// Live sessions and, per device, the counters of all sessions ever opened on it (live
+    /// ones plus ended ones), read at one instant.
+    pub fn session_snapshot(&self) -> (Vec<Arc<SessionShared>>, Vec<SessionTotals>) {
+        let sessions = self.sessions();
+        let mut totals: Vec<_> = (0..self.scheduler.devices())
+            .map(|d| self.scheduler.retired(d))
+            .collect();
+        let mut live: Vec<_> = sessions.values().cloned().collect();
+        drop(sessions);
+        live.sort_by_key(|s| s.number);
+        // Live counters may move on after the lock: they only grow, so totals stay monotonic.
+        for s in &live {
+            totals[s.device] += session_totals(&s.stats);
+        }
+        (live, totals)
     }
 
     /// The session, if `peer` may drive it.
@@ -308,5 +332,20 @@ impl Daemon {
 
     pub fn is_stopping(&self) -> bool {
         self.stopping.load(Ordering::Relaxed)
+    }
+}
+
+/// A session's counters as device totals count them.
+pub fn session_totals(stats: &SessionStats) -> SessionTotals {
+    let s = stats.snapshot();
+    SessionTotals {
+        acquires: s.acquires,
+        hits: s.hits,
+        misses: s.misses,
+        reuses: s.reuses,
+        prefetches: s.prefetches,
+        copies: s.copies,
+        bytes_copied: s.bytes_copied,
+        stall_ns: s.stall_ns,
     }
 }

@@ -10,6 +10,7 @@ pub mod backend;
 pub mod cli;
 pub mod config;
 pub mod core;
+pub mod metrics;
 pub mod residency;
 pub mod scheduler;
 pub mod server;

@@ -16,7 +16,7 @@ BIN = os.environ.get("WEIGHTSTREAM_BIN", str(ROOT / "target" / "debug" / "weight
 
 
 class Daemon:
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, *extra_args: str):
         self.socket = str(tmp / "ws.sock")
         self.shm = tmp / "shm"
         self.shm.mkdir()
@@ -31,6 +31,7 @@ class Daemon:
                 self.socket,
                 "--shm-dir",
                 str(self.shm),
+                *extra_args,
             ],
             stderr=self.log,
             env={**os.environ, "WEIGHTSTREAM_LOG": "warn"},

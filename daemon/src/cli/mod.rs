@@ -6,6 +6,7 @@ mod demo;
 mod load;
 mod serve;
 mod status;
+mod top;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -46,6 +47,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Show the daemon's devices, models and sessions.
     Status(status::StatusArgs),
+    /// Live view of devices and sessions: GB/s, stall %, hit rate, budget use, history.
+    Top(top::TopArgs),
     /// Load safetensors files (a file, a *.safetensors.index.json, or a directory) into the store.
     Load(load::LoadArgs),
     /// Run an embedded daemon and a training-like client on a synthetic model, then report.
@@ -90,6 +93,7 @@ pub fn main() -> ExitCode {
         match cli.command {
             Command::Serve(args) => serve::run(socket, args).await,
             Command::Status(args) => status::run(socket, args).await,
+            Command::Top(args) => top::run(socket, args).await,
             Command::Load(args) => load::run(socket, args).await,
             Command::Demo(args) => demo::run(args).await,
         }

@@ -1,9 +1,11 @@
-//! `weightstream serve`: the daemon.
+//! `weightstream serve`: the daemon. Under systemd (`Type=notify`) it reports READY=1 once
+//! the socket is bound and the backend is up, and STOPPING=1 when a signal starts shutdown.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
 
 use bytesize::ByteSize;
+use sd_notify::NotifyState;
 use tokio::signal::unix::{SignalKind, signal};
 
 use super::CliResult;
@@ -26,6 +28,18 @@ pub struct ServeArgs {
     /// Largest gRPC message accepted (e.g. 16MiB).
     #[arg(long, env = "WEIGHTSTREAM_MAX_MESSAGE_BYTES")]
     max_message_bytes: Option<ByteSize>,
+    /// Group that owns the socket (name or gid): the trainers' access list.
+    #[arg(long, env = "WEIGHTSTREAM_SOCKET_GROUP")]
+    socket_group: Option<String>,
+    /// Seconds shutdown waits for connections once sessions are closed.
+    #[arg(long, env = "WEIGHTSTREAM_DRAIN_TIMEOUT_SECS")]
+    drain_timeout_secs: Option<u64>,
+    /// Serve Prometheus metrics (on 127.0.0.1:9464 unless --metrics-listen says otherwise).
+    #[arg(long, env = "WEIGHTSTREAM_METRICS", num_args = 0..=1, default_missing_value = "true")]
+    metrics: Option<bool>,
+    /// Address:port for the metrics endpoint; turns metrics on.
+    #[arg(long, env = "WEIGHTSTREAM_METRICS_LISTEN")]
+    metrics_listen: Option<String>,
 }
 
 pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
@@ -48,14 +62,37 @@ pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
     if let Some(m) = args.max_message_bytes {
         config.limits.max_message_bytes = m;
     }
+    if let Some(g) = args.socket_group {
+        config.socket_group = Some(g);
+    }
+    if let Some(t) = args.drain_timeout_secs {
+        config.drain_timeout_secs = t;
+    }
+    if let Some(on) = args.metrics {
+        config.metrics.enabled = on;
+    }
+    if let Some(listen) = args.metrics_listen {
+        config.metrics.listen = listen;
+        config.metrics.enabled = true;
+    }
     config.validate()?;
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let handle = crate::server::start(config).await?;
+    notify(&[NotifyState::Ready, NotifyState::Status("serving")]);
     tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM"),
-        _ = int.recv() => tracing::info!("SIGINT"),
+        _ = term.recv() => tracing::info!("SIGTERM: stopping"),
+        _ = int.recv() => tracing::info!("SIGINT: stopping"),
     }
+    notify(&[NotifyState::Stopping, NotifyState::Status("draining")]);
     handle.stop().await?;
     Ok(())
+}
+
+/// Tells systemd (when `NOTIFY_SOCKET` is set; a no-op otherwise). A failure is logged, not
+/// fatal: the daemon serves either way, and systemd reports a unit that never got READY.
+fn notify(states: &[NotifyState]) {
+    if let Err(e) = sd_notify::notify(states) {
+        tracing::warn!(error = %e, "sd_notify failed");
+    }
 }

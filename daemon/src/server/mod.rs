@@ -42,12 +42,18 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
     #[error("reflection: {0}")]
     Reflection(#[from] tonic_reflection::server::Error),
+    #[error("socket_group {group:?}: {why}")]
+    SocketGroup { group: String, why: String },
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
 }
 
 /// A running daemon.
 pub struct ServerHandle {
     pub daemon: Arc<Daemon>,
     pub socket: PathBuf,
+    /// Where `/metrics` is served, when enabled (the bound address: port 0 picks one).
+    pub metrics: Option<std::net::SocketAddr>,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<(), ServeError>>,
 }
@@ -103,6 +109,29 @@ fn select_backend(
     }
 }
 
+/// The gid of `group`: a numeric gid, or a name looked up in /etc/group (the daemon forbids
+/// unsafe code, so no getgrnam; groups from NSS-only sources can be given by number).
+fn resolve_group(group: &str) -> Result<u32, ServeError> {
+    if let Ok(gid) = group.parse::<u32>() {
+        return Ok(gid);
+    }
+    let err = |why: String| ServeError::SocketGroup {
+        group: group.to_string(),
+        why,
+    };
+    let text =
+        std::fs::read_to_string("/etc/group").map_err(|e| err(format!("/etc/group: {e}")))?;
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.split(':');
+            let name = fields.next()?;
+            let gid = fields.nth(1)?.parse::<u32>().ok()?;
+            (name == group).then_some(gid)
+        })
+        .next()
+        .ok_or_else(|| err("no such group in /etc/group (give a numeric gid instead)".into()))
+}
+
 /// Removes a socket file no daemon answers on; refuses one a live daemon serves.
 async fn claim_socket(path: &Path) -> Result<(), ServeError> {
     let io = |source| ServeError::Socket {
@@ -142,6 +171,11 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
             "removed shared memory left by an earlier daemon"
         );
     }
+    let socket_gid = config
+        .socket_group
+        .as_deref()
+        .map(resolve_group)
+        .transpose()?;
     let backend = select_backend(config.backend, &shm)?;
     let listener = UnixListener::bind(&socket).map_err(|source| ServeError::Socket {
         path: socket.clone(),
@@ -153,9 +187,23 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
             source,
         },
     )?;
+    if let Some(gid) = socket_gid {
+        std::os::unix::fs::chown(&socket, None, Some(gid)).map_err(|source| {
+            ServeError::Socket {
+                path: socket.clone(),
+                source,
+            }
+        })?;
+    }
     let drain = Duration::from_secs(config.drain_timeout_secs);
+    let metrics_addr = config.metrics.address();
     let max_message = config.limits.max_message_bytes.as_u64() as usize;
     let daemon = Daemon::new(config, backend, shm).map_err(ServeError::Start)?;
+    let metrics = match metrics_addr {
+        Some(addr) => Some(crate::metrics::serve(addr, daemon.clone()).await?),
+        None => None,
+    };
+    let metrics_bound = metrics.as_ref().map(|m| m.addr);
     let (health, health_service) = tonic_health::server::health_reporter();
     health
         .set_serving::<WeightStreamServer<service::Service>>()
@@ -194,6 +242,8 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
             }
         };
         let server = tonic::transport::Server::builder()
+            // One span per request; the session actor adds its own per session.
+            .trace_fn(|req| tracing::info_span!("request", method = %req.uri().path()))
             .add_service(health_service)
             .add_service(reflection)
             .add_service(service)
@@ -215,6 +265,9 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
                 Ok(())
             }
         };
+        if let Some(m) = metrics {
+            m.stop().await;
+        }
         d.store.clear();
         let _ = std::fs::remove_file(&path);
         let left = d.shm.sweep();
@@ -228,6 +281,7 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
     Ok(ServerHandle {
         daemon,
         socket,
+        metrics: metrics_bound,
         stop: Some(stop_tx),
         task,
     })

@@ -90,6 +90,11 @@ pub async fn start_daemon_with(adjust: impl FnOnce(&mut Config)) -> TestDaemon {
 }
 
 impl TestDaemon {
+    /// Where the metrics endpoint listens, when the config enabled it.
+    pub fn metrics(&self) -> Option<std::net::SocketAddr> {
+        self.handle.as_ref().and_then(|h| h.metrics)
+    }
+
     pub async fn client(&self) -> Client {
         Client::connect(Some(&self.socket))
             .await
