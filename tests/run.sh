@@ -62,4 +62,7 @@ for d in client-py tests; do [ -d "$d" ] && py_dirs+=("$d"); done
 python3 -m ruff check --config client-py/pyproject.toml "${py_dirs[@]}"
 python3 -m ruff format --config client-py/pyproject.toml --check "${py_dirs[@]}"
 
+step "fuzzing: safetensors header parser and request validation (bounded)"
+FUZZ_SECONDS="${FUZZ_SECONDS:-60}" daemon/fuzz/run.sh
+
 step "all passed"

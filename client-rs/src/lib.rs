@@ -19,12 +19,19 @@
 //! session.close().await?;
 //! # Ok(()) }
 //! ```
+//!
+//! A daemon that stops or dies fails the session's next acquire at once
+//! ([`ClientError::SessionEnded`] or [`ClientError::Unavailable`]); [`Session::reconnect`] then
+//! opens it again against the daemon that comes back on the same socket, so that a trainer
+//! resumes at its next step without restarting.
 
 mod error;
 mod session;
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
@@ -52,11 +59,17 @@ pub struct TensorData<'a> {
     pub bytes: &'a [u8],
 }
 
+/// How often [`Client::reconnect`] dials again while the daemon is not back.
+const RECONNECT_INTERVAL: Duration = Duration::from_millis(50);
+
 /// A connection to the daemon.
 #[derive(Clone)]
 pub struct Client {
     rpc: WeightStreamClient<Channel>,
     socket: PathBuf,
+    /// The files of each model this client (or a clone) loaded, so that a session can load
+    /// them again into a restarted daemon (same files, same model id).
+    loaded: Arc<Mutex<HashMap<String, Vec<PathBuf>>>>,
 }
 
 impl Client {
@@ -95,7 +108,44 @@ impl Client {
                 .max_decoding_message_size(1 << 30)
                 .max_encoding_message_size(1 << 30),
             socket,
+            loaded: Arc::default(),
         })
+    }
+
+    /// Dials the socket again until a daemon answers `GetInfo` there (a restarted one), or
+    /// `timeout` passes: then the last error ([`ClientError::Unavailable`] while nothing
+    /// listens). Sessions keep the connection they were opened on; [`Session::reconnect`]
+    /// moves one over.
+    pub async fn reconnect(&mut self, timeout: Duration) -> Result<(), ClientError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let attempt = async {
+                let mut fresh = Client::connect(Some(&self.socket)).await?;
+                fresh.info().await?;
+                Ok::<_, ClientError>(fresh.rpc)
+            };
+            let error = match tokio::time::timeout_at(deadline.into(), attempt).await {
+                Ok(Ok(rpc)) => {
+                    self.rpc = rpc;
+                    return Ok(());
+                }
+                Ok(Err(e)) => e,
+                Err(_) => ClientError::Unavailable {
+                    socket: self.socket.clone(),
+                    reason: format!("no answer within {timeout:?}"),
+                },
+            };
+            if Instant::now() + RECONNECT_INTERVAL >= deadline {
+                return Err(error);
+            }
+            tokio::time::sleep(RECONNECT_INTERVAL).await;
+        }
+    }
+
+    /// The files this client loaded `model_id` from, if it did.
+    pub(crate) fn loaded_from(&self, model_id: &str) -> Option<Vec<PathBuf>> {
+        let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        loaded.get(model_id).cloned()
     }
 
     pub fn socket(&self) -> &Path {
@@ -135,7 +185,11 @@ impl Client {
         while let Some(event) = events.message().await.map_err(|s| self.status(s))? {
             match event.event {
                 Some(proto::load_model_event::Event::Progress(p)) => progress(&p),
-                Some(proto::load_model_event::Event::Manifest(m)) => return Ok(m),
+                Some(proto::load_model_event::Event::Manifest(m)) => {
+                    let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+                    loaded.insert(m.model_id.clone(), paths.to_vec());
+                    return Ok(m);
+                }
                 None => {}
             }
         }
@@ -189,7 +243,12 @@ impl Client {
             model_id: model_id.to_string(),
         };
         let r = self.rpc.release_model(request).await;
-        Ok(r.map_err(|s| self.status(s))?.into_inner().refcount)
+        let refcount = r.map_err(|s| self.status(s))?.into_inner().refcount;
+        if refcount == 0 {
+            let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+            loaded.remove(model_id);
+        }
+        Ok(refcount)
     }
 
     pub async fn list_models(&mut self) -> Result<proto::ListModelsResponse, ClientError> {

@@ -3,11 +3,16 @@
 //! The stream is read by a background task that routes each `Staged` or `Fault` to the
 //! acquire waiting for that ticket, so acquires from several tasks can be in flight at once.
 //! Views release their ticket when dropped.
+//!
+//! When the daemon stops or dies the reader ends every acquire in flight and later ones fail
+//! at once; [`Session::reconnect`] re-opens the session (same groups, budget, staging, device,
+//! label and plan) against the daemon that comes back on the same socket.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
 use memmap2::Mmap;
 use tokio::sync::{mpsc, oneshot};
@@ -81,6 +86,8 @@ enum MappedRegion {
 
 pub struct Session {
     client: Client,
+    /// What it was opened with (the model id is the current one): what `reconnect` re-opens.
+    options: SessionOptions,
     id: String,
     opened: proto::OpenSessionResponse,
     regions: Vec<MappedRegion>,
@@ -88,6 +95,8 @@ pub struct Session {
     routes: Arc<Mutex<Routes>>,
     next_ticket: AtomicU64,
     recorder: Mutex<Recorder>,
+    /// The last plan sent, sent again by `reconnect`.
+    plan: Mutex<Option<Vec<u32>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -124,12 +133,12 @@ impl Session {
     ) -> Result<Session, ClientError> {
         let mut rpc = client.rpc();
         let request = proto::OpenSessionRequest {
-            model_id: options.model_id,
-            device_uuid: options.device_uuid,
+            model_id: options.model_id.clone(),
+            device_uuid: options.device_uuid.clone(),
             vram_budget: options.vram_budget,
             staging_bytes: options.staging_bytes,
-            groups: options.groups,
-            label: options.label,
+            groups: options.groups.clone(),
+            label: options.label.clone(),
         };
         let status = |s| ClientError::from_status(client.socket(), s);
         let opened = rpc
@@ -168,16 +177,63 @@ impl Session {
         Ok(Session {
             id: opened.session_id.clone(),
             client,
+            recorder: Mutex::new(Recorder {
+                recording: options.record_plan,
+                groups: Vec::new(),
+            }),
+            options,
             opened,
             regions,
             tx,
             routes,
             next_ticket: AtomicU64::new(1),
-            recorder: Mutex::new(Recorder {
-                recording: options.record_plan,
-                groups: Vec::new(),
-            }),
+            plan: Mutex::new(None),
         })
+    }
+
+    /// Opens this session again on a new connection to the socket: for a trainer to resume at
+    /// its next step after the daemon was restarted (or the session was lost), without
+    /// restarting its process. Waits up to `timeout` for a daemon to answer there.
+    ///
+    /// The session gets the same groups, budget, staging, device and label, and the plan last
+    /// sent (a first step still being recorded is recorded again). Its model is `model_id`,
+    /// else the same id as before: a model this client loaded from files that the daemon no
+    /// longer has is loaded again from them (unchanged files give the same id); an uploaded
+    /// one must be uploaded again first (the same bytes give the same id). Views of the old
+    /// session are gone by then (this takes `&mut self`); its tickets are not carried over.
+    pub async fn reconnect(
+        &mut self,
+        model_id: Option<&str>,
+        timeout: Duration,
+    ) -> Result<(), ClientError> {
+        // A live old stream ends here, so a daemon that is still up tears the old session down.
+        let (dead, _) = mpsc::unbounded_channel();
+        drop(std::mem::replace(&mut self.tx, dead));
+        lock(&self.routes)
+            .ended
+            .get_or_insert_with(|| "the session was reconnected".into());
+        let mut client = self.client.clone();
+        client.reconnect(timeout).await?;
+        let model_id = model_id.unwrap_or(&self.options.model_id).to_string();
+        restore_model(&mut client, &model_id).await?;
+        let mut options = self.options.clone();
+        options.model_id = model_id;
+        let recording = lock(&self.recorder).recording;
+        options.record_plan = recording;
+        let plan = lock(&self.plan).take();
+        let next_ticket = self.next_ticket.load(Ordering::Relaxed);
+        *self = Session::open(client, options).await?;
+        // Ticket numbers go on from the old session's: a stale number is never reused.
+        self.next_ticket.store(next_ticket, Ordering::Relaxed);
+        if let Some(plan) = plan {
+            self.send_plan(plan);
+        }
+        Ok(())
+    }
+
+    /// The model the session streams.
+    pub fn model_id(&self) -> &str {
+        &self.options.model_id
     }
 
     pub fn id(&self) -> &str {
@@ -266,6 +322,7 @@ impl Session {
 
     /// Sends a plan explicitly.
     pub fn send_plan(&self, groups: Vec<u32>) {
+        *lock(&self.plan) = Some(groups.clone());
         let _ = self.send(Msg::Plan(proto::Plan { groups }));
     }
 
@@ -282,6 +339,28 @@ impl Session {
     }
 }
 
+/// Makes sure the daemon has `model_id`: loads it again from the files this client loaded it
+/// from when it does not (a restarted daemon starts empty).
+async fn restore_model(client: &mut Client, model_id: &str) -> Result<(), ClientError> {
+    let listed = client.list_models().await?;
+    if listed.models.iter().any(|m| m.model_id == model_id) {
+        return Ok(());
+    }
+    let Some(paths) = client.loaded_from(model_id) else {
+        // OpenSession says NOT_FOUND with the id: the caller uploads it again first.
+        return Ok(());
+    };
+    let manifest = client.load_model(&paths, "", |_| {}).await?;
+    if manifest.model_id != model_id {
+        client.release_model(&manifest.model_id).await?;
+        return Err(ClientError::Protocol(format!(
+            "loading {paths:?} again gave model {}, not {model_id}: the files changed",
+            manifest.model_id
+        )));
+    }
+    Ok(())
+}
+
 async fn read_replies(
     mut inbound: tonic::Streaming<proto::ServerMessage>,
     routes: Arc<Mutex<Routes>>,
@@ -291,7 +370,13 @@ async fn read_replies(
             Ok(Some(proto::ServerMessage { msg: Some(reply) })) => route(&routes, reply),
             Ok(Some(_)) => {}
             Ok(None) => break "the daemon closed the session".to_string(),
-            Err(status) => break format!("{:?}: {}", status.code(), status.message()),
+            Err(status) => {
+                break format!(
+                    "lost the daemon's stream ({:?}: {})",
+                    status.code(),
+                    status.message()
+                );
+            }
         }
     };
     let mut routes = lock(&routes);

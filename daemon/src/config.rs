@@ -78,6 +78,113 @@ impl MetricsConfig {
     }
 }
 
+/// Who may use the daemon beyond the socket's own mode and group (`[access]`). Both lists empty
+/// (the default): every peer that can open the socket. Otherwise a peer is let in when its uid
+/// is in `allowed_uids` or its gid (the primary gid SO_PEERCRED reports; supplementary groups
+/// are not visible there) is in `allowed_gids`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AccessConfig {
+    pub allowed_uids: Vec<u32>,
+    pub allowed_gids: Vec<u32>,
+}
+
+impl AccessConfig {
+    /// Whether the lists restrict anyone at all.
+    pub fn restricts(&self) -> bool {
+        !self.allowed_uids.is_empty() || !self.allowed_gids.is_empty()
+    }
+}
+
+/// A size, or a share of a total that is known only at start (the machine's memory, a device's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "RawSize")]
+pub enum SizeOrShare {
+    Bytes(u64),
+    Percent(u64),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawSize {
+    Number(u64),
+    Text(String),
+}
+
+impl TryFrom<RawSize> for SizeOrShare {
+    type Error = String;
+
+    fn try_from(raw: RawSize) -> Result<Self, String> {
+        match raw {
+            RawSize::Number(n) => Ok(SizeOrShare::Bytes(n)),
+            RawSize::Text(text) => match text.trim().strip_suffix('%') {
+                Some(p) => p
+                    .trim()
+                    .parse::<u64>()
+                    .map(SizeOrShare::Percent)
+                    .map_err(|_| format!("{text:?} is not a whole percentage like \"80%\"")),
+                None => text
+                    .parse::<ByteSize>()
+                    .map(|b| SizeOrShare::Bytes(b.as_u64()))
+                    .map_err(|_| {
+                        format!("{text:?} is neither a size (\"64GiB\") nor a percentage (\"80%\")")
+                    }),
+            },
+        }
+    }
+}
+
+impl SizeOrShare {
+    /// Bytes, given the total a percentage refers to.
+    pub fn resolve(self, total: u64) -> u64 {
+        match self {
+            SizeOrShare::Bytes(b) => b,
+            SizeOrShare::Percent(p) => (u128::from(total) * u128::from(p) / 100) as u64,
+        }
+    }
+}
+
+impl std::fmt::Display for SizeOrShare {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SizeOrShare::Bytes(b) => write!(f, "{b}"),
+            SizeOrShare::Percent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
+/// What one uid, and the daemon as a whole, may hold (`[quotas]`). A per-uid limit of 0 means
+/// none; the totals keep the daemon from pushing the box into OOM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Quotas {
+    /// Host copies of models (charged to the uid that loaded or uploaded them first) plus
+    /// uploads in progress.
+    pub per_uid_host_bytes: ByteSize,
+    /// Staging plus resident bytes of the uid's open sessions, on all devices together.
+    pub per_uid_device_bytes: ByteSize,
+    pub per_uid_sessions: u32,
+    pub per_uid_uploads: u32,
+    /// All models and uploads together: a size, or a percentage of MemTotal.
+    pub max_host_bytes: SizeOrShare,
+    /// Staging plus resident bytes of all sessions on one device: a size, or a percentage of
+    /// the device's memory.
+    pub max_device_bytes: SizeOrShare,
+}
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Quotas {
+            per_uid_host_bytes: ByteSize::b(0),
+            per_uid_device_bytes: ByteSize::b(0),
+            per_uid_sessions: 0,
+            per_uid_uploads: 0,
+            max_host_bytes: SizeOrShare::Percent(80),
+            max_device_bytes: SizeOrShare::Percent(100),
+        }
+    }
+}
+
 /// The daemon's settings as the file gives them.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -94,6 +201,8 @@ pub struct Config {
     pub drain_timeout_secs: u64,
     pub limits: Limits,
     pub metrics: MetricsConfig,
+    pub access: AccessConfig,
+    pub quotas: Quotas,
 }
 
 impl Default for Config {
@@ -107,6 +216,8 @@ impl Default for Config {
             drain_timeout_secs: 10,
             limits: Limits::default(),
             metrics: MetricsConfig::default(),
+            access: AccessConfig::default(),
+            quotas: Quotas::default(),
         }
     }
 }
@@ -265,6 +376,22 @@ impl Config {
             l.max_upload_bytes.as_u64() >= 1,
             "at least 1 byte",
         )?;
+        for (key, total) in [
+            ("quotas.max_host_bytes", self.quotas.max_host_bytes),
+            ("quotas.max_device_bytes", self.quotas.max_device_bytes),
+        ] {
+            let ok = match total {
+                SizeOrShare::Bytes(b) => b >= 1,
+                SizeOrShare::Percent(p) => (1..=100).contains(&p),
+            };
+            if !ok {
+                return Err(ConfigError::OutOfRange {
+                    key,
+                    value: total.to_string(),
+                    limit: "1% to 100%, or a size of at least 1 byte",
+                });
+            }
+        }
         Ok(())
     }
 }
@@ -283,6 +410,20 @@ mod tests {
         assert_eq!(c.backend, BackendChoice::Host);
         assert_eq!(c.prefetch_depth, 16);
         assert_eq!(c.metrics.address(), None);
+        let q = Config::from_toml(
+            "[access]\nallowed_uids = [1000, 1001]\n[quotas]\nper_uid_sessions = 2\n\
+             per_uid_host_bytes = \"1GiB\"\nmax_host_bytes = \"64GiB\"\nmax_device_bytes = \"90%\"\n",
+        )
+        .unwrap();
+        assert_eq!(q.access.allowed_uids, vec![1000, 1001]);
+        assert!(q.access.restricts());
+        assert!(!Config::default().access.restricts());
+        assert_eq!(q.quotas.per_uid_sessions, 2);
+        assert_eq!(q.quotas.per_uid_host_bytes, ByteSize::gib(1));
+        assert_eq!(q.quotas.max_host_bytes, SizeOrShare::Bytes(64 << 30));
+        assert_eq!(q.quotas.max_device_bytes, SizeOrShare::Percent(90));
+        assert_eq!(q.quotas.max_device_bytes.resolve(1000), 900);
+        assert_eq!(SizeOrShare::Bytes(7).resolve(1000), 7);
     }
 
     #[test]
@@ -311,6 +452,16 @@ mod tests {
             "max_upload_bytes =",
             "max_sessions =",
             "max_name_bytes =",
+            "[access]",
+            "allowed_uids =",
+            "allowed_gids =",
+            "[quotas]",
+            "per_uid_host_bytes =",
+            "per_uid_device_bytes =",
+            "per_uid_sessions =",
+            "per_uid_uploads =",
+            "max_host_bytes =",
+            "max_device_bytes =",
         ];
         for key in keys {
             assert!(
@@ -331,7 +482,8 @@ mod tests {
             (
                 "sockets = \"/x\"",
                 "line 1: unknown field `sockets`, expected one of `socket`, `socket_group`, \
-                 `backend`, `shm_dir`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`",
+                 `backend`, `shm_dir`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`, \
+                 `access`, `quotas`",
             ),
             (
                 "[limits]\nmax_sesions = 3",
@@ -390,6 +542,35 @@ mod tests {
             (
                 "socket_group = \" \"",
                 "socket_group = \" \" is invalid: must name a group or be left out",
+            ),
+            (
+                "[quotas]\nmax_host_bytes = \"0%\"",
+                "quotas.max_host_bytes = 0% is out of range: 1% to 100%, or a size of at least \
+                 1 byte",
+            ),
+            (
+                "[quotas]\nmax_device_bytes = \"101%\"",
+                "quotas.max_device_bytes = 101% is out of range: 1% to 100%, or a size of at \
+                 least 1 byte",
+            ),
+            (
+                "[quotas]\nmax_host_bytes = 0",
+                "quotas.max_host_bytes = 0 is out of range: 1% to 100%, or a size of at least \
+                 1 byte",
+            ),
+            (
+                "[quotas]\nmax_host_bytes = \"lots\"",
+                "line 2: \"lots\" is neither a size (\"64GiB\") nor a percentage (\"80%\")",
+            ),
+            (
+                "[quotas]\nper_uid_session = 2",
+                "line 2: unknown field `per_uid_session`, expected one of `per_uid_host_bytes`, \
+                 `per_uid_device_bytes`, `per_uid_sessions`, `per_uid_uploads`, \
+                 `max_host_bytes`, `max_device_bytes`",
+            ),
+            (
+                "[access]\nallowed_uids = [-1]",
+                "line 2: invalid value: integer `-1`, expected u32",
             ),
             (
                 "[metrics]\nlisten = \"localhost\"",

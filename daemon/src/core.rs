@@ -10,6 +10,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::backend::{Backend, BackendError, RegionHandle};
 use crate::config::Config;
+use crate::quota::{HostQuota, QuotaError, SessionLedger};
 use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
 use crate::scheduler::{CopyScheduler, SessionTotals};
 use crate::server::conn::Peer;
@@ -30,6 +31,8 @@ pub enum CoreError {
     Backend(#[from] BackendError),
     #[error(transparent)]
     Residency(#[from] ResidencyError),
+    #[error(transparent)]
+    Quota(#[from] QuotaError),
     #[error("unknown session_id '{0}'")]
     UnknownSession(String),
     #[error("session_id '{0}' belongs to another connection")]
@@ -72,6 +75,8 @@ pub struct Daemon {
     pub scheduler: Arc<CopyScheduler>,
     pub shm: Arc<ShmDir>,
     residency: ResidencyRegistry,
+    /// Sessions and device bytes per uid and per device, for the quotas.
+    pub ledger: Arc<SessionLedger>,
     sessions: Mutex<HashMap<String, Arc<SessionShared>>>,
     next_session: AtomicU64,
     stopping: AtomicBool,
@@ -84,12 +89,25 @@ impl Daemon {
         backend: Arc<dyn Backend>,
         shm: Arc<ShmDir>,
     ) -> std::io::Result<Arc<Daemon>> {
-        let devices = backend.devices().len();
-        let scheduler = CopyScheduler::start(backend.clone(), devices)?;
+        let device_info = backend.devices();
+        let scheduler = CopyScheduler::start(backend.clone(), device_info.len())?;
+        let host = HostQuota::resolve(&config.quotas, crate::backend::host::host_memory().0);
+        let devices: Vec<(String, u64)> = device_info
+            .into_iter()
+            .map(|d| (d.uuid, d.total_memory))
+            .collect();
+        let ledger = SessionLedger::new(&config.quotas, &devices);
+        tracing::info!(
+            max_host_bytes = host.max_bytes,
+            max_device_bytes = ?ledger.device_limits(),
+            per_uid = ?config.quotas,
+            "quotas (0: no limit)"
+        );
         let limits = StoreLimits {
             max_tensors: config.limits.max_tensors_per_model,
             max_upload_bytes: config.limits.max_upload_bytes.as_u64(),
             max_name_bytes: config.limits.max_name_bytes,
+            host,
         };
         Ok(Arc::new(Daemon {
             store: Store::new(shm.clone(), backend.clone(), limits),
@@ -98,6 +116,7 @@ impl Daemon {
             scheduler,
             shm,
             residency: ResidencyRegistry::default(),
+            ledger,
             sessions: Mutex::new(HashMap::new()),
             next_session: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
@@ -162,6 +181,13 @@ impl Daemon {
         let align = self.backend.alignment();
         let groups = layout_groups(&model, &req.groups, align)?;
         let split = split_budget(&groups, req.vram_budget, req.staging_bytes, align)?;
+        // Charged before anything is allocated; given back when the session ends (the charge
+        // moves into its teardown) or when opening fails below (the charge drops).
+        let charge = self.ledger.charge(
+            owner.uid,
+            device,
+            split.staging_bytes + split.resident_bytes,
+        )?;
         let number = self.next_session.fetch_add(1, Ordering::Relaxed);
         let staging = self
             .backend
@@ -257,6 +283,8 @@ impl Daemon {
             sessions.remove(&ended.id);
             drop(sessions);
             daemon.store.close_session(&model_id);
+            // Before `finished` is sent: a CloseSession reply means the quota is free again.
+            drop(charge);
         });
         tracing::info!(session = %shared.id, model = %model.id, staging = split.staging_bytes,
             resident = split.resident_bytes, "session opened");

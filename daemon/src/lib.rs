@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod core;
 pub mod metrics;
+pub mod quota;
 pub mod residency;
 pub mod scheduler;
 pub mod server;

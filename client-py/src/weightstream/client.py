@@ -10,6 +10,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 
@@ -25,6 +26,8 @@ DEFAULT_SOCKET = "/run/weightstream/weightstream.sock"
 SOCKET_ENV = "WEIGHTSTREAM_SOCKET"
 #: Unary calls give up after this many seconds (loads and uploads have none).
 CALL_TIMEOUT = 60.0
+#: How often ``Client.reconnect`` asks again while no daemon answers.
+RECONNECT_INTERVAL = 0.05
 
 
 def socket_path(socket: str | None = None) -> str:
@@ -51,6 +54,9 @@ class Client:
         self._pid = None
         self._channel = None
         self._stub = None
+        # The files of each model this client loaded, to load them again into a restarted
+        # daemon (``Session.reconnect``): same files, same model id.
+        self._loaded: dict[str, list[str]] = {}
 
     @property
     def stub(self) -> rpc.WeightStreamStub:
@@ -71,6 +77,53 @@ class Client:
                 self._pid = os.getpid()
             return self._stub
 
+    def _drop_channel(self):
+        with self._lock:
+            if self._channel is not None and self._pid == os.getpid():
+                self._channel.close()
+            self._pid = self._channel = self._stub = None
+
+    def reconnect(self, timeout: float = 30.0):
+        """Waits until a daemon answers on the socket (one restarted there), making a new
+        channel when the current one cannot reach it; raises ``DaemonUnavailable`` after
+        ``timeout`` seconds. Sessions are not moved: ``Session.reconnect`` does that."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.call("GetInfo", pb.GetInfoRequest(), timeout=max(0.01, min(timeout, 2.0)))
+            return
+        except DaemonUnavailable:
+            pass
+        while True:
+            # A fresh channel: the old one may sit in its reconnect backoff for seconds.
+            self._drop_channel()
+            left = deadline - time.monotonic()
+            try:
+                self.call("GetInfo", pb.GetInfoRequest(), timeout=max(0.01, min(left, 2.0)))
+                return
+            except DaemonUnavailable as e:
+                last = e
+            if time.monotonic() + RECONNECT_INTERVAL >= deadline:
+                raise DaemonUnavailable(f"no daemon answered within {timeout} s: {last}")
+            time.sleep(RECONNECT_INTERVAL)
+
+    def restore_model(self, model_id: str) -> bool:
+        """Loads ``model_id`` again from the files this client loaded it from, if the daemon
+        no longer has it (a restarted daemon starts empty). True if it was loaded again."""
+        if any(m.model_id == model_id for m in self.list_models().models):
+            return False
+        paths = self._loaded.get(model_id)
+        if paths is None:
+            return False  # OpenSession will say NOT_FOUND with the id
+        manifest = self.load_model(paths)
+        if manifest.model_id != model_id:
+            self.release_model(manifest.model_id)
+            raise RequestRejected(
+                "FAILED_PRECONDITION",
+                f"loading {paths} again gave model {manifest.model_id}, not {model_id}: "
+                "the files changed",
+            )
+        return True
+
     def call(self, method: str, request, timeout: float | None = CALL_TIMEOUT):
         try:
             return getattr(self.stub, method)(request, timeout=timeout)
@@ -87,10 +140,12 @@ class Client:
         progress: Callable[[pb.LoadProgress], None] | None = None,
     ) -> pb.ModelManifest:
         """Loads safetensors files (paths as the daemon sees them) into the store."""
-        request = pb.LoadModelRequest(paths=[os.path.abspath(p) for p in paths], name=name)
+        paths = [os.path.abspath(p) for p in paths]
+        request = pb.LoadModelRequest(paths=paths, name=name)
         try:
             for event in self.stub.LoadModel(request):
                 if event.HasField("manifest"):
+                    self._loaded[event.manifest.model_id] = paths
                     return event.manifest
                 if progress is not None:
                     progress(event.progress)
@@ -123,7 +178,10 @@ class Client:
         return done.manifest, done.deduplicated
 
     def release_model(self, model_id: str) -> int:
-        return self.call("ReleaseModel", pb.ReleaseModelRequest(model_id=model_id)).refcount
+        refcount = self.call("ReleaseModel", pb.ReleaseModelRequest(model_id=model_id)).refcount
+        if refcount == 0:
+            self._loaded.pop(model_id, None)
+        return refcount
 
     def list_models(self) -> pb.ListModelsResponse:
         return self.call("ListModels", pb.ListModelsRequest())

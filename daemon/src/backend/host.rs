@@ -93,7 +93,7 @@ impl Backend for HostBackend {
     ) -> Result<Arc<dyn DeviceRegion>, BackendError> {
         let segment = self
             .shm
-            .create(purpose, size, 0o640)
+            .create(purpose, size, crate::store::shm::Writer::Daemon)
             .map_err(|e| BackendError::Alloc {
                 device: device.to_string(),
                 bytes: size,

@@ -132,7 +132,10 @@ pub fn status_of(e: &CoreError) -> Status {
                 Status::resource_exhausted(msg)
             }
             StoreError::UnknownModel(_) | StoreError::UnknownUpload(_) => Status::not_found(msg),
-            StoreError::NotOwner(_) => Status::permission_denied(msg),
+            StoreError::NotOwner(_) | StoreError::NotHolder { .. } => {
+                Status::permission_denied(msg)
+            }
+            StoreError::Quota(_) => Status::resource_exhausted(msg),
             StoreError::Pin(_) => Status::resource_exhausted(msg),
         },
         CoreError::Layout(_) | CoreError::Budget(_) => Status::invalid_argument(msg),
@@ -140,7 +143,7 @@ pub fn status_of(e: &CoreError) -> Status {
         CoreError::Backend(_) | CoreError::Residency(_) => Status::internal(msg),
         CoreError::UnknownSession(_) | CoreError::UnknownDevice(_) => Status::not_found(msg),
         CoreError::NotOwner(_) => Status::permission_denied(msg),
-        CoreError::TooManySessions(_) => Status::resource_exhausted(msg),
+        CoreError::TooManySessions(_) | CoreError::Quota(_) => Status::resource_exhausted(msg),
         CoreError::ShuttingDown => Status::unavailable(msg),
     }
 }

@@ -1,10 +1,11 @@
 //! The gRPC server on the Unix socket: start, serve, stop.
 #![forbid(unsafe_code)]
 
+pub mod access;
 pub mod conn;
 mod convert;
 mod service;
-mod validate;
+pub mod validate;
 
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -162,7 +163,13 @@ async fn claim_socket(path: &Path) -> Result<(), ServeError> {
 pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
     let socket = config.socket.clone();
     claim_socket(&socket).await?;
-    let shm = Arc::new(ShmDir::new(&config.shm_dir, &shm_tag(&socket)));
+    let socket_gid = config
+        .socket_group
+        .as_deref()
+        .map(resolve_group)
+        .transpose()?;
+    // Shared memory belongs to the socket's group: exactly the peers who may connect map it.
+    let shm = Arc::new(ShmDir::new(&config.shm_dir, &shm_tag(&socket)).with_group(socket_gid));
     let swept = shm.sweep();
     if swept > 0 {
         tracing::warn!(
@@ -171,11 +178,6 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
             "removed shared memory left by an earlier daemon"
         );
     }
-    let socket_gid = config
-        .socket_group
-        .as_deref()
-        .map(resolve_group)
-        .transpose()?;
     let backend = select_backend(config.backend, &shm)?;
     let listener = UnixListener::bind(&socket).map_err(|source| ServeError::Socket {
         path: socket.clone(),
@@ -215,6 +217,12 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
     let service = WeightStreamServer::new(service::Service::new(daemon.clone()))
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);
+    // Every call of the service passes the allow-lists first; health and reflection do not
+    // (see access.rs).
+    let service = tonic::service::interceptor::InterceptedService::new(
+        service,
+        access::AccessCheck::new(&daemon.config.access),
+    );
     let (closed_tx, mut closed_rx) = mpsc::unbounded_channel::<u64>();
     let watcher = daemon.clone();
     tokio::spawn(async move {
@@ -242,8 +250,9 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
             }
         };
         let server = tonic::transport::Server::builder()
-            // One span per request; the session actor adds its own per session.
-            .trace_fn(|req| tracing::info_span!("request", method = %req.uri().path()))
+            // One span per request; the session actor adds its own per session. At warn level,
+            // so that a warning (a refused peer) names its method under WEIGHTSTREAM_LOG=warn too.
+            .trace_fn(|req| tracing::warn_span!("request", method = %req.uri().path()))
             .add_service(health_service)
             .add_service(reflection)
             .add_service(service)

@@ -17,6 +17,7 @@ use super::convert::{dtype_from_pb, manifest, status_of};
 use super::validate::{Check, check_name, check_upload_tensors};
 use crate::core::{Daemon, OpenRequest};
 use crate::session::{CloseReason, Control};
+use crate::store::Owner;
 
 pub struct Service {
     daemon: Arc<Daemon>,
@@ -37,6 +38,13 @@ fn peer<T>(req: &Request<T>) -> Result<Peer, Status> {
         .get::<Peer>()
         .copied()
         .ok_or_else(|| Status::internal("connection without peer credentials"))
+}
+
+fn owner(peer: Peer) -> Owner {
+    Owner {
+        conn: peer.conn,
+        uid: peer.uid,
+    }
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -87,6 +95,7 @@ impl WeightStream for Service {
         &self,
         req: Request<pb::LoadModelRequest>,
     ) -> Result<Response<Self::LoadModelStream>, Status> {
+        let uid = peer(&req)?.uid;
         let req = req.into_inner();
         let check = self.check();
         check.count("paths", req.paths.len(), 1, 4096)?;
@@ -107,7 +116,7 @@ impl WeightStream for Service {
                 });
                 let _ = progress_tx.blocking_send(Ok(pb::LoadModelEvent { event: Some(event) }));
             };
-            let result = daemon.store.load(&paths, &req.name, &mut progress);
+            let result = daemon.store.load(&paths, &req.name, uid, &mut progress);
             let msg = result
                 .map(|(model, existed)| {
                     tracing::info!(model = %model.id, existed, bytes = model.total_bytes, "model loaded");
@@ -133,7 +142,7 @@ impl WeightStream for Service {
         let ticket = self
             .daemon
             .store
-            .begin_upload(peer.conn, &req.name, tensors)
+            .begin_upload(owner(peer), &req.name, tensors)
             .map_err(|e| status_of(&e.into()))?;
         Ok(Response::new(pb::BeginUploadResponse {
             upload_id: ticket.upload_id,
@@ -160,7 +169,7 @@ impl WeightStream for Service {
         self.check().text("upload_id", &req.upload_id, 256)?;
         let daemon = self.daemon.clone();
         let (model, deduplicated) = tokio::task::spawn_blocking(move || {
-            daemon.store.commit_upload(peer.conn, &req.upload_id)
+            daemon.store.commit_upload(owner(peer), &req.upload_id)
         })
         .await
         .map_err(|e| Status::internal(format!("commit task failed: {e}")))?
@@ -176,12 +185,13 @@ impl WeightStream for Service {
         &self,
         req: Request<pb::ReleaseModelRequest>,
     ) -> Result<Response<pb::ReleaseModelResponse>, Status> {
+        let uid = peer(&req)?.uid;
         let req = req.into_inner();
         self.check().text("model_id", &req.model_id, 256)?;
         let refcount = self
             .daemon
             .store
-            .release(&req.model_id)
+            .release(&req.model_id, uid)
             .map_err(|e| status_of(&e.into()))?;
         Ok(Response::new(pb::ReleaseModelResponse { refcount }))
     }

@@ -16,9 +16,10 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use self::safetensors::{DType, HeaderError, TensorEntry};
-use self::shm::{ShmDir, ShmSegment};
+use self::shm::{ShmDir, ShmSegment, Writer};
 pub use self::sources::{SourceError, resolve_sources};
 use crate::backend::{Backend, BackendError, PinGuard};
+use crate::quota::{HostQuota, QuotaError, check_count};
 
 /// Alignment of each tensor in an arena: a page, so that the arena can be page-locked in
 /// chunks that end on tensor boundaries (a copy never spans two registrations).
@@ -40,6 +41,15 @@ pub struct StoreLimits {
     pub max_tensors: u32,
     pub max_upload_bytes: u64,
     pub max_name_bytes: u32,
+    pub host: HostQuota,
+}
+
+/// Who asks: the connection (which owns uploads) and its uid (which holds model references and
+/// is charged host bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner {
+    pub conn: u64,
+    pub uid: u32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +87,13 @@ pub enum StoreError {
     },
     #[error("upload of {bytes} bytes exceeds max_upload_bytes = {limit}")]
     UploadTooLarge { bytes: u64, limit: u64 },
+    #[error(
+        "uid {uid} holds no reference to model_id '{id}': only a uid that loaded or uploaded \
+         it may release it"
+    )]
+    NotHolder { id: String, uid: u32 },
+    #[error(transparent)]
+    Quota(#[from] QuotaError),
     #[error(transparent)]
     Pin(#[from] BackendError),
 }
@@ -197,6 +214,11 @@ impl Model {
     pub fn arena(&self) -> &Arc<HostArena> {
         &self.arena
     }
+
+    /// Host memory the model holds: its arena, padding included.
+    pub fn host_bytes(&self) -> u64 {
+        self.arena.segment.size()
+    }
 }
 
 /// A model as listed: the model and its reference counts.
@@ -205,10 +227,15 @@ pub struct ModelEntry {
     pub model: Arc<Model>,
     pub refs: u32,
     pub sessions: u32,
+    /// Load references per uid, in the order the uids took their first one.
+    pub holders: Vec<(u32, u32)>,
+    /// The uid whose host quota the model counts against: the first loader, then (once it has
+    /// released its last reference) the next holder. A copy shared by many uids counts once.
+    pub charged_uid: u32,
 }
 
 struct Upload {
-    owner: u64,
+    owner: Owner,
     name: String,
     tensors: Vec<StoredTensor>,
     segment: ShmSegment,
@@ -223,11 +250,79 @@ pub struct UploadTicket {
     pub tensors: Vec<StoredTensor>,
 }
 
+/// Host bytes promised to a load or upload that is being made: counted like the real thing so
+/// that two requests at once cannot both pass a quota.
+struct Pending {
+    uid: u32,
+    bytes: u64,
+    upload: bool,
+}
+
 #[derive(Default)]
 struct Inner {
     models: HashMap<String, ModelEntry>,
     uploads: HashMap<String, Upload>,
     next_upload: u64,
+    pending: HashMap<u64, Pending>,
+    next_pending: u64,
+}
+
+/// Host use as quotas count it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostUse {
+    /// Bytes charged to the uid: models it is charged for, its uploads.
+    pub uid_bytes: u64,
+    pub uid_uploads: u32,
+    /// Bytes of every model and upload.
+    pub total_bytes: u64,
+}
+
+impl Inner {
+    fn host_use(&self, uid: u32) -> HostUse {
+        let mut u = HostUse::default();
+        for e in self.models.values() {
+            let b = e.model.host_bytes();
+            u.total_bytes += b;
+            if e.charged_uid == uid {
+                u.uid_bytes += b;
+            }
+        }
+        for up in self.uploads.values() {
+            let b = up.segment.size();
+            u.total_bytes += b;
+            if up.owner.uid == uid {
+                u.uid_bytes += b;
+                u.uid_uploads += 1;
+            }
+        }
+        for p in self.pending.values() {
+            u.total_bytes += p.bytes;
+            if p.uid == uid {
+                u.uid_bytes += p.bytes;
+                u.uid_uploads += u32::from(p.upload);
+            }
+        }
+        u
+    }
+
+    fn add_pending(&mut self, pending: Pending) -> u64 {
+        self.next_pending += 1;
+        self.pending.insert(self.next_pending, pending);
+        self.next_pending
+    }
+}
+
+/// A `Pending` entry, removed on drop (the model or upload it stood for now counts itself, or
+/// was never made).
+struct Reservation<'a> {
+    store: &'a Store,
+    id: u64,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.store.inner().pending.remove(&self.id);
+    }
 }
 
 pub struct Store {
@@ -264,12 +359,13 @@ impl Store {
         &self,
         paths: &[PathBuf],
         name: &str,
+        uid: u32,
         progress: Progress<'_>,
     ) -> Result<(Arc<Model>, bool), StoreError> {
         let files = resolve_sources(paths)?;
         let _serial = self.load_lock.lock().unwrap_or_else(|p| p.into_inner());
         let id = file_identity(&files)?;
-        if let Some(model) = self.add_ref(&id) {
+        if let Some(model) = self.add_ref(&id, uid) {
             let total = model.total_bytes;
             progress(total, total, files.last().map_or(Path::new(""), |p| p));
             return Ok((model, true));
@@ -280,9 +376,10 @@ impl Store {
             plan.last().map_or(0, |(_, e, off)| off + e.nbytes),
             TENSOR_ALIGN,
         );
+        let reserved = self.reserve(uid, arena_len, false, "model")?;
         let mut segment = self
             .shm
-            .create("model", arena_len, 0o640)
+            .create("model", arena_len, Writer::Daemon)
             .map_err(|source| StoreError::Arena {
                 bytes: arena_len,
                 source,
@@ -312,7 +409,8 @@ impl Store {
             tensors,
             arena,
         ));
-        self.insert(model.clone());
+        self.insert(model.clone(), uid);
+        drop(reserved);
         Ok((model, false))
     }
 
@@ -357,10 +455,41 @@ impl Store {
         Ok(plan)
     }
 
-    /// Creates an upload region for the declared tensors, owned by connection `owner`.
+    /// Promises `bytes` of host memory to `uid`, or says which quota that would pass.
+    fn reserve(
+        &self,
+        uid: u32,
+        bytes: u64,
+        upload: bool,
+        item: &'static str,
+    ) -> Result<Reservation<'_>, StoreError> {
+        let quota = &self.limits.host;
+        let mut inner = self.inner();
+        let used = inner.host_use(uid);
+        if upload {
+            check_count(
+                "per_uid_uploads",
+                quota.per_uid_uploads,
+                uid,
+                used.uid_uploads,
+                ("upload in progress", "uploads in progress"),
+            )?;
+        }
+        quota.check(uid, used.uid_bytes, used.total_bytes, bytes, item)?;
+        let id = inner.add_pending(Pending { uid, bytes, upload });
+        Ok(Reservation { store: self, id })
+    }
+
+    /// Host use as the quotas see it, for `uid` and in total.
+    pub fn host_use(&self, uid: u32) -> HostUse {
+        self.inner().host_use(uid)
+    }
+
+    /// Creates an upload region for the declared tensors, owned by `owner`'s connection and
+    /// writable by its uid alone.
     pub fn begin_upload(
         &self,
-        owner: u64,
+        owner: Owner,
         name: &str,
         tensors: Vec<TensorDecl>,
     ) -> Result<UploadTicket, StoreError> {
@@ -390,13 +519,14 @@ impl Store {
             });
         }
         let offset = align_up(offset, TENSOR_ALIGN);
-        let segment =
-            self.shm
-                .create("upload", offset, 0o660)
-                .map_err(|source| StoreError::Arena {
-                    bytes: offset,
-                    source,
-                })?;
+        let reserved = self.reserve(owner.uid, offset, true, "upload")?;
+        let segment = self
+            .shm
+            .create("upload", offset, Writer::Peer(owner.uid))
+            .map_err(|source| StoreError::Arena {
+                bytes: offset,
+                source,
+            })?;
         let mut inner = self.inner();
         inner.next_upload += 1;
         let upload_id = format!("up-{}", inner.next_upload);
@@ -415,23 +545,36 @@ impl Store {
                 segment,
             },
         );
+        // The upload counts itself from now on (dropped after the lock: its drop locks).
+        drop(inner);
+        drop(reserved);
         Ok(ticket)
     }
 
     /// Turns a filled upload into a model, or into one more reference to an identical one.
     pub fn commit_upload(
         &self,
-        owner: u64,
+        owner: Owner,
         upload_id: &str,
     ) -> Result<(Arc<Model>, bool), StoreError> {
-        let upload = {
+        let (upload, reserved) = {
             let mut inner = self.inner();
             match inner.uploads.get(upload_id) {
                 None => return Err(StoreError::UnknownUpload(upload_id.to_string())),
-                Some(u) if u.owner != owner => {
+                Some(u) if u.owner.conn != owner.conn => {
                     return Err(StoreError::NotOwner(upload_id.to_string()));
                 }
-                Some(_) => inner.uploads.remove(upload_id).expect("present"),
+                Some(_) => {
+                    let upload = inner.uploads.remove(upload_id).expect("present");
+                    // Its bytes stay charged while it is sealed (the sealed copy, briefly a
+                    // second one, is not counted again).
+                    let id = inner.add_pending(Pending {
+                        uid: owner.uid,
+                        bytes: upload.segment.size(),
+                        upload: false,
+                    });
+                    (upload, Reservation { store: self, id })
+                }
             }
         };
         // The client can still write or truncate its upload file: copy the bytes into a
@@ -440,7 +583,7 @@ impl Store {
         let segment = self.seal_upload(&upload)?;
         let id = content_identity(&upload.tensors, segment.bytes());
         let _serial = self.load_lock.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(model) = self.add_ref(&id) {
+        if let Some(model) = self.add_ref(&id, owner.uid) {
             return Ok((model, true));
         }
         let name = if upload.name.is_empty() {
@@ -456,7 +599,8 @@ impl Store {
             upload.tensors,
             arena,
         ));
-        self.insert(model.clone());
+        self.insert(model.clone(), owner.uid);
+        drop(reserved);
         Ok((model, false))
     }
 
@@ -479,7 +623,7 @@ impl Store {
         }
         let mut segment = self
             .shm
-            .create("model", expected, 0o640)
+            .create("model", expected, Writer::Daemon)
             .map_err(|source| StoreError::Arena {
                 bytes: expected,
                 source,
@@ -502,7 +646,7 @@ impl Store {
     pub fn drop_uploads_of(&self, owner: u64) -> usize {
         let mut inner = self.inner();
         let before = inner.uploads.len();
-        inner.uploads.retain(|_, u| u.owner != owner);
+        inner.uploads.retain(|_, u| u.owner.conn != owner);
         before - inner.uploads.len()
     }
 
@@ -526,24 +670,31 @@ impl Store {
         Ok(HostArena { _pin: pin, segment })
     }
 
-    fn add_ref(&self, id: &str) -> Option<Arc<Model>> {
+    /// One more reference for `uid` to a model already in the store (not charged again).
+    fn add_ref(&self, id: &str, uid: u32) -> Option<Arc<Model>> {
         let mut inner = self.inner();
         let entry = inner.models.get_mut(id)?;
         entry.refs += 1;
+        match entry.holders.iter_mut().find(|(u, _)| *u == uid) {
+            Some((_, n)) => *n += 1,
+            None => entry.holders.push((uid, 1)),
+        }
         Some(entry.model.clone())
     }
 
-    fn insert(&self, model: Arc<Model>) {
+    fn insert(&self, model: Arc<Model>, uid: u32) {
         let entry = ModelEntry {
             model: model.clone(),
             refs: 1,
             sessions: 0,
+            holders: vec![(uid, 1)],
+            charged_uid: uid,
         };
         self.inner().models.insert(model.id.clone(), entry);
     }
 
-    /// Drops one load reference; returns the references left.
-    pub fn release(&self, id: &str) -> Result<u32, StoreError> {
+    /// Drops one of `uid`'s load references; returns the references left (all uids').
+    pub fn release(&self, id: &str, uid: u32) -> Result<u32, StoreError> {
         let mut inner = self.inner();
         let entry = inner
             .models
@@ -552,7 +703,26 @@ impl Store {
         if entry.refs == 0 {
             return Err(StoreError::UnknownModel(id.to_string()));
         }
+        let Some(at) = entry.holders.iter().position(|(u, _)| *u == uid) else {
+            return Err(StoreError::NotHolder {
+                id: id.to_string(),
+                uid,
+            });
+        };
         entry.refs -= 1;
+        entry.holders[at].1 -= 1;
+        if entry.holders[at].1 == 0 {
+            entry.holders.remove(at);
+            // The charge follows the references: a uid that let go is not billed for a copy
+            // that others keep. With none left the model goes once its sessions end, and the
+            // charge stays where it was until then.
+            if entry.charged_uid == uid
+                && let Some(&(next, _)) = entry.holders.first()
+            {
+                entry.charged_uid = next;
+                tracing::info!(model = %id, from = uid, to = next, "host quota charge moved");
+            }
+        }
         let left = entry.refs;
         Self::collect(&mut inner, id);
         Ok(left)
@@ -736,6 +906,87 @@ mod tests {
             offset,
             nbytes,
         }
+    }
+
+    fn store_in(dir: &Path, host: HostQuota) -> Store {
+        let shm = Arc::new(ShmDir::new(dir, "t"));
+        let backend = Arc::new(crate::backend::host::HostBackend::new(shm.clone()));
+        let limits = StoreLimits {
+            max_tensors: 100,
+            max_upload_bytes: 1 << 30,
+            max_name_bytes: 1024,
+            host,
+        };
+        Store::new(shm, backend, limits)
+    }
+
+    fn model_file(dir: &Path, name: &str, bytes: usize) -> PathBuf {
+        let data = vec![7u8; bytes];
+        let view =
+            ::safetensors::tensor::TensorView::new(::safetensors::Dtype::U8, vec![bytes], &data)
+                .unwrap();
+        let path = dir.join(name);
+        ::safetensors::serialize_to_file([("w", view)], None, &path).unwrap();
+        path
+    }
+
+    /// Model references belong to uids: only a holder releases, and the host charge follows
+    /// the references (one copy, charged once, to the first holder still holding one).
+    #[test]
+    fn references_belong_to_uids_and_the_host_charge_follows_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_in(dir.path(), HostQuota::default());
+        let path = model_file(dir.path(), "a.safetensors", 8192);
+        let (model, _) = store
+            .load(std::slice::from_ref(&path), "", 1, &mut |_, _, _| {})
+            .unwrap();
+        let (same, existed) = store.load(&[path], "", 2, &mut |_, _, _| {}).unwrap();
+        assert!(existed && Arc::ptr_eq(&model, &same));
+        let usage = |uid| store.host_use(uid);
+        assert_eq!((usage(1).uid_bytes, usage(2).uid_bytes), (8192, 0));
+        assert_eq!(usage(2).total_bytes, 8192);
+        let err = store.release(&model.id, 3).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "uid 3 holds no reference to model_id '{}': only a uid that loaded or uploaded \
+                 it may release it",
+                model.id
+            )
+        );
+        assert_eq!(store.release(&model.id, 1).unwrap(), 1);
+        assert_eq!((usage(1).uid_bytes, usage(2).uid_bytes), (0, 8192));
+        assert!(matches!(
+            store.release(&model.id, 1),
+            Err(StoreError::NotHolder { uid: 1, .. })
+        ));
+        assert_eq!(store.release(&model.id, 2).unwrap(), 0);
+        assert_eq!(usage(2), HostUse::default());
+    }
+
+    #[test]
+    fn a_refused_load_makes_nothing_and_charges_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let quota = HostQuota {
+            per_uid_bytes: 12288,
+            ..HostQuota::default()
+        };
+        let store = store_in(dir.path(), quota);
+        let a = model_file(dir.path(), "a.safetensors", 8192);
+        let b = model_file(dir.path(), "b.safetensors", 8192);
+        store.load(&[a], "", 1, &mut |_, _, _| {}).unwrap();
+        let err = store
+            .load(std::slice::from_ref(&b), "", 1, &mut |_, _, _| {})
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "quotas.per_uid_host_bytes = 12288 exceeded: uid 1 holds 8192 host bytes and this \
+             model needs 8192 more"
+        );
+        assert_eq!(store.host_use(1).total_bytes, 8192, "no reservation left");
+        // Another uid has its own quota.
+        store.load(&[b], "", 2, &mut |_, _, _| {}).unwrap();
+        assert_eq!(store.host_use(2).uid_bytes, 8192);
     }
 
     #[test]

@@ -1,0 +1,504 @@
+//! Access control and quotas end to end (issue 7, parts 1 and 2): the `[access]` allow-lists
+//! refuse a peer on every call of the service and log it, the shared-memory files get their
+//! modes and owners, and each `[quotas]` limit is refused with its own message and given back
+//! when what it counts is released.
+//!
+//! The tests run as one uid, so the allow-lists are tested by listing another uid (refused) or
+//! the test's own uid or gid (admitted).
+mod common;
+
+use std::io::Write;
+use std::os::unix::fs::MetadataExt;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use bytesize::ByteSize;
+use common::*;
+use tonic::Code;
+use weightstream_client::{ClientError, proto};
+use weightstream_daemon::config::SizeOrShare;
+
+/// Everything the daemons of this test binary log (a global subscriber: the server's tasks run
+/// on other threads than the test).
+fn logs() -> Arc<Mutex<Vec<u8>>> {
+    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let sink = buf.clone();
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(move || LogSink(sink.clone()))
+            .init();
+        buf
+    })
+    .clone()
+}
+
+struct LogSink(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogSink {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn log_lines_with(parts: &[&str]) -> Vec<String> {
+    let text = String::from_utf8_lossy(&logs().lock().unwrap()).into_owned();
+    text.lines()
+        .filter(|l| parts.iter().all(|p| l.contains(p)))
+        .map(str::to_string)
+        .collect()
+}
+
+fn me() -> (u32, u32, u32) {
+    (
+        rustix::process::getuid().as_raw(),
+        rustix::process::getgid().as_raw(),
+        std::process::id(),
+    )
+}
+
+fn rejected(err: ClientError) -> (Code, String) {
+    match err {
+        ClientError::Rejected { code, message } => (code, message),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+}
+
+fn code_message(status: tonic::Status) -> (Code, String) {
+    (status.code(), status.message().to_string())
+}
+
+const LAYER: usize = 64 << 10;
+
+/// A model file of four 64 KiB layers: its arena is exactly 256 KiB (tensors are page-aligned).
+fn model_file(dir: &std::path::Path, seed: u64) -> PathBuf {
+    write_model(
+        dir,
+        &format!("m{seed}.safetensors"),
+        &uniform_model(seed, 4, LAYER),
+    )
+}
+
+fn upload_request(name: &str, bytes: u64) -> proto::BeginUploadRequest {
+    proto::BeginUploadRequest {
+        name: name.into(),
+        tensors: vec![proto::TensorInfo {
+            name: "w".into(),
+            dtype: proto::Dtype::U8 as i32,
+            shape: vec![bytes],
+            nbytes: 0,
+        }],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
+    logs();
+    let (uid, gid, pid) = me();
+    let daemon = start_daemon_with(|c| {
+        c.access.allowed_uids = vec![uid + 1];
+        c.access.allowed_gids = vec![gid + 1];
+    })
+    .await;
+    let want = (
+        Code::PermissionDenied,
+        format!(
+            "uid {uid} (gid {gid}, pid {pid}) may not use this daemon: neither in \
+             access.allowed_uids [{}] nor in access.allowed_gids [{}]",
+            uid + 1,
+            gid + 1
+        ),
+    );
+    let mut raw = raw_client(&daemon.socket).await;
+    let got = raw.get_info(proto::GetInfoRequest {}).await.err().unwrap();
+    assert_eq!(code_message(got), want, "GetInfo");
+    let got = raw
+        .load_model(proto::LoadModelRequest {
+            paths: vec!["/nonexistent.safetensors".into()],
+            name: String::new(),
+        })
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(code_message(got), want, "LoadModel");
+    let got = raw
+        .begin_upload(upload_request("u", 16))
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(code_message(got), want, "BeginUpload");
+    let got = raw
+        .release_model(proto::ReleaseModelRequest {
+            model_id: "m-0".into(),
+        })
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(code_message(got), want, "ReleaseModel");
+    let got = raw
+        .open_session(proto::OpenSessionRequest {
+            model_id: "m-0".into(),
+            vram_budget: 1 << 20,
+            groups: vec![group("g", &["w"])],
+            ..Default::default()
+        })
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(code_message(got), want, "OpenSession");
+    let got = raw
+        .list_sessions(proto::ListSessionsRequest {})
+        .await
+        .err()
+        .unwrap();
+    assert_eq!(code_message(got), want, "ListSessions");
+    let got = RawRun::attach(&mut raw, "s-1").await.err().unwrap();
+    assert_eq!(code_message(got), want, "Run");
+    // The Rust client's calls surface the same status as a rejection.
+    let mut client = daemon.client().await;
+    assert_eq!(
+        rejected(client.info().await.err().unwrap()),
+        want,
+        "Client::info"
+    );
+    let got = client
+        .load_model(&[PathBuf::from("/x.safetensors")], "", |_| {})
+        .await;
+    assert_eq!(rejected(got.err().unwrap()), want, "Client::load_model");
+
+    // Each attempt is logged with the peer's uid and pid, and the method in the request span.
+    for method in ["GetInfo", "LoadModel", "OpenSession", "Run"] {
+        let lines = log_lines_with(&[
+            "access denied",
+            &format!("WeightStream/{method}"),
+            &format!("uid={uid}"),
+            &format!("pid={pid}"),
+        ]);
+        assert!(!lines.is_empty(), "no log line for the refused {method}");
+    }
+
+    // Health stays open to every peer that can open the socket (probes), and nothing was made.
+    let channel = tonic::transport::Endpoint::from_static("http://weightstream.test")
+        .connect_with_connector(tower::service_fn({
+            let path = daemon.socket.clone();
+            move |_: tonic::transport::Uri| {
+                let path = path.clone();
+                async move {
+                    let s = tokio::net::UnixStream::connect(path).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+                }
+            }
+        }))
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    let status = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "weightstream.v1.WeightStream".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
+    assert!(daemon.shm_files().is_empty(), "{:?}", daemon.shm_files());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_in_either_list_is_served() {
+    let (uid, gid, _) = me();
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_file(dir.path(), 1);
+    let expected = read_model(std::slice::from_ref(&path));
+    for (uids, gids) in [(vec![uid], vec![]), (vec![uid + 1], vec![gid])] {
+        let daemon = start_daemon_with(|c| {
+            c.access.allowed_uids = uids.clone();
+            c.access.allowed_gids = gids.clone();
+        })
+        .await;
+        let mut client = daemon.client().await;
+        let manifest = load(&mut client, std::slice::from_ref(&path), &expected).await;
+        let groups = per_tensor_groups(&manifest);
+        let session = client
+            .open_session(options(&manifest.model_id, groups, 0, 1 << 20))
+            .await
+            .unwrap();
+        let bytes = run_step(&session, &[0, 1, 2, 3], &expected).await;
+        assert_eq!(bytes, model_bytes(&expected), "uids {uids:?} gids {gids:?}");
+        session.close().await.unwrap();
+        assert_eq!(client.release_model(&manifest.model_id).await.unwrap(), 0);
+    }
+}
+
+/// Models, staging and resident regions: 0640, the daemon's, group = the socket's group.
+/// Uploads: 0640, owned by the uploading peer (the daemon runs as root here, so it chowns; a
+/// daemon that cannot chown grants the peer an ACL entry instead, tested in store::shm).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_memory_is_group_readable_and_an_upload_writable_by_its_peer_only() {
+    let (uid, _, _) = me();
+    let daemon_uid = rustix::process::geteuid().as_raw();
+    let group = 4321;
+    let daemon = start_daemon_with(|c| c.socket_group = Some(group.to_string())).await;
+    let socket = std::fs::metadata(&daemon.socket).unwrap();
+    assert_eq!((socket.mode() & 0o777, socket.gid()), (0o660, group));
+    let meta = |kind: &str| {
+        let tag = format!("-{kind}-");
+        let name = daemon
+            .shm_files()
+            .into_iter()
+            .find(|n| n.contains(&tag))
+            .unwrap_or_else(|| panic!("no {kind} file in {:?}", daemon.shm_files()));
+        let m = std::fs::metadata(daemon.shm_dir.join(name)).unwrap();
+        (m.mode() & 0o7777, m.uid(), m.gid())
+    };
+
+    let mut raw = raw_client(&daemon.socket).await;
+    let begun = raw
+        .begin_upload(upload_request("u", 4096))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(meta("upload"), (0o640, uid, group));
+    raw.commit_upload(proto::CommitUploadRequest {
+        upload_id: begun.upload_id,
+    })
+    .await
+    .unwrap();
+    assert_eq!(daemon.shm_count("upload"), 0);
+    assert_eq!(meta("model"), (0o640, daemon_uid, group));
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_file(dir.path(), 2);
+    let expected = read_model(std::slice::from_ref(&path));
+    let mut client = daemon.client().await;
+    let manifest = load(&mut client, &[path], &expected).await;
+    // Two groups resident, two streamed through staging.
+    let session = client
+        .open_session(options(
+            &manifest.model_id,
+            per_tensor_groups(&manifest),
+            2 * LAYER as u64,
+            4 * LAYER as u64,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(meta("staging"), (0o640, daemon_uid, group));
+    assert_eq!(meta("resident"), (0o640, daemon_uid, group));
+    // The client reads through these modes and writes its upload through them.
+    run_step(&session, &[0, 1, 2, 3], &expected).await;
+    let data = uniform_model(3, 1, LAYER);
+    let uploads: Vec<_> = data.iter().map(Tensor::as_upload).collect();
+    let (model, _) = client.upload_model("mine", &uploads).await.unwrap();
+    assert_eq!(model.total_bytes, LAYER as u64);
+    session.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_uid_sessions_are_limited_and_a_closed_session_gives_its_place_back() {
+    let (uid, _, _) = me();
+    let daemon = start_daemon_with(|c| c.quotas.per_uid_sessions = 2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_file(dir.path(), 4);
+    let expected = read_model(std::slice::from_ref(&path));
+    let mut client = daemon.client().await;
+    let manifest = load(&mut client, &[path], &expected).await;
+    let opts = || options(&manifest.model_id, per_tensor_groups(&manifest), 0, 1 << 20);
+    let first = client.open_session(opts()).await.unwrap();
+    let _second = client.open_session(opts()).await.unwrap();
+    // Per uid, not per connection: another connection of the same uid is refused too.
+    let mut other = daemon.client().await;
+    let want = (
+        Code::ResourceExhausted,
+        format!("quotas.per_uid_sessions = 2 reached: uid {uid} has 2 open sessions"),
+    );
+    assert_eq!(
+        rejected(other.open_session(opts()).await.err().unwrap()),
+        want
+    );
+    assert_eq!(
+        daemon.shm_count("staging"),
+        2,
+        "nothing made for the refusal"
+    );
+    first.close().await.unwrap();
+    let third = other.open_session(opts()).await.unwrap();
+    run_step(&third, &[3, 2, 1, 0], &expected).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_bytes_are_limited_per_uid_and_per_device() {
+    let (uid, _, _) = me();
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_file(dir.path(), 5);
+    let expected = read_model(std::slice::from_ref(&path));
+    // 3 layers of staging, one resident: 256 KiB of device memory per session.
+    let per_session = 4 * LAYER as u64;
+    let limit = per_session + per_session / 2;
+    let cases = [
+        (
+            "per uid",
+            format!(
+                "quotas.per_uid_device_bytes = {limit} exceeded: uid {uid} holds {per_session} \
+                 device bytes and this session needs {per_session} more"
+            ),
+        ),
+        (
+            "per device",
+            format!(
+                "quotas.max_device_bytes = {limit} exceeded: the daemon holds {per_session} \
+                 device bytes on host-0 and this session needs {per_session} more"
+            ),
+        ),
+    ];
+    for (which, message) in cases {
+        let daemon = start_daemon_with(|c| match which {
+            "per uid" => c.quotas.per_uid_device_bytes = ByteSize::b(limit),
+            _ => c.quotas.max_device_bytes = SizeOrShare::Bytes(limit),
+        })
+        .await;
+        let mut client = daemon.client().await;
+        let manifest = load(&mut client, std::slice::from_ref(&path), &expected).await;
+        let opts = || {
+            options(
+                &manifest.model_id,
+                per_tensor_groups(&manifest),
+                3 * LAYER as u64,
+                per_session,
+            )
+        };
+        let first = client.open_session(opts()).await.unwrap();
+        let info = session_info(&mut client, first.id()).await.unwrap();
+        assert_eq!(info.staging_bytes + info.resident_bytes, per_session);
+        let got = rejected(client.open_session(opts()).await.err().unwrap());
+        assert_eq!(got, (Code::ResourceExhausted, message), "{which}");
+        assert_eq!(daemon.shm_count("staging"), 1, "{which}: nothing made");
+        first.close().await.unwrap();
+        let again = client.open_session(opts()).await.unwrap();
+        run_step(&again, &[0, 1, 2, 3], &expected).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_once() {
+    let (uid, _, _) = me();
+    let dir = tempfile::tempdir().unwrap();
+    let a = model_file(dir.path(), 6);
+    let b = model_file(dir.path(), 7);
+    let arena = 4 * LAYER as u64;
+    let limit = arena + arena / 4;
+    let cases = [
+        ("per uid", "per_uid_host_bytes", format!("uid {uid}")),
+        ("total", "max_host_bytes", "the daemon".to_string()),
+    ];
+    for (which, key, holder) in cases {
+        let daemon = start_daemon_with(|c| match which {
+            "per uid" => c.quotas.per_uid_host_bytes = ByteSize::b(limit),
+            _ => c.quotas.max_host_bytes = SizeOrShare::Bytes(limit),
+        })
+        .await;
+        let mut client = daemon.client().await;
+        let first = client
+            .load_model(std::slice::from_ref(&a), "", |_| {})
+            .await
+            .unwrap();
+        let message = |used: u64, item: &str, need: u64| {
+            (
+                Code::ResourceExhausted,
+                format!(
+                    "quotas.{key} = {limit} exceeded: {holder} holds {used} host bytes and \
+                     this {item} needs {need} more"
+                ),
+            )
+        };
+        let got = client
+            .load_model(std::slice::from_ref(&b), "", |_| {})
+            .await;
+        assert_eq!(
+            rejected(got.err().unwrap()),
+            message(arena, "model", arena),
+            "{which}"
+        );
+        assert_eq!(daemon.shm_count("model"), 1, "{which}: nothing made");
+        // The same files again are the same copy: not charged twice.
+        let again = client
+            .load_model(std::slice::from_ref(&a), "", |_| {})
+            .await
+            .unwrap();
+        assert_eq!(
+            (again.model_id.as_str(), again.refcount),
+            (first.model_id.as_str(), 2)
+        );
+        // An upload in progress counts as host bytes.
+        let mut raw = raw_client(&daemon.socket).await;
+        let got = raw
+            .begin_upload(upload_request("u", arena / 2))
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(
+            code_message(got),
+            message(arena, "upload", arena / 2),
+            "{which}"
+        );
+        assert_eq!(daemon.shm_count("upload"), 0);
+        // Released (both references): the bytes are free again.
+        assert_eq!(client.release_model(&first.model_id).await.unwrap(), 1);
+        assert_eq!(client.release_model(&first.model_id).await.unwrap(), 0);
+        let second = client
+            .load_model(std::slice::from_ref(&b), "", |_| {})
+            .await
+            .unwrap();
+        assert_eq!(second.refcount, 1);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_in_progress_are_limited_per_uid_and_a_commit_frees_the_place() {
+    let (uid, _, _) = me();
+    let daemon = start_daemon_with(|c| c.quotas.per_uid_uploads = 1).await;
+    let mut raw = raw_client(&daemon.socket).await;
+    let begun = raw
+        .begin_upload(upload_request("one", 4096))
+        .await
+        .unwrap()
+        .into_inner();
+    let want = (
+        Code::ResourceExhausted,
+        format!("quotas.per_uid_uploads = 1 reached: uid {uid} has 1 upload in progress"),
+    );
+    let got = raw.begin_upload(upload_request("two", 4096)).await;
+    assert_eq!(code_message(got.err().unwrap()), want);
+    // Per uid: another connection of the same uid is refused as well.
+    let mut other = raw_client(&daemon.socket).await;
+    let got = other.begin_upload(upload_request("two", 4096)).await;
+    assert_eq!(code_message(got.err().unwrap()), want);
+    assert_eq!(daemon.shm_count("upload"), 1);
+    raw.commit_upload(proto::CommitUploadRequest {
+        upload_id: begun.upload_id,
+    })
+    .await
+    .unwrap();
+    other
+        .begin_upload(upload_request("two", 4096))
+        .await
+        .unwrap();
+    // A closed connection's upload is dropped, and its place with it.
+    drop(other);
+    eventually("the closed connection's upload dropped", || async {
+        daemon.shm_count("upload") == 0
+    })
+    .await;
+    raw.begin_upload(upload_request("three", 4096))
+        .await
+        .unwrap();
+}

@@ -1,0 +1,141 @@
+//! A daemon run as its own `weightstream serve` process (host backend), for the tests that
+//! kill it, restart it, or read its resources from /proc: open fds, resident memory.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// How long a start or a stop may take before the test fails.
+pub const START_DEADLINE: Duration = Duration::from_secs(30);
+
+pub struct Served {
+    child: Child,
+    pub socket: PathBuf,
+    pub shm_dir: PathBuf,
+    log: PathBuf,
+}
+
+/// Polls `done` every 10 ms until it holds; fails the test after `deadline` (a condition, not
+/// a delay).
+pub fn wait_for(what: &str, deadline: Duration, mut done: impl FnMut() -> bool) {
+    let end = Instant::now() + deadline;
+    while !done() {
+        assert!(Instant::now() < end, "no {what} within {deadline:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+impl Served {
+    /// Starts `weightstream serve` with its socket and shared memory under `dir` (a restart
+    /// passes the same `dir`: same socket, same shm directory) and waits until it accepts.
+    pub fn start(dir: &Path) -> Served {
+        let socket = dir.join("ws.sock");
+        let shm_dir = dir.join("shm");
+        std::fs::create_dir_all(&shm_dir).expect("shm dir");
+        let log = dir.join("daemon.log");
+        let log_file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("daemon log");
+        let child = Command::new(env!("CARGO_BIN_EXE_weightstream"))
+            .args(["serve", "--backend", "host", "--socket"])
+            .arg(&socket)
+            .arg("--shm-dir")
+            .arg(&shm_dir)
+            .env("WEIGHTSTREAM_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn weightstream serve");
+        let mut served = Served {
+            child,
+            socket,
+            shm_dir,
+            log,
+        };
+        // A killed daemon's socket file stays until the new one claims it: wait for an
+        // accepted connection, not for the file.
+        wait_for("daemon accepting", START_DEADLINE, || {
+            if let Ok(Some(status)) = served.child.try_wait() {
+                panic!("the daemon exited at start ({status}):\n{}", served.log());
+            }
+            std::os::unix::net::UnixStream::connect(&served.socket).is_ok()
+        });
+        served
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Open file descriptors of the daemon process.
+    pub fn fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .expect("/proc/PID/fd")
+            .count()
+    }
+
+    /// The daemon's resident memory (VmRSS), in KiB.
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("/proc/PID/status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS in /proc/PID/status")
+    }
+
+    /// Names of the files in the shared-memory directory, sorted.
+    pub fn shm_files(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.shm_dir)
+            .expect("read shm dir")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// How many segments of one kind ("model", "upload", "staging", "resident") exist.
+    pub fn shm_count(&self, kind: &str) -> usize {
+        let tag = format!("-{kind}-");
+        self.shm_files().iter().filter(|n| n.contains(&tag)).count()
+    }
+
+    /// SIGKILL: no drain, no cleanup; the socket file and the shared memory stay behind.
+    pub fn kill(&mut self) {
+        self.child.kill().expect("SIGKILL the daemon");
+        self.child.wait().expect("reap the daemon");
+    }
+
+    /// SIGTERM, then waits for the exit (bounded).
+    pub fn terminate(&mut self) -> ExitStatus {
+        let sent = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .expect("kill -TERM");
+        assert!(sent.success());
+        let mut exit = None;
+        wait_for("daemon exit after SIGTERM", START_DEADLINE, || {
+            exit = self.child.try_wait().expect("try_wait");
+            exit.is_some()
+        });
+        exit.unwrap()
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
