@@ -261,3 +261,36 @@ def test_a_killed_python_trainer_leaves_nothing_behind(daemon):
     assert daemon.client.release_model(worker_model) == 0
     assert daemon.client.release_model(manifest.model_id) == 0
     wait_until("no shared memory left", lambda: daemon.shm_files() == [])
+
+
+def test_an_attached_model_resumes_after_a_daemon_restart(daemon):
+    """weightstream.torch: the daemon dies mid-step; Handle.reconnect re-opens the session
+    against a restarted daemon (re-uploading the same weights) and training resumes at the
+    next step in the same process, still equal to the model with its weights in place."""
+    import copy
+    import signal
+
+    import weightstream.torch as wst
+    from test_torch import assert_equal_runs, inputs, make_model, train
+
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    weights = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, vram_budget=1 << 20)
+    uploaded = {t.name: weights[t.name] for t in daemon.client.list_models().models[0].tensors}
+    xs = inputs(4, torch.float32)
+    train(ref, xs[:1])
+    train(model, xs[:1])
+    daemon.proc.send_signal(signal.SIGKILL)
+    daemon.proc.wait(timeout=30)
+    with pytest.raises(weightstream.DaemonUnavailable):
+        train(model, xs[1:2])  # the failed step: dropped by both
+    for p in model.parameters():
+        p.grad = None
+    restarted = serve(daemon)
+    try:
+        handle.reconnect(restore=lambda c: c.upload_model("again", uploaded)[0], timeout=30)
+        assert_equal_runs(train(ref, xs[2:]), train(model, xs[2:]))
+        handle.detach(release=True)
+    finally:
+        stop(restarted)

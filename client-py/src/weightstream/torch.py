@@ -243,6 +243,23 @@ class Handle:
         )
         self._recording, self._seen_backward = [], False
 
+    def reconnect(self, *, restore=None, timeout: float = 30.0):
+        """After the daemon restarted (a call raised ``DaemonUnavailable``): opens the session
+        again against the new daemon, so that training resumes at the next step in the same
+        process (drop the failed step first: ``optimizer.zero_grad()``). The model comes back
+        from the files this client loaded it from (``attach(model=...)``), or from
+        ``restore(client)`` returning a model id or manifest: for uploaded weights, upload the
+        same tensors again, e.g. ``restore=lambda c: c.upload_model(name, tensors)[0]``, which
+        gives the same model id."""
+        with self._lock:
+            self._lookahead = None  # its tickets died with the old session
+        self.session.reconnect(restore=restore, timeout=timeout)
+        self.model_id = self.session.model_id
+        if self._recording is None and self.session.last_plan:
+            self._lookahead = _Lookahead(self.session, self.session.last_plan)
+        else:
+            self._recording, self._seen_backward = [], False
+
     def stats(self) -> dict:
         s = self.session.stats()
         if s is None:
