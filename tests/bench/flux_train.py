@@ -64,6 +64,16 @@ def build(device="cuda"):
     return model
 
 
+def build_on_host():
+    """The same model, initialised on the GPU (fast) and moved to host memory."""
+    import torch
+
+    model = build()
+    model.to("cpu")
+    torch.cuda.empty_cache()
+    return model
+
+
 def add_lora(model):
     import torch
     from peft import LoraConfig, inject_adapter_in_model
@@ -152,9 +162,7 @@ def mode_weightstream(args, record):
     import weightstream
     import weightstream.torch as wst
 
-    model = build()
-    model.to("cpu")
-    torch.cuda.empty_cache()
+    model = build_on_host()
     model = add_lora(model)
     init = lora_state(model)
     client = weightstream.connect(args.socket)
@@ -207,9 +215,7 @@ def mode_ramtorch(args, record):
     import torch
     from ramtorch import Linear as RamLinear
 
-    model = build()
-    model.to("cpu")
-    torch.cuda.empty_cache()
+    model = build_on_host()
     for m in list(model.modules()):
         for cname, child in list(m.named_children()):
             if isinstance(child, torch.nn.Linear):
@@ -239,9 +245,7 @@ def mode_accelerate(args, record):
     import torch
     from accelerate import cpu_offload
 
-    model = build()
-    model.to("cpu")
-    torch.cuda.empty_cache()
+    model = build_on_host()
     model = add_lora(model)
     cpu_offload(model, execution_device=torch.device("cuda"))
     args.warmup, args.measured = 1, 3
@@ -253,9 +257,7 @@ def mode_group_offload(args, record):
     import torch
     from diffusers.hooks import apply_group_offloading
 
-    model = build()
-    model.to("cpu")
-    torch.cuda.empty_cache()
+    model = build_on_host()
     model = add_lora(model)
     apply_group_offloading(
         model,
