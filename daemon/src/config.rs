@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use bytesize::ByteSize;
 use serde::Deserialize;
 
-pub const DEFAULT_SOCKET: &str = "/run/weightstream/weightstream.sock";
+/// The clients' default (one constant for both sides).
+pub use weightstream_client::DEFAULT_SOCKET;
 /// Loopback by default: the numbers name models and trainers' labels, which are not for the
 /// network unless the operator says so.
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";

@@ -362,9 +362,6 @@ mod tests {
         fn handle(&self) -> crate::backend::RegionHandle {
             crate::backend::RegionHandle::ShmPath(String::new())
         }
-        fn write(&self, _: u64, _: &[u8]) -> Result<(), BackendError> {
-            Ok(())
-        }
         fn as_any(&self) -> &dyn std::any::Any {
             self
         }

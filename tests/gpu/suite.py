@@ -113,6 +113,17 @@ class Suite:
             if not t.name.startswith("big.")
         ]
 
+    def small_session(self):
+        """A session of the small groups with a 96 MiB staging arena and nothing resident, so
+        that groups are evicted and copied again."""
+        return wsgpu.Session(
+            self.stub,
+            self.manifest.model_id,
+            budget=96 * MiB,
+            staging=96 * MiB,
+            groups=self.small_groups(),
+        )
+
     def run_steps(self, session, steps, send_plan=True):
         """Forward in order, backward in reverse; checks every byte after the ready wait."""
         n = len(session.opened.groups)
@@ -132,13 +143,7 @@ class Suite:
         return mismatches
 
     def bytes_under_plan(self):
-        session = wsgpu.Session(
-            self.stub,
-            self.manifest.model_id,
-            budget=96 * MiB,
-            staging=96 * MiB,
-            groups=self.small_groups(),
-        )
+        session = self.small_session()
         first = self.run_steps(session, 1)
         before = session.stats()
         later = self.run_steps(session, 4, send_plan=False)
@@ -215,13 +220,7 @@ class Suite:
         return f"2 sessions at once, one host copy of {models.store_bytes / MiB:.0f} MiB"
 
     def sigkill(self):
-        survivor = wsgpu.Session(
-            self.stub,
-            self.manifest.model_id,
-            budget=96 * MiB,
-            staging=96 * MiB,
-            groups=self.small_groups(),
-        )
+        survivor = self.small_session()
         assert self.run_steps(survivor, 1) == 0
         torch.cuda.synchronize()
         baseline = torch.cuda.mem_get_info()[0]
@@ -249,13 +248,7 @@ class Suite:
         return f"victim held {held / MiB:.0f} MiB; memory back to baseline; survivor exact"
 
     def shutdown(self):
-        session = wsgpu.Session(
-            self.stub,
-            self.manifest.model_id,
-            budget=96 * MiB,
-            staging=96 * MiB,
-            groups=self.small_groups(),
-        )
+        session = self.small_session()
         assert self.run_steps(session, 1) == 0
         self.daemon.send_signal(signal.SIGTERM)
         code = self.daemon.wait(timeout=30)

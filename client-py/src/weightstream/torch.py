@@ -170,7 +170,6 @@ class Handle:
     device: torch.device
     streamed: dict[str, _Streamed] = field(default_factory=dict)
     resident: list[str] = field(default_factory=list)
-    _placeholders: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     _recording: list[int] | None = field(default_factory=list)
     _seen_backward: bool = False
     _lookahead: _Lookahead | None = None

@@ -33,15 +33,8 @@ struct HostRegion {
     path: String,
 }
 
-impl DeviceRegion for HostRegion {
-    fn size(&self) -> u64 {
-        self.size
-    }
-
-    fn handle(&self) -> RegionHandle {
-        RegionHandle::ShmPath(self.path.clone())
-    }
-
+impl HostRegion {
+    /// Writes `src` at `offset`. Runs only on the device's copy thread.
     fn write(&self, offset: u64, src: &[u8]) -> Result<(), BackendError> {
         let end = offset.checked_add(src.len() as u64);
         if end.is_none_or(|end| end > self.size) {
@@ -58,6 +51,16 @@ impl DeviceRegion for HostRegion {
         let start = offset as usize;
         segment.bytes_mut()[start..start + src.len()].copy_from_slice(src);
         Ok(())
+    }
+}
+
+impl DeviceRegion for HostRegion {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn handle(&self) -> RegionHandle {
+        RegionHandle::ShmPath(self.path.clone())
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -109,8 +112,13 @@ impl Backend for HostBackend {
     }
 
     fn copy(&self, _device: usize, job: &CopyJob) -> Result<(), BackendError> {
+        let region = job
+            .region
+            .as_any()
+            .downcast_ref::<HostRegion>()
+            .ok_or_else(|| BackendError::Copy("not a host region".into()))?;
         for (src, dst_offset) in &job.spans {
-            job.region.write(*dst_offset, src.bytes())?;
+            region.write(*dst_offset, src.bytes())?;
         }
         Ok(())
     }

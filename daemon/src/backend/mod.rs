@@ -71,8 +71,6 @@ pub enum BackendError {
 pub trait DeviceRegion: Send + Sync {
     fn size(&self) -> u64;
     fn handle(&self) -> RegionHandle;
-    /// Writes `src` at `offset`. Runs only on the device's copy thread.
-    fn write(&self, offset: u64, src: &[u8]) -> Result<(), BackendError>;
     fn as_any(&self) -> &dyn Any;
 }
 

@@ -517,14 +517,28 @@ impl Actor {
             return;
         }
         let mut chosen = Vec::new();
+        // Once the distinct groups needed up to here exceed the arena, no later group can be
+        // placed without evicting one needed sooner (which prefetch never does): stop, rather
+        // than walk the whole plan on every message.
+        let mut window = 0u64;
+        let mut seen = HashSet::new();
         for (distance, group) in plan.upcoming(plan.len()) {
             if self.prefetch_inflight + chosen.len() >= self.p.prefetch_depth {
                 break;
             }
-            if self.p.resident_of[group as usize].is_some() || self.arena.get(group).is_some() {
+            if self.p.resident_of[group as usize].is_some() {
                 continue;
             }
             let len = self.p.groups[group as usize].nbytes;
+            if seen.insert(group) {
+                window += len;
+                if window > self.arena.capacity() {
+                    break;
+                }
+            }
+            if self.arena.get(group).is_some() {
+                continue;
+            }
             match self
                 .arena
                 .place(group, len, |g| plan.next_use(g), Some(distance))

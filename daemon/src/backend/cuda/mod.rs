@@ -64,12 +64,6 @@ impl DeviceRegion for CudaRegion {
         RegionHandle::CudaIpc(self.handle.to_vec())
     }
 
-    fn write(&self, _offset: u64, _src: &[u8]) -> Result<(), BackendError> {
-        Err(BackendError::Copy(
-            "CUDA regions are written by the copy stream only".into(),
-        ))
-    }
-
     fn as_any(&self) -> &dyn Any {
         self
     }
