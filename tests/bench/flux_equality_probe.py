@@ -97,18 +97,74 @@ def run(m, big, n=3):
     return losses, grads
 
 
+def with_read_check(model):
+    """Records, for every streamed weight read, whether the bytes read equal the module's own
+    weight (a copy kept on the device): a check on the GPU, queued before the read, no sync."""
+    ref = {
+        id(m): (m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad
+    }
+    names = {id(m): n for n, m in model.named_modules()}
+    flags = []
+
+    def check(module, weight, bias):
+        w, b = ref[id(module)]
+        bad = (weight != w).any()
+        if bias is not None:
+            bad = bad | (bias != b).any()
+        flags.append((names[id(module)], bad))
+
+    op, grad = wst._op, wst._input_grad
+
+    def checked_op(module, x, weight, bias):
+        check(module, weight, bias)
+        return op(module, x, weight, bias)
+
+    def checked_grad(module, x, grad_out, weight, *rest):
+        check(module, weight, None)
+        return grad(module, x, grad_out, weight, *rest)
+
+    wst._op, wst._input_grad = checked_op, checked_grad
+
+    def report():
+        wst._op, wst._input_grad = op, grad
+        bad = [n for n, f in flags if bool(f)]
+        return len(flags), bad
+
+    return report
+
+
+def variant(big, name, ref_losses, ref_grads, **kw):
+    torch.cuda.synchronize()
+    m = build(big)
+    report = with_read_check(m) if kw.get("check") else None
+    m = m.cpu()
+    h = wst.attach(m, "cuda", client=client, min_bytes=0, vram_budget=1 << 30)
+    if kw.get("no_plan"):
+        h._recording = None  # never sends a plan: no prefetch, no lookahead
+    ls, gs = run(m, big, STEPS)
+    bad = [k for k in ref_grads[0] if not torch.equal(ref_grads[0][k], gs[0][k])]
+    line = f"  {name}: losses equal: {ls == ref_losses} {ls} first-step grads differing: {len(bad)}"
+    if report:
+        reads, wrong = report()
+        line += f"; reads checked {reads}, wrong {len(wrong)} {wrong[:4]}"
+    print(line, flush=True)
+    h.detach(release=True)
+
+
+STEPS = 4
 torch.use_deterministic_algorithms(True)
-for big in (False, True):
+for big in (True,) if "--big-only" in sys.argv else (False, True):
     ref = build(big)
-    lr, gr = run(ref, big)
-    lr2, _ = run(build(big), big)
-    print("big" if big else "small", "resident twice equal:", lr == lr2)
+    lr, gr = run(ref, big, STEPS)
+    lr2, _ = run(build(big), big, STEPS)
+    print("big" if big else "small", "resident twice equal:", lr == lr2, lr, flush=True)
+    del ref
     for mode in ("formula", "recompute"):
         wst.INPUT_GRAD = mode
-        s = build(big).cpu()
-        h = wst.attach(s, "cuda", client=client, min_bytes=0, vram_budget=1 << 30)
-        ls, gs = run(s, big)
-        bad = [k for k in gr[0] if not torch.equal(gr[0][k], gs[0][k])]
-        print(" ", mode, "losses equal:", lr == ls, "first differing grad:", bad[:2], len(bad))
-        h.detach(release=True)
+        variant(big, mode, lr, gr)
+    wst.INPUT_GRAD = "formula"
+    variant(big, "formula, reads checked", lr, gr, check=True)
+    variant(big, "formula, no plan", lr, gr, no_plan=True)
 d.terminate()

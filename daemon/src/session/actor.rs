@@ -116,6 +116,9 @@ pub fn spawn(
     ));
 }
 
+const EVENTS_EXHAUSTED: &str =
+    "acquire: all interprocess events of the session are in use; release tickets first";
+
 fn staged(ticket: u64, region: u32, offset: u64, events: (u32, u32)) -> pb::ServerMessage {
     pb::ServerMessage {
         msg: Some(Out::Staged(pb::Staged {
@@ -387,6 +390,21 @@ impl Actor {
                 self.join(ticket, group);
                 continue;
             }
+            if self.events.as_ref().is_some_and(|b| b.available() == 0) {
+                // Placing would evict blocks whose copy could then not be queued: wait for
+                // the copies in flight to give event slots back, or tell the client.
+                if self.inflight > 0 {
+                    return;
+                }
+                self.pending.pop_front();
+                self.tickets.remove(&ticket);
+                self.outbox.push(fault(
+                    ticket,
+                    pb::FaultCode::FaultResourceExhausted,
+                    EVENTS_EXHAUSTED.into(),
+                ));
+                continue;
+            }
             let len = self.p.groups[group as usize].nbytes;
             let placed = {
                 let plan = &self.plan;
@@ -414,12 +432,10 @@ impl Actor {
                         self.join(ticket, group);
                     } else {
                         self.tickets.remove(&ticket);
-                        let message = "acquire: all interprocess events of the session are in \
-                                       use; release tickets first";
                         self.outbox.push(fault(
                             ticket,
                             pb::FaultCode::FaultResourceExhausted,
-                            message.into(),
+                            EVENTS_EXHAUSTED.into(),
                         ));
                     }
                 }
@@ -524,6 +540,14 @@ impl Actor {
         let mut seen = HashSet::new();
         for (distance, group) in plan.upcoming(plan.len()) {
             if self.prefetch_inflight + chosen.len() >= self.p.prefetch_depth {
+                break;
+            }
+            // Each placement needs an event slot for its copy (see serve_pending).
+            if self
+                .events
+                .as_ref()
+                .is_some_and(|b| b.available() <= chosen.len())
+            {
                 break;
             }
             if self.p.resident_of[group as usize].is_some() {

@@ -90,7 +90,11 @@ impl std::error::Error for AllocError {}
 #[derive(Debug, Clone)]
 struct Block {
     group: GroupId,
+    /// The bytes the block covers: `need`, plus, while its copy is in flight, the tail of
+    /// the evicted blocks it did not overwrite (see `StagingArena::place`).
     len: u64,
+    /// The group's aligned length.
+    need: u64,
     state: BlockState,
     holders: u32,
 }
@@ -217,7 +221,11 @@ impl StagingArena {
     ///
     /// Evicted groups are removed from the arena and listed in the
     /// placement: their readers may still be running on the device, so the
-    /// caller orders the new copy after them.
+    /// caller orders the new copy after them. Where the evicted blocks reach
+    /// past the new one, the block covers their tail too until its copy is
+    /// done (`mark_valid`): only that copy waits for their readers, and a
+    /// copy placed in the tail could otherwise run first and overwrite bytes
+    /// still being read.
     pub fn place(
         &mut self,
         group: GroupId,
@@ -229,26 +237,38 @@ impl StagingArena {
         if self.index.contains_key(&group) {
             return Err(AllocError::AlreadyPresent { group });
         }
-        let placement = match self.find_gap(len) {
-            Some(offset) => Placement {
-                offset,
-                evicted: Vec::new(),
-            },
+        let (placement, cover) = match self.find_gap(len) {
+            Some(offset) => (
+                Placement {
+                    offset,
+                    evicted: Vec::new(),
+                },
+                len,
+            ),
             None => self.evict_for(len, &next_use, evict_only_after)?,
         };
-        self.insert(group, placement.offset, len);
+        self.insert(group, placement.offset, len, cover);
         Ok(placement)
     }
 
-    /// Copying → Valid; false if the group is not Copying.
+    /// Copying → Valid (the copy is queued after the evicted blocks' readers, so the tail
+    /// the block covered for them is free again); false if the group is not Copying.
     pub fn mark_valid(&mut self, group: GroupId) -> bool {
-        match self.block_mut(group) {
-            Some(block) if block.state == BlockState::Copying => {
-                block.state = BlockState::Valid;
-                true
-            }
-            _ => false,
+        let Some(block) = self.block_mut(group) else {
+            return false;
+        };
+        if block.state != BlockState::Copying {
+            return false;
         }
+        block.state = BlockState::Valid;
+        let tail = block.len - block.need;
+        block.len = block.need;
+        let held = block.holders > 0;
+        self.used -= tail;
+        if held {
+            self.held -= tail;
+        }
+        true
     }
 
     /// holders += 1 (the block may be Copying or Valid); returns the offset,
@@ -357,17 +377,18 @@ impl StagingArena {
         )
     }
 
-    fn insert(&mut self, group: GroupId, offset: u64, len: u64) {
+    fn insert(&mut self, group: GroupId, offset: u64, need: u64, cover: u64) {
         let block = Block {
             group,
-            len,
+            len: cover,
+            need,
             state: BlockState::Copying,
             holders: 0,
         };
         self.blocks.insert(offset, block);
         self.index.insert(group, offset);
-        self.used += len;
-        let end = offset + len;
+        self.used += cover;
+        let end = offset + need;
         self.next_fit = if end >= self.capacity { 0 } else { end };
     }
 
@@ -413,23 +434,25 @@ impl StagingArena {
         len: u64,
         next_use: &impl Fn(GroupId) -> Option<u64>,
         evict_only_after: Option<u64>,
-    ) -> Result<Placement, AllocError> {
+    ) -> Result<(Placement, u64), AllocError> {
         let segments = self.segments(next_use, evict_only_after);
         let window = best_window(&segments, len).ok_or(AllocError::NoSpace { len })?;
-        let evicted: Vec<GroupId> = segments[window.first..window.end]
-            .iter()
-            .filter_map(|segment| match segment.kind {
-                SegmentKind::Victim { group, .. } => Some(group),
-                _ => None,
-            })
-            .collect();
+        let mut evicted = Vec::new();
+        let mut cover = len;
+        for segment in &segments[window.first..window.end] {
+            if let SegmentKind::Victim { group, .. } = segment.kind {
+                evicted.push(group);
+                cover = cover.max(segment.offset + segment.len - window.offset);
+            }
+        }
         for &group in &evicted {
             self.remove(group);
         }
-        Ok(Placement {
+        let placement = Placement {
             offset: window.offset,
             evicted,
-        })
+        };
+        Ok((placement, cover))
     }
 
     /// The whole address space as gaps, evictable blocks and barriers.
@@ -888,6 +911,37 @@ mod tests {
     }
 
     #[test]
+    fn the_tail_of_an_evicted_block_is_not_free_before_the_copy_that_evicted_it() {
+        // A 600-byte block is evicted for a 200-byte one: the copy of the new block waits for
+        // the old block's readers, so a third block must not be copied into the old block's
+        // tail before that copy is queued.
+        let mut arena = StagingArena::new(1000, 1);
+        place_ok(&mut arena, 1, 600);
+        place_ok(&mut arena, 2, 400);
+        assert!(arena.mark_valid(1) && arena.mark_valid(2));
+        let two_soon = |g: GroupId| (g == 2).then_some(1);
+        let placement = arena.place(3, 200, two_soon, None).unwrap();
+        assert_eq!(
+            placement,
+            Placement {
+                offset: 0,
+                evicted: vec![1]
+            }
+        );
+        assert_eq!(arena.get(3).map(|b| b.len), Some(600));
+        assert_eq!(arena.used_bytes(), 1000);
+        assert_eq!(
+            arena.place(4, 100, |_| Some(0), Some(0)),
+            Err(AllocError::NoSpace { len: 100 })
+        );
+        arena.hold(3);
+        assert!(arena.mark_valid(3));
+        assert_eq!(arena.get(3).map(|b| b.len), Some(200));
+        assert_eq!((arena.used_bytes(), arena.held_bytes()), (600, 200));
+        assert_eq!(arena.place(4, 100, never, None).map(|p| p.offset), Ok(200));
+    }
+
+    #[test]
     fn remove_drops_held_and_copying_blocks() {
         let mut arena = StagingArena::new(300, 1);
         place_ok(&mut arena, 0, 100);
@@ -1162,9 +1216,18 @@ mod tests {
                 holders: 0,
             },
         );
+        // Until its copy is done, the block also covers the tail of its victims.
+        let cover = placement
+            .evicted
+            .iter()
+            .map(|v| {
+                let (_, b) = before.iter().find(|(g, _)| g == v).expect("victim existed");
+                b.offset + b.len - placement.offset
+            })
+            .fold(aligned, u64::max);
         assert_eq!(
             arena.get(group).map(|b| (b.offset, b.len, b.state)),
-            Some((placement.offset, aligned, BlockState::Copying))
+            Some((placement.offset, cover, BlockState::Copying))
         );
         if placement.evicted.is_empty() {
             Outcome::Gap
