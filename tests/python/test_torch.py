@@ -120,22 +120,45 @@ def assert_equal_runs(ref, got):
                 assert torch.equal(x, y), f"{what} differs at step {step}"
 
 
+#: (budget, staging) that make groups stream through a small staging arena: 96 KiB layer by
+#: layer; by block (fp32 194 KiB, bf16 97 KiB), staging for one and a half blocks.
+BUDGETS = {
+    ("layer", torch.float32): (96 << 10, 0),
+    ("layer", torch.bfloat16): (96 << 10, 0),
+    ("block", torch.float32): (400 << 10, 300 << 10),
+    ("block", torch.bfloat16): (250 << 10, 150 << 10),
+}
+
+
 @pytest.mark.parametrize(
-    "dtype,ckpt,autocast",
+    "dtype,ckpt,autocast,group_by",
     [
-        (torch.float32, None, False),
-        (torch.float32, "reentrant", False),
-        (torch.bfloat16, None, False),
-        (torch.bfloat16, "non-reentrant", False),
-        (torch.float32, "non-reentrant", True),
+        (torch.float32, None, False, "layer"),
+        (torch.float32, "reentrant", False, "layer"),
+        (torch.bfloat16, None, False, "layer"),
+        (torch.bfloat16, "non-reentrant", False, "layer"),
+        (torch.float32, "non-reentrant", True, "layer"),
+        (torch.float32, None, False, "block"),
+        (torch.float32, "reentrant", False, "block"),
+        (torch.bfloat16, "non-reentrant", False, "block"),
+        (torch.float32, "non-reentrant", True, "block"),
     ],
 )
-def test_attach_is_bit_exact(daemon, dtype, ckpt, autocast):
+def test_attach_is_bit_exact(daemon, dtype, ckpt, autocast, group_by):
     steps = 4
     ref = make_model(dtype)
     streamed = copy.deepcopy(ref)
     ref.ckpt = streamed.ckpt = ckpt
-    handle = wst.attach(streamed, "cpu", client=daemon.client, min_bytes=0, vram_budget=96 << 10)
+    budget, staging = BUDGETS[group_by, dtype]
+    handle = wst.attach(
+        streamed,
+        "cpu",
+        client=daemon.client,
+        min_bytes=0,
+        vram_budget=budget,
+        staging_bytes=staging,
+        group_by=group_by,
+    )
     # Every frozen Linear and Conv2d streams, except MultiheadAttention's out_proj, which the
     # attention reads directly; the LoRA layers are trainable and stay.
     assert "mha.out_proj" in handle.resident
@@ -148,13 +171,53 @@ def test_attach_is_bit_exact(daemon, dtype, ckpt, autocast):
     )
     stats = handle.stats()
     assert stats["acquires"] > 0 and stats["misses"] < stats["acquires"]
+    streaming = sum(not g.resident for g in handle.session.groups)
+    assert stats["copies"] > 2 * streaming, "groups were evicted and copied again"
     handle.detach(release=True)
+
+
+@pytest.mark.parametrize("ckpt", [None, "non-reentrant"])
+def test_a_block_is_one_group_acquired_once_per_pass(daemon, ckpt):
+    """By default a group is one of the model's repeated blocks, and its ticket serves all of
+    the block's layers in a pass: a step acquires conv_in, the three blocks and proj_out once
+    in forward and once in backward (a block's recompute and backward share one acquire)."""
+    model = make_model()
+    model.ckpt = ckpt
+    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, vram_budget=1 << 20)
+    names = [g.name for g in handle.session.groups]
+    assert names == ["conv_in", "blocks.0", "blocks.1", "blocks.2", "proj_out"]
+    block0 = handle.session.groups[1]
+    assert [t.name for t in block0.tensors][:3] == [
+        "blocks.0.attn.q.base_layer.weight",
+        "blocks.0.attn.q.base_layer.bias",
+        "blocks.0.attn.k.base_layer.weight",
+    ]
+    assert handle.streamed["blocks.0.fc2.base_layer"].group == 1
+    xs = inputs(4, torch.float32)
+    train(model, xs[:2])
+    # Counted in the steady state (the lookahead keeps the next step's first acquires sent).
+    before = handle.session.submitted
+    train(model, xs[2:])
+    assert handle.session.submitted - before == 2 * (5 + 5)
+    handle.detach(release=True)
+
+
+def test_a_budget_below_three_blocks_streams_layer_by_layer(daemon):
+    model = make_model()
+    with pytest.warns(UserWarning, match="streaming layer by layer instead"):
+        handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, vram_budget=96 << 10)
+    assert len(handle.session.groups) == len(handle.streamed)
+    handle.detach(release=True)
+    with pytest.raises(ValueError, match="group_by='rows': expected 'block', 'layer'"):
+        wst.attach(make_model(), "cpu", client=daemon.client, min_bytes=0, group_by="rows")
 
 
 def test_later_steps_are_prefetched(daemon):
     model = make_model()
     model.ckpt = "non-reentrant"
-    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, vram_budget=96 << 10)
+    handle = wst.attach(
+        model, "cpu", client=daemon.client, min_bytes=0, vram_budget=96 << 10, group_by="layer"
+    )
     xs = inputs(6, torch.float32)
     train(model, xs[:1])
     first = handle.stats()
@@ -328,8 +391,9 @@ def test_a_daemon_killed_mid_step_fails_the_trainer(daemon):
         train(model, inputs(1, torch.float32))
 
 
+@pytest.mark.parametrize("group_by", ["layer", "block"])
 @pytest.mark.parametrize("ckpt", [None, "reentrant", "non-reentrant"])
-def test_lookahead_keeps_results_exact(daemon, ckpt):
+def test_lookahead_keeps_results_exact(daemon, ckpt, group_by):
     """With room in staging, the plan's next acquires are kept in flight (the trainer never
     waits on a round trip); results stay equal, also across no_grad sampling passes that leave
     the plan."""
@@ -341,14 +405,16 @@ def test_lookahead_keeps_results_exact(daemon, ckpt):
         "cpu",
         client=daemon.client,
         min_bytes=0,
-        vram_budget=1 << 20,
-        staging_bytes=512 << 10,
+        vram_budget=2 << 20,
+        staging_bytes=(512 if group_by == "layer" else 1536) << 10,
+        group_by=group_by,
     )
     xs = inputs(4, torch.float32)
     assert_equal_runs(train(ref, xs, sample_between=True), train(streamed, xs, sample_between=True))
     ahead = handle._lookahead
-    assert ahead is not None and ahead.cap > 4 * 66560, "the lookahead had room"
+    largest = max(g.nbytes for g in handle.session.groups)
+    assert ahead is not None and ahead.cap > 2 * largest, "the lookahead had room"
     stats = handle.stats()
-    assert stats["acquires"] > 3 * len(handle.streamed)
+    assert stats["acquires"] > 3 * len(handle.session.groups)
     handle.detach(release=True)
     assert daemon.client.list_sessions() == []

@@ -229,6 +229,11 @@ class Session:
         self._send(pb.ClientMessage(plan=pb.Plan(groups=self._plan)))
 
     @property
+    def submitted(self) -> int:
+        """Acquires sent so far by this session object (across reconnects)."""
+        return self._next - 1
+
+    @property
     def last_plan(self) -> list[int] | None:
         """The plan last sent (``reconnect`` sends it again)."""
         return None if self._plan is None else list(self._plan)

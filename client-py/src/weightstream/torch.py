@@ -2,11 +2,18 @@
 daemon, with outputs and gradients identical to the model run with its weights in place.
 
 Each streamed module's forward becomes an autograd Function that acquires the module's group
-(weight and bias) in forward and again in backward, and saves no view of streamed memory: in
-backward it re-runs the module's own operation on the saved input, under the same autocast
-state, and differentiates that (so the gradient is the one autograd computes for the original
-module, bit for bit). Weights that are read other than through their module's forward (tied
-weights, parametrizations, ``nn.MultiheadAttention``'s ``out_proj``) stay on the device.
+in forward and again in backward, and saves no view of streamed memory: in backward it applies
+autograd's own input-gradient formula to the re-acquired weight (or re-runs the module's
+operation on the saved input and differentiates that), under the same autocast state, so the
+gradient is the one autograd computes for the original module, bit for bit. Weights that are
+read other than through their module's forward (tied weights, parametrizations,
+``nn.MultiheadAttention``'s ``out_proj``) stay on the device.
+
+A group is, by default, one of the model's repeated blocks (a child of its outermost
+``nn.ModuleList``/``nn.Sequential``, e.g. ``transformer_blocks.3``): one round trip to the
+daemon per block and pass instead of one per layer. A group's ticket is held while the layers
+that use it run, and given back when a layer of another group (or of the same group in another
+pass: forward, or backward with its recomputation) asks for its own.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class _Streamed:
     name: str
     group: int
     has_bias: bool
+    #: Index of the module's weight among its group's tensors (the bias follows it).
+    slot: int = 0
 
 
 def _in_backward() -> bool | None:
@@ -67,10 +76,7 @@ class _StreamedOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: _Streamed, x: torch.Tensor):
         ticket = state.handle._acquire(state, training=True)
-        try:
-            out = _op(state.module, x, *ticket.weights)
-        finally:
-            state.handle._release(ticket)
+        out = _op(state.module, x, *ticket.weights)
         ctx.state = state
         ctx.autocast = (
             torch.is_autocast_enabled(x.device.type),
@@ -85,15 +91,11 @@ class _StreamedOp(torch.autograd.Function):
         state: _Streamed = ctx.state
         enabled, dtype = ctx.autocast
         ticket = state.handle._acquire(state, training=True)
-        try:
-            weight = ticket.weights[0]
-            grad_x = None
-            if INPUT_GRAD == "formula":
-                grad_x = _input_grad(state.module, x, grad_out, weight, enabled, dtype)
-            if grad_x is None:
-                grad_x = _input_grad_by_recompute(state.module, x, grad_out, ticket, enabled, dtype)
-        finally:
-            state.handle._release(ticket)
+        grad_x = None
+        if INPUT_GRAD == "formula":
+            grad_x = _input_grad(state.module, x, grad_out, ticket.weights[0], enabled, dtype)
+        if grad_x is None:
+            grad_x = _input_grad_by_recompute(state.module, x, grad_out, ticket, enabled, dtype)
         return None, grad_x
 
 
@@ -147,17 +149,24 @@ def _streamed_forward(state: _Streamed, x, *args, **kwargs):
         training = torch.is_grad_enabled()
         with torch.no_grad():
             ticket = state.handle._acquire(state, training=training)
-            try:
-                return _op(state.module, x, *ticket.weights)
-            finally:
-                state.handle._release(ticket)
+            return _op(state.module, x, *ticket.weights)
     return _StreamedOp.apply(state, x)
 
 
 class _Acquired:
-    def __init__(self, ticket, has_bias):
+    def __init__(self, ticket, state: _Streamed):
         self.ticket = ticket
-        self.weights = (ticket.tensors[0], ticket.tensors[1] if has_bias else None)
+        t, i = ticket.tensors, state.slot
+        self.weights = (t[i], t[i + 1] if state.has_bias else None)
+
+
+@dataclass
+class _Held:
+    """The group ticket the layers of one block share while they run."""
+
+    group: int
+    ticket: object
+    backward: bool | None
 
 
 @dataclass
@@ -173,11 +182,20 @@ class Handle:
     _recording: list[int] | None = field(default_factory=list)
     _seen_backward: bool = False
     _lookahead: _Lookahead | None = None
+    _held: _Held | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # --- used by the streamed modules ---------------------------------------------------
 
     def _acquire(self, state: _Streamed, training: bool) -> _Acquired:
+        backward = _in_backward()
+        with self._lock:
+            held = self._held
+            if held is not None and held.group == state.group and held.backward == backward:
+                return _Acquired(held.ticket, state)
+            self._held = None
+        if held is not None:
+            self.session.release(held.ticket)
         if training:
             self._record(state.group)
         with self._lock:
@@ -194,10 +212,15 @@ class Handle:
                 ahead.drain()
                 number = self.session.submit(state.group)
             ticket = self.session.wait(number)
-        return _Acquired(ticket, state.has_bias)
+        with self._lock:
+            self._held = _Held(state.group, ticket, backward)
+        return _Acquired(ticket, state)
 
-    def _release(self, acquired: _Acquired):
-        self.session.release(acquired.ticket)
+    def _release_held(self):
+        with self._lock:
+            held, self._held = self._held, None
+        if held is not None:
+            self.session.release(held.ticket)
 
     def _record(self, group: int):
         """Records the first training step's acquisitions as the plan: the step ends when the
@@ -252,6 +275,7 @@ class Handle:
         gives the same model id."""
         with self._lock:
             self._lookahead = None  # its tickets died with the old session
+            self._held = None
         self.session.reconnect(restore=restore, timeout=timeout)
         self.model_id = self.session.model_id
         if self._recording is None and self.session.last_plan:
@@ -269,6 +293,7 @@ class Handle:
         return out
 
     def _drop_lookahead(self):
+        self._release_held()
         with self._lock:
             if self._lookahead is not None:
                 self._lookahead.drain()
@@ -281,8 +306,9 @@ class Handle:
         self._drop_lookahead()
         for state in self.streamed.values():
             ticket = self.session.acquire(state.group)
-            weight = ticket.tensors[0].to(self.device, copy=True)
-            bias = ticket.tensors[1].to(self.device, copy=True) if state.has_bias else None
+            weight, bias = _Acquired(ticket, state).weights
+            weight = weight.to(self.device, copy=True)
+            bias = bias.to(self.device, copy=True) if bias is not None else None
             self.session.release(ticket)
             m = state.module
             del m.forward
@@ -382,6 +408,31 @@ def _why_resident(root, name, m, shared, min_bytes) -> str | None:
     return None
 
 
+def _block_of(root: nn.Module, name: str) -> str:
+    """The model's repeated block that module ``name`` belongs to: the child of the outermost
+    ``nn.ModuleList``/``nn.Sequential`` on its path (``transformer_blocks.3`` for
+    ``transformer_blocks.3.attn.to_q``), or the module itself when there is none."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if isinstance(root.get_submodule(".".join(parts[:i])), (nn.ModuleList, nn.Sequential)):
+            return ".".join(parts[: i + 1])
+    return name
+
+
+def _group(root, chosen, group_by) -> dict[str, list[tuple[str, nn.Module]]]:
+    """Group name -> its modules, in the model's order."""
+    if group_by == "layer":
+        key = None
+    elif group_by == "block":
+        key = functools.partial(_block_of, root)
+    else:
+        key = group_by
+    members: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, m in chosen:
+        members.setdefault(name if key is None else str(key(name)), []).append((name, m))
+    return members
+
+
 def _select(root, include, ignore, min_bytes):
     shared = _shared_parameters(root)
     # Weights that another module reads directly: keep those modules resident.
@@ -423,17 +474,24 @@ def attach(
     client: Client | None = None,
     staging_bytes: int = 0,
     label: str = "",
+    group_by="block",
 ) -> Handle:
     """Streams the frozen weights (and biases) of ``module``'s Linear and Conv2d layers of at
     least ``min_bytes`` through the daemon; everything else moves to ``device`` as usual.
 
     - ``vram_budget``: device bytes the daemon may use for this session (default: a quarter
-      of the streamed bytes, at least three times the largest layer).
+      of the streamed bytes, at least three times the largest group).
     - ``model``: the id of a model the daemon already loaded from safetensors whose tensor
       names match the module's parameter names; otherwise the weights are uploaded.
     - ``ignore``: module names or types to keep on the device.
+    - ``group_by``: the unit of transfer: ``"block"`` (default: one of the model's repeated
+      blocks, see ``_block_of``; layer by layer when ``vram_budget`` is below three of the
+      largest block and ``staging_bytes`` is not given), ``"layer"``, or a function from a
+      module's name to its group's name.
     The trainer's own copies of the streamed weights are freed.
     """
+    if group_by not in ("block", "layer") and not callable(group_by):
+        raise ValueError(f"group_by={group_by!r}: expected 'block', 'layer' or a function")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -450,13 +508,30 @@ def attach(
         manifest, _ = client.upload_model(label or type(module).__name__, tensors)
     else:
         manifest = _match(client, model, tensors)
+
+    def tensor_names(name, m):
+        return [f"{name}.weight"] + ([f"{name}.bias"] if m.bias is not None else [])
+
+    def nbytes(name, m):
+        # The daemon aligns each tensor within its group (at most 4 KiB).
+        return sum(-(-p.nbytes // 4096) * 4096 for p in (m.weight, m.bias) if p is not None)
+
+    members = _group(module, chosen, group_by)
+    sizes = [sum(nbytes(n, m) for n, m in ms) for ms in members.values()]
+    small = vram_budget is not None and vram_budget < 3 * max(sizes) and not staging_bytes
+    if group_by == "block" and small:
+        warnings.warn(
+            f"attach: vram_budget {vram_budget} is less than three of the largest block "
+            f"({max(sizes)} bytes): streaming layer by layer instead",
+            stacklevel=2,
+        )
+        members = _group(module, chosen, "layer")
+        sizes = [sum(nbytes(n, m) for n, m in ms) for ms in members.values()]
     groups = [
-        (name, [f"{name}.weight"] + ([f"{name}.bias"] if m.bias is not None else []))
-        for name, m in chosen
+        (gname, [t for n, m in ms for t in tensor_names(n, m)]) for gname, ms in members.items()
     ]
-    sizes = [sum(tensors[t].nbytes for t in g[1]) for g in groups]
     if vram_budget is None:
-        vram_budget = max(sum(sizes) // 4, 3 * max(sizes) + 3 * 4096)
+        vram_budget = max(sum(sizes) // 4, 3 * max(sizes))
     session = client.open_session(
         manifest.model_id,
         groups,
@@ -466,15 +541,18 @@ def attach(
         label=label or type(module).__name__,
     )
     handle = Handle(client, session, manifest.model_id, device, resident=resident)
-    for (name, m), (gname, _) in zip(chosen, groups, strict=True):
-        state = _Streamed(handle, m, name, session.group_index(gname), m.bias is not None)
-        handle.streamed[name] = state
-        # Placeholders keep shape and dtype for code that inspects them, and fail loudly if
-        # anything computes with them instead of going through the module's forward.
-        m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
-        if m.bias is not None:
-            m.bias = nn.Parameter(torch.empty_like(m.bias, device="meta"), requires_grad=False)
-        m.forward = functools.partial(_streamed_forward, state)
+    for gname, ms in members.items():
+        group, slot = session.group_index(gname), 0
+        for name, m in ms:
+            state = _Streamed(handle, m, name, group, m.bias is not None, slot)
+            slot += 2 if m.bias is not None else 1
+            handle.streamed[name] = state
+            # Placeholders keep shape and dtype for code that inspects them, and fail loudly
+            # if anything computes with them instead of going through the module's forward.
+            m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
+            if m.bias is not None:
+                m.bias = nn.Parameter(torch.empty_like(m.bias, device="meta"), requires_grad=False)
+            m.forward = functools.partial(_streamed_forward, state)
     del tensors
     for name, m in module.named_modules():
         if name in handle.streamed:
