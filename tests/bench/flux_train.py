@@ -146,6 +146,7 @@ def timing(model, args, record):
     record["s_per_step"] = round(statistics.median(measured), 4)
     record["steps_s"] = [round(x, 4) for x in measured]
     record["trainer_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
+    record["trainer_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
 
 
 def mode_resident(args, record):
@@ -155,6 +156,48 @@ def mode_resident(args, record):
     deterministic(True)
     _, losses = steps(model, args.det_steps, init)
     record["det_losses"] = losses
+
+
+def scrape(args, name: str) -> float:
+    """Sum of a metric's samples from the daemon's Prometheus endpoint."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{args.metrics}/metrics", timeout=10).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and line[len(name)] in " {"
+    )
+
+
+def rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return round(kb / (1 << 20), 2)
+
+
+def measure_budget(args, handle, client, model, r):
+    """One budget's timing, with the daemon's counters over the same steps."""
+    before = handle.stats()
+    busy = scrape(args, "weightstream_device_copy_busy_seconds")
+    timing(model, args, r)
+    after = handle.stats()
+    n = args.warmup + args.measured
+    r["copy_busy_s_per_step"] = round(
+        (scrape(args, "weightstream_device_copy_busy_seconds") - busy) / n, 4
+    )
+    r["bytes_per_step_gib"] = round((after["bytes_copied"] - before["bytes_copied"]) / n / GiB, 2)
+    r["hit_rate"] = round(
+        (after["hits"] - before["hits"]) / max(1, after["acquires"] - before["acquires"]), 4
+    )
+    r["acquires_per_step"] = round((after["acquires"] - before["acquires"]) / n, 1)
+    r["stall_s_per_step"] = round((after["stall_ns"] - before["stall_ns"]) / n / 1e9, 4)
+    sess = [s for s in client.list_sessions() if s.session_id == handle.session.id][0]
+    r["daemon_staging_gib"] = round(sess.staging_bytes / GiB, 2)
+    r["daemon_resident_gib"] = round(sess.resident_bytes / GiB, 2)
+    r["gpu_total_gib"] = round(
+        r["trainer_reserved_gib"] + r["daemon_staging_gib"] + r["daemon_resident_gib"], 2
+    )
 
 
 def mode_weightstream(args, record):
@@ -169,72 +212,106 @@ def mode_weightstream(args, record):
     total = torch.cuda.get_device_properties(0).total_memory
     started = time.monotonic()
     first = args.budgets[0]
-    handle = wst.attach(model, "cuda", client=client, vram_budget=daemon_part(first))
+    handle = wst.attach(
+        model, "cuda", client=client, vram_budget=daemon_part(args, first), group_by=args.group_by
+    )
     record["attach_s"] = round(time.monotonic() - started, 1)
     record["streamed_modules"] = len(handle.streamed)
+    record["groups"] = len(handle.session.groups)
+    largest = max(g.nbytes for g in handle.session.groups)
+    record["largest_group_gib"] = round(largest / GiB, 3)
+    record["trainer_rss_gib"] = rss_gib()
+    record["daemon_store_gib"] = round(scrape(args, "weightstream_store_bytes") / GiB, 2)
+    # The smallest budget attach streams blocks with: three of the largest block.
+    smallest = round(args.trainer_gib + 3 * largest / GiB, 2)
     record["budgets"] = {}
-    for budget in args.budgets:
-        r = record["budgets"][str(budget)] = {"daemon_budget_gib": daemon_part(budget) / GiB}
+    for budget in [*args.budgets, smallest]:
+        key = f"{budget:g}"
+        r = record["budgets"][key] = {"daemon_budget_gib": daemon_part(args, budget) / GiB}
         try:
             if budget != first:
-                handle.set_budget(daemon_part(budget))
-            trainer = budget * GiB - daemon_part(budget)
-            torch.cuda.set_per_process_memory_fraction(trainer / total)
-            before = handle.stats()
-            timing(model, args, r)
-            after = handle.stats()
-            n = args.warmup + args.measured
-            r["bytes_per_step_gib"] = round(
-                (after["bytes_copied"] - before["bytes_copied"]) / n / GiB, 2
-            )
-            r["hit_rate"] = round(
-                (after["hits"] - before["hits"]) / max(1, after["acquires"] - before["acquires"]), 4
-            )
-            r["stall_s_per_step"] = round((after["stall_ns"] - before["stall_ns"]) / n / 1e9, 4)
-            sess = [s for s in client.list_sessions() if s.session_id == handle.session.id][0]
-            r["daemon_staging_gib"] = round(sess.staging_bytes / GiB, 2)
-            r["daemon_resident_gib"] = round(sess.resident_bytes / GiB, 2)
+                handle.set_budget(daemon_part(args, budget))
+            torch.cuda.set_per_process_memory_fraction(args.trainer_gib * GiB / total)
+            torch.cuda.empty_cache()
+            measure_budget(args, handle, client, model, r)
         except Exception as e:  # noqa: BLE001 - a budget that fails is reported, not fatal
             r["error"] = repr(e)[:400]
             traceback.print_exc()
     torch.cuda.set_per_process_memory_fraction(1.0)
-    handle.set_budget(daemon_part(args.det_budget))
+    handle.set_budget(daemon_part(args, args.det_budget))
     deterministic(True)
     _, losses = steps(model, args.det_steps, init)
     record["det_losses"] = losses
     record["det_budget_gib"] = args.det_budget
 
 
-def daemon_part(budget_gib: int) -> int:
+def daemon_part(args, budget_gib: float) -> int:
     """The daemon's share of a budget: all but what the trainer needs beside the weights
     (activations with checkpointing, LoRA and its optimizer state)."""
-    return max(2 * GiB, budget_gib * GiB - 6 * GiB)
+    return int((budget_gib - args.trainer_gib) * GiB)
+
+
+def mode_job(args, record):
+    """One of the two jobs sharing the GPU (see two_jobs): job 0 uploads the weights, job 1
+    streams the daemon's copy of them; both time their steps over the same window."""
+    import torch
+    import weightstream
+    import weightstream.torch as wst
+
+    barrier = Path(args.barrier)
+    model = add_lora(build_on_host())
+    client = weightstream.connect(args.socket)
+    total = torch.cuda.get_device_properties(0).total_memory
+    budget = daemon_part(args, args.jobs_budget)
+    if args.job == 0:
+        handle = wst.attach(model, "cuda", client=client, vram_budget=budget)
+        (barrier / "model").write_text(handle.model_id)
+    else:
+        while not (barrier / "model").exists():
+            time.sleep(0.5)
+        model_id = (barrier / "model").read_text()
+        handle = wst.attach(model, "cuda", client=client, vram_budget=budget, model=model_id)
+    record["trainer_rss_gib"] = rss_gib()
+    torch.cuda.set_per_process_memory_fraction(args.trainer_gib * GiB / total)
+    steps(model, args.warmup)
+    (barrier / f"ready{args.job}").write_text("")
+    while not all((barrier / f"ready{k}").exists() for k in (0, 1)):
+        time.sleep(0.01)
+    t, _ = steps(model, args.measured)
+    record["s_per_step"] = round(statistics.median(t), 4)
+    record["steps_s"] = [round(x, 4) for x in t]
+    record["model_id"] = handle.model_id
 
 
 def mode_ramtorch(args, record):
+    """RamTorch's Linear (its weights in pinned host memory, copied in on every use) in place
+    of every frozen Linear, under peft's LoRA layers."""
     import torch
     from ramtorch import Linear as RamLinear
 
-    model = build_on_host()
+    model = add_lora(build_on_host())
+    replaced = 0
     for m in list(model.modules()):
         for cname, child in list(m.named_children()):
-            if isinstance(child, torch.nn.Linear):
+            if type(child) is torch.nn.Linear and not child.weight.requires_grad:
                 new = RamLinear(
                     child.in_features,
                     child.out_features,
                     bias=child.bias is not None,
                     device="cuda",
                     dtype=torch.bfloat16,
+                    skip_init=True,
                 )
-                with torch.no_grad():
-                    new.weight.copy_(child.weight)
-                    if child.bias is not None:
-                        new.bias.copy_(child.bias)
+                new.weight.data = child.weight.data.pin_memory()
+                if child.bias is not None:
+                    new.bias.data = child.bias.data.pin_memory()
                 new.requires_grad_(False)
                 setattr(m, cname, new)
+                replaced += 1
+    record["replaced_linears"] = replaced
     model.to("cuda")
-    model = add_lora(model)
     init = lora_state(model)
+    record["trainer_rss_gib"] = rss_gib()
     timing(model, args, record)
     deterministic(True)
     _, losses = steps(model, args.det_steps, init)
@@ -251,6 +328,12 @@ def mode_accelerate(args, record):
     args.warmup, args.measured = 1, 3
     timing(model, args, record)
     record["note"] = "1 warm-up and 3 measured steps (slow)"
+    record["lora_params_with_grad_after_backward"] = None  # set below
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = model(**batch(), return_dict=False)[0]
+    out.float().pow(2).mean().backward()
+    record["lora_params_with_grad_after_backward"] = sum(p.grad is not None for p in params)
+    record["lora_params"] = len(params)
 
 
 def mode_group_offload(args, record):
@@ -275,6 +358,8 @@ MODES = {
     "ramtorch": mode_ramtorch,
     "accelerate-offload": mode_accelerate,
     "diffusers-group-offload": mode_group_offload,
+    "two-jobs": None,  # run by the parent: two `job` children at once
+    "job": mode_job,
 }
 
 
@@ -307,39 +392,97 @@ def pinned_bandwidth():
     return (512 << 20) / statistics.median(times[2:]) / 1e9
 
 
+def child_cmd(args, mode: str, socket: str) -> list[str]:
+    cmd = [sys.executable, __file__, "--child", mode, "--socket", socket, "--metrics", args.metrics]
+    cmd += ["--budgets", *map(str, args.budgets), "--det-budget", str(args.det_budget)]
+    cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
+    cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
+    cmd += ["--jobs-budget", str(args.jobs_budget)]
+    return cmd
+
+
+def result_of(mode: str, stdout: str, stderr: str) -> dict:
+    lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(lines[-1][7:]) if lines else {"mode": mode, "error": stderr[-600:]}
+
+
+def run_mode(args, mode, socket, env, out) -> dict:
+    try:
+        p = subprocess.run(
+            child_cmd(args, mode, socket),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
+        (out / f"flux-{mode}.log").write_text(p.stdout + p.stderr)
+        return result_of(mode, p.stdout, p.stderr)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "error": f"timed out after {args.timeout} s"}
+
+
+def two_jobs(args, socket, env, out) -> dict:
+    """Two trainers on one GPU and one daemon, each at --jobs-budget GiB: per-job s/step over
+    the same window, and the host memory held for the model."""
+    barrier = Path(tempfile.mkdtemp(prefix="ws-flux-jobs-"))
+    record = {"mode": "two-jobs", "budget_gib": args.jobs_budget, "jobs": []}
+    procs = []
+    for job in (0, 1):
+        cmd = child_cmd(args, "job", socket) + ["--job", str(job), "--barrier", str(barrier)]
+        log = open(out / f"flux-job{job}.log", "w")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log), log))
+    peak_store = 0.0
+    deadline = time.monotonic() + args.timeout
+    while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        try:
+            peak_store = max(peak_store, scrape(args, "weightstream_store_bytes"))
+        except OSError:
+            pass
+        time.sleep(1)
+    for job, (p, log) in enumerate(procs):
+        if p.poll() is None:
+            p.kill()
+        stdout = p.stdout.read().decode()
+        log.close()
+        record["jobs"].append(result_of("job", stdout, f"no result: see flux-job{job}.log"))
+    record["daemon_store_peak_gib"] = round(peak_store / GiB, 2)
+    times = [j.get("s_per_step") for j in record["jobs"]]
+    if all(times):
+        record["combined_steps_per_s"] = round(sum(1 / t for t in times), 4)
+    return record
+
+
 def parent(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="ws-flux-"))
     socket = str(tmp / "ws.sock")
     daemon = subprocess.Popen(
-        [args.bin, "serve", "--backend", "cuda", "--socket", socket],
+        [args.bin, "serve", "--backend", "cuda", "--socket", socket]
+        + ["--metrics-listen", args.metrics],
         stderr=open(out / "flux-daemon.log", "ab"),
     )
     results = {
         "command": "python3 " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d"),
         "pinned_h2d_gbps": round(pinned_bandwidth(), 2),
+        "trainer_gib": args.trainer_gib,
         "modes": [],
     }
     import torch
 
     results["device"] = torch.cuda.get_device_name(0)
-    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    env = {
+        **os.environ,
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
     for mode in args.modes:
         started = time.monotonic()
-        cmd = [sys.executable, __file__, "--child", mode, "--socket", socket]
-        cmd += ["--budgets", *map(str, args.budgets), "--det-budget", str(args.det_budget)]
-        cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
-        try:
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-            record = (
-                json.loads(lines[-1][7:]) if lines else {"mode": mode, "error": p.stderr[-600:]}
-            )
-            (out / f"flux-{mode}.log").write_text(p.stdout + p.stderr)
-        except subprocess.TimeoutExpired:
-            record = {"mode": mode, "error": f"timed out after {args.timeout} s"}
+        if mode == "two-jobs":
+            record = two_jobs(args, socket, env, out)
+        else:
+            record = run_mode(args, mode, socket, env, out)
         record["wall_s"] = round(time.monotonic() - started, 1)
         results["modes"].append(record)
         (out / "flux_train.json").write_text(json.dumps(results, indent=2))
@@ -373,8 +516,19 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-flux-out"))
     parser.add_argument("--child")
     parser.add_argument("--socket")
-    parser.add_argument("--modes", nargs="+", default=list(MODES))
-    parser.add_argument("--budgets", nargs="+", type=int, default=[24, 16, 12, 8])
+    parser.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "job"])
+    parser.add_argument("--budgets", nargs="+", type=float, default=[24, 16, 12, 8])
+    parser.add_argument(
+        "--trainer-gib",
+        type=float,
+        default=4.0,
+        help="the trainer's share of each budget (its allocator's cap); the daemon gets the rest",
+    )
+    parser.add_argument("--group-by", default="block", help="attach's group_by")
+    parser.add_argument("--metrics", default="127.0.0.1:9464", help="the daemon's metrics address")
+    parser.add_argument("--jobs-budget", type=float, default=12.0, help="two-jobs: GiB per job")
+    parser.add_argument("--job", type=int, default=0)
+    parser.add_argument("--barrier")
     parser.add_argument("--det-budget", type=int, default=16)
     parser.add_argument("--det-steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)

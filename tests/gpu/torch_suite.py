@@ -36,11 +36,20 @@ def start_daemon(binary: str, tmp: Path, out: Path):
     return proc, weightstream.connect(socket)
 
 
-def equality(client, dtype, ckpt, autocast=False, steps=4):
+def equality(client, dtype, ckpt, autocast=False, steps=4, group_by="layer"):
     ref = t.make_model(dtype).cuda()
     streamed = copy.deepcopy(ref)
     ref.ckpt = streamed.ckpt = ckpt
-    handle = wst.attach(streamed, "cuda", client=client, min_bytes=0, vram_budget=96 << 10)
+    budget, staging = t.BUDGETS[group_by, dtype]
+    handle = wst.attach(
+        streamed,
+        "cuda",
+        client=client,
+        min_bytes=0,
+        vram_budget=budget,
+        staging_bytes=staging,
+        group_by=group_by,
+    )
     xs = t.inputs(steps, dtype, device="cuda")
     t.assert_equal_runs(
         t.train(ref, xs, sample_between=True, autocast=autocast),
@@ -54,7 +63,9 @@ def equality(client, dtype, ckpt, autocast=False, steps=4):
 def hit_rate(client):
     model = t.make_model(torch.bfloat16).cuda()
     model.ckpt = "non-reentrant"
-    handle = wst.attach(model, "cuda", client=client, min_bytes=0, vram_budget=96 << 10)
+    handle = wst.attach(
+        model, "cuda", client=client, min_bytes=0, vram_budget=96 << 10, group_by="layer"
+    )
     xs = t.inputs(6, torch.bfloat16, device="cuda")
     t.train(model, xs[:1])
     first = handle.stats()
@@ -87,6 +98,14 @@ def main():
         (
             "equal: fp32 under bf16 autocast, checkpointing",
             lambda: equality(client, torch.float32, "non-reentrant", autocast=True),
+        ),
+        (
+            "equal: bf16, non-reentrant checkpointing, by block",
+            lambda: equality(client, torch.bfloat16, "non-reentrant", group_by="block"),
+        ),
+        (
+            "equal: fp32 under bf16 autocast, checkpointing, by block",
+            lambda: equality(client, torch.float32, "non-reentrant", True, group_by="block"),
         ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
     ]
