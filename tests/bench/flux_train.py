@@ -163,11 +163,9 @@ def scrape(args, name: str) -> float:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://{args.metrics}/metrics", timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name) and line[len(name)] in " {"
-    )
+    names = (name + " ", name + "{", name + "_total ", name + "_total{")
+    lines = [line for line in text.splitlines() if line.startswith(names)]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
 def rss_gib() -> float:

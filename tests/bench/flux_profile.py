@@ -1,0 +1,113 @@
+"""Where a FLUX LoRA step's time goes, resident against weightstream (GPU machine): per step,
+when the CPU finished issuing forward, backward and the optimizer step against when the GPU
+finished; then one step under torch.profiler (CPU and CUDA), written as a Chrome trace for
+tests/bench/flux_gaps.py to find the GPU's idle gaps and what each waited for.
+
+    python3 tests/bench/flux_profile.py --bin target/release/weightstream --out $OUT \\
+        [--budget 24] [--trainer-gib 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flux_train as ft  # noqa: E402
+
+GiB = 1 << 30
+
+
+def timed_steps(model, n):
+    """Per step: seconds until forward, backward and the optimizer step were issued, and
+    until the GPU was done."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    inputs = ft.batch()
+    rows = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        out = model(**inputs, return_dict=False)[0]
+        loss = out.float().pow(2).mean()
+        t1 = time.monotonic()
+        loss.backward()
+        t2 = time.monotonic()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.monotonic()
+        torch.cuda.synchronize()
+        t4 = time.monotonic()
+        rows.append([t1 - t0, t2 - t0, t3 - t0, t4 - t0])
+    return rows
+
+
+def profile(model, out: Path, name: str, warmup: int, n: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = timed_steps(model, warmup + n)[warmup:]
+    med = [round(statistics.median(r[i] for r in rows), 4) for i in range(4)]
+    keys = ["forward_issued", "backward_issued", "opt_issued", "gpu_done"]
+    summary = dict(zip(keys, med, strict=True))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        timed_steps(model, 1)
+    prof.export_chrome_trace(str(out / f"trace_{name}.json"))
+    subprocess.run(["gzip", "-f", str(out / f"trace_{name}.json")], check=False)
+    return summary
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bin", default="target/release/weightstream")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-flux-prof"))
+    parser.add_argument("--budget", type=float, default=24)
+    parser.add_argument("--trainer-gib", type=float, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--only", choices=["resident", "weightstream"])
+    args = parser.parse_args()
+    import torch
+    import weightstream
+    import weightstream.torch as wst
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"command": "python3 " + " ".join(sys.argv), "budget_gib": args.budget}
+    if args.only != "weightstream":
+        model = ft.add_lora(ft.build())
+        results["resident"] = profile(model, out, "resident", args.warmup, args.steps)
+        print("resident", results["resident"], flush=True)
+        del model
+        torch.cuda.empty_cache()
+    if args.only != "resident":
+        sock = str(Path(tempfile.mkdtemp(prefix="ws-prof-")) / "ws.sock")
+        daemon = subprocess.Popen(
+            [args.bin, "serve", "--backend", "cuda", "--socket", sock],
+            stderr=open(out / "prof-daemon.log", "ab"),
+        )
+        while not os.path.exists(sock):
+            time.sleep(0.05)
+        model = ft.add_lora(ft.build_on_host())
+        client = weightstream.connect(sock)
+        budget = int((args.budget - args.trainer_gib) * GiB)
+        handle = wst.attach(model, "cuda", client=client, vram_budget=budget)
+        results["weightstream"] = profile(model, out, "weightstream", args.warmup, args.steps)
+        results["weightstream"]["stats"] = handle.stats()
+        print("weightstream", results["weightstream"], flush=True)
+        handle.detach(release=True)
+        daemon.terminate()
+    (out / "flux_profile.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
