@@ -183,7 +183,9 @@ def test_a_block_is_one_group_acquired_once_per_pass(daemon, ckpt):
     in forward and once in backward (a block's recompute and backward share one acquire)."""
     model = make_model()
     model.ckpt = ckpt
-    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, vram_budget=1 << 20)
+    handle = wst.attach(
+        model, "cpu", client=daemon.client, min_bytes=0, vram_budget=1 << 20, staging_bytes=1 << 20
+    )
     names = [g.name for g in handle.session.groups]
     assert names == ["conv_in", "blocks.0", "blocks.1", "blocks.2", "proj_out"]
     block0 = handle.session.groups[1]
@@ -199,6 +201,32 @@ def test_a_block_is_one_group_acquired_once_per_pass(daemon, ckpt):
     before = handle.session.submitted
     train(model, xs[2:])
     assert handle.session.submitted - before == 2 * (5 + 5)
+    handle.detach(release=True)
+
+
+def test_resident_groups_run_without_acquires(daemon):
+    """Groups the budget keeps resident are acquired once, when the session opens: their
+    modules then run their own operation on the resident views, with nothing sent per step;
+    results stay equal, and so after set_budget moves groups in and out of the resident set."""
+    ref = make_model()
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = "non-reentrant"
+    handle = wst.attach(streamed, "cpu", client=daemon.client, min_bytes=0, vram_budget=1 << 20)
+    resident = [g.name for g in handle.session.groups if g.resident]
+    assert resident == ["conv_in", "blocks.0", "blocks.1", "proj_out"], resident
+    assert handle.streamed["blocks.0.attn.q.base_layer"].fixed is not None
+    assert handle.streamed["blocks.2.attn.q.base_layer"].fixed is None
+    xs = inputs(5, torch.float32)
+    splits = (xs[:2], xs[2:3], xs[3:])
+    want = [train(ref, x) for x in splits]
+    assert_equal_runs(want[0], train(streamed, splits[0]))
+    before = handle.session.submitted  # the plan is followed from here on
+    assert_equal_runs(want[1], train(streamed, splits[1]))
+    assert handle.session.submitted - before == 2, "only blocks.2, once per pass"
+    handle.set_budget(660 << 10, staging_bytes=600 << 10)
+    assert [g.name for g in handle.session.groups if g.resident] == ["conv_in", "proj_out"]
+    assert handle.streamed["blocks.0.attn.q.base_layer"].fixed is None
+    assert_equal_runs(want[2], train(streamed, splits[2]))
     handle.detach(release=True)
 
 
@@ -405,7 +433,8 @@ def test_lookahead_keeps_results_exact(daemon, ckpt, group_by):
         "cpu",
         client=daemon.client,
         min_bytes=0,
-        vram_budget=2 << 20,
+        # All staging, nothing resident: every group streams.
+        vram_budget=(512 if group_by == "layer" else 1536) << 10,
         staging_bytes=(512 if group_by == "layer" else 1536) << 10,
         group_by=group_by,
     )

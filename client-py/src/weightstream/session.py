@@ -34,6 +34,10 @@ def device_uuid(device: torch.device) -> str:
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
+#: Views kept per (group, region, offset) before the cache starts over.
+VIEW_CACHE_ENTRIES = 8192
+
+
 @dataclass
 class Ticket:
     """A staged group: tensor views valid until ``Session.release``."""
@@ -161,6 +165,7 @@ class Session:
         self.model_id = self._request.model_id
         self.groups = list(self.opened.groups)
         self._regions = [self._map(r) for r in self.opened.regions]
+        self._view_cache: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         self._events: dict[int, torch.cuda.Event] = {}
         self._stream = _Stream(self.client, self.id)
         self._generation += 1
@@ -199,14 +204,26 @@ class Session:
         if staged.ready_event:
             s = stream if stream is not None else torch.cuda.current_stream(self.device)
             s.wait_event(self._event(staged.ready_event))
-        layout = self.groups[group]
+        return Ticket(number, group, staged, self._views(group, staged), self._generation)
+
+    def _views(self, group: int, staged: pb.Staged) -> list[torch.Tensor]:
+        """The group's tensors at the staged place. A group comes back to the same few places
+        (resident, or its usual slots of the staging ring), so the views are kept: building
+        them costs three tensor operations per tensor, on every acquire."""
+        key = (group, staged.region, staged.offset)
+        views = self._view_cache.get(key)
+        if views is not None:
+            return views
         base = self._regions[staged.region].bytes
-        tensors = []
-        for t in layout.tensors:
+        views = []
+        for t in self.groups[group].tensors:
             start = staged.offset + t.offset
             raw = base[start : start + t.nbytes]
-            tensors.append(raw.view(_dtypes.TO_TORCH[t.dtype]).view(tuple(t.shape)))
-        return Ticket(number, group, staged, tensors, self._generation)
+            views.append(raw.view(_dtypes.TO_TORCH[t.dtype]).view(tuple(t.shape)))
+        if len(self._view_cache) >= VIEW_CACHE_ENTRIES:
+            self._view_cache.clear()
+        self._view_cache[key] = views
+        return views
 
     def acquire(self, group: int, stream: torch.cuda.Stream | None = None) -> Ticket:
         return self.wait(self.submit(group), stream)
@@ -265,6 +282,7 @@ class Session:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._view_cache.clear()
         for region in self._regions:
             region.close()
         self._regions = None

@@ -54,6 +54,8 @@ class _Streamed:
     has_bias: bool
     #: Index of the module's weight among its group's tensors (the bias follows it).
     slot: int = 0
+    #: (weight, bias) views of a resident group, valid for the session's life; else None.
+    fixed: tuple | None = None
 
 
 def _in_backward() -> bool | None:
@@ -145,11 +147,14 @@ def _input_grad_by_recompute(module, x, grad_out, ticket, autocast: bool, dtype)
 def _streamed_forward(state: _Streamed, x, *args, **kwargs):
     if args or kwargs:
         raise TypeError(f"{state.name}: streamed modules take one input")
+    if state.fixed is not None:
+        # A resident group: its views stay valid for the whole session, so the module's own
+        # operation runs on them as is (autograd may keep them for backward).
+        return _op(state.module, x, *state.fixed)
     if not x.requires_grad:
-        training = torch.is_grad_enabled()
-        with torch.no_grad():
-            ticket = state.handle._acquire(state, training=training)
-            return _op(state.module, x, *ticket.weights)
+        # No graph is recorded (the weights never require grad): nothing keeps the views.
+        ticket = state.handle._acquire(state, training=torch.is_grad_enabled())
+        return _op(state.module, x, *ticket.weights)
     return _StreamedOp.apply(state, x)
 
 
@@ -183,6 +188,7 @@ class Handle:
     _seen_backward: bool = False
     _lookahead: _Lookahead | None = None
     _held: _Held | None = None
+    _pinned: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # --- used by the streamed modules ---------------------------------------------------
@@ -238,6 +244,29 @@ class Handle:
         self._seen_backward = self._seen_backward or backward
         self._recording.append(group)
 
+    def _pin_resident(self):
+        """Acquires each resident group once for the session's life: its modules then run
+        their own operation on the views, with no acquire, Function or message per call."""
+        by_group: dict[int, list[_Streamed]] = {}
+        for state in self.streamed.values():
+            state.fixed = None
+            by_group.setdefault(state.group, []).append(state)
+        self._pinned = []
+        for group, states in by_group.items():
+            if not self.session.groups[group].resident:
+                continue
+            ticket = self.session.acquire(group)
+            self._pinned.append(ticket)
+            for state in states:
+                state.fixed = _Acquired(ticket, state).weights
+
+    def _unpin(self):
+        for state in self.streamed.values():
+            state.fixed = None
+        pinned, self._pinned = self._pinned, []
+        for ticket in pinned:
+            self.session.release(ticket)
+
     # --- public ------------------------------------------------------------------------
 
     def end_step(self):
@@ -252,6 +281,7 @@ class Handle:
         """Reopens the session with another device budget (same model, same groups); the plan
         is recorded again from the next step."""
         self._drop_lookahead()
+        self._unpin()
         old = self.session
         groups = [(g.name, [t.name for t in g.tensors]) for g in old.groups]
         old.close()
@@ -263,6 +293,7 @@ class Handle:
             device=self.device,
             label=old.opened.session_id,
         )
+        self._pin_resident()
         self._recording, self._seen_backward = [], False
 
     def reconnect(self, *, restore=None, timeout: float = 30.0):
@@ -276,8 +307,12 @@ class Handle:
         with self._lock:
             self._lookahead = None  # its tickets died with the old session
             self._held = None
+        self._pinned = []  # died with the old session, as did the views
+        for state in self.streamed.values():
+            state.fixed = None
         self.session.reconnect(restore=restore, timeout=timeout)
         self.model_id = self.session.model_id
+        self._pin_resident()
         if self._recording is None and self.session.last_plan:
             self._lookahead = _Lookahead(self.session, self.session.last_plan)
         else:
@@ -304,6 +339,7 @@ class Handle:
         with ``release``, also drops this handle's reference to the daemon's copy (it goes
         when no other session uses it)."""
         self._drop_lookahead()
+        self._unpin()
         for state in self.streamed.values():
             ticket = self.session.acquire(state.group)
             weight, bias = _Acquired(ticket, state).weights
@@ -553,6 +589,7 @@ def attach(
             if m.bias is not None:
                 m.bias = nn.Parameter(torch.empty_like(m.bias, device="meta"), requires_grad=False)
             m.forward = functools.partial(_streamed_forward, state)
+    handle._pin_resident()
     del tensors
     for name, m in module.named_modules():
         if name in handle.streamed:
