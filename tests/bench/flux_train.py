@@ -141,12 +141,15 @@ def timing(model, args, record):
     import torch
 
     torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_accumulated_memory_stats()
     t, _ = steps(model, args.warmup + args.measured)
     measured = t[args.warmup :]
     record["s_per_step"] = round(statistics.median(measured), 4)
     record["steps_s"] = [round(x, 4) for x in measured]
     record["trainer_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
     record["trainer_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
+    # Allocations that hit the memory-fraction cap: each frees the cache and synchronises.
+    record["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
 
 
 def mode_resident(args, record):
@@ -519,7 +522,7 @@ def main():
     parser.add_argument(
         "--trainer-gib",
         type=float,
-        default=4.0,
+        default=5.0,
         help="the trainer's share of each budget (its allocator's cap); the daemon gets the rest",
     )
     parser.add_argument("--group-by", default="block", help="attach's group_by")
