@@ -473,11 +473,7 @@ def parent(args):
     import torch
 
     results["device"] = torch.cuda.get_device_name(0)
-    env = {
-        **os.environ,
-        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-    }
+    env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     for mode in args.modes:
         started = time.monotonic()
         if mode == "two-jobs":
