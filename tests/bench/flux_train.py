@@ -223,14 +223,17 @@ def mode_weightstream(args, record):
     record["largest_group_gib"] = round(largest / GiB, 3)
     record["trainer_rss_gib"] = rss_gib()
     record["daemon_store_gib"] = round(scrape(args, "weightstream_store_bytes") / GiB, 2)
-    # The smallest budget attach streams blocks with: three of the largest block.
-    smallest = round(args.trainer_gib + 3 * largest / GiB, 2)
+    # The smallest budget: --min-blocks of the largest block, all of it staging.
+    smallest = round(args.trainer_gib + args.min_blocks * largest / GiB, 2)
     record["budgets"] = {}
     for budget in [*args.budgets, smallest]:
         key = f"{budget:g}"
         r = record["budgets"][key] = {"daemon_budget_gib": daemon_part(args, budget) / GiB}
         try:
-            if budget != first:
+            if budget == smallest:
+                part = daemon_part(args, budget)
+                handle.set_budget(part, staging_bytes=part)
+            elif budget != first:
                 handle.set_budget(daemon_part(args, budget))
             torch.cuda.set_per_process_memory_fraction(args.trainer_gib * GiB / total)
             torch.cuda.empty_cache()
@@ -398,7 +401,7 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd += ["--budgets", *map(str, args.budgets), "--det-budget", str(args.det_budget)]
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
-    cmd += ["--jobs-budget", str(args.jobs_budget)]
+    cmd += ["--jobs-budget", str(args.jobs_budget), "--min-blocks", str(args.min_blocks)]
     return cmd
 
 
@@ -522,6 +525,12 @@ def main():
         help="the trainer's share of each budget (its allocator's cap); the daemon gets the rest",
     )
     parser.add_argument("--group-by", default="block", help="attach's group_by")
+    parser.add_argument(
+        "--min-blocks",
+        type=float,
+        default=3,
+        help="the smallest budget: the trainer's share and this many of the largest group",
+    )
     parser.add_argument("--metrics", default="127.0.0.1:9464", help="the daemon's metrics address")
     parser.add_argument("--jobs-budget", type=float, default=12.0, help="two-jobs: GiB per job")
     parser.add_argument("--job", type=int, default=0)
