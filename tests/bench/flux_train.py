@@ -491,6 +491,10 @@ def parent(args):
     daemon.wait(timeout=60)
     ok = check_equality(results)
     (out / "flux_train.json").write_text(json.dumps(results, indent=2))
+    # The device tool brings back at most 8 files from $OUT: pack the logs into one.
+    logs = sorted(p.name for p in out.glob("flux-*.log"))
+    if logs:
+        subprocess.run(["tar", "czf", "flux-logs.tgz", "--remove-files", *logs], cwd=out)
     return 0 if ok else 1
 
 

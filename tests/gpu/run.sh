@@ -20,4 +20,7 @@ python3 tests/gpu/ipc_event_probe.py --out "$OUT" 2>&1 | tee "$OUT/ipc_event_pro
 if [ "${WS_SKIP_BENCH:-0}" != 1 ]; then
   python3 tests/bench/stream_bandwidth.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
+# The device tool brings back at most 8 files from $OUT: keep the results, pack the logs.
+(cd "$OUT" && logs=$(ls -- *.log *.txt 2>/dev/null) && [ -n "$logs" ] &&
+  tar czf gpu-logs.tgz --remove-files $logs) || true
 exit $status
