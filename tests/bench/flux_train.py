@@ -5,7 +5,9 @@ deterministic pass that checks weightstream's losses equal the resident ones bit
 One command on the GPU machine (diffusers and ramtorch come as wheels in .whl/):
     python3 tests/bench/flux_train.py --bin target/release/weightstream --out $OUT
 Each mode runs in its own process (clean GPU memory, its own memory fraction); results are
-appended to $OUT/flux_train.json as they come, and summarised in flux_train.md.
+appended to $OUT/flux_train.json as they come (the children's logs end up in flux-logs.tgz).
+`python3 tests/bench/flux_report.py` turns tests/bench/results/flux_train.json into the tables
+of flux_train.md and the plot flux_train.png.
 """
 
 from __future__ import annotations
