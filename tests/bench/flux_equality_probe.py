@@ -34,33 +34,22 @@ client = weightstream.connect(sock)
 
 
 def build(big):
+    if big:
+        return ft.add_lora(ft.build(num_layers=2, num_single_layers=2))
     torch.manual_seed(0)
     with torch.device("cuda"):
-        if big:
-            m = FluxTransformer2DModel(
-                patch_size=1,
-                in_channels=64,
-                num_layers=2,
-                num_single_layers=2,
-                attention_head_dim=128,
-                num_attention_heads=24,
-                joint_attention_dim=4096,
-                pooled_projection_dim=768,
-                guidance_embeds=True,
-            )
-        else:
-            m = FluxTransformer2DModel(
-                patch_size=1,
-                in_channels=16,
-                num_layers=2,
-                num_single_layers=2,
-                attention_head_dim=32,
-                num_attention_heads=4,
-                joint_attention_dim=64,
-                pooled_projection_dim=32,
-                guidance_embeds=True,
-                axes_dims_rope=(8, 12, 12),
-            )
+        m = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,
+            num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=32,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            pooled_projection_dim=32,
+            guidance_embeds=True,
+            axes_dims_rope=(8, 12, 12),
+        )
     m = m.to(torch.bfloat16)
     m.requires_grad_(False)
     return ft.add_lora(m)

@@ -44,8 +44,9 @@ LORA_TARGETS = [
 ]
 
 
-def build(device="cuda"):
-    """FLUX.1-dev's transformer with random weights, initialised on the GPU, seeded."""
+def build(device="cuda", num_layers=19, num_single_layers=38):
+    """FLUX.1-dev's transformer with random weights, initialised on the GPU, seeded (fewer
+    blocks, same width, for the equality probe)."""
     import torch
     from diffusers import FluxTransformer2DModel
 
@@ -54,8 +55,8 @@ def build(device="cuda"):
         model = FluxTransformer2DModel(
             patch_size=1,
             in_channels=64,
-            num_layers=19,
-            num_single_layers=38,
+            num_layers=num_layers,
+            num_single_layers=num_single_layers,
             attention_head_dim=128,
             num_attention_heads=24,
             joint_attention_dim=4096,

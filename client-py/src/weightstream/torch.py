@@ -58,11 +58,13 @@ class _Streamed:
     fixed: tuple | None = None
 
 
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _in_backward() -> bool | None:
     """True while autograd runs a backward pass (a checkpoint's recompute runs inside one);
     None where torch cannot tell (then the plan needs ``Handle.end_step``)."""
-    graph_task = getattr(torch._C, "_current_graph_task_id", None)
-    return None if graph_task is None else graph_task() != -1
+    return None if _GRAPH_TASK is None else _GRAPH_TASK() != -1
 
 
 def _op(module: nn.Module, x, weight, bias):
@@ -77,8 +79,7 @@ def _op(module: nn.Module, x, weight, bias):
 class _StreamedOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, state: _Streamed, x: torch.Tensor):
-        ticket = state.handle._acquire(state, training=True)
-        out = _op(state.module, x, *ticket.weights)
+        out = _op(state.module, x, *state.handle._acquire(state, training=True))
         ctx.state = state
         ctx.autocast = (
             torch.is_autocast_enabled(x.device.type),
@@ -92,12 +93,12 @@ class _StreamedOp(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         state: _Streamed = ctx.state
         enabled, dtype = ctx.autocast
-        ticket = state.handle._acquire(state, training=True)
+        weights = state.handle._acquire(state, training=True)
         grad_x = None
         if INPUT_GRAD == "formula":
-            grad_x = _input_grad(state.module, x, grad_out, ticket.weights[0], enabled, dtype)
+            grad_x = _input_grad(state.module, x, grad_out, weights[0], enabled, dtype)
         if grad_x is None:
-            grad_x = _input_grad_by_recompute(state.module, x, grad_out, ticket, enabled, dtype)
+            grad_x = _input_grad_by_recompute(state.module, x, grad_out, weights, enabled, dtype)
         return None, grad_x
 
 
@@ -136,10 +137,10 @@ def _input_grad(module, x, grad_out, weight, autocast: bool, dtype):
     return g.to(x.dtype) if g.dtype != x.dtype else g
 
 
-def _input_grad_by_recompute(module, x, grad_out, ticket, autocast: bool, dtype):
+def _input_grad_by_recompute(module, x, grad_out, weights, autocast: bool, dtype):
     with torch.enable_grad(), torch.autocast(x.device.type, dtype, enabled=autocast):
         x_ = x.detach().requires_grad_(True)
-        out = _op(module, x_, *ticket.weights)
+        out = _op(module, x_, *weights)
     (grad_x,) = torch.autograd.grad(out, x_, grad_out)
     return grad_x
 
@@ -153,16 +154,14 @@ def _streamed_forward(state: _Streamed, x, *args, **kwargs):
         return _op(state.module, x, *state.fixed)
     if not x.requires_grad:
         # No graph is recorded (the weights never require grad): nothing keeps the views.
-        ticket = state.handle._acquire(state, training=torch.is_grad_enabled())
-        return _op(state.module, x, *ticket.weights)
+        return _op(state.module, x, *state.handle._acquire(state, training=torch.is_grad_enabled()))
     return _StreamedOp.apply(state, x)
 
 
-class _Acquired:
-    def __init__(self, ticket, state: _Streamed):
-        self.ticket = ticket
-        t, i = ticket.tensors, state.slot
-        self.weights = (t[i], t[i + 1] if state.has_bias else None)
+def _weights(ticket, state: _Streamed) -> tuple:
+    """The module's (weight, bias) views in its group's ticket."""
+    t, i = ticket.tensors, state.slot
+    return t[i], t[i + 1] if state.has_bias else None
 
 
 @dataclass
@@ -193,12 +192,14 @@ class Handle:
 
     # --- used by the streamed modules ---------------------------------------------------
 
-    def _acquire(self, state: _Streamed, training: bool) -> _Acquired:
+    def _acquire(self, state: _Streamed, training: bool) -> tuple:
+        """The module's (weight, bias) views, from the group's held ticket when it serves this
+        pass, else from a new acquire (the held ticket is given back first)."""
         backward = _in_backward()
         with self._lock:
             held = self._held
             if held is not None and held.group == state.group and held.backward == backward:
-                return _Acquired(held.ticket, state)
+                return _weights(held.ticket, state)
             self._held = None
         if held is not None:
             self.session.release(held.ticket)
@@ -220,7 +221,7 @@ class Handle:
             ticket = self.session.wait(number)
         with self._lock:
             self._held = _Held(state.group, ticket, backward)
-        return _Acquired(ticket, state)
+        return _weights(ticket, state)
 
     def _release_held(self):
         with self._lock:
@@ -249,22 +250,21 @@ class Handle:
         their own operation on the views, with no acquire, Function or message per call."""
         by_group: dict[int, list[_Streamed]] = {}
         for state in self.streamed.values():
-            state.fixed = None
             by_group.setdefault(state.group, []).append(state)
-        self._pinned = []
         for group, states in by_group.items():
             if not self.session.groups[group].resident:
                 continue
             ticket = self.session.acquire(group)
             self._pinned.append(ticket)
             for state in states:
-                state.fixed = _Acquired(ticket, state).weights
+                state.fixed = _weights(ticket, state)
 
-    def _unpin(self):
+    def _unpin(self, release: bool = True):
+        """Drops the resident views; gives their tickets back unless the session is gone."""
         for state in self.streamed.values():
             state.fixed = None
         pinned, self._pinned = self._pinned, []
-        for ticket in pinned:
+        for ticket in pinned if release else ():
             self.session.release(ticket)
 
     # --- public ------------------------------------------------------------------------
@@ -307,9 +307,7 @@ class Handle:
         with self._lock:
             self._lookahead = None  # its tickets died with the old session
             self._held = None
-        self._pinned = []  # died with the old session, as did the views
-        for state in self.streamed.values():
-            state.fixed = None
+        self._unpin(release=False)  # the tickets and views died with the old session
         self.session.reconnect(restore=restore, timeout=timeout)
         self.model_id = self.session.model_id
         self._pin_resident()
@@ -342,7 +340,7 @@ class Handle:
         self._unpin()
         for state in self.streamed.values():
             ticket = self.session.acquire(state.group)
-            weight, bias = _Acquired(ticket, state).weights
+            weight, bias = _weights(ticket, state)
             weight = weight.to(self.device, copy=True)
             bias = bias.to(self.device, copy=True) if bias is not None else None
             self.session.release(ticket)
