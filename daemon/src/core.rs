@@ -10,13 +10,13 @@ use tokio::sync::{mpsc, watch};
 
 use crate::backend::{Backend, BackendError, RegionHandle};
 use crate::config::Config;
+use crate::mem::shm::ShmDir;
 use crate::quota::{HostQuota, QuotaError, SessionLedger};
 use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
 use crate::scheduler::{CopyScheduler, SessionTotals};
 use crate::server::conn::Peer;
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
 use crate::session::{ActorParts, CloseReason, SessionShared, SessionStats};
-use crate::store::shm::ShmDir;
 use crate::store::{Model, Store, StoreError, StoreLimits};
 
 #[derive(Debug, thiserror::Error)]

@@ -1,15 +1,17 @@
 //! weightstream daemon: streams frozen model weights from a shared host store into device
 //! memory that trainer processes map, just in time for their forward and backward passes.
 //!
-//! Module map (each knows only those below it):
+//! Module map (each knows only those below it; `tests/check_layers.py` checks it):
 //! `cli` → `server` (gRPC, validation) → `core` (shared state) → `session` (actors, staging
-//! arenas, plans) → `residency` / `scheduler` → `store` (safetensors, shared memory) →
-//! `backend` (host today; the only place with FFI once CUDA lands).
+//! arenas, plans) → `residency` / `scheduler` → `store` (registry, load, upload, pin) → `mem`
+//! (shared-memory mappings, host arenas and slices); `backend` (host, CUDA: the only FFI) →
+//! `mem`. The store pins through `mem::HostPinner`, which every backend implements.
 
 pub mod backend;
 pub mod cli;
 pub mod config;
 pub mod core;
+pub mod mem;
 pub mod metrics;
 pub mod quota;
 pub mod residency;

@@ -12,8 +12,8 @@ use std::sync::{Arc, Weak};
 use tokio::sync::{Mutex, oneshot};
 
 use crate::backend::{Backend, CopyJob, DeviceRegion};
+use crate::mem::{HostSlice, align_up};
 use crate::scheduler::{CopyError, CopyRequest, CopyScheduler, Priority};
-use crate::store::{HostSlice, align_up};
 
 /// Identifies a group across sessions: its tensor names in order.
 pub type GroupKey = String;

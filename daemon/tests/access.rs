@@ -242,7 +242,7 @@ async fn a_peer_in_either_list_is_served() {
 
 /// Models, staging and resident regions: 0640, the daemon's, group = the socket's group.
 /// Uploads: 0640, owned by the uploading peer (the daemon runs as root here, so it chowns; a
-/// daemon that cannot chown grants the peer an ACL entry instead, tested in store::shm).
+/// daemon that cannot chown grants the peer an ACL entry instead, tested in mem::shm).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_memory_is_group_readable_and_an_upload_writable_by_its_peer_only() {
     let (uid, _, _) = me();

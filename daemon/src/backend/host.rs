@@ -7,10 +7,10 @@ use std::any::Any;
 use std::sync::{Arc, Mutex};
 
 use super::{
-    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, PinGuard,
-    RegionHandle,
+    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, RegionHandle,
 };
-use crate::store::shm::{ShmDir, ShmSegment};
+use crate::mem::shm::{ShmDir, ShmSegment};
+use crate::mem::{HostPinner, PinError, PinGuard};
 
 pub const HOST_DEVICE_UUID: &str = "host-0";
 const ALIGNMENT: u64 = 256;
@@ -96,7 +96,7 @@ impl Backend for HostBackend {
     ) -> Result<Arc<dyn DeviceRegion>, BackendError> {
         let segment = self
             .shm
-            .create(purpose, size, crate::store::shm::Writer::Daemon)
+            .create(purpose, size, crate::mem::shm::Writer::Daemon)
             .map_err(|e| BackendError::Alloc {
                 device: device.to_string(),
                 bytes: size,
@@ -127,15 +127,18 @@ impl Backend for HostBackend {
         Ok(()) // host copies are complete when `copy` returns
     }
 
-    fn pin_host(&self, _chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, BackendError> {
-        Ok(None)
-    }
-
     fn event_pool(
         &self,
         _device: usize,
         _count: u32,
     ) -> Result<Option<Arc<dyn EventPool>>, BackendError> {
+        Ok(None)
+    }
+}
+
+impl HostPinner for HostBackend {
+    /// Nothing to lock: host copies are memcpys.
+    fn pin_host(&self, _chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, PinError> {
         Ok(None)
     }
 }

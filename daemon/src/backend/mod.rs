@@ -13,7 +13,7 @@ pub mod host;
 use std::any::Any;
 use std::sync::Arc;
 
-use crate::store::HostSlice;
+use crate::mem::{HostPinner, HostSlice};
 
 /// Which backend the daemon runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,8 +61,6 @@ pub enum BackendError {
     OutOfBounds { offset: u64, bytes: u64, size: u64 },
     #[error("copy failed: {0}")]
     Copy(String),
-    #[error("pinning {bytes} bytes of host memory failed: {reason}")]
-    Pin { bytes: u64, reason: String },
     #[error("cannot create {count} interprocess events: {reason}")]
     Events { count: u32, reason: String },
 }
@@ -84,9 +82,6 @@ pub trait EventPool: Send + Sync {
     fn is_complete(&self, index: u32) -> bool;
     fn as_any(&self) -> &dyn Any;
 }
-
-/// What keeps host memory page-locked; dropping it unlocks the memory.
-pub type PinGuard = Box<dyn Any + Send + Sync>;
 
 /// One unit of work for a device's copy thread: once the events it waits on are complete,
 /// copy store slices into a region and record an event.
@@ -134,7 +129,8 @@ impl CopyJob {
     }
 }
 
-pub trait Backend: Send + Sync + 'static {
+/// Every backend also page-locks host memory for the store (`HostPinner`, the store's view of it).
+pub trait Backend: HostPinner + Send + Sync + 'static {
     fn kind(&self) -> BackendKind;
     /// The devices, with free memory read now.
     fn devices(&self) -> Vec<DeviceInfo>;
@@ -151,8 +147,6 @@ pub trait Backend: Send + Sync + 'static {
     fn copy(&self, device: usize, job: &CopyJob) -> Result<(), BackendError>;
     /// Waits until every copy queued to the device so far has completed.
     fn synchronize(&self, device: usize) -> Result<(), BackendError>;
-    /// Page-locks host ranges (a store arena, in chunks) for fast device copies.
-    fn pin_host(&self, chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, BackendError>;
     /// Interprocess events for one session; None where the backend needs none (host).
     fn event_pool(
         &self,

@@ -24,7 +24,7 @@ use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
 use crate::config::{BackendChoice, Config};
 use crate::core::Daemon;
-use crate::store::shm::ShmDir;
+use crate::mem::shm::ShmDir;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {

@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 
-use crate::store::{Model, align_up};
+use crate::mem::align_up;
+use crate::store::Model;
 
 /// Where each tensor of a group sits, relative to the group's start.
 #[derive(Debug, Clone, PartialEq, Eq)]

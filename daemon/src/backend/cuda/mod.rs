@@ -13,9 +13,9 @@ use std::sync::{Arc, Mutex};
 
 use self::ffi::{CudaError, Device, DeviceAlloc, IpcEvent};
 use super::{
-    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, PinGuard,
-    RegionHandle,
+    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, RegionHandle,
 };
+use crate::mem::{HostPinner, PinError, PinGuard};
 
 /// IPC exports share whole allocations: round every one to 2 MiB.
 const ALLOC_ALIGN: u64 = 2 << 20;
@@ -243,8 +243,35 @@ impl Backend for CudaBackend {
         self.devices[device].sync_copies().map_err(copy_err)
     }
 
+    fn event_pool(
+        &self,
+        device: usize,
+        count: u32,
+    ) -> Result<Option<Arc<dyn EventPool>>, BackendError> {
+        let d = &self.devices[device];
+        let fail = |e: CudaError| BackendError::Events {
+            count,
+            reason: e.to_string(),
+        };
+        d.bind().map_err(fail)?;
+        let mut events = Vec::with_capacity(count as usize);
+        let mut handles = Vec::with_capacity(count as usize);
+        for _ in 0..count {
+            let (event, handle) = IpcEvent::new().map_err(fail)?;
+            events.push(event);
+            handles.push(handle.to_vec());
+        }
+        Ok(Some(Arc::new(CudaEvents {
+            device: d.clone(),
+            events,
+            handles,
+        })))
+    }
+}
+
+impl HostPinner for CudaBackend {
     /// Registers the chunks in parallel (registration runs at ~2 GB/s per thread).
-    fn pin_host(&self, chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, BackendError> {
+    fn pin_host(&self, chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, PinError> {
         let d = self.devices[0].clone();
         let total: usize = chunks.iter().map(|c| c.1).sum();
         let results: Vec<Result<usize, CudaError>> = std::thread::scope(|scope| {
@@ -292,36 +319,11 @@ impl Backend for CudaBackend {
         }
         match failure {
             // Dropping `pinned` unregisters what did succeed.
-            Some(e) => Err(BackendError::Pin {
+            Some(e) => Err(PinError {
                 bytes: total as u64,
                 reason: e.to_string(),
             }),
             None => Ok(Some(Box::new(pinned))),
         }
-    }
-
-    fn event_pool(
-        &self,
-        device: usize,
-        count: u32,
-    ) -> Result<Option<Arc<dyn EventPool>>, BackendError> {
-        let d = &self.devices[device];
-        let fail = |e: CudaError| BackendError::Events {
-            count,
-            reason: e.to_string(),
-        };
-        d.bind().map_err(fail)?;
-        let mut events = Vec::with_capacity(count as usize);
-        let mut handles = Vec::with_capacity(count as usize);
-        for _ in 0..count {
-            let (event, handle) = IpcEvent::new().map_err(fail)?;
-            events.push(event);
-            handles.push(handle.to_vec());
-        }
-        Ok(Some(Arc::new(CudaEvents {
-            device: d.clone(),
-            events,
-            handles,
-        })))
     }
 }

@@ -11,7 +11,6 @@
 //! is writable by the uploading peer alone: the daemon gives the file to the peer's uid when it
 //! runs as root, and otherwise (it cannot chown, and must stay the owner to unlink the file
 //! from the sticky /dev/shm) grants that uid write access with a POSIX ACL entry.
-#![allow(unsafe_code)]
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -213,6 +212,8 @@ pub struct ShmSegment {
 }
 
 impl ShmSegment {
+    // The one place in the daemon outside the CUDA FFI layer that needs `unsafe`.
+    #[allow(unsafe_code)]
     fn mapped(mut self, file: &File) -> io::Result<ShmSegment> {
         // SAFETY: the file is one we just created in our own prefix with create_new, sized and
         // reserved. Clients get write access only to upload files, which the daemon never

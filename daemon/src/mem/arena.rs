@@ -1,0 +1,76 @@
+//! Host arenas (one model's tensors in a shared-memory segment, page-locked while it lives) and
+//! the slices of them that copies read from.
+#![forbid(unsafe_code)]
+
+use std::path::Path;
+use std::sync::Arc;
+
+use super::pin::PinGuard;
+use super::shm::ShmSegment;
+
+/// A shared-memory arena holding one model's tensors; written once, then read-only.
+pub struct HostArena {
+    /// Declared before `segment`: the memory is unlocked before it is unmapped.
+    _pin: Option<PinGuard>,
+    segment: ShmSegment,
+}
+
+impl std::fmt::Debug for HostArena {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostArena")
+            .field("segment", &self.segment)
+            .field("pinned", &self._pin.is_some())
+            .finish()
+    }
+}
+
+impl HostArena {
+    /// A filled segment, and what keeps it page-locked (if anything does).
+    pub fn new(segment: ShmSegment, pin: Option<PinGuard>) -> HostArena {
+        HostArena { _pin: pin, segment }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        self.segment.bytes()
+    }
+
+    pub fn path(&self) -> &Path {
+        self.segment.path()
+    }
+
+    /// Bytes of the segment, padding included.
+    pub fn size(&self) -> u64 {
+        self.segment.size()
+    }
+}
+
+/// A range of a host arena, kept alive by its `Arc`.
+#[derive(Debug, Clone)]
+pub struct HostSlice {
+    arena: Arc<HostArena>,
+    offset: u64,
+    len: u64,
+}
+
+impl HostSlice {
+    pub fn new(arena: Arc<HostArena>, offset: u64, len: u64) -> HostSlice {
+        debug_assert!(
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= arena.size())
+        );
+        HostSlice { arena, offset, len }
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        &self.arena.bytes()[self.offset as usize..(self.offset + self.len) as usize]
+    }
+
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}

@@ -1,0 +1,22 @@
+//! Page-locking host memory: the store asks, a backend does it (CUDA registers the ranges; the
+//! host backend has nothing to lock). A trait here, rather than the backend itself, lets the
+//! store pin without knowing about devices.
+#![forbid(unsafe_code)]
+
+use std::any::Any;
+
+/// What keeps host memory page-locked; dropping it unlocks the memory.
+pub type PinGuard = Box<dyn Any + Send + Sync>;
+
+#[derive(Debug, thiserror::Error)]
+#[error("pinning {bytes} bytes of host memory failed: {reason}")]
+pub struct PinError {
+    pub bytes: u64,
+    pub reason: String,
+}
+
+pub trait HostPinner: Send + Sync {
+    /// Page-locks host ranges `(address, length)` (a store arena, in chunks) for fast device
+    /// copies. `None`: nothing needed locking.
+    fn pin_host(&self, chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, PinError>;
+}
