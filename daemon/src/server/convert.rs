@@ -6,6 +6,7 @@ use weightstream_client::proto as pb;
 
 use crate::backend::{BackendError, RegionHandle};
 use crate::core::{CoreError, OpenedSession};
+use crate::session::{AttachError, SessionShared, StatsSnapshot};
 use crate::store::safetensors::DType;
 use crate::store::{Model, ModelEntry, ModelSource, SourceError, StoreError};
 
@@ -110,6 +111,51 @@ pub fn opened(o: &OpenedSession) -> pb::OpenSessionResponse {
         staging_bytes: o.shared.staging_bytes,
         resident_bytes: o.shared.resident_bytes,
         event_handles: o.event_handles.clone(),
+    }
+}
+
+pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
+    pb::SessionStats {
+        acquires: s.acquires,
+        hits: s.hits,
+        reuses: s.reuses,
+        misses: s.misses,
+        resident_hits: s.resident_hits,
+        bytes_copied: s.bytes_copied,
+        copies: s.copies,
+        prefetches: s.prefetches,
+        stall_ns: s.stall_ns,
+        resyncs: s.resyncs,
+        releases: s.releases,
+        evictions: s.evictions,
+    }
+}
+
+pub fn session_info(s: &SessionShared) -> pb::SessionInfo {
+    use std::sync::atomic::Ordering::Relaxed;
+    pb::SessionInfo {
+        session_id: s.id.clone(),
+        model_id: s.model_id.clone(),
+        device_uuid: s.device_uuid.clone(),
+        label: s.label.clone(),
+        peer_uid: s.owner.uid,
+        peer_gid: s.owner.gid,
+        peer_pid: s.owner.pid,
+        vram_budget: s.vram_budget,
+        staging_bytes: s.staging_bytes,
+        resident_bytes: s.resident_bytes,
+        attached: s.attached.load(Relaxed),
+        plan_length: s.plan_len.load(Relaxed),
+        live_tickets: s.live_tickets.load(Relaxed),
+        stats: Some(session_stats(&s.stats.snapshot())),
+        age_ms: s.created.elapsed().as_millis() as u64,
+    }
+}
+
+/// The gRPC status for a refused attach.
+pub fn attach_status(e: &AttachError) -> Status {
+    match e {
+        AttachError::AlreadyAttached(_) => Status::failed_precondition(e.to_string()),
     }
 }
 
