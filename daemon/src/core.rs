@@ -264,7 +264,7 @@ impl Daemon {
             staging_bytes: split.staging_bytes,
             resident_bytes: split.resident_bytes,
             created: Instant::now(),
-            stats: SessionStats::default(),
+            stats: SessionStats::new(groups.len()),
             attached: AtomicBool::new(false),
             plan_len: Default::default(),
             live_tickets: Default::default(),

@@ -149,6 +149,7 @@ pub fn session_info(s: &SessionShared) -> pb::SessionInfo {
         live_tickets: s.live_tickets.load(Relaxed),
         stats: Some(session_stats(&s.stats.snapshot())),
         age_ms: s.created.elapsed().as_millis() as u64,
+        group_stall_ns: s.stats.group_stall_ns(),
     }
 }
 
@@ -191,5 +192,61 @@ pub fn status_of(e: &CoreError) -> Status {
         CoreError::NotOwner(_) => Status::permission_denied(msg),
         CoreError::TooManySessions(_) | CoreError::Quota(_) => Status::resource_exhausted(msg),
         CoreError::ShuttingDown => Status::unavailable(msg),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+
+    use super::*;
+    use crate::core::Peer;
+    use crate::session::SessionStats;
+    use crate::session::stall::Stall;
+
+    #[test]
+    fn session_info_lists_stall_per_group() {
+        let (control, _control_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (_finished_tx, finished) = tokio::sync::watch::channel(false);
+        let shared = SessionShared {
+            id: "s-3".into(),
+            number: 3,
+            model_id: "m".into(),
+            device: 0,
+            device_uuid: "host-0".into(),
+            label: "l".into(),
+            owner: Peer {
+                conn: 1,
+                uid: 2,
+                gid: 3,
+                pid: 4,
+            },
+            vram_budget: 10,
+            staging_bytes: 8,
+            resident_bytes: 2,
+            created: Instant::now(),
+            stats: SessionStats::new(3),
+            attached: AtomicBool::new(true),
+            plan_len: Default::default(),
+            live_tickets: Default::default(),
+            control,
+            finished,
+        };
+        shared.stats.add_stall(Stall { group: 2, ns: 70 });
+        shared.stats.add_stall(Stall { group: 0, ns: 5 });
+        shared.live_tickets.store(4, Ordering::Relaxed);
+        let info = session_info(&shared);
+        assert_eq!(info.group_stall_ns, vec![5, 0, 70]);
+        assert_eq!(info.stats.map(|s| s.stall_ns), Some(75));
+        assert_eq!(
+            (
+                info.peer_uid,
+                info.peer_gid,
+                info.peer_pid,
+                info.live_tickets
+            ),
+            (2, 3, 4, 4)
+        );
     }
 }

@@ -18,6 +18,7 @@ use super::arena::StagingArena;
 use super::events::EventBook;
 use super::layout::GroupPlacement;
 use super::plan::{GroupId, Plan};
+use super::stall::{Stall, StallClock};
 use super::{
     AttachError, CloseReason, Command, Control, Event, FaultKind, SessionShared, SessionStats,
 };
@@ -62,7 +63,6 @@ struct Ticket {
     group: GroupId,
     place: Place,
     staged: bool,
-    acquired: Instant,
     free_event: u32,
 }
 
@@ -82,6 +82,7 @@ struct Actor {
     done_tx: mpsc::UnboundedSender<CopyDone>,
     outbox: Vec<Event>,
     events: Option<EventBook>,
+    stall: StallClock,
 }
 
 /// The client's stream, once one is attached.
@@ -113,6 +114,7 @@ pub fn spawn(
         done_tx,
         outbox: Vec::new(),
         events,
+        stall: StallClock::new(Instant::now()),
     };
     let span = tracing::info_span!("session", id = %actor.p.shared.id);
     tokio::spawn(tracing::Instrument::instrument(
@@ -194,6 +196,9 @@ impl Actor {
     /// Queued copies are dropped, running ones finish; only then is memory given back (by
     /// dropping the parts), so no copy ever writes into freed memory.
     async fn teardown(mut self, mut done_rx: mpsc::UnboundedReceiver<CopyDone>) {
+        if let Some(stall) = self.stall.stop_all(Instant::now()) {
+            self.stats().add_stall(stall);
+        }
         let number = self.p.shared.number;
         self.p
             .scheduler
@@ -225,10 +230,28 @@ impl Actor {
         self.outbox.push(Event::fault(ticket, kind, message));
     }
 
-    /// A live ticket ends in a fault: it is forgotten.
+    /// A live ticket ends in a fault: it is forgotten and its wait (if any) is over.
     fn drop_ticket(&mut self, ticket: u64, kind: FaultKind, message: impl Into<String>) {
         self.tickets.remove(&ticket);
+        self.stop_waiting(ticket);
         self.fault(ticket, kind, message);
+    }
+
+    /// `ticket` waits for its Staged from now on.
+    fn start_waiting(&mut self, ticket: u64, group: GroupId) {
+        let charged = self.stall.start(ticket, group, Instant::now());
+        self.charge(charged);
+    }
+
+    fn stop_waiting(&mut self, ticket: u64) {
+        let charged = self.stall.stop(ticket, Instant::now());
+        self.charge(charged);
+    }
+
+    fn charge(&self, stall: Option<Stall>) {
+        if let Some(stall) = stall {
+            self.stats().add_stall(stall);
+        }
     }
 }
 

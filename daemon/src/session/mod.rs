@@ -13,6 +13,7 @@ pub mod events;
 pub mod layout;
 mod messages;
 pub mod plan;
+pub mod stall;
 mod stats;
 
 use std::sync::atomic::{AtomicBool, AtomicU32};

@@ -3,8 +3,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::stall::Stall;
+
 /// Counters of one session, readable while the actor runs.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SessionStats {
     pub acquires: AtomicU64,
     pub hits: AtomicU64,
@@ -14,10 +16,13 @@ pub struct SessionStats {
     pub bytes_copied: AtomicU64,
     pub copies: AtomicU64,
     pub prefetches: AtomicU64,
+    /// Wall-clock time with at least one acquire waiting for its Staged (see `stall`).
     pub stall_ns: AtomicU64,
     pub resyncs: AtomicU64,
     pub releases: AtomicU64,
     pub evictions: AtomicU64,
+    /// `stall_ns` split by group (index = group id); the parts sum to `stall_ns`.
+    group_stall_ns: Box<[AtomicU64]>,
 }
 
 /// The counters at one instant, as plain numbers.
@@ -38,8 +43,36 @@ pub struct StatsSnapshot {
 }
 
 impl SessionStats {
+    /// Counters, all zero, for a session of `groups` groups.
+    pub fn new(groups: usize) -> SessionStats {
+        let zero = AtomicU64::default;
+        SessionStats {
+            acquires: zero(),
+            hits: zero(),
+            reuses: zero(),
+            misses: zero(),
+            resident_hits: zero(),
+            bytes_copied: zero(),
+            copies: zero(),
+            prefetches: zero(),
+            stall_ns: zero(),
+            resyncs: zero(),
+            releases: zero(),
+            evictions: zero(),
+            group_stall_ns: (0..groups).map(|_| zero()).collect(),
+        }
+    }
+
     pub fn bump(counter: &AtomicU64, by: u64) {
         counter.fetch_add(by, Ordering::Relaxed);
+    }
+
+    /// Adds a stretch of stall to the session's total and to its group's.
+    pub fn add_stall(&self, stall: Stall) {
+        Self::bump(&self.stall_ns, stall.ns);
+        if let Some(group) = self.group_stall_ns.get(stall.group as usize) {
+            Self::bump(group, stall.ns);
+        }
     }
 
     pub fn snapshot(&self) -> StatsSnapshot {
@@ -58,5 +91,13 @@ impl SessionStats {
             releases: get(&self.releases),
             evictions: get(&self.evictions),
         }
+    }
+
+    /// Stall per group, by group index.
+    pub fn group_stall_ns(&self) -> Vec<u64> {
+        self.group_stall_ns
+            .iter()
+            .map(|c| c.load(Ordering::Relaxed))
+            .collect()
     }
 }

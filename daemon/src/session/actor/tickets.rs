@@ -2,7 +2,6 @@
 #![forbid(unsafe_code)]
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use super::{Actor, Place, Ticket};
 use crate::scheduler::Priority;
@@ -52,7 +51,6 @@ impl Actor {
         {
             SessionStats::bump(&stats.resyncs, 1);
         }
-        let now = Instant::now();
         if let Some((region, offset)) = self.p.resident_of[group as usize] {
             SessionStats::bump(&stats.hits, 1);
             SessionStats::bump(&stats.resident_hits, 1);
@@ -62,7 +60,6 @@ impl Actor {
                     group,
                     place: Place::Resident,
                     staged: true,
-                    acquired: now,
                     free_event: 0,
                 },
             );
@@ -82,7 +79,6 @@ impl Actor {
                 group,
                 place: Place::Staging,
                 staged: false,
-                acquired: now,
                 free_event: 0,
             },
         );
@@ -96,6 +92,9 @@ impl Actor {
             SessionStats::bump(&stats.misses, 1);
             self.pending.push_back((ticket, group));
             self.serve_pending();
+        }
+        if self.tickets.get(&ticket).is_some_and(|t| !t.staged) {
+            self.start_waiting(ticket, group);
         }
         self.prefetch();
     }
@@ -127,8 +126,7 @@ impl Actor {
             Ok((ready_event, free_event)) => {
                 t.staged = true;
                 t.free_event = free_event;
-                let stall = t.acquired.elapsed().as_nanos() as u64;
-                SessionStats::bump(&self.p.shared.stats.stall_ns, stall);
+                self.stop_waiting(ticket);
                 self.outbox.push(Event::Staged {
                     ticket,
                     region: 0,
