@@ -5,6 +5,8 @@
 #![forbid(unsafe_code)]
 
 mod copies;
+#[cfg(test)]
+mod tests;
 mod tickets;
 
 use std::collections::{HashMap, HashSet, VecDeque};
