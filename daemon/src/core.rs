@@ -13,11 +13,20 @@ use crate::config::Config;
 use crate::mem::shm::ShmDir;
 use crate::quota::{HostQuota, QuotaError, SessionLedger};
 use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
-use crate::scheduler::{CopyScheduler, SessionTotals};
-use crate::server::conn::Peer;
+use crate::scheduler::CopyScheduler;
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
 use crate::session::{ActorParts, CloseReason, SessionShared, SessionStats};
 use crate::store::{Model, Store, StoreError, StoreLimits};
+
+/// The identity of the process at the other end of a connection: what sessions and uploads
+/// belong to (`conn`) and whose rights and quotas apply (`uid`, `gid`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    pub conn: u64,
+    pub uid: u32,
+    pub gid: u32,
+    pub pid: i32,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum CoreError {
@@ -78,6 +87,9 @@ pub struct Daemon {
     /// Sessions and device bytes per uid and per device, for the quotas.
     pub ledger: Arc<SessionLedger>,
     sessions: Mutex<HashMap<String, Arc<SessionShared>>>,
+    /// Per device: the counters of the sessions that ended, so that device totals never go
+    /// backwards when a session closes. Changed under the `sessions` lock (see `session_snapshot`).
+    retired: Mutex<Vec<SessionTotals>>,
     next_session: AtomicU64,
     stopping: AtomicBool,
     pub started: Instant,
@@ -118,6 +130,7 @@ impl Daemon {
             residency: ResidencyRegistry::default(),
             ledger,
             sessions: Mutex::new(HashMap::new()),
+            retired: Mutex::new(vec![SessionTotals::default(); devices.len()]),
             next_session: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
             started: Instant::now(),
@@ -126,6 +139,10 @@ impl Daemon {
 
     fn sessions(&self) -> MutexGuard<'_, HashMap<String, Arc<SessionShared>>> {
         self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn retired(&self) -> MutexGuard<'_, Vec<SessionTotals>> {
+        self.retired.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn list_sessions(&self) -> Vec<Arc<SessionShared>> {
@@ -247,7 +264,7 @@ impl Daemon {
             staging_bytes: split.staging_bytes,
             resident_bytes: split.resident_bytes,
             created: Instant::now(),
-            stats: SessionStats::default(),
+            stats: SessionStats::new(groups.len()),
             attached: AtomicBool::new(false),
             plan_len: Default::default(),
             live_tickets: Default::default(),
@@ -277,9 +294,7 @@ impl Daemon {
             // Under the sessions lock, so that a scrape sees the session either live or
             // retired, never both or neither (device counters must not jump).
             let mut sessions = daemon.sessions();
-            daemon
-                .scheduler
-                .retire(ended.device, session_totals(&ended.stats));
+            daemon.retired()[ended.device] += SessionTotals::of(&ended.stats);
             sessions.remove(&ended.id);
             drop(sessions);
             daemon.store.close_session(&model_id);
@@ -302,15 +317,13 @@ impl Daemon {
     /// ones plus ended ones), read at one instant.
     pub fn session_snapshot(&self) -> (Vec<Arc<SessionShared>>, Vec<SessionTotals>) {
         let sessions = self.sessions();
-        let mut totals: Vec<_> = (0..self.scheduler.devices())
-            .map(|d| self.scheduler.retired(d))
-            .collect();
+        let mut totals = self.retired().clone();
         let mut live: Vec<_> = sessions.values().cloned().collect();
         drop(sessions);
         live.sort_by_key(|s| s.number);
         // Live counters may move on after the lock: they only grow, so totals stay monotonic.
         for s in &live {
-            totals[s.device] += session_totals(&s.stats);
+            totals[s.device] += SessionTotals::of(&s.stats);
         }
         (live, totals)
     }
@@ -363,17 +376,45 @@ impl Daemon {
     }
 }
 
-/// A session's counters as device totals count them.
-pub fn session_totals(stats: &SessionStats) -> SessionTotals {
-    let s = stats.snapshot();
-    SessionTotals {
-        acquires: s.acquires,
-        hits: s.hits,
-        misses: s.misses,
-        reuses: s.reuses,
-        prefetches: s.prefetches,
-        copies: s.copies,
-        bytes_copied: s.bytes_copied,
-        stall_ns: s.stall_ns,
+/// Session counters summed over a device's sessions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SessionTotals {
+    pub acquires: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub reuses: u64,
+    pub prefetches: u64,
+    pub copies: u64,
+    pub bytes_copied: u64,
+    pub stall_ns: u64,
+}
+
+impl SessionTotals {
+    /// A session's counters as device totals count them.
+    pub fn of(stats: &SessionStats) -> SessionTotals {
+        let s = stats.snapshot();
+        SessionTotals {
+            acquires: s.acquires,
+            hits: s.hits,
+            misses: s.misses,
+            reuses: s.reuses,
+            prefetches: s.prefetches,
+            copies: s.copies,
+            bytes_copied: s.bytes_copied,
+            stall_ns: s.stall_ns,
+        }
+    }
+}
+
+impl std::ops::AddAssign for SessionTotals {
+    fn add_assign(&mut self, o: SessionTotals) {
+        self.acquires += o.acquires;
+        self.hits += o.hits;
+        self.misses += o.misses;
+        self.reuses += o.reuses;
+        self.prefetches += o.prefetches;
+        self.copies += o.copies;
+        self.bytes_copied += o.bytes_copied;
+        self.stall_ns += o.stall_ns;
     }
 }

@@ -154,7 +154,7 @@ impl Collector for DaemonCollector {
             ),
             (
                 "weightstream_device_stall_seconds",
-                "Time clients waited between Acquire and Staged.",
+                "Sum over the device's sessions of each one's stall (time with an Acquire waiting).",
                 &|i| totals[i].stall_ns as f64 * NS,
             ),
         ];
@@ -244,7 +244,7 @@ impl Collector for DaemonCollector {
             ),
             (
                 "weightstream_session_stall_seconds",
-                "Time the client waited between Acquire and Staged.",
+                "Wall-clock time with at least one Acquire waiting for its Staged.",
                 &|i| stats[i].stall_ns as f64 * NS,
             ),
         ];

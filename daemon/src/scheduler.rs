@@ -56,33 +56,6 @@ pub struct DeviceCopyStats {
     pub queued: u64,
 }
 
-/// Session counters summed over a device's sessions. The scheduler keeps those of sessions that
-/// ended, so that device totals never go backwards when a session closes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SessionTotals {
-    pub acquires: u64,
-    pub hits: u64,
-    pub misses: u64,
-    pub reuses: u64,
-    pub prefetches: u64,
-    pub copies: u64,
-    pub bytes_copied: u64,
-    pub stall_ns: u64,
-}
-
-impl std::ops::AddAssign for SessionTotals {
-    fn add_assign(&mut self, o: SessionTotals) {
-        self.acquires += o.acquires;
-        self.hits += o.hits;
-        self.misses += o.misses;
-        self.reuses += o.reuses;
-        self.prefetches += o.prefetches;
-        self.copies += o.copies;
-        self.bytes_copied += o.bytes_copied;
-        self.stall_ns += o.stall_ns;
-    }
-}
-
 #[derive(Default)]
 struct Lanes {
     per_session: HashMap<u64, VecDeque<CopyRequest>>,
@@ -167,8 +140,6 @@ impl DeviceQueue {
 pub struct CopyScheduler {
     queues: Vec<Arc<DeviceQueue>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
-    /// Per device; apart from the queues so that metrics never contend with the copy thread.
-    retired: Mutex<Vec<SessionTotals>>,
 }
 
 impl CopyScheduler {
@@ -191,7 +162,6 @@ impl CopyScheduler {
         Ok(Arc::new(CopyScheduler {
             queues,
             threads: Mutex::new(threads),
-            retired: Mutex::new(vec![SessionTotals::default(); devices]),
         }))
     }
 
@@ -244,16 +214,6 @@ impl CopyScheduler {
             queued: (state.demand.len() + state.prefetch.len()) as u64,
             ..state.stats
         }
-    }
-
-    /// Adds an ended session's counters to its device's totals.
-    pub fn retire(&self, device: usize, totals: SessionTotals) {
-        self.retired.lock().unwrap_or_else(|p| p.into_inner())[device] += totals;
-    }
-
-    /// What the ended sessions of `device` did.
-    pub fn retired(&self, device: usize) -> SessionTotals {
-        self.retired.lock().unwrap_or_else(|p| p.into_inner())[device]
     }
 
     pub fn devices(&self) -> usize {

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
-use super::conn::Peer;
 use crate::config::AccessConfig;
+use crate::core::Peer;
 
 /// The interceptor that lets allowed peers through and refuses the rest.
 #[derive(Debug, Clone)]

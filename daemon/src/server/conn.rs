@@ -16,14 +16,9 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::mpsc;
 use tonic::transport::server::Connected;
 
-/// The identity of the process at the other end of a connection.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Peer {
-    pub conn: u64,
-    pub uid: u32,
-    pub gid: u32,
-    pub pid: i32,
-}
+// The core owns the peer's identity; the edge reads it off the socket and hands it in (and
+// handlers find it in each request's extensions under this name).
+pub use crate::core::Peer;
 
 /// A peer's stream; its drop reports the connection closed.
 pub struct PeerStream {

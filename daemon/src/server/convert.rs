@@ -6,6 +6,7 @@ use weightstream_client::proto as pb;
 
 use crate::backend::{BackendError, RegionHandle};
 use crate::core::{CoreError, OpenedSession};
+use crate::session::{AttachError, SessionShared, StatsSnapshot};
 use crate::store::safetensors::DType;
 use crate::store::{Model, ModelEntry, ModelSource, SourceError, StoreError};
 
@@ -113,6 +114,52 @@ pub fn opened(o: &OpenedSession) -> pb::OpenSessionResponse {
     }
 }
 
+pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
+    pb::SessionStats {
+        acquires: s.acquires,
+        hits: s.hits,
+        reuses: s.reuses,
+        misses: s.misses,
+        resident_hits: s.resident_hits,
+        bytes_copied: s.bytes_copied,
+        copies: s.copies,
+        prefetches: s.prefetches,
+        stall_ns: s.stall_ns,
+        resyncs: s.resyncs,
+        releases: s.releases,
+        evictions: s.evictions,
+    }
+}
+
+pub fn session_info(s: &SessionShared) -> pb::SessionInfo {
+    use std::sync::atomic::Ordering::Relaxed;
+    pb::SessionInfo {
+        session_id: s.id.clone(),
+        model_id: s.model_id.clone(),
+        device_uuid: s.device_uuid.clone(),
+        label: s.label.clone(),
+        peer_uid: s.owner.uid,
+        peer_gid: s.owner.gid,
+        peer_pid: s.owner.pid,
+        vram_budget: s.vram_budget,
+        staging_bytes: s.staging_bytes,
+        resident_bytes: s.resident_bytes,
+        attached: s.attached.load(Relaxed),
+        plan_length: s.plan_len.load(Relaxed),
+        live_tickets: s.live_tickets.load(Relaxed),
+        stats: Some(session_stats(&s.stats.snapshot())),
+        age_ms: s.created.elapsed().as_millis() as u64,
+        group_stall_ns: s.stats.group_stall_ns(),
+    }
+}
+
+/// The gRPC status for a refused attach.
+pub fn attach_status(e: &AttachError) -> Status {
+    match e {
+        AttachError::AlreadyAttached(_) => Status::failed_precondition(e.to_string()),
+    }
+}
+
 /// The gRPC status for a core error: the code says what kind, the message names the field.
 pub fn status_of(e: &CoreError) -> Status {
     let msg = e.to_string();
@@ -145,5 +192,61 @@ pub fn status_of(e: &CoreError) -> Status {
         CoreError::NotOwner(_) => Status::permission_denied(msg),
         CoreError::TooManySessions(_) | CoreError::Quota(_) => Status::resource_exhausted(msg),
         CoreError::ShuttingDown => Status::unavailable(msg),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+
+    use super::*;
+    use crate::core::Peer;
+    use crate::session::SessionStats;
+    use crate::session::stall::Stall;
+
+    #[test]
+    fn session_info_lists_stall_per_group() {
+        let (control, _control_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (_finished_tx, finished) = tokio::sync::watch::channel(false);
+        let shared = SessionShared {
+            id: "s-3".into(),
+            number: 3,
+            model_id: "m".into(),
+            device: 0,
+            device_uuid: "host-0".into(),
+            label: "l".into(),
+            owner: Peer {
+                conn: 1,
+                uid: 2,
+                gid: 3,
+                pid: 4,
+            },
+            vram_budget: 10,
+            staging_bytes: 8,
+            resident_bytes: 2,
+            created: Instant::now(),
+            stats: SessionStats::new(3),
+            attached: AtomicBool::new(true),
+            plan_len: Default::default(),
+            live_tickets: Default::default(),
+            control,
+            finished,
+        };
+        shared.stats.add_stall(Stall { group: 2, ns: 70 });
+        shared.stats.add_stall(Stall { group: 0, ns: 5 });
+        shared.live_tickets.store(4, Ordering::Relaxed);
+        let info = session_info(&shared);
+        assert_eq!(info.group_stall_ns, vec![5, 0, 70]);
+        assert_eq!(info.stats.map(|s| s.stall_ns), Some(75));
+        assert_eq!(
+            (
+                info.peer_uid,
+                info.peer_gid,
+                info.peer_pid,
+                info.live_tickets
+            ),
+            (2, 3, 4, 4)
+        );
     }
 }

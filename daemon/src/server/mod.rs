@@ -4,6 +4,7 @@
 pub mod access;
 pub mod conn;
 mod convert;
+mod run;
 mod service;
 pub mod validate;
 

@@ -6,17 +6,17 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use weightstream_client::proto as pb;
 use weightstream_client::proto::weight_stream_server::WeightStream;
 
 use super::conn::Peer;
-use super::convert::{dtype_from_pb, manifest, status_of};
+use super::convert::{dtype_from_pb, manifest, session_info, status_of};
 use super::validate::{Check, check_name, check_upload_tensors};
 use crate::core::{Daemon, OpenRequest};
-use crate::session::{CloseReason, Control};
+use crate::session::CloseReason;
 use crate::store::Owner;
 
 pub struct Service {
@@ -280,7 +280,7 @@ impl WeightStream for Service {
                 .daemon
                 .list_sessions()
                 .iter()
-                .map(|s| s.info())
+                .map(|s| session_info(s))
                 .collect(),
         }))
     }
@@ -292,33 +292,8 @@ impl WeightStream for Service {
         req: Request<Streaming<pb::ClientMessage>>,
     ) -> Result<Response<Self::RunStream>, Status> {
         let peer = peer(&req)?;
-        let mut inbound = req.into_inner();
-        let first = inbound.message().await?.and_then(|m| m.msg);
-        let attach = match first {
-            Some(pb::client_message::Msg::Attach(a)) => a,
-            _ => {
-                return Err(Status::failed_precondition(
-                    "Run: the first message must be attach{session_id}",
-                ));
-            }
-        };
-        let session = self
-            .daemon
-            .owned_session(&peer, &attach.session_id)
-            .map_err(|e| status_of(&e))?;
-        let (outbound, rx) = mpsc::channel(1024);
-        let (reply, replied) = oneshot::channel();
-        let gone = || Status::not_found(format!("session_id '{}' has ended", attach.session_id));
-        session
-            .control
-            .send(Control::Attach {
-                inbound: Box::new(inbound),
-                outbound,
-                reply,
-            })
-            .map_err(|_| gone())?;
-        replied.await.map_err(|_| gone())??;
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let stream = super::run::run(&self.daemon, peer, req.into_inner()).await?;
+        Ok(Response::new(stream))
     }
 }
 

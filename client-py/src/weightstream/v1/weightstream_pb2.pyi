@@ -367,7 +367,7 @@ class SessionStats(_message.Message):
     def __init__(self, acquires: _Optional[int] = ..., hits: _Optional[int] = ..., reuses: _Optional[int] = ..., misses: _Optional[int] = ..., resident_hits: _Optional[int] = ..., bytes_copied: _Optional[int] = ..., copies: _Optional[int] = ..., prefetches: _Optional[int] = ..., stall_ns: _Optional[int] = ..., resyncs: _Optional[int] = ..., releases: _Optional[int] = ..., evictions: _Optional[int] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("session_id", "model_id", "device_uuid", "label", "peer_uid", "peer_gid", "peer_pid", "vram_budget", "staging_bytes", "resident_bytes", "attached", "plan_length", "live_tickets", "stats", "age_ms")
+    __slots__ = ("session_id", "model_id", "device_uuid", "label", "peer_uid", "peer_gid", "peer_pid", "vram_budget", "staging_bytes", "resident_bytes", "attached", "plan_length", "live_tickets", "stats", "age_ms", "group_stall_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +383,7 @@ class SessionInfo(_message.Message):
     LIVE_TICKETS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     AGE_MS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_STALL_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_id: str
     device_uuid: str
@@ -398,7 +399,8 @@ class SessionInfo(_message.Message):
     live_tickets: int
     stats: SessionStats
     age_ms: int
-    def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., label: _Optional[str] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., peer_pid: _Optional[int] = ..., vram_budget: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., attached: _Optional[bool] = ..., plan_length: _Optional[int] = ..., live_tickets: _Optional[int] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ..., age_ms: _Optional[int] = ...) -> None: ...
+    group_stall_ns: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., label: _Optional[str] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., peer_pid: _Optional[int] = ..., vram_budget: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., attached: _Optional[bool] = ..., plan_length: _Optional[int] = ..., live_tickets: _Optional[int] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ..., age_ms: _Optional[int] = ..., group_stall_ns: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions",)

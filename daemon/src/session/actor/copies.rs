@@ -1,0 +1,186 @@
+//! Copies into the staging arena: queueing them, prefetch along the plan, and their ends.
+#![forbid(unsafe_code)]
+
+use std::collections::HashSet;
+
+use super::{Actor, CopyDone};
+use crate::backend::CopyJob;
+use crate::scheduler::{CopyError, CopyOutcome, CopyRequest, Priority};
+use crate::session::plan::GroupId;
+use crate::session::{FaultKind, SessionStats};
+
+impl Actor {
+    /// Queues the copy of a freshly placed block (after the free events of the blocks it
+    /// evicted). False when no event is left for it: the block is dropped again.
+    pub(super) fn submit(
+        &mut self,
+        group: GroupId,
+        offset: u64,
+        priority: Priority,
+        evicted: &[GroupId],
+    ) -> bool {
+        let layout = &self.p.groups[group as usize];
+        let spans = layout
+            .tensors
+            .iter()
+            .map(|&(t, rel)| (self.p.model.slice(t), offset + rel))
+            .collect();
+        let mut job = CopyJob::copy(self.p.staging.clone(), spans);
+        if let Some(book) = &mut self.events {
+            match book.place(group, evicted) {
+                Ok(ev) => {
+                    job.events = Some(book.pool().clone());
+                    job.record = Some(ev.ready);
+                    job.wait = ev.wait;
+                }
+                Err(_) => {
+                    self.arena.remove(group);
+                    return false;
+                }
+            }
+        }
+        if priority == Priority::Prefetch {
+            self.prefetch_inflight += 1;
+            SessionStats::bump(&self.p.shared.stats.prefetches, 1);
+        }
+        self.queue(group, priority, job);
+        true
+    }
+
+    fn queue(&mut self, group: GroupId, priority: Priority, job: CopyJob) {
+        let tx = self.done_tx.clone();
+        let returns = job.wait.clone();
+        self.inflight += 1;
+        let shared = &self.p.shared;
+        self.p.scheduler.submit(
+            shared.device,
+            CopyRequest {
+                session: shared.number,
+                tag: group,
+                priority,
+                job,
+                done: Box::new(move |outcome| {
+                    let _ = tx.send(CopyDone {
+                        group,
+                        priority,
+                        outcome,
+                        returns,
+                    });
+                }),
+            },
+        );
+    }
+
+    /// Stages the plan's next groups into free space, never evicting what is needed sooner.
+    pub(super) fn prefetch(&mut self) {
+        let Some(plan) = &self.plan else { return };
+        if !self.pending.is_empty() {
+            return;
+        }
+        let mut chosen = Vec::new();
+        // Once the distinct groups needed up to here exceed the arena, no later group can be
+        // placed without evicting one needed sooner (which prefetch never does): stop, rather
+        // than walk the whole plan on every message.
+        let mut window = 0u64;
+        let mut seen = HashSet::new();
+        for (distance, group) in plan.upcoming(plan.len()) {
+            if self.prefetch_inflight + chosen.len() >= self.p.prefetch_depth {
+                break;
+            }
+            // Each placement needs an event slot for its copy (see serve_pending).
+            if self
+                .events
+                .as_ref()
+                .is_some_and(|b| b.available() <= chosen.len())
+            {
+                break;
+            }
+            if self.p.resident_of[group as usize].is_some() {
+                continue;
+            }
+            let len = self.p.groups[group as usize].nbytes;
+            if seen.insert(group) {
+                window += len;
+                if window > self.arena.capacity() {
+                    break;
+                }
+            }
+            if self.arena.get(group).is_some() {
+                continue;
+            }
+            match self
+                .arena
+                .place(group, len, |g| plan.next_use(g), Some(distance))
+            {
+                Ok(placement) => {
+                    SessionStats::bump(
+                        &self.p.shared.stats.evictions,
+                        placement.evicted.len() as u64,
+                    );
+                    self.used.remove(&group);
+                    chosen.push((group, placement));
+                }
+                Err(_) => break,
+            }
+        }
+        let mut chosen = chosen.into_iter();
+        for (group, placement) in chosen.by_ref() {
+            if !self.submit(
+                group,
+                placement.offset,
+                Priority::Prefetch,
+                &placement.evicted,
+            ) {
+                break;
+            }
+        }
+        // Out of events: blocks placed but not queued must not stay "copying" forever.
+        for (group, _) in chosen {
+            self.arena.remove(group);
+        }
+    }
+
+    pub(super) fn on_copy_done(&mut self, done: CopyDone) {
+        self.inflight -= 1;
+        if let Some(book) = &mut self.events {
+            book.give_back(&done.returns);
+        }
+        if done.priority == Priority::Prefetch {
+            self.prefetch_inflight -= 1;
+        }
+        self.on_group_copied(done.group, done.outcome);
+        self.serve_pending();
+        self.prefetch();
+        self.publish_counts();
+    }
+
+    fn on_group_copied(&mut self, group: GroupId, outcome: CopyOutcome) {
+        let waiters = self.waiting.remove(&group).unwrap_or_default();
+        match outcome.result {
+            Ok(()) => {
+                let stats = self.stats();
+                SessionStats::bump(&stats.copies, 1);
+                SessionStats::bump(&stats.bytes_copied, outcome.bytes);
+                self.arena.mark_valid(group);
+                let offset = self.arena.get(group).map_or(0, |b| b.offset);
+                for ticket in waiters {
+                    self.mark_staged(ticket, offset);
+                }
+            }
+            Err(e) => {
+                self.arena.remove(group);
+                self.used.remove(&group);
+                if let Some(book) = &mut self.events {
+                    book.forget(group);
+                }
+                if !matches!(e, CopyError::Cancelled) {
+                    tracing::error!(group, error = %e, "copy failed");
+                }
+                for ticket in waiters {
+                    let message = format!("acquire: copy of group {group} failed: {e}");
+                    self.drop_ticket(ticket, FaultKind::Internal, message);
+                }
+            }
+        }
+    }
+}
