@@ -20,6 +20,7 @@ use super::tickets::EVENTS_EXHAUSTED;
 use super::{ActorParts, spawn};
 use crate::backend::EventPool;
 use crate::core::Peer;
+use crate::mem::shm::ShmDir;
 use crate::quota::HostQuota;
 use crate::residency::ResidentLease;
 use crate::scheduler::CopyScheduler;
@@ -27,7 +28,6 @@ use crate::session::layout::layout_groups;
 use crate::session::{
     CloseReason, Command, Control, Event, FaultKind, SessionShared, SessionStats, StatsSnapshot,
 };
-use crate::store::shm::ShmDir;
 use crate::store::{Store, StoreLimits};
 
 /// Bytes of each test tensor; with the fake backend's 256-byte alignment, a group's block.

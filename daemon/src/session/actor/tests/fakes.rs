@@ -9,9 +9,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use tokio::sync::mpsc;
 
 use crate::backend::{
-    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, PinGuard,
-    RegionHandle,
+    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, RegionHandle,
 };
+use crate::mem::{HostPinner, PinError, PinGuard};
 
 /// A copy as the backend saw it start: where it writes, how much, and which event it records.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +44,12 @@ impl FakeBackend {
     pub fn open(&self) {
         *self.held.lock().unwrap() = false;
         self.opened.notify_all();
+    }
+}
+
+impl HostPinner for FakeBackend {
+    fn pin_host(&self, _chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, PinError> {
+        Ok(None)
     }
 }
 
@@ -90,10 +96,6 @@ impl Backend for FakeBackend {
 
     fn synchronize(&self, _device: usize) -> Result<(), BackendError> {
         Ok(())
-    }
-
-    fn pin_host(&self, _chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, BackendError> {
-        Ok(None)
     }
 
     fn event_pool(
