@@ -77,6 +77,14 @@ pub struct OpenRequest {
     pub label: String,
 }
 
+/// A live session and the peer whose connection drives it: ownership is the core's business,
+/// not the session's (the session layer knows no peers).
+#[derive(Clone)]
+pub struct LiveSession {
+    pub owner: Peer,
+    pub shared: Arc<SessionShared>,
+}
+
 pub struct Daemon {
     pub config: Config,
     pub backend: Arc<dyn Backend>,
@@ -86,7 +94,7 @@ pub struct Daemon {
     residency: ResidencyRegistry,
     /// Sessions and device bytes per uid and per device, for the quotas.
     pub ledger: Arc<SessionLedger>,
-    sessions: Mutex<HashMap<String, Arc<SessionShared>>>,
+    sessions: Mutex<HashMap<String, LiveSession>>,
     /// Per device: the counters of the sessions that ended, so that device totals never go
     /// backwards when a session closes. Changed under the `sessions` lock (see `session_snapshot`).
     retired: Mutex<Vec<SessionTotals>>,
@@ -137,7 +145,7 @@ impl Daemon {
         }))
     }
 
-    fn sessions(&self) -> MutexGuard<'_, HashMap<String, Arc<SessionShared>>> {
+    fn sessions(&self) -> MutexGuard<'_, HashMap<String, LiveSession>> {
         self.sessions.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -145,9 +153,9 @@ impl Daemon {
         self.retired.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub fn list_sessions(&self) -> Vec<Arc<SessionShared>> {
+    pub fn list_sessions(&self) -> Vec<LiveSession> {
         let mut list: Vec<_> = self.sessions().values().cloned().collect();
-        list.sort_by_key(|s| s.number);
+        list.sort_by_key(|s| s.shared.number);
         list
     }
 
@@ -259,7 +267,6 @@ impl Daemon {
             device,
             device_uuid,
             label: req.label,
-            owner,
             vram_budget: req.vram_budget,
             staging_bytes: split.staging_bytes,
             resident_bytes: split.resident_bytes,
@@ -287,7 +294,11 @@ impl Daemon {
             prefetch_depth: self.config.prefetch_depth as usize,
             events: events.clone(),
         };
-        self.sessions().insert(shared.id.clone(), shared.clone());
+        let live = LiveSession {
+            owner,
+            shared: shared.clone(),
+        };
+        self.sessions().insert(shared.id.clone(), live);
         let daemon = Arc::clone(self);
         let (ended, model_id) = (shared.clone(), model.id.clone());
         crate::session::spawn(parts, control_rx, finished_tx, move || {
@@ -318,7 +329,7 @@ impl Daemon {
     pub fn session_snapshot(&self) -> (Vec<Arc<SessionShared>>, Vec<SessionTotals>) {
         let sessions = self.sessions();
         let mut totals = self.retired().clone();
-        let mut live: Vec<_> = sessions.values().cloned().collect();
+        let mut live: Vec<_> = sessions.values().map(|s| s.shared.clone()).collect();
         drop(sessions);
         live.sort_by_key(|s| s.number);
         // Live counters may move on after the lock: they only grow, so totals stay monotonic.
@@ -338,7 +349,7 @@ impl Daemon {
         if session.owner.conn != peer.conn {
             return Err(CoreError::NotOwner(id.to_string()));
         }
-        Ok(session)
+        Ok(session.shared)
     }
 
     /// A connection closed: its sessions and uncommitted uploads go.
@@ -348,7 +359,7 @@ impl Daemon {
             .sessions()
             .values()
             .filter(|s| s.owner.conn == conn)
-            .cloned()
+            .map(|s| s.shared.clone())
             .collect();
         if dropped > 0 || !owned.is_empty() {
             tracing::info!(
@@ -366,7 +377,7 @@ impl Daemon {
     /// Closes every session (clients get a Fault saying so) and stops the copy threads.
     pub async fn shutdown(&self) {
         self.stopping.store(true, Ordering::Relaxed);
-        let all: Vec<_> = self.sessions().values().cloned().collect();
+        let all: Vec<_> = self.sessions().values().map(|s| s.shared.clone()).collect();
         futures::future::join_all(all.iter().map(|s| s.close(CloseReason::Shutdown))).await;
         self.scheduler.shutdown();
     }

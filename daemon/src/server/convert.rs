@@ -5,7 +5,7 @@ use tonic::Status;
 use weightstream_client::proto as pb;
 
 use crate::backend::{BackendError, RegionHandle};
-use crate::core::{CoreError, OpenedSession};
+use crate::core::{CoreError, OpenedSession, Peer};
 use crate::session::{AttachError, SessionShared, StatsSnapshot};
 use crate::store::safetensors::DType;
 use crate::store::{Model, ModelEntry, ModelSource, SourceError, StoreError};
@@ -131,16 +131,16 @@ pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
     }
 }
 
-pub fn session_info(s: &SessionShared) -> pb::SessionInfo {
+pub fn session_info(owner: &Peer, s: &SessionShared) -> pb::SessionInfo {
     use std::sync::atomic::Ordering::Relaxed;
     pb::SessionInfo {
         session_id: s.id.clone(),
         model_id: s.model_id.clone(),
         device_uuid: s.device_uuid.clone(),
         label: s.label.clone(),
-        peer_uid: s.owner.uid,
-        peer_gid: s.owner.gid,
-        peer_pid: s.owner.pid,
+        peer_uid: owner.uid,
+        peer_gid: owner.gid,
+        peer_pid: owner.pid,
         vram_budget: s.vram_budget,
         staging_bytes: s.staging_bytes,
         resident_bytes: s.resident_bytes,
@@ -201,7 +201,6 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::core::Peer;
     use crate::session::SessionStats;
     use crate::session::stall::Stall;
 
@@ -216,12 +215,6 @@ mod tests {
             device: 0,
             device_uuid: "host-0".into(),
             label: "l".into(),
-            owner: Peer {
-                conn: 1,
-                uid: 2,
-                gid: 3,
-                pid: 4,
-            },
             vram_budget: 10,
             staging_bytes: 8,
             resident_bytes: 2,
@@ -236,7 +229,13 @@ mod tests {
         shared.stats.add_stall(Stall { group: 2, ns: 70 });
         shared.stats.add_stall(Stall { group: 0, ns: 5 });
         shared.live_tickets.store(4, Ordering::Relaxed);
-        let info = session_info(&shared);
+        let owner = Peer {
+            conn: 1,
+            uid: 2,
+            gid: 3,
+            pid: 4,
+        };
+        let info = session_info(&owner, &shared);
         assert_eq!(info.group_stall_ns, vec![5, 0, 70]);
         assert_eq!(info.stats.map(|s| s.stall_ns), Some(75));
         assert_eq!(

@@ -280,7 +280,7 @@ impl WeightStream for Service {
                 .daemon
                 .list_sessions()
                 .iter()
-                .map(|s| session_info(s))
+                .map(|s| session_info(&s.owner, &s.shared))
                 .collect(),
         }))
     }

@@ -24,7 +24,6 @@ use tokio::sync::{mpsc, oneshot, watch};
 pub use self::actor::{ActorParts, spawn};
 pub use self::messages::{AttachError, Command, Event, FaultKind};
 pub use self::stats::{SessionStats, StatsSnapshot};
-use crate::core::Peer;
 
 /// Why a session ends, as its client is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,7 +54,6 @@ pub struct SessionShared {
     pub device: usize,
     pub device_uuid: String,
     pub label: String,
-    pub owner: Peer,
     pub vram_budget: u64,
     pub staging_bytes: u64,
     pub resident_bytes: u64,

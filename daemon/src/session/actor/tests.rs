@@ -19,7 +19,6 @@ use self::fakes::{CopySeen, FakeBackend, FakePool, FakeRegion};
 use super::tickets::EVENTS_EXHAUSTED;
 use super::{ActorParts, spawn};
 use crate::backend::EventPool;
-use crate::core::Peer;
 use crate::mem::shm::ShmDir;
 use crate::quota::HostQuota;
 use crate::residency::ResidentLease;
@@ -129,12 +128,6 @@ impl Harness {
             device: 0,
             device_uuid: "fake-0".into(),
             label: String::new(),
-            owner: Peer {
-                conn: 1,
-                uid: 1,
-                gid: 1,
-                pid: 1,
-            },
             vram_budget: staging,
             staging_bytes: staging,
             resident_bytes: 0,
