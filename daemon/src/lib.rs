@@ -4,7 +4,10 @@
 //! Module map (each knows only those below it):
 //! `cli` → `server` (gRPC, validation) → `core` (shared state) → `session` (actors, staging
 //! arenas, plans) → `residency` / `scheduler` → `store` (safetensors, shared memory) →
-//! `backend` (host today; the only place with FFI once CUDA lands).
+//! `backend` (host, and CUDA: the only place with FFI).
+// Unsafe code lives in two modules, each allowing it on its own `mod` line: the CUDA driver
+// layer (`backend::cuda::{ffi, safe}`) and the shared-memory mappings (`store::shm`).
+#![deny(unsafe_code)]
 
 pub mod backend;
 pub mod cli;

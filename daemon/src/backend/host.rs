@@ -5,10 +5,11 @@
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::{
-    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, PinGuard,
-    RegionHandle,
+    Backend, BackendError, BackendKind, CopyJob, CopyTiming, DeviceInfo, DeviceRegion, EventPool,
+    PinGuard, RegionHandle,
 };
 use crate::store::shm::{ShmDir, ShmSegment};
 
@@ -34,8 +35,9 @@ struct HostRegion {
 }
 
 impl HostRegion {
-    /// Writes `src` at `offset`. Runs only on the device's copy thread.
-    fn write(&self, offset: u64, src: &[u8]) -> Result<(), BackendError> {
+    /// Writes `src` at `offset` and returns how long the memcpy took. Runs only on the device's
+    /// copy thread.
+    fn write(&self, offset: u64, src: &[u8]) -> Result<Duration, BackendError> {
         let end = offset.checked_add(src.len() as u64);
         if end.is_none_or(|end| end > self.size) {
             return Err(BackendError::OutOfBounds {
@@ -49,8 +51,10 @@ impl HostRegion {
             .lock()
             .map_err(|_| BackendError::Copy("region lock poisoned".into()))?;
         let start = offset as usize;
-        segment.bytes_mut()[start..start + src.len()].copy_from_slice(src);
-        Ok(())
+        let dst = &mut segment.bytes_mut()[start..start + src.len()];
+        let began = Instant::now();
+        dst.copy_from_slice(src);
+        Ok(began.elapsed())
     }
 }
 
@@ -111,16 +115,19 @@ impl Backend for HostBackend {
         }))
     }
 
-    fn copy(&self, _device: usize, job: &CopyJob) -> Result<(), BackendError> {
+    /// Copies synchronously and reports the time spent copying (only the memcpy: not the time
+    /// the job waited in the queue, nor the lookup and bounds checks).
+    fn copy(&self, _device: usize, job: CopyJob) -> Result<CopyTiming, BackendError> {
         let region = job
             .region
             .as_any()
             .downcast_ref::<HostRegion>()
             .ok_or_else(|| BackendError::Copy("not a host region".into()))?;
+        let mut busy = Duration::ZERO;
         for (src, dst_offset) in &job.spans {
-            region.write(*dst_offset, src.bytes())?;
+            busy += region.write(*dst_offset, src.bytes())?;
         }
-        Ok(())
+        Ok(CopyTiming::Done(busy))
     }
 
     fn synchronize(&self, _device: usize) -> Result<(), BackendError> {
