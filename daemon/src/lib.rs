@@ -5,8 +5,9 @@
 //! `cli` → `server` (gRPC, validation) → `core` (shared state) → `session` (actors, staging
 //! arenas, plans) → `residency` / `scheduler` → `store` (safetensors, shared memory) →
 //! `backend` (host, and CUDA: the only place with FFI).
-// Unsafe code lives in two modules, each allowing it on its own `mod` line: the CUDA driver
-// layer (`backend::cuda::{ffi, safe}`) and the shared-memory mappings (`store::shm`).
+// Unsafe code lives in two places that allow it explicitly: the CUDA driver layer
+// (`backend::cuda::{ffi, safe}`, on their `mod` lines) and the shared-memory mappings
+// (`store::shm`, by its inner attribute, which overrides this `deny`).
 #![deny(unsafe_code)]
 
 pub mod backend;

@@ -71,6 +71,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoH_v2", // tests read back with it
     "cuStreamCreateWithPriority",
     "cuStreamDestroy_v2",
     "cuStreamWaitEvent",
@@ -422,6 +423,23 @@ pub unsafe fn mem_host_unregister(ptr: *mut c_void) -> Result<(), CudaError> {
     )
 }
 
+/// Copies `len` bytes from device `src` to host `dst`, synchronously (for tests that read
+/// back what was copied).
+///
+/// # Safety
+/// `src..src + len` lies in a live allocation whose context is current, with no copy into it
+/// still running; `dst` is writable for `len` bytes.
+#[cfg(test)]
+pub unsafe fn memcpy_dtoh(
+    dst: *mut u8,
+    src: sys::CUdeviceptr,
+    len: usize,
+) -> Result<(), CudaError> {
+    // SAFETY: see above.
+    let r = unsafe { sys::cuMemcpyDtoH_v2(dst as *mut c_void, src, len) };
+    check(r, "cuMemcpyDtoH_v2")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -437,7 +455,7 @@ mod tests {
     #[test]
     fn every_symbol_used_is_probed() {
         let source = include_str!("ffi.rs");
-        let code = &source[..source.find("#[cfg(test)]").unwrap()];
+        let code = &source[..source.find("mod tests {").unwrap()];
         let mut rest = code;
         while let Some(at) = rest.find("sys::cu") {
             rest = &rest[at + 5..];

@@ -59,9 +59,10 @@ struct Device {
 /// this order), and what the device time of completed ones adds up to so far.
 ///
 /// A batch owns its `HostSlice`s, and through them their arena and its page-lock registration,
-/// until the stream has passed its end event: the job is dropped as soon as the copy is queued,
-/// and the model may be released at the same moment (a session torn down, the last reference
-/// gone), which before this unlocked and unmapped the pages while the DMA still read them.
+/// until the stream has passed its end event. The job itself goes as soon as the copy is
+/// queued, and the model may be released at that moment (a session torn down, the last
+/// reference gone): when the job held the only `HostSlice`s, that unlocked and unmapped the
+/// pages while the DMA still read them.
 /// `poll_copies` releases batches on the copy thread without blocking; a batch dropped any
 /// other way (teardown, an error) waits for the stream first (`safe::Held`).
 #[derive(Default)]
@@ -396,7 +397,14 @@ impl Backend for CudaBackend {
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+    use std::sync::Weak;
+    use std::time::Instant;
+
     use super::*;
+    use crate::quota::HostQuota;
+    use crate::store::shm::ShmDir;
+    use crate::store::{HostArena, Model, Store, StoreLimits};
 
     /// Without a driver (this machine) it says why; with one it opens the devices. Either way
     /// it must not panic (cudarc's loader panics on a missing library or symbol).
@@ -405,5 +413,136 @@ mod tests {
         if let Err(reason) = CudaBackend::new() {
             assert!(!reason.is_empty());
         }
+    }
+
+    /// A store over `backend` (page-locking what it loads) holding one tensor of `bytes`.
+    fn store_with(backend: Arc<CudaBackend>, dir: &Path, data: &[u8]) -> (Store, Arc<Model>) {
+        let shm = Arc::new(ShmDir::new(dir, "gpu"));
+        let limits = StoreLimits {
+            max_tensors: 10,
+            max_upload_bytes: 0,
+            max_name_bytes: 1024,
+            host: HostQuota::default(),
+        };
+        let store = Store::new(shm, backend, limits);
+        let view = ::safetensors::tensor::TensorView::new(
+            ::safetensors::Dtype::U8,
+            vec![data.len()],
+            data,
+        )
+        .unwrap();
+        let path = dir.join("w.safetensors");
+        ::safetensors::serialize_to_file([("w", view)], None, &path).unwrap();
+        let (model, _) = store.load(&[path], "", 0, &mut |_, _, _| {}).unwrap();
+        (store, model)
+    }
+
+    fn pattern(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    fn region_bytes(region: &Arc<dyn DeviceRegion>, len: usize) -> Vec<u8> {
+        let region = region.as_any().downcast_ref::<CudaRegion>().unwrap();
+        region.alloc.read(0, len).unwrap()
+    }
+
+    /// On a GPU: `cargo test -p weightstream-daemon --lib -- --ignored on_a_gpu`. A queued copy
+    /// holds its source arena (and its page-lock) after the store and model are gone, until a
+    /// poll sees the stream past it; its device time is then reported, and the bytes landed.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn on_a_gpu_a_queued_copy_keeps_its_source_until_polled_complete() {
+        let _log =
+            tracing::subscriber::set_default(tracing_subscriber::fmt().with_test_writer().finish());
+        let backend = Arc::new(CudaBackend::new().expect("a CUDA device"));
+        println!("{:?}", backend.devices());
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let n = 512 << 20;
+        let data = pattern(n);
+        let (store, model) = store_with(backend.clone(), dir.path(), &data);
+        let region = backend.alloc_region(0, n as u64 + 1, "staging").unwrap();
+        match region.handle() {
+            RegionHandle::CudaIpc(h) => assert!(h.len() == 64 && h.iter().any(|&b| b != 0)),
+            other => panic!("{other:?}"),
+        }
+        let events = backend.event_pool(0, 4).unwrap().unwrap();
+        assert_eq!(events.handles().len(), 4);
+        assert!(events.is_complete(1) && events.is_complete(2));
+        let arena: Weak<HostArena> = Arc::downgrade(model.arena());
+        let job = CopyJob {
+            region: region.clone(),
+            spans: vec![(model.slice(0), 0)],
+            events: Some(events.clone()),
+            wait: vec![2],
+            record: Some(1),
+            synchronous: false,
+        };
+        let began = Instant::now();
+        assert_eq!(backend.copy(0, job).unwrap(), CopyTiming::Queued);
+        let queued_in = began.elapsed();
+        drop(model);
+        drop(store);
+        assert!(arena.upgrade().is_some(), "the source went with the job");
+        let mut busy = Duration::ZERO;
+        let mut polls = 0;
+        loop {
+            let polled = backend.poll_copies(0);
+            busy += polled.busy;
+            polls += 1;
+            if !polled.pending {
+                break;
+            }
+            assert!(began.elapsed() < Duration::from_secs(10));
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        let wall = began.elapsed();
+        assert!(arena.upgrade().is_none(), "the source outlived its copy");
+        assert!(events.is_complete(1));
+        let rate = n as f64 / busy.as_secs_f64() / 1e9;
+        println!(
+            "queued in {queued_in:?}, device busy {busy:?} ({rate:.1} GB/s), \
+             complete after {wall:?} and {polls} polls"
+        );
+        assert!(busy <= wall && (5.0..100.0).contains(&rate), "{busy:?}");
+        assert_eq!(backend.poll_copies(0), CopyPoll::default());
+        assert!(region_bytes(&region, n) == data, "the bytes differ");
+    }
+
+    /// On a GPU: dropping the backend with copies in flight waits for them before releasing
+    /// their sources; a synchronous copy is in place when `copy` returns; bad offsets fail
+    /// before anything is queued.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn on_a_gpu_teardown_waits_for_copies_and_sync_copies_land() {
+        let _log =
+            tracing::subscriber::set_default(tracing_subscriber::fmt().with_test_writer().finish());
+        let backend = Arc::new(CudaBackend::new().expect("a CUDA device"));
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let n = 256 << 20;
+        let data = pattern(n);
+        let (store, model) = store_with(backend.clone(), dir.path(), &data);
+        let region = backend.alloc_region(0, n as u64, "resident").unwrap();
+        let outside = CopyJob::copy(region.clone(), vec![(model.slice(0), 1)]);
+        assert!(matches!(
+            backend.copy(0, outside),
+            Err(BackendError::OutOfBounds { offset: 1, .. })
+        ));
+        let mut job = CopyJob::copy(region.clone(), vec![(model.slice(0), 0)]);
+        job.synchronous = true;
+        backend.copy(0, job).unwrap();
+        assert!(region_bytes(&region, n) == data, "the bytes differ");
+        backend.synchronize(0).unwrap();
+        let polled = backend.poll_copies(0);
+        assert!(!polled.pending && !polled.busy.is_zero(), "{polled:?}");
+        // Queue two more, let go of everything but the backend, then drop it.
+        for _ in 0..2 {
+            let job = CopyJob::copy(region.clone(), vec![(model.slice(0), 0)]);
+            backend.copy(0, job).unwrap();
+        }
+        let arena: Weak<HostArena> = Arc::downgrade(model.arena());
+        drop((model, store, region));
+        assert!(arena.upgrade().is_some(), "the source went with the job");
+        drop(backend);
+        assert!(arena.upgrade().is_none(), "the backend kept the source");
     }
 }

@@ -265,6 +265,28 @@ impl DeviceAlloc {
     }
 }
 
+#[cfg(test)]
+impl DeviceAlloc {
+    /// Reads `len` bytes at `offset` back, once the copies queued so far are done.
+    pub fn read(&self, offset: u64, len: usize) -> Result<Vec<u8>, CudaError> {
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > self.bytes)
+        {
+            return Err(CudaError::invalid(
+                "cuMemcpyDtoH_v2",
+                "out of bounds".into(),
+            ));
+        }
+        self.writer.synchronize()?;
+        let mut out = vec![0u8; len];
+        // SAFETY: the range lies in this live allocation (checked above), its context is bound
+        // (synchronize) and its only writer is idle; `out` holds `len` bytes.
+        unsafe { ffi::memcpy_dtoh(out.as_mut_ptr(), self.ptr + offset, len) }?;
+        Ok(out)
+    }
+}
+
 impl Drop for DeviceAlloc {
     /// Copies into the memory may still be queued: only `writer` writes it, so wait for that
     /// stream, then free. (Clients close their mappings before closing the session; a dead
