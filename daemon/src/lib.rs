@@ -6,6 +6,10 @@
 //! arenas, plans) → `residency` / `scheduler` → `store` (registry, load, upload, pin) → `mem`
 //! (shared-memory mappings, host arenas and slices); `backend` (host, CUDA: the only FFI) →
 //! `mem`. The store pins through `mem::HostPinner`, which every backend implements.
+// Unsafe code lives in two places that allow it explicitly: the CUDA driver layer
+// (`backend::cuda::{ffi, safe}`, on their `mod` lines) and the shared-memory mapping
+// (`mem::shm::ShmSegment::mapped`).
+#![deny(unsafe_code)]
 
 pub mod backend;
 pub mod cli;

@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, BackendError, CopyJob};
+use crate::backend::{Backend, BackendError, CopyJob, CopyTiming};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Priority {
@@ -33,6 +33,7 @@ pub enum CopyError {
 pub struct CopyOutcome {
     pub result: Result<(), CopyError>,
     pub bytes: u64,
+    /// How long the backend's `copy` took: the copy itself on the host, queueing it on CUDA.
     pub elapsed: Duration,
 }
 
@@ -52,6 +53,8 @@ pub struct CopyRequest {
 pub struct DeviceCopyStats {
     pub copies: u64,
     pub bytes: u64,
+    /// Time the copies kept the device busy, as the backend measures it (CUDA: timing events
+    /// around each batch on the copy stream; host: the memcpy), not the time to queue them.
     pub busy_ns: u64,
     pub queued: u64,
 }
@@ -252,48 +255,62 @@ fn cancel(req: CopyRequest) {
 
 /// How often queued copies whose events are pending are looked at again.
 const POLL: Duration = Duration::from_micros(50);
+/// How often the backend is asked about copies still running on the device while nothing is
+/// queued (for their busy time, and so that it can let their sources go).
+const DEVICE_POLL: Duration = Duration::from_millis(1);
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
 
 fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend) {
     loop {
+        // Outside the queue's lock: retiring a copy may drop the last reference to a model's
+        // arena, which unlocks and unmaps it.
+        let polled = backend.poll_copies(device);
         let req = {
             let mut state = queue.lock();
-            loop {
-                let ready = |r: &CopyRequest| r.job.ready();
-                if let Some(r) = state
-                    .demand
-                    .pop_ready(ready)
-                    .or_else(|| state.prefetch.pop_ready(ready))
-                {
-                    break r;
+            state.stats.busy_ns += nanos(polled.busy);
+            let ready = |r: &CopyRequest| r.job.ready();
+            let next = state
+                .demand
+                .pop_ready(ready)
+                .or_else(|| state.prefetch.pop_ready(ready));
+            match next {
+                Some(r) => r,
+                None => {
+                    let queued = state.demand.len() + state.prefetch.len();
+                    if state.stopping && queued == 0 {
+                        return;
+                    }
+                    // Waiting on clients' free events, or on the device: look again shortly.
+                    let look_again = if queued > 0 {
+                        Some(POLL)
+                    } else {
+                        polled.pending.then_some(DEVICE_POLL)
+                    };
+                    match look_again {
+                        Some(after) => drop(queue.wake.wait_timeout(state, after)),
+                        None => drop(queue.wake.wait(state)),
+                    }
+                    continue;
                 }
-                let queued = state.demand.len() + state.prefetch.len();
-                if state.stopping && queued == 0 {
-                    return;
-                }
-                state = if queued == 0 {
-                    queue.wake.wait(state).unwrap_or_else(|p| p.into_inner())
-                } else {
-                    // Waiting on clients' free events: look again shortly.
-                    queue
-                        .wake
-                        .wait_timeout(state, POLL)
-                        .unwrap_or_else(|p| p.into_inner())
-                        .0
-                };
             }
         };
-        let started = Instant::now();
         let bytes = req.job.bytes();
-        let result = backend.copy(device, &req.job).map_err(CopyError::from);
+        let started = Instant::now();
+        let result = backend.copy(device, req.job);
         let elapsed = started.elapsed();
         {
             let mut state = queue.lock();
             state.stats.copies += 1;
             state.stats.bytes += bytes;
-            state.stats.busy_ns += elapsed.as_nanos() as u64;
+            if let Ok(CopyTiming::Done(busy)) = result {
+                state.stats.busy_ns += nanos(busy);
+            }
         }
         (req.done)(CopyOutcome {
-            result,
+            result: result.map(|_timing| ()).map_err(CopyError::from),
             bytes,
             elapsed,
         });
@@ -302,6 +319,8 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend) {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::Ordering;
+
     use super::*;
 
     fn req(session: u64, tag: u32) -> CopyRequest {
@@ -363,5 +382,150 @@ mod tests {
         let order: Vec<u32> = std::iter::from_fn(|| lanes.pop()).map(|r| r.tag).collect();
         assert_eq!(order, vec![10]);
         assert_eq!(lanes.len(), 0);
+    }
+
+    /// A backend whose `copy` takes `enqueue` to return `reply`, and whose device runs each
+    /// `Queued` copy for `device_time`, reported only once `finished` is set.
+    struct TimedBackend {
+        enqueue: Duration,
+        reply: CopyTiming,
+        device_time: Duration,
+        finished: std::sync::atomic::AtomicBool,
+        on_device: std::sync::atomic::AtomicU32,
+    }
+
+    impl TimedBackend {
+        fn new(enqueue: Duration, reply: CopyTiming, device_time: Duration) -> TimedBackend {
+            TimedBackend {
+                enqueue,
+                reply,
+                device_time,
+                finished: true.into(),
+                on_device: 0.into(),
+            }
+        }
+    }
+
+    impl crate::mem::HostPinner for TimedBackend {
+        fn pin_host(
+            &self,
+            _: &[(usize, usize)],
+        ) -> Result<Option<crate::mem::PinGuard>, crate::mem::PinError> {
+            Ok(None)
+        }
+    }
+
+    impl Backend for TimedBackend {
+        fn kind(&self) -> crate::backend::BackendKind {
+            crate::backend::BackendKind::Host
+        }
+        fn devices(&self) -> Vec<crate::backend::DeviceInfo> {
+            Vec::new()
+        }
+        fn alignment(&self) -> u64 {
+            1
+        }
+        fn alloc_region(
+            &self,
+            _: usize,
+            _: u64,
+            _: &'static str,
+        ) -> Result<Arc<dyn crate::backend::DeviceRegion>, BackendError> {
+            Ok(Arc::new(NullRegion))
+        }
+        fn copy(&self, _: usize, _: CopyJob) -> Result<CopyTiming, BackendError> {
+            std::thread::sleep(self.enqueue);
+            if self.reply == CopyTiming::Queued {
+                self.on_device.fetch_add(1, Ordering::SeqCst);
+            }
+            Ok(self.reply)
+        }
+        fn poll_copies(&self, _: usize) -> crate::backend::CopyPoll {
+            if !self.finished.load(Ordering::SeqCst) {
+                let pending = self.on_device.load(Ordering::SeqCst) > 0;
+                return crate::backend::CopyPoll {
+                    busy: Duration::ZERO,
+                    pending,
+                };
+            }
+            crate::backend::CopyPoll {
+                busy: self.device_time * self.on_device.swap(0, Ordering::SeqCst),
+                pending: false,
+            }
+        }
+        fn synchronize(&self, _: usize) -> Result<(), BackendError> {
+            Ok(())
+        }
+        fn event_pool(
+            &self,
+            _: usize,
+            _: u32,
+        ) -> Result<Option<Arc<dyn crate::backend::EventPool>>, BackendError> {
+            Ok(None)
+        }
+    }
+
+    /// Device 0's stats once they show `copies` copies and `busy_ns`, or after 5 s.
+    fn stats_once(s: &CopyScheduler, copies: u64, busy_ns: u64) -> DeviceCopyStats {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let stats = s.stats(0);
+            if (stats.copies, stats.busy_ns) == (copies, busy_ns) || Instant::now() > deadline {
+                return stats;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Busy time is the sum of what the backend reports, whether with the copy or from a later
+    /// poll, and never the (here 20 ms) it takes to queue a copy.
+    #[test]
+    fn busy_time_is_what_the_backend_reports_not_the_time_to_queue() {
+        let five_us = Duration::from_micros(5);
+        let cases = [
+            ("done", CopyTiming::Done(five_us)),
+            ("queued", CopyTiming::Queued),
+        ];
+        let mut failures = Vec::new();
+        for (name, reply) in cases {
+            let backend = TimedBackend::new(Duration::from_millis(20), reply, five_us);
+            let scheduler = CopyScheduler::start(Arc::new(backend), 1).unwrap();
+            scheduler.submit(0, req(1, 10));
+            scheduler.submit(0, req(2, 20));
+            let stats = stats_once(&scheduler, 2, 10_000);
+            scheduler.shutdown();
+            if (stats.copies, stats.busy_ns) != (2, 10_000) {
+                failures.push(format!("{name}: {stats:?}"));
+            }
+        }
+        assert!(failures.is_empty(), "{failures:?}");
+    }
+
+    /// A copy still running on the device when the queue empties is counted when it completes,
+    /// with nothing else submitted to wake the copy thread.
+    #[test]
+    fn device_time_that_comes_after_the_queue_empties_is_counted() {
+        let backend = Arc::new(TimedBackend::new(
+            Duration::ZERO,
+            CopyTiming::Queued,
+            Duration::from_micros(7),
+        ));
+        backend.finished.store(false, Ordering::SeqCst);
+        let scheduler = CopyScheduler::start(backend.clone(), 1).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        scheduler.submit(
+            0,
+            CopyRequest {
+                done: Box::new(move |_| tx.send(()).unwrap()),
+                ..req(1, 10)
+            },
+        );
+        rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(scheduler.stats(0).busy_ns, 0);
+        backend.finished.store(true, Ordering::SeqCst);
+        let stats = stats_once(&scheduler, 1, 7_000);
+        scheduler.shutdown();
+        assert_eq!((stats.copies, stats.busy_ns), (1, 7_000));
     }
 }

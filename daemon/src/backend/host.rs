@@ -5,9 +5,11 @@
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use super::{
-    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, RegionHandle,
+    Backend, BackendError, BackendKind, CopyJob, CopyTiming, DeviceInfo, DeviceRegion, EventPool,
+    RegionHandle,
 };
 use crate::mem::shm::{ShmDir, ShmSegment};
 use crate::mem::{HostPinner, PinError, PinGuard};
@@ -34,8 +36,9 @@ struct HostRegion {
 }
 
 impl HostRegion {
-    /// Writes `src` at `offset`. Runs only on the device's copy thread.
-    fn write(&self, offset: u64, src: &[u8]) -> Result<(), BackendError> {
+    /// Writes `src` at `offset` and returns how long the memcpy took. Runs only on the device's
+    /// copy thread.
+    fn write(&self, offset: u64, src: &[u8]) -> Result<Duration, BackendError> {
         let end = offset.checked_add(src.len() as u64);
         if end.is_none_or(|end| end > self.size) {
             return Err(BackendError::OutOfBounds {
@@ -49,8 +52,10 @@ impl HostRegion {
             .lock()
             .map_err(|_| BackendError::Copy("region lock poisoned".into()))?;
         let start = offset as usize;
-        segment.bytes_mut()[start..start + src.len()].copy_from_slice(src);
-        Ok(())
+        let dst = &mut segment.bytes_mut()[start..start + src.len()];
+        let began = Instant::now();
+        dst.copy_from_slice(src);
+        Ok(began.elapsed())
     }
 }
 
@@ -111,16 +116,19 @@ impl Backend for HostBackend {
         }))
     }
 
-    fn copy(&self, _device: usize, job: &CopyJob) -> Result<(), BackendError> {
+    /// Copies synchronously and reports the time spent copying (only the memcpy: not the time
+    /// the job waited in the queue, nor the lookup and bounds checks).
+    fn copy(&self, _device: usize, job: CopyJob) -> Result<CopyTiming, BackendError> {
         let region = job
             .region
             .as_any()
             .downcast_ref::<HostRegion>()
             .ok_or_else(|| BackendError::Copy("not a host region".into()))?;
+        let mut busy = Duration::ZERO;
         for (src, dst_offset) in &job.spans {
-            region.write(*dst_offset, src.bytes())?;
+            busy += region.write(*dst_offset, src.bytes())?;
         }
-        Ok(())
+        Ok(CopyTiming::Done(busy))
     }
 
     fn synchronize(&self, _device: usize) -> Result<(), BackendError> {
@@ -154,4 +162,89 @@ pub fn host_memory() -> (u64, u64) {
             .map_or(0, |kib| kib * 1024)
     };
     (field("MemTotal:"), field("MemAvailable:"))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::mem::HostSlice;
+    use crate::quota::HostQuota;
+    use crate::scheduler::{CopyRequest, CopyScheduler, Priority};
+    use crate::store::{Store, StoreLimits};
+
+    const MIB: usize = 1 << 20;
+
+    /// A host backend and a 1 MiB tensor in a store over it (the slice keeps its arena).
+    fn backend_and_tensor(dir: &Path) -> (Arc<HostBackend>, HostSlice) {
+        let shm = Arc::new(ShmDir::new(dir, "b"));
+        let backend = Arc::new(HostBackend::new(shm.clone()));
+        let limits = StoreLimits {
+            max_tensors: 10,
+            max_upload_bytes: 0,
+            max_name_bytes: 1024,
+            host: HostQuota::default(),
+        };
+        let store = Store::new(shm, backend.clone(), limits);
+        let data = vec![7u8; MIB];
+        let view =
+            ::safetensors::tensor::TensorView::new(::safetensors::Dtype::U8, vec![MIB], &data)
+                .unwrap();
+        let path = dir.join("w.safetensors");
+        ::safetensors::serialize_to_file([("w", view)], None, &path).unwrap();
+        let (model, _) = store.load(&[path], "", 0, &mut |_, _, _| {}).unwrap();
+        (backend, model.slice(0))
+    }
+
+    #[test]
+    fn a_copy_reports_the_time_its_memcpy_took() {
+        let dir = tempfile::tempdir().unwrap();
+        let (backend, tensor) = backend_and_tensor(dir.path());
+        let region = backend.alloc_region(0, MIB as u64, "staging").unwrap();
+        let began = Instant::now();
+        let timing = backend.copy(0, CopyJob::copy(region, vec![(tensor, 0)]));
+        let wall = began.elapsed();
+        match timing {
+            Ok(CopyTiming::Done(busy)) => {
+                assert!(!busy.is_zero() && busy <= wall, "{busy:?} of {wall:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// The second copy waits in the queue while the copy thread is held up for 200 ms; the
+    /// device's busy time counts the two memcpys only.
+    #[test]
+    fn busy_time_leaves_out_the_time_a_copy_waits_in_the_queue() {
+        let dir = tempfile::tempdir().unwrap();
+        let (backend, tensor) = backend_and_tensor(dir.path());
+        let region = backend.alloc_region(0, MIB as u64, "staging").unwrap();
+        let scheduler = CopyScheduler::start(backend, 1).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let hold = Duration::from_millis(200);
+        for (tag, busy_after) in [(1, hold), (2, Duration::ZERO)] {
+            let tx = tx.clone();
+            let job = CopyJob::copy(region.clone(), vec![(tensor.clone(), 0)]);
+            let request = CopyRequest {
+                session: 1,
+                tag,
+                priority: Priority::Demand,
+                job,
+                done: Box::new(move |outcome| {
+                    std::thread::sleep(busy_after);
+                    tx.send(outcome.result.is_ok()).unwrap();
+                }),
+            };
+            scheduler.submit(0, request);
+        }
+        for _ in 0..2 {
+            assert!(rx.recv_timeout(Duration::from_secs(5)).unwrap());
+        }
+        let stats = scheduler.stats(0);
+        scheduler.shutdown();
+        assert_eq!(stats.copies, 2);
+        let busy = Duration::from_nanos(stats.busy_ns);
+        assert!(!busy.is_zero() && busy < hold / 4, "{busy:?}");
+    }
 }

@@ -12,6 +12,7 @@ pub mod host;
 
 use std::any::Any;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::mem::{HostPinner, HostSlice};
 
@@ -129,6 +130,25 @@ impl CopyJob {
     }
 }
 
+/// How long a copy kept the device busy, as far as the backend knows when `copy` returns.
+/// The scheduler sums these, and what `poll_copies` reports, into the device's busy time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyTiming {
+    /// The bytes are in place and writing them took this long (host: the memcpy's wall time).
+    Done(Duration),
+    /// The copy is queued on the device: `poll_copies` reports its time once it is complete.
+    Queued,
+}
+
+/// What `Backend::poll_copies` found.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CopyPoll {
+    /// Device time of queued copies seen complete since the previous poll.
+    pub busy: Duration,
+    /// Whether queued copies remain whose time is still to be reported.
+    pub pending: bool,
+}
+
 /// Every backend also page-locks host memory for the store (`HostPinner`, the store's view of it).
 pub trait Backend: HostPinner + Send + Sync + 'static {
     fn kind(&self) -> BackendKind;
@@ -144,7 +164,15 @@ pub trait Backend: HostPinner + Send + Sync + 'static {
     ) -> Result<Arc<dyn DeviceRegion>, BackendError>;
     /// Runs on the device's copy thread. Returns once the client may be told the bytes are
     /// staged (host: the bytes are in place; CUDA: the copy and its ready event are queued).
-    fn copy(&self, device: usize, job: &CopyJob) -> Result<(), BackendError>;
+    /// Takes the job because an asynchronous copy keeps its sources (`HostSlice`s, which hold
+    /// their arena and its page-lock) until the device has read them.
+    fn copy(&self, device: usize, job: CopyJob) -> Result<CopyTiming, BackendError>;
+    /// Device time of `Queued` copies that completed since the last call. Runs on the device's
+    /// copy thread, after each copy and while it waits; never blocks. The default suits a
+    /// backend whose copies are all `Done`.
+    fn poll_copies(&self, _device: usize) -> CopyPoll {
+        CopyPoll::default()
+    }
     /// Waits until every copy queued to the device so far has completed.
     fn synchronize(&self, device: usize) -> Result<(), BackendError>;
     /// Interprocess events for one session; None where the backend needs none (host).

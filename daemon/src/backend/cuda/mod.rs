@@ -1,21 +1,42 @@
 //! CUDA backend: page-locked shared store, IPC-exported staging and resident memory, and an
 //! event-ordered copy pipeline on one high-priority stream per device.
 //!
-//! Only this module calls FFI (through `ffi`). Copies run on each device's copy thread (the
-//! scheduler's), which binds the device's primary context before every job; allocation and
-//! teardown bind it on whatever thread they run on.
-#![allow(unsafe_code)]
+//! Layered as cudarc is: `ffi` holds the driver calls as `unsafe fn`s returning `Result`,
+//! `safe` the RAII types over them, and this file the `Backend`, in safe code only.
+//!
+//! Who owns what (every owner holds an `Arc<Context>` and binds it before freeing):
+//! - `Device`: the device's primary `Context`, its `CopyStream`, and the copy batches the
+//!   stream has not been seen to pass (`InFlight`, owning their `HostSlice` sources) with the
+//!   timing events to reuse.
+//! - `CudaRegion`: a `DeviceAlloc` (cuMemAlloc, 2 MiB-rounded, exported once by IPC).
+//! - `CudaEvents`: a session's `IpcEvent`s (interprocess, exported once).
+//! - `Pinned` (the store's `PinGuard`): `HostRegistration`s of an arena's chunks.
+//!
+//! Threads: each device's copy thread (the scheduler's) binds the device's context in every
+//! stream call, event query and poll; allocation, registration workers and teardown bind it on
+//! whatever thread they run on (every `safe` call binds first, so no thread relies on what it
+//! had bound before).
 
+#[allow(unsafe_code)]
 mod ffi;
+#[allow(unsafe_code)]
+mod safe;
 
 use std::any::Any;
-use std::sync::{Arc, Mutex};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
-use self::ffi::{CudaError, Device, DeviceAlloc, IpcEvent};
-use super::{
-    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, RegionHandle,
+use self::ffi::CudaError;
+use self::safe::{
+    Context, CopySource, CopyStream, Description, DeviceAlloc, HostRegistration, InFlight,
+    IpcEvent, TimingPair,
 };
-use crate::mem::{HostPinner, PinError, PinGuard};
+use super::{
+    Backend, BackendError, BackendKind, CopyJob, CopyPoll, CopyTiming, DeviceInfo, DeviceRegion,
+    EventPool, RegionHandle,
+};
+use crate::mem::{HostPinner, HostSlice, PinError, PinGuard};
 
 /// IPC exports share whole allocations: round every one to 2 MiB.
 const ALLOC_ALIGN: u64 = 2 << 20;
@@ -23,7 +44,62 @@ const ALLOC_ALIGN: u64 = 2 << 20;
 const ALIGNMENT: u64 = 256;
 
 pub struct CudaBackend {
-    devices: Vec<Arc<Device>>,
+    devices: Vec<Device>,
+}
+
+/// One device: its context, its copy stream, and the copies queued on it.
+struct Device {
+    ctx: Arc<Context>,
+    about: Description,
+    stream: Arc<CopyStream>,
+    copies: Mutex<Copies>,
+}
+
+/// Copy batches not yet seen complete, oldest first (one in-order stream, so they complete in
+/// this order), and what the device time of completed ones adds up to so far.
+///
+/// A batch owns its `HostSlice`s, and through them their arena and its page-lock registration,
+/// until the stream has passed its end event. The job itself goes as soon as the copy is
+/// queued, and the model may be released at that moment (a session torn down, the last
+/// reference gone): when the job held the only `HostSlice`s, that unlocked and unmapped the
+/// pages while the DMA still read them.
+/// `poll_copies` releases batches on the copy thread without blocking; a batch dropped any
+/// other way (teardown, an error) waits for the stream first (`safe::Held`).
+#[derive(Default)]
+struct Copies {
+    in_flight: VecDeque<InFlight<HostSlice>>,
+    spare: Vec<TimingPair>,
+    busy: Duration,
+}
+
+impl Copies {
+    /// Retires the batches the stream has passed; returns whether any remain.
+    fn reap(&mut self) -> bool {
+        while let Some(batch) = self.in_flight.front_mut() {
+            match batch.poll() {
+                Ok(None) => return true,
+                Ok(Some(time)) => {
+                    self.busy += time;
+                    if let Some(batch) = self.in_flight.pop_front() {
+                        self.spare.push(batch.into_timing());
+                    }
+                }
+                Err(e) => {
+                    // The stream failed for good. Dropping the batch (and its timing events)
+                    // waits for whatever the stream still runs before releasing the sources.
+                    tracing::error!(error = %e, "polling a copy batch failed");
+                    self.in_flight.pop_front();
+                }
+            }
+        }
+        false
+    }
+}
+
+impl CopySource for HostSlice {
+    fn bytes(&self) -> &[u8] {
+        HostSlice::bytes(self)
+    }
 }
 
 fn copy_err(e: CudaError) -> BackendError {
@@ -33,24 +109,39 @@ fn copy_err(e: CudaError) -> BackendError {
 impl CudaBackend {
     /// Opens every device, or says why CUDA cannot be used (never panics).
     pub fn new() -> Result<CudaBackend, String> {
-        let count = ffi::probe()?;
+        let (driver, count) = ffi::probe()?;
+        let open = |ordinal| -> Result<Device, CudaError> {
+            let ctx = Context::retain(driver, ordinal)?;
+            Ok(Device {
+                about: ctx.describe()?,
+                stream: CopyStream::new(&ctx)?,
+                ctx,
+                copies: Mutex::new(Copies::default()),
+            })
+        };
         let devices = (0..count)
-            .map(|i| Device::open(i).map(Arc::new))
+            .map(open)
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| e.to_string())?;
         for d in &devices {
-            tracing::info!(ordinal = d.ordinal, uuid = %d.uuid, name = %d.name,
-                pci = %d.pci_bus_id, memory = d.total_memory, "CUDA device");
+            let a = &d.about;
+            tracing::info!(ordinal = d.ctx.ordinal(), uuid = %a.uuid, name = %a.name,
+                pci = %a.pci_bus_id, memory = a.total_memory, "CUDA device");
         }
         Ok(CudaBackend { devices })
     }
 }
 
-/// A staging or resident region: a cuMemAlloc allocation exported once by IPC.
+impl Device {
+    fn copies(&self) -> MutexGuard<'_, Copies> {
+        self.copies.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A staging or resident region: a cuMemAlloc allocation exported once by IPC. Dropping it
+/// waits for the copy stream, then frees (`DeviceAlloc`).
 struct CudaRegion {
-    device: Arc<Device>,
-    alloc: Mutex<Option<DeviceAlloc>>,
-    ptr: u64,
+    alloc: DeviceAlloc,
     size: u64,
     handle: [u8; 64],
 }
@@ -69,22 +160,8 @@ impl DeviceRegion for CudaRegion {
     }
 }
 
-impl Drop for CudaRegion {
-    /// Copies into the region may still be queued on the device's streams: wait for them, then
-    /// free. (Clients close their mappings before closing the session; a dead client's
-    /// mappings died with it.)
-    fn drop(&mut self) {
-        let alloc = self.alloc.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let Some(alloc) = alloc else { return };
-        let freed = self.device.sync_copies().and_then(|()| alloc.free());
-        if let Err(e) = freed {
-            tracing::error!(error = %e, "freeing a device region failed");
-        }
-    }
-}
-
+/// A session's interprocess events; each destroys itself (binding its context) on drop.
 struct CudaEvents {
-    device: Arc<Device>,
     events: Vec<IpcEvent>,
     handles: Vec<Vec<u8>>,
 }
@@ -100,7 +177,7 @@ impl EventPool for CudaEvents {
 
     fn is_complete(&self, index: u32) -> bool {
         match self.event(index) {
-            Ok(e) => self.device.bind().is_ok() && ffi::query_event(e.0.0),
+            Ok(e) => e.is_complete(),
             Err(_) => true,
         }
     }
@@ -119,31 +196,8 @@ impl CudaEvents {
     }
 }
 
-impl Drop for CudaEvents {
-    fn drop(&mut self) {
-        if let Err(e) = self.device.bind() {
-            tracing::error!(error = %e, "cannot bind the context to destroy events");
-        }
-        self.events.clear();
-    }
-}
-
-/// Keeps host chunks registered; unregisters them (before the mapping goes) on drop.
-struct Pinned {
-    device: Arc<Device>,
-    chunks: Vec<usize>,
-}
-
-impl Drop for Pinned {
-    fn drop(&mut self) {
-        let _ = self.device.bind();
-        for &ptr in &self.chunks {
-            if let Err(e) = ffi::host_unregister(ptr) {
-                tracing::error!(error = %e, "cuMemHostUnregister failed");
-            }
-        }
-    }
-}
+/// Keeps an arena's chunks page-locked; each unregisters itself on drop.
+struct Pinned(Vec<HostRegistration>);
 
 impl Backend for CudaBackend {
     fn kind(&self) -> BackendKind {
@@ -154,11 +208,11 @@ impl Backend for CudaBackend {
         self.devices
             .iter()
             .map(|d| DeviceInfo {
-                uuid: d.uuid.clone(),
-                name: d.name.clone(),
-                total_memory: d.total_memory,
-                free_memory: d.free_memory().unwrap_or(0),
-                pci_bus_id: d.pci_bus_id.clone(),
+                uuid: d.about.uuid.clone(),
+                name: d.about.name.clone(),
+                total_memory: d.about.total_memory,
+                free_memory: d.ctx.free_memory().unwrap_or(0),
+                pci_bus_id: d.about.pci_bus_id.clone(),
             })
             .collect()
     }
@@ -175,72 +229,99 @@ impl Backend for CudaBackend {
     ) -> Result<Arc<dyn DeviceRegion>, BackendError> {
         let d = &self.devices[device];
         let fail = |e: CudaError| BackendError::Alloc {
-            device: d.uuid.clone(),
+            device: d.about.uuid.clone(),
             bytes: size,
             purpose,
             reason: e.to_string(),
         };
-        d.bind().map_err(fail)?;
         let bytes = size.max(1).div_ceil(ALLOC_ALIGN) * ALLOC_ALIGN;
-        let alloc = DeviceAlloc::new(bytes as usize).map_err(fail)?;
+        let alloc = DeviceAlloc::new(&d.stream, bytes).map_err(fail)?;
         let handle = alloc.ipc_handle().map_err(fail)?;
         Ok(Arc::new(CudaRegion {
-            device: d.clone(),
-            ptr: alloc.ptr,
-            alloc: Mutex::new(Some(alloc)),
+            alloc,
             size,
             handle,
         }))
     }
 
-    fn copy(&self, device: usize, job: &CopyJob) -> Result<(), BackendError> {
+    /// Queues, on the copy stream: waits for the job's pending events, the timing start event,
+    /// the copies, the timing end event, then the ready event. The batch (and its sources)
+    /// joins the device's in-flight list before the ready event is recorded, so that no error
+    /// after the copies are queued can drop a source early.
+    fn copy(&self, device: usize, job: CopyJob) -> Result<CopyTiming, BackendError> {
         let d = &self.devices[device];
-        d.bind().map_err(copy_err)?;
-        let pool = match &job.events {
-            Some(p) => p.as_any().downcast_ref::<CudaEvents>(),
-            None => None,
-        };
-        let event = |i: u32| match pool {
-            Some(p) => p.event(i).map(|e| e.0.0),
-            None => Err(BackendError::Copy(
-                "job names events but has no pool".into(),
-            )),
-        };
-        let stream = d.copy.0;
-        // The scheduler runs jobs once their events are complete; a wait is queued only for
-        // one that is not (it keeps the order correct, at the cost measured in the README).
-        for &w in &job.wait {
-            if !pool.is_some_and(|p| p.is_complete(w)) {
-                ffi::wait_event(stream, event(w)?).map_err(copy_err)?;
-            }
-        }
-        let region = job
-            .region
+        let CopyJob {
+            region,
+            spans,
+            events,
+            wait,
+            record,
+            synchronous,
+        } = job;
+        let region = region
             .as_any()
             .downcast_ref::<CudaRegion>()
             .ok_or_else(|| BackendError::Copy("not a CUDA region".into()))?;
-        for (src, offset) in &job.spans {
+        for (src, offset) in &spans {
             let len = src.len() as u64;
-            if offset + len > region.size {
+            if offset.checked_add(len).is_none_or(|end| end > region.size) {
                 return Err(BackendError::OutOfBounds {
                     offset: *offset,
                     bytes: len,
                     size: region.size,
                 });
             }
-            ffi::copy_h2d(region.ptr + offset, src.bytes(), stream).map_err(copy_err)?;
         }
-        if let Some(r) = job.record {
-            ffi::record_event(stream, event(r)?).map_err(copy_err)?;
+        let pool = events
+            .as_deref()
+            .and_then(|p| p.as_any().downcast_ref::<CudaEvents>());
+        let event = |i: u32| match pool {
+            Some(p) => p.event(i),
+            None => Err(BackendError::Copy(
+                "job names events but has no pool".into(),
+            )),
+        };
+        // The scheduler runs jobs once their events are complete; a wait is queued only for
+        // one that is not (it keeps the order correct, at the cost measured in the README).
+        for &w in &wait {
+            if !pool.is_some_and(|p| p.is_complete(w)) {
+                d.stream.wait(event(w)?).map_err(copy_err)?;
+            }
         }
-        if job.synchronous {
-            ffi::sync_stream(stream).map_err(copy_err)?;
+        let timing = match d.copies().spare.pop() {
+            Some(t) => t,
+            None => TimingPair::new(&d.ctx).map_err(copy_err)?,
+        };
+        let batch = d
+            .stream
+            .copy(&region.alloc, spans, timing)
+            .map_err(copy_err)?;
+        d.copies().in_flight.push_back(batch);
+        if let Some(r) = record {
+            d.stream.record(event(r)?).map_err(copy_err)?;
         }
-        Ok(())
+        if synchronous {
+            d.stream.synchronize().map_err(copy_err)?;
+        }
+        Ok(CopyTiming::Queued)
     }
 
+    fn poll_copies(&self, device: usize) -> CopyPoll {
+        let mut copies = self.devices[device].copies();
+        let pending = copies.reap();
+        CopyPoll {
+            busy: std::mem::take(&mut copies.busy),
+            pending,
+        }
+    }
+
+    /// Waits for the copy stream, then retires every batch (their time is reported by the
+    /// next `poll_copies`).
     fn synchronize(&self, device: usize) -> Result<(), BackendError> {
-        self.devices[device].sync_copies().map_err(copy_err)
+        let d = &self.devices[device];
+        d.stream.synchronize().map_err(copy_err)?;
+        d.copies().reap();
+        Ok(())
     }
 
     fn event_pool(
@@ -253,28 +334,23 @@ impl Backend for CudaBackend {
             count,
             reason: e.to_string(),
         };
-        d.bind().map_err(fail)?;
         let mut events = Vec::with_capacity(count as usize);
         let mut handles = Vec::with_capacity(count as usize);
         for _ in 0..count {
-            let (event, handle) = IpcEvent::new().map_err(fail)?;
+            let (event, handle) = IpcEvent::new(&d.ctx).map_err(fail)?;
             events.push(event);
             handles.push(handle.to_vec());
         }
-        Ok(Some(Arc::new(CudaEvents {
-            device: d.clone(),
-            events,
-            handles,
-        })))
+        Ok(Some(Arc::new(CudaEvents { events, handles })))
     }
 }
 
 impl HostPinner for CudaBackend {
     /// Registers the chunks in parallel (registration runs at ~2 GB/s per thread).
     fn pin_host(&self, chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, PinError> {
-        let d = self.devices[0].clone();
+        let ctx = &self.devices[0].ctx;
         let total: usize = chunks.iter().map(|c| c.1).sum();
-        let results: Vec<Result<usize, CudaError>> = std::thread::scope(|scope| {
+        let results: Vec<Result<HostRegistration, CudaError>> = std::thread::scope(|scope| {
             let workers = std::thread::available_parallelism()
                 .map_or(4, |n| n.get())
                 .min(8);
@@ -282,13 +358,9 @@ impl HostPinner for CudaBackend {
             let handles: Vec<_> = chunks
                 .chunks(per)
                 .map(|part| {
-                    let d = d.clone();
                     scope.spawn(move || {
                         part.iter()
-                            .map(|&(ptr, len)| {
-                                d.bind()?;
-                                ffi::host_register(ptr, len).map(|()| ptr)
-                            })
+                            .map(|&(ptr, len)| HostRegistration::new(ctx, ptr, len))
                             .collect::<Vec<_>>()
                     })
                 })
@@ -298,18 +370,15 @@ impl HostPinner for CudaBackend {
                 .flat_map(|h| h.join().unwrap_or_default())
                 .collect()
         });
-        let mut pinned = Pinned {
-            device: d,
-            chunks: Vec::new(),
-        };
+        let mut pinned = Pinned(Vec::with_capacity(chunks.len()));
         let mut failure = None;
         for r in results {
             match r {
-                Ok(ptr) => pinned.chunks.push(ptr),
+                Ok(registration) => pinned.0.push(registration),
                 Err(e) => failure = Some(e),
             }
         }
-        if pinned.chunks.len() < chunks.len() && failure.is_none() {
+        if pinned.0.len() < chunks.len() && failure.is_none() {
             failure = Some(CudaError {
                 call: "cuMemHostRegister_v2",
                 code: -1,
@@ -325,5 +394,158 @@ impl HostPinner for CudaBackend {
             }),
             None => Ok(Some(Box::new(pinned))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::sync::Weak;
+    use std::time::Instant;
+
+    use super::*;
+    use crate::mem::HostArena;
+    use crate::mem::shm::ShmDir;
+    use crate::quota::HostQuota;
+    use crate::store::{Model, Store, StoreLimits};
+
+    /// Without a driver (this machine) it says why; with one it opens the devices. Either way
+    /// it must not panic (cudarc's loader panics on a missing library or symbol).
+    #[test]
+    fn new_never_panics() {
+        if let Err(reason) = CudaBackend::new() {
+            assert!(!reason.is_empty());
+        }
+    }
+
+    /// A store over `backend` (page-locking what it loads) holding one tensor of `bytes`.
+    fn store_with(backend: Arc<CudaBackend>, dir: &Path, data: &[u8]) -> (Store, Arc<Model>) {
+        let shm = Arc::new(ShmDir::new(dir, "gpu"));
+        let limits = StoreLimits {
+            max_tensors: 10,
+            max_upload_bytes: 0,
+            max_name_bytes: 1024,
+            host: HostQuota::default(),
+        };
+        let store = Store::new(shm, backend, limits);
+        let view = ::safetensors::tensor::TensorView::new(
+            ::safetensors::Dtype::U8,
+            vec![data.len()],
+            data,
+        )
+        .unwrap();
+        let path = dir.join("w.safetensors");
+        ::safetensors::serialize_to_file([("w", view)], None, &path).unwrap();
+        let (model, _) = store.load(&[path], "", 0, &mut |_, _, _| {}).unwrap();
+        (store, model)
+    }
+
+    fn pattern(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i * 31 % 251) as u8).collect()
+    }
+
+    fn region_bytes(region: &Arc<dyn DeviceRegion>, len: usize) -> Vec<u8> {
+        let region = region.as_any().downcast_ref::<CudaRegion>().unwrap();
+        region.alloc.read(0, len).unwrap()
+    }
+
+    /// On a GPU: `cargo test -p weightstream-daemon --lib -- --ignored on_a_gpu`. A queued copy
+    /// holds its source arena (and its page-lock) after the store and model are gone, until a
+    /// poll sees the stream past it; its device time is then reported, and the bytes landed.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn on_a_gpu_a_queued_copy_keeps_its_source_until_polled_complete() {
+        let _log =
+            tracing::subscriber::set_default(tracing_subscriber::fmt().with_test_writer().finish());
+        let backend = Arc::new(CudaBackend::new().expect("a CUDA device"));
+        println!("{:?}", backend.devices());
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let n = 512 << 20;
+        let data = pattern(n);
+        let (store, model) = store_with(backend.clone(), dir.path(), &data);
+        let region = backend.alloc_region(0, n as u64 + 1, "staging").unwrap();
+        match region.handle() {
+            RegionHandle::CudaIpc(h) => assert!(h.len() == 64 && h.iter().any(|&b| b != 0)),
+            other => panic!("{other:?}"),
+        }
+        let events = backend.event_pool(0, 4).unwrap().unwrap();
+        assert_eq!(events.handles().len(), 4);
+        assert!(events.is_complete(1) && events.is_complete(2));
+        let arena: Weak<HostArena> = Arc::downgrade(model.arena());
+        let job = CopyJob {
+            region: region.clone(),
+            spans: vec![(model.slice(0), 0)],
+            events: Some(events.clone()),
+            wait: vec![2],
+            record: Some(1),
+            synchronous: false,
+        };
+        let began = Instant::now();
+        assert_eq!(backend.copy(0, job).unwrap(), CopyTiming::Queued);
+        let queued_in = began.elapsed();
+        drop(model);
+        drop(store);
+        assert!(arena.upgrade().is_some(), "the source went with the job");
+        let mut busy = Duration::ZERO;
+        let mut polls = 0;
+        loop {
+            let polled = backend.poll_copies(0);
+            busy += polled.busy;
+            polls += 1;
+            if !polled.pending {
+                break;
+            }
+            assert!(began.elapsed() < Duration::from_secs(10));
+            std::thread::sleep(Duration::from_micros(50));
+        }
+        let wall = began.elapsed();
+        assert!(arena.upgrade().is_none(), "the source outlived its copy");
+        assert!(events.is_complete(1));
+        let rate = n as f64 / busy.as_secs_f64() / 1e9;
+        println!(
+            "queued in {queued_in:?}, device busy {busy:?} ({rate:.1} GB/s), \
+             complete after {wall:?} and {polls} polls"
+        );
+        assert!(busy <= wall && (5.0..100.0).contains(&rate), "{busy:?}");
+        assert_eq!(backend.poll_copies(0), CopyPoll::default());
+        assert!(region_bytes(&region, n) == data, "the bytes differ");
+    }
+
+    /// On a GPU: dropping the backend with copies in flight waits for them before releasing
+    /// their sources; a synchronous copy is in place when `copy` returns; bad offsets fail
+    /// before anything is queued.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn on_a_gpu_teardown_waits_for_copies_and_sync_copies_land() {
+        let _log =
+            tracing::subscriber::set_default(tracing_subscriber::fmt().with_test_writer().finish());
+        let backend = Arc::new(CudaBackend::new().expect("a CUDA device"));
+        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
+        let n = 256 << 20;
+        let data = pattern(n);
+        let (store, model) = store_with(backend.clone(), dir.path(), &data);
+        let region = backend.alloc_region(0, n as u64, "resident").unwrap();
+        let outside = CopyJob::copy(region.clone(), vec![(model.slice(0), 1)]);
+        assert!(matches!(
+            backend.copy(0, outside),
+            Err(BackendError::OutOfBounds { offset: 1, .. })
+        ));
+        let mut job = CopyJob::copy(region.clone(), vec![(model.slice(0), 0)]);
+        job.synchronous = true;
+        backend.copy(0, job).unwrap();
+        assert!(region_bytes(&region, n) == data, "the bytes differ");
+        backend.synchronize(0).unwrap();
+        let polled = backend.poll_copies(0);
+        assert!(!polled.pending && !polled.busy.is_zero(), "{polled:?}");
+        // Queue two more, let go of everything but the backend, then drop it.
+        for _ in 0..2 {
+            let job = CopyJob::copy(region.clone(), vec![(model.slice(0), 0)]);
+            backend.copy(0, job).unwrap();
+        }
+        let arena: Weak<HostArena> = Arc::downgrade(model.arena());
+        drop((model, store, region));
+        assert!(arena.upgrade().is_some(), "the source went with the job");
+        drop(backend);
+        assert!(arena.upgrade().is_none(), "the backend kept the source");
     }
 }

@@ -9,7 +9,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use tokio::sync::mpsc;
 
 use crate::backend::{
-    Backend, BackendError, BackendKind, CopyJob, DeviceInfo, DeviceRegion, EventPool, RegionHandle,
+    Backend, BackendError, BackendKind, CopyJob, CopyTiming, DeviceInfo, DeviceRegion, EventPool,
+    RegionHandle,
 };
 use crate::mem::{HostPinner, PinError, PinGuard};
 
@@ -81,7 +82,7 @@ impl Backend for FakeBackend {
         Ok(Arc::new(FakeRegion { size }))
     }
 
-    fn copy(&self, _device: usize, job: &CopyJob) -> Result<(), BackendError> {
+    fn copy(&self, _device: usize, job: CopyJob) -> Result<CopyTiming, BackendError> {
         let offset = job.spans.first().map_or(0, |(_, at)| *at);
         let seen = CopySeen {
             offset,
@@ -91,7 +92,7 @@ impl Backend for FakeBackend {
         let _ = self.started.send(seen);
         let held = self.held.lock().unwrap();
         drop(self.opened.wait_while(held, |held| *held).unwrap());
-        Ok(())
+        Ok(CopyTiming::Done(std::time::Duration::ZERO))
     }
 
     fn synchronize(&self, _device: usize) -> Result<(), BackendError> {
