@@ -528,4 +528,40 @@ mod tests {
         scheduler.shutdown();
         assert_eq!((stats.copies, stats.busy_ns), (1, 7_000));
     }
+
+    /// The second copy waits in the queue while the copy thread is held up for 200 ms; the
+    /// device's busy time counts the two memcpys only.
+    #[test]
+    fn busy_time_leaves_out_the_time_a_copy_waits_in_the_queue() {
+        let dir = tempfile::tempdir().unwrap();
+        let (backend, tensor) = crate::backend::host::tests::backend_and_tensor(dir.path());
+        const MIB: usize = 1 << 20;
+        let region = backend.alloc_region(0, MIB as u64, "staging").unwrap();
+        let scheduler = CopyScheduler::start(backend, 1).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let hold = Duration::from_millis(200);
+        for (tag, busy_after) in [(1, hold), (2, Duration::ZERO)] {
+            let tx = tx.clone();
+            let job = CopyJob::copy(region.clone(), vec![(tensor.clone(), 0)]);
+            let request = CopyRequest {
+                session: 1,
+                tag,
+                priority: Priority::Demand,
+                job,
+                done: Box::new(move |outcome| {
+                    std::thread::sleep(busy_after);
+                    tx.send(outcome.result.is_ok()).unwrap();
+                }),
+            };
+            scheduler.submit(0, request);
+        }
+        for _ in 0..2 {
+            assert!(rx.recv_timeout(Duration::from_secs(5)).unwrap());
+        }
+        let stats = scheduler.stats(0);
+        scheduler.shutdown();
+        assert_eq!(stats.copies, 2);
+        let busy = Duration::from_nanos(stats.busy_ns);
+        assert!(!busy.is_zero() && busy < hold / 4, "{busy:?}");
+    }
 }

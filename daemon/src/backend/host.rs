@@ -165,36 +165,21 @@ pub fn host_memory() -> (u64, u64) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::path::Path;
 
     use super::*;
     use crate::mem::HostSlice;
-    use crate::quota::HostQuota;
-    use crate::scheduler::{CopyRequest, CopyScheduler, Priority};
-    use crate::store::{Store, StoreLimits};
+    use crate::mem::filled_for_tests;
 
     const MIB: usize = 1 << 20;
 
-    /// A host backend and a 1 MiB tensor in a store over it (the slice keeps its arena).
-    fn backend_and_tensor(dir: &Path) -> (Arc<HostBackend>, HostSlice) {
+    /// A host backend and a 1 MiB source (the slice keeps its arena).
+    pub(crate) fn backend_and_tensor(dir: &Path) -> (Arc<HostBackend>, HostSlice) {
         let shm = Arc::new(ShmDir::new(dir, "b"));
         let backend = Arc::new(HostBackend::new(shm.clone()));
-        let limits = StoreLimits {
-            max_tensors: 10,
-            max_upload_bytes: 0,
-            max_name_bytes: 1024,
-            host: HostQuota::default(),
-        };
-        let store = Store::new(shm, backend.clone(), limits);
-        let data = vec![7u8; MIB];
-        let view =
-            ::safetensors::tensor::TensorView::new(::safetensors::Dtype::U8, vec![MIB], &data)
-                .unwrap();
-        let path = dir.join("w.safetensors");
-        ::safetensors::serialize_to_file([("w", view)], None, &path).unwrap();
-        let (model, _) = store.load(&[path], "", 0, &mut |_, _, _| {}).unwrap();
-        (backend, model.slice(0))
+        let tensor = filled_for_tests(&shm, &vec![7u8; MIB], backend.as_ref());
+        (backend, tensor)
     }
 
     #[test]
@@ -211,40 +196,5 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-    }
-
-    /// The second copy waits in the queue while the copy thread is held up for 200 ms; the
-    /// device's busy time counts the two memcpys only.
-    #[test]
-    fn busy_time_leaves_out_the_time_a_copy_waits_in_the_queue() {
-        let dir = tempfile::tempdir().unwrap();
-        let (backend, tensor) = backend_and_tensor(dir.path());
-        let region = backend.alloc_region(0, MIB as u64, "staging").unwrap();
-        let scheduler = CopyScheduler::start(backend, 1).unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let hold = Duration::from_millis(200);
-        for (tag, busy_after) in [(1, hold), (2, Duration::ZERO)] {
-            let tx = tx.clone();
-            let job = CopyJob::copy(region.clone(), vec![(tensor.clone(), 0)]);
-            let request = CopyRequest {
-                session: 1,
-                tag,
-                priority: Priority::Demand,
-                job,
-                done: Box::new(move |outcome| {
-                    std::thread::sleep(busy_after);
-                    tx.send(outcome.result.is_ok()).unwrap();
-                }),
-            };
-            scheduler.submit(0, request);
-        }
-        for _ in 0..2 {
-            assert!(rx.recv_timeout(Duration::from_secs(5)).unwrap());
-        }
-        let stats = scheduler.stats(0);
-        scheduler.shutdown();
-        assert_eq!(stats.copies, 2);
-        let busy = Duration::from_nanos(stats.busy_ns);
-        assert!(!busy.is_zero() && busy < hold / 4, "{busy:?}");
     }
 }

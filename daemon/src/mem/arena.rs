@@ -66,6 +66,11 @@ impl HostSlice {
         &self.arena.bytes()[self.offset as usize..(self.offset + self.len) as usize]
     }
 
+    /// The arena this slice keeps alive.
+    pub fn arena(&self) -> &Arc<HostArena> {
+        &self.arena
+    }
+
     pub fn len(&self) -> usize {
         self.len as usize
     }
@@ -73,4 +78,22 @@ impl HostSlice {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+}
+
+/// A slice over all of `data`, copied into a fresh segment of `shm` and page-locked by `pinner`
+/// (for the backends' tests, which need a source without a store above them).
+#[cfg(test)]
+pub fn filled_for_tests(
+    shm: &super::shm::ShmDir,
+    data: &[u8],
+    pinner: &dyn super::HostPinner,
+) -> HostSlice {
+    let size = super::align_up(data.len() as u64, 4096);
+    let mut segment = shm
+        .create("test", size, super::shm::Writer::Daemon)
+        .unwrap();
+    segment.bytes_mut()[..data.len()].copy_from_slice(data);
+    let base = segment.bytes().as_ptr() as usize;
+    let pin = pinner.pin_host(&[(base, size as usize)]).unwrap();
+    HostSlice::new(Arc::new(HostArena::new(segment, pin)), 0, data.len() as u64)
 }

@@ -8,6 +8,8 @@ mod arena;
 mod pin;
 pub mod shm;
 
+#[cfg(test)]
+pub use self::arena::filled_for_tests;
 pub use self::arena::{HostArena, HostSlice};
 pub use self::pin::{HostPinner, PinError, PinGuard};
 

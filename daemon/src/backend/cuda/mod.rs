@@ -404,10 +404,9 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::mem::HostArena;
+    use crate::mem::filled_for_tests;
     use crate::mem::shm::ShmDir;
-    use crate::quota::HostQuota;
-    use crate::store::{Model, Store, StoreLimits};
+    use crate::mem::{HostArena, HostSlice};
 
     /// Without a driver (this machine) it says why; with one it opens the devices. Either way
     /// it must not panic (cudarc's loader panics on a missing library or symbol).
@@ -418,26 +417,10 @@ mod tests {
         }
     }
 
-    /// A store over `backend` (page-locking what it loads) holding one tensor of `bytes`.
-    fn store_with(backend: Arc<CudaBackend>, dir: &Path, data: &[u8]) -> (Store, Arc<Model>) {
-        let shm = Arc::new(ShmDir::new(dir, "gpu"));
-        let limits = StoreLimits {
-            max_tensors: 10,
-            max_upload_bytes: 0,
-            max_name_bytes: 1024,
-            host: HostQuota::default(),
-        };
-        let store = Store::new(shm, backend, limits);
-        let view = ::safetensors::tensor::TensorView::new(
-            ::safetensors::Dtype::U8,
-            vec![data.len()],
-            data,
-        )
-        .unwrap();
-        let path = dir.join("w.safetensors");
-        ::safetensors::serialize_to_file([("w", view)], None, &path).unwrap();
-        let (model, _) = store.load(&[path], "", 0, &mut |_, _, _| {}).unwrap();
-        (store, model)
+    /// One page-locked source holding `data` (the slice keeps its arena and registration).
+    fn source_with(backend: &CudaBackend, dir: &Path, data: &[u8]) -> HostSlice {
+        let shm = ShmDir::new(dir, "gpu");
+        filled_for_tests(&shm, data, backend)
     }
 
     fn pattern(n: usize) -> Vec<u8> {
@@ -462,7 +445,7 @@ mod tests {
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let n = 512 << 20;
         let data = pattern(n);
-        let (store, model) = store_with(backend.clone(), dir.path(), &data);
+        let source = source_with(&backend, dir.path(), &data);
         let region = backend.alloc_region(0, n as u64 + 1, "staging").unwrap();
         match region.handle() {
             RegionHandle::CudaIpc(h) => assert!(h.len() == 64 && h.iter().any(|&b| b != 0)),
@@ -471,10 +454,10 @@ mod tests {
         let events = backend.event_pool(0, 4).unwrap().unwrap();
         assert_eq!(events.handles().len(), 4);
         assert!(events.is_complete(1) && events.is_complete(2));
-        let arena: Weak<HostArena> = Arc::downgrade(model.arena());
+        let arena: Weak<HostArena> = Arc::downgrade(source.arena());
         let job = CopyJob {
             region: region.clone(),
-            spans: vec![(model.slice(0), 0)],
+            spans: vec![(source.clone(), 0)],
             events: Some(events.clone()),
             wait: vec![2],
             record: Some(1),
@@ -483,8 +466,7 @@ mod tests {
         let began = Instant::now();
         assert_eq!(backend.copy(0, job).unwrap(), CopyTiming::Queued);
         let queued_in = began.elapsed();
-        drop(model);
-        drop(store);
+        drop(source);
         assert!(arena.upgrade().is_some(), "the source went with the job");
         let mut busy = Duration::ZERO;
         let mut polls = 0;
@@ -523,14 +505,14 @@ mod tests {
         let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let n = 256 << 20;
         let data = pattern(n);
-        let (store, model) = store_with(backend.clone(), dir.path(), &data);
+        let source = source_with(&backend, dir.path(), &data);
         let region = backend.alloc_region(0, n as u64, "resident").unwrap();
-        let outside = CopyJob::copy(region.clone(), vec![(model.slice(0), 1)]);
+        let outside = CopyJob::copy(region.clone(), vec![(source.clone(), 1)]);
         assert!(matches!(
             backend.copy(0, outside),
             Err(BackendError::OutOfBounds { offset: 1, .. })
         ));
-        let mut job = CopyJob::copy(region.clone(), vec![(model.slice(0), 0)]);
+        let mut job = CopyJob::copy(region.clone(), vec![(source.clone(), 0)]);
         job.synchronous = true;
         backend.copy(0, job).unwrap();
         assert!(region_bytes(&region, n) == data, "the bytes differ");
@@ -539,11 +521,11 @@ mod tests {
         assert!(!polled.pending && !polled.busy.is_zero(), "{polled:?}");
         // Queue two more, let go of everything but the backend, then drop it.
         for _ in 0..2 {
-            let job = CopyJob::copy(region.clone(), vec![(model.slice(0), 0)]);
+            let job = CopyJob::copy(region.clone(), vec![(source.clone(), 0)]);
             backend.copy(0, job).unwrap();
         }
-        let arena: Weak<HostArena> = Arc::downgrade(model.arena());
-        drop((model, store, region));
+        let arena: Weak<HostArena> = Arc::downgrade(source.arena());
+        drop((source, region));
         assert!(arena.upgrade().is_some(), "the source went with the job");
         drop(backend);
         assert!(arena.upgrade().is_none(), "the backend kept the source");
