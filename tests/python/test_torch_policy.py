@@ -105,12 +105,21 @@ def test_nothing_to_stream_edge_cases(root, options, want):
     assert policy.nothing_to_stream(policy.select(root, options), options, root) == want
 
 
+class GELU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+
 class Block(nn.Module):
+    """Shaped like diffusers' transformer blocks: ``ff.net`` is a ModuleList inside."""
+
     def __init__(self):
         super().__init__()
         self.attn = nn.Module()
         self.attn.to_q = nn.Linear(4, 4)
-        self.mlp = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+        self.ff = nn.Module()
+        self.ff.net = nn.ModuleList([GELU(), nn.Dropout(), nn.Linear(4, 4)])
 
 
 def model_with_blocks() -> nn.Module:
@@ -125,7 +134,8 @@ def test_block_of_is_the_child_of_the_outermost_container():
     root = model_with_blocks()
     cases = {
         "transformer_blocks.1.attn.to_q": "transformer_blocks.1",
-        "transformer_blocks.0.mlp.2": "transformer_blocks.0",  # not mlp.2: outermost wins
+        "transformer_blocks.0.ff.net.0.proj": "transformer_blocks.0",  # not ff.net.0
+        "transformer_blocks.0.ff.net.2": "transformer_blocks.0",
         "proj_out": "proj_out",
     }
     wrong = {n: policy.block_of(root, n) for n, w in cases.items() if policy.block_of(root, n) != w}
@@ -148,8 +158,8 @@ def test_group_layers_by_block_layer_or_function_keeps_the_models_order():
     ]
     assert names("block")["transformer_blocks.1"] == [
         "transformer_blocks.1.attn.to_q",
-        "transformer_blocks.1.mlp.0",
-        "transformer_blocks.1.mlp.2",
+        "transformer_blocks.1.ff.net.0.proj",
+        "transformer_blocks.1.ff.net.2",
     ]
     assert list(names("layer")) == [n for n, _ in layers]
     assert list(names(lambda n: n.split(".")[0])) == [
