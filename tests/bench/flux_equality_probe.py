@@ -20,6 +20,7 @@ import flux_train as ft
 import weightstream
 import weightstream.torch as wst
 from diffusers import FluxTransformer2DModel
+from weightstream.torch import ops
 
 torch.backends.cuda.enable_cudnn_sdp(False)
 tmp = tempfile.mkdtemp()
@@ -106,7 +107,7 @@ def with_read_check(model):
             bad = bad | (bias != b).any()
         flags.append((names[id(module)], bad))
 
-    op, grad = wst._op, wst._input_grad
+    op, grad = ops.op, ops.input_grad
 
     def checked_op(module, x, weight, bias):
         check(module, weight, bias)
@@ -116,17 +117,17 @@ def with_read_check(model):
         check(module, weight, None)
         return grad(module, x, grad_out, weight, *rest)
 
-    wst._op, wst._input_grad = checked_op, checked_grad
+    ops.op, ops.input_grad = checked_op, checked_grad
 
     def report():
-        wst._op, wst._input_grad = op, grad
+        ops.op, ops.input_grad = op, grad
         bad = [n for n, f in flags if bool(f)]
         return len(flags), bad
 
     return report
 
 
-def variant(big, name, ref_losses, ref_grads, group_by="layer", check=False):
+def variant(big, name, ref_losses, ref_grads, group_by="layer", check=False, mode="formula"):
     torch.cuda.synchronize()
     m = build(big)
     report = with_read_check(m) if check else None
@@ -144,6 +145,7 @@ def variant(big, name, ref_losses, ref_grads, group_by="layer", check=False):
         vram_budget=budget,
         staging_bytes=staging,
         group_by=group_by,
+        input_grad=mode,
     )
     ls, gs = run(m, big, STEPS)
     bad = [k for k in ref_grads[0] if not torch.equal(ref_grads[0][k], gs[0][k])]
@@ -169,9 +171,8 @@ for big in (True,) if "--big-only" in sys.argv else (False, True):
     del ref
     for group_by in ("layer", "block"):
         for mode in ("formula", "recompute"):
-            wst.INPUT_GRAD = mode
-            ok &= variant(big, f"{group_by}, {mode}, reads checked", lr, gr, group_by, check=True)
-    wst.INPUT_GRAD = "formula"
+            name = f"{group_by}, {mode}, reads checked"
+            ok &= variant(big, name, lr, gr, group_by, check=True, mode=mode)
 d.terminate()
 print("all equal:", ok)
 sys.exit(0 if ok else 1)

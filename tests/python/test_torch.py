@@ -447,3 +447,151 @@ def test_lookahead_keeps_results_exact(daemon, ckpt, group_by):
     assert stats["acquires"] > 3 * len(handle.session.groups)
     handle.detach(release=True)
     assert daemon.client.list_sessions() == []
+
+
+def make_wrapped_model():
+    """make_model with two more libraries' forwards on its frozen layers: ai-toolkit's LoRA
+    on proj_out (``org_forward``) and an accelerate hook on blocks.1.fc1's base layer."""
+    from accelerate.hooks import add_hook_to_module
+    from test_torch_hooks import CountingHook, OrgForwardLoRA
+
+    model = make_model()
+    lora = OrgForwardLoRA(model.proj_out)
+    lora.apply_to()
+    model.network = nn.ModuleList([lora])  # so that train() finds its parameters
+    hook = CountingHook()
+    add_hook_to_module(model.blocks[1].fc1.base_layer, hook)
+    return model, lora, hook
+
+
+def test_attach_streams_inside_other_libraries_forwards(daemon):
+    """Their forwards keep running around the streamed op, results stay equal, and detach
+    leaves exactly their forwards in place."""
+    from weightstream.torch.hooks import StreamedForward
+
+    ref, ref_lora, ref_hook = make_wrapped_model()
+    streamed, lora, hook = make_wrapped_model()
+    ref.ckpt = streamed.ckpt = "non-reentrant"
+    fc1 = streamed.blocks[1].fc1.base_layer
+    links = [(streamed.proj_out, "forward"), (lora, "org_forward")]
+    links += [(fc1, "forward"), (fc1, "_old_forward")]
+    before = [vars(owner)[attr] for owner, attr in links]
+    budget, staging = BUDGETS["block", torch.float32]
+    handle = wst.attach(
+        streamed,
+        "cpu",
+        client=daemon.client,
+        min_bytes=0,
+        vram_budget=budget,
+        staging_bytes=staging,
+    )
+    assert {"proj_out", "blocks.1.fc1.base_layer"} <= set(handle.streamed)
+    assert vars(streamed.proj_out)["forward"] is before[0], "ai-toolkit's forward stays outside"
+    assert isinstance(vars(lora)["org_forward"], StreamedForward)
+    assert vars(fc1)["forward"] is before[2], "accelerate's forward stays outside"
+    assert isinstance(vars(fc1)["_old_forward"], StreamedForward)
+    xs = inputs(3, torch.float32)
+    assert_equal_runs(train(ref, xs, sample_between=True), train(streamed, xs, sample_between=True))
+    assert lora.calls == ref_lora.calls > 0 and hook.calls == ref_hook.calls > 0
+    handle.detach(release=True)
+    after = [vars(owner)[attr] for owner, attr in links]
+    assert all(a is b for a, b in zip(after, before, strict=True)), "detach restored each link"
+    x = inputs(1, torch.float32)[0]
+    assert torch.equal(streamed(x), ref(x))
+
+
+def test_attach_refuses_a_forward_it_cannot_chain_before_uploading(daemon):
+    from test_torch_hooks import ReadsTheWeight
+
+    model = make_model()
+    ReadsTheWeight(model.proj_out)
+    with pytest.raises(wst.HookConflict, match="^cannot stream 'proj_out': lycoris replaced"):
+        wst.attach(model, "cpu", client=daemon.client, min_bytes=0)
+    assert daemon.client.list_models().models == [], "nothing was uploaded"
+    assert model.proj_out.weight.device.type == "cpu", "the model is untouched"
+
+
+def test_attach_with_nothing_to_stream_says_why():
+    """No daemon needed: attach refuses before it connects."""
+    model = make_model().requires_grad_(True)  # the base model was not frozen
+    with pytest.raises(ValueError) as raised:
+        wst.attach(model, "cpu")
+    assert str(raised.value) == (
+        "nothing to stream: 56 Conv2d/Linear layers skipped: their weights require grad — "
+        "freeze the base model first (model.requires_grad_(False)); 1 read directly by their "
+        "parent (nn.MultiheadAttention's out_proj)"
+    )
+    model.requires_grad_(False)
+    with pytest.raises(ValueError) as raised:
+        wst.attach(model, "cpu")
+    assert str(raised.value) == (
+        "nothing to stream: 56 Conv2d/Linear layers skipped: smaller than min_bytes (1 MiB); "
+        "1 read directly by their parent (nn.MultiheadAttention's out_proj)"
+    )
+
+
+def test_stream_options_choose_the_input_gradient_and_the_lookahead(daemon, monkeypatch):
+    from weightstream.torch import ops
+
+    recomputed = []
+    real = ops.input_grad_by_recompute
+    monkeypatch.setattr(ops, "input_grad_by_recompute", lambda *a: recomputed.append(1) or real(*a))
+    ref = make_model()
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = "non-reentrant"
+    options = wst.StreamOptions(input_grad="recompute", lookahead=0, min_bytes=0)
+    budget, staging = BUDGETS["block", torch.float32]
+    handle = wst.attach(
+        streamed,
+        "cpu",
+        options,
+        client=daemon.client,
+        vram_budget=budget,
+        staging_bytes=staging,
+    )
+    xs = inputs(3, torch.float32)
+    assert_equal_runs(train(ref, xs), train(streamed, xs))
+    assert recomputed, "backward recomputed the layers"
+    assert handle._recording is None and handle._lookahead is None, "plan sent, none in flight"
+    handle.detach(release=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'min_byte'"):
+        wst.attach(make_model(), "cpu", client=daemon.client, min_byte=0)
+
+
+def test_the_deprecated_input_grad_global_is_honoured_with_a_warning(daemon, monkeypatch):
+    monkeypatch.setattr(wst, "INPUT_GRAD", "recompute")
+    with pytest.warns(DeprecationWarning, match=r"pass StreamOptions\(input_grad='recompute'\)"):
+        handle = wst.attach(make_model(), "cpu", client=daemon.client, min_bytes=0)
+    assert handle.options.input_grad == "recompute"
+    handle.detach(release=True)
+
+
+def test_group_sizes_follow_the_daemons_alignment(daemon):
+    """Blocks stream when the budget holds three of the largest as the daemon lays it out
+    (its GetInfo alignment), and the client's sizes are the daemon's."""
+    import warnings
+
+    from weightstream.torch import policy
+
+    alignment = daemon.client.info().alignment
+    model = make_model()
+    layers = policy.select(model, wst.StreamOptions(min_bytes=0)).streamed
+    largest = max(policy.choose_groups(model, layers, "block", alignment, None, 0).sizes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle = wst.attach(
+            model, "cpu", client=daemon.client, min_bytes=0, vram_budget=3 * largest
+        )
+    assert max(g.nbytes for g in handle.session.groups) == largest
+    for g in handle.session.groups:
+        assert g.nbytes == policy.group_nbytes([t.nbytes for t in g.tensors], alignment), g.name
+    handle.detach(release=True)
+    with pytest.warns(UserWarning, match="streaming layer by layer instead"):
+        handle = wst.attach(
+            make_model(),
+            "cpu",
+            client=daemon.client,
+            min_bytes=0,
+            vram_budget=3 * largest - 1,
+        )
+    handle.detach(release=True)

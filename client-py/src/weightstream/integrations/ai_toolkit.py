@@ -68,7 +68,8 @@ class MemoryManager:
             return cls(None)
         keep = {name for name, _, _ in layers} - set(streamed)
         ignore = {n for n, m in module.named_modules() if id(m) in ignored} | keep
-        manager = cls(ws_torch.attach(module, device, ignore=ignore, min_bytes=0))
+        options = ws_torch.StreamOptions(min_bytes=0, ignore=ignore)
+        manager = cls(ws_torch.attach(module, device, options))
         module._memory_manager = manager
         return manager
 

@@ -1,0 +1,192 @@
+"""``weightstream.torch.attach(model, device)``: stream a model's frozen weights through the
+daemon, with outputs and gradients identical to the model run with its weights in place.
+
+Each streamed layer's own forward is replaced, inside whatever other libraries wrapped around
+it, by an autograd Function that acquires the layer's group in forward and again in backward
+and saves no view of streamed memory: backward applies autograd's own input-gradient formula
+to the re-acquired weight (or re-runs the layer's operation on the saved input and
+differentiates that), under the same autocast state, so the gradient is the one autograd
+computes for the original layer, bit for bit. Weights read other than through their layer's
+forward (tied weights, parametrizations, ``nn.MultiheadAttention``'s ``out_proj``) stay on the
+device.
+
+A group is, by default, one of the model's repeated blocks (a child of its outermost
+``nn.ModuleList``/``nn.Sequential``, e.g. ``transformer_blocks.3``): one round trip to the
+daemon per block and pass instead of one per layer. A group's ticket is held while the layers
+that use it run, and given back when a layer of another group (or of the same group in another
+pass: forward, or backward with its recomputation) asks for its own.
+
+Modules: ``options`` (``StreamOptions``), ``policy`` (selection, groups, plan, lookahead; no
+daemon), ``hooks`` (where the forward goes in a layer's chain, and back out), ``ops`` (the
+autograd Function), ``handle`` (``Handle``: tickets, plan, ``detach``); ``attach`` is here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import torch
+from torch import nn
+
+import weightstream
+from weightstream.client import Client
+from weightstream.torch import ops, policy
+from weightstream.torch.handle import Handle, StreamedLayer
+from weightstream.torch.hooks import HookConflict, HookRegistry
+from weightstream.torch.options import DEFAULT_MIN_BYTES, StreamOptions
+
+#: Deprecated: pass ``StreamOptions(input_grad=...)`` to ``attach``. A value other than
+#: "formula" set here is still honoured by ``attach``, with a ``DeprecationWarning``.
+INPUT_GRAD = "formula"
+
+__all__ = [
+    "DEFAULT_MIN_BYTES",
+    "INPUT_GRAD",
+    "Handle",
+    "HookConflict",
+    "StreamOptions",
+    "StreamedLayer",
+    "attach",
+]
+
+
+def _options(options: StreamOptions | None, overrides: dict) -> StreamOptions:
+    """``options`` with ``attach``'s keyword overrides, and the deprecated module global."""
+    known = {f.name for f in dataclasses.fields(StreamOptions)}
+    for key in overrides:
+        if key not in known:
+            raise TypeError(f"attach() got an unexpected keyword argument {key!r}")
+    options = dataclasses.replace(options or StreamOptions(), **overrides)
+    legacy = INPUT_GRAD
+    if legacy != "formula" and options.input_grad == "formula":
+        warnings.warn(
+            "weightstream.torch.INPUT_GRAD is deprecated: pass "
+            f"StreamOptions(input_grad={legacy!r}) (or input_grad={legacy!r}) to attach",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        options = dataclasses.replace(options, input_grad=legacy)
+    return options
+
+
+def attach(
+    module: nn.Module,
+    device: torch.device | str,
+    options: StreamOptions | None = None,
+    *,
+    vram_budget: int | None = None,
+    staging_bytes: int = 0,
+    model: str | None = None,
+    client: Client | None = None,
+    label: str = "",
+    **overrides,
+) -> Handle:
+    """Streams the frozen weights (and biases) of ``module``'s Linear and Conv2d layers
+    through the daemon; everything else moves to ``device`` as usual.
+
+    - ``options``: ``StreamOptions`` (input gradient, grouping, ``min_bytes``, ``include``,
+      ``ignore``, lookahead); any of its fields may also be passed as a keyword here.
+    - ``vram_budget``: device bytes the daemon may use for this session (default: a quarter
+      of the streamed bytes, at least three times the largest group).
+    - ``staging_bytes``: the part of it for streaming (default: the daemon's choice).
+    - ``model``: the id of a model the daemon already loaded from safetensors whose tensor
+      names match the module's parameter names; otherwise the weights are uploaded.
+    The trainer's own copies of the streamed weights are freed. Layers whose forward another
+    library replaced stream inside its wrapper, or are refused (``hooks``).
+    """
+    options = _options(options, overrides)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    selection = policy.select(module, options)
+    if not selection.streamed:
+        raise ValueError(policy.nothing_to_stream(selection, options, module))
+    hooks = HookRegistry()
+    for name, m in selection.streamed:
+        hooks.check(name, m)  # refuse before uploading anything
+    client = client or weightstream.connect()
+    alignment = client.info().alignment or 1
+    tensors = {
+        tname: t.detach()
+        for name, m in selection.streamed
+        for tname, t in policy.layer_tensors(name, m)
+    }
+    if model is None:
+        manifest, _ = client.upload_model(label or type(module).__name__, tensors)
+    else:
+        manifest = _match(client, model, tensors)
+    del tensors
+    grouping = policy.choose_groups(
+        module, selection.streamed, options.group_by, alignment, vram_budget, staging_bytes
+    )
+    if grouping.fallback:
+        warnings.warn(grouping.fallback, stacklevel=2)
+    groups = [
+        (gname, [t for n, m in ms for t, _ in policy.layer_tensors(n, m)])
+        for gname, ms in grouping.members.items()
+    ]
+    if vram_budget is None:
+        vram_budget = policy.default_budget(grouping.sizes)
+    session = client.open_session(
+        manifest.model_id,
+        groups,
+        vram_budget,
+        staging_bytes=staging_bytes,
+        device=device,
+        label=label or type(module).__name__,
+    )
+    resident = {n: policy.reason_text(why, options) for n, why in selection.resident.items()}
+    handle = Handle(client, session, manifest.model_id, device, options, resident=resident)
+    handle._hooks = hooks
+    for gname, members in grouping.members.items():
+        group, slot = session.group_index(gname), 0
+        for name, m in members:
+            layer = StreamedLayer(handle, m, name, group, m.bias is not None, slot)
+            slot += 2 if m.bias is not None else 1
+            handle.streamed[name] = layer
+            # Placeholders keep shape and dtype for code that inspects them, and fail loudly
+            # if anything computes with them instead of going through the layer's forward.
+            m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
+            if m.bias is not None:
+                m.bias = nn.Parameter(torch.empty_like(m.bias, device="meta"), requires_grad=False)
+            hooks.install(name, m, functools.partial(ops.forward, layer))
+    handle._pin_resident()
+    _move_the_rest(module, handle.streamed, device)
+    return handle
+
+
+def _move_the_rest(module: nn.Module, streamed, device: torch.device):
+    for name, m in module.named_modules():
+        if name in streamed:
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            if p.device != device:
+                setattr(m, pname, nn.Parameter(p.data.to(device), requires_grad=p.requires_grad))
+        for bname, b in m.named_buffers(recurse=False):
+            if b is not None and b.device != device:
+                m.register_buffer(bname, b.to(device))
+
+
+def _match(client: Client, model_id: str, tensors: dict[str, torch.Tensor]):
+    """The daemon's loaded model, checked against the module's weights (names and shapes)."""
+    listed = {m.model_id: m for m in client.list_models().models}
+    if model_id not in listed:
+        raise ValueError(f"model={model_id!r}: the daemon has no such model")
+    manifest = listed[model_id]
+    have = {t.name: t for t in manifest.tensors}
+    for name, t in tensors.items():
+        info = have.get(name)
+        if info is None:
+            raise ValueError(f"model={model_id!r} has no tensor {name!r}")
+        if list(info.shape) != list(t.shape):
+            raise ValueError(
+                f"model={model_id!r}: tensor {name!r} has shape {list(info.shape)}, "
+                f"the module's is {list(t.shape)}"
+            )
+    warnings.warn(
+        "attach(model=...): streaming the daemon's copy; the module's own weights are freed",
+        stacklevel=3,
+    )
+    return manifest

@@ -1,0 +1,243 @@
+"""``Handle``: what ``attach`` returns. It holds the group tickets the streamed layers share
+(one acquire per group and pass), records the first step's plan and keeps the lookahead along
+it, pins the resident groups, and puts everything back in ``detach``."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from weightstream.client import Client
+from weightstream.errors import SessionFault
+from weightstream.session import Session
+from weightstream.torch import ops, policy
+from weightstream.torch.hooks import HookRegistry
+from weightstream.torch.options import StreamOptions
+
+
+@dataclass(eq=False)
+class StreamedLayer:
+    """A streamed layer: what its forward needs (``ops.Layer``)."""
+
+    handle: Handle
+    module: nn.Module
+    name: str
+    group: int
+    has_bias: bool
+    #: Index of the layer's weight among its group's tensors (the bias follows it).
+    slot: int = 0
+    #: (weight, bias) views of a resident group, valid for the session's life; else None.
+    fixed: tuple | None = None
+
+    @property
+    def input_grad(self) -> str:
+        return self.handle.options.input_grad
+
+    def weights(self, training: bool) -> tuple:
+        return self.handle._acquire(self, training)
+
+    def views(self, ticket) -> tuple:
+        """The layer's (weight, bias) views in its group's ticket."""
+        t, i = ticket.tensors, self.slot
+        return t[i], t[i + 1] if self.has_bias else None
+
+
+@dataclass
+class _Held:
+    """The group ticket the layers of one block share while they run."""
+
+    group: int
+    ticket: object
+    backward: bool | None
+
+
+@dataclass
+class Handle:
+    """What ``attach`` returns: statistics, plan control, and ``detach``."""
+
+    client: Client
+    session: Session
+    model_id: str
+    device: torch.device
+    options: StreamOptions = field(default_factory=StreamOptions)
+    streamed: dict[str, StreamedLayer] = field(default_factory=dict)
+    #: Layers kept on the device: name -> why (``policy.REASONS``).
+    resident: dict[str, str] = field(default_factory=dict)
+    #: The first step's acquisitions while it runs; None once the plan is sent.
+    _recording: policy.PlanRecorder | None = field(default_factory=policy.PlanRecorder)
+    _lookahead: policy.Lookahead | None = None
+    _held: _Held | None = None
+    _pinned: list = field(default_factory=list)
+    _hooks: HookRegistry = field(default_factory=HookRegistry)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # --- used by the streamed layers ----------------------------------------------------
+
+    def _acquire(self, layer: StreamedLayer, training: bool) -> tuple:
+        """The layer's (weight, bias) views, from the group's held ticket when it serves this
+        pass, else from a new acquire (the held ticket is given back first)."""
+        backward = ops.in_backward()
+        with self._lock:
+            held = self._held
+            if held is not None and held.group == layer.group and held.backward == backward:
+                return layer.views(held.ticket)
+            self._held = None
+        if held is not None:
+            self.session.release(held.ticket)
+        if training and self._recording is not None:
+            if self._recording.add(layer.group, backward):
+                self.end_step()
+        with self._lock:
+            ahead = self._lookahead
+            number = ahead.take(layer.group) if ahead else self.session.submit(layer.group)
+        try:
+            ticket = self.session.wait(number)
+        except SessionFault as e:
+            if ahead is None or e.code != "FAULT_RESOURCE_EXHAUSTED":
+                raise
+            # A lookahead acquire found the arena full of tickets still in use: ask again
+            # now that they are released, without lookahead in the way.
+            with self._lock:
+                ahead.drain()
+                number = self.session.submit(layer.group)
+            ticket = self.session.wait(number)
+        with self._lock:
+            self._held = _Held(layer.group, ticket, backward)
+        return layer.views(ticket)
+
+    def _release_held(self):
+        with self._lock:
+            held, self._held = self._held, None
+        if held is not None:
+            self.session.release(held.ticket)
+
+    def _give_back(self, number: int):
+        try:
+            self.session.release(self.session.wait(number))
+        except SessionFault:
+            pass  # refused (arena full): nothing to give back
+
+    def _start_lookahead(self, plan: list[int]):
+        if self.options.lookahead == 0:
+            return
+        self._lookahead = policy.Lookahead(
+            plan,
+            [g.nbytes for g in self.session.groups],
+            self.session.opened.staging_bytes,
+            self.session.submit,
+            self._give_back,
+            self.options.lookahead,
+        )
+
+    def _pin_resident(self):
+        """Acquires each resident group once for the session's life: its layers then run
+        their own operation on the views, with no acquire, Function or message per call."""
+        by_group: dict[int, list[StreamedLayer]] = {}
+        for layer in self.streamed.values():
+            by_group.setdefault(layer.group, []).append(layer)
+        for group, layers in by_group.items():
+            if not self.session.groups[group].resident:
+                continue
+            ticket = self.session.acquire(group)
+            self._pinned.append(ticket)
+            for layer in layers:
+                layer.fixed = layer.views(ticket)
+
+    def _unpin(self, release: bool = True):
+        """Drops the resident views; gives their tickets back unless the session is gone."""
+        for layer in self.streamed.values():
+            layer.fixed = None
+        pinned, self._pinned = self._pinned, []
+        for ticket in pinned if release else ():
+            self.session.release(ticket)
+
+    def _drop_lookahead(self):
+        self._release_held()
+        with self._lock:
+            if self._lookahead is not None:
+                self._lookahead.drain()
+            self._lookahead = None
+
+    # --- public ------------------------------------------------------------------------
+
+    def end_step(self):
+        """Marks the end of the first training step explicitly (attach also detects it): its
+        acquisitions are sent as the plan, and later steps are prefetched along it."""
+        if self._recording is not None and self._recording.groups:
+            plan = self._recording.groups
+            self.session.plan(plan)
+            self._start_lookahead(plan)
+        self._recording = None
+
+    def set_budget(self, vram_budget: int, staging_bytes: int = 0):
+        """Reopens the session with another device budget (same model, same groups); the plan
+        is recorded again from the next step."""
+        self._drop_lookahead()
+        self._unpin()
+        old = self.session
+        groups = [(g.name, [t.name for t in g.tensors]) for g in old.groups]
+        old.close()
+        self.session = self.client.open_session(
+            self.model_id,
+            groups,
+            vram_budget,
+            staging_bytes=staging_bytes,
+            device=self.device,
+            label=old.opened.session_id,
+        )
+        self._pin_resident()
+        self._recording = policy.PlanRecorder()
+
+    def reconnect(self, *, restore=None, timeout: float = 30.0):
+        """After the daemon restarted (a call raised ``DaemonUnavailable``): opens the session
+        again against the new daemon, so that training resumes at the next step in the same
+        process (drop the failed step first: ``optimizer.zero_grad()``). The model comes back
+        from the files this client loaded it from (``attach(model=...)``), or from
+        ``restore(client)`` returning a model id or manifest: for uploaded weights, upload the
+        same tensors again, e.g. ``restore=lambda c: c.upload_model(name, tensors)[0]``, which
+        gives the same model id."""
+        with self._lock:
+            self._lookahead = None  # its tickets died with the old session
+            self._held = None
+        self._unpin(release=False)  # the tickets and views died with the old session
+        self.session.reconnect(restore=restore, timeout=timeout)
+        self.model_id = self.session.model_id
+        self._pin_resident()
+        if self._recording is None and self.session.last_plan:
+            self._start_lookahead(self.session.last_plan)
+        else:
+            self._recording = policy.PlanRecorder()
+
+    def stats(self) -> dict:
+        s = self.session.stats()
+        if s is None:
+            return {}
+        out = {f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields}
+        out["hit_rate"] = s.hits / s.acquires if s.acquires else 0.0
+        return out
+
+    def detach(self, release: bool = False):
+        """Puts the weights back into the layers (on ``device``), removes weightstream's
+        forwards (what other libraries installed stays) and closes the session; with
+        ``release``, also drops this handle's reference to the daemon's copy (it goes when no
+        other session uses it)."""
+        self._drop_lookahead()
+        self._unpin()
+        for name, layer in self.streamed.items():
+            ticket = self.session.acquire(layer.group)
+            weight, bias = layer.views(ticket)
+            weight = weight.to(self.device, copy=True)
+            bias = bias.to(self.device, copy=True) if bias is not None else None
+            self.session.release(ticket)
+            self._hooks.remove(name)
+            m = layer.module
+            m.weight = nn.Parameter(weight, requires_grad=False)
+            if layer.has_bias:
+                m.bias = nn.Parameter(bias, requires_grad=False)
+        self.streamed.clear()
+        self.session.close()
+        if release:
+            self.client.release_model(self.model_id)

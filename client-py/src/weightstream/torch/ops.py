@@ -1,0 +1,133 @@
+"""The streamed layer's operation: an autograd Function that acquires the layer's weights in
+forward and again in backward and saves no view of streamed memory (the staging space is
+reused once released), with backward's input gradient computed exactly as autograd computes it
+for the layer with its weights in place.
+
+``forward(layer, x)`` is what runs in place of ``nn.Linear.forward``/``nn.Conv2d.forward``.
+``layer`` is anything with the attributes of ``Layer``; ``op`` and ``input_grad`` are looked up
+at call time, so a probe can wrap them (``tests/bench/flux_equality_probe.py`` does).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Layer(Protocol):
+    module: nn.Module
+    name: str
+    #: (weight, bias) views of a resident group, valid for the session's life; else None.
+    fixed: tuple | None
+    #: "formula" or "recompute" (see ``StreamOptions.input_grad``).
+    input_grad: str
+
+    def weights(self, training: bool) -> tuple:
+        """The (weight, bias) views for this pass; ``training``: the pass is recorded."""
+        ...
+
+
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool | None:
+    """True while autograd runs a backward pass (a checkpoint's recompute runs inside one);
+    None where torch cannot tell (then the plan needs ``Handle.end_step``)."""
+    return None if _GRAPH_TASK is None else _GRAPH_TASK() != -1
+
+
+def op(module: nn.Module, x, weight, bias):
+    """The module's own operation with the given weight and bias."""
+    if isinstance(module, nn.Linear):
+        return F.linear(x, weight, bias)
+    if isinstance(module, nn.Conv2d):
+        return module._conv_forward(x, weight, bias)
+    raise TypeError(f"cannot stream {type(module).__name__}")
+
+
+class StreamedOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer: Layer, x: torch.Tensor):
+        out = op(layer.module, x, *layer.weights(True))
+        ctx.layer = layer
+        ctx.autocast = (
+            torch.is_autocast_enabled(x.device.type),
+            torch.get_autocast_dtype(x.device.type),
+        )
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        layer: Layer = ctx.layer
+        enabled, dtype = ctx.autocast
+        weights = layer.weights(True)
+        grad_x = None
+        if layer.input_grad == "formula":
+            grad_x = input_grad(layer.module, x, grad_out, weights[0], enabled, dtype)
+        if grad_x is None:
+            grad_x = input_grad_by_recompute(layer.module, x, grad_out, weights, enabled, dtype)
+        return None, grad_x
+
+
+def input_grad(module, x, grad_out, weight, autocast: bool, dtype):
+    """The input gradient by the formula autograd applies to the module's op (the same kernel
+    on the same operands, so the same bits), without running the op again. None where this
+    module's op has no such formula here (then the op is recomputed and differentiated)."""
+    if autocast and weight.is_floating_point() and weight.dtype != dtype:
+        weight = weight.to(dtype)  # what autocast fed the op
+    if isinstance(module, nn.Linear):
+        # aten::linear runs addmm/mm on the input flattened to 2-D; the gradient of that
+        # operand is grad @ weight (mm_mat1_backward), reshaped back.
+        g = grad_out.reshape(-1, grad_out.shape[-1]).mm(weight)
+        g = g.reshape(*x.shape[:-1], weight.shape[1])
+    elif (
+        isinstance(module, nn.Conv2d)
+        and module.padding_mode == "zeros"
+        and not isinstance(module.padding, str)
+    ):
+        xin = x.to(dtype) if autocast and x.is_floating_point() else x
+        g = torch.ops.aten.convolution_backward(
+            grad_out,
+            xin,
+            weight,
+            None,
+            module.stride,
+            module.padding,
+            module.dilation,
+            False,
+            [0, 0],
+            module.groups,
+            [True, False, False],
+        )[0]
+    else:
+        return None
+    return g.to(x.dtype) if g.dtype != x.dtype else g
+
+
+def input_grad_by_recompute(module, x, grad_out, weights, autocast: bool, dtype):
+    """Re-runs the op on the saved input under the forward's autocast state and lets autograd
+    differentiate it: exact for any op, at the cost of one more forward operation."""
+    with torch.enable_grad(), torch.autocast(x.device.type, dtype, enabled=autocast):
+        x_ = x.detach().requires_grad_(True)
+        out = op(module, x_, *weights)
+    (grad_x,) = torch.autograd.grad(out, x_, grad_out)
+    return grad_x
+
+
+def forward(layer: Layer, x, *args, **kwargs):
+    """Runs in place of the layer's own forward."""
+    if args or kwargs:
+        raise TypeError(f"{layer.name}: streamed modules take one input")
+    if layer.fixed is not None:
+        # A resident group: its views stay valid for the whole session, so the module's own
+        # operation runs on them as is (autograd may keep them for backward).
+        return op(layer.module, x, *layer.fixed)
+    if not x.requires_grad:
+        # No graph is recorded (the weights never require grad): nothing keeps the views.
+        return op(layer.module, x, *layer.weights(torch.is_grad_enabled()))
+    return StreamedOp.apply(layer, x)

@@ -1,0 +1,53 @@
+"""``StreamOptions``: how ``attach`` chooses, groups and streams layers (the session's size,
+the daemon and the model id stay arguments of ``attach``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from torch import nn
+
+#: Layers smaller than this stay on the device by default: not worth a round trip.
+DEFAULT_MIN_BYTES = 1 << 20
+
+INPUT_GRADS = ("formula", "recompute")
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """- ``input_grad``: how backward gets a streamed layer's input gradient: ``"formula"``
+      applies autograd's own formula to the re-acquired weight; ``"recompute"`` re-runs the
+      layer on the saved input and differentiates it (one more operation per layer, exact for
+      any layer type). Both are bit-identical to the layer with its weight in place.
+    - ``group_by``: the unit of transfer: ``"block"`` (one of the model's repeated blocks, see
+      ``policy.block_of``; layer by layer when the budget is below three of the largest block
+      and no staging size is given), ``"layer"``, or a function from a layer's name to its
+      group's name.
+    - ``min_bytes``: layers with fewer weight and bias bytes stay on the device.
+    - ``include``: the layer types considered (only Linear and Conv2d can stream).
+    - ``ignore``: layer names or types to keep on the device.
+    - ``lookahead``: at most this many of the plan's next acquires kept in flight; ``None``:
+      as many as the staging arena holds; 0: none (the daemon still prefetches along the plan).
+    """
+
+    input_grad: Literal["formula", "recompute"] = "formula"
+    group_by: str | Callable[[str], str] = "block"
+    min_bytes: int = DEFAULT_MIN_BYTES
+    include: tuple[type, ...] = (nn.Linear, nn.Conv2d)
+    ignore: Iterable = field(default_factory=frozenset)
+    lookahead: int | None = None
+
+    def __post_init__(self):
+        if self.input_grad not in INPUT_GRADS:
+            raise ValueError(f"input_grad={self.input_grad!r}: expected 'formula' or 'recompute'")
+        if self.group_by not in ("block", "layer") and not callable(self.group_by):
+            raise ValueError(f"group_by={self.group_by!r}: expected 'block', 'layer' or a function")
+        if self.min_bytes < 0:
+            raise ValueError(f"min_bytes={self.min_bytes}: expected 0 or more")
+        if self.lookahead is not None and self.lookahead < 0:
+            raise ValueError(f"lookahead={self.lookahead}: expected None, 0 or more")
+        # Callers pass lists and sets; a frozen value keeps the options hashable and shareable.
+        object.__setattr__(self, "include", tuple(self.include))
+        object.__setattr__(self, "ignore", frozenset(self.ignore))

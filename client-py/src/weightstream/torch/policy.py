@@ -1,0 +1,313 @@
+"""What streams and how: pure functions and small classes, no daemon and no hooks.
+
+- ``select``: which Linear/Conv2d layers stream, and why each other one stays on the device;
+  ``nothing_to_stream`` turns the reasons into the error ``attach`` raises.
+- ``block_of``, ``choose_groups``: the unit of transfer (a repeated block, or one layer) and
+  each group's size as the daemon lays it out. Which groups stay resident within the budget is
+  the daemon's choice (``split_budget`` in ``daemon/src/session/layout.rs``); the client only
+  sizes the budget (``default_budget``) and falls back to layers when blocks cannot stream.
+- ``PlanRecorder``: the first training step's acquisitions, sent as the plan.
+- ``Lookahead``: the plan's next acquires kept in flight.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from weightstream.torch.options import StreamOptions
+
+#: Why a considered layer stays on the device, as the words after a count of such layers.
+REASONS = {
+    "trainable": "their weights require grad — freeze the base model first "
+    "(model.requires_grad_(False))",
+    "small": "smaller than min_bytes ({min_bytes})",
+    "no_weight": "no weight to stream (None, or on the meta device)",
+    "parametrized": "parametrized (the weight is computed, not read)",
+    "tied": "tied to another layer's weight",
+    "read_directly": "read directly by their parent (nn.MultiheadAttention's out_proj)",
+    "own_forward": "a subclass with its own forward (replacing it could change the result)",
+    "unsupported": "not a Linear or Conv2d (only those stream)",
+    "ignored": "in ignore",
+}
+
+
+@dataclass
+class Selection:
+    """The layers to stream, in the model's order, and the reason each other one stays."""
+
+    streamed: list[tuple[str, nn.Module]] = field(default_factory=list)
+    resident: dict[str, str] = field(default_factory=dict)  # name -> key of REASONS
+    kinds: dict[str, str] = field(default_factory=dict)  # name -> its type's name
+
+
+def _shared_parameters(root: nn.Module) -> set[int]:
+    """Ids of parameters that appear under more than one module (tied weights)."""
+    owners: collections.Counter[int] = collections.Counter()
+    for _, m in root.named_modules(remove_duplicate=False):
+        for p in m.parameters(recurse=False):
+            owners[id(p)] += 1
+    return {pid for pid, n in owners.items() if n > 1}
+
+
+def _why_resident(name, m, shared, read_directly, options: StreamOptions) -> str | None:
+    if not isinstance(m, (nn.Linear, nn.Conv2d)):
+        return "unsupported"
+    base = nn.Linear if isinstance(m, nn.Linear) else nn.Conv2d
+    if type(m).forward is not base.forward:
+        return "own_forward"
+    if name in options.ignore or isinstance(
+        m, tuple(t for t in options.ignore if isinstance(t, type))
+    ):
+        return "ignored"
+    if name in read_directly:
+        return "read_directly"
+    w, b = m.weight, m.bias
+    if not isinstance(w, torch.Tensor) or w.device.type == "meta":
+        return "no_weight"
+    if w.requires_grad or (b is not None and b.requires_grad):
+        return "trainable"
+    if parametrize.is_parametrized(m):
+        return "parametrized"
+    if id(w) in shared or (b is not None and id(b) in shared):
+        return "tied"
+    if w.nbytes + (b.nbytes if b is not None else 0) < options.min_bytes:
+        return "small"
+    return None
+
+
+def select(root: nn.Module, options: StreamOptions) -> Selection:
+    """Streams a layer only where its weight is read through its own forward alone: tied,
+    parametrized, trainable and directly-read weights (and subclasses that compute their own
+    way) stay on the device, as do layers under ``min_bytes`` or in ``ignore``."""
+    shared = _shared_parameters(root)
+    read_directly = {
+        f"{n}.out_proj" if n else "out_proj"
+        for n, m in root.named_modules()
+        if isinstance(m, nn.MultiheadAttention)
+    }
+    out = Selection()
+    for name, m in root.named_modules():
+        if not isinstance(m, options.include):
+            continue
+        why = _why_resident(name, m, shared, read_directly, options)
+        if why is None:
+            out.streamed.append((name, m))
+        else:
+            out.resident[name] = why
+            out.kinds[name] = type(m).__name__
+    return out
+
+
+def size_text(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def reason_text(key: str, options: StreamOptions) -> str:
+    return REASONS[key].format(min_bytes=size_text(options.min_bytes))
+
+
+def nothing_to_stream(selection: Selection, options: StreamOptions, root: nn.Module) -> str:
+    """Why ``attach`` found no layer to stream, with a count per reason (most first)."""
+    if not selection.resident:
+        kinds = " or ".join(t.__name__ for t in options.include)
+        return f"nothing to stream: {type(root).__name__} has no {kinds} layer"
+    counts = collections.Counter(selection.resident.values())
+    order = list(REASONS)
+    ranked = sorted(counts, key=lambda k: (-counts[k], order.index(k)))
+    parts = [f"{counts[k]} {reason_text(k, options)}" for k in ranked]
+    first = ranked[0]
+    kinds = "/".join(
+        sorted({selection.kinds[n] for n, why in selection.resident.items() if why == first})
+    )
+    noun = "layer" if counts[first] == 1 else "layers"
+    parts[0] = f"{counts[first]} {kinds} {noun} skipped: {reason_text(first, options)}"
+    return "nothing to stream: " + "; ".join(parts)
+
+
+# --- groups -------------------------------------------------------------------------------
+
+
+def block_of(root: nn.Module, name: str) -> str:
+    """The model's repeated block that layer ``name`` belongs to: the child of the outermost
+    ``nn.ModuleList``/``nn.Sequential`` on its path (``transformer_blocks.3`` for
+    ``transformer_blocks.3.attn.to_q``), or the layer itself when there is none."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1):
+        if isinstance(root.get_submodule(".".join(parts[:i])), (nn.ModuleList, nn.Sequential)):
+            return ".".join(parts[: i + 1])
+    return name
+
+
+def group_layers(root, layers, group_by) -> dict[str, list[tuple[str, nn.Module]]]:
+    """Group name -> its layers, in the model's order."""
+    if group_by == "layer":
+        key: Callable[[str], str] = str
+    elif group_by == "block":
+        key = functools.partial(block_of, root)
+    else:
+        key = group_by
+    members: dict[str, list[tuple[str, nn.Module]]] = {}
+    for name, m in layers:
+        members.setdefault(str(key(name)), []).append((name, m))
+    return members
+
+
+def layer_tensors(name: str, m: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A streamed layer's tensors as the daemon names them: weight, then bias."""
+    out = [(f"{name}.weight", m.weight)]
+    if m.bias is not None:
+        out.append((f"{name}.bias", m.bias))
+    return out
+
+
+def group_nbytes(tensor_bytes: list[int], alignment: int) -> int:
+    """Bytes a group takes in the daemon: each tensor starts aligned, the end is rounded up
+    (as ``layout_groups`` in ``daemon/src/session/layout.rs``)."""
+    end = 0
+    for n in tensor_bytes:
+        end = -(-end // alignment) * alignment + n
+    return -(-max(end, 1) // alignment) * alignment
+
+
+@dataclass
+class Grouping:
+    members: dict[str, list[tuple[str, nn.Module]]]
+    sizes: list[int]
+    #: Why blocks were given up for layers (for a warning), else None.
+    fallback: str | None = None
+
+
+def choose_groups(
+    root, layers, group_by, alignment: int, vram_budget: int | None, staging_bytes: int
+) -> Grouping:
+    """The groups and their sizes. Blocks need staging for three of the largest (the one in
+    use, the next, and one re-acquired); a smaller budget without an explicit staging size
+    streams layer by layer instead."""
+
+    def grouping(by) -> Grouping:
+        members = group_layers(root, layers, by)
+        sizes = [
+            group_nbytes([t.nbytes for n, m in ms for _, t in layer_tensors(n, m)], alignment)
+            for ms in members.values()
+        ]
+        return Grouping(members, sizes)
+
+    chosen = grouping(group_by)
+    largest = max(chosen.sizes)
+    if group_by == "block" and vram_budget is not None and not staging_bytes:
+        if vram_budget < 3 * largest:
+            chosen = grouping("layer")
+            chosen.fallback = (
+                f"attach: vram_budget {vram_budget} is less than three of the largest block "
+                f"({largest} bytes): streaming layer by layer instead"
+            )
+    return chosen
+
+
+def default_budget(sizes: list[int]) -> int:
+    """A quarter of the streamed bytes, at least three of the largest group."""
+    return max(sum(sizes) // 4, 3 * max(sizes))
+
+
+# --- the plan -----------------------------------------------------------------------------
+
+
+class PlanRecorder:
+    """Records the first training step's acquisitions as the plan. The step ends when its
+    first group is acquired again outside a backward pass, after a backward pass ran; passes
+    under ``no_grad`` (sampling) are not recorded. Where torch cannot tell backward from
+    forward (``backward`` is None), everything is recorded until ``Handle.end_step``."""
+
+    def __init__(self):
+        self.groups: list[int] = []
+        self.seen_backward = False
+
+    def add(self, group: int, backward: bool | None) -> bool:
+        """Records an acquisition; True when it starts the next step instead (the plan is
+        complete and this acquisition is not part of it)."""
+        if backward is not None:
+            if self.groups and group == self.groups[0] and not backward and self.seen_backward:
+                return True
+            self.seen_backward = self.seen_backward or backward
+        self.groups.append(group)
+        return False
+
+
+class Lookahead:
+    """Keeps the plan's next acquires in flight, so that a layer's acquire finds its reply
+    already there instead of waiting for a round trip (the trainer's thread must never block
+    on the daemon when the plan is followed). The tickets in flight hold their space, so they
+    are bounded to the staging arena less room for two of the largest groups (the one in use
+    and the next one placed), and to ``limit`` acquires.
+
+    ``submit(group)`` sends an acquire and returns its number; ``give_back(number)`` waits for
+    it and releases it (an acquire the client did not follow)."""
+
+    def __init__(
+        self,
+        plan: list[int],
+        sizes: list[int],
+        staging_bytes: int,
+        submit: Callable[[int], int],
+        give_back: Callable[[int], None],
+        limit: int | None = None,
+    ):
+        self.plan = plan
+        self.sizes = sizes
+        self.submit = submit
+        self.give_back = give_back
+        self.limit = len(plan) if limit is None else min(limit, len(plan))
+        self.cap = max(0, staging_bytes - 2 * max(sizes))
+        self.cursor = 0  # the plan position that ahead[0] stands for
+        self.ahead: collections.deque[tuple[int, int]] = collections.deque()
+        self.bytes = 0
+
+    def take(self, group: int) -> int:
+        """The number of an acquire of ``group``: the one in flight if the client follows the
+        plan, else a fresh one (and the lookahead re-syncs to the plan's next ``group``)."""
+        if self.ahead and self.ahead[0][0] == group:
+            _, number = self.ahead.popleft()
+            self.bytes -= self.sizes[group]
+            self.cursor = (self.cursor + 1) % len(self.plan)
+        else:
+            self.drain()
+            number = self.submit(group)
+            position = self.next_position(group)
+            if position is None:
+                return number  # off the plan (a sampling pass of other layers): no lookahead
+            self.cursor = (position + 1) % len(self.plan)
+        self.top_up()
+        return number
+
+    def next_position(self, group: int) -> int | None:
+        n = len(self.plan)
+        for i in range(n):
+            if self.plan[(self.cursor + i) % n] == group:
+                return (self.cursor + i) % n
+        return None
+
+    def top_up(self):
+        n = len(self.plan)
+        while len(self.ahead) < self.limit:
+            group = self.plan[(self.cursor + len(self.ahead)) % n]
+            if self.bytes + self.sizes[group] > self.cap:
+                break
+            self.ahead.append((group, self.submit(group)))
+            self.bytes += self.sizes[group]
+
+    def drain(self):
+        """Gives back the acquires in flight that the client did not follow."""
+        while self.ahead:
+            _, number = self.ahead.popleft()
+            self.give_back(number)
+        self.bytes = 0
