@@ -105,7 +105,7 @@ impl Daemon {
         );
         let limits = StoreLimits {
             max_tensors: config.limits.max_tensors_per_model,
-            max_upload_bytes: config.limits.max_upload_bytes.as_u64(),
+            max_upload_bytes: config.limits.max_upload_bytes,
             max_name_bytes: config.limits.max_name_bytes,
             host,
         };

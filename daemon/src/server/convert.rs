@@ -1,13 +1,12 @@
-//! Conversions between the core's types and the wire's, and errors to gRPC statuses.
+//! Conversions from the core's types to the wire's (errors: see status.rs).
 #![forbid(unsafe_code)]
 
-use tonic::Status;
 use weightstream_client::proto as pb;
 
-use crate::backend::{BackendError, RegionHandle};
-use crate::core::{CoreError, OpenedSession};
+use crate::backend::RegionHandle;
+use crate::core::OpenedSession;
 use crate::store::safetensors::DType;
-use crate::store::{Model, ModelEntry, ModelSource, SourceError, StoreError};
+use crate::store::{Model, ModelEntry, ModelSource};
 
 pub fn dtype_to_pb(d: DType) -> pb::Dtype {
     use pb::Dtype as P;
@@ -110,40 +109,5 @@ pub fn opened(o: &OpenedSession) -> pb::OpenSessionResponse {
         staging_bytes: o.shared.staging_bytes,
         resident_bytes: o.shared.resident_bytes,
         event_handles: o.event_handles.clone(),
-    }
-}
-
-/// The gRPC status for a core error: the code says what kind, the message names the field.
-pub fn status_of(e: &CoreError) -> Status {
-    let msg = e.to_string();
-    match e {
-        CoreError::Store(s) => match s {
-            StoreError::Source(SourceError::NotFound(_)) => {
-                Status::not_found(format!("paths: {msg}"))
-            }
-            StoreError::Source(_) => Status::invalid_argument(format!("paths: {msg}")),
-            StoreError::Header { .. }
-            | StoreError::DuplicateTensor { .. }
-            | StoreError::TooManyTensors { .. } => Status::invalid_argument(msg),
-            StoreError::Io { .. } | StoreError::UploadTruncated { .. } => {
-                Status::failed_precondition(msg)
-            }
-            StoreError::Arena { .. } | StoreError::UploadTooLarge { .. } => {
-                Status::resource_exhausted(msg)
-            }
-            StoreError::UnknownModel(_) | StoreError::UnknownUpload(_) => Status::not_found(msg),
-            StoreError::NotOwner(_) | StoreError::NotHolder { .. } => {
-                Status::permission_denied(msg)
-            }
-            StoreError::Quota(_) => Status::resource_exhausted(msg),
-            StoreError::Pin(_) => Status::resource_exhausted(msg),
-        },
-        CoreError::Layout(_) | CoreError::Budget(_) => Status::invalid_argument(msg),
-        CoreError::Backend(BackendError::Alloc { .. }) => Status::resource_exhausted(msg),
-        CoreError::Backend(_) | CoreError::Residency(_) => Status::internal(msg),
-        CoreError::UnknownSession(_) | CoreError::UnknownDevice(_) => Status::not_found(msg),
-        CoreError::NotOwner(_) => Status::permission_denied(msg),
-        CoreError::TooManySessions(_) | CoreError::Quota(_) => Status::resource_exhausted(msg),
-        CoreError::ShuttingDown => Status::unavailable(msg),
     }
 }
