@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use tokio::net::{UnixListener, UnixStream};
 
-use super::ServeError;
+use super::error::ServeError;
 use crate::backend::Backend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;

@@ -3,10 +3,10 @@
 
 use weightstream_client::proto as pb;
 
-use crate::backend::RegionHandle;
-use crate::core::OpenedSession;
+use crate::backend::{BackendKind, RegionHandle};
+use crate::core::{Daemon, OpenedSession};
 use crate::store::safetensors::DType;
-use crate::store::{Model, ModelEntry, ModelSource};
+use crate::store::{Model, ModelEntry, ModelSource, UploadTicket};
 
 pub fn dtype_to_pb(d: DType) -> pb::Dtype {
     use pb::Dtype as P;
@@ -33,6 +33,58 @@ pub fn dtype_from_pb(value: i32) -> Option<DType> {
     DType::ALL
         .into_iter()
         .find(|d| dtype_to_pb(*d) as i32 == value)
+}
+
+/// GetInfo: the backend, its devices and the limits requests are checked against.
+pub fn info(d: &Daemon) -> pb::GetInfoResponse {
+    let l = &d.config.limits;
+    pb::GetInfoResponse {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        backend: match d.backend.kind() {
+            BackendKind::Host => pb::Backend::Host,
+            BackendKind::Cuda => pb::Backend::Cuda,
+        } as i32,
+        devices: d
+            .backend
+            .devices()
+            .into_iter()
+            .map(|x| pb::Device {
+                uuid: x.uuid,
+                name: x.name,
+                total_memory: x.total_memory,
+                free_memory: x.free_memory,
+                pci_bus_id: x.pci_bus_id,
+            })
+            .collect(),
+        limits: Some(pb::Limits {
+            max_message_bytes: l.max_message_bytes,
+            max_tensors_per_model: l.max_tensors_per_model,
+            max_groups_per_session: l.max_groups_per_session,
+            max_plan_length: l.max_plan_length,
+            max_live_tickets: l.max_live_tickets,
+            max_upload_bytes: l.max_upload_bytes,
+            max_sessions: l.max_sessions,
+            max_name_bytes: l.max_name_bytes,
+        }),
+        alignment: d.backend.alignment(),
+    }
+}
+
+pub fn upload_begun(ticket: UploadTicket) -> pb::BeginUploadResponse {
+    pb::BeginUploadResponse {
+        upload_id: ticket.upload_id,
+        shm_path: ticket.path.display().to_string(),
+        size: ticket.size,
+        tensors: ticket
+            .tensors
+            .into_iter()
+            .map(|t| pb::UploadTensor {
+                name: t.name,
+                offset: t.offset,
+                nbytes: t.nbytes,
+            })
+            .collect(),
+    }
 }
 
 pub fn manifest(model: &Model, entry: Option<&ModelEntry>) -> pb::ModelManifest {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio::sync::{oneshot, watch};
 use tonic_health::server::HealthReporter;
 
-use super::ServeError;
+use super::error::ServeError;
 use super::serve::Api;
 use crate::core::Daemon;
 use crate::metrics::MetricsServer;

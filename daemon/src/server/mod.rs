@@ -8,6 +8,7 @@ mod bootstrap;
 pub mod conn;
 mod convert;
 mod drain;
+mod error;
 mod serve;
 mod service;
 mod status;
@@ -21,29 +22,9 @@ use tokio::task::JoinHandle;
 
 pub use self::bootstrap::shm_tag;
 pub use self::convert::{dtype_from_pb, dtype_to_pb};
+pub use self::error::ServeError;
 use crate::config::Config;
 use crate::core::Daemon;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ServeError {
-    #[error("{path}: another daemon is serving this socket")]
-    SocketInUse { path: PathBuf },
-    #[error("{path}: {source}")]
-    Socket {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    #[error("backend: {0}")]
-    Backend(String),
-    #[error("cannot start: {0}")]
-    Start(std::io::Error),
-    #[error("server: {0}")]
-    Transport(#[from] tonic::transport::Error),
-    #[error("reflection: {0}")]
-    Reflection(#[from] tonic_reflection::server::Error),
-    #[error(transparent)]
-    Metrics(#[from] crate::metrics::MetricsError),
-}
 
 /// A running daemon.
 pub struct ServerHandle {

@@ -16,8 +16,9 @@ use weightstream_client::proto::FILE_DESCRIPTOR_SET;
 use weightstream_client::proto::weight_stream_server::WeightStreamServer;
 
 use super::access::AccessCheck;
+use super::conn;
+use super::error::ServeError;
 use super::service::Service;
-use super::{ServeError, conn};
 use crate::core::Daemon;
 
 /// The weightstream service as tonic serves it (health reports its status by this type).

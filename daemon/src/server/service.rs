@@ -13,7 +13,8 @@ use weightstream_client::proto as pb;
 use weightstream_client::proto::weight_stream_server::WeightStream;
 
 use super::conn::Peer;
-use super::convert::manifest;
+use super::convert::{self, manifest};
+use super::error::EdgeError;
 use super::status::status_of;
 use super::validate::Validation;
 use crate::core::Daemon;
@@ -33,10 +34,8 @@ impl Service {
 }
 
 fn peer<T>(req: &Request<T>) -> Result<Peer, Status> {
-    req.extensions()
-        .get::<Peer>()
-        .copied()
-        .ok_or_else(|| Status::internal("connection without peer credentials"))
+    let peer = req.extensions().get::<Peer>().copied();
+    peer.ok_or_else(|| EdgeError::NoPeer.into())
 }
 
 fn owner(peer: Peer) -> Owner {
@@ -54,38 +53,7 @@ impl WeightStream for Service {
         &self,
         _req: Request<pb::GetInfoRequest>,
     ) -> Result<Response<pb::GetInfoResponse>, Status> {
-        let d = &self.daemon;
-        let l = &d.config.limits;
-        Ok(Response::new(pb::GetInfoResponse {
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            backend: match d.backend.kind() {
-                crate::backend::BackendKind::Host => pb::Backend::Host,
-                crate::backend::BackendKind::Cuda => pb::Backend::Cuda,
-            } as i32,
-            devices: d
-                .backend
-                .devices()
-                .into_iter()
-                .map(|x| pb::Device {
-                    uuid: x.uuid,
-                    name: x.name,
-                    total_memory: x.total_memory,
-                    free_memory: x.free_memory,
-                    pci_bus_id: x.pci_bus_id,
-                })
-                .collect(),
-            limits: Some(pb::Limits {
-                max_message_bytes: l.max_message_bytes,
-                max_tensors_per_model: l.max_tensors_per_model,
-                max_groups_per_session: l.max_groups_per_session,
-                max_plan_length: l.max_plan_length,
-                max_live_tickets: l.max_live_tickets,
-                max_upload_bytes: l.max_upload_bytes,
-                max_sessions: l.max_sessions,
-                max_name_bytes: l.max_name_bytes,
-            }),
-            alignment: d.backend.alignment(),
-        }))
+        Ok(Response::new(convert::info(&self.daemon)))
     }
 
     type LoadModelStream = EventStream<pb::LoadModelEvent>;
@@ -132,20 +100,7 @@ impl WeightStream for Service {
             .daemon
             .store
             .begin_upload(owner(peer), &req.name, req.tensors)?;
-        Ok(Response::new(pb::BeginUploadResponse {
-            upload_id: ticket.upload_id,
-            shm_path: ticket.path.display().to_string(),
-            size: ticket.size,
-            tensors: ticket
-                .tensors
-                .into_iter()
-                .map(|t| pb::UploadTensor {
-                    name: t.name,
-                    offset: t.offset,
-                    nbytes: t.nbytes,
-                })
-                .collect(),
-        }))
+        Ok(Response::new(convert::upload_begun(ticket)))
     }
 
     async fn commit_upload(
@@ -159,7 +114,10 @@ impl WeightStream for Service {
             daemon.store.commit_upload(owner(peer), &req.upload_id)
         })
         .await
-        .map_err(|e| Status::internal(format!("commit task failed: {e}")))??;
+        .map_err(|source| EdgeError::Task {
+            what: "commit",
+            source,
+        })??;
         let entry = self.daemon.store.get(&model.id);
         Ok(Response::new(pb::CommitUploadResponse {
             manifest: Some(manifest(&model, entry.as_ref())),
@@ -199,7 +157,7 @@ impl WeightStream for Service {
         let peer = peer(&req)?;
         let req = self.validation.open_session(req.into_inner())?;
         let opened = self.daemon.open_session(peer, req.into()).await?;
-        Ok(Response::new(super::convert::opened(&opened)))
+        Ok(Response::new(convert::opened(&opened)))
     }
 
     async fn close_session(

@@ -4,10 +4,24 @@
 
 use tonic::Status;
 
+use super::access::AccessDenied;
+use super::error::EdgeError;
 use super::validate::ValidationError;
 use crate::backend::BackendError;
 use crate::core::CoreError;
 use crate::store::{SourceError, StoreError};
+
+impl From<EdgeError> for Status {
+    fn from(e: EdgeError) -> Status {
+        Status::internal(e.to_string())
+    }
+}
+
+impl From<AccessDenied> for Status {
+    fn from(e: AccessDenied) -> Status {
+        Status::permission_denied(e.to_string())
+    }
+}
 
 impl From<ValidationError> for Status {
     fn from(e: ValidationError) -> Status {
