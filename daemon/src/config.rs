@@ -1,12 +1,14 @@
-//! Daemon configuration: parsed and validated once at start. The TOML file gives the base,
-//! command-line flags and environment variables override it.
-#![forbid(unsafe_code)]
+//! Daemon configuration, parsed once. [`ConfigFile`] is the settings as written: the TOML file,
+//! then command-line flags and environment variables over it. [`ConfigFile::validate`] checks
+//! every value and turns the text into types: a [`Config`] holds a `SocketAddr`, a `Duration`,
+//! byte counts and a resolved gid, and is the only thing the daemon starts from.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use bytesize::ByteSize;
-use serde::Deserialize;
+use serde::{Deserialize, Deserializer};
 
 /// The clients' default (one constant for both sides).
 pub use weightstream_client::DEFAULT_SOCKET;
@@ -14,7 +16,7 @@ pub use weightstream_client::DEFAULT_SOCKET;
 /// network unless the operator says so.
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum BackendChoice {
     /// CUDA when a driver and a device are present, else host.
@@ -25,16 +27,23 @@ pub enum BackendChoice {
     Cuda,
 }
 
+/// A size with units ("64MiB") or a plain number, as bytes.
+fn bytes<'de, D: Deserializer<'de>>(de: D) -> Result<u64, D::Error> {
+    ByteSize::deserialize(de).map(|b| b.as_u64())
+}
+
 /// Limits the daemon enforces on every request (see the README's configuration reference).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
-    pub max_message_bytes: ByteSize,
+    #[serde(deserialize_with = "bytes")]
+    pub max_message_bytes: u64,
     pub max_tensors_per_model: u32,
     pub max_groups_per_session: u32,
     pub max_plan_length: u32,
     pub max_live_tickets: u32,
-    pub max_upload_bytes: ByteSize,
+    #[serde(deserialize_with = "bytes")]
+    pub max_upload_bytes: u64,
     pub max_sessions: u32,
     pub max_name_bytes: u32,
 }
@@ -42,12 +51,12 @@ pub struct Limits {
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_message_bytes: ByteSize::mib(16),
+            max_message_bytes: 16 << 20,
             max_tensors_per_model: 1_000_000,
             max_groups_per_session: 65_536,
             max_plan_length: 1_048_576,
             max_live_tickets: 4096,
-            max_upload_bytes: ByteSize::tib(1),
+            max_upload_bytes: 1 << 40,
             max_sessions: 256,
             max_name_bytes: 1024,
         }
@@ -69,13 +78,6 @@ impl Default for MetricsConfig {
             enabled: false,
             listen: DEFAULT_METRICS_LISTEN.to_string(),
         }
-    }
-}
-
-impl MetricsConfig {
-    /// The address to serve on, when enabled (validation has checked that it parses).
-    pub fn address(&self) -> Option<SocketAddr> {
-        self.enabled.then(|| self.listen.parse().ok()).flatten()
     }
 }
 
@@ -161,9 +163,11 @@ impl std::fmt::Display for SizeOrShare {
 pub struct Quotas {
     /// Host copies of models (charged to the uid that loaded or uploaded them first) plus
     /// uploads in progress.
-    pub per_uid_host_bytes: ByteSize,
+    #[serde(deserialize_with = "bytes")]
+    pub per_uid_host_bytes: u64,
     /// Staging plus resident bytes of the uid's open sessions, on all devices together.
-    pub per_uid_device_bytes: ByteSize,
+    #[serde(deserialize_with = "bytes")]
+    pub per_uid_device_bytes: u64,
     pub per_uid_sessions: u32,
     pub per_uid_uploads: u32,
     /// All models and uploads together: a size, or a percentage of MemTotal.
@@ -176,8 +180,8 @@ pub struct Quotas {
 impl Default for Quotas {
     fn default() -> Self {
         Quotas {
-            per_uid_host_bytes: ByteSize::b(0),
-            per_uid_device_bytes: ByteSize::b(0),
+            per_uid_host_bytes: 0,
+            per_uid_device_bytes: 0,
             per_uid_sessions: 0,
             per_uid_uploads: 0,
             max_host_bytes: SizeOrShare::Percent(80),
@@ -186,10 +190,10 @@ impl Default for Quotas {
     }
 }
 
-/// The daemon's settings as the file gives them.
+/// The daemon's settings as the file gives them (flags override fields), not yet checked.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct Config {
+pub struct ConfigFile {
     pub socket: PathBuf,
     /// Group that owns the socket (a name or a numeric gid): its members may connect.
     pub socket_group: Option<String>,
@@ -206,9 +210,9 @@ pub struct Config {
     pub quotas: Quotas,
 }
 
-impl Default for Config {
+impl Default for ConfigFile {
     fn default() -> Self {
-        Config {
+        ConfigFile {
             socket: PathBuf::from(DEFAULT_SOCKET),
             socket_group: None,
             backend: BackendChoice::Auto,
@@ -221,6 +225,25 @@ impl Default for Config {
             quotas: Quotas::default(),
         }
     }
+}
+
+/// The daemon's settings, checked and typed: what `server::start` takes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// An absolute path.
+    pub socket: PathBuf,
+    /// The socket's group, resolved from `socket_group` (a name or a number).
+    pub socket_gid: Option<u32>,
+    pub backend: BackendChoice,
+    pub shm_dir: PathBuf,
+    pub prefetch_depth: u32,
+    /// How long shutdown waits, once sessions are closed, for connections to finish.
+    pub drain_timeout: Duration,
+    /// Where `/metrics` is served; `None` when metrics are off.
+    pub metrics_listen: Option<SocketAddr>,
+    pub limits: Limits,
+    pub access: AccessConfig,
+    pub quotas: Quotas,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -244,15 +267,17 @@ pub enum ConfigError {
         value: String,
         why: &'static str,
     },
+    #[error("socket_group {group:?}: {why}")]
+    SocketGroup { group: String, why: String },
 }
 
-impl Config {
-    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+impl ConfigFile {
+    pub fn from_file(path: &Path) -> Result<ConfigFile, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
             source,
         })?;
-        Config::from_toml(&text).map_err(|e| match e {
+        ConfigFile::from_toml(&text).map_err(|e| match e {
             ConfigError::Parse { message, .. } => ConfigError::Parse {
                 path: path.to_path_buf(),
                 message,
@@ -261,8 +286,9 @@ impl Config {
         })
     }
 
-    pub fn from_toml(text: &str) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(text).map_err(|e| {
+    /// Parses the text; the values are checked by [`ConfigFile::validate`].
+    pub fn from_toml(text: &str) -> Result<ConfigFile, ConfigError> {
+        toml::from_str(text).map_err(|e| {
             // toml's message alone does not say where; a line number finds the key.
             let line = e
                 .span()
@@ -275,12 +301,12 @@ impl Config {
                 path: PathBuf::new(),
                 message,
             }
-        })?;
-        config.validate()?;
-        Ok(config)
+        })
     }
 
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks every value (the first bad one is named with its key) and resolves the socket's
+    /// group.
+    pub fn validate(self) -> Result<Config, ConfigError> {
         let range = |key, value: u64, ok: bool, limit| {
             if ok {
                 Ok(())
@@ -308,13 +334,15 @@ impl Config {
                 why: "must name a group or be left out",
             });
         }
-        if self.metrics.listen.parse::<SocketAddr>().is_err() {
-            return Err(ConfigError::Invalid {
-                key: "metrics.listen",
-                value: self.metrics.listen.clone(),
-                why: "must be address:port, e.g. 127.0.0.1:9464",
-            });
-        }
+        let listen =
+            self.metrics
+                .listen
+                .parse::<SocketAddr>()
+                .map_err(|_| ConfigError::Invalid {
+                    key: "metrics.listen",
+                    value: self.metrics.listen.clone(),
+                    why: "must be address:port, e.g. 127.0.0.1:9464",
+                })?;
         range(
             "drain_timeout_secs",
             self.drain_timeout_secs,
@@ -322,7 +350,7 @@ impl Config {
             "0 to 3600",
         )?;
         let l = &self.limits;
-        let msg = l.max_message_bytes.as_u64();
+        let msg = l.max_message_bytes;
         range(
             "limits.max_message_bytes",
             msg,
@@ -373,8 +401,8 @@ impl Config {
         )?;
         range(
             "limits.max_upload_bytes",
-            l.max_upload_bytes.as_u64(),
-            l.max_upload_bytes.as_u64() >= 1,
+            l.max_upload_bytes,
+            l.max_upload_bytes >= 1,
             "at least 1 byte",
         )?;
         for (key, total) in [
@@ -393,34 +421,80 @@ impl Config {
                 });
             }
         }
-        Ok(())
+        let socket_gid = self
+            .socket_group
+            .as_deref()
+            .map(resolve_group)
+            .transpose()?;
+        Ok(Config {
+            socket: self.socket,
+            socket_gid,
+            backend: self.backend,
+            shm_dir: self.shm_dir,
+            prefetch_depth: self.prefetch_depth,
+            drain_timeout: Duration::from_secs(self.drain_timeout_secs),
+            metrics_listen: self.metrics.enabled.then_some(listen),
+            limits: self.limits,
+            access: self.access,
+            quotas: self.quotas,
+        })
     }
+}
+
+/// The gid of `group`: a numeric gid, or a name looked up in /etc/group (the daemon forbids
+/// unsafe code, so no getgrnam; groups from NSS-only sources can be given by number).
+fn resolve_group(group: &str) -> Result<u32, ConfigError> {
+    if let Ok(gid) = group.parse::<u32>() {
+        return Ok(gid);
+    }
+    let err = |why: String| ConfigError::SocketGroup {
+        group: group.to_string(),
+        why,
+    };
+    let text =
+        std::fs::read_to_string("/etc/group").map_err(|e| err(format!("/etc/group: {e}")))?;
+    text.lines()
+        .filter_map(|line| {
+            let mut fields = line.split(':');
+            let name = fields.next()?;
+            let gid = fields.nth(1)?.parse::<u32>().ok()?;
+            (name == group).then_some(gid)
+        })
+        .next()
+        .ok_or_else(|| err("no such group in /etc/group (give a numeric gid instead)".into()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// Parses and validates, as `weightstream serve` does.
+    fn config(text: &str) -> Result<Config, ConfigError> {
+        ConfigFile::from_toml(text)?.validate()
+    }
+
     #[test]
     fn parses_sizes_and_refuses_unknown_keys_and_bad_values() {
-        let c = Config::from_toml(
+        let c = config(
             "socket = \"/tmp/x.sock\"\nbackend = \"host\"\n[limits]\nmax_message_bytes = \"64MiB\"\n",
         )
         .unwrap();
-        assert_eq!(c.limits.max_message_bytes, ByteSize::mib(64));
+        assert_eq!(c.limits.max_message_bytes, 64 << 20);
         assert_eq!(c.backend, BackendChoice::Host);
         assert_eq!(c.prefetch_depth, 16);
-        assert_eq!(c.metrics.address(), None);
-        let q = Config::from_toml(
+        assert_eq!(c.metrics_listen, None);
+        assert_eq!(c.drain_timeout, Duration::from_secs(10));
+        assert_eq!(c.socket_gid, None);
+        let q = config(
             "[access]\nallowed_uids = [1000, 1001]\n[quotas]\nper_uid_sessions = 2\n\
              per_uid_host_bytes = \"1GiB\"\nmax_host_bytes = \"64GiB\"\nmax_device_bytes = \"90%\"\n",
         )
         .unwrap();
         assert_eq!(q.access.allowed_uids, vec![1000, 1001]);
         assert!(q.access.restricts());
-        assert!(!Config::default().access.restricts());
+        assert!(!ConfigFile::default().access.restricts());
         assert_eq!(q.quotas.per_uid_sessions, 2);
-        assert_eq!(q.quotas.per_uid_host_bytes, ByteSize::gib(1));
+        assert_eq!(q.quotas.per_uid_host_bytes, 1 << 30);
         assert_eq!(q.quotas.max_host_bytes, SizeOrShare::Bytes(64 << 30));
         assert_eq!(q.quotas.max_device_bytes, SizeOrShare::Percent(90));
         assert_eq!(q.quotas.max_device_bytes.resolve(1000), 900);
@@ -430,8 +504,9 @@ mod tests {
     #[test]
     fn the_example_config_parses_to_the_defaults() {
         let text = include_str!("../../deploy/config.example.toml");
-        let example = Config::from_toml(text).unwrap();
-        assert_eq!(example, Config::default());
+        let example = ConfigFile::from_toml(text).unwrap();
+        assert_eq!(example, ConfigFile::default());
+        assert!(example.validate().is_ok());
         // Every key the daemon knows is in the example (socket_group commented out, as its
         // default is "none").
         let keys = [
@@ -470,10 +545,21 @@ mod tests {
                 "{key} missing from the example"
             );
         }
-        let on = Config::from_toml("[metrics]\nenabled = true\n").unwrap();
+        let on = config("[metrics]\nenabled = true\n").unwrap();
+        assert_eq!(on.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+    }
+
+    #[test]
+    fn socket_group_is_resolved_to_a_gid_when_validated() {
+        let gid = |text| config(text).map(|c| c.socket_gid);
+        assert_eq!(gid("socket_group = \"4242\"").unwrap(), Some(4242));
+        assert_eq!(gid("socket_group = \"root\"").unwrap(), Some(0));
         assert_eq!(
-            on.metrics.address(),
-            Some("127.0.0.1:9464".parse().unwrap())
+            gid("socket_group = \"no-such-group-ws\"")
+                .unwrap_err()
+                .to_string(),
+            "socket_group \"no-such-group-ws\": no such group in /etc/group (give a numeric gid \
+             instead)"
         );
     }
 
@@ -580,7 +666,7 @@ mod tests {
             ),
         ];
         for (text, want) in cases {
-            let got = Config::from_toml(text).unwrap_err().to_string();
+            let got = config(text).unwrap_err().to_string();
             // Parse errors carry the file's path (none here) before the message.
             let got = got.strip_prefix(": ").unwrap_or(&got);
             assert_eq!(got, *want, "for config {text:?}");

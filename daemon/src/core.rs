@@ -1,5 +1,4 @@
 //! The daemon's shared state and the operations the gRPC service maps onto.
-#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -125,7 +124,7 @@ impl Daemon {
         );
         let limits = StoreLimits {
             max_tensors: config.limits.max_tensors_per_model,
-            max_upload_bytes: config.limits.max_upload_bytes.as_u64(),
+            max_upload_bytes: config.limits.max_upload_bytes,
             max_name_bytes: config.limits.max_name_bytes,
             host,
         };

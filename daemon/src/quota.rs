@@ -3,7 +3,6 @@
 //! Host bytes are counted by the store (models and uploads); sessions and device bytes by the
 //! [`SessionLedger`] here. A refusal names the limit and the current use, and nothing is
 //! charged for a refused request.
-#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -92,7 +91,7 @@ pub struct HostQuota {
 impl HostQuota {
     pub fn resolve(quotas: &Quotas, mem_total: u64) -> HostQuota {
         HostQuota {
-            per_uid_bytes: quotas.per_uid_host_bytes.as_u64(),
+            per_uid_bytes: quotas.per_uid_host_bytes,
             per_uid_uploads: quotas.per_uid_uploads,
             max_bytes: quotas.max_host_bytes.resolve(mem_total),
         }
@@ -163,7 +162,7 @@ impl SessionLedger {
     pub fn new(quotas: &Quotas, devices: &[(String, u64)]) -> Arc<SessionLedger> {
         Arc::new(SessionLedger {
             per_uid_sessions: quotas.per_uid_sessions,
-            per_uid_device_bytes: quotas.per_uid_device_bytes.as_u64(),
+            per_uid_device_bytes: quotas.per_uid_device_bytes,
             devices: devices
                 .iter()
                 .map(|(uuid, total)| (uuid.clone(), quotas.max_device_bytes.resolve(*total)))
@@ -255,8 +254,6 @@ impl Drop for SessionCharge {
 
 #[cfg(test)]
 mod tests {
-    use bytesize::ByteSize;
-
     use super::*;
     use crate::config::SizeOrShare;
 
@@ -264,7 +261,7 @@ mod tests {
     fn the_ledger_refuses_each_limit_by_name_and_gives_back_on_drop() {
         let quotas = Quotas {
             per_uid_sessions: 2,
-            per_uid_device_bytes: ByteSize::b(1000),
+            per_uid_device_bytes: 1000,
             max_device_bytes: SizeOrShare::Percent(50),
             ..Quotas::default()
         };

@@ -5,7 +5,6 @@
 //! prefetches, and round-robin between sessions within each class, so that one session's deep
 //! prefetch cannot starve another's demand. The thread is dedicated because the CUDA backend
 //! binds its context to it (tokio moves tasks between threads).
-#![forbid(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};

@@ -12,7 +12,6 @@ use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use bytesize::ByteSize;
 use common::*;
 use tonic::Code;
 use weightstream_client::{ClientError, proto};
@@ -214,6 +213,73 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
     assert!(daemon.shm_files().is_empty(), "{:?}", daemon.shm_files());
 }
 
+/// Reflection lists the service in both versions, to a peer the allow-lists refuse as well
+/// (it tells no more than the schema): grpcurl and Go's tools speak v1, grpcio-reflection
+/// (Python) only v1alpha.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reflection_v1_and_v1alpha_list_the_service_to_any_peer() {
+    use tonic_reflection::pb::{v1, v1alpha};
+    let (uid, _, _) = me();
+    let daemon = start_daemon_with(|c| c.access.allowed_uids = vec![uid + 1]).await;
+
+    let mut alpha = v1alpha::server_reflection_client::ServerReflectionClient::new(
+        raw_channel(&daemon.socket).await,
+    );
+    let ask = v1alpha::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(
+            v1alpha::server_reflection_request::MessageRequest::ListServices(String::new()),
+        ),
+    };
+    let answer = alpha
+        .server_reflection_info(tokio_stream::iter([ask]))
+        .await
+        .expect("v1alpha reflection is served")
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .and_then(|r| r.message_response);
+    let Some(v1alpha::server_reflection_response::MessageResponse::ListServicesResponse(list)) =
+        answer
+    else {
+        panic!("v1alpha: no service list: {answer:?}");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        names.iter().any(|n| n == "weightstream.v1.WeightStream"),
+        "v1alpha: {names:?}"
+    );
+
+    let mut v1 = v1::server_reflection_client::ServerReflectionClient::new(
+        raw_channel(&daemon.socket).await,
+    );
+    let ask = v1::ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(v1::server_reflection_request::MessageRequest::ListServices(
+            String::new(),
+        )),
+    };
+    let answer = v1
+        .server_reflection_info(tokio_stream::iter([ask]))
+        .await
+        .expect("v1 reflection is served")
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .and_then(|r| r.message_response);
+    let Some(v1::server_reflection_response::MessageResponse::ListServicesResponse(list)) = answer
+    else {
+        panic!("v1: no service list: {answer:?}");
+    };
+    let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
+    assert!(
+        names.iter().any(|n| n == "weightstream.v1.WeightStream"),
+        "v1: {names:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_in_either_list_is_served() {
     let (uid, gid, _) = me();
@@ -362,7 +428,7 @@ async fn device_bytes_are_limited_per_uid_and_per_device() {
     ];
     for (which, message) in cases {
         let daemon = start_daemon_with(|c| match which {
-            "per uid" => c.quotas.per_uid_device_bytes = ByteSize::b(limit),
+            "per uid" => c.quotas.per_uid_device_bytes = limit,
             _ => c.quotas.max_device_bytes = SizeOrShare::Bytes(limit),
         })
         .await;
@@ -402,7 +468,7 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
     ];
     for (which, key, holder) in cases {
         let daemon = start_daemon_with(|c| match which {
-            "per uid" => c.quotas.per_uid_host_bytes = ByteSize::b(limit),
+            "per uid" => c.quotas.per_uid_host_bytes = limit,
             _ => c.quotas.max_host_bytes = SizeOrShare::Bytes(limit),
         })
         .await;

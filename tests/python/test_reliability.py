@@ -2,7 +2,7 @@
 stopped under a running trainer fails it within seconds, and ``Session.reconnect`` resumes the
 trainer at its next step against the restarted daemon, in the same process; a trainer process
 SIGKILLed mid-step leaves nothing behind. (Many more client kills, and the daemon's fds and
-memory: ``daemon/tests/faults.rs``.)"""
+memory: ``daemon/cli/tests/faults.rs``.)"""
 
 from __future__ import annotations
 

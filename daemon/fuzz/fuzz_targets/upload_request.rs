@@ -6,23 +6,31 @@ use libfuzzer_sys::fuzz_target;
 use prost::Message;
 use weightstream_client::proto;
 use weightstream_daemon::config::Limits;
-use weightstream_daemon::server::validate::{Check, check_name, check_upload_tensors};
+use weightstream_daemon::server::validate::Validation;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(req) = proto::BeginUploadRequest::decode(data) else {
         return;
     };
-    let check = Check::new(&Limits::default());
-    let _ = check_name(&check, "name", &req.name);
-    match check_upload_tensors(&check, &req.tensors) {
-        Ok(tensors) => {
-            assert_eq!(tensors.len(), req.tensors.len());
-            for ((_, dtype, shape, nbytes), t) in tensors.iter().zip(&req.tensors) {
+    let validation = Validation::new(&Limits::default());
+    if let Err(e) = validation.begin_upload(req.clone()) {
+        let message = e.to_string();
+        assert!(message.starts_with("name: ") || message.starts_with("tensors"));
+    }
+    // The tensors whatever the name: an empty name is valid, so only they are checked here.
+    let unnamed = proto::BeginUploadRequest {
+        name: String::new(),
+        ..req.clone()
+    };
+    match validation.begin_upload(unnamed) {
+        Ok(valid) => {
+            assert_eq!(valid.tensors.len(), req.tensors.len());
+            for ((_, dtype, shape, nbytes), t) in valid.tensors.iter().zip(&req.tensors) {
                 let elems = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
                 assert_eq!(elems.and_then(|e| e.checked_mul(dtype.size())), Some(*nbytes));
                 assert!(t.nbytes == 0 || t.nbytes == *nbytes);
             }
         }
-        Err(status) => assert!(!status.message().is_empty()),
+        Err(e) => assert!(e.to_string().starts_with("tensors"), "{e}"),
     }
 });

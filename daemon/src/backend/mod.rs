@@ -4,8 +4,6 @@
 //! the copies from the host store into it. The host backend (shared-memory regions and memcpy)
 //! runs everywhere; the CUDA backend (IPC-exported `cuMemAlloc` memory and async copies) is the
 //! reason the project exists. Everything above this module is backend-agnostic.
-// Only `cuda` calls FFI; everything else here is safe code.
-#![deny(unsafe_code)]
 
 pub mod cuda;
 pub mod host;

@@ -1,6 +1,5 @@
 //! Host arenas (one model's tensors in a shared-memory segment, page-locked while it lives) and
 //! the slices of them that copies read from.
-#![forbid(unsafe_code)]
 
 use std::path::Path;
 use std::sync::Arc;

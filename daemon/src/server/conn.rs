@@ -3,7 +3,6 @@
 //! Each accepted stream gets a connection number. Sessions and uploads belong to the connection
 //! that made them, and the stream's drop (the client closed it, or died) tells the daemon to tear
 //! them down.
-#![forbid(unsafe_code)]
 
 use std::io;
 use std::pin::Pin;
@@ -18,7 +17,7 @@ use tonic::transport::server::Connected;
 
 // The core owns the peer's identity; the edge reads it off the socket and hands it in (and
 // handlers find it in each request's extensions under this name).
-pub use crate::core::Peer;
+use crate::core::Peer;
 
 /// A peer's stream; its drop reports the connection closed.
 pub struct PeerStream {

@@ -1,14 +1,12 @@
-//! Conversions between the core's types and the wire's, and errors to gRPC statuses.
-#![forbid(unsafe_code)]
+//! Conversions from the core's types to the wire's (errors: see status.rs).
 
-use tonic::Status;
 use weightstream_client::proto as pb;
 
-use crate::backend::{BackendError, RegionHandle};
-use crate::core::{CoreError, OpenedSession, Peer};
-use crate::session::{AttachError, SessionShared, StatsSnapshot};
+use crate::backend::{BackendKind, RegionHandle};
+use crate::core::{Daemon, OpenedSession, Peer};
+use crate::session::{SessionShared, StatsSnapshot};
 use crate::store::safetensors::DType;
-use crate::store::{Model, ModelEntry, ModelSource, SourceError, StoreError};
+use crate::store::{Model, ModelEntry, ModelSource, UploadTicket};
 
 pub fn dtype_to_pb(d: DType) -> pb::Dtype {
     use pb::Dtype as P;
@@ -35,6 +33,58 @@ pub fn dtype_from_pb(value: i32) -> Option<DType> {
     DType::ALL
         .into_iter()
         .find(|d| dtype_to_pb(*d) as i32 == value)
+}
+
+/// GetInfo: the backend, its devices and the limits requests are checked against.
+pub fn info(d: &Daemon) -> pb::GetInfoResponse {
+    let l = &d.config.limits;
+    pb::GetInfoResponse {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        backend: match d.backend.kind() {
+            BackendKind::Host => pb::Backend::Host,
+            BackendKind::Cuda => pb::Backend::Cuda,
+        } as i32,
+        devices: d
+            .backend
+            .devices()
+            .into_iter()
+            .map(|x| pb::Device {
+                uuid: x.uuid,
+                name: x.name,
+                total_memory: x.total_memory,
+                free_memory: x.free_memory,
+                pci_bus_id: x.pci_bus_id,
+            })
+            .collect(),
+        limits: Some(pb::Limits {
+            max_message_bytes: l.max_message_bytes,
+            max_tensors_per_model: l.max_tensors_per_model,
+            max_groups_per_session: l.max_groups_per_session,
+            max_plan_length: l.max_plan_length,
+            max_live_tickets: l.max_live_tickets,
+            max_upload_bytes: l.max_upload_bytes,
+            max_sessions: l.max_sessions,
+            max_name_bytes: l.max_name_bytes,
+        }),
+        alignment: d.backend.alignment(),
+    }
+}
+
+pub fn upload_begun(ticket: UploadTicket) -> pb::BeginUploadResponse {
+    pb::BeginUploadResponse {
+        upload_id: ticket.upload_id,
+        shm_path: ticket.path.display().to_string(),
+        size: ticket.size,
+        tensors: ticket
+            .tensors
+            .into_iter()
+            .map(|t| pb::UploadTensor {
+                name: t.name,
+                offset: t.offset,
+                nbytes: t.nbytes,
+            })
+            .collect(),
+    }
 }
 
 pub fn manifest(model: &Model, entry: Option<&ModelEntry>) -> pb::ModelManifest {
@@ -150,48 +200,6 @@ pub fn session_info(owner: &Peer, s: &SessionShared) -> pb::SessionInfo {
         stats: Some(session_stats(&s.stats.snapshot())),
         age_ms: s.created.elapsed().as_millis() as u64,
         group_stall_ns: s.stats.group_stall_ns(),
-    }
-}
-
-/// The gRPC status for a refused attach.
-pub fn attach_status(e: &AttachError) -> Status {
-    match e {
-        AttachError::AlreadyAttached(_) => Status::failed_precondition(e.to_string()),
-    }
-}
-
-/// The gRPC status for a core error: the code says what kind, the message names the field.
-pub fn status_of(e: &CoreError) -> Status {
-    let msg = e.to_string();
-    match e {
-        CoreError::Store(s) => match s {
-            StoreError::Source(SourceError::NotFound(_)) => {
-                Status::not_found(format!("paths: {msg}"))
-            }
-            StoreError::Source(_) => Status::invalid_argument(format!("paths: {msg}")),
-            StoreError::Header { .. }
-            | StoreError::DuplicateTensor { .. }
-            | StoreError::TooManyTensors { .. } => Status::invalid_argument(msg),
-            StoreError::Io { .. } | StoreError::UploadTruncated { .. } => {
-                Status::failed_precondition(msg)
-            }
-            StoreError::Arena { .. } | StoreError::UploadTooLarge { .. } => {
-                Status::resource_exhausted(msg)
-            }
-            StoreError::UnknownModel(_) | StoreError::UnknownUpload(_) => Status::not_found(msg),
-            StoreError::NotOwner(_) | StoreError::NotHolder { .. } => {
-                Status::permission_denied(msg)
-            }
-            StoreError::Quota(_) => Status::resource_exhausted(msg),
-            StoreError::Pin(_) => Status::resource_exhausted(msg),
-        },
-        CoreError::Layout(_) | CoreError::Budget(_) => Status::invalid_argument(msg),
-        CoreError::Backend(BackendError::Alloc { .. }) => Status::resource_exhausted(msg),
-        CoreError::Backend(_) | CoreError::Residency(_) => Status::internal(msg),
-        CoreError::UnknownSession(_) | CoreError::UnknownDevice(_) => Status::not_found(msg),
-        CoreError::NotOwner(_) => Status::permission_denied(msg),
-        CoreError::TooManySessions(_) | CoreError::Quota(_) => Status::resource_exhausted(msg),
-        CoreError::ShuttingDown => Status::unavailable(msg),
     }
 }
 

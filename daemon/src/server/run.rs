@@ -2,7 +2,6 @@
 //! the stream to a session; after that each client message becomes a session `Command`, and
 //! each session `Event` a server message. Problems of the protocol itself (a second attach, an
 //! empty message) are answered here, as faults on the stream, and never reach the session.
-#![forbid(unsafe_code)]
 
 use std::pin::Pin;
 
@@ -14,7 +13,7 @@ use weightstream_client::proto as pb;
 use weightstream_client::proto::client_message::Msg;
 use weightstream_client::proto::server_message::Msg as Out;
 
-use super::convert::{attach_status, status_of};
+use super::status::{attach_status, status_of};
 use crate::core::{Daemon, Peer};
 use crate::session::{Command, Control, Event, FaultKind};
 

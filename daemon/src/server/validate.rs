@@ -1,107 +1,377 @@
-//! Request validation at the boundary: every message is checked before it reaches the core,
-//! and a bad one gets INVALID_ARGUMENT naming the field and the limit.
-#![forbid(unsafe_code)]
+//! Request validation at the boundary: each request becomes a `Valid…` value whose fields are
+//! checked and converted, or a [`ValidationError`] that names the field and the limit. The
+//! handlers pass only validated values on to the core.
 
 use std::collections::HashSet;
+use std::num::NonZeroU64;
+use std::path::PathBuf;
 
-use tonic::Status;
 use weightstream_client::proto as pb;
 
+use super::convert::dtype_from_pb;
 use crate::config::Limits;
+use crate::core::OpenRequest;
 use crate::store::TensorDecl;
-use crate::store::safetensors::tensor_nbytes;
+use crate::store::safetensors::{DType, tensor_nbytes};
 
 /// Most dimensions a tensor may have.
 pub const MAX_RANK: usize = 16;
+/// Most paths one LoadModel may name, and the longest path.
+pub const MAX_PATHS: usize = 4096;
+pub const MAX_PATH_BYTES: usize = 4096;
+/// The longest id (model, upload, session) a request may carry.
+pub const MAX_ID_BYTES: usize = 256;
 
-pub struct Check {
+/// Why a request was refused: every variant names the field (`tensors[3].shape`) and the limit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ValidationError {
+    #[error("{field}: required")]
+    Required { field: String },
+    #[error("{field}: {len} bytes, the limit is {max}")]
+    TooLong {
+        field: String,
+        len: usize,
+        max: usize,
+    },
+    #[error("{field}: contains a NUL byte")]
+    NulByte { field: String },
+    #[error("{field}: {n} entries, at least {min} required")]
+    TooFew { field: String, n: usize, min: usize },
+    #[error("{field}: {n} entries, the limit is {max}")]
+    TooMany { field: String, n: usize, max: usize },
+    #[error("{field}: must be more than 0")]
+    Zero { field: &'static str },
+    #[error("{field}: '{name}' is declared twice")]
+    Duplicate { field: String, name: String },
+    #[error("{field}: {value} is not a known dtype")]
+    UnknownDtype { field: String, value: i32 },
+    #[error("{field}: {rank} dimensions, the limit is {MAX_RANK}")]
+    Rank { field: String, rank: usize },
+    #[error("{field}: {shape:?} overflows")]
+    Overflow { field: String, shape: Vec<u64> },
+    #[error("{field}: {given} disagrees with shape {shape:?} of {dtype} ({nbytes} bytes)")]
+    Nbytes {
+        field: String,
+        given: u64,
+        shape: Vec<u64>,
+        dtype: DType,
+        nbytes: u64,
+    },
+}
+
+type Result<T> = std::result::Result<T, ValidationError>;
+
+/// LoadModel: the files to read, as the peer named them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidLoadModel {
+    pub paths: Vec<PathBuf>,
+    pub name: String,
+}
+
+/// BeginUpload: each tensor's dtype known, its byte size computed from its shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidBeginUpload {
+    pub name: String,
+    pub tensors: Vec<TensorDecl>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidCommitUpload {
+    pub upload_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidReleaseModel {
+    pub model_id: String,
+}
+
+/// OpenSession: groups as (name, tensor names), each with at least one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidOpenSession {
+    pub model_id: String,
+    /// Empty: the daemon picks the device.
+    pub device_uuid: String,
+    pub vram_budget: NonZeroU64,
+    /// 0: the daemon sizes the staging arena.
+    pub staging_bytes: u64,
+    pub groups: Vec<(String, Vec<String>)>,
+    pub label: String,
+}
+
+impl From<ValidOpenSession> for OpenRequest {
+    fn from(v: ValidOpenSession) -> OpenRequest {
+        OpenRequest {
+            model_id: v.model_id,
+            device_uuid: v.device_uuid,
+            vram_budget: v.vram_budget.get(),
+            staging_bytes: v.staging_bytes,
+            groups: v.groups,
+            label: v.label,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidCloseSession {
+    pub session_id: String,
+}
+
+/// The checks, with the configured limits.
+#[derive(Debug, Clone, Copy)]
+pub struct Validation {
     max_name: usize,
+    max_groups: usize,
+    max_tensors: usize,
 }
 
-impl Check {
-    pub fn new(limits: &Limits) -> Check {
-        Check {
+impl Validation {
+    pub fn new(limits: &Limits) -> Validation {
+        Validation {
             max_name: limits.max_name_bytes as usize,
+            max_groups: limits.max_groups_per_session as usize,
+            max_tensors: limits.max_tensors_per_model as usize,
         }
     }
 
-    /// A required string of at most `max` bytes.
-    pub fn text(&self, field: &str, value: &str, max: usize) -> Result<(), Status> {
-        if value.is_empty() {
-            return Err(Status::invalid_argument(format!("{field}: required")));
+    pub fn load_model(&self, req: pb::LoadModelRequest) -> Result<ValidLoadModel> {
+        count("paths", req.paths.len(), 1, MAX_PATHS)?;
+        for (i, p) in req.paths.iter().enumerate() {
+            text(&format!("paths[{i}]"), p, MAX_PATH_BYTES)?;
         }
-        self.text_opt(field, value, max)
+        self.name("name", &req.name)?;
+        Ok(ValidLoadModel {
+            paths: req.paths.into_iter().map(PathBuf::from).collect(),
+            name: req.name,
+        })
     }
 
-    pub fn text_opt(&self, field: &str, value: &str, max: usize) -> Result<(), Status> {
-        if value.len() > max {
-            return Err(Status::invalid_argument(format!(
-                "{field}: {} bytes, the limit is {max}",
-                value.len()
-            )));
-        }
-        if value.contains('\0') {
-            return Err(Status::invalid_argument(format!(
-                "{field}: contains a NUL byte"
-            )));
-        }
-        Ok(())
+    pub fn begin_upload(&self, req: pb::BeginUploadRequest) -> Result<ValidBeginUpload> {
+        self.name("name", &req.name)?;
+        let tensors = self.upload_tensors(&req.tensors)?;
+        Ok(ValidBeginUpload {
+            name: req.name,
+            tensors,
+        })
     }
 
-    pub fn count(&self, field: &str, n: usize, min: usize, max: usize) -> Result<(), Status> {
-        if n < min {
-            return Err(Status::invalid_argument(format!(
-                "{field}: {n} entries, at least {min} required"
-            )));
-        }
-        if n > max {
-            return Err(Status::invalid_argument(format!(
-                "{field}: {n} entries, the limit is {max}"
-            )));
-        }
-        Ok(())
+    pub fn commit_upload(&self, req: pb::CommitUploadRequest) -> Result<ValidCommitUpload> {
+        text("upload_id", &req.upload_id, MAX_ID_BYTES)?;
+        Ok(ValidCommitUpload {
+            upload_id: req.upload_id,
+        })
     }
-}
 
-/// Optional names (model names, labels, group names) share the name limit.
-pub fn check_name(check: &Check, field: &str, value: &str) -> Result<(), Status> {
-    check.text_opt(field, value, check.max_name)
-}
+    pub fn release_model(&self, req: pb::ReleaseModelRequest) -> Result<ValidReleaseModel> {
+        text("model_id", &req.model_id, MAX_ID_BYTES)?;
+        Ok(ValidReleaseModel {
+            model_id: req.model_id,
+        })
+    }
 
-/// Validated upload tensors as (name, dtype, shape, nbytes).
-pub fn check_upload_tensors(
-    check: &Check,
-    tensors: &[pb::TensorInfo],
-) -> Result<Vec<TensorDecl>, Status> {
-    check.count("tensors", tensors.len(), 1, usize::MAX)?;
-    let mut names = HashSet::new();
-    let mut out = Vec::with_capacity(tensors.len());
-    for (i, t) in tensors.iter().enumerate() {
-        let field = format!("tensors[{i}]");
-        check.text(&format!("{field}.name"), &t.name, check.max_name)?;
-        if !names.insert(t.name.as_str()) {
-            return Err(Status::invalid_argument(format!(
-                "{field}.name: '{}' is declared twice",
-                t.name
-            )));
-        }
-        let dtype = super::service::upload_dtype(&format!("{field}.dtype"), t.dtype)?;
-        if t.shape.len() > MAX_RANK {
-            return Err(Status::invalid_argument(format!(
-                "{field}.shape: {} dimensions, the limit is {MAX_RANK}",
-                t.shape.len()
-            )));
-        }
-        let nbytes = tensor_nbytes(dtype, &t.shape).ok_or_else(|| {
-            Status::invalid_argument(format!("{field}.shape: {:?} overflows", t.shape))
+    pub fn open_session(&self, req: pb::OpenSessionRequest) -> Result<ValidOpenSession> {
+        text("model_id", &req.model_id, MAX_ID_BYTES)?;
+        text_opt("device_uuid", &req.device_uuid, MAX_ID_BYTES)?;
+        self.name("label", &req.label)?;
+        let vram_budget = NonZeroU64::new(req.vram_budget).ok_or(ValidationError::Zero {
+            field: "vram_budget",
         })?;
-        if t.nbytes != 0 && t.nbytes != nbytes {
-            return Err(Status::invalid_argument(format!(
-                "{field}.nbytes: {} disagrees with shape {:?} of {dtype} ({nbytes} bytes)",
-                t.nbytes, t.shape
-            )));
+        count("groups", req.groups.len(), 1, self.max_groups)?;
+        let mut groups = Vec::with_capacity(req.groups.len());
+        for (i, g) in req.groups.into_iter().enumerate() {
+            self.name(&format!("groups[{i}].name"), &g.name)?;
+            count(
+                &format!("groups[{i}].tensors"),
+                g.tensors.len(),
+                1,
+                self.max_tensors,
+            )?;
+            groups.push((g.name, g.tensors));
         }
-        out.push((t.name.clone(), dtype, t.shape.clone(), nbytes));
+        Ok(ValidOpenSession {
+            model_id: req.model_id,
+            device_uuid: req.device_uuid,
+            vram_budget,
+            staging_bytes: req.staging_bytes,
+            groups,
+            label: req.label,
+        })
     }
-    Ok(out)
+
+    pub fn close_session(&self, req: pb::CloseSessionRequest) -> Result<ValidCloseSession> {
+        text("session_id", &req.session_id, MAX_ID_BYTES)?;
+        Ok(ValidCloseSession {
+            session_id: req.session_id,
+        })
+    }
+
+    /// Optional names (model names, labels, group names) share the name limit.
+    fn name(&self, field: &str, value: &str) -> Result<()> {
+        text_opt(field, value, self.max_name)
+    }
+
+    /// Upload tensors as (name, dtype, shape, nbytes): names unique, nbytes from the shape.
+    fn upload_tensors(&self, tensors: &[pb::TensorInfo]) -> Result<Vec<TensorDecl>> {
+        count("tensors", tensors.len(), 1, usize::MAX)?;
+        let mut names = HashSet::new();
+        let mut out = Vec::with_capacity(tensors.len());
+        for (i, t) in tensors.iter().enumerate() {
+            let field = format!("tensors[{i}]");
+            text(&format!("{field}.name"), &t.name, self.max_name)?;
+            if !names.insert(t.name.as_str()) {
+                return Err(ValidationError::Duplicate {
+                    field: format!("{field}.name"),
+                    name: t.name.clone(),
+                });
+            }
+            let dtype = dtype_from_pb(t.dtype).ok_or_else(|| ValidationError::UnknownDtype {
+                field: format!("{field}.dtype"),
+                value: t.dtype,
+            })?;
+            if t.shape.len() > MAX_RANK {
+                return Err(ValidationError::Rank {
+                    field: format!("{field}.shape"),
+                    rank: t.shape.len(),
+                });
+            }
+            let nbytes =
+                tensor_nbytes(dtype, &t.shape).ok_or_else(|| ValidationError::Overflow {
+                    field: format!("{field}.shape"),
+                    shape: t.shape.clone(),
+                })?;
+            if t.nbytes != 0 && t.nbytes != nbytes {
+                return Err(ValidationError::Nbytes {
+                    field: format!("{field}.nbytes"),
+                    given: t.nbytes,
+                    shape: t.shape.clone(),
+                    dtype,
+                    nbytes,
+                });
+            }
+            out.push((t.name.clone(), dtype, t.shape.clone(), nbytes));
+        }
+        Ok(out)
+    }
+}
+
+/// A required string of at most `max` bytes.
+fn text(field: &str, value: &str, max: usize) -> Result<()> {
+    if value.is_empty() {
+        return Err(ValidationError::Required {
+            field: field.to_string(),
+        });
+    }
+    text_opt(field, value, max)
+}
+
+/// An optional string (empty is fine) of at most `max` bytes.
+fn text_opt(field: &str, value: &str, max: usize) -> Result<()> {
+    if value.len() > max {
+        return Err(ValidationError::TooLong {
+            field: field.to_string(),
+            len: value.len(),
+            max,
+        });
+    }
+    if value.contains('\0') {
+        return Err(ValidationError::NulByte {
+            field: field.to_string(),
+        });
+    }
+    Ok(())
+}
+
+fn count(field: &str, n: usize, min: usize, max: usize) -> Result<()> {
+    if n < min {
+        return Err(ValidationError::TooFew {
+            field: field.to_string(),
+            n,
+            min,
+        });
+    }
+    if n > max {
+        return Err(ValidationError::TooMany {
+            field: field.to_string(),
+            n,
+            max,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(name: &str, dtype: pb::Dtype, shape: &[u64], nbytes: u64) -> pb::TensorInfo {
+        pb::TensorInfo {
+            name: name.into(),
+            dtype: dtype as i32,
+            shape: shape.to_vec(),
+            nbytes,
+        }
+    }
+
+    #[test]
+    fn each_bad_upload_names_its_field_and_limit() {
+        let v = Validation::new(&Limits::default());
+        let upload = |tensors: Vec<pb::TensorInfo>| {
+            v.begin_upload(pb::BeginUploadRequest {
+                name: String::new(),
+                tensors,
+            })
+            .map_err(|e| e.to_string())
+        };
+        let f32 = pb::Dtype::F32;
+        let cases: Vec<(Vec<pb::TensorInfo>, &str)> = vec![
+            (vec![], "tensors: 0 entries, at least 1 required"),
+            (vec![tensor("", f32, &[1], 0)], "tensors[0].name: required"),
+            (
+                vec![tensor("a", f32, &[1], 0), tensor("a", f32, &[1], 0)],
+                "tensors[1].name: 'a' is declared twice",
+            ),
+            (
+                vec![pb::TensorInfo {
+                    dtype: 999,
+                    ..tensor("a", f32, &[1], 0)
+                }],
+                "tensors[0].dtype: 999 is not a known dtype",
+            ),
+            (
+                vec![tensor("a", f32, &[1; 17], 0)],
+                "tensors[0].shape: 17 dimensions, the limit is 16",
+            ),
+            (
+                vec![tensor("a", f32, &[u64::MAX, 2], 0)],
+                "tensors[0].shape: [18446744073709551615, 2] overflows",
+            ),
+            (
+                vec![tensor("a", f32, &[2, 3], 4)],
+                "tensors[0].nbytes: 4 disagrees with shape [2, 3] of F32 (24 bytes)",
+            ),
+        ];
+        let failed: Vec<String> = cases
+            .iter()
+            .filter_map(|(tensors, want)| {
+                let got = upload(tensors.clone());
+                (got.as_ref().err().map(String::as_str) != Some(*want))
+                    .then(|| format!("want {want:?}, got {got:?}"))
+            })
+            .collect();
+        assert!(failed.is_empty(), "{failed:#?}");
+    }
+
+    #[test]
+    fn a_valid_upload_carries_the_computed_sizes() {
+        let v = Validation::new(&Limits::default());
+        let valid = v
+            .begin_upload(pb::BeginUploadRequest {
+                name: "m".into(),
+                tensors: vec![tensor("w", pb::Dtype::Bf16, &[4, 8], 0)],
+            })
+            .unwrap();
+        assert_eq!(
+            valid.tensors,
+            vec![("w".into(), DType::BF16, vec![4, 8], 64)]
+        );
+    }
 }

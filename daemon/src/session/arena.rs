@@ -1,4 +1,3 @@
-#![forbid(unsafe_code)]
 //! The per-session staging arena: a variable-size ring allocator over a fixed
 //! byte range of device memory, with plan-aware eviction.
 //!

@@ -4,7 +4,6 @@
 //! free events of the blocks it evicts are complete; only then are their slots handed out
 //! again. A cached block drops the free events that are already complete as new ones arrive,
 //! so a block reused for many steps holds few slots.
-#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,5 +1,4 @@
 //! Group layouts and the split of a session's budget into staging and resident bytes.
-#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 

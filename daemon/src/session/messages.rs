@@ -1,6 +1,5 @@
 //! What a session hears and says: commands in, events out. The edge (`server::run`) turns the
 //! wire's messages into these and back; the session knows nothing of the wire.
-#![forbid(unsafe_code)]
 
 use super::plan::GroupId;
 

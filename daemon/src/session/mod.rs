@@ -5,7 +5,6 @@
 //! no locks. It speaks `Command` in and `Event` out: the wire is the edge's business
 //! (`server::run`). What other requests need to read (statistics, identity) lives in
 //! `SessionShared`.
-#![forbid(unsafe_code)]
 
 mod actor;
 pub mod arena;

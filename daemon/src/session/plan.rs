@@ -1,4 +1,3 @@
-#![forbid(unsafe_code)]
 //! The access plan of one training step and the client's cursor in it.
 //!
 //! A trainer acquires the same groups of weights in the same order every step

@@ -3,7 +3,6 @@
 //! tickets in flight through a 2.4 s step read as 19 s of stall); the clock instead charges each
 //! stretch of time once, to the group of the oldest ticket waiting in it — the one the trainer
 //! is most likely blocked on.
-#![forbid(unsafe_code)]
 
 use std::collections::VecDeque;
 use std::time::Instant;

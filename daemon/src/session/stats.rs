@@ -1,5 +1,4 @@
 //! A session's counters: written by its actor, read by ListSessions and metrics meanwhile.
-#![forbid(unsafe_code)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -9,7 +9,6 @@
 //! arena), `pin` (page-locking an arena through a `HostPinner`); `safetensors` parses headers,
 //! `sources` resolves paths. This file holds the types they share. Memory itself (segments,
 //! arenas, slices) lives in `crate::mem`.
-#![forbid(unsafe_code)]
 
 mod load;
 mod pin;

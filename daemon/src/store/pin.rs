@@ -1,6 +1,5 @@
 //! Pinning: a filled arena is page-locked (through the `HostPinner` the store was given) in
 //! chunks of about a gigabyte that end on tensor boundaries, so no copy spans two registrations.
-#![forbid(unsafe_code)]
 
 use super::{Store, StoreError, StoredTensor, TENSOR_ALIGN};
 use crate::mem::shm::ShmSegment;

@@ -1,7 +1,6 @@
 //! The registry: models by id, their load references per uid and session references, dedup of
 //! identical sources, and the host bytes each uid is charged (models, uploads, and what is being
 //! made), checked against the quotas before anything is allocated.
-#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::Arc;

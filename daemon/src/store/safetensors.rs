@@ -7,7 +7,6 @@
 //! generic JSON tree), so a malformed or hostile file is rejected with a precise message instead
 //! of exhausting memory or sending a later copy outside the file. The checks are at least as
 //! strict as the `safetensors` crate's, so a file accepted here also loads there.
-#![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;

@@ -21,7 +21,7 @@ use weightstream_client::proto::client_message::Msg;
 use weightstream_client::proto::server_message::Msg as Reply;
 use weightstream_client::proto::weight_stream_client::WeightStreamClient;
 use weightstream_client::{Acquired, Client, Session, proto};
-use weightstream_daemon::config::{BackendChoice, Config};
+use weightstream_daemon::config::{BackendChoice, ConfigFile};
 use weightstream_daemon::server::{self, ServeError, ServerHandle};
 
 /// How long any single wait in a test may take before it counts as a hang.
@@ -67,18 +67,18 @@ pub async fn start_daemon() -> TestDaemon {
 }
 
 /// Starts a daemon after `adjust` has changed the test configuration (e.g. its limits).
-pub async fn start_daemon_with(adjust: impl FnOnce(&mut Config)) -> TestDaemon {
+pub async fn start_daemon_with(adjust: impl FnOnce(&mut ConfigFile)) -> TestDaemon {
     let socket_tmp = tempfile::tempdir().expect("socket tempdir");
     let shm_tmp = tempfile::tempdir().expect("shm tempdir");
     let socket = socket_tmp.path().join("ws.sock");
-    let mut config = Config {
+    let mut config = ConfigFile {
         socket: socket.clone(),
         shm_dir: shm_tmp.path().to_path_buf(),
         backend: BackendChoice::Host,
         ..Default::default()
     };
     adjust(&mut config);
-    config.validate().expect("test config is valid");
+    let config = config.validate().expect("test config is valid");
     let handle = server::start(config).await.expect("daemon starts");
     TestDaemon {
         handle: Some(handle),
@@ -438,8 +438,13 @@ pub async fn assert_still_serves(daemon: &TestDaemon, seed: u64) {
 /// The generated client over a fresh connection of its own (one connection: the daemon ties
 /// sessions to the connection that opened them).
 pub async fn raw_client(socket: &Path) -> WeightStreamClient<Channel> {
+    WeightStreamClient::new(raw_channel(socket).await)
+}
+
+/// A fresh connection to the socket, for any generated client (health, reflection).
+pub async fn raw_channel(socket: &Path) -> Channel {
     let path = socket.to_path_buf();
-    let channel = Endpoint::from_static("http://weightstream.test")
+    Endpoint::from_static("http://weightstream.test")
         .connect_with_connector(tower::service_fn(move |_: Uri| {
             let path = path.clone();
             async move {
@@ -448,8 +453,57 @@ pub async fn raw_client(socket: &Path) -> WeightStreamClient<Channel> {
             }
         }))
         .await
-        .expect("raw connection");
-    WeightStreamClient::new(channel)
+        .expect("raw connection")
+}
+
+/// Uploads `tensors` through the raw protocol, keeping the upload file open as a client that
+/// still holds its mapping would; returns the manifest and that file.
+pub async fn upload_keeping_the_file(
+    socket: &Path,
+    tensors: &[Tensor],
+) -> (proto::ModelManifest, std::fs::File) {
+    use std::os::unix::fs::FileExt;
+    let mut raw = raw_client(socket).await;
+    let begun = raw
+        .begin_upload(proto::BeginUploadRequest {
+            name: "held".into(),
+            tensors: tensors
+                .iter()
+                .map(|t| {
+                    let d = t.as_upload();
+                    proto::TensorInfo {
+                        name: d.name.to_string(),
+                        dtype: d.dtype as i32,
+                        shape: d.shape.to_vec(),
+                        nbytes: 0,
+                    }
+                })
+                .collect(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&begun.shm_path)
+        .unwrap();
+    for (slot, t) in begun.tensors.iter().zip(tensors) {
+        file.write_all_at(t.as_upload().bytes, slot.offset).unwrap();
+    }
+    let committed = raw
+        .commit_upload(proto::CommitUploadRequest {
+            upload_id: begun.upload_id,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // The daemon copied the bytes into its own segment and removed the upload file.
+    assert!(
+        !Path::new(&begun.shm_path).exists(),
+        "upload file left behind"
+    );
+    (committed.manifest.unwrap(), file)
 }
 
 /// A `Run` stream driven message by message.

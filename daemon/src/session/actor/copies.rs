@@ -1,5 +1,4 @@
 //! Copies into the staging arena: queueing them, prefetch along the plan, and their ends.
-#![forbid(unsafe_code)]
 
 use std::collections::HashSet;
 

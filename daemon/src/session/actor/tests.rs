@@ -3,7 +3,6 @@
 //! backend), so "in flight" means what it means in the daemon: the copy thread is inside
 //! `Backend::copy`. Tests wait on channels, never on time; `within` only turns a hang into a
 //! failure.
-#![forbid(unsafe_code)]
 
 mod fakes;
 

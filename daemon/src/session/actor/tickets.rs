@@ -1,5 +1,4 @@
 //! Acquire, release and plan: tickets and the staging space they hold.
-#![forbid(unsafe_code)]
 
 use std::sync::atomic::Ordering;
 

@@ -11,8 +11,10 @@ use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use indicatif::{ProgressBar, ProgressStyle};
 use weightstream_client::{Client, SessionOptions, proto};
 
-use super::{BoxError, CliResult, human};
-use crate::config::{BackendChoice, Config};
+use weightstream_daemon::config::ConfigFile;
+use weightstream_daemon::server::{self, ServerHandle};
+
+use super::{Backend, BoxError, CliResult, human};
 
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
@@ -29,7 +31,7 @@ pub struct DemoArgs {
     #[arg(long)]
     budget: Option<ByteSize>,
     #[arg(long, env = "WEIGHTSTREAM_BACKEND", default_value = "auto")]
-    backend: BackendChoice,
+    backend: Backend,
     /// Directory for shared-memory segments.
     #[arg(long, env = "WEIGHTSTREAM_SHM_DIR", default_value = "/dev/shm")]
     shm_dir: PathBuf,
@@ -43,7 +45,7 @@ struct Plan {
 }
 
 fn plan(args: &DemoArgs) -> Plan {
-    let (_, available) = crate::backend::host::host_memory();
+    let (_, available) = weightstream_daemon::backend::host::host_memory();
     let default = (available / 8).clamp(64 << 20, 2 << 30);
     let size = args.size.map_or(default, |s| s.as_u64()).max(1 << 20);
     let group = args
@@ -128,16 +130,17 @@ pub async fn run(args: DemoArgs) -> CliResult {
     let (path, data) = write_model(dir.path(), &p)?;
     spinner.finish_and_clear();
 
-    let config = Config {
+    let config = ConfigFile {
         socket: dir.path().join("weightstream.sock"),
-        backend: args.backend,
+        backend: args.backend.into(),
         shm_dir: args.shm_dir.clone(),
-        ..Config::default()
-    };
-    let server = crate::server::start(config).await?;
-    let outcome = drive(&server, &path, &p, &data, args.steps).await;
-    let shm = server.daemon.shm.clone();
-    server.stop().await?;
+        ..ConfigFile::default()
+    }
+    .validate()?;
+    let handle = server::start(config).await?;
+    let outcome = drive(&handle, &path, &p, &data, args.steps).await;
+    let shm = handle.daemon.shm.clone();
+    handle.stop().await?;
     let report = outcome?;
     println!("{report}");
     let left = shm.list();
@@ -157,7 +160,7 @@ struct Measured {
 }
 
 async fn drive(
-    server: &crate::server::ServerHandle,
+    server: &ServerHandle,
     path: &std::path::Path,
     p: &Plan,
     data: &[Vec<u8>],

@@ -8,8 +8,9 @@ use bytesize::ByteSize;
 use sd_notify::NotifyState;
 use tokio::signal::unix::{SignalKind, signal};
 
-use super::CliResult;
-use crate::config::{BackendChoice, Config};
+use weightstream_daemon::config::ConfigFile;
+
+use super::{Backend, CliResult};
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -18,7 +19,7 @@ pub struct ServeArgs {
     config: Option<PathBuf>,
     /// Which backend to run.
     #[arg(long, env = "WEIGHTSTREAM_BACKEND")]
-    backend: Option<BackendChoice>,
+    backend: Option<Backend>,
     /// Directory for shared-memory segments.
     #[arg(long, env = "WEIGHTSTREAM_SHM_DIR")]
     shm_dir: Option<PathBuf>,
@@ -44,14 +45,14 @@ pub struct ServeArgs {
 
 pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
     let mut config = match &args.config {
-        Some(path) => Config::from_file(path)?,
-        None => Config::default(),
+        Some(path) => ConfigFile::from_file(path)?,
+        None => ConfigFile::default(),
     };
     if let Some(s) = socket {
         config.socket = s;
     }
     if let Some(b) = args.backend {
-        config.backend = b;
+        config.backend = b.into();
     }
     if let Some(d) = args.shm_dir {
         config.shm_dir = d;
@@ -60,7 +61,7 @@ pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
         config.prefetch_depth = p;
     }
     if let Some(m) = args.max_message_bytes {
-        config.limits.max_message_bytes = m;
+        config.limits.max_message_bytes = m.as_u64();
     }
     if let Some(g) = args.socket_group {
         config.socket_group = Some(g);
@@ -75,10 +76,10 @@ pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
         config.metrics.listen = listen;
         config.metrics.enabled = true;
     }
-    config.validate()?;
+    let config = config.validate()?;
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    let handle = crate::server::start(config).await?;
+    let handle = weightstream_daemon::server::start(config).await?;
     notify(&[NotifyState::Ready, NotifyState::Status("serving")]);
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),

@@ -6,8 +6,9 @@
 //!
 //! CI runs it for `DEFAULT_SECS`; for the figures in `tests/bench/results/soak.md`:
 //! `WEIGHTSTREAM_SOAK_SECS=300 WEIGHTSTREAM_SOAK_OUT=tests/bench/results/soak.json \
-//!  cargo test --release -p weightstream-daemon --test soak -- --nocapture`
+//!  cargo test --release -p weightstream-cli --test soak -- --nocapture`
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 mod served;
 
@@ -341,7 +342,7 @@ async fn soak_32_clients_random_traffic() {
     let requests = total.acquires + total.releases + total.plans + 2 * total.opens;
     let figures = serde_json::json!({
         "command": format!(
-            "WEIGHTSTREAM_SOAK_SECS={secs} cargo test {}-p weightstream-daemon --test soak -- --nocapture",
+            "WEIGHTSTREAM_SOAK_SECS={secs} cargo test {}-p weightstream-cli --test soak -- --nocapture",
             if cfg!(debug_assertions) { "" } else { "--release " }
         ),
         "build": if cfg!(debug_assertions) { "debug" } else { "release" },
@@ -379,7 +380,7 @@ async fn soak_32_clients_random_traffic() {
     if let Ok(out) = std::env::var("WEIGHTSTREAM_SOAK_OUT") {
         // cargo runs tests in the package's directory: a relative path is from the workspace.
         let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("..")
+            .join("../..")
             .join(out);
         let json = serde_json::to_string_pretty(&figures).unwrap() + "\n";
         std::fs::write(&out, json).unwrap_or_else(|e| panic!("{}: {e}", out.display()));

@@ -1,5 +1,6 @@
-//! Command-line interface: every flag also reads an environment variable, sizes take human
-//! units (`64MiB`, `2GiB`), and `serve` reads a TOML config file that flags override.
+//! The `weightstream` binary: serve, status, top, load, demo. Every flag also reads an
+//! environment variable, sizes take human units (`64MiB`, `2GiB`), and `serve` reads a TOML
+//! config file that flags override.
 #![forbid(unsafe_code)]
 
 mod demo;
@@ -12,6 +13,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+use weightstream_daemon::config::BackendChoice;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -19,7 +21,7 @@ use clap::{Parser, Subcommand, ValueEnum};
     version,
     about = "Streams frozen model weights from pinned host memory to the GPU for trainers"
 )]
-pub struct Cli {
+struct Cli {
     /// The daemon's Unix socket.
     #[arg(long, global = true, env = "WEIGHTSTREAM_SOCKET")]
     socket: Option<PathBuf>,
@@ -55,6 +57,27 @@ enum Command {
     Demo(demo::DemoArgs),
 }
 
+/// `--backend`: the config's [`BackendChoice`] with clap's names and help.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Backend {
+    /// CUDA when a driver and a device are present, else host.
+    Auto,
+    /// Shared memory and memcpy: no GPU needed.
+    Host,
+    /// NVIDIA GPUs through the CUDA driver.
+    Cuda,
+}
+
+impl From<Backend> for BackendChoice {
+    fn from(b: Backend) -> BackendChoice {
+        match b {
+            Backend::Auto => BackendChoice::Auto,
+            Backend::Host => BackendChoice::Host,
+            Backend::Cuda => BackendChoice::Cuda,
+        }
+    }
+}
+
 fn init_logging(format: LogFormat, default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("WEIGHTSTREAM_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
@@ -75,7 +98,7 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-pub fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     // The daemon logs at info; the interactive commands only warn, so their output stays clean.
     let default = match cli.command {
@@ -110,10 +133,10 @@ pub fn main() -> ExitCode {
 }
 
 /// The CLI's error: a message for the user.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-pub type CliResult = Result<(), BoxError>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type CliResult = Result<(), BoxError>;
 
 /// Bytes as people read them.
-pub fn human(bytes: u64) -> String {
+fn human(bytes: u64) -> String {
     bytesize::ByteSize::b(bytes).display().iec().to_string()
 }

@@ -1,0 +1,58 @@
+//! Bad input that could take the daemon down: run against `weightstream serve` as its own
+//! process, so that its death is observed rather than shared with the test.
+
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use common::*;
+use weightstream_client::Client;
+
+/// Kills its child process when dropped (the test failed or ended).
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A client that truncates the shm file of a model it uploaded must not be able to kill the
+/// daemon (the next copy from the truncated mapping is a SIGBUS). The daemon runs as its own
+/// process here, so that its death is observed rather than shared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncating_an_uploaded_model_does_not_kill_the_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ws.sock");
+    let mut daemon = Child(
+        std::process::Command::new(env!("CARGO_BIN_EXE_weightstream"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(["serve", "--backend", "host", "--shm-dir"])
+            .arg(shm.path())
+            .env("WEIGHTSTREAM_LOG", "warn")
+            .spawn()
+            .expect("spawn weightstream serve"),
+    );
+    eventually("the daemon answers", || async {
+        Client::connect(Some(&socket)).await.is_ok()
+    })
+    .await;
+    let mut client = Client::connect(Some(&socket)).await.unwrap();
+    let tensors = uniform_model(34, 2, 1 << 20);
+    let (manifest, held) = upload_keeping_the_file(&socket, &tensors).await;
+    held.set_len(0).unwrap();
+    let groups = per_tensor_groups(&manifest);
+    if let Ok(session) = client
+        .open_session(options(&manifest.model_id, groups, 0, 4 << 20))
+        .await
+    {
+        let _ = within("acquire", session.acquire(0)).await;
+    }
+    let mut probe = Client::connect(Some(&socket))
+        .await
+        .expect("the daemon still accepts");
+    probe.info().await.expect("the daemon still answers");
+    assert!(daemon.0.try_wait().unwrap().is_none(), "the daemon died");
+}

@@ -1,0 +1,40 @@
+//! The edge's own errors: [`ServeError`] (starting, serving, stopping) and [`EdgeError`] (a
+//! request the edge could not handle through no fault of the request). Their gRPC statuses are
+//! in status.rs.
+
+use std::path::PathBuf;
+
+/// Why the server could not start, or ended with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("{path}: another daemon is serving this socket")]
+    SocketInUse { path: PathBuf },
+    #[error("{path}: {source}")]
+    Socket {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("backend: {0}")]
+    Backend(String),
+    #[error("cannot start: {0}")]
+    Start(std::io::Error),
+    #[error("server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
+}
+
+/// Faults of the edge itself, not of the request.
+#[derive(Debug, thiserror::Error)]
+pub enum EdgeError {
+    /// The connection did not come through `conn::incoming`.
+    #[error("connection without peer credentials")]
+    NoPeer,
+    #[error("{what} task failed: {source}")]
+    Task {
+        what: &'static str,
+        source: tokio::task::JoinError,
+    },
+}
