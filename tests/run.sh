@@ -24,6 +24,10 @@ fi
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
+step "module layering: every import in daemon/src points down the module map"
+python3 tests/check_layers.py --self-test
+python3 tests/check_layers.py
+
 step "cargo clippy"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
