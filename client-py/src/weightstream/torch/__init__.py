@@ -16,9 +16,14 @@ daemon per block and pass instead of one per layer. A group's ticket is held whi
 that use it run, and given back when a layer of another group (or of the same group in another
 pass: forward, or backward with its recomputation) asks for its own.
 
+A streamed parameter becomes a ``Placeholder``: its shape and dtype on the session's device,
+with no data (code that places new modules by ``weight.device``, like peft, sees the device
+the layer computes on; code that reads the data gets an error naming the tensor).
+
 Modules: ``options`` (``StreamOptions``), ``policy`` (selection, groups, plan, lookahead; no
 daemon), ``hooks`` (where the forward goes in a layer's chain, and back out), ``ops`` (the
-autograd Function), ``handle`` (``Handle``: tickets, plan, ``detach``); ``attach`` is here.
+autograd Function), ``placeholder`` (``Placeholder``), ``handle`` (``Handle``: tickets, plan,
+``detach``, ``close``); ``attach`` is here.
 """
 
 from __future__ import annotations
