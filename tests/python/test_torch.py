@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -163,7 +164,8 @@ def test_attach_is_bit_exact(daemon, dtype, ckpt, autocast, group_by):
     # attention reads directly; the LoRA layers are trainable and stay.
     assert "mha.out_proj" in handle.resident
     assert len(handle.streamed) == 1 + 3 * 6 + 1
-    assert streamed.blocks[0].attn.q.base_layer.weight.device.type == "meta"
+    placeholder = streamed.blocks[0].attn.q.base_layer.weight
+    assert isinstance(placeholder, wst.Placeholder) and placeholder.device.type == "cpu"
     xs = inputs(steps, dtype)
     assert_equal_runs(
         train(ref, xs, sample_between=True, autocast=autocast),
@@ -290,6 +292,66 @@ def test_attach_frees_the_trainers_copy(daemon):
     x = torch.randn(3, 2048)
     assert big(x).shape == (3, 2048)
     handle.detach(release=True)
+
+
+class OpenSessionSpy:
+    """A client that calls ``before_open`` just before each session opens."""
+
+    def __init__(self, client, before_open):
+        self._client, self._before_open = client, before_open
+
+    def open_session(self, *args, **kwargs):
+        self._before_open()
+        return self._client.open_session(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_attach_frees_the_device_copies_before_the_session_opens(daemon, monkeypatch):
+    """The daemon allocates the session's budget on the device: by then the trainer's copies
+    there are gone (nothing holds them) and torch's cache was emptied."""
+    model = nn.Sequential(*(nn.Linear(512, 512) for _ in range(4))).requires_grad_(False)
+    copies = [weakref.ref(p) for p in model.parameters()]
+    events = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    spy = OpenSessionSpy(
+        daemon.client, lambda: events.append(("open", sum(c() is not None for c in copies)))
+    )
+    handle = wst.attach(model, "cpu", client=spy, min_bytes=0)
+    assert events == ["empty_cache", ("open", 0)]
+    handle.detach(release=True)
+
+
+def test_a_failed_attach_releases_its_upload(tmp_path):
+    """A session refused after the upload (here by the device quota) leaves the daemon's host
+    bytes where they were: the next attach is not refused by the host quota, which holds one
+    model (before the fix, the first upload stayed and took it)."""
+    from conftest import Daemon
+
+    model_bytes = 8 * 256 * 256 * 4
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f"[quotas]\nper_uid_host_bytes = {model_bytes * 3 // 2}\nper_uid_device_bytes = {1 << 20}\n"
+    )
+    d = Daemon(tmp_path, "--config", str(config))
+
+    def model():
+        return nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(8))).requires_grad_(
+            False
+        )
+
+    try:
+        with pytest.raises(weightstream.RequestRejected, match="per_uid_device_bytes"):
+            wst.attach(model(), "cpu", client=d.client, min_bytes=0, vram_budget=2 << 20)
+        listed = d.client.list_models()
+        assert listed.models == [] and listed.store_bytes == 0
+        assert [f for f in d.shm_files() if "model" in f] == []
+        handle = wst.attach(model(), "cpu", client=d.client, min_bytes=0, vram_budget=768 << 10)
+        assert d.client.list_models().store_bytes == model_bytes
+        handle.detach(release=True)
+    finally:
+        d.stop()
 
 
 def test_two_processes_share_one_copy(daemon, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrizations
-from weightstream.torch import policy
+from weightstream.torch import placeholder, policy
 from weightstream.torch.options import StreamOptions
 
 
@@ -36,6 +36,8 @@ def zoo() -> nn.Module:
     root.skipped = nn.Linear(64, 64)
     root.skipped_type = nn.Conv2d(64, 64, 1)
     root.meta = nn.Linear(64, 64, device="meta")
+    root.streamed = nn.Linear(64, 64)
+    root.streamed.weight = placeholder.parameter(root.streamed.weight, torch.device("cpu"), "w")
     root.emb = nn.Embedding(64, 64)
     root.requires_grad_(False)
     root.trainable.requires_grad_(True)
@@ -61,6 +63,7 @@ def test_select_gives_each_resident_layer_its_reason():
         "skipped": "ignored",
         "skipped_type": "ignored",
         "meta": "no_weight",
+        "streamed": "no_weight",
         "emb": "unsupported",
     }
     streamed = [n for n, _ in selection.streamed]
@@ -73,6 +76,48 @@ def test_select_gives_each_resident_layer_its_reason():
     assert not wrong, wrong
     assert set(got) == set(want)
     assert selection.kinds["emb"] == "Embedding"
+
+
+def subclass_of(module: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    """A stand-in for a library's tensor subclass, named as the library names it."""
+    return torch.Tensor._make_subclass(type(name, (torch.Tensor,), {"__module__": module}), t)
+
+
+def test_quantizer_of_tells_quantized_weights_by_their_type():
+    w = torch.randn(4, 4)
+    cases = {
+        "plain": (w, None),
+        "parameter": (nn.Parameter(w), None),
+        "placeholder": (placeholder.Placeholder(w, torch.device("cpu"), "w"), None),
+        "torchao": (subclass_of("torchao.quantization", "Float8Tensor", w), "torchao"),
+        "torchao.dtypes": (
+            subclass_of("torchao.dtypes.affine_quantized_tensor", "AQT", w),
+            "torchao",
+        ),
+        "quanto": (subclass_of("optimum.quanto.tensor", "WeightQBytesTensor", w), "optimum-quanto"),
+        "torch quantized": (
+            torch.quantize_per_tensor(w, 0.1, 0, torch.qint8),
+            "torch.quantization",
+        ),
+        "other subclass": (subclass_of("mylib.tensors", "Packed", w), "mylib.tensors.Packed"),
+        "torchaox is not torchao": (subclass_of("torchaox", "T", w), "torchaox.T"),
+    }
+    wrong = [
+        f"{case}: want {want}, got {policy.quantizer_of(t)}"
+        for case, (t, want) in cases.items()
+        if policy.quantizer_of(t) != want
+    ]
+    assert not wrong, wrong
+
+
+def test_select_refuses_a_quantized_weight_unless_ignored():
+    root = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).requires_grad_(False)
+    w = subclass_of("torchao.quantization", "Float8Tensor", root[1].weight.detach())
+    root[1].weight = nn.Parameter(w, requires_grad=False)
+    with pytest.raises(policy.QuantizedWeight, match=r"^cannot stream '1': its weight is a Float8"):
+        policy.select(root, StreamOptions(min_bytes=0))
+    selection = policy.select(root, StreamOptions(min_bytes=0, ignore=["1"]))
+    assert [n for n, _ in selection.streamed] == ["0"]
 
 
 def test_nothing_to_stream_counts_each_reason_most_first():

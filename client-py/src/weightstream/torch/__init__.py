@@ -16,15 +16,21 @@ daemon per block and pass instead of one per layer. A group's ticket is held whi
 that use it run, and given back when a layer of another group (or of the same group in another
 pass: forward, or backward with its recomputation) asks for its own.
 
+A streamed parameter becomes a ``Placeholder``: its shape and dtype on the session's device,
+with no data (code that places new modules by ``weight.device``, like peft, sees the device
+the layer computes on; code that reads the data gets an error naming the tensor).
+
 Modules: ``options`` (``StreamOptions``), ``policy`` (selection, groups, plan, lookahead; no
 daemon), ``hooks`` (where the forward goes in a layer's chain, and back out), ``ops`` (the
-autograd Function), ``handle`` (``Handle``: tickets, plan, ``detach``); ``attach`` is here.
+autograd Function), ``placeholder`` (``Placeholder``), ``handle`` (``Handle``: tickets, plan,
+``detach``, ``close``); ``attach`` is here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import warnings
 
 import torch
@@ -32,10 +38,12 @@ from torch import nn
 
 import weightstream
 from weightstream.client import Client
-from weightstream.torch import ops, policy
+from weightstream.torch import ops, placeholder, policy
 from weightstream.torch.handle import Handle, StreamedLayer
 from weightstream.torch.hooks import HookConflict, HookRegistry
 from weightstream.torch.options import DEFAULT_MIN_BYTES, StreamOptions
+from weightstream.torch.placeholder import Placeholder, is_placeholder
+from weightstream.torch.policy import QuantizedWeight
 
 #: Deprecated: pass ``StreamOptions(input_grad=...)`` to ``attach``. A value other than
 #: "formula" set here is still honoured by ``attach``, with a ``DeprecationWarning``.
@@ -46,6 +54,8 @@ __all__ = [
     "INPUT_GRAD",
     "Handle",
     "HookConflict",
+    "Placeholder",
+    "QuantizedWeight",
     "StreamOptions",
     "StreamedLayer",
     "attach",
@@ -93,8 +103,12 @@ def attach(
     - ``staging_bytes``: the part of it for streaming (default: the daemon's choice).
     - ``model``: the id of a model the daemon already loaded from safetensors whose tensor
       names match the module's parameter names; otherwise the weights are uploaded.
-    The trainer's own copies of the streamed weights are freed. Layers whose forward another
-    library replaced stream inside its wrapper, or are refused (``hooks``).
+    The trainer's own copies of the streamed weights are freed, those already on ``device``
+    before the session opens (so that the daemon can allocate the budget where they were),
+    the others once it is open; their parameters become ``Placeholder``s on ``device``. A
+    failed attach releases what it uploaded. Layers whose forward another library replaced
+    stream inside its wrapper, or are refused (``hooks``); quantized weights are refused
+    (``policy.QuantizedWeight``).
     """
     options = _options(options, overrides)
     device = torch.device(device)
@@ -108,53 +122,99 @@ def attach(
         hooks.check(name, m)  # refuse before uploading anything
     client = client or weightstream.connect()
     alignment = client.info().alignment or 1
-    tensors = {
-        tname: t.detach()
-        for name, m in selection.streamed
-        for tname, t in policy.layer_tensors(name, m)
-    }
-    if model is None:
-        manifest, _ = client.upload_model(label or type(module).__name__, tensors)
-    else:
-        manifest = _match(client, model, tensors)
-    del tensors
-    grouping = policy.choose_groups(
-        module, selection.streamed, options.group_by, alignment, vram_budget, staging_bytes
-    )
-    if grouping.fallback:
-        warnings.warn(grouping.fallback, stacklevel=2)
-    groups = [
-        (gname, [t for n, m in ms for t, _ in policy.layer_tensors(n, m)])
-        for gname, ms in grouping.members.items()
-    ]
-    if vram_budget is None:
-        vram_budget = policy.default_budget(grouping.sizes)
-    session = client.open_session(
-        manifest.model_id,
-        groups,
-        vram_budget,
-        staging_bytes=staging_bytes,
-        device=device,
-        label=label or type(module).__name__,
-    )
-    resident = {n: policy.reason_text(why, options) for n, why in selection.resident.items()}
-    handle = Handle(client, session, manifest.model_id, device, options, resident=resident)
-    handle._hooks = hooks
-    for gname, members in grouping.members.items():
-        group, slot = session.group_index(gname), 0
-        for name, m in members:
-            layer = StreamedLayer(handle, m, name, group, m.bias is not None, slot)
-            slot += 2 if m.bias is not None else 1
-            handle.streamed[name] = layer
-            # Placeholders keep shape and dtype for code that inspects them, and fail loudly
-            # if anything computes with them instead of going through the layer's forward.
-            m.weight = nn.Parameter(torch.empty_like(m.weight, device="meta"), requires_grad=False)
-            if m.bias is not None:
-                m.bias = nn.Parameter(torch.empty_like(m.bias, device="meta"), requires_grad=False)
-            hooks.install(name, m, functools.partial(ops.forward, layer))
-    handle._pin_resident()
-    _move_the_rest(module, handle.streamed, device)
+    label = label or type(module).__name__
+    manifest, uploaded = _model_of(client, selection.streamed, model, label)
+    session, freed = None, []
+    try:
+        grouping = policy.choose_groups(
+            module, selection.streamed, options.group_by, alignment, vram_budget, staging_bytes
+        )
+        if grouping.fallback:
+            warnings.warn(grouping.fallback, stacklevel=2)
+        groups = [
+            (gname, [t for n, m in ms for t, _ in policy.layer_tensors(n, m)])
+            for gname, ms in grouping.members.items()
+        ]
+        if vram_budget is None:
+            vram_budget = policy.default_budget(grouping.sizes)
+        # The daemon allocates the session's budget on the device: the trainer's copies there
+        # go first, and torch's cache gives their memory back.
+        freed += _free(selection.streamed, device, only_on=device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        session = client.open_session(
+            manifest.model_id,
+            groups,
+            vram_budget,
+            staging_bytes=staging_bytes,
+            device=device,
+            label=label,
+        )
+        resident = {n: policy.reason_text(why, options) for n, why in selection.resident.items()}
+        handle = Handle(client, session, manifest.model_id, device, options, resident=resident)
+        handle._hooks = hooks
+        for gname, members in grouping.members.items():
+            group, slot = session.group_index(gname), 0
+            for name, m in members:
+                layer = StreamedLayer(handle, m, name, group, m.bias is not None, slot)
+                slot += 2 if m.bias is not None else 1
+                handle.streamed[name] = layer
+                hooks.install(name, m, functools.partial(ops.forward, layer))
+        handle._pin_resident()
+        _move_the_rest(module, handle.streamed, device)
+        _free(selection.streamed, device)
+    except BaseException as e:
+        _undo(hooks, session, client, uploaded, freed, e)
+        raise
     return handle
+
+
+def _model_of(client: Client, streamed, model: str | None, label: str):
+    """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
+    release if attach fails), or ``model``, checked against them."""
+    tensors = {
+        tname: t.detach() for name, m in streamed for tname, t in policy.layer_tensors(name, m)
+    }
+    if model is not None:
+        return _match(client, model, tensors), None
+    manifest, _ = client.upload_model(label, tensors)
+    return manifest, manifest.model_id
+
+
+def _free(streamed, device: torch.device, only_on: torch.device | None = None) -> list[str]:
+    """Puts placeholders on ``device`` in place of the streamed layers' weights and biases
+    (those on ``only_on`` alone, when given): the trainer's copies go with the last reference.
+    Returns the names of the tensors replaced."""
+    freed = []
+    for name, m in streamed:
+        for pname, tname in (("weight", f"{name}.weight"), ("bias", f"{name}.bias")):
+            t = m._parameters.get(pname)
+            if t is None or is_placeholder(t) or (only_on is not None and t.device != only_on):
+                continue
+            setattr(m, pname, placeholder.parameter(t, device, tname))
+            freed.append(tname)
+    return freed
+
+
+def _undo(hooks: HookRegistry, session, client: Client, uploaded: str | None, freed, error):
+    """After a failed attach: closes the session, releases the upload, and puts each layer's
+    forward back. Weights freed to make room for the session are gone: the error says so."""
+    hooks.remove_all()
+    for step in (
+        session.close if session is not None else None,
+        (lambda: client.release_model(uploaded)) if uploaded is not None else None,
+    ):
+        try:
+            if step is not None:
+                step()
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            pass
+    if freed and hasattr(error, "add_note"):  # notes: Python 3.11+
+        error.add_note(
+            f"weightstream.torch.attach failed after freeing {len(freed)} tensors that were "
+            f"on the session's device (e.g. {freed[0]!r}) to make room for it: their layers "
+            "hold placeholders; load the model again. The upload was released."
+        )
 
 
 def _move_the_rest(module: nn.Module, streamed, device: torch.device):
@@ -187,6 +247,6 @@ def _match(client: Client, model_id: str, tensors: dict[str, torch.Tensor]):
             )
     warnings.warn(
         "attach(model=...): streaming the daemon's copy; the module's own weights are freed",
-        stacklevel=3,
+        stacklevel=4,
     )
     return manifest

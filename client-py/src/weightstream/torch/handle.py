@@ -1,6 +1,7 @@
 """``Handle``: what ``attach`` returns. It holds the group tickets the streamed layers share
 (one acquire per group and pass), records the first step's plan and keeps the lookahead along
-it, pins the resident groups, and puts everything back in ``detach``."""
+it, pins the resident groups, and puts everything back in ``detach`` (or, for a module being
+discarded, only closes the session in ``close``)."""
 
 from __future__ import annotations
 
@@ -219,24 +220,38 @@ class Handle:
         out["hit_rate"] = s.hits / s.acquires if s.acquires else 0.0
         return out
 
-    def detach(self, release: bool = False):
-        """Puts the weights back into the layers (on ``device``), removes weightstream's
-        forwards (what other libraries installed stays) and closes the session; with
-        ``release``, also drops this handle's reference to the daemon's copy (it goes when no
-        other session uses it)."""
+    def detach(self, release: bool = False, device: torch.device | str | None = None):
+        """Puts the weights back into the layers (on ``device``, by default the session's),
+        removes weightstream's forwards (what other libraries installed stays) and closes the
+        session; with ``release``, also drops this handle's reference to the daemon's copy (it
+        goes when no other session uses it)."""
+        device = self.device if device is None else torch.device(device)
         self._drop_lookahead()
         self._unpin()
         for name, layer in self.streamed.items():
             ticket = self.session.acquire(layer.group)
             weight, bias = layer.views(ticket)
-            weight = weight.to(self.device, copy=True)
-            bias = bias.to(self.device, copy=True) if bias is not None else None
+            weight = weight.to(device, copy=True)
+            bias = bias.to(device, copy=True) if bias is not None else None
             self.session.release(ticket)
             self._hooks.remove(name)
             m = layer.module
             m.weight = nn.Parameter(weight, requires_grad=False)
             if layer.has_bias:
                 m.bias = nn.Parameter(bias, requires_grad=False)
+        self.streamed.clear()
+        self.session.close()
+        if release:
+            self.client.release_model(self.model_id)
+
+    def close(self, release: bool = False):
+        """Closes the session without giving the weights back, for a module that is being
+        discarded: weightstream's forwards come out, and the streamed layers keep their
+        placeholders (they cannot run any more). With ``release``, also drops this handle's
+        reference to the daemon's copy."""
+        self._drop_lookahead()
+        self._unpin()
+        self._hooks.remove_all()
         self.streamed.clear()
         self.session.close()
         if release:

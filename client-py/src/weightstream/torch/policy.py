@@ -1,7 +1,8 @@
 """What streams and how: pure functions and small classes, no daemon and no hooks.
 
 - ``select``: which Linear/Conv2d layers stream, and why each other one stays on the device;
-  ``nothing_to_stream`` turns the reasons into the error ``attach`` raises.
+  ``nothing_to_stream`` turns the reasons into the error ``attach`` raises; quantized weights
+  (``quantizer_of``) are refused with ``QuantizedWeight``, never uploaded as plain tensors.
 - ``block_of``, ``choose_groups``: the unit of transfer (a repeated block, or one layer) and
   each group's size as the daemon lays it out. Which groups stay resident within the budget is
   the daemon's choice (``split_budget`` in ``daemon/src/session/layout.rs``); the client only
@@ -22,13 +23,14 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from weightstream.torch.options import StreamOptions
+from weightstream.torch.placeholder import is_placeholder
 
 #: Why a considered layer stays on the device, as the words after a count of such layers.
 REASONS = {
     "trainable": "their weights require grad — freeze the base model first "
     "(model.requires_grad_(False))",
     "small": "smaller than min_bytes ({min_bytes})",
-    "no_weight": "no weight to stream (None, or on the meta device)",
+    "no_weight": "no weight to stream (None, on the meta device, or streamed already)",
     "parametrized": "parametrized (the weight is computed, not read)",
     "tied": "tied to another layer's weight",
     "read_directly": "read directly by their parent (nn.MultiheadAttention's out_proj)",
@@ -56,20 +58,58 @@ def _shared_parameters(root: nn.Module) -> set[int]:
     return {pid for pid, n in owners.items() if n > 1}
 
 
+class QuantizedWeight(ValueError):
+    """A layer's weight is kept by a quantizer in a form whose bytes are not the weight's."""
+
+
+#: Where quantizers keep their weights: the module of the weight's type starts with one of these.
+QUANTIZERS = {"torchao": "torchao", "optimum.quanto": "optimum-quanto", "quanto": "quanto"}
+
+
+def quantizer_of(t) -> str | None:
+    """Which quantizer made ``t`` (a tensor subclass of torchao or optimum-quanto, or one of
+    torch's quantized tensors), judged by its type without importing the library; None for a
+    plain tensor. Another tensor subclass from outside torch is named by its type: its bytes
+    are not a plain tensor's either."""
+    if not isinstance(t, torch.Tensor) or is_placeholder(t):
+        return None
+    where = type(t).__module__ or ""
+    for prefix, quantizer in QUANTIZERS.items():
+        if where == prefix or where.startswith(prefix + "."):
+            return quantizer
+    if where == "torch" or where.startswith("torch."):
+        return "torch.quantization" if t.is_quantized else None
+    return f"{where}.{type(t).__qualname__}"
+
+
+def refuse_quantized(name: str, m: nn.Module):
+    for pname in ("weight", "bias"):
+        t = m._parameters.get(pname)
+        quantizer = quantizer_of(t)
+        if quantizer is not None:
+            raise QuantizedWeight(
+                f"cannot stream {name!r}: its {pname} is a {type(t).__qualname__} made by "
+                f"{quantizer}, whose bytes are not the {pname}'s (streaming quantized weights "
+                f"exactly is not supported yet). Keep the layer on the device "
+                f"(ignore=[{name!r}]), or load the model unquantized."
+            )
+
+
 def _why_resident(name, m, shared, read_directly, options: StreamOptions) -> str | None:
     if not isinstance(m, (nn.Linear, nn.Conv2d)):
         return "unsupported"
-    base = nn.Linear if isinstance(m, nn.Linear) else nn.Conv2d
-    if type(m).forward is not base.forward:
-        return "own_forward"
     if name in options.ignore or isinstance(
         m, tuple(t for t in options.ignore if isinstance(t, type))
     ):
         return "ignored"
+    refuse_quantized(name, m)  # before the forward check: quanto's QLinear has its own
+    base = nn.Linear if isinstance(m, nn.Linear) else nn.Conv2d
+    if type(m).forward is not base.forward:
+        return "own_forward"
     if name in read_directly:
         return "read_directly"
     w, b = m.weight, m.bias
-    if not isinstance(w, torch.Tensor) or w.device.type == "meta":
+    if not isinstance(w, torch.Tensor) or w.device.type == "meta" or is_placeholder(w):
         return "no_weight"
     if w.requires_grad or (b is not None and b.requires_grad):
         return "trainable"
@@ -85,7 +125,8 @@ def _why_resident(name, m, shared, read_directly, options: StreamOptions) -> str
 def select(root: nn.Module, options: StreamOptions) -> Selection:
     """Streams a layer only where its weight is read through its own forward alone: tied,
     parametrized, trainable and directly-read weights (and subclasses that compute their own
-    way) stay on the device, as do layers under ``min_bytes`` or in ``ignore``."""
+    way) stay on the device, as do layers under ``min_bytes`` or in ``ignore``. A quantized
+    weight outside ``ignore`` raises ``QuantizedWeight``."""
     shared = _shared_parameters(root)
     read_directly = {
         f"{n}.out_proj" if n else "out_proj"

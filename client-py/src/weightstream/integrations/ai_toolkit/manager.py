@@ -1,0 +1,297 @@
+"""ai-toolkit's ``toolkit.memory_management`` surface, with the frozen weights streamed by
+weightstream (read at ostris/ai-toolkit 27a03a91f23eb1b757d5ec2e80ee3e129cfcc350:
+``toolkit/memory_management/{__init__,manager,manager_modules}.py``).
+
+ai-toolkit's loaders call ``MemoryManager.attach(transformer, device, offload_percent=...)``
+right after loading, before the base model is frozen and before the LoRA network exists;
+``toolkit/unloader.py`` calls ``free`` and ``release_cached_memory`` once text embeddings are
+cached; ``SDTrainer`` calls the module-level ``sync_grad_transfers()`` after backward; an
+attached module's ``to`` moves only what is not managed. Here:
+
+- ``attach`` streams the largest Linear/Conv2d layers that make up ``offload_percent`` of the
+  bytes (deterministic: by size, then name) and keeps the rest, and ``ignore_modules``, on the
+  device. Every base layer counts although its weights still require grad at that point (the
+  loaders freeze later); the layers of a LoRA already in the model (peft's ``lora_A``...,
+  ai-toolkit's ``LoRAModule``) never do. A streamed weight that still requires grad when the
+  module runs is refused: weightstream streams frozen weights only.
+- ``to()`` moves and casts what is not streamed; casting streamed weights to another dtype
+  than the daemon's copy is refused.
+- ``free`` closes the session, drops the daemon's reference and sends the rest to ``meta``.
+- ``sync_grad_transfers`` has nothing to wait for: gradients never leave the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import gc
+
+import torch
+from torch import nn
+
+import weightstream
+import weightstream.torch as wst
+from weightstream.integrations.ai_toolkit.settings import Settings, current
+from weightstream.torch import policy
+from weightstream.torch.placeholder import is_placeholder
+
+
+def sync_grad_transfers():
+    """Nothing to wait for: streamed weights are frozen and gradients never leave the device."""
+
+
+class MemoryManager:
+    """One attached module: its weightstream ``Handle`` (None when nothing streams) and the
+    overrides ``attach`` installed on it."""
+
+    def __init__(self, module: nn.Module, process_device: torch.device, handle):
+        self.module = module
+        self.process_device = process_device
+        self.handle: wst.Handle | None = handle
+        self._own_to = vars(module).get("to")  # an instance ``to`` that was there before
+        self._check = module.register_forward_pre_hook(self._refuse_trainable)
+
+    sync_grad_transfers = staticmethod(sync_grad_transfers)
+
+    # --- ai-toolkit's entry points --------------------------------------------------------
+
+    @classmethod
+    def attach(
+        cls,
+        module: nn.Module,
+        device: torch.device | str,
+        offload_percent: float = 1.0,
+        ignore_modules: list[nn.Module] | tuple = (),
+    ) -> MemoryManager | None:
+        """Streams the largest layers making up ``offload_percent`` of the module's base
+        Linear/Conv2d bytes; the rest of the module moves to ``device``. A module attached
+        already is left as it is (ai-toolkit's behaviour)."""
+        if hasattr(module, "_memory_manager"):
+            return None
+        if not 0.0 <= offload_percent <= 1.0:
+            raise ValueError(f"offload_percent={offload_percent} is not between 0 and 1")
+        device = torch.device(device)
+        ignore = _ignored_names(module, ignore_modules)
+        _refuse_ostris_quantized(module, ignore)
+        settings = current()
+        options = _options(settings, ignore)
+        base = [(n, m) for n, m in _base_layers(module) if n not in ignore]
+        with _frozen(base) as was_trainable:
+            candidates = policy.select(module, options).streamed
+            chosen = _largest_first(candidates, offload_percent)
+            handle = None
+            if chosen:
+                keep = {n for n, _ in candidates} - set(chosen)
+                handle = wst.attach(
+                    module,
+                    device,
+                    dataclasses.replace(options, ignore=ignore | keep),
+                    vram_budget=settings.vram_budget,
+                    staging_bytes=settings.staging_bytes,
+                    client=weightstream.connect(settings.socket),
+                )
+            else:
+                nn.Module.to(module, device)
+        if handle is not None:  # placeholders take the trainability of what they replaced
+            for name, layer in handle.streamed.items():
+                for pname in ("weight", "bias"):
+                    p = layer.module._parameters.get(pname)
+                    if p is not None and was_trainable.get((name, pname)):
+                        p.requires_grad_(True)
+        manager = cls(module, device, handle)
+        module._memory_manager = manager
+        module.to = manager.memory_managed_to
+        return manager
+
+    @classmethod
+    def detach(cls, module: nn.Module, release: bool = True):
+        """Gives the streamed weights back (on the CPU, where ai-toolkit's detach leaves the
+        module), moves the rest there, puts ``to`` back and closes the session; with
+        ``release`` (the default) also drops this session's reference to the daemon's copy."""
+        manager = getattr(module, "_memory_manager", None)
+        if manager is None:
+            return
+        manager._uninstall()
+        if manager.handle is not None:
+            trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+            manager.handle.detach(release=release, device="cpu")
+            for n, p in module.named_parameters():
+                if n in trainable:
+                    p.requires_grad_(True)
+        nn.Module.to(module, "cpu")
+        torch.cuda.empty_cache()
+
+    @classmethod
+    def free(cls, module: nn.Module):
+        """Destroys the module's weights: closes its session without copying anything back,
+        drops the daemon's reference (the daemon frees its copy when no other session holds
+        it) and moves everything else to ``meta``. Also for a module never attached."""
+        manager = getattr(module, "_memory_manager", None)
+        if manager is not None:
+            manager._uninstall()
+            if manager.handle is not None:
+                manager.handle.close(release=True)
+        nn.Module.to(module, "meta")  # placeholders become meta tensors too
+        torch.cuda.empty_cache()
+
+    @classmethod
+    def release_cached_memory(cls):
+        """Gives freed memory back to the system: Python's garbage, torch's device cache, and
+        the C allocator's free arenas (the trainer pinned nothing itself: the daemon holds the
+        pinned copies)."""
+        gc.collect()
+        torch.cuda.empty_cache()
+        with contextlib.suppress(OSError, AttributeError):  # glibc only
+            ctypes.CDLL(None).malloc_trim(0)
+
+    # --- the attached module ----------------------------------------------------------------
+
+    def memory_managed_to(self, *args, **kwargs):
+        """``module.to(...)`` of an attached module: moves and casts everything that is not
+        streamed; streamed weights stay in the daemon, and a dtype other than their copy's
+        is refused."""
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            self._refuse_cast(dtype)
+
+        def convert(t):
+            if is_placeholder(t):
+                return t
+            cast = dtype if t.is_floating_point() or t.is_complex() else None
+            if memory_format is not None and t.dim() in (4, 5):
+                return t.to(device, cast, non_blocking, memory_format=memory_format)
+            return t.to(device, cast, non_blocking)
+
+        self.module._apply(convert)
+        return self.module
+
+    def _refuse_cast(self, dtype: torch.dtype):
+        streamed = [
+            p
+            for _, p in self.module.named_parameters()
+            if is_placeholder(p) and p.is_floating_point() and p.dtype != dtype
+        ]
+        if streamed:
+            p = streamed[0]
+            raise ValueError(
+                f"{type(self.module).__name__}.to({dtype}): {len(streamed)} streamed tensors "
+                f"are {p.dtype} in the daemon (e.g. {p.streamed_name!r}), which streams the "
+                f"dtype it was given: cast the model to {dtype} before MemoryManager.attach "
+                "(in ai-toolkit, the loader's dtype and train.dtype should agree)"
+            )
+
+    def _refuse_trainable(self, module, args):
+        if self.handle is None:
+            return
+        for name, layer in self.handle.streamed.items():
+            w = layer.module._parameters.get("weight")
+            if w is not None and w.requires_grad:
+                raise RuntimeError(
+                    f"{name!r} is streamed by weightstream, which streams frozen weights only, "
+                    "but its weight requires grad: freeze the base model "
+                    "(model.requires_grad_(False)) to train a LoRA, or keep the layers you "
+                    "train on the device (ignore_modules, or layer_offloading off)"
+                )
+
+    def _uninstall(self):
+        self._check.remove()
+        if self._own_to is not None:
+            self.module.to = self._own_to
+        else:
+            vars(self.module).pop("to", None)
+        vars(self.module).pop("_memory_manager", None)
+
+
+# --- choosing the layers --------------------------------------------------------------------
+
+
+def _options(s: Settings, ignore: set[str]) -> wst.StreamOptions:
+    return wst.StreamOptions(
+        min_bytes=s.min_bytes, group_by=s.group_by, lookahead=s.lookahead, ignore=ignore
+    )
+
+
+def _ignored_names(root: nn.Module, modules) -> set[str]:
+    """The names of ``ignore_modules`` and of everything inside them."""
+    ids = {id(m) for m in modules}
+    tops = [n for n, m in root.named_modules() if id(m) in ids]
+    return {
+        n
+        for n, _ in root.named_modules()
+        if any(t in ("", n) or n.startswith(f"{t}.") for t in tops)
+    }
+
+
+def _adapter_layers(root: nn.Module) -> set[str]:
+    """Layers that belong to a LoRA inside the module: peft's tuner layers list the attributes
+    that hold their adapters in ``adapter_layer_names`` (``lora_A``, ``lora_B``, ...);
+    ai-toolkit's and kohya's LoRA modules keep the layer they wrap in ``org_module``, so their
+    own layers (``lora_down``, ``lora_up``) are the adapter."""
+    out = set()
+    for name, m in root.named_modules():
+        prefix = f"{name}." if name else ""
+        for attr in getattr(m, "adapter_layer_names", ()) or ():
+            sub = getattr(m, attr, None)
+            if isinstance(sub, nn.Module):
+                out.update(prefix + attr + (f".{n}" if n else "") for n, _ in sub.named_modules())
+        if "org_module" in vars(m):
+            out.update(prefix + n for n, _ in m.named_modules() if n)
+    return out
+
+
+def _base_layers(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    adapters = _adapter_layers(root)
+    return [
+        (n, m)
+        for n, m in root.named_modules()
+        if isinstance(m, (nn.Linear, nn.Conv2d)) and n not in adapters
+    ]
+
+
+@contextlib.contextmanager
+def _frozen(layers):
+    """Treats the base layers as frozen while weightstream chooses and attaches them (the
+    loaders freeze the model after attach); yields which (layer, parameter) required grad and
+    puts that back on whatever parameter is there afterwards."""
+    was = {}
+    for name, m in layers:
+        for pname, p in m.named_parameters(recurse=False):
+            if p.requires_grad:
+                was[(name, pname)] = True
+                p.requires_grad_(False)
+    try:
+        yield was
+    finally:
+        for name, m in layers:
+            for pname, p in m.named_parameters(recurse=False):
+                if was.get((name, pname)) and not is_placeholder(p):
+                    p.requires_grad_(True)
+
+
+def _largest_first(candidates, percent: float) -> list[str]:
+    """The largest layers (by weight and bias bytes, then name) until they hold ``percent``
+    of the candidates' bytes."""
+    sized = sorted(
+        ((n, sum(t.nbytes for _, t in policy.layer_tensors(n, m))) for n, m in candidates),
+        key=lambda x: (-x[1], x[0]),
+    )
+    left, chosen = percent * sum(size for _, size in sized), []
+    for name, size in sized:
+        if left <= 0:
+            break
+        chosen.append(name)
+        left -= size
+    return chosen
+
+
+def _refuse_ostris_quantized(root: nn.Module, ignore: set[str]):
+    """ai-toolkit's own quantized layers (``OstrisLinear``: the weight is a property that
+    dequantizes) hold bytes that are not the weight's."""
+    for name, m in root.named_modules():
+        if name not in ignore and getattr(m, "is_ostris_quantized", False):
+            raise policy.QuantizedWeight(
+                f"cannot stream {name!r}: it is ai-toolkit's {type(m).__name__}, quantized by "
+                "ai-toolkit (streaming quantized weights exactly is not supported yet); load "
+                "the model unquantized, or pass it in ignore_modules"
+            )

@@ -1,0 +1,141 @@
+"""``Settings``: what the ai-toolkit integration needs beyond ai-toolkit's own calls, read once
+from a ``weightstream:`` section of the job's YAML and from environment variables (which win),
+and checked into typed values before ai-toolkit starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+#: The environment variable of each setting.
+ENV = {
+    "socket": "WEIGHTSTREAM_SOCKET",
+    "vram_budget": "WEIGHTSTREAM_BUDGET",
+    "staging_bytes": "WEIGHTSTREAM_STAGING_BYTES",
+    "min_bytes": "WEIGHTSTREAM_MIN_BYTES",
+    "group_by": "WEIGHTSTREAM_GROUP_BY",
+    "lookahead": "WEIGHTSTREAM_LOOKAHEAD",
+}
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(what: str, value) -> int:
+    """Bytes from an int or a string like ``8GiB``, ``512 MiB``, ``1.5GB``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    else:
+        m = _SIZE.match(str(value))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"{what}: {value!r} is not a size (bytes, or a number with B, KiB, MiB, GiB, "
+                "TiB, KB, MB, GB or TB)"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 0:
+        raise ValueError(f"{what}: {value!r} is negative")
+    return n
+
+
+@dataclass(frozen=True)
+class Settings:
+    """- ``socket``: the daemon's socket (default: weightstream's default).
+    - ``vram_budget``: device bytes of each attached module's session (default: a quarter of
+      its streamed bytes, at least three of its largest blocks).
+    - ``staging_bytes``: the streaming part of that budget (default: the daemon's choice).
+    - ``min_bytes``: layers with fewer weight bytes stay on the device (default 0: every
+      Linear and Conv2d counts, as in ai-toolkit's offloading).
+    - ``group_by``: ``block`` or ``layer`` (``StreamOptions.group_by``).
+    - ``lookahead``: ``StreamOptions.lookahead`` (``none``: as many as staging holds).
+    """
+
+    socket: str | None = None
+    vram_budget: int | None = None
+    staging_bytes: int = 0
+    min_bytes: int = 0
+    group_by: str = "block"
+    lookahead: int | None = None
+
+    @classmethod
+    def load(cls, section: Mapping | None = None, env: Mapping[str, str] | None = None):
+        """From a YAML ``weightstream:`` section and the environment (``ENV``; set and not
+        empty wins over the section). Unknown keys and bad values raise ``ValueError`` naming
+        the key or variable."""
+        env = os.environ if env is None else env
+        if section is not None and not isinstance(section, Mapping):
+            raise ValueError(f"weightstream: expected a mapping of settings, got {section!r}")
+        raw = {}
+        for key, value in (section or {}).items():
+            if key not in ENV:
+                raise ValueError(
+                    f"weightstream.{key}: unknown setting (known: {', '.join(sorted(ENV))})"
+                )
+            raw[key] = (f"weightstream.{key}", value)
+        for key, var in ENV.items():
+            if env.get(var):
+                raw[key] = (var, env[var])
+        return cls(**{key: _convert(key, what, value) for key, (what, value) in raw.items()})
+
+    def replace(self, **changes) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+def _convert(key: str, what: str, value):
+    if key == "socket":
+        return str(value)
+    if key in ("vram_budget", "staging_bytes", "min_bytes"):
+        if key == "vram_budget" and str(value).lower() in ("none", "default", ""):
+            return None
+        return parse_size(what, value)
+    if key == "group_by":
+        if value not in ("block", "layer"):
+            raise ValueError(f"{what}: {value!r}: expected 'block' or 'layer'")
+        return value
+    if value is None or str(value).lower() == "none":
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = -1
+    if n < 0 or isinstance(value, bool):
+        raise ValueError(f"{what}: {value!r}: expected none, 0 or more")
+    return n
+
+
+_current: Settings | None = None
+
+
+def configure(settings: Settings | None):
+    """The settings of every later ``MemoryManager.attach`` (the launcher calls this; without
+    it they are read from the environment at the first ``attach``)."""
+    global _current
+    _current = settings
+
+
+def current() -> Settings:
+    global _current
+    if _current is None:
+        _current = Settings.load()
+    return _current
