@@ -174,7 +174,9 @@ fn errors_name_the_tensor_and_the_rule() {
     let norm = bf16_bytes(&[1.0; 64]);
     let ids = vec![0u8; 8 * 4];
     let fp8 = vec![0u8; 64];
-    let cases: [(&str, DType, &[u64], &[u8], &str); 9] = [
+    // (tensor, dtype, shape, bytes, message)
+    type Case<'a> = (&'a str, DType, &'a [u64], &'a [u8], &'a str);
+    let cases: [Case<'_>; 9] = [
         (
             "blocks.0.w",
             DType::BF16,

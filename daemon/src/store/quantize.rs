@@ -795,7 +795,8 @@ mod tests {
     #[test]
     fn layout_views_any_rank_as_rows_by_the_rest() {
         // (shape, rows, cols, block, scale shape)
-        let cases: [(&[u64], usize, usize, usize, [u64; 2]); 6] = [
+        type Case = (&'static [u64], usize, usize, usize, [u64; 2]);
+        let cases: [Case; 6] = [
             (&[3, 128], 3, 128, 64, [3, 2]),
             (&[3, 100], 3, 100, 100, [3, 1]),
             (&[8, 4, 3, 3], 8, 36, 36, [8, 1]),
