@@ -101,8 +101,8 @@ impl fmt::Display for NonFinite {
 pub enum QuantizeError {
     /// The value is cut to 64 characters (it may come from a client).
     #[error(
-        "quantization {value:?} is not supported: the accepted values are none, \
-         fp8_e4m3_block64, fp8 (an alias of fp8_e4m3_block64)"
+        "quantization {value:?} is not supported: the accepted values are {accepted}",
+        accepted = Quantization::ACCEPTED
     )]
     UnknownQuantization { value: String },
     #[error("tensor '{name}' has rank {rank}: fp8_e4m3_block64 quantizes only rank ≥ 2 weights")]
