@@ -359,10 +359,15 @@ fn bench_bf16_throughput() {
         .into_iter()
         .map(|q| (q.data, q.scales))
         .collect();
-    for threads in [NonZeroUsize::MIN, cores] {
+    let mut counts: Vec<usize> = (0..)
+        .map(|k| 1 << k)
+        .take_while(|&n| n < cores.get())
+        .collect();
+    counts.push(cores.get());
+    for threads in counts.into_iter().filter_map(NonZeroUsize::new) {
         for fresh in [true, false] {
             let (mut wall, mut cpu) = (f64::INFINITY, f64::INFINITY);
-            for _ in 0..3 {
+            for _ in 0..5 {
                 let (t, c) = (Instant::now(), cpu_seconds());
                 if fresh {
                     drop(quantize_all(&tensors, threads).unwrap());
