@@ -174,11 +174,7 @@ impl BlockLayout {
     }
 
     pub fn blocks_per_row(&self) -> usize {
-        if self.cols == 0 {
-            0
-        } else {
-            self.cols / self.block
-        }
+        self.cols / self.block // `block` is never 0: a width of 0 is a multiple of 64
     }
 
     /// The shape of the scales: `[rows, cols / 64]`, or `[rows, 1]`.
@@ -543,7 +539,7 @@ fn quantize_block(w: &[f32], q: &mut [u8]) -> Result<f32, usize> {
     let scale = if scale == 0.0 { 1.0 } else { scale };
     for (q, &x) in q.iter_mut().zip(w) {
         // A division, as torch does; `x * (1 / scale)` is not the same number.
-        *q = e4m3fn_of_clamped((x / scale).clamp(-E4M3_MAX, E4M3_MAX));
+        *q = e4m3fn_below_480((x / scale).clamp(-E4M3_MAX, E4M3_MAX));
     }
     Ok(scale)
 }
@@ -551,6 +547,17 @@ fn quantize_block(w: &[f32], q: &mut [u8]) -> Result<f32, usize> {
 /// `torch.tensor(x, dtype=float32).to(torch.float8_e4m3fn)`, bit for bit: round to nearest,
 /// ties to even, with subnormals; magnitudes above 464 (infinities included) and NaN give the
 /// NaN code 0x7F with the sign (e4m3fn has no infinities). [`quantize`] clamps to ±448 first.
+pub fn f32_to_e4m3fn(x: f32) -> u8 {
+    let bits = x.to_bits();
+    if bits & 0x7FFF_FFFF >= 0x43F0_0000 {
+        // 480 and above, and NaN: torch does not saturate.
+        (bits >> 24) as u8 & 0x80 | E4M3_NAN
+    } else {
+        e4m3fn_below_480(x)
+    }
+}
+
+/// [`f32_to_e4m3fn`] for |x| < 480 (the quantizer's inner loop, after the clamp).
 ///
 /// e4m3fn is 1 sign, 4 exponent (bias 7) and 3 mantissa bits; S.1111.111 is NaN, so the largest
 /// finite value is S.1111.110 = 1.75 × 2^8 = 448, the smallest normal 2^-6, the subnormals
@@ -562,9 +569,8 @@ fn quantize_block(w: &[f32], q: &mut [u8]) -> Result<f32, usize> {
 /// kept bit carries into bit 20 exactly when the dropped bits are above half, or exactly half
 /// with an odd kept mantissa; a carry out of the mantissa bumps the exponent, which is the right
 /// answer (1.111b rounds up to 10.000b). Shifting right by 20 leaves exponent and mantissa in
-/// the low 7 bits. 464 (halfway between 448 and the NaN pattern's 480) still rounds to 448, the
-/// even one; anything above, up to 480 = 0x43F0_0000, rounds onto 0x7F, and larger inputs
-/// are mapped there directly.
+/// the low 7 bits. 464 (halfway between 448 and the NaN pattern's 480) rounds to 448, the even
+/// one; anything above it and below 480 rounds onto the NaN code 0x7F, as in torch.
 ///
 /// Subnormal results (|x| < 2^-6): the result is m = round(|x| / 2^-9) in 0..=8 (8 being 2^-6,
 /// whose code is also 8: exponent 1, mantissa 0), so the integer m is the code. Adding 2^14 in
@@ -572,34 +578,11 @@ fn quantize_block(w: &[f32], q: &mut [u8]) -> Result<f32, usize> {
 /// (to nearest even, the IEEE default) to 2^14 + m × 2^-9, whose bits are (141 << 23) + m.
 /// Subtracting the bits of 2^14 leaves m. This is torch's own `fp8e4m3fn_from_fp32_value`.
 #[inline(always)]
-pub fn f32_to_e4m3fn(x: f32) -> u8 {
+fn e4m3fn_below_480(x: f32) -> u8 {
     let bits = x.to_bits();
     let sign = (bits >> 24) as u8 & 0x80;
     let a = bits & 0x7FFF_FFFF;
     // Both roundings are computed and one is picked, so that the loop stays branch-free.
-    let normal = (a
-        .wrapping_sub(120 << 23)
-        .wrapping_add(0x7FFFF + ((a >> 20) & 1))
-        >> 20) as u8;
-    let subnormal = (f32::from_bits(a) + 16384.0)
-        .to_bits()
-        .wrapping_sub(141 << 23) as u8;
-    let magnitude = if a >= 0x43F0_0000 {
-        E4M3_NAN
-    } else if a < 121 << 23 {
-        subnormal
-    } else {
-        normal
-    };
-    sign | magnitude
-}
-
-/// [`f32_to_e4m3fn`] for |x| ≤ 448 (not NaN), without the NaN branch: a shorter inner loop.
-#[inline(always)]
-fn e4m3fn_of_clamped(x: f32) -> u8 {
-    let bits = x.to_bits();
-    let sign = (bits >> 24) as u8 & 0x80;
-    let a = bits & 0x7FFF_FFFF;
     let normal = (a
         .wrapping_sub(120 << 23)
         .wrapping_add(0x7FFFF + ((a >> 20) & 1))
