@@ -12,6 +12,7 @@
 
 mod load;
 mod pin;
+pub mod quantize;
 mod registry;
 pub mod safetensors;
 mod sources;
