@@ -225,6 +225,10 @@ impl Actor {
     fn publish_counts(&self) {
         let live = (self.tickets.len() + self.pending.len()) as u32;
         self.p.shared.live_tickets.store(live, Ordering::Relaxed);
+        if let Some(plan) = &self.plan {
+            let visited = &self.p.shared.stats.plan_entries_visited;
+            visited.store(plan.work().entries, Ordering::Relaxed);
+        }
     }
 
     fn fault(&mut self, ticket: u64, kind: FaultKind, message: impl Into<String>) {

@@ -41,6 +41,7 @@ struct Setup {
     max_live_tickets: u32,
     events: Option<u32>,
     hold_copies: bool,
+    max_plan_length: u32,
 }
 
 impl Default for Setup {
@@ -52,6 +53,7 @@ impl Default for Setup {
             max_live_tickets: 16,
             events: None,
             hold_copies: false,
+            max_plan_length: 64,
         }
     }
 }
@@ -148,7 +150,7 @@ impl Harness {
             resident_of: vec![None; setup.groups],
             scheduler: scheduler.clone(),
             max_live_tickets: setup.max_live_tickets,
-            max_plan_length: 64,
+            max_plan_length: setup.max_plan_length,
             prefetch_depth: setup.prefetch_depth,
             events: pool.clone().map(|p| p as Arc<dyn EventPool>),
         };
@@ -587,4 +589,48 @@ async fn overlapping_waits_stall_once_and_the_oldest_group_is_charged() {
     assert_eq!(per_group.iter().sum::<u64>(), stall);
     assert!(per_group[0] >= 50_000_000, "{per_group:?}");
     assert_eq!(per_group[2..], [0, 0]);
+}
+
+/// Plan entries looked at for one step of `len`-entry plan cycling through 8 groups that all
+/// fit in the arena (after a warm-up step has staged them all).
+async fn plan_entries_per_step(len: usize) -> u64 {
+    let mut h = Harness::start(Setup {
+        groups: 8,
+        staging_blocks: 8,
+        prefetch_depth: 4,
+        max_plan_length: 1 << 20,
+        ..Setup::default()
+    })
+    .await;
+    let groups = (0..len as u32).map(|i| i % 8).collect();
+    h.send(Command::Plan { groups }).await;
+    let mut ticket = 0;
+    let mut step = async |h: &mut Harness| {
+        for group in 0..8 {
+            ticket += 1;
+            h.acquire(group, ticket).await;
+            assert!(matches!(h.next().await, Event::Staged { ticket: t, .. } if t == ticket));
+            h.release(ticket).await;
+        }
+        h.settle().await;
+    };
+    step(&mut h).await;
+    let visited = |h: &Harness| h.shared.stats.plan_entries_visited.load(Ordering::Relaxed);
+    let (before, misses) = (visited(&h), h.stats().misses);
+    step(&mut h).await;
+    assert_eq!(
+        h.stats().misses,
+        misses,
+        "the second step found every group staged"
+    );
+    visited(&h) - before
+}
+
+#[tokio::test]
+async fn the_work_of_a_message_does_not_grow_with_the_plans_length() {
+    let small = plan_entries_per_step(1 << 10).await;
+    let big = plan_entries_per_step(1 << 20).await;
+    assert_eq!(small, big, "plan entries looked at in one step");
+    // 16 messages, each looking at most at the cursor's entry and the 8 groups of the window.
+    assert!(big <= 16 * (1 + 8), "{big}");
 }
