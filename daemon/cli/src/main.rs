@@ -123,6 +123,9 @@ fn main() -> ExitCode {
             Command::Demo(args) => demo::run(args).await,
         }
     });
+    // Dropping the runtime would wait for every blocking task, and one stuck in a read (a
+    // load the stop gave up on, and named) would keep the process alive: wait briefly instead.
+    rt.shutdown_timeout(RUNTIME_SHUTDOWN);
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -131,6 +134,9 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// How long the runtime waits, at exit, for tasks still running (see `main`).
+const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// The CLI's error: a message for the user.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -1,5 +1,7 @@
 //! `weightstream serve`: the daemon. Under systemd (`Type=notify`) it reports READY=1 once
 //! the socket is bound and the backend is up, and STOPPING=1 when a signal starts shutdown.
+//! A stop ends within `drain_timeout_secs` + 2 s: exit 0 when everything drained, 1 (with
+//! what was abandoned) when the stop had to give up on something stuck.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -86,8 +88,12 @@ pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
         _ = int.recv() => tracing::info!("SIGINT: stopping"),
     }
     notify(&[NotifyState::Stopping, NotifyState::Status("draining")]);
-    handle.stop().await?;
-    Ok(())
+    let report = handle.stop().await?;
+    if report.drained() {
+        Ok(())
+    } else {
+        Err(format!("the stop abandoned work: {}", report.abandoned()).into())
+    }
 }
 
 /// Tells systemd (when `NOTIFY_SOCKET` is set; a no-op otherwise). A failure is logged, not

@@ -7,8 +7,12 @@ use std::path::PathBuf;
 /// Why the server could not start, or ended with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    #[error("{path}: another daemon is serving this socket")]
-    SocketInUse { path: PathBuf },
+    #[error(
+        "another weightstream daemon holds {}{}: it is still running or draining",
+        lock.display(),
+        pid.map(|p| format!(" (pid {p})")).unwrap_or_default()
+    )]
+    Locked { lock: PathBuf, pid: Option<u32> },
     #[error("{path}: {source}")]
     Socket {
         path: PathBuf,

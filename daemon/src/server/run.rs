@@ -32,7 +32,14 @@ pub async fn run(
     peer: Peer,
     mut inbound: Streaming<pb::ClientMessage>,
 ) -> Result<ServerStream, Status> {
-    let first = inbound.message().await?.and_then(|m| m.msg);
+    // A stream that never attaches must not hold its handler (and connection) forever.
+    let wait = daemon.config.limits.attach_timeout();
+    let first = tokio::time::timeout(wait, inbound.message())
+        .await
+        .map_err(|_| {
+            Status::deadline_exceeded(format!("Run: no attach within {} s", wait.as_secs()))
+        })??
+        .and_then(|m| m.msg);
     let Some(Msg::Attach(attach)) = first else {
         return Err(Status::failed_precondition(
             "Run: the first message must be attach{session_id}",

@@ -24,7 +24,8 @@ use crate::residency::ResidentLease;
 use crate::scheduler::CopyScheduler;
 use crate::session::layout::layout_groups;
 use crate::session::{
-    CloseReason, Command, Control, Event, FaultKind, SessionShared, SessionStats, StatsSnapshot,
+    CloseReason, Command, Control, DrainDeadline, Event, FaultKind, SessionShared, SessionStats,
+    StatsSnapshot,
 };
 use crate::store::{Store, StoreLimits};
 
@@ -42,6 +43,10 @@ struct Setup {
     events: Option<u32>,
     hold_copies: bool,
     max_plan_length: u32,
+    send_timeout: Duration,
+    drain: DrainDeadline,
+    /// Room on the client's stream (events the client has not read yet).
+    stream_room: usize,
 }
 
 impl Default for Setup {
@@ -54,6 +59,9 @@ impl Default for Setup {
             events: None,
             hold_copies: false,
             max_plan_length: 64,
+            send_timeout: Duration::from_secs(10),
+            drain: DrainDeadline::channel().1,
+            stream_room: 1024,
         }
     }
 }
@@ -153,6 +161,8 @@ impl Harness {
             max_plan_length: setup.max_plan_length,
             prefetch_depth: setup.prefetch_depth,
             events: pool.clone().map(|p| p as Arc<dyn EventPool>),
+            send_timeout: setup.send_timeout,
+            drain: setup.drain.clone(),
         };
         let finish_ran = Arc::new(AtomicBool::new(false));
         let ran = finish_ran.clone();
@@ -160,7 +170,7 @@ impl Harness {
             ran.store(true, Ordering::SeqCst)
         });
         let (commands, inbound) = mpsc::channel(64);
-        let (outbound, events) = mpsc::channel(1024);
+        let (outbound, events) = mpsc::channel(setup.stream_room);
         let (reply, replied) = oneshot::channel();
         let attach = Control::Attach {
             inbound,
@@ -633,4 +643,63 @@ async fn the_work_of_a_message_does_not_grow_with_the_plans_length() {
     assert_eq!(small, big, "plan entries looked at in one step");
     // 16 messages, each looking at most at the cursor's entry and the 8 groups of the window.
     assert!(big <= 16 * (1 + 8), "{big}");
+}
+
+/// Faults the client never reads: releases of tickets it never had. Returns once the actor has
+/// taken every one of them (it takes the next command only after sending the last one's fault).
+async fn flood_unread_faults(h: &Harness, n: u64) {
+    for ticket in 1..=n {
+        h.release(ticket).await;
+    }
+    within("the actor to take every command", async {
+        while h.commands.capacity() < h.commands.max_capacity() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_ends_its_session_after_the_send_timeout() {
+    let h = Harness::start(Setup {
+        stream_room: 2,
+        send_timeout: Duration::from_millis(50),
+        ..Setup::default()
+    })
+    .await;
+    // Two faults fill the stream; the third waits for room that never comes.
+    flood_unread_faults(&h, 3).await;
+    let mut finished = h.finished.clone();
+    within("the session to end", finished.wait_for(|done| *done))
+        .await
+        .unwrap();
+    assert!(h.finish_ran.load(Ordering::SeqCst), "torn down");
+}
+
+#[tokio::test]
+async fn during_a_stop_a_client_that_stops_reading_holds_its_session_only_to_the_drain_deadline() {
+    let (deadline, drain) = DrainDeadline::channel();
+    let h = Harness::start(Setup {
+        stream_room: 2,
+        // Longer than any test: only the drain's deadline can end the wait.
+        send_timeout: Duration::from_secs(3600),
+        drain,
+        ..Setup::default()
+    })
+    .await;
+    // The actor now waits for room for the third fault, and reads no control message.
+    flood_unread_faults(&h, 3).await;
+    deadline.send_replace(Some(
+        tokio::time::Instant::now() + Duration::from_millis(50),
+    ));
+    assert!(
+        h.shared
+            .control
+            .send(Control::Close(CloseReason::Shutdown))
+            .is_ok()
+    );
+    let mut finished = h.finished.clone();
+    within("the session to end", finished.wait_for(|done| *done))
+        .await
+        .unwrap();
 }
