@@ -1,10 +1,11 @@
-//! The `weightstream` binary: serve, status, top, load, demo. Every flag also reads an
+//! The `weightstream` binary: serve, status, top, load, release, demo. Every flag also reads an
 //! environment variable, sizes take human units (`64MiB`, `2GiB`), and `serve` reads a TOML
 //! config file that flags override.
 #![forbid(unsafe_code)]
 
 mod demo;
 mod load;
+mod release;
 mod serve;
 mod status;
 mod top;
@@ -53,6 +54,8 @@ enum Command {
     Top(top::TopArgs),
     /// Load safetensors files (a file, a *.safetensors.index.json, or a directory) into the store.
     Load(load::LoadArgs),
+    /// Give back this uid's reference to a model (models outlive the command that loaded them).
+    Release(release::ReleaseArgs),
     /// Run an embedded daemon and a training-like client on a synthetic model, then report.
     Demo(demo::DemoArgs),
 }
@@ -120,6 +123,7 @@ fn main() -> ExitCode {
             Command::Status(args) => status::run(socket, args).await,
             Command::Top(args) => top::run(socket, args).await,
             Command::Load(args) => load::run(socket, args).await,
+            Command::Release(args) => release::run(socket, args).await,
             Command::Demo(args) => demo::run(args).await,
         }
     });

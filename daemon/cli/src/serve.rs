@@ -43,6 +43,10 @@ pub struct ServeArgs {
     /// Address:port for the metrics endpoint; turns metrics on.
     #[arg(long, env = "WEIGHTSTREAM_METRICS_LISTEN")]
     metrics_listen: Option<String>,
+    /// Test hook: start a blocking task that never returns (as a load stuck in a read would),
+    /// so that tests can see a stop give up on it and exit 1 naming it.
+    #[arg(long, hide = true, env = "WEIGHTSTREAM_TEST_STUCK_TASK")]
+    test_stuck_task: bool,
 }
 
 pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
@@ -82,6 +86,15 @@ pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let handle = weightstream_daemon::server::start(config).await?;
+    if args.test_stuck_task {
+        handle
+            .blocking
+            .spawn("test hook: a task that never returns", || {
+                loop {
+                    std::thread::park();
+                }
+            });
+    }
     notify(&[NotifyState::Ready, NotifyState::Status("serving")]);
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),
