@@ -73,9 +73,10 @@ async fn raw_session(dir: &Path, socket: &Path) -> (RawClient, String, StdUnixSt
     (raw, opened.session_id, connection)
 }
 
-/// Sends `n` releases of tickets the session never had: each is answered with a Fault that
-/// the test never reads.
+/// Acquires a group, then sends `n` releases of tickets the session never had: the Staged and
+/// each Fault that answers them go unread.
 fn flood_unread_faults(run: &RawRun, n: u64) {
+    run.acquire(0, u64::MAX);
     for ticket in 1..=n {
         run.release(ticket);
     }

@@ -177,7 +177,15 @@ impl Drain {
                 Ok(())
             }
         };
-        let drain_deadline = *deadline.get_or_init(Instant::now);
+        let drain_deadline = match deadline.get() {
+            Some(at) => *at,
+            // The server ended by itself (an error): close the sessions now, no drain.
+            None => {
+                let now = *deadline.get_or_init(Instant::now);
+                self.daemon.stop_sessions(now);
+                now
+            }
+        };
         let give_up = drain_deadline + GIVE_UP_AFTER_DRAIN;
         if report.connections_cut > 0 {
             let _ = timeout_at(give_up, self.connections.all_closed()).await;

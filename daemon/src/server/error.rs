@@ -41,4 +41,7 @@ pub enum EdgeError {
         what: &'static str,
         source: tokio::task::JoinError,
     },
+    /// A `Run` stream's first message (attach) did not come in time.
+    #[error("Run: no attach within {secs} s")]
+    NoAttach { secs: u64 },
 }

@@ -13,6 +13,7 @@ use weightstream_client::proto as pb;
 use weightstream_client::proto::client_message::Msg;
 use weightstream_client::proto::server_message::Msg as Out;
 
+use super::error::EdgeError;
 use super::status::{attach_status, status_of};
 use crate::core::{Daemon, Peer};
 use crate::session::{Command, Control, Event, FaultKind};
@@ -36,8 +37,8 @@ pub async fn run(
     let wait = daemon.config.limits.attach_timeout();
     let first = tokio::time::timeout(wait, inbound.message())
         .await
-        .map_err(|_| {
-            Status::deadline_exceeded(format!("Run: no attach within {} s", wait.as_secs()))
+        .map_err(|_| EdgeError::NoAttach {
+            secs: wait.as_secs(),
         })??
         .and_then(|m| m.msg);
     let Some(Msg::Attach(attach)) = first else {
