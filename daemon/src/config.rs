@@ -46,6 +46,23 @@ pub struct Limits {
     pub max_upload_bytes: u64,
     pub max_sessions: u32,
     pub max_name_bytes: u32,
+    /// Seconds a session waits for its client to take an event off a full `Run` stream
+    /// before it gives up on the client and ends.
+    pub client_send_timeout_secs: u64,
+    /// Seconds a `Run` stream may take to send its first message (attach).
+    pub attach_timeout_secs: u64,
+    /// Connections one uid may hold open at once.
+    pub max_connections_per_uid: u32,
+}
+
+impl Limits {
+    pub fn client_send_timeout(&self) -> Duration {
+        Duration::from_secs(self.client_send_timeout_secs)
+    }
+
+    pub fn attach_timeout(&self) -> Duration {
+        Duration::from_secs(self.attach_timeout_secs)
+    }
 }
 
 impl Default for Limits {
@@ -59,6 +76,9 @@ impl Default for Limits {
             max_upload_bytes: 1 << 40,
             max_sessions: 256,
             max_name_bytes: 1024,
+            client_send_timeout_secs: 10,
+            attach_timeout_secs: 10,
+            max_connections_per_uid: 64,
         }
     }
 }
@@ -202,7 +222,7 @@ pub struct ConfigFile {
     pub shm_dir: PathBuf,
     /// Copies a session may have queued ahead of its client.
     pub prefetch_depth: u32,
-    /// How long shutdown waits for running copies and connections.
+    /// How long shutdown waits, from the stop request, for sessions and connections to end.
     pub drain_timeout_secs: u64,
     pub limits: Limits,
     pub metrics: MetricsConfig,
@@ -237,7 +257,8 @@ pub struct Config {
     pub backend: BackendChoice,
     pub shm_dir: PathBuf,
     pub prefetch_depth: u32,
-    /// How long shutdown waits, once sessions are closed, for connections to finish.
+    /// How long shutdown waits, from the stop request, for sessions to close and connections
+    /// to finish before cutting them; the stop gives up on what is left 2 s after that.
     pub drain_timeout: Duration,
     /// Where `/metrics` is served; `None` when metrics are off.
     pub metrics_listen: Option<SocketAddr>,
@@ -405,6 +426,21 @@ impl ConfigFile {
             l.max_upload_bytes >= 1,
             "at least 1 byte",
         )?;
+        for (key, secs) in [
+            (
+                "limits.client_send_timeout_secs",
+                l.client_send_timeout_secs,
+            ),
+            ("limits.attach_timeout_secs", l.attach_timeout_secs),
+        ] {
+            range(key, secs, (1..=3600).contains(&secs), "1 to 3600")?;
+        }
+        range(
+            "limits.max_connections_per_uid",
+            l.max_connections_per_uid.into(),
+            l.max_connections_per_uid >= 1,
+            "at least 1",
+        )?;
         for (key, total) in [
             ("quotas.max_host_bytes", self.quotas.max_host_bytes),
             ("quotas.max_device_bytes", self.quotas.max_device_bytes),
@@ -528,6 +564,9 @@ mod tests {
             "max_upload_bytes =",
             "max_sessions =",
             "max_name_bytes =",
+            "client_send_timeout_secs =",
+            "attach_timeout_secs =",
+            "max_connections_per_uid =",
             "[access]",
             "allowed_uids =",
             "allowed_gids =",
@@ -576,7 +615,8 @@ mod tests {
                 "[limits]\nmax_sesions = 3",
                 "line 2: unknown field `max_sesions`, expected one of `max_message_bytes`, \
                  `max_tensors_per_model`, `max_groups_per_session`, `max_plan_length`, \
-                 `max_live_tickets`, `max_upload_bytes`, `max_sessions`, `max_name_bytes`",
+                 `max_live_tickets`, `max_upload_bytes`, `max_sessions`, `max_name_bytes`, \
+                 `client_send_timeout_secs`, `attach_timeout_secs`, `max_connections_per_uid`",
             ),
             (
                 "[metrics]\nport = 9464",
@@ -621,6 +661,18 @@ mod tests {
             (
                 "[limits]\nmax_plan_length = 0",
                 "limits.max_plan_length = 0 is out of range: at least 1",
+            ),
+            (
+                "[limits]\nclient_send_timeout_secs = 0",
+                "limits.client_send_timeout_secs = 0 is out of range: 1 to 3600",
+            ),
+            (
+                "[limits]\nattach_timeout_secs = 3601",
+                "limits.attach_timeout_secs = 3601 is out of range: 1 to 3600",
+            ),
+            (
+                "[limits]\nmax_connections_per_uid = 0",
+                "limits.max_connections_per_uid = 0 is out of range: at least 1",
             ),
             (
                 "socket = \"ws.sock\"",

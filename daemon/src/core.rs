@@ -14,7 +14,7 @@ use crate::quota::{HostQuota, QuotaError, SessionLedger};
 use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
 use crate::scheduler::CopyScheduler;
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
-use crate::session::{ActorParts, CloseReason, SessionShared, SessionStats};
+use crate::session::{ActorParts, CloseReason, DrainDeadline, SessionShared, SessionStats};
 use crate::store::{Model, Store, StoreError, StoreLimits};
 
 /// The identity of the process at the other end of a connection: what sessions and uploads
@@ -99,6 +99,11 @@ pub struct Daemon {
     retired: Mutex<Vec<SessionTotals>>,
     next_session: AtomicU64,
     stopping: AtomicBool,
+    /// How many sessions are open (kept with `sessions`, under its lock): a stop waits on it.
+    open_sessions: watch::Sender<usize>,
+    /// The drain's deadline, once a stop set it; each session's sends are bounded by it.
+    drain: watch::Sender<Option<tokio::time::Instant>>,
+    drain_deadline: DrainDeadline,
     pub started: Instant,
 }
 
@@ -128,6 +133,7 @@ impl Daemon {
             max_name_bytes: config.limits.max_name_bytes,
             host,
         };
+        let (drain, drain_deadline) = DrainDeadline::channel();
         Ok(Arc::new(Daemon {
             store: Store::new(shm.clone(), backend.clone(), limits),
             config,
@@ -140,6 +146,9 @@ impl Daemon {
             retired: Mutex::new(vec![SessionTotals::default(); devices.len()]),
             next_session: AtomicU64::new(1),
             stopping: AtomicBool::new(false),
+            open_sessions: watch::Sender::new(0),
+            drain,
+            drain_deadline,
             started: Instant::now(),
         }))
     }
@@ -292,12 +301,20 @@ impl Daemon {
             max_plan_length: self.config.limits.max_plan_length,
             prefetch_depth: self.config.prefetch_depth as usize,
             events: events.clone(),
+            send_timeout: self.config.limits.client_send_timeout(),
+            drain: self.drain_deadline.clone(),
         };
         let live = LiveSession {
             owner,
             shared: shared.clone(),
         };
-        self.sessions().insert(shared.id.clone(), live);
+        let mut sessions = self.sessions();
+        sessions.insert(shared.id.clone(), live);
+        self.open_sessions.send_replace(sessions.len());
+        // Under the lock that `stop_sessions` takes: a session that opens while the daemon
+        // stops is either among those it closes or sees `stopping` here.
+        let late = self.is_stopping();
+        drop(sessions);
         let daemon = Arc::clone(self);
         let (ended, model_id) = (shared.clone(), model.id.clone());
         crate::session::spawn(parts, control_rx, finished_tx, move || {
@@ -306,11 +323,15 @@ impl Daemon {
             let mut sessions = daemon.sessions();
             daemon.retired()[ended.device] += SessionTotals::of(&ended.stats);
             sessions.remove(&ended.id);
+            daemon.open_sessions.send_replace(sessions.len());
             drop(sessions);
             daemon.store.close_session(&model_id);
             // Before `finished` is sent: a CloseSession reply means the quota is free again.
             drop(charge);
         });
+        if late {
+            shared.request_close(CloseReason::Shutdown);
+        }
         tracing::info!(session = %shared.id, model = %model.id, staging = split.staging_bytes,
             resident = split.resident_bytes, "session opened");
         Ok(OpenedSession {
@@ -373,12 +394,37 @@ impl Daemon {
         }
     }
 
-    /// Closes every session (clients get a Fault saying so) and stops the copy threads.
-    pub async fn shutdown(&self) {
+    /// Starts a stop: no session opens from here on, every open one is told to close (its
+    /// client gets a Fault saying so), and no session waits for its client past
+    /// `drain_deadline`. Returns at once: see [`sessions_closed`](Self::sessions_closed).
+    pub fn stop_sessions(&self, drain_deadline: tokio::time::Instant) {
+        let sessions = self.sessions();
         self.stopping.store(true, Ordering::Relaxed);
-        let all: Vec<_> = self.sessions().values().map(|s| s.shared.clone()).collect();
-        futures::future::join_all(all.iter().map(|s| s.close(CloseReason::Shutdown))).await;
-        self.scheduler.shutdown();
+        self.drain.send_replace(Some(drain_deadline));
+        let all: Vec<_> = sessions.values().map(|s| s.shared.clone()).collect();
+        drop(sessions);
+        for session in all {
+            session.request_close(CloseReason::Shutdown);
+        }
+    }
+
+    /// Waits until no session is left, or until `until`; returns the ids of the sessions not
+    /// torn down by then (a copy that never returns keeps its session's memory in use).
+    pub async fn sessions_closed(&self, until: tokio::time::Instant) -> Vec<String> {
+        let mut open = self.open_sessions.subscribe();
+        let _ = tokio::time::timeout_at(until, open.wait_for(|n| *n == 0)).await;
+        self.list_sessions()
+            .into_iter()
+            .map(|s| s.shared.id.clone())
+            .collect()
+    }
+
+    /// Stops the copy threads (what is queued is cancelled); returns how many had not ended
+    /// by `until`.
+    pub async fn stop_copies(&self, until: tokio::time::Instant) -> usize {
+        self.scheduler.stop();
+        let _ = tokio::time::timeout_at(until, self.scheduler.stopped()).await;
+        self.scheduler.running_threads()
     }
 
     pub fn is_stopping(&self) -> bool {

@@ -142,6 +142,18 @@ impl DeviceQueue {
 pub struct CopyScheduler {
     queues: Vec<Arc<DeviceQueue>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// Copy threads still running: a stop can wait for them with a deadline (a copy stuck in
+    /// the driver must not hold the daemon's exit forever).
+    running: Arc<tokio::sync::watch::Sender<usize>>,
+}
+
+/// Counts its copy thread out when the thread ends, however it ends.
+struct Running(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n -= 1);
+    }
 }
 
 impl CopyScheduler {
@@ -149,21 +161,36 @@ impl CopyScheduler {
     pub fn start(backend: Arc<dyn Backend>, devices: usize) -> std::io::Result<Arc<Self>> {
         let mut queues = Vec::new();
         let mut threads = Vec::new();
+        let running = Arc::new(tokio::sync::watch::Sender::new(0));
         for device in 0..devices {
             let queue = Arc::new(DeviceQueue {
                 state: Mutex::new(QueueState::default()),
                 wake: Condvar::new(),
             });
             let (q, b) = (queue.clone(), backend.clone());
+            running.send_modify(|n| *n += 1);
+            let counted = Running(running.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("ws-copy-{device}"))
-                .spawn(move || copy_loop(device, &q, b.as_ref()))?;
+                .spawn(move || {
+                    let _counted = counted;
+                    copy_loop(device, &q, b.as_ref());
+                });
+            let thread = match thread {
+                Ok(t) => t,
+                Err(e) => {
+                    // Threads already started end with the queues they serve.
+                    queues.iter().for_each(|q: &Arc<DeviceQueue>| q.stop());
+                    return Err(e);
+                }
+            };
             queues.push(queue);
             threads.push(thread);
         }
         Ok(Arc::new(CopyScheduler {
             queues,
             threads: Mutex::new(threads),
+            running,
         }))
     }
 
@@ -222,25 +249,46 @@ impl CopyScheduler {
         self.queues.len()
     }
 
-    /// Cancels what is queued, lets running copies finish, joins the threads.
+    /// Cancels what is queued and tells each copy thread to end once its running copy
+    /// returns; does not wait (see [`stopped`](Self::stopped)).
+    pub fn stop(&self) {
+        self.queues.iter().for_each(|q| q.stop());
+    }
+
+    /// Resolves once every copy thread has ended (after [`stop`](Self::stop)).
+    pub async fn stopped(&self) {
+        let mut running = self.running.subscribe();
+        let _ = running.wait_for(|n| *n == 0).await;
+    }
+
+    /// Copy threads that have not ended yet.
+    pub fn running_threads(&self) -> usize {
+        *self.running.borrow()
+    }
+
+    /// Stops, then joins the threads (blocking: for tests and synchronous owners).
     pub fn shutdown(&self) {
-        for queue in &self.queues {
-            let dropped: Vec<CopyRequest> = {
-                let mut state = queue.lock();
-                state.stopping = true;
-                let mut d = Vec::new();
-                while let Some(r) = state.demand.pop().or_else(|| state.prefetch.pop()) {
-                    d.push(r);
-                }
-                d
-            };
-            dropped.into_iter().for_each(cancel);
-            queue.wake.notify_all();
-        }
+        self.stop();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|p| p.into_inner()));
         for t in threads {
             let _ = t.join();
         }
+    }
+}
+
+impl DeviceQueue {
+    fn stop(&self) {
+        let dropped: Vec<CopyRequest> = {
+            let mut state = self.lock();
+            state.stopping = true;
+            let mut d = Vec::new();
+            while let Some(r) = state.demand.pop().or_else(|| state.prefetch.pop()) {
+                d.push(r);
+            }
+            d
+        };
+        dropped.into_iter().for_each(cancel);
+        self.wake.notify_all();
     }
 }
 

@@ -1,10 +1,11 @@
-//! The `weightstream` binary: serve, status, top, load, demo. Every flag also reads an
+//! The `weightstream` binary: serve, status, top, load, release, demo. Every flag also reads an
 //! environment variable, sizes take human units (`64MiB`, `2GiB`), and `serve` reads a TOML
 //! config file that flags override.
 #![forbid(unsafe_code)]
 
 mod demo;
 mod load;
+mod release;
 mod serve;
 mod status;
 mod top;
@@ -53,6 +54,8 @@ enum Command {
     Top(top::TopArgs),
     /// Load safetensors files (a file, a *.safetensors.index.json, or a directory) into the store.
     Load(load::LoadArgs),
+    /// Give back this uid's reference to a model (models outlive the command that loaded them).
+    Release(release::ReleaseArgs),
     /// Run an embedded daemon and a training-like client on a synthetic model, then report.
     Demo(demo::DemoArgs),
 }
@@ -120,9 +123,13 @@ fn main() -> ExitCode {
             Command::Status(args) => status::run(socket, args).await,
             Command::Top(args) => top::run(socket, args).await,
             Command::Load(args) => load::run(socket, args).await,
+            Command::Release(args) => release::run(socket, args).await,
             Command::Demo(args) => demo::run(args).await,
         }
     });
+    // Dropping the runtime would wait for every blocking task, and one stuck in a read (a
+    // load the stop gave up on, and named) would keep the process alive: wait briefly instead.
+    rt.shutdown_timeout(RUNTIME_SHUTDOWN);
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -131,6 +138,9 @@ fn main() -> ExitCode {
         }
     }
 }
+
+/// How long the runtime waits, at exit, for tasks still running (see `main`).
+const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// The CLI's error: a message for the user.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;

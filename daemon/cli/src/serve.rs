@@ -1,5 +1,7 @@
 //! `weightstream serve`: the daemon. Under systemd (`Type=notify`) it reports READY=1 once
 //! the socket is bound and the backend is up, and STOPPING=1 when a signal starts shutdown.
+//! A stop ends within `drain_timeout_secs` + 2 s: exit 0 when everything drained, 1 (with
+//! what was abandoned) when the stop had to give up on something stuck.
 #![forbid(unsafe_code)]
 
 use std::path::PathBuf;
@@ -41,6 +43,10 @@ pub struct ServeArgs {
     /// Address:port for the metrics endpoint; turns metrics on.
     #[arg(long, env = "WEIGHTSTREAM_METRICS_LISTEN")]
     metrics_listen: Option<String>,
+    /// Test hook: start a blocking task that never returns (as a load stuck in a read would),
+    /// so that tests can see a stop give up on it and exit 1 naming it.
+    #[arg(long, hide = true, env = "WEIGHTSTREAM_TEST_STUCK_TASK")]
+    test_stuck_task: bool,
 }
 
 pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
@@ -80,14 +86,27 @@ pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     let handle = weightstream_daemon::server::start(config).await?;
+    if args.test_stuck_task {
+        handle
+            .blocking
+            .spawn("test hook: a task that never returns", || {
+                loop {
+                    std::thread::park();
+                }
+            });
+    }
     notify(&[NotifyState::Ready, NotifyState::Status("serving")]);
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: stopping"),
         _ = int.recv() => tracing::info!("SIGINT: stopping"),
     }
     notify(&[NotifyState::Stopping, NotifyState::Status("draining")]);
-    handle.stop().await?;
-    Ok(())
+    let report = handle.stop().await?;
+    if report.drained() {
+        Ok(())
+    } else {
+        Err(format!("the stop abandoned work: {}", report.abandoned()).into())
+    }
 }
 
 /// Tells systemd (when `NOTIFY_SOCKET` is set; a no-op otherwise). A failure is logged, not

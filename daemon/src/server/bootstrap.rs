@@ -1,12 +1,16 @@
-//! Start-up on the box, before anything is served: claim the socket, sweep shared memory an
-//! earlier daemon left, pick the backend, bind the socket (mode 0660, the configured group).
-//! The only place in `server/` that knows the shared-memory directory's type.
+//! Start-up on the box, before anything is served: claim the socket (an exclusive lock on
+//! `<socket>.lock`, held until the daemon has stopped), sweep shared memory an earlier daemon
+//! left, pick the backend, bind the socket (mode 0660, the configured group). The only place in
+//! `server/` that knows the shared-memory directory's type.
 
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
-use std::path::Path;
+use std::fs::File;
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use tokio::net::{UnixListener, UnixStream};
+use rustix::fs::FlockOperation;
+use tokio::net::UnixListener;
 
 use super::error::ServeError;
 use crate::backend::Backend;
@@ -18,13 +22,14 @@ use crate::mem::shm::ShmDir;
 /// What start-up made: the bound socket, the shared-memory directory and the backend.
 pub(super) struct Bootstrap {
     pub listener: UnixListener,
+    pub bound: BoundSocket,
     pub shm: Arc<ShmDir>,
     pub backend: Arc<dyn Backend>,
 }
 
 pub(super) async fn bootstrap(config: &Config) -> Result<Bootstrap, ServeError> {
     let socket = &config.socket;
-    claim_socket(socket).await?;
+    let lock = claim_socket(socket)?;
     // Shared memory belongs to the socket's group: exactly the peers who may connect map it.
     let shm =
         Arc::new(ShmDir::new(&config.shm_dir, &shm_tag(socket)).with_group(config.socket_gid));
@@ -37,9 +42,10 @@ pub(super) async fn bootstrap(config: &Config) -> Result<Bootstrap, ServeError> 
         );
     }
     let backend = select_backend(config.backend, &shm)?;
-    let listener = bind(socket, config.socket_gid)?;
+    let (listener, bound) = bind(socket, config.socket_gid, lock)?;
     Ok(Bootstrap {
         listener,
+        bound,
         shm,
         backend,
     })
@@ -58,38 +64,106 @@ fn socket_error(path: &Path) -> impl Fn(std::io::Error) -> ServeError {
     }
 }
 
-/// Removes a socket file no daemon answers on; refuses one a live daemon serves.
-async fn claim_socket(path: &Path) -> Result<(), ServeError> {
+/// The lock file beside `socket`: whoever holds it owns the socket.
+pub fn lock_path(socket: &Path) -> PathBuf {
+    let mut name = socket.as_os_str().to_owned();
+    name.push(".lock");
+    PathBuf::from(name)
+}
+
+/// Takes `<socket>.lock` (created 0600 if missing) with an exclusive, non-blocking `flock`, and
+/// writes this process's pid into it; a daemon that holds it (running, or still draining) makes
+/// this fail at once, naming its pid. Holding the lock, removes a socket file an earlier daemon
+/// left (no live daemon can own it any more).
+fn claim_socket(path: &Path) -> Result<File, ServeError> {
     let io = socket_error(path);
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(&io)?;
     }
-    match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => {
-            if UnixStream::connect(path).await.is_ok() {
-                return Err(ServeError::SocketInUse {
-                    path: path.to_path_buf(),
-                });
-            }
-            std::fs::remove_file(path).map_err(io)
+    let lock_path = lock_path(path);
+    let lock_io = socket_error(&lock_path);
+    let mut lock = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(&lock_path)
+        .map_err(&lock_io)?;
+    if let Err(e) = rustix::fs::flock(&lock, FlockOperation::NonBlockingLockExclusive) {
+        if e != rustix::io::Errno::WOULDBLOCK {
+            return Err(lock_io(e.into()));
         }
-        Ok(_) => Err(io(std::io::Error::new(
-            std::io::ErrorKind::AlreadyExists,
-            "exists and is not a socket",
-        ))),
-        Err(_) => Ok(()),
+        let mut text = String::new();
+        let _ = lock.read_to_string(&mut text);
+        return Err(ServeError::Locked {
+            lock: lock_path.clone(),
+            pid: text.trim().parse().ok(),
+        });
+    }
+    lock.set_len(0).map_err(&lock_io)?;
+    lock.rewind().map_err(&lock_io)?;
+    writeln!(lock, "{}", std::process::id()).map_err(&lock_io)?;
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path).map_err(io)?,
+        Ok(_) => {
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "exists and is not a socket",
+            )));
+        }
+        Err(_) => {}
+    }
+    Ok(lock)
+}
+
+/// The socket file this daemon bound, and the lock that makes it this daemon's.
+pub(super) struct BoundSocket {
+    path: PathBuf,
+    /// The socket file as bound: (device, inode, ctime). The ctime tells a reused inode
+    /// number apart.
+    identity: (u64, u64, i64, i64),
+    lock: File,
+}
+
+impl BoundSocket {
+    /// Removes the socket file, if it is still the one this daemon bound (never a successor's),
+    /// then lets the lock go.
+    pub(super) fn release(self) {
+        if let Ok(meta) = std::fs::symlink_metadata(&self.path)
+            && identity(&meta) == self.identity
+        {
+            let _ = std::fs::remove_file(&self.path);
+        }
+        drop(self.lock);
     }
 }
 
 /// Binds the socket: mode 0660, owned by `gid` when one is configured.
-fn bind(path: &Path, gid: Option<u32>) -> Result<UnixListener, ServeError> {
+fn bind(
+    path: &Path,
+    gid: Option<u32>,
+    lock: File,
+) -> Result<(UnixListener, BoundSocket), ServeError> {
     let io = socket_error(path);
     let listener = UnixListener::bind(path).map_err(&io)?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(&io)?;
     if let Some(gid) = gid {
         std::os::unix::fs::chown(path, None, Some(gid)).map_err(&io)?;
     }
-    Ok(listener)
+    // After the chmod and chown, which change the ctime.
+    let meta = std::fs::symlink_metadata(path).map_err(&io)?;
+    let bound = BoundSocket {
+        path: path.to_path_buf(),
+        identity: identity(&meta),
+        lock,
+    };
+    Ok((listener, bound))
+}
+
+fn identity(meta: &std::fs::Metadata) -> (u64, u64, i64, i64) {
+    (meta.dev(), meta.ino(), meta.ctime(), meta.ctime_nsec())
 }
 
 fn select_backend(
@@ -117,5 +191,52 @@ fn select_backend(
             tracing::info!("backend: cuda (requested)");
             Ok(Arc::new(cuda))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_claim_fails_naming_the_holders_pid_and_a_release_frees_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("ws.sock");
+        let first = claim_socket(&socket).unwrap();
+        let mode = std::fs::metadata(lock_path(&socket)).unwrap().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let err = claim_socket(&socket).unwrap_err().to_string();
+        let want = format!(
+            "another weightstream daemon holds {}.lock (pid {}): it is still running or draining",
+            socket.display(),
+            std::process::id()
+        );
+        assert_eq!(err, want);
+        drop(first);
+        claim_socket(&socket).expect("the lock is free again");
+    }
+
+    #[tokio::test]
+    async fn release_removes_only_the_socket_this_daemon_bound() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("ws.sock");
+        let (_listener, bound) = bind(&socket, None, claim_socket(&socket).unwrap()).unwrap();
+        // Someone else's socket now sits at the path (as a successor's would).
+        let elsewhere = dir.path().join("successor.sock");
+        let successor = std::os::unix::net::UnixListener::bind(&elsewhere).unwrap();
+        std::fs::rename(&elsewhere, &socket).unwrap();
+        let ino = std::fs::symlink_metadata(&socket).unwrap().ino();
+        bound.release();
+        assert_eq!(
+            std::fs::symlink_metadata(&socket).map(|m| m.ino()).ok(),
+            Some(ino),
+            "a successor's socket was removed"
+        );
+        drop(successor);
+        // Its own socket goes.
+        std::fs::remove_file(&socket).unwrap();
+        let (_listener, bound) = bind(&socket, None, claim_socket(&socket).unwrap()).unwrap();
+        bound.release();
+        assert!(!socket.exists(), "its own socket stays behind");
     }
 }

@@ -7,8 +7,12 @@ use std::path::PathBuf;
 /// Why the server could not start, or ended with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    #[error("{path}: another daemon is serving this socket")]
-    SocketInUse { path: PathBuf },
+    #[error(
+        "another weightstream daemon holds {}{}: it is still running or draining",
+        lock.display(),
+        pid.map(|p| format!(" (pid {p})")).unwrap_or_default()
+    )]
+    Locked { lock: PathBuf, pid: Option<u32> },
     #[error("{path}: {source}")]
     Socket {
         path: PathBuf,
@@ -37,4 +41,7 @@ pub enum EdgeError {
         what: &'static str,
         source: tokio::task::JoinError,
     },
+    /// A `Run` stream's first message (attach) did not come in time.
+    #[error("Run: no attach within {secs} s")]
+    NoAttach { secs: u64 },
 }

@@ -13,6 +13,7 @@ use weightstream_client::proto as pb;
 use weightstream_client::proto::client_message::Msg;
 use weightstream_client::proto::server_message::Msg as Out;
 
+use super::error::EdgeError;
 use super::status::{attach_status, status_of};
 use crate::core::{Daemon, Peer};
 use crate::session::{Command, Control, Event, FaultKind};
@@ -32,7 +33,14 @@ pub async fn run(
     peer: Peer,
     mut inbound: Streaming<pb::ClientMessage>,
 ) -> Result<ServerStream, Status> {
-    let first = inbound.message().await?.and_then(|m| m.msg);
+    // A stream that never attaches must not hold its handler (and connection) forever.
+    let wait = daemon.config.limits.attach_timeout();
+    let first = tokio::time::timeout(wait, inbound.message())
+        .await
+        .map_err(|_| EdgeError::NoAttach {
+            secs: wait.as_secs(),
+        })??
+        .and_then(|m| m.msg);
     let Some(Msg::Attach(attach)) = first else {
         return Err(Status::failed_precondition(
             "Run: the first message must be attach{session_id}",

@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::net::UnixListener;
 use tokio::sync::mpsc;
@@ -15,7 +16,8 @@ use weightstream_client::proto::FILE_DESCRIPTOR_SET;
 use weightstream_client::proto::weight_stream_server::WeightStreamServer;
 
 use super::access::AccessCheck;
-use super::conn;
+use super::blocking::BlockingTasks;
+use super::conn::{self, Connections};
 use super::error::ServeError;
 use super::service::Service;
 use crate::core::Daemon;
@@ -23,8 +25,16 @@ use crate::core::Daemon;
 /// The weightstream service as tonic serves it (health reports its status by this type).
 pub(super) type Api = WeightStreamServer<Service>;
 
+/// An idle connection is pinged this often, and closed when a ping is not answered within
+/// [`KEEPALIVE_TIMEOUT`] (a peer that vanished without closing its socket).
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Every service on the socket, and the reporter of their health (SERVING from here on).
-pub(super) async fn routes(daemon: &Arc<Daemon>) -> Result<(Routes, HealthReporter), ServeError> {
+pub(super) async fn routes(
+    daemon: &Arc<Daemon>,
+    blocking: &BlockingTasks,
+) -> Result<(Routes, HealthReporter), ServeError> {
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_serving::<Api>().await;
     let reflection = || {
@@ -33,7 +43,7 @@ pub(super) async fn routes(daemon: &Arc<Daemon>) -> Result<(Routes, HealthReport
             .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
     };
     let max_message = daemon.config.limits.max_message_bytes as usize;
-    let api = Api::new(Service::new(daemon.clone()))
+    let api = Api::new(Service::new(daemon.clone(), blocking.clone()))
         .max_decoding_message_size(max_message)
         .max_encoding_message_size(max_message);
     // Every call of the service passes the allow-lists first; health and reflection do not
@@ -52,6 +62,7 @@ pub(super) async fn serve(
     routes: Routes,
     listener: UnixListener,
     daemon: Arc<Daemon>,
+    connections: Arc<Connections>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let (closed_tx, mut closed_rx) = mpsc::unbounded_channel::<u64>();
@@ -65,8 +76,10 @@ pub(super) async fn serve(
         // One span per request; the session actor adds its own per session. At warn level, so
         // that a warning (a refused peer) names its method under WEIGHTSTREAM_LOG=warn too.
         .trace_fn(|req| tracing::warn_span!("request", method = %req.uri().path()))
+        .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+        .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
         .add_routes(routes)
-        .serve_with_incoming_shutdown(conn::incoming(listener, closed_tx), shutdown)
+        .serve_with_incoming_shutdown(conn::incoming(listener, closed_tx, connections), shutdown)
         .await?;
     Ok(())
 }

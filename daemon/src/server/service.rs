@@ -11,6 +11,7 @@ use tonic::{Request, Response, Status, Streaming};
 use weightstream_client::proto as pb;
 use weightstream_client::proto::weight_stream_server::WeightStream;
 
+use super::blocking::BlockingTasks;
 use super::convert::{self, manifest, session_info};
 use super::error::EdgeError;
 use super::validate::Validation;
@@ -22,12 +23,18 @@ use crate::store::Owner;
 pub struct Service {
     daemon: Arc<Daemon>,
     validation: Validation,
+    /// Loads and commits run here, by name, so that a stop can say which it abandoned.
+    blocking: BlockingTasks,
 }
 
 impl Service {
-    pub fn new(daemon: Arc<Daemon>) -> Self {
+    pub fn new(daemon: Arc<Daemon>, blocking: BlockingTasks) -> Self {
         let validation = Validation::new(&daemon.config.limits);
-        Service { daemon, validation }
+        Service {
+            daemon,
+            validation,
+            blocking,
+        }
     }
 }
 
@@ -64,7 +71,16 @@ impl WeightStream for Service {
         let req = self.validation.load_model(req.into_inner())?;
         let daemon = self.daemon.clone();
         let (tx, rx) = mpsc::channel(16);
-        tokio::task::spawn_blocking(move || {
+        let what = match req.paths.as_slice() {
+            [one] => format!("LoadModel of {} for uid {uid}", one.display()),
+            [first, rest @ ..] => format!(
+                "LoadModel of {} and {} more files for uid {uid}",
+                first.display(),
+                rest.len()
+            ),
+            [] => format!("LoadModel for uid {uid}"),
+        };
+        self.blocking.spawn(what, move || {
             let progress_tx = tx.clone();
             let mut progress = |done: u64, total: u64, file: &std::path::Path| {
                 let event = pb::load_model_event::Event::Progress(pb::LoadProgress {
@@ -108,14 +124,17 @@ impl WeightStream for Service {
         let peer = peer(&req)?;
         let req = self.validation.commit_upload(req.into_inner())?;
         let daemon = self.daemon.clone();
-        let (model, deduplicated) = tokio::task::spawn_blocking(move || {
-            daemon.store.commit_upload(owner(peer), &req.upload_id)
-        })
-        .await
-        .map_err(|source| EdgeError::Task {
-            what: "commit",
-            source,
-        })??;
+        let what = format!("CommitUpload '{}' for uid {}", req.upload_id, peer.uid);
+        let (model, deduplicated) = self
+            .blocking
+            .spawn(what, move || {
+                daemon.store.commit_upload(owner(peer), &req.upload_id)
+            })
+            .await
+            .map_err(|source| EdgeError::Task {
+                what: "commit",
+                source,
+            })??;
         let entry = self.daemon.store.get(&model.id);
         Ok(Response::new(pb::CommitUploadResponse {
             manifest: Some(manifest(&model, entry.as_ref())),

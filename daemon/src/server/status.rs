@@ -13,7 +13,10 @@ use crate::store::{SourceError, StoreError};
 
 impl From<EdgeError> for Status {
     fn from(e: EdgeError) -> Status {
-        Status::internal(e.to_string())
+        match e {
+            EdgeError::NoAttach { .. } => Status::deadline_exceeded(e.to_string()),
+            EdgeError::NoPeer | EdgeError::Task { .. } => Status::internal(e.to_string()),
+        }
     }
 }
 

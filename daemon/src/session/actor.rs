@@ -11,8 +11,9 @@ mod tickets;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, watch};
 
 use super::arena::StagingArena;
@@ -21,7 +22,8 @@ use super::layout::GroupPlacement;
 use super::plan::{GroupId, Plan};
 use super::stall::{Stall, StallClock};
 use super::{
-    AttachError, CloseReason, Command, Control, Event, FaultKind, SessionShared, SessionStats,
+    AttachError, CloseReason, Command, Control, DrainDeadline, Event, FaultKind, SessionShared,
+    SessionStats,
 };
 use crate::backend::{DeviceRegion, EventPool};
 use crate::residency::ResidentLease;
@@ -44,6 +46,11 @@ pub struct ActorParts {
     pub prefetch_depth: usize,
     /// The session's interprocess events (CUDA); None on the host backend.
     pub events: Option<Arc<dyn EventPool>>,
+    /// How long an event may wait for room on the client's stream before the session gives
+    /// up on the client (`limits.client_send_timeout_secs`).
+    pub send_timeout: Duration,
+    /// During shutdown, sends wait no longer than the drain's deadline.
+    pub drain: DrainDeadline,
 }
 
 struct CopyDone {
@@ -150,9 +157,9 @@ impl Actor {
                         } else {
                             self.p.shared.attached.store(true, Ordering::Relaxed);
                             // Sent before the reply: whatever the edge puts on the stream once
-                            // it has the reply comes after Attached.
+                            // it has the reply comes after Attached. A new stream has room.
                             let id = self.p.shared.id.clone();
-                            let _ = outbound.send(Event::Attached { session_id: id }).await;
+                            let _ = outbound.try_send(Event::Attached { session_id: id });
                             client = Some(Client { inbound, outbound });
                             let _ = reply.send(Ok(()));
                         }
@@ -166,8 +173,18 @@ impl Actor {
                 },
                 Some(done) = done_rx.recv() => self.on_copy_done(done),
             }
-            if !self.flush(&client).await {
-                break CloseReason::StreamEnded;
+            match self.flush(&client).await {
+                Ok(()) => {}
+                Err(Unsent::Closed) => break CloseReason::StreamEnded,
+                Err(Unsent::Stalled) => {
+                    tracing::warn!(
+                        timeout_secs = self.p.send_timeout.as_secs(),
+                        "client stopped reading its Run stream: the session ends"
+                    );
+                    break CloseReason::ClientStalled;
+                }
+                // The stop's deadline passed while the session waited for its client.
+                Err(Unsent::Draining) => break CloseReason::Shutdown,
             }
         };
         if reason == CloseReason::Shutdown {
@@ -176,22 +193,21 @@ impl Actor {
                 FaultKind::ShuttingDown,
                 "the daemon is stopping: the session is closed",
             ));
-            self.flush(&client).await;
+            let _ = self.flush(&client).await;
         }
         tracing::info!(?reason, "session closing");
         self.teardown(done_rx).await;
     }
 
-    async fn flush(&mut self, client: &Option<Client>) -> bool {
+    /// Sends what the outbox holds, each event bounded by the send timeout and the drain.
+    async fn flush(&mut self, client: &Option<Client>) -> Result<(), Unsent> {
         let Some(client) = client else {
-            return true;
+            return Ok(());
         };
-        for event in self.outbox.drain(..) {
-            if client.outbound.send(event).await.is_err() {
-                return false;
-            }
+        for event in std::mem::take(&mut self.outbox) {
+            send(client, event, self.p.send_timeout, &mut self.p.drain).await?;
         }
-        true
+        Ok(())
     }
 
     /// Queued copies are dropped, running ones finish; only then is memory given back (by
@@ -225,6 +241,10 @@ impl Actor {
     fn publish_counts(&self) {
         let live = (self.tickets.len() + self.pending.len()) as u32;
         self.p.shared.live_tickets.store(live, Ordering::Relaxed);
+        if let Some(plan) = &self.plan {
+            let visited = &self.p.shared.stats.plan_entries_visited;
+            visited.store(plan.work().entries, Ordering::Relaxed);
+        }
     }
 
     fn fault(&mut self, ticket: u64, kind: FaultKind, message: impl Into<String>) {
@@ -253,6 +273,38 @@ impl Actor {
         if let Some(stall) = stall {
             self.stats().add_stall(stall);
         }
+    }
+}
+
+/// Why an event did not reach the client's stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unsent {
+    /// The stream is gone (the client ended it, or its connection closed).
+    Closed,
+    /// The stream stayed full for the whole send timeout: the client stopped reading.
+    Stalled,
+    /// The stream stayed full until the drain's deadline.
+    Draining,
+}
+
+/// Puts `event` on the client's stream: at once when there is room (the hot path: no timer),
+/// else waiting at most `timeout`, and never past the drain's deadline. A session never blocks
+/// for good on a client that stops reading.
+async fn send(
+    client: &Client,
+    event: Event,
+    timeout: Duration,
+    drain: &mut DrainDeadline,
+) -> Result<(), Unsent> {
+    let event = match client.outbound.try_send(event) {
+        Ok(()) => return Ok(()),
+        Err(TrySendError::Closed(_)) => return Err(Unsent::Closed),
+        Err(TrySendError::Full(event)) => event,
+    };
+    tokio::select! {
+        sent = client.outbound.send(event) => sent.map_err(|_| Unsent::Closed),
+        () = tokio::time::sleep(timeout) => Err(Unsent::Stalled),
+        () = drain.reached() => Err(Unsent::Draining),
     }
 }
 

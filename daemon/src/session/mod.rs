@@ -30,7 +30,31 @@ pub enum CloseReason {
     ClientClosed,
     ConnectionClosed,
     StreamEnded,
+    /// The client left events unread on its stream for longer than the send timeout.
+    ClientStalled,
     Shutdown,
+}
+
+/// When the daemon's drain must be over: none while it serves. A session never waits for its
+/// client past it (see `actor::send`).
+#[derive(Debug, Clone)]
+pub struct DrainDeadline(watch::Receiver<Option<tokio::time::Instant>>);
+
+impl DrainDeadline {
+    /// The deadline's setter (the daemon's, at stop) and its readers.
+    pub fn channel() -> (watch::Sender<Option<tokio::time::Instant>>, DrainDeadline) {
+        let (tx, rx) = watch::channel(None);
+        (tx, DrainDeadline(rx))
+    }
+
+    /// Resolves once a deadline is set and has passed; never when none is ever set.
+    pub async fn reached(&mut self) {
+        let set = self.0.wait_for(Option::is_some).await.map(|d| *d);
+        let Ok(Some(deadline)) = set else {
+            return std::future::pending().await;
+        };
+        tokio::time::sleep_until(deadline).await;
+    }
 }
 
 pub enum Control {
@@ -68,8 +92,13 @@ pub struct SessionShared {
 impl SessionShared {
     /// Asks the session to end and waits until its teardown is complete.
     pub async fn close(&self, reason: CloseReason) {
-        let _ = self.control.send(Control::Close(reason));
+        self.request_close(reason);
         let mut finished = self.finished.clone();
         let _ = finished.wait_for(|done| *done).await;
+    }
+
+    /// Asks the session to end, without waiting for it.
+    pub fn request_close(&self, reason: CloseReason) {
+        let _ = self.control.send(Control::Close(reason));
     }
 }

@@ -11,8 +11,16 @@
 //! Real steps drift from the plan (a skipped layer, a sampling pass), so the
 //! cursor follows what the client actually acquires: it resynchronises to the
 //! nearest occurrence instead of failing, and ignores groups outside the plan.
+//!
+//! No message may cost work in proportion to the plan's length (a plan of a
+//! million entries that repeats a few groups is legal): the cursor moves by
+//! binary search, and [`Plan::upcoming`] yields each upcoming group once, in
+//! the order of its next use, in O(log n) per group through a max-tree over
+//! the entries (see [`FirstUses`]), so prefetch pays for the groups it looks
+//! at, never for the repeats between them.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Identifies a group of tensors that is staged as one block.
 pub type GroupId = u32;
@@ -30,27 +38,49 @@ pub enum CursorMove {
     OutOfPlan,
 }
 
+/// The work the plan has done for its callers since it was made: how many
+/// entries were looked at, and how many max-tree nodes. Tests bound these per
+/// message; they are counters, not timings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlanWork {
+    pub entries: u64,
+    pub nodes: u64,
+}
+
 /// The cyclic sequence of acquisitions of one step, and where the client is.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Plan {
     groups: Vec<GroupId>,
     /// Sorted positions of each group, for O(log k) distance queries.
     positions: HashMap<GroupId, Vec<usize>>,
+    first_uses: FirstUses,
     cursor: Option<usize>,
+    entries: AtomicU64,
+    nodes: AtomicU64,
 }
 
 impl Plan {
     /// Empty plans are allowed (no prefetch).
     pub fn new(groups: Vec<GroupId>) -> Plan {
+        Plan::ignoring(groups, |_| false)
+    }
+
+    /// A plan whose [`upcoming`](Plan::upcoming) never yields the groups `ignored` says
+    /// (resident ones: they are never staged), so that no scan steps over them one by one.
+    pub fn ignoring(groups: Vec<GroupId>, ignored: impl Fn(GroupId) -> bool) -> Plan {
         let mut positions: HashMap<GroupId, Vec<usize>> = HashMap::new();
         // Pushing in index order leaves every list sorted.
         for (pos, &group) in groups.iter().enumerate() {
             positions.entry(group).or_default().push(pos);
         }
+        let first_uses = FirstUses::new(&groups, &positions, ignored);
         Plan {
             groups,
             positions,
+            first_uses,
             cursor: None,
+            entries: AtomicU64::new(0),
+            nodes: AtomicU64::new(0),
         }
     }
 
@@ -71,12 +101,22 @@ impl Plan {
         self.cursor
     }
 
+    /// What the plan has looked at so far (see [`PlanWork`]).
+    pub fn work(&self) -> PlanWork {
+        PlanWork {
+            entries: self.entries.load(Ordering::Relaxed),
+            nodes: self.nodes.load(Ordering::Relaxed),
+        }
+    }
+
     /// Advances the cursor past `group` and says whether the client kept to
-    /// the plan.
+    /// the plan. One entry is looked at; a resync is a binary search in the
+    /// group's positions.
     pub fn on_acquire(&mut self, group: GroupId) -> CursorMove {
         if self.groups.is_empty() {
             return CursorMove::OutOfPlan;
         }
+        self.entries.fetch_add(1, Ordering::Relaxed);
         let expected = self.cursor.map_or(0, |c| (c + 1) % self.groups.len());
         if self.groups[expected] == group {
             self.cursor = Some(expected);
@@ -114,17 +154,155 @@ impl Plan {
         Some(distance as u64)
     }
 
-    /// The next `n` entries after the cursor, wrapping around the step, as
-    /// (distance, group), distance starting at 1. At most len() entries.
-    pub fn upcoming(&self, n: usize) -> impl Iterator<Item = (u64, GroupId)> + '_ {
-        let count = n.min(self.groups.len());
-        (1..=count as u64).map(move |distance| (distance, self.groups[self.position_at(distance)]))
+    /// The groups after the cursor, each once, in the order of their next use, as
+    /// (distance, group) with distance = [`next_use`](Plan::next_use): the first
+    /// occurrences in the cycle that starts after the cursor. Lazy, O(log len) per
+    /// group yielded, never a walk over the repeats in between; ignored groups
+    /// (see [`Plan::ignoring`]) are never yielded.
+    pub fn upcoming(&self) -> Upcoming<'_> {
+        Upcoming {
+            plan: self,
+            // Before the first acquire the cursor sits just before position 0.
+            cursor: self.cursor.map_or(-1, |c| c as i64),
+            next: self.cursor.map_or(0, |c| c + 1),
+            wrapped: false,
+            work: PlanWork::default(),
+        }
     }
 
     /// The plan position `distance` entries after the cursor.
     fn position_at(&self, distance: u64) -> usize {
         let base = self.cursor.map_or(0, |c| c + 1);
         (base + distance as usize - 1) % self.groups.len()
+    }
+}
+
+/// See [`Plan::upcoming`]. The cycle after cursor `c` is positions `c+1 .. len`, then
+/// `0 ..= c`; position `q` is its group's first use in that cycle when the group's previous
+/// use (cyclically) lies at or before the cursor.
+pub struct Upcoming<'a> {
+    plan: &'a Plan,
+    cursor: i64,
+    next: usize,
+    wrapped: bool,
+    work: PlanWork,
+}
+
+impl Iterator for Upcoming<'_> {
+    type Item = (u64, GroupId);
+
+    fn next(&mut self) -> Option<(u64, GroupId)> {
+        let plan = self.plan;
+        let n = plan.groups.len();
+        let c = self.cursor;
+        loop {
+            // After the cursor, q is new when gap(q) >= q - c; wrapped, when gap(q) >= q + n - c.
+            let (end, threshold, shift) = if self.wrapped {
+                ((c + 1) as usize, n as i64 - c, n as i64 - c)
+            } else {
+                (n, -c, -c)
+            };
+            let found = (self.next < end)
+                .then(|| {
+                    plan.first_uses
+                        .first_at_least(self.next, end, threshold, &mut self.work.nodes)
+                })
+                .flatten();
+            match found {
+                Some(q) => {
+                    self.next = q + 1;
+                    self.work.entries += 1;
+                    return Some(((q as i64 + shift) as u64, plan.groups[q]));
+                }
+                None if !self.wrapped => {
+                    self.wrapped = true;
+                    self.next = 0;
+                }
+                None => return None,
+            }
+        }
+    }
+}
+
+impl Drop for Upcoming<'_> {
+    fn drop(&mut self) {
+        let plan = self.plan;
+        plan.entries.fetch_add(self.work.entries, Ordering::Relaxed);
+        plan.nodes.fetch_add(self.work.nodes, Ordering::Relaxed);
+    }
+}
+
+/// A max-tree over `gap(q) - q`, where `gap(q)` is the cyclic distance from the previous use
+/// of the group at `q` back to `q` (`len` for a group used once): the first position in a
+/// range whose key reaches a threshold is found in O(log len). Ignored groups get the lowest
+/// key, which no threshold (always above `-len`) reaches.
+#[derive(Debug)]
+struct FirstUses {
+    /// Leaves at `size + q`; node `i` holds the max of `2i` and `2i + 1`.
+    tree: Vec<i32>,
+    size: usize,
+}
+
+impl FirstUses {
+    fn new(
+        groups: &[GroupId],
+        positions: &HashMap<GroupId, Vec<usize>>,
+        ignored: impl Fn(GroupId) -> bool,
+    ) -> FirstUses {
+        let n = groups.len();
+        let size = n.next_power_of_two().max(1);
+        let mut tree = vec![i32::MIN; 2 * size];
+        for (&group, pos) in positions {
+            if ignored(group) {
+                continue;
+            }
+            let last = *pos.last().expect("at least one position");
+            let mut previous = last as i64 - n as i64;
+            for &q in pos {
+                let gap = q as i64 - previous;
+                // |key| <= len, and a plan fits a gRPC message (1 GiB at most): within i32.
+                tree[size + q] = i32::try_from(gap - q as i64).unwrap_or(i32::MAX);
+                previous = q as i64;
+            }
+        }
+        for i in (1..size).rev() {
+            tree[i] = tree[2 * i].max(tree[2 * i + 1]);
+        }
+        FirstUses { tree, size }
+    }
+
+    /// The first position in `from..to` whose key is at least `threshold`.
+    fn first_at_least(
+        &self,
+        from: usize,
+        to: usize,
+        threshold: i64,
+        nodes: &mut u64,
+    ) -> Option<usize> {
+        self.descend(1, 0, self.size, from, to, threshold, nodes)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn descend(
+        &self,
+        node: usize,
+        lo: usize,
+        hi: usize,
+        from: usize,
+        to: usize,
+        threshold: i64,
+        nodes: &mut u64,
+    ) -> Option<usize> {
+        *nodes += 1;
+        if hi <= from || to <= lo || i64::from(self.tree[node]) < threshold {
+            return None;
+        }
+        if hi - lo == 1 {
+            return Some(lo);
+        }
+        let mid = lo + (hi - lo) / 2;
+        self.descend(2 * node, lo, mid, from, to, threshold, nodes)
+            .or_else(|| self.descend(2 * node + 1, mid, hi, from, to, threshold, nodes))
     }
 }
 
@@ -259,19 +437,128 @@ mod tests {
     }
 
     #[test]
-    fn upcoming_wraps_and_stops_at_len() {
+    fn upcoming_yields_each_group_once_in_order_of_next_use() {
         let mut plan = Plan::new(vec![10, 11, 12, 13]);
-        assert_eq!(plan.upcoming(2).collect::<Vec<_>>(), vec![(1, 10), (2, 11)]);
+        assert_eq!(
+            plan.upcoming().collect::<Vec<_>>(),
+            vec![(1, 10), (2, 11), (3, 12), (4, 13)]
+        );
         acquire_all(&mut plan, &[10, 11, 12]);
         assert_eq!(
-            plan.upcoming(3).collect::<Vec<_>>(),
-            vec![(1, 13), (2, 10), (3, 11)]
-        );
-        assert_eq!(
-            plan.upcoming(10).collect::<Vec<_>>(),
+            plan.upcoming().collect::<Vec<_>>(),
             vec![(1, 13), (2, 10), (3, 11), (4, 12)]
         );
-        assert_eq!(plan.upcoming(0).count(), 0);
+        let mut mirrored = Plan::new(vec![0, 1, 2, 2, 1, 0]);
+        acquire_all(&mut mirrored, &[0]);
+        assert_eq!(
+            mirrored.upcoming().collect::<Vec<_>>(),
+            vec![(1, 1), (2, 2), (5, 0)]
+        );
+        assert_eq!(mirrored.upcoming().take(1).count(), 1);
+    }
+
+    /// The first uses of each group after the cursor, found by walking one whole cycle.
+    fn first_uses_by_walking(plan: &Plan) -> Vec<(u64, GroupId)> {
+        let n = plan.len();
+        let base = plan.cursor().map_or(0, |c| c + 1);
+        let mut seen = std::collections::HashSet::new();
+        (1..=n as u64)
+            .map(|d| (d, plan.groups()[(base + d as usize - 1) % n]))
+            .filter(|(_, g)| seen.insert(*g))
+            .collect()
+    }
+
+    #[test]
+    fn upcoming_agrees_with_a_walk_of_the_cycle_at_every_cursor() {
+        // Seeded pseudo-random plans over few groups (many repeats), every cursor position.
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut failures = Vec::new();
+        for len in [1usize, 2, 3, 7, 16, 33] {
+            for distinct in [1u64, 2, 5] {
+                let groups: Vec<GroupId> = (0..len)
+                    .map(|_| {
+                        state ^= state << 13;
+                        state ^= state >> 7;
+                        state ^= state << 17;
+                        (state % distinct) as GroupId
+                    })
+                    .collect();
+                let mut plan = Plan::new(groups.clone());
+                for step in 0..=len {
+                    let want = first_uses_by_walking(&plan);
+                    let got: Vec<_> = plan.upcoming().collect();
+                    if got != want {
+                        failures.push(format!(
+                            "{groups:?} cursor {:?}: got {got:?}, want {want:?}",
+                            plan.cursor()
+                        ));
+                    }
+                    let next_use: Vec<_> = want
+                        .iter()
+                        .map(|&(_, g)| (plan.next_use(g).unwrap(), g))
+                        .collect();
+                    if next_use != want {
+                        failures.push(format!("{groups:?}: next_use {next_use:?} != {want:?}"));
+                    }
+                    plan.on_acquire(groups[step % len]);
+                }
+            }
+        }
+        assert!(failures.is_empty(), "{failures:#?}");
+    }
+
+    #[test]
+    fn ignored_groups_are_never_upcoming() {
+        let mut plan = Plan::ignoring(vec![0, 1, 2, 1, 0, 3], |g| g == 1 || g == 3);
+        assert_eq!(plan.upcoming().collect::<Vec<_>>(), vec![(1, 0), (3, 2)]);
+        // The cursor still follows them.
+        assert_eq!(plan.on_acquire(1), CursorMove::Resync { skipped: 1 });
+        assert_eq!(plan.upcoming().collect::<Vec<_>>(), vec![(1, 2), (3, 0)]);
+        assert_eq!(plan.next_use(3), Some(4));
+    }
+
+    /// A step that cycles through `distinct` groups, `len` entries long.
+    fn cycling(distinct: u32, len: usize) -> Plan {
+        Plan::new((0..len).map(|i| i as u32 % distinct).collect())
+    }
+
+    #[test]
+    fn the_work_of_a_look_ahead_does_not_grow_with_the_plan() {
+        // Eight groups, the next three looked at (a window of three blocks), in a plan of a
+        // thousand entries and in one of a million.
+        let look = |plan: &mut Plan| {
+            let before = plan.work();
+            plan.on_acquire(0);
+            plan.on_acquire(5); // a resync
+            let _ = plan.upcoming().take(3).count();
+            let after = plan.work();
+            (after.entries - before.entries, after.nodes - before.nodes)
+        };
+        let (small_entries, small_nodes) = look(&mut cycling(8, 1 << 10));
+        let (big_entries, big_nodes) = look(&mut cycling(8, 1 << 20));
+        assert_eq!(small_entries, big_entries, "entries looked at");
+        assert_eq!(big_entries, 2 + 3);
+        // Each group found costs one descent of the tree: O(log len) nodes, not O(len).
+        let depth = 20 + 1;
+        assert!(
+            big_nodes <= 3 * 4 * depth,
+            "{big_nodes} nodes (small: {small_nodes})"
+        );
+        // Even all the groups of the plan (a full look-ahead, which must also find that no
+        // further group follows) cost the same entries in both, and O(log len) nodes each.
+        let all = |plan: &Plan| {
+            let before = plan.work();
+            assert_eq!(plan.upcoming().count(), 8);
+            let after = plan.work();
+            (after.entries - before.entries, after.nodes - before.nodes)
+        };
+        let (small_all, _) = all(&cycling(8, 1 << 10));
+        let (big_all, big_all_nodes) = all(&cycling(8, 1 << 20));
+        assert_eq!(small_all, big_all);
+        assert!(
+            big_all_nodes <= (8 + 2) * 4 * depth,
+            "{big_all_nodes} nodes"
+        );
     }
 
     #[test]
@@ -283,6 +570,6 @@ mod tests {
         assert_eq!(plan.on_acquire(0), CursorMove::OutOfPlan);
         assert_eq!(plan.cursor(), None);
         assert_eq!(plan.next_use(0), None);
-        assert_eq!(plan.upcoming(5).count(), 0);
+        assert_eq!(plan.upcoming().count(), 0);
     }
 }

@@ -20,6 +20,9 @@ pub struct SessionStats {
     pub resyncs: AtomicU64,
     pub releases: AtomicU64,
     pub evictions: AtomicU64,
+    /// Plan entries the actor has looked at (cursor moves, look-ahead), a measure of the work
+    /// per message that must not grow with the plan's length (see `plan.rs`).
+    pub plan_entries_visited: AtomicU64,
     /// `stall_ns` split by group (index = group id); the parts sum to `stall_ns`.
     group_stall_ns: Box<[AtomicU64]>,
 }
@@ -58,6 +61,7 @@ impl SessionStats {
             resyncs: zero(),
             releases: zero(),
             evictions: zero(),
+            plan_entries_visited: zero(),
             group_stall_ns: (0..groups).map(|_| zero()).collect(),
         }
     }

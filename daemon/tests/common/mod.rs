@@ -22,7 +22,7 @@ use weightstream_client::proto::server_message::Msg as Reply;
 use weightstream_client::proto::weight_stream_client::WeightStreamClient;
 use weightstream_client::{Acquired, Client, Session, proto};
 use weightstream_daemon::config::{BackendChoice, ConfigFile};
-use weightstream_daemon::server::{self, ServeError, ServerHandle};
+use weightstream_daemon::server::{self, ServeError, ServerHandle, StopReport};
 
 /// How long any single wait in a test may take before it counts as a hang.
 pub const DEADLINE: Duration = Duration::from_secs(10);
@@ -122,8 +122,9 @@ impl TestDaemon {
         self.shm_files().iter().filter(|n| n.contains(&tag)).count()
     }
 
-    /// Stops the daemon and waits until it has (bounded by [`DEADLINE`]).
-    pub async fn stop(&mut self) -> Result<(), ServeError> {
+    /// Stops the daemon and waits until it has (bounded by [`DEADLINE`]); says what the stop
+    /// had to give up on.
+    pub async fn stop(&mut self) -> Result<StopReport, ServeError> {
         let handle = self.handle.take().expect("daemon already stopped");
         within("daemon stop", handle.stop()).await
     }

@@ -26,34 +26,77 @@ pub fn wait_for(what: &str, deadline: Duration, mut done: impl FnMut() -> bool) 
     }
 }
 
-impl Served {
-    /// Starts `weightstream serve` with its socket and shared memory under `dir` (a restart
-    /// passes the same `dir`: same socket, same shm directory) and waits until it accepts.
-    pub fn start(dir: &Path) -> Served {
+/// How a test starts its daemon, beyond the defaults (host backend, socket and shared memory
+/// under the test's directory, `WEIGHTSTREAM_LOG=warn`).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Launch<'a> {
+    /// TOML for `--config` (written to DIR/config.toml).
+    pub config: Option<&'a str>,
+    /// A command the daemon runs under, e.g. `["prlimit", "--nofile=64:64", "--"]`.
+    pub wrapper: &'a [&'a str],
+    /// `WEIGHTSTREAM_LOG` (default `warn`).
+    pub log_filter: Option<&'a str>,
+    /// The log's file name under DIR (default `daemon.log`): a second daemon needs its own.
+    pub log_name: Option<&'a str>,
+    /// More environment variables.
+    pub env: &'a [(&'a str, &'a str)],
+}
+
+impl Launch<'_> {
+    /// The command, the socket and the log path, for a daemon under `dir`.
+    pub fn command(&self, dir: &Path) -> (Command, PathBuf, PathBuf) {
         let socket = dir.join("ws.sock");
         let shm_dir = dir.join("shm");
         std::fs::create_dir_all(&shm_dir).expect("shm dir");
-        let log = dir.join("daemon.log");
+        let log = dir.join(self.log_name.unwrap_or("daemon.log"));
         let log_file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log)
             .expect("daemon log");
-        let child = Command::new(env!("CARGO_BIN_EXE_weightstream"))
-            .args(["serve", "--backend", "host", "--socket"])
+        let bin = env!("CARGO_BIN_EXE_weightstream");
+        let mut cmd = match self.wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut cmd = Command::new(first);
+                cmd.args(rest).arg(bin);
+                cmd
+            }
+            None => Command::new(bin),
+        };
+        cmd.args(["serve", "--backend", "host", "--socket"])
             .arg(&socket)
             .arg("--shm-dir")
-            .arg(&shm_dir)
-            .env("WEIGHTSTREAM_LOG", "warn")
+            .arg(&shm_dir);
+        if let Some(config) = self.config {
+            let path = dir.join("config.toml");
+            std::fs::write(&path, config).expect("write the config");
+            cmd.arg("--config").arg(path);
+        }
+        cmd.env("WEIGHTSTREAM_LOG", self.log_filter.unwrap_or("warn"))
+            .env_remove("NOTIFY_SOCKET")
+            .envs(self.env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(log_file)
-            .spawn()
-            .expect("spawn weightstream serve");
+            .stderr(log_file);
+        (cmd, socket, log)
+    }
+}
+
+impl Served {
+    /// Starts `weightstream serve` with its socket and shared memory under `dir` (a restart
+    /// passes the same `dir`: same socket, same shm directory) and waits until it accepts.
+    pub fn start(dir: &Path) -> Served {
+        Served::start_with(dir, Launch::default())
+    }
+
+    /// [`Served::start`] as `launch` says.
+    pub fn start_with(dir: &Path, launch: Launch<'_>) -> Served {
+        let (mut cmd, socket, log) = launch.command(dir);
+        let child = cmd.spawn().expect("spawn weightstream serve");
         let mut served = Served {
             child,
             socket,
-            shm_dir,
+            shm_dir: dir.join("shm"),
             log,
         };
         // A killed daemon's socket file stays until the new one claims it: wait for an
@@ -117,11 +160,22 @@ impl Served {
 
     /// SIGTERM, then waits for the exit (bounded).
     pub fn terminate(&mut self) -> ExitStatus {
+        self.send_sigterm();
+        self.wait_exit()
+    }
+
+    /// SIGTERM, without waiting.
+    pub fn send_sigterm(&self) {
         let sent = Command::new("kill")
             .args(["-TERM", &self.pid().to_string()])
             .status()
             .expect("kill -TERM");
         assert!(sent.success());
+    }
+
+    /// Waits for the exit, failing the test after [`START_DEADLINE`] (a ceiling, not a
+    /// measurement).
+    pub fn wait_exit(&mut self) -> ExitStatus {
         let mut exit = None;
         wait_for("daemon exit after SIGTERM", START_DEADLINE, || {
             exit = self.child.try_wait().expect("try_wait");

@@ -1,7 +1,5 @@
 //! Copies into the staging arena: queueing them, prefetch along the plan, and their ends.
 
-use std::collections::HashSet;
-
 use super::{Actor, CopyDone};
 use crate::backend::CopyJob;
 use crate::scheduler::{CopyError, CopyOutcome, CopyRequest, Priority};
@@ -77,12 +75,12 @@ impl Actor {
             return;
         }
         let mut chosen = Vec::new();
-        // Once the distinct groups needed up to here exceed the arena, no later group can be
-        // placed without evicting one needed sooner (which prefetch never does): stop, rather
-        // than walk the whole plan on every message.
+        // Each upcoming group once, soonest first (resident ones are not in the plan's view).
+        // Once the groups needed up to here exceed the arena, no later group can be placed
+        // without evicting one needed sooner (which prefetch never does): stop there. So a
+        // message costs O(window log n), whatever the plan's length.
         let mut window = 0u64;
-        let mut seen = HashSet::new();
-        for (distance, group) in plan.upcoming(plan.len()) {
+        for (distance, group) in plan.upcoming() {
             if self.prefetch_inflight + chosen.len() >= self.p.prefetch_depth {
                 break;
             }
@@ -94,15 +92,10 @@ impl Actor {
             {
                 break;
             }
-            if self.p.resident_of[group as usize].is_some() {
-                continue;
-            }
             let len = self.p.groups[group as usize].nbytes;
-            if seen.insert(group) {
-                window += len;
-                if window > self.arena.capacity() {
-                    break;
-                }
+            window += len;
+            if window > self.arena.capacity() {
+                break;
             }
             if self.arena.get(group).is_some() {
                 continue;

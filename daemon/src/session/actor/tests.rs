@@ -24,7 +24,8 @@ use crate::residency::ResidentLease;
 use crate::scheduler::CopyScheduler;
 use crate::session::layout::layout_groups;
 use crate::session::{
-    CloseReason, Command, Control, Event, FaultKind, SessionShared, SessionStats, StatsSnapshot,
+    CloseReason, Command, Control, DrainDeadline, Event, FaultKind, SessionShared, SessionStats,
+    StatsSnapshot,
 };
 use crate::store::{Store, StoreLimits};
 
@@ -41,6 +42,11 @@ struct Setup {
     max_live_tickets: u32,
     events: Option<u32>,
     hold_copies: bool,
+    max_plan_length: u32,
+    send_timeout: Duration,
+    drain: DrainDeadline,
+    /// Room on the client's stream (events the client has not read yet).
+    stream_room: usize,
 }
 
 impl Default for Setup {
@@ -52,6 +58,10 @@ impl Default for Setup {
             max_live_tickets: 16,
             events: None,
             hold_copies: false,
+            max_plan_length: 64,
+            send_timeout: Duration::from_secs(10),
+            drain: DrainDeadline::channel().1,
+            stream_room: 1024,
         }
     }
 }
@@ -148,9 +158,11 @@ impl Harness {
             resident_of: vec![None; setup.groups],
             scheduler: scheduler.clone(),
             max_live_tickets: setup.max_live_tickets,
-            max_plan_length: 64,
+            max_plan_length: setup.max_plan_length,
             prefetch_depth: setup.prefetch_depth,
             events: pool.clone().map(|p| p as Arc<dyn EventPool>),
+            send_timeout: setup.send_timeout,
+            drain: setup.drain.clone(),
         };
         let finish_ran = Arc::new(AtomicBool::new(false));
         let ran = finish_ran.clone();
@@ -158,7 +170,7 @@ impl Harness {
             ran.store(true, Ordering::SeqCst)
         });
         let (commands, inbound) = mpsc::channel(64);
-        let (outbound, events) = mpsc::channel(1024);
+        let (outbound, events) = mpsc::channel(setup.stream_room);
         let (reply, replied) = oneshot::channel();
         let attach = Control::Attach {
             inbound,
@@ -587,4 +599,107 @@ async fn overlapping_waits_stall_once_and_the_oldest_group_is_charged() {
     assert_eq!(per_group.iter().sum::<u64>(), stall);
     assert!(per_group[0] >= 50_000_000, "{per_group:?}");
     assert_eq!(per_group[2..], [0, 0]);
+}
+
+/// Plan entries looked at for one step of `len`-entry plan cycling through 8 groups that all
+/// fit in the arena (after a warm-up step has staged them all).
+async fn plan_entries_per_step(len: usize) -> u64 {
+    let mut h = Harness::start(Setup {
+        groups: 8,
+        staging_blocks: 8,
+        prefetch_depth: 4,
+        max_plan_length: 1 << 20,
+        ..Setup::default()
+    })
+    .await;
+    let groups = (0..len as u32).map(|i| i % 8).collect();
+    h.send(Command::Plan { groups }).await;
+    let mut ticket = 0;
+    let mut step = async |h: &mut Harness| {
+        for group in 0..8 {
+            ticket += 1;
+            h.acquire(group, ticket).await;
+            assert!(matches!(h.next().await, Event::Staged { ticket: t, .. } if t == ticket));
+            h.release(ticket).await;
+        }
+        h.settle().await;
+    };
+    step(&mut h).await;
+    let visited = |h: &Harness| h.shared.stats.plan_entries_visited.load(Ordering::Relaxed);
+    let (before, misses) = (visited(&h), h.stats().misses);
+    step(&mut h).await;
+    assert_eq!(
+        h.stats().misses,
+        misses,
+        "the second step found every group staged"
+    );
+    visited(&h) - before
+}
+
+#[tokio::test]
+async fn the_work_of_a_message_does_not_grow_with_the_plans_length() {
+    let small = plan_entries_per_step(1 << 10).await;
+    let big = plan_entries_per_step(1 << 20).await;
+    assert_eq!(small, big, "plan entries looked at in one step");
+    // 16 messages, each looking at most at the cursor's entry and the 8 groups of the window.
+    assert!(big <= 16 * (1 + 8), "{big}");
+}
+
+/// Faults the client never reads: releases of tickets it never had. Returns once the actor has
+/// taken every one of them (it takes the next command only after sending the last one's fault).
+async fn flood_unread_faults(h: &Harness, n: u64) {
+    for ticket in 1..=n {
+        h.release(ticket).await;
+    }
+    within("the actor to take every command", async {
+        while h.commands.capacity() < h.commands.max_capacity() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_ends_its_session_after_the_send_timeout() {
+    let h = Harness::start(Setup {
+        stream_room: 2,
+        send_timeout: Duration::from_millis(50),
+        ..Setup::default()
+    })
+    .await;
+    // Two faults fill the stream; the third waits for room that never comes.
+    flood_unread_faults(&h, 3).await;
+    let mut finished = h.finished.clone();
+    within("the session to end", finished.wait_for(|done| *done))
+        .await
+        .unwrap();
+    assert!(h.finish_ran.load(Ordering::SeqCst), "torn down");
+}
+
+#[tokio::test]
+async fn during_a_stop_a_client_that_stops_reading_holds_its_session_only_to_the_drain_deadline() {
+    let (deadline, drain) = DrainDeadline::channel();
+    let h = Harness::start(Setup {
+        stream_room: 2,
+        // Longer than any test: only the drain's deadline can end the wait.
+        send_timeout: Duration::from_secs(3600),
+        drain,
+        ..Setup::default()
+    })
+    .await;
+    // The actor now waits for room for the third fault, and reads no control message.
+    flood_unread_faults(&h, 3).await;
+    deadline.send_replace(Some(
+        tokio::time::Instant::now() + Duration::from_millis(50),
+    ));
+    assert!(
+        h.shared
+            .control
+            .send(Control::Close(CloseReason::Shutdown))
+            .is_ok()
+    );
+    let mut finished = h.finished.clone();
+    within("the session to end", finished.wait_for(|done| *done))
+        .await
+        .unwrap();
 }

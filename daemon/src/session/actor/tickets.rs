@@ -254,7 +254,9 @@ impl Actor {
             .shared
             .plan_len
             .store(groups.len() as u32, Ordering::Relaxed);
-        self.plan = Some(Plan::new(groups));
+        // Resident groups are never staged: the plan's look-ahead skips them.
+        let resident = &self.p.resident_of;
+        self.plan = Some(Plan::ignoring(groups, |g| resident[g as usize].is_some()));
         self.prefetch();
     }
 }
