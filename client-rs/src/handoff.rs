@@ -336,7 +336,8 @@ fn send_line(
 }
 
 /// Reads one line (without its `\n`) and the fds that came with it, by `deadline`. The fds
-/// must come in one `SCM_RIGHTS` message of at most `max_fds`; bytes after the line are an
+/// must come in one `SCM_RIGHTS` message of at most `max_fds` (the buffer has room for a few
+/// more: those are closed, and so are all of them when the kernel truncated the message); bytes after the line are an
 /// error (one request per connection). Fds are received close-on-exec, and closed on error.
 fn read_line(
     stream: &UnixStream,
@@ -370,6 +371,12 @@ fn read_line(
             return Err(invalid(format!(
                 "the files did not all arrive (MSG_CTRUNC): at most {max_fds} in one \
                  SCM_RIGHTS message, and the receiver must have fds to spare"
+            )));
+        }
+        if arrived.len() > max_fds {
+            return Err(invalid(format!(
+                "{} files arrived, at most {max_fds} expected",
+                arrived.len()
             )));
         }
         if !arrived.is_empty() && fds.replace(arrived).is_some() {
@@ -619,6 +626,38 @@ mod tests {
         let got = message(read_request(&server));
         if got != "GET carries no files" {
             failures.push(format!("GET with an fd: got {got:?}"));
+        }
+        assert!(failures.is_empty(), "{failures:#?}");
+    }
+
+    #[test]
+    fn files_that_do_not_all_arrive_are_an_error() {
+        let file = File::open("/dev/null").unwrap();
+        let deadline = Instant::now() + TIMEOUT;
+        let mut failures = Vec::new();
+        // More fds than expected, and more than the receiver has room for (MSG_CTRUNC).
+        for (count, want) in [
+            (3, "3 files arrived, at most 1 expected"),
+            (
+                16,
+                "the files did not all arrive (MSG_CTRUNC): at most 1 in one SCM_RIGHTS",
+            ),
+        ] {
+            let (client, server) = UnixStream::pair().unwrap();
+            send_line(&client, b"OK 1\n", &vec![file.as_fd(); count], deadline).unwrap();
+            let got = read_line(&server, deadline, 1).map(|(line, fds)| (line, fds.len()));
+            match got {
+                Err(e) if e.to_string().starts_with(want) => {}
+                other => failures.push(format!("{count} fds: want {want:?}, got {other:?}")),
+            }
+        }
+        // Fds in two messages of one line.
+        let (client, server) = UnixStream::pair().unwrap();
+        send_line(&client, b"P", &[file.as_fd()], deadline).unwrap();
+        send_line(&client, b"UT\n", &[file.as_fd()], deadline).unwrap();
+        match read_request(&server) {
+            Err(e) if e.to_string() == "the files must come in one SCM_RIGHTS message" => {}
+            other => failures.push(format!("two messages: got {other:?}")),
         }
         assert!(failures.is_empty(), "{failures:#?}");
     }
