@@ -218,6 +218,23 @@ mod tests {
     }
 
     #[test]
+    fn a_directory_gives_its_safetensors_sorted() {
+        // Made out of order, so that no directory listing order happens to be sorted.
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        for name in ["c", "a", "d", "b"] {
+            std::fs::write(d.join(format!("{name}.safetensors")), b"").unwrap();
+        }
+        std::fs::write(d.join("x.safetensors.index.json"), b"{}").unwrap();
+        std::fs::create_dir(d.join("sub.safetensors")).unwrap();
+        let want: Vec<PathBuf> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|n| d.join(format!("{n}.safetensors")))
+            .collect();
+        assert_eq!(resolve_sources(&[d.to_path_buf()]).unwrap(), want);
+    }
+
+    #[test]
     fn rejects_bad_sources() {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
