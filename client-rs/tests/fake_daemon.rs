@@ -317,7 +317,9 @@ async fn load_passes_the_opened_files_and_their_display_paths() {
     std::fs::create_dir(&model).unwrap();
     std::fs::write(model.join("b.safetensors"), b"second").unwrap();
     std::fs::write(model.join("a.safetensors"), b"first").unwrap();
-    let manifest = client.load_model(&[model.clone()], "m", |_| {}).await;
+    let manifest = client
+        .load_model(std::slice::from_ref(&model), "m", |_| {})
+        .await;
     assert_eq!(manifest.unwrap().model_id, "m-load");
     let shown = |f: &str| model.join(f).display().to_string();
     let want = (
@@ -346,7 +348,10 @@ async fn paths_that_do_not_resolve_are_refused_before_sending() {
     ];
     let mut failures = Vec::new();
     for (path, code, message) in cases {
-        match client.load_model(&[path.clone()], "", |_| {}).await {
+        match client
+            .load_model(std::slice::from_ref(&path), "", |_| {})
+            .await
+        {
             Err(ClientError::Rejected {
                 code: c,
                 message: m,
