@@ -43,7 +43,6 @@ pub use crate::error::ClientError;
 pub use crate::handoff::HandoffError;
 use crate::proto::weight_stream_client::WeightStreamClient;
 pub use crate::session::{Acquired, Session, SessionOptions};
-pub use crate::sources::SourceError;
 
 pub mod proto {
     tonic::include_proto!("weightstream.v1");

@@ -79,8 +79,8 @@ struct Recorder {
 }
 
 /// A region as this process sees it: the host backend's shared memory (its fd fetched from the
-/// handoff socket), mapped read-only, or
-/// device memory (CUDA), which this client does not map: its views carry no bytes.
+/// handoff socket), mapped read-only, or device memory (CUDA), which this client does not map:
+/// its views carry no bytes.
 enum MappedRegion {
     Host(Mmap),
     Device { size: u64 },
