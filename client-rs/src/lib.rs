@@ -161,15 +161,33 @@ impl Client {
     }
 
     /// Runs `f` with the path of the daemon's handoff socket on a blocking thread (a handoff
-    /// waits on the socket for up to its timeout).
+    /// waits on the socket for up to its timeout). A socket that cannot be reached, or an
+    /// exchange cut short, is [`ClientError::Unavailable`], as for the gRPC socket.
     pub(crate) async fn handoff<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Path) -> Result<T, ClientError> + Send + 'static,
     ) -> Result<T, ClientError> {
         let path = handoff::handoff_path(&self.socket);
-        tokio::task::spawn_blocking(move || f(&path))
+        let socket = path.clone();
+        let result = tokio::task::spawn_blocking(move || f(&path))
             .await
-            .map_err(|e| ClientError::Protocol(format!("the handoff task failed: {e}")))?
+            .map_err(|e| ClientError::Protocol(format!("the handoff task failed: {e}")))?;
+        result.map_err(|e| match e {
+            ClientError::Handoff(HandoffError::Connect { source, .. }) => {
+                ClientError::Unavailable {
+                    socket,
+                    reason: format!(
+                        "{source} (the daemon's handoff socket, next to its gRPC socket: a \
+                         daemon as new as this client listens there)"
+                    ),
+                }
+            }
+            ClientError::Handoff(HandoffError::Io(source)) => ClientError::Unavailable {
+                socket,
+                reason: format!("the handoff was cut short: {source}"),
+            },
+            other => other,
+        })
     }
 
     fn status(&self, status: tonic::Status) -> ClientError {

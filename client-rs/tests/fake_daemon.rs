@@ -431,3 +431,20 @@ async fn lists_are_read_page_by_page() {
         (7, "")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_handoff_socket_is_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_state, mut client) = start(dir.path()).await;
+    let handoff_socket = handoff::handoff_path(client.socket());
+    std::fs::remove_file(&handoff_socket).unwrap();
+    let model = dir.path().join("m.safetensors");
+    std::fs::write(&model, b"weights").unwrap();
+    match client.load_model(&[model], "", |_| {}).await {
+        Err(ClientError::Unavailable { socket, reason }) => {
+            assert_eq!(socket, handoff_socket);
+            assert!(reason.contains("handoff socket"), "{reason}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
