@@ -53,6 +53,10 @@ class Daemon:
         self.log.close()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "no_daemon: runs without the daemon binary")
+
+
 @pytest.fixture
 def daemon(tmp_path):
     d = Daemon(tmp_path)
