@@ -1,7 +1,7 @@
 //! Access control and quotas end to end (issue 7, parts 1 and 2): the `[access]` allow-lists
-//! refuse a peer on every call of the service and log it, the shared-memory files get their
-//! modes and owners, and each `[quotas]` limit is refused with its own message and given back
-//! when what it counts is released.
+//! refuse a peer on every call of the service and on the handoff socket, and log it; shared
+//! memory has no name and reaches clients only as fds; each `[quotas]` limit is refused with its
+//! own message and given back when what it counts is released.
 //!
 //! The tests run as one uid, so the allow-lists are tested by listing another uid (refused) or
 //! the test's own uid or gid (admitted).
@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use common::*;
 use tonic::Code;
-use weightstream_client::{ClientError, proto};
+use weightstream_client::{ClientError, HandoffError, proto};
 use weightstream_daemon::config::SizeOrShare;
 
 /// Everything the daemons of this test binary log (a global subscriber: the server's tasks run
@@ -122,6 +122,7 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
         .load_model(proto::LoadModelRequest {
             paths: vec!["/nonexistent.safetensors".into()],
             name: String::new(),
+            fd_token: "0".repeat(32),
         })
         .await
         .err()
@@ -153,7 +154,7 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
         .unwrap();
     assert_eq!(code_message(got), want, "OpenSession");
     let got = raw
-        .list_sessions(proto::ListSessionsRequest {})
+        .list_sessions(proto::ListSessionsRequest::default())
         .await
         .err()
         .unwrap();
@@ -167,10 +168,20 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
         want,
         "Client::info"
     );
-    let got = client
-        .load_model(&[PathBuf::from("/x.safetensors")], "", |_| {})
-        .await;
-    assert_eq!(rejected(got.err().unwrap()), want, "Client::load_model");
+    // The handoff socket lets in whom the service lets in: the client's load stops there.
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_file(dir.path(), 9);
+    let got = client.load_model(&[path], "", |_| {}).await;
+    match got.err().unwrap() {
+        ClientError::Handoff(HandoffError::Refused(message)) => {
+            assert_eq!(message, want.1, "Client::load_model (PUT)")
+        }
+        other => panic!("Client::load_model: {other:?}"),
+    }
+    match fetch_fd(&daemon.socket, &"0".repeat(32)).await {
+        Err(HandoffError::Refused(message)) => assert_eq!(message, want.1, "GET"),
+        other => panic!("GET: {other:?}"),
+    }
 
     // Each attempt is logged with the peer's uid and pid, and the method in the request span.
     for method in ["GetInfo", "LoadModel", "OpenSession", "Run"] {
@@ -210,7 +221,8 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
         status,
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
-    assert!(daemon.shm_files().is_empty(), "{:?}", daemon.shm_files());
+    assert_eq!(daemon.shm_total(), 0);
+    assert_eq!(daemon.core.fd_drops.waiting(), 0, "no files kept");
 }
 
 /// Reflection lists the service in both versions, to a peer the allow-lists refuse as well
@@ -306,26 +318,45 @@ async fn a_peer_in_either_list_is_served() {
     }
 }
 
-/// Models, staging and resident regions: 0640, the daemon's, group = the socket's group.
-/// Uploads: 0640, owned by the uploading peer (the daemon runs as root here, so it chowns; a
-/// daemon that cannot chown grants the peer an ACL entry instead, tested in mem::shm).
+/// Names in /dev/shm that this process could have made (the old daemons' names carried their
+/// pid); another engineer's old daemon on the box may make its own meanwhile.
+fn dev_shm_names_of_this_process() -> Vec<String> {
+    let pid = format!("-{}-", std::process::id());
+    let mut names: Vec<String> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(&pid))
+        .collect();
+    names.sort();
+    names
+}
+
+/// Where /proc says an fd points: a memfd reads "/memfd:NAME (deleted)".
+fn fd_link(fd: &impl std::os::fd::AsRawFd) -> String {
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+    link.display().to_string()
+}
+
+/// Shared memory has no name: a load, an upload and a session make nothing in /dev/shm (or
+/// anywhere: every region the daemon passes is a memfd with no link). Sockets: 0660 and the
+/// configured group, the handoff socket too. Host regions come read-only (not even reopened
+/// through /proc can they be written), an upload region read-write for its uploader.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shared_memory_is_group_readable_and_an_upload_writable_by_its_peer_only() {
-    let (uid, _, _) = me();
-    let daemon_uid = rustix::process::geteuid().as_raw();
+async fn shared_memory_has_no_name_and_reaches_clients_as_fds_only() {
+    use std::os::unix::fs::FileExt;
     let group = 4321;
+    let before = dev_shm_names_of_this_process();
     let daemon = start_daemon_with(|c| c.socket_group = Some(group.to_string())).await;
-    let socket = std::fs::metadata(&daemon.socket).unwrap();
-    assert_eq!((socket.mode() & 0o777, socket.gid()), (0o660, group));
-    let meta = |kind: &str| {
-        let tag = format!("-{kind}-");
-        let name = daemon
-            .shm_files()
-            .into_iter()
-            .find(|n| n.contains(&tag))
-            .unwrap_or_else(|| panic!("no {kind} file in {:?}", daemon.shm_files()));
-        let m = std::fs::metadata(daemon.shm_dir.join(name)).unwrap();
-        (m.mode() & 0o7777, m.uid(), m.gid())
+    for socket in [&daemon.socket, &daemon.handoff()] {
+        let m = std::fs::metadata(socket).unwrap();
+        assert_eq!((m.mode() & 0o777, m.gid()), (0o660, group), "{socket:?}");
+    }
+    let passed = |fd: &std::os::fd::OwnedFd, kind: &str| {
+        let stat = std::fs::File::from(fd.try_clone().unwrap())
+            .metadata()
+            .unwrap();
+        assert_eq!(stat.nlink(), 0, "{kind}: linked somewhere");
+        assert_eq!(fd_link(fd), format!("/memfd:weightstream-{kind} (deleted)"));
     };
 
     let mut raw = raw_client(&daemon.socket).await;
@@ -334,14 +365,15 @@ async fn shared_memory_is_group_readable_and_an_upload_writable_by_its_peer_only
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(meta("upload"), (0o640, uid, group));
+    let (fd, size) = fetch_fd(&daemon.socket, &begun.fd_secret).await.unwrap();
+    passed(&fd, "upload");
+    assert_eq!(size, 4096);
+    std::fs::File::from(fd).write_all_at(b"mine", 0).unwrap();
     raw.commit_upload(proto::CommitUploadRequest {
         upload_id: begun.upload_id,
     })
     .await
     .unwrap();
-    assert_eq!(daemon.shm_count("upload"), 0);
-    assert_eq!(meta("model"), (0o640, daemon_uid, group));
 
     let dir = tempfile::tempdir().unwrap();
     let path = model_file(dir.path(), 2);
@@ -358,14 +390,38 @@ async fn shared_memory_is_group_readable_and_an_upload_writable_by_its_peer_only
         ))
         .await
         .unwrap();
-    assert_eq!(meta("staging"), (0o640, daemon_uid, group));
-    assert_eq!(meta("resident"), (0o640, daemon_uid, group));
-    // The client reads through these modes and writes its upload through them.
     run_step(&session, &[0, 1, 2, 3], &expected).await;
-    let data = uniform_model(3, 1, LAYER);
-    let uploads: Vec<_> = data.iter().map(Tensor::as_upload).collect();
-    let (model, _) = client.upload_model("mine", &uploads).await.unwrap();
-    assert_eq!(model.total_bytes, LAYER as u64);
+    let regions = &session.layout().regions;
+    assert_eq!(regions.len(), 2);
+    for (region, kind) in regions.iter().zip(["staging", "resident"]) {
+        let (fd, _) = fetch_fd(&daemon.socket, fd_secret(region)).await.unwrap();
+        passed(&fd, kind);
+        let file = std::fs::File::from(fd);
+        assert!(file.write_at(b"x", 0).is_err(), "{kind}: written");
+        let again = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(format!(
+                "/proc/self/fd/{}",
+                std::os::fd::AsRawFd::as_raw_fd(&file)
+            ))
+            .unwrap();
+        let refused = again.write_at(b"x", 0).unwrap_err();
+        assert_eq!(
+            refused.raw_os_error(),
+            Some(1),
+            "{kind} reopened: {refused}"
+        );
+    }
+    assert_eq!(
+        (daemon.shm_count("model"), daemon.shm_count("upload")),
+        (1, 1)
+    );
+    assert_eq!(
+        dev_shm_names_of_this_process(),
+        before,
+        "a name in /dev/shm"
+    );
     session.close().await.unwrap();
 }
 
@@ -461,6 +517,9 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
     let a = model_file(dir.path(), 6);
     let b = model_file(dir.path(), 7);
     let arena = 4 * LAYER as u64;
+    // A model's description counts with its arena: per tensor its name, 8 bytes a dimension
+    // and 64; and its name ("m6", "m7": the file's stem).
+    let model = arena + 4 * ("layers.0.weight".len() as u64 + 2 * 8 + 64) + 2;
     let limit = arena + arena / 4;
     let cases = [
         ("per uid", "per_uid_host_bytes", format!("uid {uid}")),
@@ -491,7 +550,7 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
             .await;
         assert_eq!(
             rejected(got.err().unwrap()),
-            message(arena, "model", arena),
+            message(model, "model", model),
             "{which}"
         );
         assert_eq!(daemon.shm_count("model"), 1, "{which}: nothing made");
@@ -511,9 +570,10 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
             .await
             .err()
             .unwrap();
+        let upload = arena / 2 + ("w".len() as u64 + 8 + 64) + "u".len() as u64;
         assert_eq!(
             code_message(got),
-            message(arena, "upload", arena / 2),
+            message(model, "upload", upload),
             "{which}"
         );
         assert_eq!(daemon.shm_count("upload"), 0);
@@ -561,7 +621,7 @@ async fn uploads_in_progress_are_limited_per_uid_and_a_commit_frees_the_place() 
     // A closed connection's upload is dropped, and its place with it.
     drop(other);
     eventually("the closed connection's upload dropped", || async {
-        daemon.shm_count("upload") == 0
+        daemon.uploads() == 0
     })
     .await;
     raw.begin_upload(upload_request("three", 4096))
