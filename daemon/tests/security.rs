@@ -67,10 +67,43 @@ async fn daemon_for(attacker_gid: u32, adjust: impl FnOnce(&mut ConfigFile)) -> 
     daemon
 }
 
+/// This test binary, where `ws-attacker` may run it: where it is, or (when it lies under a
+/// directory closed to others, a home say) a copy in a temporary directory.
+fn attacker_exe((uid, gid): (u32, u32)) -> &'static Path {
+    static EXE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    EXE.get_or_init(|| {
+        let exe = std::env::current_exe().unwrap();
+        let runs = Command::new(&exe)
+            .args(["--list", "--exact", "attacker_acts"])
+            .current_dir("/")
+            .uid(uid)
+            .gid(gid)
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if runs {
+            return exe;
+        }
+        // One place per test binary, reused by later runs (rewritten: it may be stale).
+        let tag = blake3::hash(exe.as_os_str().as_encoded_bytes()).to_hex();
+        let dir = std::env::temp_dir().join(format!("ws-attacker-{}", &tag[..16]));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (partial, copy) = (
+            dir.join(std::process::id().to_string()),
+            dir.join("attacker"),
+        );
+        std::fs::copy(&exe, &partial).unwrap();
+        std::fs::rename(&partial, &copy).unwrap();
+        copy
+    })
+}
+
 /// Runs this test binary's `attacker_acts` as `ws-attacker`, doing `action` with `args`.
-fn spawn_attacker((uid, gid): (u32, u32), socket: &Path, action: &str, args: &[&str]) -> Child {
-    Command::new(std::env::current_exe().unwrap())
+fn spawn_attacker(ids: (u32, u32), socket: &Path, action: &str, args: &[&str]) -> Child {
+    let (uid, gid) = ids;
+    Command::new(attacker_exe(ids))
         .args(["--exact", "attacker_acts", "--ignored", "--nocapture"])
+        .current_dir("/")
         .env("WS_ATTACK", action)
         .env("WS_SOCKET", socket)
         .env("WS_ARGS", args.join("\n"))
