@@ -12,9 +12,21 @@ pub const TOKEN_TTL: Duration = Duration::from_secs(60);
 /// Tokens one uid may have waiting at once.
 pub const MAX_DROPS_PER_UID: usize = 16;
 
-/// 128 random bits as 32 lowercase hex characters: a token or a secret.
+/// 128 random bits from the kernel (getrandom(2)) as 32 lowercase hex characters: a token or
+/// a secret.
 pub fn random_secret() -> String {
-    format!("{:032x}", rand::random::<u128>())
+    let mut bytes = [0u8; 16];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            // Reads of up to 256 bytes from an initialised pool always succeed (random(7)); a
+            // kernel with memfds (3.17) has the call.
+            Err(e) => panic!("getrandom(2) failed: {e}"),
+        }
+    }
+    format!("{:032x}", u128::from_le_bytes(bytes))
 }
 
 /// Why a `PUT` was refused (sent back on the handoff socket).
