@@ -58,22 +58,34 @@ def attacker() -> tuple[int, int]:
     return pw.pw_uid, pw.pw_gid
 
 
-def run_as(ids: tuple[int, int], args: list[str]) -> subprocess.CompletedProcess:
+#: Runs a script as another uid with ``subprocess(..., user=, group=)``, from a process of its
+#: own: forking this one (grpc's and torch's threads, their fork handlers) as ``user=`` must, can
+#: crash the child before it execs. Tries this Python, then the system's.
+LAUNCH = """
+import shutil, subprocess, sys
+uid, gid, script, args = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+as_them = dict(user=uid, group=gid, extra_groups=[])
+def runs(python):
+    try:
+        return subprocess.run([python, "-c", "pass"], **as_them).returncode == 0
+    except PermissionError:
+        return False
+for python in (sys.executable, shutil.which("python3", path="/usr/bin:/bin")):
+    if python and runs(python):
+        sys.exit(subprocess.run([python, "-c", script, *args], **as_them).returncode)
+sys.exit("no Python interpreter that the attacker may run")
+"""
+
+
+def run_as(ids: tuple[int, int], script: str, args: list[str]) -> subprocess.CompletedProcess:
+    """``script`` with ``args``, run by Python as uid and gid ``ids``."""
     uid, gid = ids
     return subprocess.run(
-        args, user=uid, group=gid, extra_groups=[], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", LAUNCH, str(uid), str(gid), script, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-
-
-def attacker_python(ids) -> str:
-    """A Python the attacker can run."""
-    for python in (sys.executable, shutil.which("python3", path="/usr/bin:/bin")):
-        try:
-            if python and run_as(ids, [python, "-c", "pass"]).returncode == 0:
-                return python
-        except PermissionError:
-            continue
-    pytest.fail("no Python interpreter that ws-attacker may run")
 
 
 @pytest.fixture
@@ -110,7 +122,7 @@ def test_another_uid_gets_no_region_and_no_upload(shared_daemon):
     assert all(len(s) == 32 for s in secrets), secrets
     src = str(shared_daemon.tmp / "weightstream")
     handoff = f"{shared_daemon.socket}.fd"
-    out = run_as(ids, [attacker_python(ids), "-c", ATTACK, src, handoff, *secrets])
+    out = run_as(ids, ATTACK, [src, handoff, *secrets])
     assert out.returncode == 0, out.stderr
     refused = (
         f"refused: no such fd_secret for uid {ids[0]}: a secret is only for the uid it was "

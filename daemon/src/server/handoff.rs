@@ -97,7 +97,10 @@ pub(super) struct HandoffServer {
 }
 
 impl HandoffServer {
-    pub(super) fn stop(self) {}
+    /// Stops accepting and removes the socket file (what dropping it does, said at the call).
+    pub(super) fn stop(self) {
+        drop(self);
+    }
 }
 
 impl Drop for HandoffServer {
