@@ -2,7 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::handoff::HandoffError;
 use crate::proto;
+use crate::sources::SourceError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -13,9 +15,14 @@ pub enum ClientError {
         socket.display()
     )]
     Unavailable { socket: PathBuf, reason: String },
-    /// The daemon refused a request; the message names the field and the limit.
+    /// The daemon refused a request; the message names the field and the limit. Paths that
+    /// do not resolve to safetensors files are refused by the client itself, before sending,
+    /// with the code and the `paths: …` message the daemon used to give.
     #[error("{code:?}: {message}")]
     Rejected { code: tonic::Code, message: String },
+    /// Passing file descriptors through the daemon's handoff socket failed.
+    #[error(transparent)]
+    Handoff(#[from] HandoffError),
     /// The daemon refused one acquire or release of a session.
     #[error("ticket {ticket}: {code:?}: {message}")]
     Fault {
@@ -26,9 +33,10 @@ pub enum ClientError {
     /// The session's stream ended (closed, daemon stopped, or the session was torn down).
     #[error("session ended: {0}")]
     SessionEnded(String),
-    #[error("{}: {source}", path.display())]
+    /// Mapping a region the daemon passed failed (out of memory or address space).
+    #[error("{what}: mmap: {source}")]
     Map {
-        path: PathBuf,
+        what: String,
         source: std::io::Error,
     },
     #[error("unsupported: {0}")]
@@ -58,6 +66,19 @@ impl ClientError {
         match self {
             ClientError::Rejected { code, .. } => Some(*code),
             _ => None,
+        }
+    }
+}
+
+impl From<SourceError> for ClientError {
+    fn from(e: SourceError) -> ClientError {
+        let message = match e {
+            SourceError::Empty => e.to_string(),
+            _ => format!("paths: {e}"),
+        };
+        ClientError::Rejected {
+            code: e.code(),
+            message,
         }
     }
 }

@@ -26,9 +26,12 @@
 //! resumes at its next step without restarting.
 
 mod error;
+pub mod handoff;
 mod session;
+mod sources;
 
 use std::collections::HashMap;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -37,6 +40,7 @@ use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 pub use crate::error::ClientError;
+pub use crate::handoff::HandoffError;
 use crate::proto::weight_stream_client::WeightStreamClient;
 pub use crate::session::{Acquired, Session, SessionOptions};
 
@@ -67,8 +71,8 @@ const RECONNECT_INTERVAL: Duration = Duration::from_millis(50);
 pub struct Client {
     rpc: WeightStreamClient<Channel>,
     socket: PathBuf,
-    /// The files of each model this client (or a clone) loaded, so that a session can load
-    /// them again into a restarted daemon (same files, same model id).
+    /// The paths each model this client (or a clone) loaded was named by, so that a session
+    /// can open and load them again into a restarted daemon (same files, same model id).
     loaded: Arc<Mutex<HashMap<String, Vec<PathBuf>>>>,
 }
 
@@ -156,6 +160,36 @@ impl Client {
         self.rpc.clone()
     }
 
+    /// Runs `f` with the path of the daemon's handoff socket on a blocking thread (a handoff
+    /// waits on the socket for up to its timeout). A socket that cannot be reached, or an
+    /// exchange cut short, is [`ClientError::Unavailable`], as for the gRPC socket.
+    pub(crate) async fn handoff<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Path) -> Result<T, ClientError> + Send + 'static,
+    ) -> Result<T, ClientError> {
+        let path = handoff::handoff_path(&self.socket);
+        let socket = path.clone();
+        let result = tokio::task::spawn_blocking(move || f(&path))
+            .await
+            .map_err(|e| ClientError::Protocol(format!("the handoff task failed: {e}")))?;
+        result.map_err(|e| match e {
+            ClientError::Handoff(HandoffError::Connect { source, .. }) => {
+                ClientError::Unavailable {
+                    socket,
+                    reason: format!(
+                        "{source} (the daemon's handoff socket, next to its gRPC socket: a \
+                         daemon as new as this client listens there)"
+                    ),
+                }
+            }
+            ClientError::Handoff(HandoffError::Io(source)) => ClientError::Unavailable {
+                socket,
+                reason: format!("the handoff was cut short: {source}"),
+            },
+            other => other,
+        })
+    }
+
     fn status(&self, status: tonic::Status) -> ClientError {
         ClientError::from_status(&self.socket, status)
     }
@@ -165,16 +199,32 @@ impl Client {
         Ok(r.map_err(|s| self.status(s))?.into_inner())
     }
 
-    /// Loads safetensors files (paths as the daemon sees them); `progress` sees each update.
+    /// Loads safetensors: absolute paths of files, `*.safetensors.index.json` files (their
+    /// shards) or directories (their `*.safetensors`). This client opens the files, with its
+    /// own rights, and passes them to the daemon (at most 253 files per load); `progress` sees
+    /// each update.
     pub async fn load_model(
         &mut self,
         paths: &[PathBuf],
         name: &str,
         mut progress: impl FnMut(&proto::LoadProgress),
     ) -> Result<proto::ModelManifest, ClientError> {
+        let named = paths.to_vec();
+        let (files, fd_token) = self
+            .handoff(move |socket| {
+                let opened = sources::open_sources(&named)?;
+                let fds: Vec<BorrowedFd<'_>> = opened.iter().map(|f| f.fd.as_fd()).collect();
+                let token = handoff::put_fds(socket, &fds)?;
+                Ok((
+                    opened.into_iter().map(|f| f.path).collect::<Vec<_>>(),
+                    token,
+                ))
+            })
+            .await?;
         let request = proto::LoadModelRequest {
-            paths: paths.iter().map(|p| p.display().to_string()).collect(),
+            paths: files.iter().map(|p| p.display().to_string()).collect(),
             name: name.to_string(),
+            fd_token,
         };
         let mut events = self
             .rpc
@@ -198,8 +248,9 @@ impl Client {
         ))
     }
 
-    /// Uploads tensors through a shared-memory region; returns the manifest and whether an
-    /// identical model was already in the store.
+    /// Uploads tensors through a shared-memory region (its fd comes from the handoff socket;
+    /// the mapping is gone before the commit); returns the manifest and whether an identical
+    /// model was already in the store.
     pub async fn upload_model(
         &mut self,
         name: &str,
@@ -223,7 +274,11 @@ impl Client {
             .await
             .map_err(|s| self.status(s))?
             .into_inner();
-        session::write_upload(&begun, tensors)?;
+        let secret = begun.fd_secret.clone();
+        let (region, _) = self
+            .handoff(move |socket| Ok(handoff::get_fd(socket, &secret)?))
+            .await?;
+        session::write_upload(region, &begun, tensors)?;
         let committed = self
             .rpc
             .commit_upload(proto::CommitUploadRequest {
@@ -251,18 +306,59 @@ impl Client {
         Ok(refcount)
     }
 
+    /// Every model in the store (all pages; `next_page_token` is empty).
     pub async fn list_models(&mut self) -> Result<proto::ListModelsResponse, ClientError> {
-        let r = self.rpc.list_models(proto::ListModelsRequest {}).await;
-        Ok(r.map_err(|s| self.status(s))?.into_inner())
+        let mut all = proto::ListModelsResponse::default();
+        let mut page_token = String::new();
+        loop {
+            let request = proto::ListModelsRequest {
+                page_size: 0,
+                page_token: page_token.clone(),
+            };
+            let r = self.rpc.list_models(request).await;
+            let page = r.map_err(|s| self.status(s))?.into_inner();
+            all.models.extend(page.models);
+            all.store_bytes = page.store_bytes;
+            if page.next_page_token.is_empty() {
+                return Ok(all);
+            }
+            repeated_token(&page_token, &page.next_page_token, "ListModels")?;
+            page_token = page.next_page_token;
+        }
     }
 
+    /// Every session (all pages).
     pub async fn list_sessions(&mut self) -> Result<Vec<proto::SessionInfo>, ClientError> {
-        let r = self.rpc.list_sessions(proto::ListSessionsRequest {}).await;
-        Ok(r.map_err(|s| self.status(s))?.into_inner().sessions)
+        let mut sessions = Vec::new();
+        let mut page_token = String::new();
+        loop {
+            let request = proto::ListSessionsRequest {
+                page_size: 0,
+                page_token: page_token.clone(),
+            };
+            let r = self.rpc.list_sessions(request).await;
+            let page = r.map_err(|s| self.status(s))?.into_inner();
+            sessions.extend(page.sessions);
+            if page.next_page_token.is_empty() {
+                return Ok(sessions);
+            }
+            repeated_token(&page_token, &page.next_page_token, "ListSessions")?;
+            page_token = page.next_page_token;
+        }
     }
 
     /// Opens a session and attaches its hot-path stream.
     pub async fn open_session(&mut self, options: SessionOptions) -> Result<Session, ClientError> {
         Session::open(self.clone(), options).await
     }
+}
+
+/// A daemon that hands back the page token it was given would be paged forever.
+fn repeated_token(asked: &str, next: &str, call: &str) -> Result<(), ClientError> {
+    if asked == next {
+        return Err(ClientError::Protocol(format!(
+            "{call} gave the same page token again"
+        )));
+    }
+    Ok(())
 }

@@ -10,17 +10,18 @@
 
 use std::collections::HashMap;
 use std::fs::File;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use memmap2::Mmap;
+use memmap2::{Mmap, MmapMut, MmapOptions};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::error::ClientError;
 use crate::proto::{self, client_message::Msg, server_message::Msg as Reply};
-use crate::{Client, TensorData};
+use crate::{Client, TensorData, handoff};
 
 /// What `OpenSession` asks for.
 #[derive(Debug, Clone)]
@@ -77,8 +78,9 @@ struct Recorder {
     groups: Vec<u32>,
 }
 
-/// A region as this process sees it: the host backend's shared memory, mapped read-only, or
-/// device memory (CUDA), which this client does not map: its views carry no bytes.
+/// A region as this process sees it: the host backend's shared memory (its fd fetched from the
+/// handoff socket), mapped read-only, or device memory (CUDA), which this client does not map:
+/// its views carry no bytes.
 enum MappedRegion {
     Host(Mmap),
     Device { size: u64 },
@@ -103,17 +105,28 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn map_region(region: &proto::Region) -> Result<MappedRegion, ClientError> {
+async fn map_region(client: &Client, region: &proto::Region) -> Result<MappedRegion, ClientError> {
     match &region.handle {
-        Some(proto::region::Handle::ShmPath(path)) => {
-            let err = |source| ClientError::Map {
-                path: path.into(),
-                source,
-            };
-            let file = File::open(path).map_err(err)?;
-            // SAFETY: the daemon created this shared-memory file for this session and never
-            // truncates it while the session lives; we only read bytes it says are staged.
-            let map = unsafe { Mmap::map(&file) }.map_err(err)?;
+        Some(proto::region::Handle::FdSecret(secret)) => {
+            let secret = secret.clone();
+            let (fd, size) = client
+                .handoff(move |socket| Ok(handoff::get_fd(socket, &secret)?))
+                .await?;
+            if size < region.size {
+                return Err(ClientError::Protocol(format!(
+                    "region {}: the daemon passed {size} bytes for a region of {}",
+                    region.index, region.size
+                )));
+            }
+            let file = File::from(fd);
+            // SAFETY: the daemon made this shared memory for this session and never shrinks
+            // it while the session lives; we only read bytes it says are staged.
+            let map = unsafe { MmapOptions::new().len(region.size as usize).map(&file) }.map_err(
+                |source| ClientError::Map {
+                    what: format!("region {}", region.index),
+                    source,
+                },
+            )?;
             Ok(MappedRegion::Host(map))
         }
         Some(proto::region::Handle::CudaIpcHandle(_)) => {
@@ -146,11 +159,10 @@ impl Session {
             .await
             .map_err(status)?
             .into_inner();
-        let regions = opened
-            .regions
-            .iter()
-            .map(map_region)
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut regions = Vec::with_capacity(opened.regions.len());
+        for region in &opened.regions {
+            regions.push(map_region(&client, region).await?);
+        }
         let (tx, rx) = mpsc::unbounded_channel();
         let attach = proto::ClientMessage {
             msg: Some(Msg::Attach(proto::Attach {
@@ -339,8 +351,8 @@ impl Session {
     }
 }
 
-/// Makes sure the daemon has `model_id`: loads it again from the files this client loaded it
-/// from when it does not (a restarted daemon starts empty).
+/// Makes sure the daemon has `model_id`: opens and loads again the paths this client loaded
+/// it from when it does not (a restarted daemon starts empty).
 async fn restore_model(client: &mut Client, model_id: &str) -> Result<(), ClientError> {
     let listed = client.list_models().await?;
     if listed.models.iter().any(|m| m.model_id == model_id) {
@@ -460,23 +472,22 @@ impl Drop for Acquired<'_> {
     }
 }
 
-/// Writes the tensors into the upload region the daemon created.
+/// Writes the tensors into the upload region the daemon created (`region`, from the handoff
+/// socket). The mapping is dropped on return: the daemon seals the region against writes at
+/// commit, which fails while a writable mapping is alive.
 pub(crate) fn write_upload(
+    region: OwnedFd,
     begun: &proto::BeginUploadResponse,
     tensors: &[TensorData<'_>],
 ) -> Result<(), ClientError> {
-    let path = &begun.shm_path;
     let err = |source| ClientError::Map {
-        path: path.into(),
+        what: format!("upload {}", begun.upload_id),
         source,
     };
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(err)?;
-    // SAFETY: the daemon made this file for this upload alone and reads it only after commit.
-    let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(err)?;
+    let file = File::from(region);
+    // SAFETY: the daemon made this region for this upload alone (only our uid can fetch its
+    // fd), sealed it against shrinking, and reads it only after commit.
+    let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(err)?;
     for (slot, t) in begun.tensors.iter().zip(tensors) {
         let start = slot.offset as usize;
         let dst = map.get_mut(start..start + t.bytes.len()).ok_or_else(|| {
@@ -484,6 +495,6 @@ pub(crate) fn write_upload(
         })?;
         dst.copy_from_slice(t.bytes);
     }
-    map.flush().map_err(err)?;
+    drop(map);
     Ok(())
 }

@@ -46,6 +46,8 @@ pub struct Limits {
     pub max_upload_bytes: u64,
     pub max_sessions: u32,
     pub max_name_bytes: u32,
+    /// Uploads in progress, all uids together: each holds a memfd (an fd of the daemon's).
+    pub max_uploads: u32,
     /// Seconds a session waits for its client to take an event off a full `Run` stream
     /// before it gives up on the client and ends.
     pub client_send_timeout_secs: u64,
@@ -76,6 +78,7 @@ impl Default for Limits {
             max_upload_bytes: 1 << 40,
             max_sessions: 256,
             max_name_bytes: 1024,
+            max_uploads: 1024,
             client_send_timeout_secs: 10,
             attach_timeout_secs: 10,
             max_connections_per_uid: 64,
@@ -181,8 +184,9 @@ impl std::fmt::Display for SizeOrShare {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Quotas {
-    /// Host copies of models (charged to the uid that loaded or uploaded them first) plus
-    /// uploads in progress.
+    /// Host copies of models (charged to the uid that loaded or uploaded them first, then to
+    /// the next uid holding a reference, a session's included) plus uploads in progress, each
+    /// with its description (per tensor: name bytes + 8 × rank + 64; the model's name).
     #[serde(deserialize_with = "bytes")]
     pub per_uid_host_bytes: u64,
     /// Staging plus resident bytes of the uid's open sessions, on all devices together.
@@ -202,8 +206,8 @@ impl Default for Quotas {
         Quotas {
             per_uid_host_bytes: 0,
             per_uid_device_bytes: 0,
-            per_uid_sessions: 0,
-            per_uid_uploads: 0,
+            per_uid_sessions: 32,
+            per_uid_uploads: 16,
             max_host_bytes: SizeOrShare::Percent(80),
             max_device_bytes: SizeOrShare::Percent(100),
         }
@@ -218,8 +222,6 @@ pub struct ConfigFile {
     /// Group that owns the socket (a name or a numeric gid): its members may connect.
     pub socket_group: Option<String>,
     pub backend: BackendChoice,
-    /// Where shared-memory segments are created.
-    pub shm_dir: PathBuf,
     /// Copies a session may have queued ahead of its client.
     pub prefetch_depth: u32,
     /// How long shutdown waits, from the stop request, for sessions and connections to end.
@@ -236,7 +238,6 @@ impl Default for ConfigFile {
             socket: PathBuf::from(DEFAULT_SOCKET),
             socket_group: None,
             backend: BackendChoice::Auto,
-            shm_dir: PathBuf::from("/dev/shm"),
             prefetch_depth: 16,
             drain_timeout_secs: 10,
             limits: Limits::default(),
@@ -255,7 +256,6 @@ pub struct Config {
     /// The socket's group, resolved from `socket_group` (a name or a number).
     pub socket_gid: Option<u32>,
     pub backend: BackendChoice,
-    pub shm_dir: PathBuf,
     pub prefetch_depth: u32,
     /// How long shutdown waits, from the stop request, for sessions to close and connections
     /// to finish before cutting them; the stop gives up on what is left 2 s after that.
@@ -421,6 +421,12 @@ impl ConfigFile {
             "at least 1",
         )?;
         range(
+            "limits.max_uploads",
+            l.max_uploads.into(),
+            l.max_uploads >= 1,
+            "at least 1",
+        )?;
+        range(
             "limits.max_upload_bytes",
             l.max_upload_bytes,
             l.max_upload_bytes >= 1,
@@ -466,7 +472,6 @@ impl ConfigFile {
             socket: self.socket,
             socket_gid,
             backend: self.backend,
-            shm_dir: self.shm_dir,
             prefetch_depth: self.prefetch_depth,
             drain_timeout: Duration::from_secs(self.drain_timeout_secs),
             metrics_listen: self.metrics.enabled.then_some(listen),
@@ -549,7 +554,6 @@ mod tests {
             "socket =",
             "# socket_group =",
             "backend =",
-            "shm_dir =",
             "prefetch_depth =",
             "drain_timeout_secs =",
             "[metrics]",
@@ -564,6 +568,7 @@ mod tests {
             "max_upload_bytes =",
             "max_sessions =",
             "max_name_bytes =",
+            "max_uploads =",
             "client_send_timeout_secs =",
             "attach_timeout_secs =",
             "max_connections_per_uid =",
@@ -608,15 +613,16 @@ mod tests {
             (
                 "sockets = \"/x\"",
                 "line 1: unknown field `sockets`, expected one of `socket`, `socket_group`, \
-                 `backend`, `shm_dir`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`, \
-                 `access`, `quotas`",
+                 `backend`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`, `access`, \
+                 `quotas`",
             ),
             (
                 "[limits]\nmax_sesions = 3",
                 "line 2: unknown field `max_sesions`, expected one of `max_message_bytes`, \
                  `max_tensors_per_model`, `max_groups_per_session`, `max_plan_length`, \
                  `max_live_tickets`, `max_upload_bytes`, `max_sessions`, `max_name_bytes`, \
-                 `client_send_timeout_secs`, `attach_timeout_secs`, `max_connections_per_uid`",
+                 `max_uploads`, `client_send_timeout_secs`, `attach_timeout_secs`, \
+                 `max_connections_per_uid`",
             ),
             (
                 "[metrics]\nport = 9464",
@@ -663,6 +669,10 @@ mod tests {
                 "limits.max_plan_length = 0 is out of range: at least 1",
             ),
             (
+                "[limits]\nmax_uploads = 0",
+                "limits.max_uploads = 0 is out of range: at least 1",
+            ),
+            (
                 "[limits]\nclient_send_timeout_secs = 0",
                 "limits.client_send_timeout_secs = 0 is out of range: 1 to 3600",
             ),
@@ -673,6 +683,12 @@ mod tests {
             (
                 "[limits]\nmax_connections_per_uid = 0",
                 "limits.max_connections_per_uid = 0 is out of range: at least 1",
+            ),
+            (
+                "shm_dir = \"/dev/shm\"",
+                "line 1: unknown field `shm_dir`, expected one of `socket`, `socket_group`, \
+                 `backend`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`, `access`, \
+                 `quotas`",
             ),
             (
                 "socket = \"ws.sock\"",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import statistics
 import subprocess
@@ -60,7 +59,7 @@ def matmul_rate(n=8192, reps=10) -> float:
     return 2 * n**3 * reps / (a.elapsed_time(b) / 1e3)
 
 
-def upload_model(stub, total: int):
+def upload_model(stub, socket: str, total: int):
     sizes = []
     while sum(sizes) < total:
         sizes.append(SIZES_MIB[len(sizes) % len(SIZES_MIB)] * MiB)
@@ -70,13 +69,12 @@ def upload_model(stub, total: int):
     ]
     begun = stub.BeginUpload(pb.BeginUploadRequest(name="stream-bench", tensors=tensors))
     pattern = torch.randint(0, 256, (256 * MiB,), dtype=torch.uint8, device="cuda").cpu().numpy()
-    with open(begun.shm_path, "r+b") as f:
-        m = mmap.mmap(f.fileno(), begun.size)
-        dst = np.frombuffer(m, dtype=np.uint8)
-        for slot in begun.tensors:
-            dst[slot.offset : slot.offset + slot.nbytes] = pattern[: slot.nbytes]
-        del dst
-        m.close()
+    m = wsgpu.upload_region(socket, begun)
+    dst = np.frombuffer(m, dtype=np.uint8)
+    for slot in begun.tensors:
+        dst[slot.offset : slot.offset + slot.nbytes] = pattern[: slot.nbytes]
+    del dst
+    m.close()  # before the commit: the daemon seals the region against writes
     started = time.monotonic()
     committed = stub.CommitUpload(pb.CommitUploadRequest(upload_id=begun.upload_id))
     return committed.manifest, time.monotonic() - started
@@ -151,7 +149,7 @@ def main():
         stub = wsgpu.connect(socket)
         pinned = pinned_bandwidth()
         rate = matmul_rate()
-        manifest, commit_s = upload_model(stub, int(args.size_gib * GiB))
+        manifest, commit_s = upload_model(stub, socket, int(args.size_gib * GiB))
         total = manifest.total_bytes
         session = wsgpu.Session(
             stub,

@@ -101,7 +101,7 @@ class Suite:
         return f"{dev.name} {dev.uuid} {dev.pci_bus_id}"
 
     def load_model(self):
-        self.manifest = wsgpu.load(self.stub, [self.model_path], "gpu-suite")
+        self.manifest = wsgpu.load(self.stub, self.socket, [self.model_path], "gpu-suite")
         names = [t.name for t in self.manifest.tensors]
         assert set(names) == set(self.expected), "manifest tensors differ from the file"
         return f"{len(names)} tensors, {self.manifest.total_bytes / MiB:.0f} MiB"
@@ -298,7 +298,7 @@ class Suite:
 def consumer_role(args):
     """One of two consumers: open, meet at the barrier, verify three steps, report JSON."""
     stub = wsgpu.connect(args.socket)
-    manifest = wsgpu.load(stub, [args.model])
+    manifest = wsgpu.load(stub, args.socket, [args.model])
     expected = {k: wsgpu.tensor_bytes(v) for k, v in load_file(args.model, device="cuda").items()}
     groups = [
         pb.GroupSpec(name=t.name, tensors=[t.name])
@@ -331,7 +331,7 @@ def consumer_role(args):
 def holder_role(args):
     """Opens a session with a 2 GiB staging arena, holds tickets, and waits to be killed."""
     stub = wsgpu.connect(args.socket)
-    manifest = wsgpu.load(stub, [args.model])
+    manifest = wsgpu.load(stub, args.socket, [args.model])
     groups = [pb.GroupSpec(name=t.name, tensors=[t.name]) for t in manifest.tensors]
     session = wsgpu.Session(
         stub, manifest.model_id, budget=2048 * MiB, staging=2048 * MiB, groups=groups

@@ -1,6 +1,7 @@
 """A small CUDA IPC consumer of the weightstream daemon, for the GPU suite and benchmarks.
 
-Plain torch + ctypes on libcuda (the full Python client is client-py's job): it opens the
+Plain torch + ctypes on libcuda (the full Python client is client-py's job; files and upload
+regions pass through the daemon's handoff socket with ``weightstream._handoff``): it opens the
 session's IPC memory handles once, wraps them as uint8 tensors through
 ``__cuda_array_interface__``, opens interprocess events lazily, and drives the ``Run`` stream
 synchronously (one Acquire, then its Staged).
@@ -9,11 +10,14 @@ synchronously (one Acquire, then its Staged).
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 import queue
 import time
 
 import grpc
 import torch
+from weightstream import _handoff, _sources
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as rpc
 
@@ -73,12 +77,30 @@ def connect(socket: str, timeout: float = 10.0) -> rpc.WeightStreamStub:
     return rpc.WeightStreamStub(channel)
 
 
-def load(stub, paths, name="") -> pb.ModelManifest:
+def load(stub, socket, paths, name="") -> pb.ModelManifest:
+    """Loads safetensors files: opened here, passed to the daemon at ``socket`` as fds."""
+    opened = _sources.open_sources([os.path.abspath(p) for p in paths])
+    try:
+        token = _handoff.put_fds(_handoff.handoff_path(socket), [fd for _, fd in opened])
+    finally:
+        for _, fd in opened:
+            os.close(fd)
+    request = pb.LoadModelRequest(paths=[p for p, _ in opened], name=name, fd_token=token)
     manifest = None
-    for event in stub.LoadModel(pb.LoadModelRequest(paths=paths, name=name)):
+    for event in stub.LoadModel(request):
         if event.HasField("manifest"):
             manifest = event.manifest
     return manifest
+
+
+def upload_region(socket, begun) -> mmap.mmap:
+    """The writable mapping of an upload's region (its fd from the handoff socket of the
+    daemon at ``socket``); close it before CommitUpload."""
+    fd, _ = _handoff.get_fd(_handoff.handoff_path(socket), begun.fd_secret)
+    try:
+        return mmap.mmap(fd, begun.size)
+    finally:
+        os.close(fd)
 
 
 def groups_per_tensor(manifest) -> list:

@@ -1,10 +1,12 @@
-"""Mapping the daemon's regions into this process: shared memory (host backend) or CUDA IPC
-handles opened with ctypes on the driver library (CUDA backend), wrapped as uint8 tensors."""
+"""Mapping the daemon's regions into this process: shared memory (host backend, an fd from
+the handoff socket) or CUDA IPC handles opened with ctypes on the driver library (CUDA
+backend), wrapped as uint8 tensors."""
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import warnings
 
 import torch
@@ -43,11 +45,14 @@ class _DevicePointer:
 
 
 class HostRegion:
-    """A shared-memory region, mapped read-only."""
+    """A shared-memory region, mapped read-only from the fd the daemon passed (closed here:
+    the mapping keeps the memory)."""
 
-    def __init__(self, path: str, size: int):
-        with open(path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    def __init__(self, fd: int, size: int):
+        try:
+            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
         with warnings.catch_warnings():
             # The mapping is read-only on purpose: streamed weights are frozen.
             warnings.simplefilter("ignore", UserWarning)

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 import grpc
 import torch
 
-from weightstream import _dtypes
-from weightstream.errors import DaemonUnavailable, RequestRejected
+from weightstream import _dtypes, _handoff, _sources
+from weightstream.errors import DaemonUnavailable, RequestRejected, WeightstreamError
 from weightstream.v1 import weightstream_pb2 as pb
 from weightstream.v1 import weightstream_pb2_grpc as rpc
 
@@ -54,8 +54,8 @@ class Client:
         self._pid = None
         self._channel = None
         self._stub = None
-        # The files of each model this client loaded, to load them again into a restarted
-        # daemon (``Session.reconnect``): same files, same model id.
+        # The paths each model this client loaded was named by, to open and load them again
+        # into a restarted daemon (``Session.reconnect``): same files, same model id.
         self._loaded: dict[str, list[str]] = {}
 
     @property
@@ -133,15 +133,32 @@ class Client:
     def info(self) -> pb.GetInfoResponse:
         return self.call("GetInfo", pb.GetInfoRequest())
 
+    @property
+    def handoff_socket(self) -> str:
+        """The daemon's handoff socket, where file descriptors pass (next to its socket)."""
+        return _handoff.handoff_path(self.socket)
+
+    def fetch_fd(self, secret: str) -> tuple[int, int]:
+        """The fd (the caller closes it) and size of the region an ``fd_secret`` names."""
+        return _handoff.get_fd(self.handoff_socket, secret)
+
     def load_model(
         self,
         paths: Iterable[str],
         name: str = "",
         progress: Callable[[pb.LoadProgress], None] | None = None,
     ) -> pb.ModelManifest:
-        """Loads safetensors files (paths as the daemon sees them) into the store."""
+        """Loads safetensors into the store: files, ``*.safetensors.index.json`` files (their
+        shards) or directories (their ``*.safetensors``). This process opens the files, with
+        its own rights, and passes them to the daemon (at most 253 files per load)."""
         paths = [os.path.abspath(p) for p in paths]
-        request = pb.LoadModelRequest(paths=paths, name=name)
+        opened = _sources.open_sources(paths)
+        try:
+            token = _handoff.put_fds(self.handoff_socket, [fd for _, fd in opened])
+        finally:
+            for _, fd in opened:
+                os.close(fd)
+        request = pb.LoadModelRequest(paths=[p for p, _ in opened], name=name, fd_token=token)
         try:
             for event in self.stub.LoadModel(request):
                 if event.HasField("manifest"):
@@ -156,14 +173,20 @@ class Client:
     def upload_model(
         self, name: str, tensors: Mapping[str, torch.Tensor]
     ) -> tuple[pb.ModelManifest, bool]:
-        """Writes tensors into a shared-memory region the daemon makes, then commits them.
-        Returns the manifest and whether an identical model was already stored."""
+        """Writes tensors into a shared-memory region the daemon makes (its fd comes from the
+        handoff socket; the mapping is closed before the commit, which needs it gone), then
+        commits them. Returns the manifest and whether an identical model was already stored."""
         infos = [
             pb.TensorInfo(name=n, dtype=_dtypes.to_wire(t.dtype), shape=list(t.shape))
             for n, t in tensors.items()
         ]
         begun = self.call("BeginUpload", pb.BeginUploadRequest(name=name, tensors=infos))
-        with open(begun.shm_path, "r+b") as f, mmap.mmap(f.fileno(), begun.size) as m:
+        fd, _ = self.fetch_fd(begun.fd_secret)
+        try:
+            m = mmap.mmap(fd, begun.size)
+        finally:
+            os.close(fd)
+        with m:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 region = torch.frombuffer(m, dtype=torch.uint8)
@@ -184,10 +207,29 @@ class Client:
         return refcount
 
     def list_models(self) -> pb.ListModelsResponse:
-        return self.call("ListModels", pb.ListModelsRequest())
+        """Every model in the store (all pages)."""
+        models = pb.ListModelsResponse()
+        for page in self._pages("ListModels", pb.ListModelsRequest):
+            models.models.extend(page.models)
+            models.store_bytes = page.store_bytes
+        return models
 
     def list_sessions(self) -> list:
-        return list(self.call("ListSessions", pb.ListSessionsRequest()).sessions)
+        """Every session (all pages)."""
+        return [
+            s for page in self._pages("ListSessions", pb.ListSessionsRequest) for s in page.sessions
+        ]
+
+    def _pages(self, method: str, request_type):
+        token = ""
+        while True:
+            page = self.call(method, request_type(page_token=token))
+            yield page
+            if not page.next_page_token:
+                return
+            if page.next_page_token == token:
+                raise WeightstreamError(f"{method} gave the same page token again")
+            token = page.next_page_token
 
     def open_session(
         self,

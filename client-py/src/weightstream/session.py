@@ -9,6 +9,7 @@ against the daemon that comes back on the socket.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import torch
 from weightstream import _dtypes
 from weightstream._ipc import CudaRegion, HostRegion
 from weightstream.client import Client, rpc_error
-from weightstream.errors import DaemonUnavailable, SessionFault
+from weightstream.errors import DaemonUnavailable, SessionFault, WeightstreamError
 from weightstream.v1 import weightstream_pb2 as pb
 
 
@@ -171,8 +172,15 @@ class Session:
         self._generation += 1
 
     def _map(self, region: pb.Region):
-        if region.WhichOneof("handle") == "shm_path":
-            return HostRegion(region.shm_path, region.size)
+        if region.WhichOneof("handle") == "fd_secret":
+            fd, size = self.client.fetch_fd(region.fd_secret)
+            if size < region.size:
+                os.close(fd)
+                raise WeightstreamError(
+                    f"region {region.index}: the daemon passed {size} bytes for a region of "
+                    f"{region.size}"
+                )
+            return HostRegion(fd, region.size)
         if self.device.type != "cuda":
             raise ValueError("the daemon runs on CUDA: open the session with a CUDA device")
         return CudaRegion(region.cuda_ipc_handle, region.size, self.device)

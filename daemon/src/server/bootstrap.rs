@@ -1,7 +1,7 @@
 //! Start-up on the box, before anything is served: claim the socket (an exclusive lock on
-//! `<socket>.lock`, held until the daemon has stopped), sweep shared memory an earlier daemon
-//! left, pick the backend, bind the socket (mode 0660, the configured group). The only place in
-//! `server/` that knows the shared-memory directory's type.
+//! `<socket>.lock`, held until the daemon has stopped), pick the backend, bind the socket and
+//! the handoff socket next to it (mode 0660, the configured group). Shared memory needs no
+//! preparing: it is memfds, which leave nothing behind.
 
 use std::fs::File;
 use std::io::{Read, Seek, Write};
@@ -13,47 +13,36 @@ use rustix::fs::FlockOperation;
 use tokio::net::UnixListener;
 
 use super::error::ServeError;
+use super::handoff;
 use crate::backend::Backend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
 use crate::config::{BackendChoice, Config};
-use crate::mem::shm::ShmDir;
+use crate::mem::shm::Shm;
 
-/// What start-up made: the bound socket, the shared-memory directory and the backend.
+/// What start-up made: the bound sockets, the daemon's shared memory and the backend.
 pub(super) struct Bootstrap {
     pub listener: UnixListener,
     pub bound: BoundSocket,
-    pub shm: Arc<ShmDir>,
+    pub handoff: handoff::Bound,
+    pub shm: Arc<Shm>,
     pub backend: Arc<dyn Backend>,
 }
 
 pub(super) async fn bootstrap(config: &Config) -> Result<Bootstrap, ServeError> {
     let socket = &config.socket;
     let lock = claim_socket(socket)?;
-    // Shared memory belongs to the socket's group: exactly the peers who may connect map it.
-    let shm =
-        Arc::new(ShmDir::new(&config.shm_dir, &shm_tag(socket)).with_group(config.socket_gid));
-    let swept = shm.sweep();
-    if swept > 0 {
-        tracing::warn!(
-            swept,
-            prefix = shm.prefix(),
-            "removed shared memory left by an earlier daemon"
-        );
-    }
+    let shm = Shm::new();
     let backend = select_backend(config.backend, &shm)?;
     let (listener, bound) = bind(socket, config.socket_gid, lock)?;
+    let handoff = handoff::bind(socket, config.socket_gid)?;
     Ok(Bootstrap {
         listener,
         bound,
+        handoff,
         shm,
         backend,
     })
-}
-
-/// Tells daemons on one box apart in /dev/shm: a hash of the socket path.
-pub fn shm_tag(socket: &Path) -> String {
-    blake3::hash(socket.as_os_str().as_encoded_bytes()).to_hex()[..8].to_string()
 }
 
 fn socket_error(path: &Path) -> impl Fn(std::io::Error) -> ServeError {
@@ -166,10 +155,7 @@ fn identity(meta: &std::fs::Metadata) -> (u64, u64, i64, i64) {
     (meta.dev(), meta.ino(), meta.ctime(), meta.ctime_nsec())
 }
 
-fn select_backend(
-    choice: BackendChoice,
-    shm: &Arc<ShmDir>,
-) -> Result<Arc<dyn Backend>, ServeError> {
+fn select_backend(choice: BackendChoice, shm: &Arc<Shm>) -> Result<Arc<dyn Backend>, ServeError> {
     match choice {
         BackendChoice::Host => {
             tracing::info!("backend: host (requested)");

@@ -4,7 +4,7 @@
 //! past the drain's deadline (`drain_timeout`); the server stops taking connections once the
 //! sessions are gone, and the open ones get until that deadline to end before they are cut.
 //! A second after it, the stop gives up on sessions not torn down and copy threads still
-//! running; the cleanup (store, socket, shared memory) is bounded too, and the whole drain by
+//! running; the cleanup (store, sockets, shared memory) is bounded too, and the whole drain by
 //! [`HARD_DEADLINE_AFTER_DRAIN`]. What it gave up on is in the [`StopReport`].
 
 use std::future::Future;
@@ -20,6 +20,7 @@ use super::blocking::BlockingTasks;
 use super::bootstrap::BoundSocket;
 use super::conn::Connections;
 use super::error::ServeError;
+use super::handoff::HandoffServer;
 use super::serve::Api;
 use crate::core::Daemon;
 use crate::metrics::MetricsServer;
@@ -124,6 +125,7 @@ pub(super) struct Drain {
     pub timeout: Duration,
     pub metrics: Option<MetricsServer>,
     pub socket: BoundSocket,
+    pub handoff: HandoffServer,
     pub connections: Arc<Connections>,
     pub blocking: BlockingTasks,
 }
@@ -208,6 +210,7 @@ impl Drain {
         if let Some(m) = self.metrics {
             let _ = timeout_at(until, m.stop()).await;
         }
+        self.handoff.stop();
         // A load stuck in a read may hold the store's lock: clear it off the async threads,
         // and go on without it when it does not finish in time.
         let daemon = self.daemon.clone();
@@ -216,9 +219,10 @@ impl Drain {
             .spawn("clearing the store", move || daemon.store.clear());
         let _ = timeout_at(until, cleared).await;
         self.socket.release();
-        let left = self.daemon.shm.sweep();
+        // Memfds leave nothing on the box; one still open here goes with the process.
+        let left = self.daemon.shm.total();
         if left > 0 {
-            tracing::warn!(left, "removed shared memory still held at exit");
+            tracing::warn!(left, "shared memory still held at exit");
         }
     }
 }

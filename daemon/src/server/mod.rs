@@ -1,6 +1,7 @@
-//! The edge: the gRPC server on the Unix socket. `bootstrap` prepares the box, `serve` runs
-//! the services, `drain` stops them in order; `validate` turns requests into typed values,
-//! `status` maps every error to a gRPC status, `convert` builds the wire's answers.
+//! The edge: the gRPC server on the Unix socket and the handoff socket beside it. `bootstrap`
+//! prepares the box, `serve` runs the services, `handoff` passes fds, `drain` stops them in
+//! order; `validate` turns requests into typed values, `status` maps every error to a gRPC
+//! status, `convert` builds the wire's answers.
 
 pub mod access;
 pub mod blocking;
@@ -9,6 +10,7 @@ pub mod conn;
 mod convert;
 mod drain;
 mod error;
+mod handoff;
 mod run;
 mod serve;
 mod service;
@@ -23,7 +25,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 
 use self::blocking::BlockingTasks;
-pub use self::bootstrap::{lock_path, shm_tag};
+pub use self::bootstrap::lock_path;
 pub use self::convert::{dtype_from_pb, dtype_to_pb};
 pub use self::drain::{HARD_DEADLINE_AFTER_DRAIN, StopReport};
 pub use self::error::ServeError;
@@ -45,7 +47,7 @@ pub struct ServerHandle {
 
 impl ServerHandle {
     /// Stops serving: sessions are closed (clients get a Fault), copies drain, shared memory
-    /// and the socket are removed. Returns within `drain_timeout` + 2 s, saying what it had
+    /// and the sockets are removed. Returns within `drain_timeout` + 2 s, saying what it had
     /// to give up on.
     pub async fn stop(mut self) -> Result<StopReport, ServeError> {
         if let Some(stop) = self.stop.take() {
@@ -89,6 +91,7 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
     let metrics_addr = metrics.as_ref().map(|m| m.addr);
     let blocking = BlockingTasks::default();
     let (routes, health) = serve::routes(&daemon, &blocking).await?;
+    let handoff = handoff::serve(boot.handoff, daemon.clone())?;
     let (stop, stopped) = drain::channel();
     let drain = drain::Drain {
         daemon: daemon.clone(),
@@ -96,6 +99,7 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
         timeout,
         metrics,
         socket: boot.bound,
+        handoff,
         connections: connections.clone(),
         blocking: blocking.clone(),
     };

@@ -151,12 +151,14 @@ class ModelManifest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., name: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., refcount: _Optional[int] = ..., sessions: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("paths", "name")
+    __slots__ = ("paths", "name", "fd_token")
     PATHS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    FD_TOKEN_FIELD_NUMBER: _ClassVar[int]
     paths: _containers.RepeatedScalarFieldContainer[str]
     name: str
-    def __init__(self, paths: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ...) -> None: ...
+    fd_token: str
+    def __init__(self, paths: _Optional[_Iterable[str]] = ..., name: _Optional[str] = ..., fd_token: _Optional[str] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
     __slots__ = ("bytes_done", "bytes_total", "current_file")
@@ -195,16 +197,16 @@ class UploadTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class BeginUploadResponse(_message.Message):
-    __slots__ = ("upload_id", "shm_path", "size", "tensors")
+    __slots__ = ("upload_id", "size", "tensors", "fd_secret")
     UPLOAD_ID_FIELD_NUMBER: _ClassVar[int]
-    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FD_SECRET_FIELD_NUMBER: _ClassVar[int]
     upload_id: str
-    shm_path: str
     size: int
     tensors: _containers.RepeatedCompositeFieldContainer[UploadTensor]
-    def __init__(self, upload_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[UploadTensor, _Mapping]]] = ...) -> None: ...
+    fd_secret: str
+    def __init__(self, upload_id: _Optional[str] = ..., size: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[UploadTensor, _Mapping]]] = ..., fd_secret: _Optional[str] = ...) -> None: ...
 
 class CommitUploadRequest(_message.Message):
     __slots__ = ("upload_id",)
@@ -233,16 +235,22 @@ class ReleaseModelResponse(_message.Message):
     def __init__(self, refcount: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models", "store_bytes")
+    __slots__ = ("models", "store_bytes", "next_page_token")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     STORE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelManifest]
     store_bytes: int
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelManifest, _Mapping]]] = ..., store_bytes: _Optional[int] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelManifest, _Mapping]]] = ..., store_bytes: _Optional[int] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class GroupSpec(_message.Message):
     __slots__ = ("name", "tensors")
@@ -269,16 +277,16 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., vram_budget: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[GroupSpec, _Mapping]]] = ..., label: _Optional[str] = ...) -> None: ...
 
 class Region(_message.Message):
-    __slots__ = ("index", "size", "shm_path", "cuda_ipc_handle")
+    __slots__ = ("index", "size", "cuda_ipc_handle", "fd_secret")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
-    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FD_SECRET_FIELD_NUMBER: _ClassVar[int]
     index: int
     size: int
-    shm_path: str
     cuda_ipc_handle: bytes
-    def __init__(self, index: _Optional[int] = ..., size: _Optional[int] = ..., shm_path: _Optional[str] = ..., cuda_ipc_handle: _Optional[bytes] = ...) -> None: ...
+    fd_secret: str
+    def __init__(self, index: _Optional[int] = ..., size: _Optional[int] = ..., cuda_ipc_handle: _Optional[bytes] = ..., fd_secret: _Optional[str] = ...) -> None: ...
 
 class TensorPlacement(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "nbytes")
@@ -335,8 +343,12 @@ class CloseSessionResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ListSessionsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class SessionStats(_message.Message):
     __slots__ = ("acquires", "hits", "reuses", "misses", "resident_hits", "bytes_copied", "copies", "prefetches", "stall_ns", "resyncs", "releases", "evictions")
@@ -403,10 +415,12 @@ class SessionInfo(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., device_uuid: _Optional[str] = ..., label: _Optional[str] = ..., peer_uid: _Optional[int] = ..., peer_gid: _Optional[int] = ..., peer_pid: _Optional[int] = ..., vram_budget: _Optional[int] = ..., staging_bytes: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., attached: _Optional[bool] = ..., plan_length: _Optional[int] = ..., live_tickets: _Optional[int] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ..., age_ms: _Optional[int] = ..., group_stall_ns: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
-    __slots__ = ("sessions",)
+    __slots__ = ("sessions", "next_page_token")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
-    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class Attach(_message.Message):
     __slots__ = ("session_id",)

@@ -97,16 +97,18 @@ class WeightStreamServicer:
         raise NotImplementedError('Method not implemented!')
 
     def LoadModel(self, request, context):
-        """Loads safetensors (a file, a sharded *.safetensors.index.json, or a directory) into the host
-        store. Streams progress, then ends with the model's manifest. Idempotent: the same files give
-        the same model id and one host copy; each call adds one reference.
+        """Loads safetensors files into the host store from file descriptors the client opened and
+        passed through the handoff socket (`fd_token`); the daemon never opens a client-named path.
+        Streams progress, then ends with the model's manifest. Idempotent: the same files give the
+        same model id and one host copy; each call adds one reference.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def BeginUpload(self, request, context):
-        """Creates a shared-memory region sized for the declared tensors for the client to fill.
+        """Creates a shared-memory region (a memfd) sized for the declared tensors for the client to
+        fill; the client fetches its fd from the handoff socket with `fd_secret`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

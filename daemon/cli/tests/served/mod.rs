@@ -12,7 +12,6 @@ pub const START_DEADLINE: Duration = Duration::from_secs(30);
 pub struct Served {
     child: Child,
     pub socket: PathBuf,
-    pub shm_dir: PathBuf,
     log: PathBuf,
 }
 
@@ -26,8 +25,9 @@ pub fn wait_for(what: &str, deadline: Duration, mut done: impl FnMut() -> bool) 
     }
 }
 
-/// How a test starts its daemon, beyond the defaults (host backend, socket and shared memory
-/// under the test's directory, `WEIGHTSTREAM_LOG=warn`).
+/// How a test starts its daemon, beyond the defaults (host backend, socket under the test's
+/// directory, `WEIGHTSTREAM_LOG=warn`; every client of these tests is one uid, so the per-uid
+/// session and upload quotas are off unless `config` says otherwise).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Launch<'a> {
     /// TOML for `--config` (written to DIR/config.toml).
@@ -42,12 +42,13 @@ pub struct Launch<'a> {
     pub env: &'a [(&'a str, &'a str)],
 }
 
+/// The default config: one uid runs every client, so its per-uid quotas are off.
+const ONE_UID: &str = "[quotas]\nper_uid_sessions = 0\nper_uid_uploads = 0\n";
+
 impl Launch<'_> {
     /// The command, the socket and the log path, for a daemon under `dir`.
     pub fn command(&self, dir: &Path) -> (Command, PathBuf, PathBuf) {
         let socket = dir.join("ws.sock");
-        let shm_dir = dir.join("shm");
-        std::fs::create_dir_all(&shm_dir).expect("shm dir");
         let log = dir.join(self.log_name.unwrap_or("daemon.log"));
         let log_file = std::fs::OpenOptions::new()
             .create(true)
@@ -64,14 +65,11 @@ impl Launch<'_> {
             None => Command::new(bin),
         };
         cmd.args(["serve", "--backend", "host", "--socket"])
-            .arg(&socket)
-            .arg("--shm-dir")
-            .arg(&shm_dir);
-        if let Some(config) = self.config {
-            let path = dir.join("config.toml");
-            std::fs::write(&path, config).expect("write the config");
-            cmd.arg("--config").arg(path);
-        }
+            .arg(&socket);
+        let config = self.config.unwrap_or(ONE_UID);
+        let path = dir.join("config.toml");
+        std::fs::write(&path, config).expect("write the config");
+        cmd.arg("--config").arg(path);
         cmd.env("WEIGHTSTREAM_LOG", self.log_filter.unwrap_or("warn"))
             .env_remove("NOTIFY_SOCKET")
             .envs(self.env.iter().copied())
@@ -83,8 +81,8 @@ impl Launch<'_> {
 }
 
 impl Served {
-    /// Starts `weightstream serve` with its socket and shared memory under `dir` (a restart
-    /// passes the same `dir`: same socket, same shm directory) and waits until it accepts.
+    /// Starts `weightstream serve` with its socket under `dir` (a restart passes the same
+    /// `dir`: same socket) and waits until it accepts.
     pub fn start(dir: &Path) -> Served {
         Served::start_with(dir, Launch::default())
     }
@@ -93,12 +91,7 @@ impl Served {
     pub fn start_with(dir: &Path, launch: Launch<'_>) -> Served {
         let (mut cmd, socket, log) = launch.command(dir);
         let child = cmd.spawn().expect("spawn weightstream serve");
-        let mut served = Served {
-            child,
-            socket,
-            shm_dir: dir.join("shm"),
-            log,
-        };
+        let mut served = Served { child, socket, log };
         // A killed daemon's socket file stays until the new one claims it: wait for an
         // accepted connection, not for the file.
         wait_for("daemon accepting", START_DEADLINE, || {
@@ -136,23 +129,35 @@ impl Served {
             .expect("VmRSS in /proc/PID/status")
     }
 
-    /// Names of the files in the shared-memory directory, sorted.
-    pub fn shm_files(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.shm_dir)
-            .expect("read shm dir")
-            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+    /// The daemon's shared memory: the kinds of the memfds among its open fds (/proc shows
+    /// one as "/memfd:weightstream-KIND (deleted)"), sorted. A committed upload stays an
+    /// "upload": it is its model's arena.
+    pub fn memfds(&self) -> Vec<String> {
+        let mut kinds: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .expect("/proc/PID/fd")
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter_map(|link| {
+                let link = link.to_string_lossy().into_owned();
+                let name = link.strip_prefix("/memfd:")?;
+                let name = name.strip_suffix(" (deleted)").unwrap_or(name);
+                Some(
+                    name.strip_prefix("weightstream-")
+                        .unwrap_or(name)
+                        .to_string(),
+                )
+            })
             .collect();
-        names.sort();
-        names
+        kinds.sort();
+        kinds
     }
 
-    /// How many segments of one kind ("model", "upload", "staging", "resident") exist.
+    /// How many memfds of one kind ("model", "upload", "staging", "resident") it holds.
     pub fn shm_count(&self, kind: &str) -> usize {
-        let tag = format!("-{kind}-");
-        self.shm_files().iter().filter(|n| n.contains(&tag)).count()
+        self.memfds().iter().filter(|k| *k == kind).count()
     }
 
-    /// SIGKILL: no drain, no cleanup; the socket file and the shared memory stay behind.
+    /// SIGKILL: no drain, no cleanup; the socket files stay behind (the shared memory goes
+    /// with the process: memfds have no name).
     pub fn kill(&mut self) {
         self.child.kill().expect("SIGKILL the daemon");
         self.child.wait().expect("reap the daemon");

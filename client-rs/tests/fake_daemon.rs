@@ -1,0 +1,450 @@
+//! The client against a fake daemon in this process: a tonic servicer, and a handoff listener
+//! built from `handoff`'s daemon-side primitives that keeps fds as issue 17 says. Loads pass the
+//! opened files with a token and their display paths, uploads write through the fd and unmap
+//! before the commit (the fake seals the memfd against writes there, as the daemon will), host
+//! regions are mapped read-only from the fd, lists are read page by page, and paths that do not
+//! resolve are refused before anything is sent.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use rustix::fs::{MemfdFlags, SealFlags};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tonic::{Code, Request, Response, Status};
+use weightstream_client::handoff::{self, Request as Handoff};
+use weightstream_client::proto::weight_stream_server::{WeightStream, WeightStreamServer};
+use weightstream_client::proto::{self, client_message::Msg, server_message::Msg as Reply};
+use weightstream_client::{Client, ClientError, SessionOptions, TensorData};
+
+const REGION: &[u8] = b"bytes of a staging region, read-only";
+
+#[derive(Default)]
+struct State {
+    next: u64,
+    /// Token -> the fds a PUT passed.
+    drops: HashMap<String, Vec<OwnedFd>>,
+    /// Secret -> the memfd a GET passes.
+    objects: HashMap<String, Arc<OwnedFd>>,
+    /// (display paths, bytes read from the fds) of each load.
+    loads: Vec<(Vec<String>, Vec<Vec<u8>>)>,
+    uploads: HashMap<String, Arc<OwnedFd>>,
+    committed: Option<Vec<u8>>,
+}
+
+impl State {
+    fn mint(&mut self) -> String {
+        self.next += 1;
+        format!("{:032x}", self.next)
+    }
+}
+
+type Shared = Arc<Mutex<State>>;
+
+fn memfd(name: &str, bytes: &[u8]) -> OwnedFd {
+    let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+    let fd = rustix::fs::memfd_create(name, flags).unwrap();
+    rustix::fs::ftruncate(&fd, bytes.len() as u64).unwrap();
+    std::fs::File::from(fd.try_clone().unwrap())
+        .write_all_at(bytes, 0)
+        .unwrap();
+    fd
+}
+
+/// The daemon's handoff loop, one connection at a time.
+fn serve_handoff(listener: std::os::unix::net::UnixListener, state: Shared) {
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { return };
+        match handoff::read_request(&stream) {
+            Ok(Handoff::Put(fds)) => {
+                let token = {
+                    let mut state = state.lock().unwrap();
+                    let token = state.mint();
+                    state.drops.insert(token.clone(), fds);
+                    token
+                };
+                handoff::reply_token(&stream, &token).unwrap();
+            }
+            Ok(Handoff::Get(secret)) => {
+                let fd = state.lock().unwrap().objects.get(&secret).cloned();
+                match fd {
+                    Some(fd) => {
+                        let size = rustix::fs::fstat(&*fd).unwrap().st_size as u64;
+                        handoff::reply_fd(&stream, fd.as_fd(), size).unwrap();
+                    }
+                    None => handoff::reply_error(&stream, "no such secret").unwrap(),
+                }
+            }
+            Err(e) => handoff::reply_error(&stream, &e.to_string()).unwrap(),
+        }
+    }
+}
+
+struct Fake(Shared);
+
+#[tonic::async_trait]
+impl WeightStream for Fake {
+    async fn get_info(
+        &self,
+        _: Request<proto::GetInfoRequest>,
+    ) -> Result<Response<proto::GetInfoResponse>, Status> {
+        Ok(Response::new(proto::GetInfoResponse::default()))
+    }
+
+    type LoadModelStream = ReceiverStream<Result<proto::LoadModelEvent, Status>>;
+
+    async fn load_model(
+        &self,
+        request: Request<proto::LoadModelRequest>,
+    ) -> Result<Response<Self::LoadModelStream>, Status> {
+        let request = request.into_inner();
+        let mut state = self.0.lock().unwrap();
+        let fds = (state.drops.remove(&request.fd_token))
+            .ok_or_else(|| Status::invalid_argument("fd_token: unknown"))?;
+        if fds.len() != request.paths.len() {
+            return Err(Status::invalid_argument("fd_token: not one fd per path"));
+        }
+        let mut contents = Vec::new();
+        for fd in fds {
+            let mut bytes = Vec::new();
+            std::fs::File::from(fd).read_to_end(&mut bytes).unwrap();
+            contents.push(bytes);
+        }
+        state.loads.push((request.paths, contents));
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let manifest = proto::ModelManifest {
+            model_id: "m-load".into(),
+            ..Default::default()
+        };
+        let event = proto::load_model_event::Event::Manifest(manifest);
+        let event = proto::LoadModelEvent { event: Some(event) };
+        tx.try_send(Ok(event)).unwrap();
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn begin_upload(
+        &self,
+        request: Request<proto::BeginUploadRequest>,
+    ) -> Result<Response<proto::BeginUploadResponse>, Status> {
+        let mut offset = 0;
+        let mut slots = Vec::new();
+        for t in request.into_inner().tensors {
+            slots.push(proto::UploadTensor {
+                name: t.name,
+                offset,
+                nbytes: t.nbytes,
+            });
+            offset += t.nbytes;
+        }
+        let fd = memfd("ws-test-upload", &vec![0; offset as usize]);
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
+        let fd = Arc::new(fd);
+        let mut state = self.0.lock().unwrap();
+        let secret = state.mint();
+        state.objects.insert(secret.clone(), fd.clone());
+        state.uploads.insert("up-1".into(), fd);
+        Ok(Response::new(proto::BeginUploadResponse {
+            upload_id: "up-1".into(),
+            size: offset,
+            tensors: slots,
+            fd_secret: secret,
+        }))
+    }
+
+    async fn commit_upload(
+        &self,
+        request: Request<proto::CommitUploadRequest>,
+    ) -> Result<Response<proto::CommitUploadResponse>, Status> {
+        let id = request.into_inner().upload_id;
+        let mut state = self.0.lock().unwrap();
+        let fd = state.uploads.remove(&id).unwrap();
+        if rustix::fs::fcntl_add_seals(&*fd, SealFlags::WRITE).is_err() {
+            return Err(Status::failed_precondition(format!(
+                "upload_id '{id}': the upload region is still mapped writable by the client: \
+                 unmap it before CommitUpload"
+            )));
+        }
+        let mut bytes = Vec::new();
+        std::fs::File::from(fd.try_clone().unwrap())
+            .read_to_end(&mut bytes)
+            .unwrap();
+        state.committed = Some(bytes);
+        Ok(Response::new(proto::CommitUploadResponse {
+            manifest: Some(proto::ModelManifest {
+                model_id: "m-up".into(),
+                ..Default::default()
+            }),
+            deduplicated: false,
+        }))
+    }
+
+    async fn release_model(
+        &self,
+        _: Request<proto::ReleaseModelRequest>,
+    ) -> Result<Response<proto::ReleaseModelResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    async fn list_models(
+        &self,
+        request: Request<proto::ListModelsRequest>,
+    ) -> Result<Response<proto::ListModelsResponse>, Status> {
+        let start: usize = request.into_inner().page_token.parse().unwrap_or(0);
+        let end = (start + 2).min(5);
+        let models = (start..end)
+            .map(|i| proto::ModelManifest {
+                model_id: format!("m-{i}"),
+                ..Default::default()
+            })
+            .collect();
+        let next_page_token = if end < 5 {
+            end.to_string()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(proto::ListModelsResponse {
+            models,
+            store_bytes: 7,
+            next_page_token,
+        }))
+    }
+
+    async fn open_session(
+        &self,
+        _: Request<proto::OpenSessionRequest>,
+    ) -> Result<Response<proto::OpenSessionResponse>, Status> {
+        let n = REGION.len() as u64;
+        let mut state = self.0.lock().unwrap();
+        let secret = state.mint();
+        let fd = Arc::new(memfd("ws-test-region", REGION));
+        state.objects.insert(secret.clone(), fd);
+        let tensor = proto::TensorPlacement {
+            name: "w".into(),
+            dtype: proto::Dtype::U8 as i32,
+            shape: vec![n],
+            offset: 0,
+            nbytes: n,
+        };
+        Ok(Response::new(proto::OpenSessionResponse {
+            session_id: "s-1".into(),
+            regions: vec![proto::Region {
+                index: 0,
+                size: n,
+                handle: Some(proto::region::Handle::FdSecret(secret)),
+            }],
+            groups: vec![proto::GroupLayout {
+                group: 0,
+                name: "w".into(),
+                nbytes: n,
+                tensors: vec![tensor],
+                resident: false,
+            }],
+            ..Default::default()
+        }))
+    }
+
+    async fn close_session(
+        &self,
+        _: Request<proto::CloseSessionRequest>,
+    ) -> Result<Response<proto::CloseSessionResponse>, Status> {
+        Ok(Response::new(proto::CloseSessionResponse {}))
+    }
+
+    async fn list_sessions(
+        &self,
+        _: Request<proto::ListSessionsRequest>,
+    ) -> Result<Response<proto::ListSessionsResponse>, Status> {
+        Err(Status::unimplemented("fake"))
+    }
+
+    type RunStream = ReceiverStream<Result<proto::ServerMessage, Status>>;
+
+    async fn run(
+        &self,
+        request: Request<tonic::Streaming<proto::ClientMessage>>,
+    ) -> Result<Response<Self::RunStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        tokio::spawn(async move {
+            while let Some(Ok(proto::ClientMessage { msg: Some(msg) })) = inbound.next().await {
+                let reply = match msg {
+                    Msg::Attach(a) => Reply::Attached(proto::Attached {
+                        session_id: a.session_id,
+                    }),
+                    Msg::Acquire(a) => Reply::Staged(proto::Staged {
+                        ticket: a.ticket,
+                        ..Default::default()
+                    }),
+                    _ => continue,
+                };
+                let reply = proto::ServerMessage { msg: Some(reply) };
+                if tx.send(Ok(reply)).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// A fake daemon on `<dir>/ws.sock` and its handoff socket; the client connected to it.
+async fn start(dir: &Path) -> (Shared, Client) {
+    let socket = dir.join("ws.sock");
+    let state = Shared::default();
+    let listener = std::os::unix::net::UnixListener::bind(handoff::handoff_path(&socket)).unwrap();
+    let handoff_state = state.clone();
+    std::thread::spawn(move || serve_handoff(listener, handoff_state));
+    let incoming = UnixListenerStream::new(tokio::net::UnixListener::bind(&socket).unwrap());
+    let service = WeightStreamServer::new(Fake(state.clone()));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming(incoming),
+    );
+    let client = Client::connect(Some(&socket)).await.unwrap();
+    (state, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_passes_the_opened_files_and_their_display_paths() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, mut client) = start(dir.path()).await;
+    let model = dir.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    std::fs::write(model.join("b.safetensors"), b"second").unwrap();
+    std::fs::write(model.join("a.safetensors"), b"first").unwrap();
+    let manifest = client
+        .load_model(std::slice::from_ref(&model), "m", |_| {})
+        .await;
+    assert_eq!(manifest.unwrap().model_id, "m-load");
+    let shown = |f: &str| model.join(f).display().to_string();
+    let want = (
+        vec![shown("a.safetensors"), shown("b.safetensors")],
+        vec![b"first".to_vec(), b"second".to_vec()],
+    );
+    assert_eq!(state.lock().unwrap().loads, vec![want]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paths_that_do_not_resolve_are_refused_before_sending() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, mut client) = start(dir.path()).await;
+    let missing = dir.path().join("nope.safetensors");
+    let cases = [
+        (
+            PathBuf::from("model.safetensors"),
+            Code::InvalidArgument,
+            "paths: model.safetensors: the daemon needs an absolute path".to_string(),
+        ),
+        (
+            missing.clone(),
+            Code::NotFound,
+            format!("paths: {}: not found", missing.display()),
+        ),
+    ];
+    let mut failures = Vec::new();
+    for (path, code, message) in cases {
+        match client
+            .load_model(std::slice::from_ref(&path), "", |_| {})
+            .await
+        {
+            Err(ClientError::Rejected {
+                code: c,
+                message: m,
+            }) if (c, &m) == (code, &message) => {}
+            other => failures.push(format!(
+                "{path:?}: want {code:?} {message:?}, got {other:?}"
+            )),
+        }
+    }
+    match client.load_model(&[], "", |_| {}).await {
+        Err(e) if e.to_string() == "InvalidArgument: paths: no file given" => {}
+        other => failures.push(format!("no paths: got {other:?}")),
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    assert!(state.lock().unwrap().drops.is_empty(), "files were put");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upload_writes_through_the_fd_and_unmaps_before_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, mut client) = start(dir.path()).await;
+    let tensors = [
+        TensorData {
+            name: "a",
+            dtype: proto::Dtype::U8,
+            shape: &[5],
+            bytes: b"first",
+        },
+        TensorData {
+            name: "b",
+            dtype: proto::Dtype::U8,
+            shape: &[6],
+            bytes: b"second",
+        },
+    ];
+    let (manifest, _) = client.upload_model("up", &tensors).await.unwrap();
+    assert_eq!(manifest.model_id, "m-up");
+    let committed = state.lock().unwrap().committed.clone();
+    assert_eq!(committed.as_deref(), Some(&b"firstsecond"[..]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_regions_are_mapped_read_only_from_the_fd() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_state, mut client) = start(dir.path()).await;
+    let groups = vec![proto::GroupSpec {
+        name: "w".into(),
+        tensors: vec!["w".into()],
+    }];
+    let session = client
+        .open_session(SessionOptions::new("m-1", 1 << 20, groups))
+        .await
+        .unwrap();
+    {
+        let acquired = session.acquire(0).await.unwrap();
+        assert_eq!(acquired.tensor(0), Some(REGION));
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let modes: Vec<&str> = maps
+            .lines()
+            .filter(|l| l.contains("memfd:ws-test-region"))
+            .filter_map(|l| l.split_whitespace().nth(1))
+            .collect();
+        assert_eq!(modes, ["r--s"], "{maps}");
+    }
+    session.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_are_read_page_by_page() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_state, mut client) = start(dir.path()).await;
+    let listed = client.list_models().await.unwrap();
+    let ids: Vec<&str> = listed.models.iter().map(|m| m.model_id.as_str()).collect();
+    assert_eq!(ids, ["m-0", "m-1", "m-2", "m-3", "m-4"]);
+    assert_eq!(
+        (listed.store_bytes, listed.next_page_token.as_str()),
+        (7, "")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_handoff_socket_is_unavailable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_state, mut client) = start(dir.path()).await;
+    let handoff_socket = handoff::handoff_path(client.socket());
+    std::fs::remove_file(&handoff_socket).unwrap();
+    let model = dir.path().join("m.safetensors");
+    std::fs::write(&model, b"weights").unwrap();
+    match client.load_model(&[model], "", |_| {}).await {
+        Err(ClientError::Unavailable { socket, reason }) => {
+            assert_eq!(socket, handoff_socket);
+            assert!(reason.contains("handoff socket"), "{reason}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+}
