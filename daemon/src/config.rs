@@ -46,6 +46,8 @@ pub struct Limits {
     pub max_upload_bytes: u64,
     pub max_sessions: u32,
     pub max_name_bytes: u32,
+    /// Uploads in progress, all uids together: each holds a memfd (an fd of the daemon's).
+    pub max_uploads: u32,
 }
 
 impl Default for Limits {
@@ -59,6 +61,7 @@ impl Default for Limits {
             max_upload_bytes: 1 << 40,
             max_sessions: 256,
             max_name_bytes: 1024,
+            max_uploads: 1024,
         }
     }
 }
@@ -182,8 +185,8 @@ impl Default for Quotas {
         Quotas {
             per_uid_host_bytes: 0,
             per_uid_device_bytes: 0,
-            per_uid_sessions: 0,
-            per_uid_uploads: 0,
+            per_uid_sessions: 32,
+            per_uid_uploads: 16,
             max_host_bytes: SizeOrShare::Percent(80),
             max_device_bytes: SizeOrShare::Percent(100),
         }
@@ -198,8 +201,6 @@ pub struct ConfigFile {
     /// Group that owns the socket (a name or a numeric gid): its members may connect.
     pub socket_group: Option<String>,
     pub backend: BackendChoice,
-    /// Where shared-memory segments are created.
-    pub shm_dir: PathBuf,
     /// Copies a session may have queued ahead of its client.
     pub prefetch_depth: u32,
     /// How long shutdown waits for running copies and connections.
@@ -216,7 +217,6 @@ impl Default for ConfigFile {
             socket: PathBuf::from(DEFAULT_SOCKET),
             socket_group: None,
             backend: BackendChoice::Auto,
-            shm_dir: PathBuf::from("/dev/shm"),
             prefetch_depth: 16,
             drain_timeout_secs: 10,
             limits: Limits::default(),
@@ -235,7 +235,6 @@ pub struct Config {
     /// The socket's group, resolved from `socket_group` (a name or a number).
     pub socket_gid: Option<u32>,
     pub backend: BackendChoice,
-    pub shm_dir: PathBuf,
     pub prefetch_depth: u32,
     /// How long shutdown waits, once sessions are closed, for connections to finish.
     pub drain_timeout: Duration,
@@ -400,6 +399,12 @@ impl ConfigFile {
             "at least 1",
         )?;
         range(
+            "limits.max_uploads",
+            l.max_uploads.into(),
+            l.max_uploads >= 1,
+            "at least 1",
+        )?;
+        range(
             "limits.max_upload_bytes",
             l.max_upload_bytes,
             l.max_upload_bytes >= 1,
@@ -430,7 +435,6 @@ impl ConfigFile {
             socket: self.socket,
             socket_gid,
             backend: self.backend,
-            shm_dir: self.shm_dir,
             prefetch_depth: self.prefetch_depth,
             drain_timeout: Duration::from_secs(self.drain_timeout_secs),
             metrics_listen: self.metrics.enabled.then_some(listen),
@@ -513,7 +517,6 @@ mod tests {
             "socket =",
             "# socket_group =",
             "backend =",
-            "shm_dir =",
             "prefetch_depth =",
             "drain_timeout_secs =",
             "[metrics]",
@@ -528,6 +531,7 @@ mod tests {
             "max_upload_bytes =",
             "max_sessions =",
             "max_name_bytes =",
+            "max_uploads =",
             "[access]",
             "allowed_uids =",
             "allowed_gids =",
@@ -569,14 +573,15 @@ mod tests {
             (
                 "sockets = \"/x\"",
                 "line 1: unknown field `sockets`, expected one of `socket`, `socket_group`, \
-                 `backend`, `shm_dir`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`, \
-                 `access`, `quotas`",
+                 `backend`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`, `access`, \
+                 `quotas`",
             ),
             (
                 "[limits]\nmax_sesions = 3",
                 "line 2: unknown field `max_sesions`, expected one of `max_message_bytes`, \
                  `max_tensors_per_model`, `max_groups_per_session`, `max_plan_length`, \
-                 `max_live_tickets`, `max_upload_bytes`, `max_sessions`, `max_name_bytes`",
+                 `max_live_tickets`, `max_upload_bytes`, `max_sessions`, `max_name_bytes`, \
+                 `max_uploads`",
             ),
             (
                 "[metrics]\nport = 9464",
@@ -621,6 +626,16 @@ mod tests {
             (
                 "[limits]\nmax_plan_length = 0",
                 "limits.max_plan_length = 0 is out of range: at least 1",
+            ),
+            (
+                "[limits]\nmax_uploads = 0",
+                "limits.max_uploads = 0 is out of range: at least 1",
+            ),
+            (
+                "shm_dir = \"/dev/shm\"",
+                "line 1: unknown field `shm_dir`, expected one of `socket`, `socket_group`, \
+                 `backend`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`, `access`, \
+                 `quotas`",
             ),
             (
                 "socket = \"ws.sock\"",

@@ -337,8 +337,8 @@ mod tests {
         fn size(&self) -> u64 {
             0
         }
-        fn handle(&self) -> crate::backend::RegionHandle {
-            crate::backend::RegionHandle::ShmPath(String::new())
+        fn export(&self) -> crate::backend::RegionExport {
+            crate::backend::RegionExport::CudaIpc(Vec::new())
         }
         fn as_any(&self) -> &dyn std::any::Any {
             self
@@ -409,6 +409,7 @@ mod tests {
         fn pin_host(
             &self,
             _: &[(usize, usize)],
+            _: crate::mem::PinAccess,
         ) -> Result<Option<crate::mem::PinGuard>, crate::mem::PinError> {
             Ok(None)
         }
@@ -532,8 +533,7 @@ mod tests {
     /// device's busy time counts the two memcpys only.
     #[test]
     fn busy_time_leaves_out_the_time_a_copy_waits_in_the_queue() {
-        let dir = tempfile::tempdir().unwrap();
-        let (backend, tensor) = crate::backend::host::tests::backend_and_tensor(dir.path());
+        let (backend, tensor) = crate::backend::host::tests::backend_and_tensor();
         const MIB: usize = 1 << 20;
         let region = backend.alloc_region(0, MIB as u64, "staging").unwrap();
         let scheduler = CopyScheduler::start(backend, 1).unwrap();

@@ -32,9 +32,6 @@ pub struct DemoArgs {
     budget: Option<ByteSize>,
     #[arg(long, env = "WEIGHTSTREAM_BACKEND", default_value = "auto")]
     backend: Backend,
-    /// Directory for shared-memory segments.
-    #[arg(long, env = "WEIGHTSTREAM_SHM_DIR", default_value = "/dev/shm")]
-    shm_dir: PathBuf,
 }
 
 struct Plan {
@@ -133,7 +130,6 @@ pub async fn run(args: DemoArgs) -> CliResult {
     let config = ConfigFile {
         socket: dir.path().join("weightstream.sock"),
         backend: args.backend.into(),
-        shm_dir: args.shm_dir.clone(),
         ..ConfigFile::default()
     }
     .validate()?;
@@ -143,12 +139,12 @@ pub async fn run(args: DemoArgs) -> CliResult {
     handle.stop().await?;
     let report = outcome?;
     println!("{report}");
-    let left = shm.list();
-    if left.is_empty() {
+    let left = shm.total();
+    if left == 0 {
         println!("daemon stopped; no shared memory left behind");
         Ok(())
     } else {
-        Err(format!("shared memory left behind: {left:?}").into())
+        Err(format!("shared memory left behind: {left} segments").into())
     }
 }
 

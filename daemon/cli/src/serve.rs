@@ -20,9 +20,6 @@ pub struct ServeArgs {
     /// Which backend to run.
     #[arg(long, env = "WEIGHTSTREAM_BACKEND")]
     backend: Option<Backend>,
-    /// Directory for shared-memory segments.
-    #[arg(long, env = "WEIGHTSTREAM_SHM_DIR")]
-    shm_dir: Option<PathBuf>,
     /// Copies a session may have queued ahead of its client.
     #[arg(long, env = "WEIGHTSTREAM_PREFETCH_DEPTH")]
     prefetch_depth: Option<u32>,
@@ -53,9 +50,6 @@ pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
     }
     if let Some(b) = args.backend {
         config.backend = b.into();
-    }
-    if let Some(d) = args.shm_dir {
-        config.shm_dir = d;
     }
     if let Some(p) = args.prefetch_depth {
         config.prefetch_depth = p;

@@ -1,4 +1,4 @@
-//! Host backend: "device" memory is a shared-memory file the client maps, a copy is a memcpy.
+//! Host backend: "device" memory is a memfd the client maps read-only, a copy is a memcpy.
 //! It keeps the same messages and ordering as the CUDA backend so that every test of the
 //! protocol, the store and the sessions runs on machines without a GPU.
 
@@ -8,30 +8,30 @@ use std::time::{Duration, Instant};
 
 use super::{
     Backend, BackendError, BackendKind, CopyJob, CopyTiming, DeviceInfo, DeviceRegion, EventPool,
-    RegionHandle,
+    RegionExport,
 };
-use crate::mem::shm::{ShmDir, ShmSegment};
-use crate::mem::{HostPinner, PinError, PinGuard};
+use crate::mem::shm::{Memfd, Shm, ShmSegment};
+use crate::mem::{HostPinner, PinAccess, PinError, PinGuard};
 
 pub const HOST_DEVICE_UUID: &str = "host-0";
 const ALIGNMENT: u64 = 256;
 
 pub struct HostBackend {
-    shm: Arc<ShmDir>,
+    shm: Arc<Shm>,
 }
 
 impl HostBackend {
-    pub fn new(shm: Arc<ShmDir>) -> Self {
+    pub fn new(shm: Arc<Shm>) -> Self {
         HostBackend { shm }
     }
 }
 
 /// A staging or resident region in shared memory. The mutex serialises writers; clients read
-/// through their own mapping and are ordered by the `Staged`/`Release` messages.
+/// through their own read-only mapping and are ordered by the `Staged`/`Release` messages.
 struct HostRegion {
     segment: Mutex<ShmSegment>,
     size: u64,
-    path: String,
+    memfd: Arc<Memfd>,
 }
 
 impl HostRegion {
@@ -51,7 +51,10 @@ impl HostRegion {
             .lock()
             .map_err(|_| BackendError::Copy("region lock poisoned".into()))?;
         let start = offset as usize;
-        let dst = &mut segment.bytes_mut()[start..start + src.len()];
+        let bytes = segment
+            .bytes_mut()
+            .ok_or_else(|| BackendError::Copy("the region is read-only".into()))?;
+        let dst = &mut bytes[start..start + src.len()];
         let began = Instant::now();
         dst.copy_from_slice(src);
         Ok(began.elapsed())
@@ -63,8 +66,8 @@ impl DeviceRegion for HostRegion {
         self.size
     }
 
-    fn handle(&self) -> RegionHandle {
-        RegionHandle::ShmPath(self.path.clone())
+    fn export(&self) -> RegionExport {
+        RegionExport::Memfd(self.memfd.clone())
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -98,20 +101,19 @@ impl Backend for HostBackend {
         size: u64,
         purpose: &'static str,
     ) -> Result<Arc<dyn DeviceRegion>, BackendError> {
-        let segment = self
-            .shm
-            .create(purpose, size, crate::mem::shm::Writer::Daemon)
-            .map_err(|e| BackendError::Alloc {
-                device: device.to_string(),
-                bytes: size,
-                purpose,
-                reason: e.to_string(),
-            })?;
-        let path = segment.path().display().to_string();
+        let alloc_error = |e: std::io::Error| BackendError::Alloc {
+            device: device.to_string(),
+            bytes: size,
+            purpose,
+            reason: e.to_string(),
+        };
+        let segment = self.shm.create(purpose, size).map_err(alloc_error)?;
+        // Clients get read-only fds; sealed, not even one reopened read-write can write it.
+        segment.memfd().forbid_new_writers().map_err(alloc_error)?;
         Ok(Arc::new(HostRegion {
+            memfd: segment.memfd().clone(),
             segment: Mutex::new(segment),
             size,
-            path,
         }))
     }
 
@@ -145,7 +147,11 @@ impl Backend for HostBackend {
 
 impl HostPinner for HostBackend {
     /// Nothing to lock: host copies are memcpys.
-    fn pin_host(&self, _chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, PinError> {
+    fn pin_host(
+        &self,
+        _chunks: &[(usize, usize)],
+        _access: PinAccess,
+    ) -> Result<Option<PinGuard>, PinError> {
         Ok(None)
     }
 }
@@ -165,8 +171,6 @@ pub fn host_memory() -> (u64, u64) {
 
 #[cfg(test)]
 pub(crate) mod tests {
-    use std::path::Path;
-
     use super::*;
     use crate::mem::HostSlice;
     use crate::mem::filled_for_tests;
@@ -174,8 +178,8 @@ pub(crate) mod tests {
     const MIB: usize = 1 << 20;
 
     /// A host backend and a 1 MiB source (the slice keeps its arena).
-    pub(crate) fn backend_and_tensor(dir: &Path) -> (Arc<HostBackend>, HostSlice) {
-        let shm = Arc::new(ShmDir::new(dir, "b"));
+    pub(crate) fn backend_and_tensor() -> (Arc<HostBackend>, HostSlice) {
+        let shm = Shm::new();
         let backend = Arc::new(HostBackend::new(shm.clone()));
         let tensor = filled_for_tests(&shm, &vec![7u8; MIB], backend.as_ref());
         (backend, tensor)
@@ -183,8 +187,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_copy_reports_the_time_its_memcpy_took() {
-        let dir = tempfile::tempdir().unwrap();
-        let (backend, tensor) = backend_and_tensor(dir.path());
+        let (backend, tensor) = backend_and_tensor();
         let region = backend.alloc_region(0, MIB as u64, "staging").unwrap();
         let began = Instant::now();
         let timing = backend.copy(0, CopyJob::copy(region, vec![(tensor, 0)]));

@@ -12,6 +12,7 @@ use std::any::Any;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::mem::shm::Memfd;
 use crate::mem::{HostPinner, HostSlice};
 
 /// Which backend the daemon runs.
@@ -40,10 +41,21 @@ pub struct DeviceInfo {
     pub pci_bus_id: String,
 }
 
-/// How a client reaches a region.
+/// How a client reaches a region, as the session's owner is told it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RegionHandle {
-    ShmPath(String),
+    /// Host memory: the secret that fetches a read-only fd of it from the handoff socket,
+    /// minted for the session's owner.
+    FdSecret(String),
+    CudaIpc(Vec<u8>),
+}
+
+/// What a region shares with its clients; the core turns it into a [`RegionHandle`] for each
+/// session that maps it (a resident region can serve several sessions of several uids).
+#[derive(Debug, Clone)]
+pub enum RegionExport {
+    /// Host shared memory: clients get a read-only fd of the memfd.
+    Memfd(Arc<Memfd>),
     CudaIpc(Vec<u8>),
 }
 
@@ -67,7 +79,7 @@ pub enum BackendError {
 /// Device memory that clients map: a staging arena or a resident region. Freed on drop.
 pub trait DeviceRegion: Send + Sync {
     fn size(&self) -> u64;
-    fn handle(&self) -> RegionHandle;
+    fn export(&self) -> RegionExport;
     fn as_any(&self) -> &dyn Any;
 }
 

@@ -1,7 +1,6 @@
 //! Host arenas (one model's tensors in a shared-memory segment, page-locked while it lives) and
 //! the slices of them that copies read from.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use super::pin::PinGuard;
@@ -33,8 +32,8 @@ impl HostArena {
         self.segment.bytes()
     }
 
-    pub fn path(&self) -> &Path {
-        self.segment.path()
+    pub fn segment(&self) -> &ShmSegment {
+        &self.segment
     }
 
     /// Bytes of the segment, padding included.
@@ -83,16 +82,16 @@ impl HostSlice {
 /// (for the backends' tests, which need a source without a store above them).
 #[cfg(test)]
 pub fn filled_for_tests(
-    shm: &super::shm::ShmDir,
+    shm: &Arc<super::shm::Shm>,
     data: &[u8],
     pinner: &dyn super::HostPinner,
 ) -> HostSlice {
     let size = super::align_up(data.len() as u64, 4096);
-    let mut segment = shm
-        .create("test", size, super::shm::Writer::Daemon)
-        .unwrap();
-    segment.bytes_mut()[..data.len()].copy_from_slice(data);
+    let mut segment = shm.create("test", size).unwrap();
+    segment.bytes_mut().unwrap()[..data.len()].copy_from_slice(data);
     let base = segment.bytes().as_ptr() as usize;
-    let pin = pinner.pin_host(&[(base, size as usize)]).unwrap();
+    let pin = pinner
+        .pin_host(&[(base, size as usize)], super::PinAccess::ReadWrite)
+        .unwrap();
     HostSlice::new(Arc::new(HostArena::new(segment, pin)), 0, data.len() as u64)
 }

@@ -14,8 +14,20 @@ pub struct PinError {
     pub reason: String,
 }
 
+/// How the memory to lock is mapped: a sealed upload is mapped read-only, and locking it must
+/// not ask for write access (CUDA: `CU_MEMHOSTREGISTER_READ_ONLY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PinAccess {
+    ReadWrite,
+    ReadOnly,
+}
+
 pub trait HostPinner: Send + Sync {
     /// Page-locks host ranges `(address, length)` (a store arena, in chunks) for fast device
     /// copies. `None`: nothing needed locking.
-    fn pin_host(&self, chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, PinError>;
+    fn pin_host(
+        &self,
+        chunks: &[(usize, usize)],
+        access: PinAccess,
+    ) -> Result<Option<PinGuard>, PinError>;
 }

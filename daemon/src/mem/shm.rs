@@ -1,330 +1,383 @@
-//! Shared-memory segments: files in /dev/shm mapped with memmap2.
+//! Shared memory: anonymous memory files (memfds) mapped with memmap2.
 //!
-//! memmap2 over files we create ourselves (rather than the `shared_memory` crate) because we
-//! choose each file's mode and owner, the maps are `Send + Sync`, and the crate is maintained.
-//! Every segment name starts with the daemon's prefix, so a restarted daemon sweeps what a
-//! crashed one left behind, and a segment is unlinked when it is dropped.
+//! Every segment is a memfd (`memfd_create(MFD_CLOEXEC | MFD_ALLOW_SEALING)`): it has no name
+//! in any directory (nothing to predict, link or sweep after a crash: `st_nlink` is 0) and is
+//! reached only by holding an fd, which the daemon passes to the client it is for through the
+//! handoff socket. Pages are reserved at creation (`fallocate`), so a full tmpfs or cgroup is an
+//! error here, never a SIGBUS on a later write.
 //!
-//! Access: every segment is readable by its owner and its group (the socket's group when
-//! `socket_group` is set, so that exactly the peers who may connect can map it) and by nobody
-//! else. Only the daemon writes models, staging and resident regions (0640). An upload region
-//! is writable by the uploading peer alone: the daemon gives the file to the peer's uid when it
-//! runs as root, and otherwise (it cannot chown, and must stay the owner to unlink the file
-//! from the sticky /dev/shm) grants that uid write access with a POSIX ACL entry.
+//! Seals make the fds others hold harmless:
+//! - every segment is sealed `SHRINK | GROW` before anyone else can hold it: no client can
+//!   truncate a mapping the daemon reads (the SIGBUS of a shrunk file);
+//! - a region the daemon writes and clients read (host staging, resident) is also sealed
+//!   `FUTURE_WRITE` once mapped: the daemon's mapping writes on, but no fd (not even one a client
+//!   reopens read-write through /proc) can write or map it writable;
+//! - an upload region is written by its client through its fd, and sealed `WRITE` at commit,
+//!   which the kernel refuses while a writable mapping exists; only then does the daemon map it,
+//!   read-only, so its bytes can no longer change under the model they become.
 
-use std::fs::{File, OpenOptions};
+use std::collections::BTreeMap;
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex};
 
-use memmap2::MmapMut;
+use memmap2::{Mmap, MmapMut};
+use rustix::fs::{FallocateFlags, MemfdFlags, Mode, OFlags, SealFlags};
 
-/// Mode of every segment: owner read-write, group read, others nothing. An upload's writer gets
-/// write access through its ownership or an ACL entry, never through the group.
-pub const SEGMENT_MODE: u32 = 0o640;
-
-/// Who writes a segment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Writer {
-    /// Models, staging and resident regions: the daemon only.
-    Daemon,
-    /// An upload region: the peer with this uid only.
-    Peer(u32),
+/// The daemon's shared memory: makes segments and counts the live ones by kind.
+#[derive(Debug, Default)]
+pub struct Shm {
+    live: Mutex<BTreeMap<&'static str, usize>>,
 }
 
-/// Where segments live and how they are named.
-#[derive(Debug)]
-pub struct ShmDir {
-    dir: PathBuf,
-    prefix: String,
-    next: AtomicU64,
-    /// The group segments belong to (the socket's); `None`: the daemon's own.
-    group: Option<u32>,
-}
-
-impl ShmDir {
-    /// `tag` distinguishes daemons on one box (derived from the socket path).
-    pub fn new(dir: impl Into<PathBuf>, tag: &str) -> Self {
-        ShmDir {
-            dir: dir.into(),
-            prefix: format!("weightstream-{tag}-"),
-            next: AtomicU64::new(1),
-            group: None,
-        }
+impl Shm {
+    pub fn new() -> Arc<Shm> {
+        Arc::new(Shm::default())
     }
 
-    /// Segments will belong to group `gid` (the socket's group), so that exactly the peers who
-    /// may connect can read them.
-    pub fn with_group(mut self, gid: Option<u32>) -> Self {
-        self.group = gid;
-        self
+    /// Segments of `kind` ("model", "upload", "staging", "resident") alive now.
+    pub fn live(&self, kind: &str) -> usize {
+        self.counts().get(kind).copied().unwrap_or(0)
     }
 
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// Live segments of every kind.
+    pub fn total(&self) -> usize {
+        self.counts().values().sum()
     }
 
-    pub fn prefix(&self) -> &str {
-        &self.prefix
+    fn counts(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, usize>> {
+        self.live.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Paths of the segments with this daemon's prefix that exist now.
-    pub fn list(&self) -> Vec<PathBuf> {
-        let Ok(entries) = std::fs::read_dir(&self.dir) else {
-            return Vec::new();
-        };
-        let mut found: Vec<PathBuf> = entries
-            .filter_map(Result::ok)
-            .filter(|e| e.file_name().to_string_lossy().starts_with(&self.prefix))
-            .map(|e| e.path())
-            .collect();
-        found.sort();
-        found
-    }
-
-    /// Removes segments left by an earlier daemon with the same prefix; returns how many.
-    pub fn sweep(&self) -> usize {
-        self.list()
-            .into_iter()
-            .filter(|p| std::fs::remove_file(p).is_ok())
-            .count()
-    }
-
-    /// Creates and maps a new segment of `size` bytes (at least one page) that `writer` may
-    /// write and the segment group may read.
-    pub fn create(&self, kind: &str, size: u64, writer: Writer) -> io::Result<ShmSegment> {
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let path = self
-            .dir
-            .join(format!("{}{kind}-{}-{n}", self.prefix, std::process::id()));
-        // Created private: nobody else can open it before its owner and mode are final.
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)?;
-        // From here on, the segment's drop removes the file on any error.
-        let segment = ShmSegment {
-            path,
-            map: None,
+    /// A new memfd of `size` bytes, pages reserved, sealed against resizing; not mapped.
+    fn memfd(self: &Arc<Self>, kind: &'static str, size: u64) -> io::Result<Memfd> {
+        let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+        // The name only labels the fd in /proc/PID/fd ("/memfd:weightstream-model (deleted)").
+        let fd = rustix::fs::memfd_create(format!("weightstream-{kind}"), flags)?;
+        *self.counts().entry(kind).or_default() += 1;
+        // From here on, the memfd's drop gives the count back on any error.
+        let memfd = Memfd {
+            fd,
             size,
+            kind,
+            shm: Arc::clone(self),
         };
-        // Reserve the pages now: a write into a mapping of a full tmpfs is a SIGBUS, an
-        // fallocate that cannot reserve them is an error we can report.
-        rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, size.max(1)).map_err(
-            |e| {
-                io::Error::new(
-                    io::Error::from(e).kind(),
-                    format!("cannot reserve {size} bytes in {}: {e}", self.dir.display()),
-                )
-            },
-        )?;
-        self.set_access(&file, writer).map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!(
-                    "cannot set the owner and mode of {}: {e}",
-                    segment.path.display()
-                ),
-            )
-        })?;
-        segment.mapped(&file)
+        rustix::fs::ftruncate(&memfd.fd, size)?;
+        memfd.reserve()?;
+        memfd.seal(SealFlags::SHRINK | SealFlags::GROW)?;
+        Ok(memfd)
     }
 
-    fn set_access(&self, file: &File, writer: Writer) -> io::Result<()> {
-        use rustix::fs::{Gid, Mode, Uid, fchmod, fchown};
-        if let Some(gid) = self.group {
-            fchown(file, None, Some(Gid::from_raw_unchecked(gid)))?;
-        }
-        // Exactly this mode, whatever the umask; before the ACL, which sets the group bits.
-        fchmod(file, Mode::from_raw_mode(SEGMENT_MODE))?;
-        let me = rustix::process::geteuid();
-        match writer {
-            Writer::Daemon => {}
-            Writer::Peer(uid) if uid == me.as_raw() => {}
-            Writer::Peer(uid) if me.is_root() => {
-                fchown(file, Some(Uid::from_raw_unchecked(uid)), None)?;
-            }
-            Writer::Peer(uid) => grant_write_acl(file, uid)?,
-        }
-        Ok(())
+    /// A segment the daemon writes (a model arena, a staging or resident region), mapped
+    /// read-write; its pages are reserved and its size sealed.
+    pub fn create(self: &Arc<Self>, kind: &'static str, size: u64) -> io::Result<ShmSegment> {
+        let memfd = self.memfd(kind, size)?;
+        let map = map(&memfd, Access::ReadWrite)?;
+        Ok(ShmSegment {
+            memfd: Arc::new(memfd),
+            map,
+        })
+    }
+
+    /// An upload region of `size` bytes: not mapped by the daemon (its uploader writes it
+    /// through its own fd) until [`ShmSegment::sealed`] at commit.
+    pub fn create_upload(self: &Arc<Self>, size: u64) -> io::Result<Arc<Memfd>> {
+        Ok(Arc::new(self.memfd("upload", size)?))
     }
 }
 
-/// `system.posix_acl_access` entries (linux/posix_acl_xattr.h): little-endian tag, permission
-/// and id after a version header.
-const ACL_XATTR_VERSION: u32 = 2;
-const ACL_USER_OBJ: u16 = 0x01;
-const ACL_USER: u16 = 0x02;
-const ACL_GROUP_OBJ: u16 = 0x04;
-const ACL_MASK: u16 = 0x10;
-const ACL_OTHER: u16 = 0x20;
-const ACL_UNDEFINED_ID: u32 = u32::MAX;
-const ACL_READ: u16 = 4;
-const ACL_WRITE: u16 = 2;
-
-/// The ACL that lets `uid` write: owner rw, `uid` rw, group r, others nothing. The mask (rw)
-/// bounds the named entry, not the group's own r, so group members still only read.
-pub fn write_acl(uid: u32) -> Vec<u8> {
-    let rw = ACL_READ | ACL_WRITE;
-    let entries = [
-        (ACL_USER_OBJ, rw, ACL_UNDEFINED_ID),
-        (ACL_USER, rw, uid),
-        (ACL_GROUP_OBJ, ACL_READ, ACL_UNDEFINED_ID),
-        (ACL_MASK, rw, ACL_UNDEFINED_ID),
-        (ACL_OTHER, 0, ACL_UNDEFINED_ID),
-    ];
-    let mut acl = ACL_XATTR_VERSION.to_le_bytes().to_vec();
-    for (tag, perm, id) in entries {
-        acl.extend_from_slice(&tag.to_le_bytes());
-        acl.extend_from_slice(&perm.to_le_bytes());
-        acl.extend_from_slice(&id.to_le_bytes());
-    }
-    acl
+/// How a client may use an fd the daemon passes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// An upload region, for its uploader: the memfd's own file (its seals still apply).
+    ReadWrite,
+    /// A region the client only reads: a new open file description, opened read-only, that
+    /// can neither write nor map the memory writable.
+    ReadOnly,
 }
 
-fn grant_write_acl(file: &File, uid: u32) -> io::Result<()> {
-    rustix::fs::fsetxattr(
-        file,
-        "system.posix_acl_access",
-        &write_acl(uid),
-        rustix::fs::XattrFlags::empty(),
-    )
-    .map_err(|e| {
-        io::Error::new(
-            io::Error::from(e).kind(),
-            format!(
-                "cannot grant uid {uid} write access with a POSIX ACL ({e}); run the daemon as \
-                 root, or on a tmpfs with ACL support"
-            ),
-        )
-    })
+/// Why a memfd could not be sealed against writes.
+#[derive(Debug, thiserror::Error)]
+pub enum SealError {
+    /// EBUSY: someone still maps the memfd writable.
+    #[error("the region is still mapped writable")]
+    MappedWritable,
+    #[error(transparent)]
+    Io(#[from] io::Error),
 }
 
-/// A mapped segment, unlinked on drop (clients that map it keep their mapping until they unmap).
+/// A memfd, counted as a live segment of its kind until dropped (the memory goes once every fd
+/// and mapping of it, the clients' included, is gone).
 #[derive(Debug)]
-pub struct ShmSegment {
-    path: PathBuf,
-    map: Option<MmapMut>,
+pub struct Memfd {
+    fd: OwnedFd,
     size: u64,
+    kind: &'static str,
+    shm: Arc<Shm>,
 }
 
-impl ShmSegment {
-    // The one place in the daemon outside the CUDA FFI layer that needs `unsafe`.
-    #[allow(unsafe_code)]
-    fn mapped(mut self, file: &File) -> io::Result<ShmSegment> {
-        // SAFETY: the file is one we just created in our own prefix with create_new, sized and
-        // reserved. Clients get write access only to upload files, which the daemon never
-        // reads through this mapping (commit copies them with positioned reads), so a client
-        // that truncates or rewrites one cannot fault or change what the daemon reads.
-        self.map = Some(unsafe { memmap2::MmapOptions::new().map_mut(file)? });
-        Ok(self)
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
+impl Memfd {
     pub fn size(&self) -> u64 {
         self.size
     }
 
-    pub fn bytes(&self) -> &[u8] {
-        match &self.map {
-            Some(m) => &m[..self.size as usize],
-            None => &[],
+    pub fn kind(&self) -> &'static str {
+        self.kind
+    }
+
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// An fd to pass to a client (see [`Access`]).
+    pub fn share(&self, access: Access) -> io::Result<OwnedFd> {
+        match access {
+            Access::ReadWrite => Ok(self.fd.try_clone()?),
+            Access::ReadOnly => self.reopen_read_only(),
         }
     }
 
-    pub fn bytes_mut(&mut self) -> &mut [u8] {
-        let size = self.size as usize;
-        match &mut self.map {
-            Some(m) => &mut m[..size],
-            None => &mut [],
+    /// A new read-only open file description of this memfd (through /proc/self/fd: a memfd
+    /// has no other path).
+    fn reopen_read_only(&self) -> io::Result<OwnedFd> {
+        use std::os::fd::AsRawFd;
+        let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
+        let flags = OFlags::RDONLY | OFlags::CLOEXEC;
+        Ok(rustix::fs::open(path, flags, Mode::empty())?)
+    }
+
+    /// Reserves every page (a memfd of a full tmpfs or cgroup fails here instead of faulting
+    /// later). Also fills holes punched since (sealing writes does not forbid reserving).
+    fn reserve(&self) -> io::Result<()> {
+        if self.size == 0 {
+            return Ok(());
+        }
+        rustix::fs::fallocate(&self.fd, FallocateFlags::empty(), 0, self.size).map_err(|e| {
+            let e = io::Error::from(e);
+            io::Error::new(
+                e.kind(),
+                format!("cannot reserve {} bytes of shared memory: {e}", self.size),
+            )
+        })
+    }
+
+    fn seal(&self, seals: SealFlags) -> io::Result<()> {
+        Ok(rustix::fs::fcntl_add_seals(&self.fd, seals)?)
+    }
+
+    /// From now on, nothing but the mappings that exist already can write the memory: no
+    /// `write`, no new writable mapping, whatever fd is used.
+    pub fn forbid_new_writers(&self) -> io::Result<()> {
+        self.seal(SealFlags::FUTURE_WRITE)
+    }
+
+    /// Seals the memory against every write, for good: refused while a writable mapping of it
+    /// exists (the client has not unmapped its upload). Then reserves its pages again, in case
+    /// the writer punched holes.
+    pub fn seal_writes(&self) -> Result<(), SealError> {
+        match rustix::fs::fcntl_add_seals(&self.fd, SealFlags::WRITE) {
+            Err(rustix::io::Errno::BUSY) => return Err(SealError::MappedWritable),
+            other => other.map_err(io::Error::from)?,
+        }
+        Ok(self.reserve()?)
+    }
+
+    pub fn seals(&self) -> io::Result<SealFlags> {
+        Ok(rustix::fs::fcntl_get_seals(&self.fd)?)
+    }
+}
+
+impl Drop for Memfd {
+    fn drop(&mut self) {
+        let mut counts = self.shm.counts();
+        if let Some(n) = counts.get_mut(self.kind) {
+            *n -= 1;
+            if *n == 0 {
+                counts.remove(self.kind);
+            }
         }
     }
 }
 
-impl Drop for ShmSegment {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_file(&self.path)
-            && e.kind() != io::ErrorKind::NotFound
-        {
-            tracing::warn!(path = %self.path.display(), error = %e, "cannot remove shm segment");
+enum Map {
+    Write(MmapMut),
+    Read(Mmap),
+}
+
+/// A mapped memfd: written by the daemon, or sealed and read-only.
+pub struct ShmSegment {
+    memfd: Arc<Memfd>,
+    map: Map,
+}
+
+impl std::fmt::Debug for ShmSegment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmSegment")
+            .field("memfd", &self.memfd)
+            .field("read_only", &self.is_read_only())
+            .finish()
+    }
+}
+
+/// Maps all of `memfd`. The one place in the daemon outside the CUDA FFI layer that needs
+/// `unsafe`.
+#[allow(unsafe_code)]
+fn map(memfd: &Memfd, access: Access) -> io::Result<Map> {
+    let len = memfd.size as usize;
+    match access {
+        Access::ReadWrite => {
+            let file = File::from(memfd.fd.try_clone()?);
+            // SAFETY: a memfd this daemon just made, sized and sealed against shrinking (no
+            // SIGBUS); nobody else holds an fd of it yet, and the fds handed out later are
+            // read-only or come after `forbid_new_writers`, so only this mapping writes it.
+            Ok(Map::Write(unsafe {
+                memmap2::MmapOptions::new().len(len).map_mut(&file)?
+            }))
+        }
+        Access::ReadOnly => {
+            // A read-only file: the mapping cannot even become writable.
+            let file = File::from(memfd.reopen_read_only()?);
+            // SAFETY: the caller sealed the memfd against writes, shrinking and growing
+            // (`ShmSegment::sealed` checks): its bytes can never change again and no access
+            // past its end can fault.
+            Ok(Map::Read(unsafe {
+                memmap2::MmapOptions::new().len(len).map(&file)?
+            }))
+        }
+    }
+}
+
+impl ShmSegment {
+    /// Maps a memfd sealed against writes (an upload at commit) read-only.
+    pub fn sealed(memfd: Arc<Memfd>) -> io::Result<ShmSegment> {
+        let all = SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW;
+        if !memfd.seals()?.contains(all) {
+            return Err(io::Error::other("the memfd is not sealed against writes"));
+        }
+        let map = map(&memfd, Access::ReadOnly)?;
+        Ok(ShmSegment { memfd, map })
+    }
+
+    pub fn memfd(&self) -> &Arc<Memfd> {
+        &self.memfd
+    }
+
+    pub fn size(&self) -> u64 {
+        self.memfd.size
+    }
+
+    pub fn is_read_only(&self) -> bool {
+        matches!(self.map, Map::Read(_))
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        match &self.map {
+            Map::Write(m) => m,
+            Map::Read(m) => m,
+        }
+    }
+
+    /// The bytes to fill; `None` for a sealed, read-only segment.
+    pub fn bytes_mut(&mut self) -> Option<&mut [u8]> {
+        match &mut self.map {
+            Map::Write(m) => Some(m),
+            Map::Read(_) => None,
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::fs::MetadataExt;
+    use std::io::Write;
+    use std::os::unix::fs::FileExt;
 
     use super::*;
 
-    #[test]
-    fn create_write_sweep_and_drop() {
-        let dir = tempfile::tempdir().unwrap();
-        let shm = ShmDir::new(dir.path(), "t1");
-        let mut seg = shm.create("arena", 10_000, Writer::Daemon).unwrap();
-        seg.bytes_mut()[9_999] = 7;
-        assert_eq!(seg.bytes()[9_999], 7);
-        assert_eq!(seg.bytes().len(), 10_000);
-        let mode = std::fs::metadata(seg.path()).unwrap().mode();
-        assert_eq!(mode & 0o7777, 0o640);
-        assert_eq!(shm.list(), vec![seg.path().to_path_buf()]);
-        // A stale file of the same prefix is swept; another daemon's is not.
-        std::fs::write(dir.path().join("weightstream-t1-stale"), b"x").unwrap();
-        std::fs::write(dir.path().join("weightstream-t2-other"), b"x").unwrap();
-        drop(seg);
-        assert_eq!(shm.sweep(), 1);
-        assert!(shm.list().is_empty());
-        assert!(dir.path().join("weightstream-t2-other").exists());
+    fn link_of(fd: BorrowedFd<'_>) -> String {
+        use std::os::fd::AsRawFd;
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+        link.display().to_string()
     }
-}
-
-#[cfg(test)]
-mod access_tests {
-    use std::os::unix::fs::MetadataExt;
-
-    use super::*;
 
     #[test]
-    fn the_write_acl_names_the_peer_and_leaves_the_group_read_only() {
-        let acl = write_acl(4242);
-        let hex: String = acl.iter().map(|b| format!("{b:02x}")).collect();
-        // Version 2, then user::rw-, user:4242:rw-, group::r--, mask::rw-, other::---.
+    fn a_segment_is_a_nameless_memfd_counted_while_it_lives() {
+        let shm = Shm::new();
+        let mut seg = shm.create("model", 10_000).unwrap();
+        seg.bytes_mut().unwrap()[9_999] = 7;
+        assert_eq!((seg.bytes()[9_999], seg.bytes().len()), (7, 10_000));
+        let stat = rustix::fs::fstat(seg.memfd().fd()).unwrap();
+        assert_eq!((stat.st_nlink, stat.st_size), (0, 10_000));
+        assert!(stat.st_blocks * 512 >= 10_000, "pages reserved");
         assert_eq!(
-            hex,
-            "02000000\
-             01000600ffffffff\
-             0200060092100000\
-             04000400ffffffff\
-             10000600ffffffff\
-             20000000ffffffff"
+            link_of(seg.memfd().fd()),
+            "/memfd:weightstream-model (deleted)"
         );
+        assert_eq!((shm.live("model"), shm.total()), (1, 1));
+        drop(seg);
+        assert_eq!(shm.total(), 0);
+        let empty = shm.create("staging", 0).unwrap();
+        assert!(empty.bytes().is_empty());
     }
 
-    /// The ACL path as a daemon that cannot chown takes it; set here directly (the tests run as
-    /// root, which chowns instead). Needs a filesystem with POSIX ACLs: the tmpfs at /dev/shm.
     #[test]
-    fn an_acl_grant_lets_the_peer_write_and_shows_in_the_mode() {
-        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
-        let path = dir.path().join("upload");
-        let file = OpenOptions::new()
+    fn a_read_only_fd_cannot_write_resize_or_map_writable() {
+        let shm = Shm::new();
+        let mut seg = shm.create("staging", 4096).unwrap();
+        seg.memfd().forbid_new_writers().unwrap();
+        seg.bytes_mut().unwrap()[0] = 1; // the daemon's own mapping still writes
+        let ro = File::from(seg.memfd().share(Access::ReadOnly).unwrap());
+        let mut buf = [0u8; 1];
+        ro.read_exact_at(&mut buf, 0).unwrap();
+        assert_eq!(buf, [1]);
+        assert!(ro.write_at(b"x", 0).is_err());
+        assert_eq!(
+            rustix::fs::ftruncate(&ro, 0).unwrap_err(),
+            rustix::io::Errno::INVAL
+        );
+        // Reopened read-write through /proc: the seal still refuses writes and resizes.
+        use std::os::fd::AsRawFd;
+        let path = format!("/proc/self/fd/{}", ro.as_raw_fd());
+        let rw = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
+            .open(path)
             .unwrap();
-        rustix::fs::fchmod(&file, rustix::fs::Mode::from_raw_mode(SEGMENT_MODE)).unwrap();
-        grant_write_acl(&file, 4242).unwrap();
-        let mut stored = vec![0u8; 64];
-        let n = rustix::fs::fgetxattr(&file, "system.posix_acl_access", &mut stored).unwrap();
-        assert_eq!(&stored[..n], write_acl(4242).as_slice());
-        // The group bits now show the mask (rw); the group's own entry stays r.
-        assert_eq!(std::fs::metadata(&path).unwrap().mode() & 0o7777, 0o660);
+        assert_eq!(rw.write_at(b"x", 0).unwrap_err().raw_os_error(), Some(1));
+        assert!(rw.set_len(1).is_err());
+        assert!(memmap2::MmapOptions::new().len(4096).map_raw(&rw).is_err());
+    }
+
+    #[test]
+    fn an_upload_is_sealed_against_writes_only_once_unmapped() {
+        let shm = Shm::new();
+        let memfd = shm.create_upload(8192).unwrap();
+        let mut client = File::from(memfd.share(Access::ReadWrite).unwrap());
+        assert_eq!(
+            rustix::fs::ftruncate(&client, 100).unwrap_err(),
+            rustix::io::Errno::PERM,
+            "sealed against shrinking"
+        );
+        client.write_all(b"weights").unwrap();
+        let mapped = unsafe_free_map(&client);
+        assert!(matches!(
+            memfd.seal_writes(),
+            Err(SealError::MappedWritable)
+        ));
+        assert!(ShmSegment::sealed(memfd.clone()).is_err(), "not sealed yet");
+        drop(mapped);
+        memfd.seal_writes().unwrap();
+        assert_eq!(
+            client.write_at(b"x", 0).unwrap_err().raw_os_error(),
+            Some(1)
+        );
+        let seg = ShmSegment::sealed(memfd).unwrap();
+        assert!(seg.is_read_only());
+        assert_eq!(&seg.bytes()[..7], b"weights");
+    }
+
+    /// A writable shared mapping, as a client makes one (memmap2's raw map needs no unsafe).
+    fn unsafe_free_map(file: &File) -> memmap2::MmapRaw {
+        memmap2::MmapOptions::new().len(8192).map_raw(file).unwrap()
     }
 }

@@ -1,6 +1,6 @@
-//! Start-up on the box, before anything is served: claim the socket, sweep shared memory an
-//! earlier daemon left, pick the backend, bind the socket (mode 0660, the configured group).
-//! The only place in `server/` that knows the shared-memory directory's type.
+//! Start-up on the box, before anything is served: claim the socket, pick the backend, bind
+//! the socket and the handoff socket next to it (mode 0660, the configured group). Shared
+//! memory needs no preparing: it is memfds, which leave nothing behind.
 
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::Path;
@@ -9,45 +9,34 @@ use std::sync::Arc;
 use tokio::net::{UnixListener, UnixStream};
 
 use super::error::ServeError;
+use super::handoff;
 use crate::backend::Backend;
 use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
 use crate::config::{BackendChoice, Config};
-use crate::mem::shm::ShmDir;
+use crate::mem::shm::Shm;
 
-/// What start-up made: the bound socket, the shared-memory directory and the backend.
+/// What start-up made: the bound sockets, the daemon's shared memory and the backend.
 pub(super) struct Bootstrap {
     pub listener: UnixListener,
-    pub shm: Arc<ShmDir>,
+    pub handoff: handoff::Bound,
+    pub shm: Arc<Shm>,
     pub backend: Arc<dyn Backend>,
 }
 
 pub(super) async fn bootstrap(config: &Config) -> Result<Bootstrap, ServeError> {
     let socket = &config.socket;
     claim_socket(socket).await?;
-    // Shared memory belongs to the socket's group: exactly the peers who may connect map it.
-    let shm =
-        Arc::new(ShmDir::new(&config.shm_dir, &shm_tag(socket)).with_group(config.socket_gid));
-    let swept = shm.sweep();
-    if swept > 0 {
-        tracing::warn!(
-            swept,
-            prefix = shm.prefix(),
-            "removed shared memory left by an earlier daemon"
-        );
-    }
+    let shm = Shm::new();
     let backend = select_backend(config.backend, &shm)?;
     let listener = bind(socket, config.socket_gid)?;
+    let handoff = handoff::bind(socket, config.socket_gid)?;
     Ok(Bootstrap {
         listener,
+        handoff,
         shm,
         backend,
     })
-}
-
-/// Tells daemons on one box apart in /dev/shm: a hash of the socket path.
-pub fn shm_tag(socket: &Path) -> String {
-    blake3::hash(socket.as_os_str().as_encoded_bytes()).to_hex()[..8].to_string()
 }
 
 fn socket_error(path: &Path) -> impl Fn(std::io::Error) -> ServeError {
@@ -92,10 +81,7 @@ fn bind(path: &Path, gid: Option<u32>) -> Result<UnixListener, ServeError> {
     Ok(listener)
 }
 
-fn select_backend(
-    choice: BackendChoice,
-    shm: &Arc<ShmDir>,
-) -> Result<Arc<dyn Backend>, ServeError> {
+fn select_backend(choice: BackendChoice, shm: &Arc<Shm>) -> Result<Arc<dyn Backend>, ServeError> {
     match choice {
         BackendChoice::Host => {
             tracing::info!("backend: host (requested)");

@@ -70,10 +70,11 @@ pub fn info(d: &Daemon) -> pb::GetInfoResponse {
     }
 }
 
-pub fn upload_begun(ticket: UploadTicket) -> pb::BeginUploadResponse {
+/// BeginUpload: where each tensor goes, and the secret that fetches the region's fd.
+pub fn upload_begun(ticket: UploadTicket, fd_secret: String) -> pb::BeginUploadResponse {
     pb::BeginUploadResponse {
         upload_id: ticket.upload_id,
-        shm_path: ticket.path.display().to_string(),
+        fd_secret,
         size: ticket.size,
         tensors: ticket
             .tensors
@@ -117,7 +118,7 @@ pub fn region(index: usize, size: u64, handle: &RegionHandle) -> pb::Region {
         index: index as u32,
         size,
         handle: Some(match handle {
-            RegionHandle::ShmPath(p) => pb::region::Handle::ShmPath(p.clone()),
+            RegionHandle::FdSecret(s) => pb::region::Handle::FdSecret(s.clone()),
             RegionHandle::CudaIpc(h) => pb::region::Handle::CudaIpcHandle(h.clone()),
         }),
     }

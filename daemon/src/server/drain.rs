@@ -1,7 +1,7 @@
 //! Stopping, in order. A [`Signal`] asks for the stop (dropping it asks too: a server whose
 //! handle is gone stops); the daemon then stops taking work (health NOT_SERVING, sessions
 //! closed, their clients told why), open connections get `drain_timeout` to end before they
-//! are cut, and what the daemon made on the box goes (store, socket, shared memory).
+//! are cut, and what the daemon made on the box goes (store, sockets, shared memory).
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -13,6 +13,7 @@ use tokio::sync::{oneshot, watch};
 use tonic_health::server::HealthReporter;
 
 use super::error::ServeError;
+use super::handoff::HandoffServer;
 use super::serve::Api;
 use crate::core::Daemon;
 use crate::metrics::MetricsServer;
@@ -54,6 +55,7 @@ pub(super) struct Drain {
     pub timeout: Duration,
     pub metrics: Option<MetricsServer>,
     pub socket: PathBuf,
+    pub handoff: HandoffServer,
 }
 
 impl Drain {
@@ -103,11 +105,13 @@ impl Drain {
         if let Some(m) = self.metrics {
             m.stop().await;
         }
+        self.handoff.stop();
         self.daemon.store.clear();
         let _ = std::fs::remove_file(&self.socket);
-        let left = self.daemon.shm.sweep();
+        // Memfds leave nothing on the box; one still open here goes with the process.
+        let left = self.daemon.shm.total();
         if left > 0 {
-            tracing::warn!(left, "removed shared memory still held at exit");
+            tracing::warn!(left, "shared memory still held at exit");
         }
         tracing::info!("stopped");
     }

@@ -1,6 +1,7 @@
-//! The edge: the gRPC server on the Unix socket. `bootstrap` prepares the box, `serve` runs
-//! the services, `drain` stops them in order; `validate` turns requests into typed values,
-//! `status` maps every error to a gRPC status, `convert` builds the wire's answers.
+//! The edge: the gRPC server on the Unix socket and the handoff socket beside it. `bootstrap`
+//! prepares the box, `serve` runs the services, `handoff` passes fds, `drain` stops them in
+//! order; `validate` turns requests into typed values, `status` maps every error to a gRPC
+//! status, `convert` builds the wire's answers.
 
 pub mod access;
 mod bootstrap;
@@ -8,6 +9,7 @@ pub mod conn;
 mod convert;
 mod drain;
 mod error;
+mod handoff;
 mod run;
 mod serve;
 mod service;
@@ -20,7 +22,6 @@ use std::sync::Arc;
 
 use tokio::task::JoinHandle;
 
-pub use self::bootstrap::shm_tag;
 pub use self::convert::{dtype_from_pb, dtype_to_pb};
 pub use self::error::ServeError;
 use crate::config::Config;
@@ -38,7 +39,7 @@ pub struct ServerHandle {
 
 impl ServerHandle {
     /// Stops serving: sessions are closed (clients get a Fault), copies drain, shared memory
-    /// and the socket are removed.
+    /// is released and the sockets are removed.
     pub async fn stop(mut self) -> Result<(), ServeError> {
         if let Some(stop) = self.stop.take() {
             stop.stop();
@@ -66,6 +67,7 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
     };
     let metrics_addr = metrics.as_ref().map(|m| m.addr);
     let (routes, health) = serve::routes(&daemon).await?;
+    let handoff = handoff::serve(boot.handoff, daemon.clone())?;
     let (stop, stopped) = drain::channel();
     let drain = drain::Drain {
         daemon: daemon.clone(),
@@ -73,6 +75,7 @@ pub async fn start(config: Config) -> Result<ServerHandle, ServeError> {
         timeout,
         metrics,
         socket: socket.clone(),
+        handoff,
     };
     let (listener, d) = (boot.listener, daemon.clone());
     let task = tokio::spawn(drain.run(stopped, move |shutdown| {

@@ -17,7 +17,6 @@ use super::validate::Validation;
 use crate::core::Daemon;
 use crate::core::Peer;
 use crate::session::CloseReason;
-use crate::store::Owner;
 
 pub struct Service {
     daemon: Arc<Daemon>,
@@ -34,13 +33,6 @@ impl Service {
 fn peer<T>(req: &Request<T>) -> Result<Peer, Status> {
     let peer = req.extensions().get::<Peer>().copied();
     peer.ok_or_else(|| EdgeError::NoPeer.into())
-}
-
-fn owner(peer: Peer) -> Owner {
-    Owner {
-        conn: peer.conn,
-        uid: peer.uid,
-    }
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -60,8 +52,9 @@ impl WeightStream for Service {
         &self,
         req: Request<pb::LoadModelRequest>,
     ) -> Result<Response<Self::LoadModelStream>, Status> {
-        let uid = peer(&req)?.uid;
+        let peer = peer(&req)?;
         let req = self.validation.load_model(req.into_inner())?;
+        let sources = (self.daemon).load_sources(&peer, &req.fd_token, req.paths)?;
         let daemon = self.daemon.clone();
         let (tx, rx) = mpsc::channel(16);
         tokio::task::spawn_blocking(move || {
@@ -74,7 +67,9 @@ impl WeightStream for Service {
                 });
                 let _ = progress_tx.blocking_send(Ok(pb::LoadModelEvent { event: Some(event) }));
             };
-            let result = daemon.store.load(&req.paths, &req.name, uid, &mut progress);
+            let result = daemon
+                .store
+                .load(&sources, &req.name, peer.uid, &mut progress);
             let msg = result
                 .map(|(model, existed)| {
                     tracing::info!(model = %model.id, existed, bytes = model.total_bytes, "model loaded");
@@ -94,11 +89,8 @@ impl WeightStream for Service {
     ) -> Result<Response<pb::BeginUploadResponse>, Status> {
         let peer = peer(&req)?;
         let req = self.validation.begin_upload(req.into_inner())?;
-        let ticket = self
-            .daemon
-            .store
-            .begin_upload(owner(peer), &req.name, req.tensors)?;
-        Ok(Response::new(convert::upload_begun(ticket)))
+        let (ticket, secret) = (self.daemon).begin_upload(&peer, &req.name, req.tensors)?;
+        Ok(Response::new(convert::upload_begun(ticket, secret)))
     }
 
     async fn commit_upload(
@@ -108,14 +100,13 @@ impl WeightStream for Service {
         let peer = peer(&req)?;
         let req = self.validation.commit_upload(req.into_inner())?;
         let daemon = self.daemon.clone();
-        let (model, deduplicated) = tokio::task::spawn_blocking(move || {
-            daemon.store.commit_upload(owner(peer), &req.upload_id)
-        })
-        .await
-        .map_err(|source| EdgeError::Task {
-            what: "commit",
-            source,
-        })??;
+        let (model, deduplicated) =
+            tokio::task::spawn_blocking(move || daemon.commit_upload(&peer, &req.upload_id))
+                .await
+                .map_err(|source| EdgeError::Task {
+                    what: "commit",
+                    source,
+                })??;
         let entry = self.daemon.store.get(&model.id);
         Ok(Response::new(pb::CommitUploadResponse {
             manifest: Some(manifest(&model, entry.as_ref())),
@@ -135,16 +126,19 @@ impl WeightStream for Service {
 
     async fn list_models(
         &self,
-        _req: Request<pb::ListModelsRequest>,
+        req: Request<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let page = self.validation.list_models(req.into_inner())?;
         let store = &self.daemon.store;
+        let (models, more) = store.models_page(&page.after, page.size);
+        let next_page_token = match models.last() {
+            Some(last) if more => last.model.id.clone(),
+            _ => String::new(),
+        };
         Ok(Response::new(pb::ListModelsResponse {
-            models: store
-                .models()
-                .iter()
-                .map(|e| manifest(&e.model, Some(e)))
-                .collect(),
+            models: models.iter().map(|e| manifest(&e.model, Some(e))).collect(),
             store_bytes: store.bytes(),
+            next_page_token,
         }))
     }
 
@@ -171,15 +165,19 @@ impl WeightStream for Service {
 
     async fn list_sessions(
         &self,
-        _req: Request<pb::ListSessionsRequest>,
+        req: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        let page = self.validation.list_sessions(req.into_inner())?;
+        let (sessions, more) = self.daemon.sessions_page(page.after, page.size);
+        let next_page_token = match sessions.last() {
+            Some(last) if more => last.shared.id.clone(),
+            _ => String::new(),
+        };
         Ok(Response::new(pb::ListSessionsResponse {
-            sessions: self
-                .daemon
-                .list_sessions()
-                .iter()
+            sessions: (sessions.iter())
                 .map(|s| session_info(&s.owner, &s.shared))
                 .collect(),
+            next_page_token,
         }))
     }
 

@@ -9,7 +9,7 @@ use super::validate::ValidationError;
 use crate::backend::BackendError;
 use crate::core::CoreError;
 use crate::session::AttachError;
-use crate::store::{SourceError, StoreError};
+use crate::store::StoreError;
 
 impl From<EdgeError> for Status {
     fn from(e: EdgeError) -> Status {
@@ -46,19 +46,15 @@ pub fn status_of(e: &CoreError) -> Status {
     let msg = e.to_string();
     match e {
         CoreError::Store(s) => match s {
-            StoreError::Source(SourceError::NotFound(_)) => {
-                Status::not_found(format!("paths: {msg}"))
-            }
-            StoreError::Source(_) => Status::invalid_argument(format!("paths: {msg}")),
             StoreError::Header { .. }
+            | StoreError::NotAFile { .. }
             | StoreError::DuplicateTensor { .. }
             | StoreError::TooManyTensors { .. } => Status::invalid_argument(msg),
-            StoreError::Io { .. } | StoreError::UploadTruncated { .. } => {
-                Status::failed_precondition(msg)
-            }
-            StoreError::Arena { .. } | StoreError::UploadTooLarge { .. } => {
-                Status::resource_exhausted(msg)
-            }
+            StoreError::Io { .. } | StoreError::UploadMapped(_) => Status::failed_precondition(msg),
+            StoreError::Seal { .. } => Status::internal(msg),
+            StoreError::Arena { .. }
+            | StoreError::UploadTooLarge { .. }
+            | StoreError::TooManyUploads { .. } => Status::resource_exhausted(msg),
             StoreError::UnknownModel(_) | StoreError::UnknownUpload(_) => Status::not_found(msg),
             StoreError::NotOwner(_) | StoreError::NotHolder { .. } => {
                 Status::permission_denied(msg)
@@ -66,7 +62,9 @@ pub fn status_of(e: &CoreError) -> Status {
             StoreError::Quota(_) => Status::resource_exhausted(msg),
             StoreError::Pin(_) => Status::resource_exhausted(msg),
         },
-        CoreError::Layout(_) | CoreError::Budget(_) => Status::invalid_argument(msg),
+        CoreError::Layout(_) | CoreError::Budget(_) | CoreError::FdToken(_) => {
+            Status::invalid_argument(msg)
+        }
         CoreError::Backend(BackendError::Alloc { .. }) => Status::resource_exhausted(msg),
         CoreError::Backend(_) | CoreError::Residency(_) => Status::internal(msg),
         CoreError::UnknownSession(_) | CoreError::UnknownDevice(_) => Status::not_found(msg),

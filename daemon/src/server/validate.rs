@@ -4,8 +4,8 @@
 
 use std::collections::HashSet;
 use std::num::NonZeroU64;
-use std::path::PathBuf;
 
+use weightstream_client::handoff;
 use weightstream_client::proto as pb;
 
 use super::convert::dtype_from_pb;
@@ -16,9 +16,13 @@ use crate::store::safetensors::{DType, tensor_nbytes};
 
 /// Most dimensions a tensor may have.
 pub const MAX_RANK: usize = 16;
-/// Most paths one LoadModel may name, and the longest path.
-pub const MAX_PATHS: usize = 4096;
+/// Most paths one LoadModel may name (one per fd, and one handoff passes at most this many),
+/// and the longest path.
+pub const MAX_PATHS: usize = handoff::MAX_FDS;
 pub const MAX_PATH_BYTES: usize = 4096;
+/// Entries of a page of ListModels or ListSessions: by default, and at most.
+pub const DEFAULT_PAGE_SIZE: usize = 100;
+pub const MAX_PAGE_SIZE: usize = 1000;
 /// The longest id (model, upload, session) a request may carry.
 pub const MAX_ID_BYTES: usize = 256;
 
@@ -45,6 +49,20 @@ pub enum ValidationError {
     Duplicate { field: String, name: String },
     #[error("{field}: {value} is not a known dtype")]
     UnknownDtype { field: String, value: i32 },
+    #[error(
+        "fd_token: required — open the files in the client and pass them through the handoff \
+         socket (the weightstream clients do)"
+    )]
+    NoFdToken,
+    #[error(
+        "fd_token: not a token: {} lowercase hex characters expected",
+        handoff::SECRET_LEN
+    )]
+    BadFdToken,
+    #[error("page_size: {0}, the limit is {MAX_PAGE_SIZE}")]
+    PageSize(u32),
+    #[error("page_token: '{0}' is not a token this list gave")]
+    PageToken(String),
     #[error("{field}: {rank} dimensions, the limit is {MAX_RANK}")]
     Rank { field: String, rank: usize },
     #[error("{field}: {shape:?} overflows")]
@@ -61,11 +79,20 @@ pub enum ValidationError {
 
 type Result<T> = std::result::Result<T, ValidationError>;
 
-/// LoadModel: the files to read, as the peer named them.
+/// LoadModel: the files passed under `fd_token`, and the names the peer gave them (display
+/// names only: the daemon reads the fds).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValidLoadModel {
-    pub paths: Vec<PathBuf>,
+    pub paths: Vec<String>,
     pub name: String,
+    pub fd_token: String,
+}
+
+/// A page of a list: how many entries, and after which (`T::default()`: from the start).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidPage<T> {
+    pub size: usize,
+    pub after: T,
 }
 
 /// BeginUpload: each tensor's dtype known, its byte size computed from its shape.
@@ -139,9 +166,40 @@ impl Validation {
             text(&format!("paths[{i}]"), p, MAX_PATH_BYTES)?;
         }
         self.name("name", &req.name)?;
+        if req.fd_token.is_empty() {
+            return Err(ValidationError::NoFdToken);
+        }
+        if !handoff::is_secret(&req.fd_token) {
+            return Err(ValidationError::BadFdToken);
+        }
         Ok(ValidLoadModel {
-            paths: req.paths.into_iter().map(PathBuf::from).collect(),
+            paths: req.paths,
             name: req.name,
+            fd_token: req.fd_token,
+        })
+    }
+
+    /// ListModels: after the model id the token names.
+    pub fn list_models(&self, req: pb::ListModelsRequest) -> Result<ValidPage<String>> {
+        text_opt("page_token", &req.page_token, MAX_ID_BYTES)?;
+        Ok(ValidPage {
+            size: page_size(req.page_size)?,
+            after: req.page_token,
+        })
+    }
+
+    /// ListSessions: after the session the token names (`s-N`: its number).
+    pub fn list_sessions(&self, req: pb::ListSessionsRequest) -> Result<ValidPage<u64>> {
+        let after = match req.page_token.as_str() {
+            "" => 0,
+            token => token
+                .strip_prefix("s-")
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(|| ValidationError::PageToken(token.chars().take(64).collect()))?,
+        };
+        Ok(ValidPage {
+            size: page_size(req.page_size)?,
+            after,
         })
     }
 
@@ -250,6 +308,14 @@ impl Validation {
             out.push((t.name.clone(), dtype, t.shape.clone(), nbytes));
         }
         Ok(out)
+    }
+}
+
+fn page_size(given: u32) -> Result<usize> {
+    match given as usize {
+        0 => Ok(DEFAULT_PAGE_SIZE),
+        n if n <= MAX_PAGE_SIZE => Ok(n),
+        _ => Err(ValidationError::PageSize(given)),
     }
 }
 

@@ -1,35 +1,35 @@
 //! The host weight store: immutable, named models whose tensors live in shared-memory arenas.
 //!
-//! Sources are safetensors files the daemon reads itself, or uploads that a client writes into a
-//! region the daemon hands it. Identical sources dedupe (same file identity, or same content
-//! digest) and are reference counted, so one host copy serves every job on the box.
+//! Sources are safetensors files that clients open and pass as fds (the daemon reads them with
+//! positioned reads and never opens a path), or uploads that a client writes into a memfd the
+//! daemon hands it and that becomes the model's arena once sealed. Identical sources dedupe
+//! (same file identity, or same content digest) and are reference counted, so one host copy
+//! serves every job on the box.
 //!
 //! One job per module: `registry` (models by id, references, dedup, host charges, sessions),
-//! `load` (safetensors files into an arena), `upload` (client-written regions, sealed into an
-//! arena), `pin` (page-locking an arena through a `HostPinner`); `safetensors` parses headers,
-//! `sources` resolves paths. This file holds the types they share. Memory itself (segments,
-//! arenas, slices) lives in `crate::mem`.
+//! `load` (safetensors files into an arena), `upload` (client-written regions, sealed into
+//! arenas), `pin` (page-locking an arena through a `HostPinner`); `safetensors` parses headers.
+//! This file holds the types they share. Memory itself (memfds, arenas, slices) lives in
+//! `crate::mem`.
 
 mod load;
 mod pin;
 mod registry;
 pub mod safetensors;
-mod sources;
 #[cfg(test)]
-mod test_support;
+pub(crate) mod test_support;
 mod upload;
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-pub use self::load::Progress;
+pub use self::load::{LoadSource, Progress};
 use self::registry::Inner;
-pub use self::registry::{HostUse, ModelEntry};
+pub use self::registry::{Holder, HostUse, ModelEntry};
 use self::safetensors::{DType, HeaderError};
-pub use self::sources::{SourceError, resolve_sources};
 pub use self::upload::{TensorDecl, UploadTicket};
-use crate::mem::shm::ShmDir;
+use crate::mem::shm::Shm;
 use crate::mem::{HostArena, HostPinner, HostSlice, PinError};
 use crate::quota::{HostQuota, QuotaError};
 
@@ -42,6 +42,8 @@ pub struct StoreLimits {
     pub max_tensors: u32,
     pub max_upload_bytes: u64,
     pub max_name_bytes: u32,
+    /// Uploads in progress, all uids together (`limits.max_uploads`): each holds a memfd.
+    pub max_uploads: u32,
     pub host: HostQuota,
 }
 
@@ -53,22 +55,25 @@ pub struct Owner {
     pub uid: u32,
 }
 
+/// Every error of the store. Files are named by the display names their clients gave
+/// (`LoadModelRequest.paths`): the daemon never opens those paths. No message carries file
+/// bytes.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error(transparent)]
-    Source(#[from] SourceError),
     #[error("{path}: {source}")]
-    Header { path: PathBuf, source: HeaderError },
+    Header { path: String, source: HeaderError },
     #[error("{path}: {source}")]
     Io {
-        path: PathBuf,
+        path: String,
         source: std::io::Error,
     },
+    #[error("{path}: not a regular file: only regular files can be loaded")]
+    NotAFile { path: String },
     #[error("tensor '{name}' is in both {first} and {second}")]
     DuplicateTensor {
         name: String,
-        first: PathBuf,
-        second: PathBuf,
+        first: String,
+        second: String,
     },
     #[error("the model has {count} tensors, more than the limit of {limit}")]
     TooManyTensors { count: u64, limit: u32 },
@@ -80,14 +85,20 @@ pub enum StoreError {
     UnknownUpload(String),
     #[error("upload_id '{0}' belongs to another connection")]
     NotOwner(String),
-    #[error("upload region {path} is {actual} bytes, expected {expected}: it was truncated")]
-    UploadTruncated {
-        path: PathBuf,
-        expected: u64,
-        actual: u64,
+    #[error(
+        "upload_id '{0}': the upload region is still mapped writable by the client: unmap it \
+         before CommitUpload"
+    )]
+    UploadMapped(String),
+    #[error("upload_id '{upload_id}': cannot seal the upload region: {source}")]
+    Seal {
+        upload_id: String,
+        source: std::io::Error,
     },
     #[error("upload of {bytes} bytes exceeds max_upload_bytes = {limit}")]
     UploadTooLarge { bytes: u64, limit: u64 },
+    #[error("limits.max_uploads = {limit} reached: the daemon has {used} uploads in progress")]
+    TooManyUploads { limit: u32, used: u32 },
     #[error(
         "uid {uid} holds no reference to model_id '{id}': only a uid that loaded or uploaded \
          it may release it"
@@ -115,6 +126,17 @@ pub enum ModelSource {
     Upload,
 }
 
+/// Host bytes a model's description takes besides its arena, charged to host quotas with it:
+/// per tensor its name, 8 bytes per dimension and 64 for the rest of its entry, and the
+/// model's name. (A tensor of zero bytes is not free.)
+pub fn metadata_bytes<'a>(name: &str, tensors: impl IntoIterator<Item = (&'a str, usize)>) -> u64 {
+    let entries: u64 = tensors
+        .into_iter()
+        .map(|(name, rank)| name.len() as u64 + 8 * rank as u64 + 64)
+        .sum();
+    entries + name.len() as u64
+}
+
 #[derive(Debug)]
 pub struct Model {
     pub id: String,
@@ -124,6 +146,8 @@ pub struct Model {
     by_name: HashMap<String, usize>,
     arena: Arc<HostArena>,
     pub total_bytes: u64,
+    /// What its description takes ([`metadata_bytes`]).
+    pub metadata_bytes: u64,
 }
 
 impl Model {
@@ -140,6 +164,8 @@ impl Model {
             .map(|(i, t)| (t.name.clone(), i))
             .collect();
         let total_bytes = tensors.iter().map(|t| t.nbytes).sum();
+        let metadata_bytes =
+            metadata_bytes(&name, tensors.iter().map(|t| (&*t.name, t.shape.len())));
         Model {
             id,
             name,
@@ -148,6 +174,7 @@ impl Model {
             by_name,
             arena: Arc::new(arena),
             total_bytes,
+            metadata_bytes,
         }
     }
 
@@ -164,30 +191,33 @@ impl Model {
         &self.arena
     }
 
-    /// Host memory the model holds: its arena, padding included.
+    /// Host memory the model holds, as quotas count it: its arena (padding included) and its
+    /// description.
     pub fn host_bytes(&self) -> u64 {
-        self.arena.size()
+        self.arena.size() + self.metadata_bytes
     }
 }
 
+/// The store. Its one lock guards the registry and is never held across I/O: loads read and
+/// pin without it, and concurrent loads of the same files are deduplicated when they insert.
 pub struct Store {
-    shm: Arc<ShmDir>,
+    shm: Arc<Shm>,
     /// Page-locks filled arenas (the backend; the store knows it only as this).
     pinner: Arc<dyn HostPinner>,
     limits: StoreLimits,
     inner: Mutex<Inner>,
-    /// Loads run one at a time, so two loads of the same files make one copy.
-    load_lock: Mutex<()>,
+    /// Whether the copy-instead-of-pinning fallback for sealed uploads was logged (once).
+    warned_pin_fallback: AtomicBool,
 }
 
 impl Store {
-    pub fn new(shm: Arc<ShmDir>, pinner: Arc<dyn HostPinner>, limits: StoreLimits) -> Store {
+    pub fn new(shm: Arc<Shm>, pinner: Arc<dyn HostPinner>, limits: StoreLimits) -> Store {
         Store {
             shm,
             pinner,
             limits,
             inner: Mutex::new(Inner::default()),
-            load_lock: Mutex::new(()),
+            warned_pin_fallback: AtomicBool::new(false),
         }
     }
 

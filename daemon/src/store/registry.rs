@@ -1,6 +1,6 @@
-//! The registry: models by id, their load references per uid and session references, dedup of
-//! identical sources, and the host bytes each uid is charged (models, uploads, and what is being
-//! made), checked against the quotas before anything is allocated.
+//! The registry: models by id, the references each uid holds to them (loads, uploads and open
+//! sessions), dedup of identical sources, and the host bytes each uid is charged (models,
+//! uploads, and what is being made), checked against the quotas before anything is allocated.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -9,17 +9,64 @@ use super::upload::Upload;
 use super::{Model, Store, StoreError};
 use crate::quota::check_count;
 
+/// What one uid holds of a model: load references (LoadModel, CommitUpload: given back by
+/// ReleaseModel) and open sessions (given back when they close).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holder {
+    pub uid: u32,
+    pub loads: u32,
+    pub sessions: u32,
+}
+
 /// A model as listed: the model and its reference counts.
 #[derive(Debug, Clone)]
 pub struct ModelEntry {
     pub model: Arc<Model>,
+    /// Load references, all uids.
     pub refs: u32,
+    /// Open sessions, all uids.
     pub sessions: u32,
-    /// Load references per uid, in the order the uids took their first one.
-    pub holders: Vec<(u32, u32)>,
-    /// The uid whose host quota the model counts against: the first loader, then (once it has
-    /// released its last reference) the next holder. A copy shared by many uids counts once.
+    /// Per uid, in the order the uids took their first reference.
+    pub holders: Vec<Holder>,
+    /// The uid whose host quota the model counts against: the first holder, then (once it
+    /// holds nothing) the next one. A copy shared by many uids counts once.
     pub charged_uid: u32,
+}
+
+impl ModelEntry {
+    fn holder(&mut self, uid: u32) -> &mut Holder {
+        let at = match self.holders.iter().position(|h| h.uid == uid) {
+            Some(at) => at,
+            None => {
+                self.holders.push(Holder {
+                    uid,
+                    loads: 0,
+                    sessions: 0,
+                });
+                self.holders.len() - 1
+            }
+        };
+        &mut self.holders[at]
+    }
+
+    /// Forgets a uid that holds nothing any more; the charge follows the references: a uid
+    /// that let go is not billed for a copy that others keep (with nobody left, the model
+    /// goes).
+    fn drop_if_empty(&mut self, uid: u32) {
+        let Some(at) = self.holders.iter().position(|h| h.uid == uid) else {
+            return;
+        };
+        if self.holders[at].loads > 0 || self.holders[at].sessions > 0 {
+            return;
+        }
+        self.holders.remove(at);
+        if self.charged_uid == uid
+            && let Some(next) = self.holders.first()
+        {
+            self.charged_uid = next.uid;
+            tracing::info!(model = %self.model.id, from = uid, to = next.uid, "host quota charge moved");
+        }
+    }
 }
 
 /// Host bytes promised to a load or upload that is being made: counted like the real thing so
@@ -43,11 +90,14 @@ pub(super) struct Inner {
 /// Host use as quotas count it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostUse {
-    /// Bytes charged to the uid: models it is charged for, its uploads.
+    /// Bytes charged to the uid: models it is charged for, its uploads (descriptions
+    /// included).
     pub uid_bytes: u64,
     pub uid_uploads: u32,
     /// Bytes of every model and upload.
     pub total_bytes: u64,
+    /// Uploads in progress, all uids.
+    pub total_uploads: u32,
 }
 
 impl Inner {
@@ -61,8 +111,9 @@ impl Inner {
             }
         }
         for up in self.uploads.values() {
-            let b = up.segment.size();
+            let b = up.host_bytes();
             u.total_bytes += b;
+            u.total_uploads += 1;
             if up.owner.uid == uid {
                 u.uid_bytes += b;
                 u.uid_uploads += 1;
@@ -70,6 +121,7 @@ impl Inner {
         }
         for p in self.pending.values() {
             u.total_bytes += p.bytes;
+            u.total_uploads += u32::from(p.upload);
             if p.uid == uid {
                 u.uid_bytes += p.bytes;
                 u.uid_uploads += u32::from(p.upload);
@@ -82,6 +134,16 @@ impl Inner {
         self.next_pending += 1;
         self.pending.insert(self.next_pending, pending);
         self.next_pending
+    }
+
+    fn collect(&mut self, id: &str) {
+        if self
+            .models
+            .get(id)
+            .is_some_and(|e| e.refs == 0 && e.sessions == 0)
+        {
+            self.models.remove(id);
+        }
     }
 }
 
@@ -99,7 +161,7 @@ impl Drop for Reservation<'_> {
 }
 
 impl Store {
-    /// Promises `bytes` of host memory to `uid`, or says which quota that would pass.
+    /// Promises `bytes` of host memory to `uid`, or says which quota or limit that would pass.
     pub(super) fn reserve(
         &self,
         uid: u32,
@@ -118,6 +180,13 @@ impl Store {
                 used.uid_uploads,
                 ("upload in progress", "uploads in progress"),
             )?;
+            let limit = self.limits.max_uploads;
+            if used.total_uploads >= limit {
+                return Err(StoreError::TooManyUploads {
+                    limit,
+                    used: used.total_uploads,
+                });
+            }
         }
         quota.check(uid, used.uid_bytes, used.total_bytes, bytes, item)?;
         let id = inner.add_pending(Pending { uid, bytes, upload });
@@ -129,30 +198,45 @@ impl Store {
         self.inner().host_use(uid)
     }
 
-    /// One more reference for `uid` to a model already in the store (not charged again).
+    /// One more load reference for `uid` to a model already in the store (not charged again).
     pub(super) fn add_ref(&self, id: &str, uid: u32) -> Option<Arc<Model>> {
         let mut inner = self.inner();
         let entry = inner.models.get_mut(id)?;
         entry.refs += 1;
-        match entry.holders.iter_mut().find(|(u, _)| *u == uid) {
-            Some((_, n)) => *n += 1,
-            None => entry.holders.push((uid, 1)),
-        }
+        entry.holder(uid).loads += 1;
         Some(entry.model.clone())
     }
 
-    pub(super) fn insert(&self, model: Arc<Model>, uid: u32) {
+    /// Inserts a model just made, charged to `uid`; if an identical one got in first (a
+    /// concurrent load of the same files), takes a reference to that one instead and drops
+    /// this one (outside the lock: an arena may take a while to unpin). Returns the model in
+    /// the store and whether it was there already.
+    pub(super) fn insert_or_ref(&self, model: Arc<Model>, uid: u32) -> (Arc<Model>, bool) {
+        let mut inner = self.inner();
+        if let Some(entry) = inner.models.get_mut(&model.id) {
+            entry.refs += 1;
+            entry.holder(uid).loads += 1;
+            let existing = entry.model.clone();
+            drop(inner);
+            drop(model);
+            return (existing, true);
+        }
         let entry = ModelEntry {
             model: model.clone(),
             refs: 1,
             sessions: 0,
-            holders: vec![(uid, 1)],
+            holders: vec![Holder {
+                uid,
+                loads: 1,
+                sessions: 0,
+            }],
             charged_uid: uid,
         };
-        self.inner().models.insert(model.id.clone(), entry);
+        inner.models.insert(model.id.clone(), entry);
+        (model, false)
     }
 
-    /// Drops one of `uid`'s load references; returns the references left (all uids').
+    /// Drops one of `uid`'s load references; returns the load references left (all uids').
     pub fn release(&self, id: &str, uid: u32) -> Result<u32, StoreError> {
         let mut inner = self.inner();
         let entry = inner
@@ -162,76 +246,74 @@ impl Store {
         if entry.refs == 0 {
             return Err(StoreError::UnknownModel(id.to_string()));
         }
-        let Some(at) = entry.holders.iter().position(|(u, _)| *u == uid) else {
+        let holds = entry.holders.iter().any(|h| h.uid == uid && h.loads > 0);
+        if !holds {
             return Err(StoreError::NotHolder {
                 id: id.to_string(),
                 uid,
             });
-        };
-        entry.refs -= 1;
-        entry.holders[at].1 -= 1;
-        if entry.holders[at].1 == 0 {
-            entry.holders.remove(at);
-            // The charge follows the references: a uid that let go is not billed for a copy
-            // that others keep. With none left the model goes once its sessions end, and the
-            // charge stays where it was until then.
-            if entry.charged_uid == uid
-                && let Some(&(next, _)) = entry.holders.first()
-            {
-                entry.charged_uid = next;
-                tracing::info!(model = %id, from = uid, to = next, "host quota charge moved");
-            }
         }
+        entry.refs -= 1;
+        entry.holder(uid).loads -= 1;
+        entry.drop_if_empty(uid);
         let left = entry.refs;
-        Self::collect(&mut inner, id);
+        inner.collect(id);
         Ok(left)
     }
 
-    /// A session starts using the model; it stays in the store until the session ends.
-    pub fn open_session(&self, id: &str) -> Result<Arc<Model>, StoreError> {
+    /// A session of `uid` starts using the model: it holds a reference for `uid` (the model
+    /// stays, and stays charged to a uid that holds it) until [`Store::close_session`]. Only a
+    /// model someone holds a load reference to can get new sessions.
+    pub fn open_session(&self, id: &str, uid: u32) -> Result<Arc<Model>, StoreError> {
         let mut inner = self.inner();
         match inner.models.get_mut(id) {
             Some(entry) if entry.refs > 0 => {
                 entry.sessions += 1;
+                entry.holder(uid).sessions += 1;
                 Ok(entry.model.clone())
             }
             _ => Err(StoreError::UnknownModel(id.to_string())),
         }
     }
 
-    pub fn close_session(&self, id: &str) {
+    pub fn close_session(&self, id: &str, uid: u32) {
         let mut inner = self.inner();
         if let Some(entry) = inner.models.get_mut(id) {
-            entry.sessions = entry.sessions.saturating_sub(1);
+            let holder = entry.holder(uid);
+            if holder.sessions > 0 {
+                holder.sessions -= 1;
+                entry.sessions -= 1;
+            }
+            entry.drop_if_empty(uid);
         }
-        Self::collect(&mut inner, id);
+        inner.collect(id);
     }
 
-    fn collect(inner: &mut Inner, id: &str) {
-        if inner
-            .models
-            .get(id)
-            .is_some_and(|e| e.refs == 0 && e.sessions == 0)
-        {
-            inner.models.remove(id);
-        }
+    /// Models in id order: up to `limit` of those whose id sorts after `after` (all from the
+    /// start when it is empty), and whether more follow.
+    pub fn models_page(&self, after: &str, limit: usize) -> (Vec<ModelEntry>, bool) {
+        let inner = self.inner();
+        let mut page: Vec<&ModelEntry> = (inner.models.values())
+            .filter(|e| after.is_empty() || e.model.id.as_str() > after)
+            .collect();
+        page.sort_unstable_by(|a, b| a.model.id.cmp(&b.model.id));
+        let more = page.len() > limit;
+        (page.into_iter().take(limit).cloned().collect(), more)
     }
 
     pub fn models(&self) -> Vec<ModelEntry> {
-        let mut list: Vec<ModelEntry> = self.inner().models.values().cloned().collect();
-        list.sort_by(|a, b| a.model.id.cmp(&b.model.id));
-        list
+        self.models_page("", usize::MAX).0
     }
 
     pub fn get(&self, id: &str) -> Option<ModelEntry> {
         self.inner().models.get(id).cloned()
     }
 
-    /// Host bytes held by models and pending uploads.
+    /// Bytes of the models' tensors and of the upload regions in progress.
     pub fn bytes(&self) -> u64 {
         let inner = self.inner();
         let models: u64 = inner.models.values().map(|e| e.model.total_bytes).sum();
-        let uploads: u64 = inner.uploads.values().map(|u| u.segment.size()).sum();
+        let uploads: u64 = inner.uploads.values().map(|u| u.memfd.size()).sum();
         models + uploads
     }
 
@@ -247,23 +329,25 @@ impl Store {
 mod tests {
     use super::*;
     use crate::quota::HostQuota;
-    use crate::store::test_support::{model_file, store_in};
+    use crate::store::test_support::{load_paths, model_file, store_with};
+
+    /// A one-tensor model file of 8192 bytes named `a` is charged its arena and its
+    /// description: "w" + 8 × 1 dimension + 64, and the name "a".
+    const CHARGE: u64 = 8192 + 1 + 8 + 64 + 1;
 
     /// Model references belong to uids: only a holder releases, and the host charge follows
     /// the references (one copy, charged once, to the first holder still holding one).
     #[test]
     fn references_belong_to_uids_and_the_host_charge_follows_them() {
         let dir = tempfile::tempdir().unwrap();
-        let store = store_in(dir.path(), HostQuota::default());
+        let store = store_with(HostQuota::default());
         let path = model_file(dir.path(), "a.safetensors", 8192);
-        let (model, _) = store
-            .load(std::slice::from_ref(&path), "", 1, &mut |_, _, _| {})
-            .unwrap();
-        let (same, existed) = store.load(&[path], "", 2, &mut |_, _, _| {}).unwrap();
+        let (model, _) = load_paths(&store, std::slice::from_ref(&path), 1).unwrap();
+        let (same, existed) = load_paths(&store, &[path], 2).unwrap();
         assert!(existed && Arc::ptr_eq(&model, &same));
         let usage = |uid| store.host_use(uid);
-        assert_eq!((usage(1).uid_bytes, usage(2).uid_bytes), (8192, 0));
-        assert_eq!(usage(2).total_bytes, 8192);
+        assert_eq!((usage(1).uid_bytes, usage(2).uid_bytes), (CHARGE, 0));
+        assert_eq!(usage(2).total_bytes, CHARGE);
         let err = store.release(&model.id, 3).unwrap_err();
         assert_eq!(
             err.to_string(),
@@ -274,13 +358,60 @@ mod tests {
             )
         );
         assert_eq!(store.release(&model.id, 1).unwrap(), 1);
-        assert_eq!((usage(1).uid_bytes, usage(2).uid_bytes), (0, 8192));
+        assert_eq!((usage(1).uid_bytes, usage(2).uid_bytes), (0, CHARGE));
         assert!(matches!(
             store.release(&model.id, 1),
             Err(StoreError::NotHolder { uid: 1, .. })
         ));
         assert_eq!(store.release(&model.id, 2).unwrap(), 0);
         assert_eq!(usage(2), HostUse::default());
+    }
+
+    /// A session holds a reference for its uid: when the loader lets go while another uid's
+    /// session still uses the model, the charge moves to that uid, and goes with the session.
+    #[test]
+    fn a_session_holds_a_reference_and_takes_the_charge_from_a_loader_that_let_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(HostQuota::default());
+        let path = model_file(dir.path(), "a.safetensors", 8192);
+        let (model, _) = load_paths(&store, &[path], 1).unwrap();
+        store.open_session(&model.id, 2).unwrap();
+        let entry = store.get(&model.id).unwrap();
+        assert_eq!((entry.refs, entry.sessions, entry.charged_uid), (1, 1, 1));
+        assert_eq!(
+            entry.holders,
+            vec![
+                Holder {
+                    uid: 1,
+                    loads: 1,
+                    sessions: 0
+                },
+                Holder {
+                    uid: 2,
+                    loads: 0,
+                    sessions: 1
+                }
+            ]
+        );
+        // A session is no load reference: it is given back by closing, not by ReleaseModel.
+        assert!(matches!(
+            store.release(&model.id, 2),
+            Err(StoreError::NotHolder { uid: 2, .. })
+        ));
+        assert_eq!(store.release(&model.id, 1).unwrap(), 0);
+        let usage = |uid| store.host_use(uid).uid_bytes;
+        assert_eq!((usage(1), usage(2)), (0, CHARGE), "the charge moved");
+        assert!(
+            store.get(&model.id).is_some(),
+            "the session keeps the model"
+        );
+        assert!(matches!(
+            store.open_session(&model.id, 2),
+            Err(StoreError::UnknownModel(_))
+        ));
+        store.close_session(&model.id, 2);
+        assert!(store.get(&model.id).is_none());
+        assert_eq!(store.host_use(2), HostUse::default());
     }
 
     #[test]
@@ -290,21 +421,45 @@ mod tests {
             per_uid_bytes: 12288,
             ..HostQuota::default()
         };
-        let store = store_in(dir.path(), quota);
+        let store = store_with(quota);
         let a = model_file(dir.path(), "a.safetensors", 8192);
         let b = model_file(dir.path(), "b.safetensors", 8192);
-        store.load(&[a], "", 1, &mut |_, _, _| {}).unwrap();
-        let err = store
-            .load(std::slice::from_ref(&b), "", 1, &mut |_, _, _| {})
-            .unwrap_err();
+        load_paths(&store, &[a], 1).unwrap();
+        let err = load_paths(&store, std::slice::from_ref(&b), 1).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "quotas.per_uid_host_bytes = 12288 exceeded: uid 1 holds 8192 host bytes and this \
-             model needs 8192 more"
+            format!(
+                "quotas.per_uid_host_bytes = 12288 exceeded: uid 1 holds {CHARGE} host bytes \
+                 and this model needs {CHARGE} more"
+            )
         );
-        assert_eq!(store.host_use(1).total_bytes, 8192, "no reservation left");
+        assert_eq!(store.host_use(1).total_bytes, CHARGE, "no reservation left");
+        assert_eq!(store.shm.total(), 1, "no arena made");
         // Another uid has its own quota.
-        store.load(&[b], "", 2, &mut |_, _, _| {}).unwrap();
-        assert_eq!(store.host_use(2).uid_bytes, 8192);
+        load_paths(&store, &[b], 2).unwrap();
+        assert_eq!(store.host_use(2).uid_bytes, CHARGE);
+    }
+
+    #[test]
+    fn models_are_listed_in_pages_in_id_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(HostQuota::default());
+        let mut ids: Vec<String> = (0..5)
+            .map(|i| {
+                let path = model_file(dir.path(), &format!("{i}.safetensors"), 4096 + i);
+                load_paths(&store, &[path], 1).unwrap().0.id.clone()
+            })
+            .collect();
+        ids.sort();
+        let page = |after: &str, n| {
+            let (entries, more) = store.models_page(after, n);
+            let ids: Vec<String> = entries.into_iter().map(|e| e.model.id.clone()).collect();
+            (ids, more)
+        };
+        assert_eq!(page("", 2), (ids[..2].to_vec(), true));
+        assert_eq!(page(&ids[1], 2), (ids[2..4].to_vec(), true));
+        assert_eq!(page(&ids[3], 2), (ids[4..].to_vec(), false));
+        assert_eq!(page("", 5), (ids.clone(), false));
+        assert_eq!(page(&ids[4], 5), (vec![], false));
     }
 }

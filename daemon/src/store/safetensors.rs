@@ -7,12 +7,18 @@
 //! generic JSON tree), so a malformed or hostile file is rejected with a precise message instead
 //! of exhausting memory or sending a later copy outside the file. The checks are at least as
 //! strict as the `safetensors` crate's, so a file accepted here also loads there.
+//!
+//! No message quotes the file's bytes: not the length prefix (the first 8 bytes of whatever
+//! file it is), not a JSON value of the wrong type, not a dtype or metadata string. Messages
+//! name tensors, by the names the header gives them, and say what is wrong.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::io::Read;
 
-use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::de::{
+    self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Unexpected, Visitor,
+};
 
 /// Largest header accepted: the cap of the `safetensors` crate (`MAX_HEADER_SIZE`), so that both
 /// accept the same files.
@@ -130,10 +136,10 @@ pub struct Header {
 pub enum HeaderError {
     #[error("file is {file_len} bytes, shorter than the 8-byte header length")]
     FileTooShort { file_len: u64 },
-    #[error("header length {header_len} exceeds the limit of {limit} bytes")]
-    HeaderTooLarge { header_len: u64, limit: u64 },
-    #[error("header length {header_len} runs past the end of the file ({file_len} bytes)")]
-    HeaderPastEnd { header_len: u64, file_len: u64 },
+    /// Over [`MAX_HEADER_BYTES`] or past the end of the file; the value is not said (it is the
+    /// file's first 8 bytes).
+    #[error("not a safetensors file: the header length is not plausible")]
+    ImplausibleHeaderLength,
     #[error("cannot read the header: {0}")]
     Io(#[from] std::io::Error),
     #[error("invalid header: {0}")]
@@ -142,8 +148,11 @@ pub enum HeaderError {
     TooManyTensors { limit: usize },
     #[error("duplicate tensor name '{name}'")]
     DuplicateTensor { name: String },
-    #[error("tensor '{tensor}': unknown dtype '{dtype}'")]
-    UnknownDType { tensor: String, dtype: String },
+    #[error(
+        "tensor '{tensor}': unknown dtype (not one of BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, \
+         F16, BF16, I32, U32, F32, F64, I64, U64)"
+    )]
+    UnknownDType { tensor: String },
     #[error("tensor '{tensor}': data_offsets [{begin}, {end}] end before they begin")]
     OffsetsReversed {
         tensor: String,
@@ -226,10 +235,7 @@ pub fn read_header<R: Read>(reader: &mut R, file_len: u64) -> Result<Header, Hea
     reader.read_exact(&mut prefix)?;
     let header_len = checked_header_len(prefix, file_len)?;
     // checked_header_len capped it at MAX_HEADER_BYTES, which fits any usize we build for.
-    let buf_len = usize::try_from(header_len).map_err(|_| HeaderError::HeaderTooLarge {
-        header_len,
-        limit: MAX_HEADER_BYTES,
-    })?;
+    let buf_len = usize::try_from(header_len).map_err(|_| HeaderError::ImplausibleHeaderLength)?;
     let mut json = vec![0u8; buf_len];
     reader.read_exact(&mut json)?;
     parse_checked(&json, header_len, file_len)
@@ -245,10 +251,7 @@ pub fn parse_header(bytes: &[u8]) -> Result<Header, HeaderError> {
     let json = usize::try_from(LEN_PREFIX + header_len)
         .ok()
         .and_then(|end| bytes.get(LEN_PREFIX as usize..end))
-        .ok_or(HeaderError::HeaderPastEnd {
-            header_len,
-            file_len,
-        })?;
+        .ok_or(HeaderError::ImplausibleHeaderLength)?;
     parse_checked(json, header_len, file_len)
 }
 
@@ -263,17 +266,8 @@ fn check_file_len(file_len: u64) -> Result<(), HeaderError> {
 fn checked_header_len(prefix: [u8; 8], file_len: u64) -> Result<u64, HeaderError> {
     check_file_len(file_len)?;
     let header_len = u64::from_le_bytes(prefix);
-    if header_len > MAX_HEADER_BYTES {
-        return Err(HeaderError::HeaderTooLarge {
-            header_len,
-            limit: MAX_HEADER_BYTES,
-        });
-    }
-    if header_len > file_len - LEN_PREFIX {
-        return Err(HeaderError::HeaderPastEnd {
-            header_len,
-            file_len,
-        });
+    if header_len > MAX_HEADER_BYTES || header_len > file_len - LEN_PREFIX {
+        return Err(HeaderError::ImplausibleHeaderLength);
     }
     Ok(header_len)
 }
@@ -358,10 +352,7 @@ fn check_tensor(
     data_len: u64,
 ) -> Result<TensorEntry, HeaderError> {
     let Some(dtype) = DType::from_name(&raw.dtype) else {
-        return Err(HeaderError::UnknownDType {
-            tensor: raw.name,
-            dtype: raw.dtype,
-        });
+        return Err(HeaderError::UnknownDType { tensor: raw.name });
     };
     let [begin, end] = raw.offsets;
     if begin > end {
@@ -451,7 +442,45 @@ fn uncovered(begin: u64, end: u64, after: Option<&TensorEntry>) -> HeaderError {
 
 // JSON decoding. Hand-written visitors rather than derives or `serde_json::Value` because they
 // catch duplicate keys (a map would silently keep one of them), stop at MAX_TENSORS before
-// storing more, and name the tensor and field in every type error.
+// storing more, name the tensor and field in every type error, and never quote a value: each
+// reads with `deserialize_any`, so that a value of the wrong type reaches its `visit_*` (see
+// `refuse!`) instead of serde_json's own message, which quotes it.
+
+/// `visit_*` methods that refuse a JSON value of the wrong type by its kind alone.
+macro_rules! refuse {
+    ($($kind:ident),*) => { $( refuse!(@ $kind); )* };
+    (@ str) => {
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+            Err(E::invalid_type(Unexpected::Other("a string"), &self))
+        }
+    };
+    (@ bool) => {
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+            Err(E::invalid_type(Unexpected::Other("a boolean"), &self))
+        }
+    };
+    (@ i64) => {
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+            Err(E::invalid_type(Unexpected::Other("a negative integer"), &self))
+        }
+    };
+    (@ u64) => {
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+            Err(E::invalid_type(Unexpected::Other("an integer"), &self))
+        }
+    };
+    (@ f64) => {
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+            let what = "a number that is not an integer of 64 bits";
+            Err(E::invalid_type(Unexpected::Other(what), &self))
+        }
+    };
+    (@ unit) => {
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Err(E::invalid_type(Unexpected::Other("null"), &self))
+        }
+    };
+}
 
 /// The top-level object; sets `too_many` when it stops at MAX_TENSORS, so that the caller can
 /// tell that abort from a JSON error.
@@ -463,7 +492,7 @@ impl<'de> DeserializeSeed<'de> for HeaderSeed<'_> {
     type Value = RawHeader;
 
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<RawHeader, D::Error> {
-        de.deserialize_map(self)
+        de.deserialize_any(self)
     }
 }
 
@@ -473,6 +502,8 @@ impl<'de> Visitor<'de> for HeaderSeed<'_> {
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("a JSON object mapping tensor names to their dtype, shape and data_offsets")
     }
+
+    refuse!(str, bool, i64, u64, f64, unit);
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
         let mut tensors = Vec::new();
@@ -506,7 +537,7 @@ impl<'de> DeserializeSeed<'de> for TensorSeed {
     type Value = RawTensor;
 
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<RawTensor, D::Error> {
-        de.deserialize_map(self)
+        de.deserialize_any(self)
     }
 }
 
@@ -520,6 +551,8 @@ impl<'de> Visitor<'de> for TensorSeed {
             self.name
         )
     }
+
+    refuse!(str, bool, i64, u64, f64, unit);
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawTensor, A::Error> {
         let tensor = self.name.as_str();
@@ -583,7 +616,7 @@ impl<'de> DeserializeSeed<'de> for StrSeed<'_> {
     type Value = String;
 
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<String, D::Error> {
-        de.deserialize_str(self)
+        de.deserialize_any(self)
     }
 }
 
@@ -593,6 +626,8 @@ impl Visitor<'_> for StrSeed<'_> {
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "a dtype string for tensor '{}'", self.tensor)
     }
+
+    refuse!(bool, i64, u64, f64, unit);
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
         Ok(v.to_owned())
@@ -607,7 +642,7 @@ impl<'de> DeserializeSeed<'de> for ShapeSeed<'_> {
     type Value = Vec<u64>;
 
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<Vec<u64>, D::Error> {
-        de.deserialize_seq(self)
+        de.deserialize_any(self)
     }
 }
 
@@ -617,6 +652,8 @@ impl<'de> Visitor<'de> for ShapeSeed<'_> {
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "a shape array for tensor '{}'", self.tensor)
     }
+
+    refuse!(str, bool, i64, u64, f64, unit);
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u64>, A::Error> {
         let mut dims = Vec::new();
@@ -639,7 +676,7 @@ impl<'de> DeserializeSeed<'de> for OffsetsSeed<'_> {
     type Value = [u64; 2];
 
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<[u64; 2], D::Error> {
-        de.deserialize_seq(self)
+        de.deserialize_any(self)
     }
 }
 
@@ -649,6 +686,8 @@ impl<'de> Visitor<'de> for OffsetsSeed<'_> {
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "data_offsets [begin, end] for tensor '{}'", self.tensor)
     }
+
+    refuse!(str, bool, i64, u64, f64, unit);
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<[u64; 2], A::Error> {
         let offset = U64Seed {
@@ -682,7 +721,7 @@ impl<'de> DeserializeSeed<'de> for U64Seed<'_> {
     type Value = u64;
 
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<u64, D::Error> {
-        de.deserialize_u64(self)
+        de.deserialize_any(self)
     }
 }
 
@@ -697,6 +736,8 @@ impl Visitor<'_> for U64Seed<'_> {
         )
     }
 
+    refuse!(str, bool, i64, f64, unit);
+
     fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
         Ok(v)
     }
@@ -709,7 +750,7 @@ impl<'de> DeserializeSeed<'de> for MetadataSeed {
     type Value = BTreeMap<String, String>;
 
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<Self::Value, D::Error> {
-        de.deserialize_map(self)
+        de.deserialize_any(self)
     }
 }
 
@@ -720,39 +761,39 @@ impl<'de> Visitor<'de> for MetadataSeed {
         f.write_str("__metadata__ to be an object of string values")
     }
 
+    refuse!(str, bool, i64, u64, f64, unit);
+
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
         let mut metadata = BTreeMap::new();
         while let Some(key) = map.next_key::<String>()? {
             if metadata.contains_key(&key) {
-                return Err(de::Error::custom(format_args!(
-                    "__metadata__: duplicate key '{key}'"
-                )));
+                return Err(de::Error::custom("__metadata__: a key appears twice"));
             }
-            let value = map.next_value_seed(MetadataValueSeed { key: &key })?;
+            let value = map.next_value_seed(MetadataValueSeed)?;
             metadata.insert(key, value);
         }
         Ok(metadata)
     }
 }
 
-struct MetadataValueSeed<'a> {
-    key: &'a str,
-}
+struct MetadataValueSeed;
 
-impl<'de> DeserializeSeed<'de> for MetadataValueSeed<'_> {
+impl<'de> DeserializeSeed<'de> for MetadataValueSeed {
     type Value = String;
 
     fn deserialize<D: Deserializer<'de>>(self, de: D) -> Result<String, D::Error> {
-        de.deserialize_str(self)
+        de.deserialize_any(self)
     }
 }
 
-impl Visitor<'_> for MetadataValueSeed<'_> {
+impl Visitor<'_> for MetadataValueSeed {
     type Value = String;
 
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "a string value for __metadata__ key '{}'", self.key)
+        f.write_str("string values in __metadata__")
     }
+
+    refuse!(bool, i64, u64, f64, unit);
 
     fn visit_str<E: de::Error>(self, v: &str) -> Result<String, E> {
         Ok(v.to_owned())
@@ -984,51 +1025,36 @@ mod tests {
         ));
     }
 
+    /// A length over the limit or past the end says so without its value: those are the
+    /// file's first 8 bytes, whatever the file is (here the text "secret!!").
     #[test]
-    fn header_length_over_limit() {
-        let mut bytes = (MAX_HEADER_BYTES + 1).to_le_bytes().to_vec();
-        bytes.extend_from_slice(b"{}");
-        let (err, msg) = fail(&bytes);
-        assert!(matches!(err, HeaderError::HeaderTooLarge { .. }));
-        assert_eq!(
-            msg,
-            "header length 100000001 exceeds the limit of 100000000 bytes"
-        );
-    }
-
-    #[test]
-    fn huge_header_length_rejected_before_allocating() {
-        for len in [u64::MAX, 1 << 40] {
-            let mut bytes = len.to_le_bytes().to_vec();
-            bytes.extend_from_slice(b"{}");
-            let (err, msg) = fail(&bytes);
-            assert!(
-                matches!(err, HeaderError::HeaderTooLarge { header_len, .. } if header_len == len)
-            );
-            assert_contains(&msg, &[&len.to_string()]);
-            // Only the prefix was read: no buffer of `len` bytes was filled.
-            let mut cursor = Cursor::new(&bytes);
-            read_header(&mut cursor, bytes.len() as u64).unwrap_err();
-            assert_eq!(cursor.position(), 8);
-        }
-    }
-
-    #[test]
-    fn header_runs_past_end_of_file() {
-        let mut bytes = 100u64.to_le_bytes().to_vec();
-        bytes.extend_from_slice(b"{}");
-        let (err, msg) = fail(&bytes);
-        assert!(matches!(
-            err,
-            HeaderError::HeaderPastEnd {
-                header_len: 100,
-                file_len: 10
+    fn an_implausible_header_length_is_refused_without_quoting_it() {
+        let cases: Vec<Vec<u8>> = vec![
+            [&(MAX_HEADER_BYTES + 1).to_le_bytes()[..], b"{}"].concat(),
+            [&u64::MAX.to_le_bytes()[..], b"{}"].concat(),
+            [&(1u64 << 40).to_le_bytes()[..], b"{}"].concat(),
+            [&100u64.to_le_bytes()[..], b"{}"].concat(),
+            b"secret!! and the rest of a private file".to_vec(),
+        ];
+        let mut failures = Vec::new();
+        for bytes in &cases {
+            let (err, msg) = fail(bytes);
+            let prefix = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+            if !matches!(err, HeaderError::ImplausibleHeaderLength)
+                || msg != "not a safetensors file: the header length is not plausible"
+                || msg.contains(&prefix.to_string())
+                || msg.contains("secret")
+            {
+                failures.push(format!("{prefix}: {msg}"));
             }
-        ));
-        assert_eq!(
-            msg,
-            "header length 100 runs past the end of the file (10 bytes)"
-        );
+            // Only the prefix was read: no buffer of that length was filled.
+            let mut cursor = Cursor::new(bytes);
+            read_header(&mut cursor, bytes.len() as u64).unwrap_err();
+            if cursor.position() != 8 {
+                failures.push(format!("{prefix}: read {} bytes", cursor.position()));
+            }
+        }
+        assert!(failures.is_empty(), "{failures:#?}");
     }
 
     #[test]
@@ -1101,7 +1127,7 @@ mod tests {
             ),
             (
                 r#"{"w":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}}"#,
-                "integer `-1`",
+                "a negative integer, expected non-negative integers in shape",
             ),
             (
                 r#"{"w":{"dtype":"U8","shape":[1.5],"data_offsets":[0,1]}}"#,
@@ -1134,6 +1160,32 @@ mod tests {
         }
     }
 
+    /// A value of the wrong type is named by its kind, never quoted, wherever it sits.
+    #[test]
+    fn type_errors_do_not_quote_the_value() {
+        let cases = [
+            r#""hunter2""#,
+            r#"{"w":"hunter2"}"#,
+            r#"{"w":{"dtype":"U8","shape":"hunter2","data_offsets":[0,1]}}"#,
+            r#"{"w":{"dtype":"U8","shape":["hunter2"],"data_offsets":[0,1]}}"#,
+            r#"{"w":{"dtype":"U8","shape":[1],"data_offsets":"hunter2"}}"#,
+            r#"{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,"hunter2"]}}"#,
+            r#"{"w":{"dtype":1234567,"shape":[1],"data_offsets":[0,1]}}"#,
+            r#"{"w":{"dtype":"U8","shape":[-1234567],"data_offsets":[0,1]}}"#,
+            r#"{"w":{"dtype":"U8","shape":[1234.567],"data_offsets":[0,1]}}"#,
+            r#"{"w":{"dtype":"hunter2","shape":[1],"data_offsets":[0,1]}}"#,
+            r#"{"__metadata__":"hunter2"}"#,
+            r#"{"__metadata__":{"hunter2":1234567}}"#,
+            r#"{"__metadata__":{"hunter2":"a","hunter2":"b"}}"#,
+        ];
+        let quoted: Vec<String> = cases
+            .iter()
+            .map(|json| fail_json(json, 1).1)
+            .filter(|msg| msg.contains("hunter2") || msg.contains("1234"))
+            .collect();
+        assert!(quoted.is_empty(), "{quoted:#?}");
+    }
+
     #[test]
     fn tensor_entry_with_a_duplicate_field() {
         let json = r#"{"w":{"dtype":"U8","dtype":"I8","shape":[1],"data_offsets":[0,1]}}"#;
@@ -1147,17 +1199,17 @@ mod tests {
         for (json, expect) in [
             (
                 r#"{"__metadata__":{"a":1}}"#,
-                "string value for __metadata__ key 'a'",
+                "an integer, expected string values in __metadata__",
             ),
             (
                 r#"{"__metadata__":{"a":{"b":"c"}}}"#,
-                "string value for __metadata__ key 'a'",
+                "map, expected string values in __metadata__",
             ),
             (r#"{"__metadata__":["a"]}"#, "__metadata__ to be an object"),
             (r#"{"__metadata__":"a"}"#, "__metadata__ to be an object"),
             (
                 r#"{"__metadata__":{"a":"1","a":"2"}}"#,
-                "__metadata__: duplicate key 'a'",
+                "__metadata__: a key appears twice",
             ),
             (
                 r#"{"__metadata__":{},"__metadata__":{}}"#,
@@ -1177,7 +1229,11 @@ mod tests {
             1,
         );
         assert!(matches!(err, HeaderError::UnknownDType { .. }));
-        assert_eq!(msg, "tensor 'x': unknown dtype 'Q7'");
+        assert_eq!(
+            msg,
+            "tensor 'x': unknown dtype (not one of BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, \
+             F16, BF16, I32, U32, F32, F64, I64, U64)"
+        );
         // Names are case-sensitive, and dtypes outside the 15 are not loaded.
         for dtype in ["bf16", "F8_E4M3FNUZ", "C64"] {
             let json = format!(r#"{{"x":{{"dtype":"{dtype}","shape":[1],"data_offsets":[0,1]}}}}"#);

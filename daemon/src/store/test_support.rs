@@ -1,36 +1,63 @@
-//! Stores and model files for the store's unit tests.
+//! Stores and model files for the store's (and the session layer's) unit tests.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::{Store, StoreLimits};
-use crate::mem::shm::ShmDir;
-use crate::mem::{HostPinner, PinError, PinGuard};
+use super::{LoadSource, Model, Store, StoreError, StoreLimits};
+use crate::mem::shm::Shm;
+use crate::mem::{HostPinner, PinAccess, PinError, PinGuard};
 use crate::quota::HostQuota;
 
 /// What the host backend does: nothing to lock.
 pub struct NoPin;
 
 impl HostPinner for NoPin {
-    fn pin_host(&self, _chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, PinError> {
+    fn pin_host(
+        &self,
+        _chunks: &[(usize, usize)],
+        _access: PinAccess,
+    ) -> Result<Option<PinGuard>, PinError> {
         Ok(None)
     }
 }
 
-/// A store in `dir` with these host quotas that pins through `pinner`.
-pub fn store_pinned_by(dir: &Path, host: HostQuota, pinner: Arc<dyn HostPinner>) -> Store {
-    let shm = Arc::new(ShmDir::new(dir, "t"));
-    let limits = StoreLimits {
+pub fn limits(host: HostQuota) -> StoreLimits {
+    StoreLimits {
         max_tensors: 100,
         max_upload_bytes: 1 << 30,
         max_name_bytes: 1024,
+        max_uploads: 1024,
         host,
-    };
-    Store::new(shm, pinner, limits)
+    }
 }
 
-pub fn store_in(dir: &Path, host: HostQuota) -> Store {
-    store_pinned_by(dir, host, Arc::new(NoPin))
+/// A store with these host quotas that pins through `pinner`.
+pub fn store_pinned_by(host: HostQuota, pinner: Arc<dyn HostPinner>) -> Store {
+    Store::new(Shm::new(), pinner, limits(host))
+}
+
+pub fn store_with(host: HostQuota) -> Store {
+    store_pinned_by(host, Arc::new(NoPin))
+}
+
+/// The files at `paths`, opened as a client would pass them (display name: the path).
+pub fn sources(paths: &[PathBuf]) -> Vec<LoadSource> {
+    paths
+        .iter()
+        .map(|p| LoadSource {
+            name: p.display().to_string(),
+            file: std::fs::File::open(p).unwrap(),
+        })
+        .collect()
+}
+
+/// Loads the files at `paths` for `uid`.
+pub fn load_paths(
+    store: &Store,
+    paths: &[PathBuf],
+    uid: u32,
+) -> Result<(Arc<Model>, bool), StoreError> {
+    store.load(&sources(paths), "", uid, &mut |_, _, _| {})
 }
 
 /// A safetensors file holding one u8 tensor `w` of `bytes` bytes.

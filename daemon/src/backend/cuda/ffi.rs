@@ -50,6 +50,9 @@ pub const EVENT_TIMING: u32 = sys::CUevent_flags::CU_EVENT_DEFAULT as u32;
 pub const STREAM_NON_BLOCKING: u32 = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
 /// `CU_MEMHOSTREGISTER_PORTABLE`: the registration counts for every context.
 pub const HOST_REGISTER_PORTABLE: u32 = sys::CU_MEMHOSTREGISTER_PORTABLE;
+/// `CU_MEMHOSTREGISTER_READ_ONLY`: the device only reads the range, so a read-only mapping (a
+/// sealed memfd) can be registered.
+pub const HOST_REGISTER_READ_ONLY: u32 = sys::CU_MEMHOSTREGISTER_READ_ONLY;
 
 /// Every driver symbol we call; `probe` checks that each exists before the first call.
 const SYMBOLS: &[&str] = &[
@@ -400,8 +403,9 @@ pub unsafe fn memcpy_htod_async(
     check(r, "cuMemcpyHtoDAsync_v2")
 }
 
-/// Page-locks `len` bytes at `ptr` (`flags`: `HOST_REGISTER_PORTABLE` here). The driver checks
-/// that the range is mapped and not registered already.
+/// Page-locks `len` bytes at `ptr` (`flags`: `HOST_REGISTER_PORTABLE`, with
+/// `HOST_REGISTER_READ_ONLY` for a read-only mapping). The driver checks that the range is
+/// mapped and not registered already.
 ///
 /// # Safety
 /// `ptr..ptr + len` is a mapping of this process that stays mapped until `mem_host_unregister`
@@ -450,6 +454,7 @@ mod tests {
         assert_eq!(EVENT_TIMING, 0);
         assert_eq!(STREAM_NON_BLOCKING, 1);
         assert_eq!(HOST_REGISTER_PORTABLE, 1);
+        assert_eq!(HOST_REGISTER_READ_ONLY, 8);
     }
 
     #[test]

@@ -34,9 +34,9 @@ use self::safe::{
 };
 use super::{
     Backend, BackendError, BackendKind, CopyJob, CopyPoll, CopyTiming, DeviceInfo, DeviceRegion,
-    EventPool, RegionHandle,
+    EventPool, RegionExport,
 };
-use crate::mem::{HostPinner, HostSlice, PinError, PinGuard};
+use crate::mem::{HostPinner, HostSlice, PinAccess, PinError, PinGuard};
 
 /// IPC exports share whole allocations: round every one to 2 MiB.
 const ALLOC_ALIGN: u64 = 2 << 20;
@@ -151,8 +151,8 @@ impl DeviceRegion for CudaRegion {
         self.size
     }
 
-    fn handle(&self) -> RegionHandle {
-        RegionHandle::CudaIpc(self.handle.to_vec())
+    fn export(&self) -> RegionExport {
+        RegionExport::CudaIpc(self.handle.to_vec())
     }
 
     fn as_any(&self) -> &dyn Any {
@@ -346,9 +346,15 @@ impl Backend for CudaBackend {
 }
 
 impl HostPinner for CudaBackend {
-    /// Registers the chunks in parallel (registration runs at ~2 GB/s per thread).
-    fn pin_host(&self, chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, PinError> {
+    /// Registers the chunks in parallel (registration runs at ~2 GB/s per thread); a
+    /// read-only mapping (a sealed upload) is registered read-only.
+    fn pin_host(
+        &self,
+        chunks: &[(usize, usize)],
+        access: PinAccess,
+    ) -> Result<Option<PinGuard>, PinError> {
         let ctx = &self.devices[0].ctx;
+        let read_only = access == PinAccess::ReadOnly;
         let total: usize = chunks.iter().map(|c| c.1).sum();
         let results: Vec<Result<HostRegistration, CudaError>> = std::thread::scope(|scope| {
             let workers = std::thread::available_parallelism()
@@ -360,7 +366,7 @@ impl HostPinner for CudaBackend {
                 .map(|part| {
                     scope.spawn(move || {
                         part.iter()
-                            .map(|&(ptr, len)| HostRegistration::new(ctx, ptr, len))
+                            .map(|&(ptr, len)| HostRegistration::new(ctx, ptr, len, read_only))
                             .collect::<Vec<_>>()
                     })
                 })
@@ -399,13 +405,12 @@ impl HostPinner for CudaBackend {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
     use std::sync::Weak;
     use std::time::Instant;
 
     use super::*;
     use crate::mem::filled_for_tests;
-    use crate::mem::shm::ShmDir;
+    use crate::mem::shm::Shm;
     use crate::mem::{HostArena, HostSlice};
 
     /// Without a driver (this machine) it says why; with one it opens the devices. Either way
@@ -418,9 +423,8 @@ mod tests {
     }
 
     /// One page-locked source holding `data` (the slice keeps its arena and registration).
-    fn source_with(backend: &CudaBackend, dir: &Path, data: &[u8]) -> HostSlice {
-        let shm = ShmDir::new(dir, "gpu");
-        filled_for_tests(&shm, data, backend)
+    fn source_with(backend: &CudaBackend, data: &[u8]) -> HostSlice {
+        filled_for_tests(&Shm::new(), data, backend)
     }
 
     fn pattern(n: usize) -> Vec<u8> {
@@ -442,13 +446,12 @@ mod tests {
             tracing::subscriber::set_default(tracing_subscriber::fmt().with_test_writer().finish());
         let backend = Arc::new(CudaBackend::new().expect("a CUDA device"));
         println!("{:?}", backend.devices());
-        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let n = 512 << 20;
         let data = pattern(n);
-        let source = source_with(&backend, dir.path(), &data);
+        let source = source_with(&backend, &data);
         let region = backend.alloc_region(0, n as u64 + 1, "staging").unwrap();
-        match region.handle() {
-            RegionHandle::CudaIpc(h) => assert!(h.len() == 64 && h.iter().any(|&b| b != 0)),
+        match region.export() {
+            RegionExport::CudaIpc(h) => assert!(h.len() == 64 && h.iter().any(|&b| b != 0)),
             other => panic!("{other:?}"),
         }
         let events = backend.event_pool(0, 4).unwrap().unwrap();
@@ -502,10 +505,9 @@ mod tests {
         let _log =
             tracing::subscriber::set_default(tracing_subscriber::fmt().with_test_writer().finish());
         let backend = Arc::new(CudaBackend::new().expect("a CUDA device"));
-        let dir = tempfile::tempdir_in("/dev/shm").unwrap();
         let n = 256 << 20;
         let data = pattern(n);
-        let source = source_with(&backend, dir.path(), &data);
+        let source = source_with(&backend, &data);
         let region = backend.alloc_region(0, n as u64, "resident").unwrap();
         let outside = CopyJob::copy(region.clone(), vec![(source.clone(), 1)]);
         assert!(matches!(

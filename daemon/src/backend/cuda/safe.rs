@@ -450,7 +450,8 @@ impl<S> InFlight<S> {
     }
 }
 
-/// Host memory page-locked for every context (`PORTABLE`), unlocked on drop.
+/// Host memory page-locked for every context (`PORTABLE`; `READ_ONLY` too for a read-only
+/// mapping), unlocked on drop.
 pub struct HostRegistration {
     ctx: Arc<Context>,
     ptr: *mut c_void,
@@ -463,14 +464,25 @@ unsafe impl Send for HostRegistration {}
 unsafe impl Sync for HostRegistration {}
 
 impl HostRegistration {
-    /// Page-locks `len` bytes at address `ptr`. Safe to call with any range: the driver checks
-    /// that it is mapped and not registered already, and locking neither reads nor writes its
-    /// bytes. Whether a copy may read the range is up to the copy's `CopySource`.
-    pub fn new(ctx: &Arc<Context>, ptr: usize, len: usize) -> Result<HostRegistration, CudaError> {
+    /// Page-locks `len` bytes at address `ptr`, read-only when the mapping is (the device only
+    /// reads from it then; a writable registration of a read-only mapping fails). Safe to call
+    /// with any range: the driver checks that it is mapped and not registered already, and
+    /// locking neither reads nor writes its bytes. Whether a copy may read the range is up to
+    /// the copy's `CopySource`.
+    pub fn new(
+        ctx: &Arc<Context>,
+        ptr: usize,
+        len: usize,
+        read_only: bool,
+    ) -> Result<HostRegistration, CudaError> {
         ctx.bind()?;
         let ptr = ptr as *mut c_void;
+        let mut flags = ffi::HOST_REGISTER_PORTABLE;
+        if read_only {
+            flags |= ffi::HOST_REGISTER_READ_ONLY;
+        }
         // SAFETY: see above; a context is bound.
-        unsafe { ffi::mem_host_register(ptr, len, ffi::HOST_REGISTER_PORTABLE) }?;
+        unsafe { ffi::mem_host_register(ptr, len, flags) }?;
         Ok(HostRegistration {
             ctx: ctx.clone(),
             ptr,

@@ -18,7 +18,7 @@ use self::fakes::{CopySeen, FakeBackend, FakePool, FakeRegion};
 use super::tickets::EVENTS_EXHAUSTED;
 use super::{ActorParts, spawn};
 use crate::backend::EventPool;
-use crate::mem::shm::ShmDir;
+use crate::mem::shm::Shm;
 use crate::quota::HostQuota;
 use crate::residency::ResidentLease;
 use crate::scheduler::CopyScheduler;
@@ -26,7 +26,7 @@ use crate::session::layout::layout_groups;
 use crate::session::{
     CloseReason, Command, Control, Event, FaultKind, SessionShared, SessionStats, StatsSnapshot,
 };
-use crate::store::{Store, StoreLimits};
+use crate::store::{Store, test_support};
 
 /// Bytes of each test tensor; with the fake backend's 256-byte alignment, a group's block.
 const BLOCK: u64 = 1024;
@@ -99,17 +99,11 @@ fn model_file(dir: &Path, groups: usize) -> std::path::PathBuf {
 impl Harness {
     async fn start(setup: Setup) -> Harness {
         let dir = tempfile::tempdir().unwrap();
-        let shm = Arc::new(ShmDir::new(dir.path(), "actor"));
         let (backend, copies) = FakeBackend::new(setup.hold_copies);
-        let limits = StoreLimits {
-            max_tensors: 100,
-            max_upload_bytes: 1 << 20,
-            max_name_bytes: 256,
-            host: HostQuota::default(),
-        };
-        let store = Store::new(shm, backend.clone(), limits);
+        let limits = test_support::limits(HostQuota::default());
+        let store = Store::new(Shm::new(), backend.clone(), limits);
         let path = model_file(dir.path(), setup.groups);
-        let (model, _) = store.load(&[path], "", 1, &mut |_, _, _| {}).unwrap();
+        let (model, _) = test_support::load_paths(&store, &[path], 1).unwrap();
         let specs: Vec<(String, Vec<String>)> = (0..setup.groups)
             .map(|i| (format!("g{i}"), vec![format!("w{i}")]))
             .collect();

@@ -9,9 +9,9 @@ use tokio::sync::mpsc;
 
 use crate::backend::{
     Backend, BackendError, BackendKind, CopyJob, CopyTiming, DeviceInfo, DeviceRegion, EventPool,
-    RegionHandle,
+    RegionExport,
 };
-use crate::mem::{HostPinner, PinError, PinGuard};
+use crate::mem::{HostPinner, PinAccess, PinError, PinGuard};
 
 /// A copy as the backend saw it start: where it writes, how much, and which event it records.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,7 +48,11 @@ impl FakeBackend {
 }
 
 impl HostPinner for FakeBackend {
-    fn pin_host(&self, _chunks: &[(usize, usize)]) -> Result<Option<PinGuard>, PinError> {
+    fn pin_host(
+        &self,
+        _chunks: &[(usize, usize)],
+        _access: PinAccess,
+    ) -> Result<Option<PinGuard>, PinError> {
         Ok(None)
     }
 }
@@ -117,8 +121,8 @@ impl DeviceRegion for FakeRegion {
         self.size
     }
 
-    fn handle(&self) -> RegionHandle {
-        RegionHandle::ShmPath(String::new())
+    fn export(&self) -> RegionExport {
+        RegionExport::CudaIpc(Vec::new())
     }
 
     fn as_any(&self) -> &dyn Any {

@@ -1,4 +1,9 @@
-//! The daemon's shared state and the operations the gRPC service maps onto.
+//! The daemon's shared state and the operations the gRPC service and the handoff socket map
+//! onto. `drops` keeps the files clients pass for a LoadModel, `secrets` the fds of uploads and
+//! host regions that their owners fetch.
+
+mod drops;
+mod secrets;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -7,15 +12,19 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, watch};
 
-use crate::backend::{Backend, BackendError, RegionHandle};
+pub use self::drops::{DropError, FdDrops, FdTokenError, MAX_DROPS_PER_UID, TOKEN_TTL};
+pub use self::secrets::{FdSecrets, SecretError, SecretOwner};
+use crate::backend::{Backend, BackendError, RegionExport, RegionHandle};
 use crate::config::Config;
-use crate::mem::shm::ShmDir;
+use crate::mem::shm::{Access, Shm};
 use crate::quota::{HostQuota, QuotaError, SessionLedger};
 use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
 use crate::scheduler::CopyScheduler;
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
 use crate::session::{ActorParts, CloseReason, SessionShared, SessionStats};
-use crate::store::{Model, Store, StoreError, StoreLimits};
+use crate::store::{
+    LoadSource, Model, Owner, Store, StoreError, StoreLimits, TensorDecl, UploadTicket,
+};
 
 /// The identity of the process at the other end of a connection: what sessions and uploads
 /// belong to (`conn`) and whose rights and quotas apply (`uid`, `gid`).
@@ -41,6 +50,8 @@ pub enum CoreError {
     Residency(#[from] ResidencyError),
     #[error(transparent)]
     Quota(#[from] QuotaError),
+    #[error(transparent)]
+    FdToken(#[from] FdTokenError),
     #[error("unknown session_id '{0}'")]
     UnknownSession(String),
     #[error("session_id '{0}' belongs to another connection")]
@@ -89,7 +100,11 @@ pub struct Daemon {
     pub backend: Arc<dyn Backend>,
     pub store: Store,
     pub scheduler: Arc<CopyScheduler>,
-    pub shm: Arc<ShmDir>,
+    pub shm: Arc<Shm>,
+    /// Files passed through the handoff socket, waiting for their LoadModel.
+    pub fd_drops: FdDrops,
+    /// What the handoff socket's `GET` hands out: uploads' and host regions' fds.
+    pub secrets: FdSecrets,
     residency: ResidencyRegistry,
     /// Sessions and device bytes per uid and per device, for the quotas.
     pub ledger: Arc<SessionLedger>,
@@ -106,7 +121,7 @@ impl Daemon {
     pub fn new(
         config: Config,
         backend: Arc<dyn Backend>,
-        shm: Arc<ShmDir>,
+        shm: Arc<Shm>,
     ) -> std::io::Result<Arc<Daemon>> {
         let device_info = backend.devices();
         let scheduler = CopyScheduler::start(backend.clone(), device_info.len())?;
@@ -126,6 +141,7 @@ impl Daemon {
             max_tensors: config.limits.max_tensors_per_model,
             max_upload_bytes: config.limits.max_upload_bytes,
             max_name_bytes: config.limits.max_name_bytes,
+            max_uploads: config.limits.max_uploads,
             host,
         };
         Ok(Arc::new(Daemon {
@@ -134,6 +150,8 @@ impl Daemon {
             backend,
             scheduler,
             shm,
+            fd_drops: FdDrops::default(),
+            secrets: FdSecrets::default(),
             residency: ResidencyRegistry::default(),
             ledger,
             sessions: Mutex::new(HashMap::new()),
@@ -153,9 +171,64 @@ impl Daemon {
     }
 
     pub fn list_sessions(&self) -> Vec<LiveSession> {
-        let mut list: Vec<_> = self.sessions().values().cloned().collect();
-        list.sort_by_key(|s| s.shared.number);
-        list
+        self.sessions_page(0, usize::MAX).0
+    }
+
+    /// Sessions in the order they opened: up to `limit` of those opened after session number
+    /// `after` (0: from the first), and whether more follow.
+    pub fn sessions_page(&self, after: u64, limit: usize) -> (Vec<LiveSession>, bool) {
+        let mut page: Vec<_> = (self.sessions().values())
+            .filter(|s| s.shared.number > after)
+            .cloned()
+            .collect();
+        page.sort_by_key(|s| s.shared.number);
+        let more = page.len() > limit;
+        page.truncate(limit);
+        (page, more)
+    }
+
+    /// The files `peer` passed under `token`, named by `paths` (one per fd, in order), ready
+    /// for the store to load.
+    pub fn load_sources(
+        &self,
+        peer: &Peer,
+        token: &str,
+        paths: Vec<String>,
+    ) -> Result<Vec<LoadSource>, CoreError> {
+        let fds = self.fd_drops.take(token, peer.uid, paths.len())?;
+        Ok(paths
+            .into_iter()
+            .zip(fds)
+            .map(|(name, fd)| LoadSource {
+                name,
+                file: std::fs::File::from(fd),
+            })
+            .collect())
+    }
+
+    /// Begins an upload for `peer`'s connection; returns it and the secret that fetches its
+    /// region (read-write, for `peer`'s uid only).
+    pub fn begin_upload(
+        &self,
+        peer: &Peer,
+        name: &str,
+        tensors: Vec<TensorDecl>,
+    ) -> Result<(UploadTicket, String), CoreError> {
+        let ticket = self.store.begin_upload(owner(peer), name, tensors)?;
+        let upload = SecretOwner::Upload(ticket.upload_id.clone());
+        let secret = (self.secrets).mint(peer.uid, &ticket.memfd, Access::ReadWrite, upload);
+        Ok((ticket, secret))
+    }
+
+    /// Commits `peer`'s upload (blocking: it hashes the bytes); its secret ends.
+    pub fn commit_upload(
+        &self,
+        peer: &Peer,
+        upload_id: &str,
+    ) -> Result<(Arc<Model>, bool), CoreError> {
+        let committed = self.store.commit_upload(owner(peer), upload_id)?;
+        (self.secrets).revoke(&SecretOwner::Upload(upload_id.to_string()));
+        Ok(committed)
     }
 
     pub fn device_index(&self, uuid: &str) -> Result<(usize, String), CoreError> {
@@ -184,12 +257,13 @@ impl Daemon {
             return Err(CoreError::TooManySessions(max));
         }
         let (device, device_uuid) = self.device_index(&req.device_uuid)?;
-        let model = self.store.open_session(&req.model_id)?;
+        // A reference for the session's uid, given back when the session ends.
+        let model = self.store.open_session(&req.model_id, owner.uid)?;
         let opened = self
             .build_session(owner, req, model.clone(), device, device_uuid)
             .await;
         if opened.is_err() {
-            self.store.close_session(&model.id);
+            self.store.close_session(&model.id, owner.uid);
         }
         opened
     }
@@ -248,19 +322,21 @@ impl Daemon {
                 Some((*region as u32 + 1, *offset))
             })
             .collect();
-        let mut regions = vec![(staging.size(), staging.handle())];
-        regions.extend(
+        let mut exported = vec![(staging.size(), staging.export())];
+        exported.extend(
             lease
                 .regions
                 .iter()
-                .map(|r| (r.region().size(), r.region().handle())),
+                .map(|r| (r.region().size(), r.region().export())),
         );
         let events = self.backend.event_pool(device, EVENTS_PER_SESSION)?;
         let event_handles = events.as_ref().map_or_else(Vec::new, |p| p.handles());
+        let id = format!("s-{number}");
+        let regions = self.region_handles(owner.uid, &id, exported);
         let (control_tx, control_rx) = mpsc::unbounded_channel();
         let (finished_tx, finished_rx) = watch::channel(false);
         let shared = Arc::new(SessionShared {
-            id: format!("s-{number}"),
+            id,
             number,
             model_id: model.id.clone(),
             device,
@@ -307,7 +383,8 @@ impl Daemon {
             daemon.retired()[ended.device] += SessionTotals::of(&ended.stats);
             sessions.remove(&ended.id);
             drop(sessions);
-            daemon.store.close_session(&model_id);
+            (daemon.secrets).revoke(&SecretOwner::Session(ended.id.clone()));
+            daemon.store.close_session(&model_id, owner.uid);
             // Before `finished` is sent: a CloseSession reply means the quota is free again.
             drop(charge);
         });
@@ -321,6 +398,26 @@ impl Daemon {
             resident: split.resident,
             model,
         })
+    }
+
+    /// How the session's owner reaches each region: a secret for its uid (a read-only fd of
+    /// the memfd) or the CUDA IPC handle.
+    fn region_handles(
+        &self,
+        uid: u32,
+        session: &str,
+        exported: Vec<(u64, RegionExport)>,
+    ) -> Vec<(u64, RegionHandle)> {
+        let owner = SecretOwner::Session(session.to_string());
+        (exported.into_iter())
+            .map(|(size, export)| match export {
+                RegionExport::Memfd(memfd) => {
+                    let secret = (self.secrets).mint(uid, &memfd, Access::ReadOnly, owner.clone());
+                    (size, RegionHandle::FdSecret(secret))
+                }
+                RegionExport::CudaIpc(handle) => (size, RegionHandle::CudaIpc(handle)),
+            })
+            .collect()
     }
 
     /// Live sessions and, per device, the counters of all sessions ever opened on it (live
@@ -354,6 +451,10 @@ impl Daemon {
     /// A connection closed: its sessions and uncommitted uploads go.
     pub async fn connection_closed(&self, conn: u64) {
         let dropped = self.store.drop_uploads_of(conn);
+        for id in &dropped {
+            self.secrets.revoke(&SecretOwner::Upload(id.clone()));
+        }
+        let dropped = dropped.len();
         let owned: Vec<_> = self
             .sessions()
             .values()
@@ -383,6 +484,14 @@ impl Daemon {
 
     pub fn is_stopping(&self) -> bool {
         self.stopping.load(Ordering::Relaxed)
+    }
+}
+
+/// What a peer owns in the store: uploads by its connection, references by its uid.
+fn owner(peer: &Peer) -> Owner {
+    Owner {
+        conn: peer.conn,
+        uid: peer.uid,
     }
 }
 

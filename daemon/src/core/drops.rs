@@ -1,0 +1,176 @@
+//! Files passed through the handoff socket (`PUT`), kept under a token until the LoadModel
+//! that names it. A token is 128 random bits, good once, for 60 s, and only for the uid that
+//! passed the files; a uid has at most 16 waiting. Expired ones are closed on each put.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How long passed files wait for their LoadModel.
+pub const TOKEN_TTL: Duration = Duration::from_secs(60);
+/// Tokens one uid may have waiting at once.
+pub const MAX_DROPS_PER_UID: usize = 16;
+
+/// 128 random bits as 32 lowercase hex characters: a token or a secret.
+pub fn random_secret() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+/// Why a `PUT` was refused (sent back on the handoff socket).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DropError {
+    #[error(
+        "uid {uid} already has {MAX_DROPS_PER_UID} sets of files waiting for a LoadModel (the \
+         limit per uid): use those tokens, or let them expire ({}s)",
+        TOKEN_TTL.as_secs()
+    )]
+    TooMany { uid: u32 },
+}
+
+/// Why LoadModel's `fd_token` was refused. "Unknown" does not say whether the token exists for
+/// another uid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FdTokenError {
+    #[error(
+        "fd_token: unknown, expired or already used (a token is good for one LoadModel by the \
+         uid that passed the files, within {}s)",
+        TOKEN_TTL.as_secs()
+    )]
+    Unknown,
+    #[error(
+        "fd_token: it names {files} files but paths has {paths} entries (one fd per path, in \
+         the same order)"
+    )]
+    Count { files: usize, paths: usize },
+}
+
+struct Drop {
+    uid: u32,
+    fds: Vec<OwnedFd>,
+    created: Instant,
+}
+
+/// The waiting files, by token.
+#[derive(Default)]
+pub struct FdDrops {
+    drops: Mutex<HashMap<String, Drop>>,
+}
+
+impl FdDrops {
+    /// Keeps `fds` for `uid`; returns their token.
+    pub fn put(&self, uid: u32, fds: Vec<OwnedFd>) -> Result<String, DropError> {
+        self.put_at(uid, fds, Instant::now())
+    }
+
+    fn put_at(&self, uid: u32, fds: Vec<OwnedFd>, now: Instant) -> Result<String, DropError> {
+        let mut drops = self.drops.lock().unwrap_or_else(|p| p.into_inner());
+        drops.retain(|_, d| now.duration_since(d.created) < TOKEN_TTL);
+        if drops.values().filter(|d| d.uid == uid).count() >= MAX_DROPS_PER_UID {
+            return Err(DropError::TooMany { uid });
+        }
+        let token = random_secret();
+        let created = now;
+        drops.insert(token.clone(), Drop { uid, fds, created });
+        Ok(token)
+    }
+
+    /// The files behind `token`, once, for the uid that passed them; there must be one per
+    /// path. A token of another uid stays where it is.
+    pub fn take(&self, token: &str, uid: u32, paths: usize) -> Result<Vec<OwnedFd>, FdTokenError> {
+        self.take_at(token, uid, paths, Instant::now())
+    }
+
+    fn take_at(
+        &self,
+        token: &str,
+        uid: u32,
+        paths: usize,
+        now: Instant,
+    ) -> Result<Vec<OwnedFd>, FdTokenError> {
+        let mut drops = self.drops.lock().unwrap_or_else(|p| p.into_inner());
+        match drops.get(token) {
+            Some(d) if d.uid == uid => {}
+            _ => return Err(FdTokenError::Unknown),
+        }
+        let found = drops.remove(token).expect("present");
+        drop(drops);
+        if now.duration_since(found.created) >= TOKEN_TTL {
+            return Err(FdTokenError::Unknown);
+        }
+        if found.fds.len() != paths {
+            return Err(FdTokenError::Count {
+                files: found.fds.len(),
+                paths,
+            });
+        }
+        Ok(found.fds)
+    }
+
+    /// Tokens waiting now (expired ones included until the next put).
+    pub fn waiting(&self) -> usize {
+        self.drops.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fds(n: usize) -> Vec<OwnedFd> {
+        (0..n)
+            .map(|_| OwnedFd::from(std::fs::File::open("/dev/null").unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn a_token_is_single_use_for_its_uid_and_one_fd_per_path() {
+        let drops = FdDrops::default();
+        let token = drops.put(7, fds(2)).unwrap();
+        assert!(token.len() == 32 && token.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_ne!(drops.put(7, fds(1)).unwrap(), token, "tokens are random");
+        assert_eq!(drops.take(&token, 8, 2).unwrap_err(), FdTokenError::Unknown);
+        assert_eq!(
+            drops.take(&token, 7, 2).unwrap().len(),
+            2,
+            "another uid left it"
+        );
+        assert_eq!(drops.take(&token, 7, 2).unwrap_err(), FdTokenError::Unknown);
+        let token = drops.put(7, fds(2)).unwrap();
+        assert_eq!(
+            drops.take(&token, 7, 3).unwrap_err().to_string(),
+            "fd_token: it names 2 files but paths has 3 entries (one fd per path, in the same \
+             order)"
+        );
+        assert_eq!(drops.take(&token, 7, 2).unwrap_err(), FdTokenError::Unknown);
+        assert_eq!(
+            FdTokenError::Unknown.to_string(),
+            "fd_token: unknown, expired or already used (a token is good for one LoadModel by \
+             the uid that passed the files, within 60s)"
+        );
+    }
+
+    #[test]
+    fn tokens_expire_and_each_uid_has_at_most_sixteen() {
+        let drops = FdDrops::default();
+        let start = Instant::now();
+        let old = drops.put_at(1, fds(1), start).unwrap();
+        let late = start + TOKEN_TTL;
+        assert_eq!(
+            drops.take_at(&old, 1, 1, late).unwrap_err(),
+            FdTokenError::Unknown
+        );
+        for _ in 0..MAX_DROPS_PER_UID {
+            drops.put_at(1, fds(1), start).unwrap();
+        }
+        assert_eq!(
+            drops.put_at(1, fds(1), start).unwrap_err().to_string(),
+            "uid 1 already has 16 sets of files waiting for a LoadModel (the limit per uid): use \
+             those tokens, or let them expire (60s)"
+        );
+        drops.put_at(2, fds(1), start).unwrap();
+        // A minute later the sixteen have expired: they are closed on the next put.
+        drops.put_at(1, fds(1), late).unwrap();
+        assert_eq!(drops.waiting(), 1);
+    }
+}

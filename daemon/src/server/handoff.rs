@@ -1,0 +1,238 @@
+//! The handoff socket, next to the gRPC socket (its path + `.fd`): file descriptors passed
+//! with `SCM_RIGHTS`. The wire format is `weightstream_client::handoff`'s, whose daemon half
+//! this listener is built from: one request per connection, read and answered on a blocking
+//! thread within the format's 5 s, so a peer that stalls holds nothing else. The peer's uid
+//! (SO_PEERCRED) must pass the same `[access]` allow-lists as the gRPC service; `PUT` keeps the
+//! files in the core's `FdDrops` under a token, `GET` hands out what the core's `FdSecrets`
+//! gives that uid.
+
+use std::collections::HashMap;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+use weightstream_client::handoff::{
+    HandoffError, Request, handoff_path, read_request, reply_error, reply_fd, reply_token,
+};
+
+use super::access::AccessCheck;
+use super::error::ServeError;
+use crate::core::{Daemon, Peer, SecretError};
+
+/// Exchanges in progress at once, all peers together, and per uid: a peer that opens
+/// connections and stalls each for the whole 5 s holds at most its share.
+const MAX_EXCHANGES: usize = 128;
+const MAX_EXCHANGES_PER_UID: usize = 16;
+
+/// The socket file this daemon bound, removed when dropped if it is still the one it bound
+/// (same device and inode: a file another daemon made there since is left alone).
+struct SocketFile {
+    path: PathBuf,
+    id: (u64, u64),
+}
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        match std::fs::symlink_metadata(&self.path) {
+            Ok(m) if (m.dev(), m.ino()) == self.id => {
+                if let Err(e) = std::fs::remove_file(&self.path) {
+                    tracing::warn!(path = %self.path.display(), error = %e, "cannot remove the handoff socket");
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The bound handoff socket, not yet served.
+pub(super) struct Bound {
+    listener: UnixListener,
+    file: SocketFile,
+}
+
+/// Binds the handoff socket of the gRPC socket `socket`: mode 0660, group `gid` when one is
+/// configured, as the gRPC socket. A socket file left there by an earlier daemon is replaced
+/// (start-up has claimed the gRPC socket, so none serves it).
+pub(super) fn bind(socket: &Path, gid: Option<u32>) -> Result<Bound, ServeError> {
+    let path = handoff_path(socket);
+    let io = |source| ServeError::Socket {
+        path: path.clone(),
+        source,
+    };
+    match std::fs::symlink_metadata(&path) {
+        Ok(m) if m.file_type().is_socket() => std::fs::remove_file(&path).map_err(io)?,
+        Ok(_) => {
+            return Err(io(std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "exists and is not a socket",
+            )));
+        }
+        Err(_) => {}
+    }
+    let listener = UnixListener::bind(&path).map_err(io)?;
+    let meta = std::fs::symlink_metadata(&path).map_err(io)?;
+    let file = SocketFile {
+        path: path.clone(),
+        id: (meta.dev(), meta.ino()),
+    };
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o660)).map_err(io)?;
+    if let Some(gid) = gid {
+        std::os::unix::fs::chown(&path, None, Some(gid)).map_err(io)?;
+    }
+    listener.set_nonblocking(true).map_err(io)?;
+    Ok(Bound { listener, file })
+}
+
+/// The handoff socket being served; [`HandoffServer::stop`] (or a drop) stops accepting and
+/// removes the socket file.
+pub(super) struct HandoffServer {
+    task: JoinHandle<()>,
+    _file: SocketFile,
+}
+
+impl HandoffServer {
+    pub(super) fn stop(self) {}
+}
+
+impl Drop for HandoffServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Serves `bound` for `daemon` until stopped.
+pub(super) fn serve(bound: Bound, daemon: Arc<Daemon>) -> Result<HandoffServer, ServeError> {
+    let listener = tokio::net::UnixListener::from_std(bound.listener).map_err(|source| {
+        ServeError::Socket {
+            path: bound.file.path.clone(),
+            source,
+        }
+    })?;
+    let access = AccessCheck::new(&daemon.config.access);
+    let task = tokio::spawn(accept(listener, daemon, access));
+    Ok(HandoffServer {
+        task,
+        _file: bound.file,
+    })
+}
+
+async fn accept(listener: tokio::net::UnixListener, daemon: Arc<Daemon>, access: AccessCheck) {
+    let slots = Arc::new(Semaphore::new(MAX_EXCHANGES));
+    let per_uid: Arc<Mutex<HashMap<u32, usize>>> = Arc::default();
+    loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let (stream, peer) = match listener.accept().await.and_then(|(s, _)| peer_of(s)) {
+            Ok(accepted) => accepted,
+            Err(e) => {
+                // EMFILE and the like: wait rather than spin; the peer retries.
+                tracing::warn!(error = %e, "handoff socket: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Some(busy) = UidSlot::take(&per_uid, peer.uid) else {
+            tracing::warn!(
+                uid = peer.uid,
+                pid = peer.pid,
+                "handoff socket: {MAX_EXCHANGES_PER_UID} exchanges of this uid in progress; \
+                 connection closed"
+            );
+            continue;
+        };
+        let (daemon, access) = (daemon.clone(), access.clone());
+        tokio::task::spawn_blocking(move || {
+            exchange(&stream, &peer, &daemon, &access);
+            drop((busy, slot));
+        });
+    }
+}
+
+/// The accepted stream as a blocking one, and who is at the other end.
+fn peer_of(stream: tokio::net::UnixStream) -> std::io::Result<(UnixStream, Peer)> {
+    let cred = stream.peer_cred()?;
+    let peer = Peer {
+        conn: 0,
+        uid: cred.uid(),
+        gid: cred.gid(),
+        pid: cred.pid().unwrap_or(0),
+    };
+    let stream = stream.into_std()?;
+    stream.set_nonblocking(false)?;
+    Ok((stream, peer))
+}
+
+/// One of a uid's exchanges in progress, given back on drop.
+struct UidSlot {
+    counts: Arc<Mutex<HashMap<u32, usize>>>,
+    uid: u32,
+}
+
+impl UidSlot {
+    fn take(counts: &Arc<Mutex<HashMap<u32, usize>>>, uid: u32) -> Option<UidSlot> {
+        let mut map = counts.lock().unwrap_or_else(|p| p.into_inner());
+        let n = map.entry(uid).or_default();
+        if *n >= MAX_EXCHANGES_PER_UID {
+            return None;
+        }
+        *n += 1;
+        Some(UidSlot {
+            counts: counts.clone(),
+            uid,
+        })
+    }
+}
+
+impl Drop for UidSlot {
+    fn drop(&mut self) {
+        let mut map = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = map.get_mut(&self.uid) {
+            *n -= 1;
+            if *n == 0 {
+                map.remove(&self.uid);
+            }
+        }
+    }
+}
+
+/// Reads the connection's one request and answers it.
+fn exchange(stream: &UnixStream, peer: &Peer, daemon: &Daemon, access: &AccessCheck) {
+    if let Err(denied) = access.admit(peer) {
+        let _ = reply_error(stream, &denied.to_string());
+        return;
+    }
+    let replied = match read_request(stream) {
+        // Cut, reset or silent for 5 s: nobody to answer.
+        Err(HandoffError::Io(e)) => {
+            tracing::debug!(uid = peer.uid, error = %e, "handoff: exchange cut");
+            return;
+        }
+        Err(refused) => reply_error(stream, &refused.to_string()),
+        Ok(Request::Put(fds)) => match daemon.fd_drops.put(peer.uid, fds) {
+            Ok(token) => reply_token(stream, &token),
+            Err(refused) => reply_error(stream, &refused.to_string()),
+        },
+        Ok(Request::Get(secret)) => match daemon.secrets.fetch(&secret, peer.uid) {
+            Ok((fd, size)) => reply_fd(stream, fd.as_fd(), size),
+            Err(refused) => {
+                if matches!(refused, SecretError::Unknown { .. }) {
+                    tracing::info!(
+                        uid = peer.uid,
+                        pid = peer.pid,
+                        "handoff: GET of an unknown fd_secret refused"
+                    );
+                }
+                reply_error(stream, &refused.to_string())
+            }
+        },
+    };
+    if let Err(e) = replied {
+        tracing::debug!(uid = peer.uid, error = %e, "handoff: the reply did not get through");
+    }
+}
