@@ -327,15 +327,17 @@ impl Session {
     /// the returned [`Submitted`]. Several may be in flight. The ticket is this caller's to
     /// give back with [`Session::release`] once staged (no view releases it).
     pub fn submit(&self, group: u32) -> Result<Submitted, ClientError> {
-        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
-        {
+        let ticket = {
             let mut routes = lock(&self.routes);
             if let Some(reason) = &routes.ended {
                 return Err(ClientError::SessionEnded(reason.clone()));
             }
+            // Numbered once it can be sent: `submitted` counts acquires sent.
+            let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
             routes.waiting.insert(ticket, tx);
-        }
+            ticket
+        };
         {
             let mut rec = lock(&self.recorder);
             if rec.recording {
