@@ -2,9 +2,11 @@
 //! DataLoader worker), whose copy of the parent's runtime has no threads behind it.
 
 use std::future::Future;
-use std::sync::Mutex;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -85,6 +87,51 @@ where
         match polled {
             Ok(out) => return Ok(out),
             Err(_) => py.check_signals()?,
+        }
+    }
+}
+
+/// Wakes the thread that waits in [`park_on`].
+struct Unpark(std::thread::Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// The hot path's wait: polls `fut` on this thread, parked (GIL released) until its waker
+/// unparks it, looking for signals every 100 ms. For a future that needs no runtime context
+/// (a ticket's reply, routed by the runtime's reader task): no timer is registered, so a wait
+/// costs the reader one unpark and this thread one park.
+pub(crate) fn park_on<F>(py: Python<'_>, fut: &mut F) -> PyResult<F::Output>
+where
+    F: Future + Unpin + Send,
+    F::Output: Send,
+{
+    loop {
+        let polled = py.detach(|| {
+            let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+            let mut cx = Context::from_waker(&waker);
+            let deadline = Instant::now() + SIGNAL_CHECK;
+            loop {
+                if let Poll::Ready(out) = Pin::new(&mut *fut).poll(&mut cx) {
+                    return Some(out);
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return None;
+                }
+                std::thread::park_timeout(deadline - now);
+            }
+        });
+        match polled {
+            Some(out) => return Ok(out),
+            None => py.check_signals()?,
         }
     }
 }

@@ -14,7 +14,7 @@ use weightstream_client as ws;
 use crate::client::Client;
 use crate::errors::{DaemonUnavailable, IntoPy, WeightstreamError};
 use crate::records;
-use crate::runtime::{block_on, generation};
+use crate::runtime::{block_on, generation, park_on};
 
 /// Locked only while holding the GIL, never across a call that releases it.
 struct State {
@@ -101,7 +101,7 @@ impl Session {
         let group = submitted.group();
         let reply = match submitted.try_staged() {
             Some(reply) => reply,
-            None => block_on(py, &mut submitted)?,
+            None => park_on(py, &mut submitted)?,
         };
         let staged = reply.py_err()?;
         self.with(|s| {
