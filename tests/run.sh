@@ -36,8 +36,10 @@ step "python: .venv with the pinned test requirements (torch, peft, grpcio-tools
 
 step "python: pip install -e client-py (maturin builds weightstream._native, dev profile, in target/)"
 # The extension is a workspace member: maturin builds it into the workspace's target/ with the
-# dev profile (pyproject's editable-profile), reusing what cargo built above where it can.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e client-py
+# dev profile (pyproject's editable-profile), reusing what cargo built above where it can; maturin
+# comes from the requirements (no build isolation: nothing to download).
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+    --no-build-isolation -e client-py
 
 step "python: the abi3 wheel installs into a fresh venv and imports (no torch there)"
 # The GPU machine (no Rust) installs a wheel: `maturin build --release`. CI checks the wheel

@@ -142,7 +142,9 @@ def write_md(results: dict, path: Path):
         "",
         "Groups already staged (64 KiB each, none resident), one acquire+release pair after",
         "another on the trainer thread; medians of the repeats, microseconds per pair.",
-        "`gil` is how long the GIL was held by anything but a probe thread spinning meanwhile.",
+        "`GIL held` is how long the GIL was held by anything but a probe thread spinning",
+        "meanwhile. The machine is shared (2 cores, other builds running: see the load",
+        "averages): compare rows of one run more than runs.",
         "",
     ]
     for backend in sorted({r["backend"] for r in results["runs"].values()}):
@@ -163,7 +165,11 @@ def write_md(results: dict, path: Path):
         lines.append("")
         for label, r in results["runs"].items():
             if r["backend"] == backend:
-                lines.append(f"- {label}: `{r['command']}` (commit {r['commit']}, {r['when']})")
+                lines.append(
+                    f"- {label}: `{r['command']}` (commit {r['commit']}, {r['when']}; "
+                    f"load average {r['load_average'][0]} then {r['load_average'][1]}, "
+                    f"daemon hits {r['daemon_hits']})"
+                )
         lines.append("")
     if "cuda" not in {r["backend"] for r in results["runs"].values()}:
         lines += [
@@ -213,7 +219,9 @@ def main():
             )
             loop(session, args.groups, 2 * args.groups)  # every group staged once
             threads_before = threading.active_count()
+            load_before = os.getloadavg()[0]
             result = measure(session, args)
+            load_after = os.getloadavg()[0]
             stats = session.stats()
             session.close()
         finally:
@@ -230,6 +238,7 @@ def main():
             "group_bytes": GROUP_BYTES,
             "switch_interval": args.switch_interval,
             "daemon_hits": f"{stats.hits}/{stats.acquires}" if stats else None,
+            "load_average": [round(load_before, 2), round(load_after, 2)],
             "command": " ".join(
                 [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", "python", *sys.argv]
             ),
