@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -141,7 +142,7 @@ def write_md(results: dict, path: Path):
         "# Client overhead per acquire+release (tests/bench/client_overhead.py)",
         "",
         "Groups already staged (64 KiB each, none resident), one acquire+release pair after",
-        "another on the trainer thread; medians of the repeats, microseconds per pair.",
+        "another on the trainer thread; microseconds per pair: median (min–max) of the repeats.",
         "`GIL held` is how long the GIL was held by anything but a probe thread spinning",
         "meanwhile. The machine is shared (2 cores, other builds running: see the load",
         "averages): compare rows of one run more than runs.",
@@ -157,11 +158,11 @@ def write_md(results: dict, path: Path):
         for label, r in results["runs"].items():
             if r["backend"] != backend:
                 continue
-            m = r["median"]
-            lines.append(
-                f"| {label} | {m['wall_us']:.1f} | {m['thread_cpu_us']:.1f} | "
-                f"{m['process_cpu_us']:.1f} | {m['gil_us']:.1f} | {m['wall_probe_us']:.1f} |"
-            )
+            cells = []
+            for key in ("wall_us", "thread_cpu_us", "process_cpu_us", "gil_us", "wall_probe_us"):
+                values = [run[key] for run in r["runs"]]
+                cells.append(f"{r['median'][key]:.1f} ({min(values):.0f}–{max(values):.0f})")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
         for label, r in results["runs"].items():
             if r["backend"] == backend:
@@ -239,9 +240,8 @@ def main():
             "switch_interval": args.switch_interval,
             "daemon_hits": f"{stats.hits}/{stats.acquires}" if stats else None,
             "load_average": [round(load_before, 2), round(load_after, 2)],
-            "command": " ".join(
-                [f"PYTHONPATH={os.environ.get('PYTHONPATH', '')}", "python", *sys.argv]
-            ),
+            "command": f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} "
+            + shlex.join(["python", *sys.argv]),
             "commit": commit(),
             "when": time.strftime("%Y-%m-%d"),
         }
