@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test that runs without a GPU: formatting, lints, the Rust unit and integration tests
-# (the daemon end to end on its host backend, the CLI and `weightstream demo`), and the Python
-# linter. Installs what it needs from the package registries. GPU suites live in tests/gpu/.
+# (the daemon end to end on its host backend, the CLI and `weightstream demo`), the Python client
+# (built by maturin: editable, and its abi3 wheel in a fresh venv) against the daemon, and the
+# Python linter. Installs what it needs from the package registries. GPU suites live in tests/gpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
