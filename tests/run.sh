@@ -22,6 +22,19 @@ if ! command -v systemd-analyze >/dev/null || ! command -v tmux >/dev/null; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends systemd tmux
 fi
 
+step "a second uid for the security tests: user ws-attacker"
+# daemon/tests/security.rs and tests/python/test_security.py attack the daemon as another uid;
+# with WEIGHTSTREAM_REQUIRE_ROOT=1 they fail (rather than skip) without root and that user.
+# CI runs as root; as a user, run WEIGHTSTREAM_REQUIRE_ROOT=0 tests/run.sh to skip them.
+export WEIGHTSTREAM_REQUIRE_ROOT="${WEIGHTSTREAM_REQUIRE_ROOT:-1}"
+if [ "$(id -u)" -eq 0 ]; then
+    id -u ws-attacker >/dev/null 2>&1 ||
+        useradd --no-create-home --no-user-group --gid nogroup --shell /usr/sbin/nologin ws-attacker
+    id ws-attacker
+elif [ "$WEIGHTSTREAM_REQUIRE_ROOT" = 1 ]; then
+    echo "not root: the tests that attack the daemon as another uid will fail" >&2
+fi
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 

@@ -238,14 +238,15 @@ impl Client {
         Ok((records::manifest(py, manifest)?, dedup))
     }
 
-    /// Begins an upload of tensors `(name, dtype, shape)` without writing or committing it;
-    /// returns its id (the daemon drops it when this process's connection goes).
+    /// Begins an upload of tensors `(name, dtype, shape)` without writing or committing it:
+    /// the region to write (its fd from `fetch_fd(fd_secret)`; unmap it before the commit).
+    /// The daemon drops an upload never committed when this process's connection goes.
     fn begin_upload(
         &self,
         py: Python<'_>,
         name: String,
         tensors: Vec<(String, i32, Vec<u64>)>,
-    ) -> PyResult<String> {
+    ) -> PyResult<records::BeginUploadResponse> {
         let mut infos = Vec::with_capacity(tensors.len());
         for (tname, dt, shape) in tensors {
             infos.push(proto::TensorInfo {
@@ -257,7 +258,20 @@ impl Client {
         }
         let mut c = self.client(py)?;
         let begun = block_on(py, async move { c.begin_upload(&name, infos).await })?.py_err()?;
-        Ok(begun.upload_id)
+        records::begun(py, begun)
+    }
+
+    /// Commits a begun (filled, unmapped) upload: the manifest, and whether an identical model
+    /// was already stored.
+    fn commit_upload(
+        &self,
+        py: Python<'_>,
+        upload_id: String,
+    ) -> PyResult<(records::ModelManifest, bool)> {
+        let mut c = self.client(py)?;
+        let (manifest, dedup) =
+            block_on(py, async move { c.commit_upload(&upload_id).await })?.py_err()?;
+        Ok((records::manifest(py, manifest)?, dedup))
     }
 
     fn release_model(&self, py: Python<'_>, model_id: String) -> PyResult<u32> {

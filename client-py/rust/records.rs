@@ -173,12 +173,33 @@ record! {
 
 record! {
     /// A region of a session: `kind` is `"host"` (shared memory: its fd from
-    /// `Session.region_fd`) or `"cuda"` (`cuda_ipc_handle`, 64 bytes).
+    /// `Session.region_fd`; `fd_secret` names it on the handoff socket) or `"cuda"`
+    /// (`cuda_ipc_handle`, 64 bytes).
     Region {
         index: u32,
         size: u64,
         kind: String,
         cuda_ipc_handle: Option<Py<PyBytes>>,
+        fd_secret: Option<String>,
+    }
+}
+
+record! {
+    UploadTensor {
+        name: String,
+        offset: u64,
+        nbytes: u64,
+    }
+}
+
+record! {
+    /// A begun upload: its region (`size` bytes, its fd from `Client.fetch_fd(fd_secret)`)
+    /// and where each tensor goes in it.
+    BeginUploadResponse {
+        upload_id: String,
+        size: u64,
+        tensors: Py<PyList>,
+        fd_secret: String,
     }
 }
 
@@ -373,10 +394,10 @@ pub(crate) fn layout(
     Ok(OpenSessionResponse {
         session_id: m.session_id.clone(),
         regions: list(py, &m.regions, |py, r| {
-            let (kind, handle) = match &r.handle {
-                Some(proto::region::Handle::CudaIpcHandle(h)) => ("cuda", Some(bytes(py, h))),
-                Some(proto::region::Handle::FdSecret(_)) => ("host", None),
-                None => ("none", None),
+            let (kind, handle, secret) = match &r.handle {
+                Some(proto::region::Handle::CudaIpcHandle(h)) => ("cuda", Some(bytes(py, h)), None),
+                Some(proto::region::Handle::FdSecret(s)) => ("host", None, Some(s.clone())),
+                None => ("none", None, None),
             };
             obj(
                 py,
@@ -385,6 +406,7 @@ pub(crate) fn layout(
                     size: r.size,
                     kind: kind.to_string(),
                     cuda_ipc_handle: handle,
+                    fd_secret: secret,
                 },
             )
         })?,
@@ -417,6 +439,27 @@ pub(crate) fn layout(
     })
 }
 
+pub(crate) fn begun(
+    py: Python<'_>,
+    b: proto::BeginUploadResponse,
+) -> PyResult<BeginUploadResponse> {
+    Ok(BeginUploadResponse {
+        upload_id: b.upload_id,
+        size: b.size,
+        tensors: list(py, b.tensors, |py, t| {
+            obj(
+                py,
+                UploadTensor {
+                    name: t.name,
+                    offset: t.offset,
+                    nbytes: t.nbytes,
+                },
+            )
+        })?,
+        fd_secret: b.fd_secret,
+    })
+}
+
 pub(crate) fn staged(group: u32, s: &proto::Staged) -> Staged {
     Staged {
         ticket: s.ticket,
@@ -445,6 +488,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<SessionStats>()?;
     m.add_class::<SessionInfo>()?;
     m.add_class::<Staged>()?;
+    m.add_class::<UploadTensor>()?;
+    m.add_class::<BeginUploadResponse>()?;
     enum_values(m, "DTYPES", |i| {
         proto::Dtype::try_from(i).ok().map(|v| v.as_str_name())
     })?;

@@ -164,8 +164,9 @@ impl std::fmt::Display for SizeOrShare {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Quotas {
-    /// Host copies of models (charged to the uid that loaded or uploaded them first) plus
-    /// uploads in progress.
+    /// Host copies of models (charged to the uid that loaded or uploaded them first, then to
+    /// the next uid holding a reference, a session's included) plus uploads in progress, each
+    /// with its description (per tensor: name bytes + 8 × rank + 64; the model's name).
     #[serde(deserialize_with = "bytes")]
     pub per_uid_host_bytes: u64,
     /// Staging plus resident bytes of the uid's open sessions, on all devices together.

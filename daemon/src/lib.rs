@@ -2,14 +2,14 @@
 //! memory that trainer processes map, just in time for their forward and backward passes.
 //!
 //! Module map (each knows only those below it; `tests/check_layers.py` checks it; the
-//! `weightstream` binary, crate `weightstream-cli`, sits on top): `server` (the gRPC edge:
-//! validation, status mapping, start-up, drain) → `core` (shared state) → `session` (actors,
-//! staging arenas, plans) → `residency` / `scheduler` → `store` (registry, load, upload, pin) →
-//! `mem` (shared-memory mappings, host arenas and slices); `backend` (host, CUDA: the only FFI)
-//! → `mem`. The store pins through `mem::HostPinner`, which every backend implements.
+//! `weightstream` binary, crate `weightstream-cli`, sits on top): `server` (the gRPC edge and
+//! the handoff socket: validation, status mapping, start-up, drain) → `core` (shared state, the
+//! fds clients pass and fetch) → `session` (actors, staging arenas, plans) → `residency` /
+//! `scheduler` → `store` (registry, load, upload, pin) → `mem` (memfd mappings, host arenas and
+//! slices); `backend` (host, CUDA: the only FFI) → `mem`. The store pins through `mem::HostPinner`, which every backend implements.
 // Unsafe code lives in two places that allow it explicitly: the CUDA driver layer
 // (`backend::cuda::{ffi, safe}`, on their `mod` lines) and the shared-memory mapping
-// (`mem::shm::ShmSegment::mapped`).
+// (`mem::shm::map`).
 #![deny(unsafe_code)]
 
 pub mod backend;

@@ -1,20 +1,19 @@
 //! Access control and quotas end to end (issue 7, parts 1 and 2): the `[access]` allow-lists
-//! refuse a peer on every call of the service and log it, the shared-memory files get their
-//! modes and owners, and each `[quotas]` limit is refused with its own message and given back
-//! when what it counts is released.
+//! refuse a peer on every call of the service and on the handoff socket, and log it; each
+//! `[quotas]` limit is refused with its own message and given back when what it counts is
+//! released. (What issue 17 closed, with a second uid: `security.rs`.)
 //!
 //! The tests run as one uid, so the allow-lists are tested by listing another uid (refused) or
 //! the test's own uid or gid (admitted).
 mod common;
 
 use std::io::Write;
-use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use common::*;
 use tonic::Code;
-use weightstream_client::{ClientError, proto};
+use weightstream_client::{ClientError, HandoffError, proto};
 use weightstream_daemon::config::SizeOrShare;
 
 /// Everything the daemons of this test binary log (a global subscriber: the server's tasks run
@@ -122,6 +121,7 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
         .load_model(proto::LoadModelRequest {
             paths: vec!["/nonexistent.safetensors".into()],
             name: String::new(),
+            fd_token: "0".repeat(32),
         })
         .await
         .err()
@@ -153,7 +153,7 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
         .unwrap();
     assert_eq!(code_message(got), want, "OpenSession");
     let got = raw
-        .list_sessions(proto::ListSessionsRequest {})
+        .list_sessions(proto::ListSessionsRequest::default())
         .await
         .err()
         .unwrap();
@@ -167,10 +167,20 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
         want,
         "Client::info"
     );
-    let got = client
-        .load_model(&[PathBuf::from("/x.safetensors")], "", |_| {})
-        .await;
-    assert_eq!(rejected(got.err().unwrap()), want, "Client::load_model");
+    // The handoff socket lets in whom the service lets in: the client's load stops there.
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_file(dir.path(), 9);
+    let got = client.load_model(&[path], "", |_| {}).await;
+    match got.err().unwrap() {
+        ClientError::Handoff(HandoffError::Refused(message)) => {
+            assert_eq!(message, want.1, "Client::load_model (PUT)")
+        }
+        other => panic!("Client::load_model: {other:?}"),
+    }
+    match fetch_fd(&daemon.socket, &"0".repeat(32)).await {
+        Err(HandoffError::Refused(message)) => assert_eq!(message, want.1, "GET"),
+        other => panic!("GET: {other:?}"),
+    }
 
     // Each attempt is logged with the peer's uid and pid, and the method in the request span.
     for method in ["GetInfo", "LoadModel", "OpenSession", "Run"] {
@@ -210,7 +220,8 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
         status,
         tonic_health::pb::health_check_response::ServingStatus::Serving as i32
     );
-    assert!(daemon.shm_files().is_empty(), "{:?}", daemon.shm_files());
+    assert_eq!(daemon.shm_total(), 0);
+    assert_eq!(daemon.core.fd_drops.waiting(), 0, "no files kept");
 }
 
 /// Reflection lists the service in both versions, to a peer the allow-lists refuse as well
@@ -306,69 +317,6 @@ async fn a_peer_in_either_list_is_served() {
     }
 }
 
-/// Models, staging and resident regions: 0640, the daemon's, group = the socket's group.
-/// Uploads: 0640, owned by the uploading peer (the daemon runs as root here, so it chowns; a
-/// daemon that cannot chown grants the peer an ACL entry instead, tested in mem::shm).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shared_memory_is_group_readable_and_an_upload_writable_by_its_peer_only() {
-    let (uid, _, _) = me();
-    let daemon_uid = rustix::process::geteuid().as_raw();
-    let group = 4321;
-    let daemon = start_daemon_with(|c| c.socket_group = Some(group.to_string())).await;
-    let socket = std::fs::metadata(&daemon.socket).unwrap();
-    assert_eq!((socket.mode() & 0o777, socket.gid()), (0o660, group));
-    let meta = |kind: &str| {
-        let tag = format!("-{kind}-");
-        let name = daemon
-            .shm_files()
-            .into_iter()
-            .find(|n| n.contains(&tag))
-            .unwrap_or_else(|| panic!("no {kind} file in {:?}", daemon.shm_files()));
-        let m = std::fs::metadata(daemon.shm_dir.join(name)).unwrap();
-        (m.mode() & 0o7777, m.uid(), m.gid())
-    };
-
-    let mut raw = raw_client(&daemon.socket).await;
-    let begun = raw
-        .begin_upload(upload_request("u", 4096))
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(meta("upload"), (0o640, uid, group));
-    raw.commit_upload(proto::CommitUploadRequest {
-        upload_id: begun.upload_id,
-    })
-    .await
-    .unwrap();
-    assert_eq!(daemon.shm_count("upload"), 0);
-    assert_eq!(meta("model"), (0o640, daemon_uid, group));
-
-    let dir = tempfile::tempdir().unwrap();
-    let path = model_file(dir.path(), 2);
-    let expected = read_model(std::slice::from_ref(&path));
-    let mut client = daemon.client().await;
-    let manifest = load(&mut client, &[path], &expected).await;
-    // Two groups resident, two streamed through staging.
-    let session = client
-        .open_session(options(
-            &manifest.model_id,
-            per_tensor_groups(&manifest),
-            2 * LAYER as u64,
-            4 * LAYER as u64,
-        ))
-        .await
-        .unwrap();
-    assert_eq!(meta("staging"), (0o640, daemon_uid, group));
-    assert_eq!(meta("resident"), (0o640, daemon_uid, group));
-    // The client reads through these modes and writes its upload through them.
-    run_step(&session, &[0, 1, 2, 3], &expected).await;
-    let data = uniform_model(3, 1, LAYER);
-    let uploads: Vec<_> = data.iter().map(Tensor::as_upload).collect();
-    let (model, _) = client.upload_model("mine", &uploads).await.unwrap();
-    assert_eq!(model.total_bytes, LAYER as u64);
-    session.close().await.unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_uid_sessions_are_limited_and_a_closed_session_gives_its_place_back() {
     let (uid, _, _) = me();
@@ -461,6 +409,9 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
     let a = model_file(dir.path(), 6);
     let b = model_file(dir.path(), 7);
     let arena = 4 * LAYER as u64;
+    // A model's description counts with its arena: per tensor its name, 8 bytes a dimension
+    // and 64; and its name ("m6", "m7": the file's stem).
+    let model = arena + 4 * ("layers.0.weight".len() as u64 + 2 * 8 + 64) + 2;
     let limit = arena + arena / 4;
     let cases = [
         ("per uid", "per_uid_host_bytes", format!("uid {uid}")),
@@ -491,7 +442,7 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
             .await;
         assert_eq!(
             rejected(got.err().unwrap()),
-            message(arena, "model", arena),
+            message(model, "model", model),
             "{which}"
         );
         assert_eq!(daemon.shm_count("model"), 1, "{which}: nothing made");
@@ -511,9 +462,10 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
             .await
             .err()
             .unwrap();
+        let upload = arena / 2 + ("w".len() as u64 + 8 + 64) + "u".len() as u64;
         assert_eq!(
             code_message(got),
-            message(arena, "upload", arena / 2),
+            message(model, "upload", upload),
             "{which}"
         );
         assert_eq!(daemon.shm_count("upload"), 0);
@@ -561,7 +513,7 @@ async fn uploads_in_progress_are_limited_per_uid_and_a_commit_frees_the_place() 
     // A closed connection's upload is dropped, and its place with it.
     drop(other);
     eventually("the closed connection's upload dropped", || async {
-        daemon.shm_count("upload") == 0
+        daemon.uploads() == 0
     })
     .await;
     raw.begin_upload(upload_request("three", 4096))

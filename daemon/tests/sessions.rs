@@ -265,12 +265,7 @@ async fn eight_concurrent_sessions_share_one_copy() {
     );
     assert_eq!(f.daemon.shm_count("model"), 1);
     assert_eq!(f.daemon.shm_count("staging"), tasks);
-    assert_eq!(
-        f.daemon.shm_count("resident"),
-        1,
-        "{:?}",
-        f.daemon.shm_files()
-    );
+    assert_eq!(f.daemon.shm_count("resident"), 1);
     within("tasks released", checked.wait()).await;
     for h in handles {
         within("session task", h).await.expect("session task");
@@ -303,14 +298,20 @@ async fn resident_groups_are_shared_between_sessions() {
         assert!(layout.groups.iter().all(|g| g.resident));
     }
     let (a, b) = (first.layout(), second.layout());
+    let socket = &f.daemon.socket;
+    assert_ne!(
+        fd_secret(&a.regions[1]),
+        fd_secret(&b.regions[1]),
+        "a secret per session"
+    );
     assert_eq!(
-        shm_path(&a.regions[1]),
-        shm_path(&b.regions[1]),
+        region_inode(socket, &a.regions[1]).await,
+        region_inode(socket, &b.regions[1]).await,
         "one resident region"
     );
     assert_ne!(
-        shm_path(&a.regions[0]),
-        shm_path(&b.regions[0]),
+        region_inode(socket, &a.regions[0]).await,
+        region_inode(socket, &b.regions[0]).await,
         "staging is per session"
     );
     assert_eq!(f.daemon.shm_count("resident"), 1);
@@ -325,9 +326,16 @@ async fn resident_groups_are_shared_between_sessions() {
             "{st:?}"
         );
     }
-    // The region outlives the first session and goes with the last.
+    // The region outlives the first session and goes with the last; the first's secrets end
+    // with it, the second's still work.
+    let (first_secret, second_secret) = (
+        fd_secret(&a.regions[1]).to_string(),
+        fd_secret(&b.regions[1]).to_string(),
+    );
     first.close().await.unwrap();
     assert_eq!(f.daemon.shm_count("resident"), 1);
+    assert!(fetch_fd(socket, &first_secret).await.is_err());
+    assert!(fetch_fd(socket, &second_secret).await.is_ok());
     run_step(&second, &step, &f.expected).await;
     second.close().await.unwrap();
     assert_eq!(f.daemon.shm_count("resident"), 0);
@@ -384,8 +392,8 @@ async fn vanished_client_is_torn_down() {
             raw.begin_upload(upload).await.unwrap();
             let ids = vec![session.id().to_string(), unattached.session_id.clone()];
             let staging = vec![
-                shm_path(&session.layout().regions[0]).to_string(),
-                shm_path(&unattached.regions[0]).to_string(),
+                fd_secret(&session.layout().regions[0]).to_string(),
+                fd_secret(&unattached.regions[0]).to_string(),
             ];
             // Never closed: dropping the runtime below drops both connections under them.
             std::mem::forget(session);
@@ -409,11 +417,14 @@ async fn vanished_client_is_torn_down() {
         }
     })
     .await;
-    for path in &staging {
-        assert!(!std::path::Path::new(path).exists(), "{path} is left");
+    for secret in &staging {
+        assert!(
+            fetch_fd(&f.daemon.socket, secret).await.is_err(),
+            "{secret} works"
+        );
     }
     eventually("the abandoned upload is dropped", || async {
-        f.daemon.shm_count("upload") == 0
+        f.daemon.uploads() == 0 && f.daemon.shm_count("upload") == 0
     })
     .await;
     let sessions = f.client.list_sessions().await.unwrap();
@@ -440,8 +451,8 @@ async fn daemon_stop_ends_sessions_and_cleans_up() {
     let mut f = fixture(16, 4).await;
     let session = f.client.open_session(f.options(2, 3)).await.unwrap();
     run_step(&session, &[0, 1, 2], &f.expected).await;
-    assert!(f.daemon.socket.exists());
-    assert!(!f.daemon.shm_files().is_empty());
+    assert!(f.daemon.socket.exists() && f.daemon.handoff().exists());
+    assert_ne!(f.daemon.shm_total(), 0);
 
     f.daemon.stop().await.expect("clean stop");
     let err = within("acquire after stop", session.acquire(3))
@@ -454,7 +465,11 @@ async fn daemon_stop_ends_sessions_and_cleans_up() {
         other => panic!("unexpected error after stop: {other:?}"),
     }
     assert!(!f.daemon.socket.exists(), "the socket is removed");
-    assert_eq!(f.daemon.shm_files(), Vec::<String>::new());
+    assert!(
+        !f.daemon.handoff().exists(),
+        "the handoff socket is removed"
+    );
+    assert_eq!(f.daemon.shm_total(), 0);
     let err = Client::connect(Some(&f.daemon.socket)).await.err().unwrap();
     assert!(matches!(err, ClientError::Unavailable { .. }), "{err:?}");
 }
@@ -466,8 +481,8 @@ async fn close_session_frees_staging_and_keeps_the_model() {
     let mut f = fixture(17, 4).await;
     let id = f.manifest.model_id.clone();
     let session = f.client.open_session(f.options(2, 2)).await.unwrap();
-    let staging = shm_path(&session.layout().regions[0]).to_string();
-    assert!(std::path::Path::new(&staging).exists());
+    let staging = fd_secret(&session.layout().regions[0]).to_string();
+    assert!(fetch_fd(&f.daemon.socket, &staging).await.is_ok());
     let sid = session.id().to_string();
     let model = model_listed(&mut f.client, &id).await.unwrap();
     assert_eq!((model.refcount, model.sessions), (1, 1));
@@ -475,10 +490,9 @@ async fn close_session_frees_staging_and_keeps_the_model() {
 
     session.close().await.unwrap();
     assert!(session_info(&mut f.client, &sid).await.is_none());
-    assert!(
-        !std::path::Path::new(&staging).exists(),
-        "staging is unlinked"
-    );
+    assert_eq!(f.daemon.shm_count("staging"), 0, "staging is freed");
+    let err = fetch_fd(&f.daemon.socket, &staging).await.unwrap_err();
+    assert!(err.to_string().contains("no such fd_secret"), "{err}");
     let model = model_listed(&mut f.client, &id)
         .await
         .expect("the model stays");
@@ -498,7 +512,7 @@ async fn close_session_frees_staging_and_keeps_the_model() {
     assert_eq!(err.code(), Some(tonic::Code::NotFound), "{err}");
     session.close().await.unwrap();
     assert!(model_listed(&mut f.client, &id).await.is_none());
-    assert_eq!(f.daemon.shm_files(), Vec::<String>::new());
+    assert_eq!(f.daemon.shm_total(), 0);
 }
 
 /// A session whose Run stream ends (the client closed it without CloseSession) is torn down,
@@ -519,7 +533,7 @@ async fn run_stream_end_tears_the_session_down() {
         .unwrap()
         .into_inner();
     let sid = opened.session_id.clone();
-    let staging = shm_path(&opened.regions[0]).to_string();
+    let staging = fd_secret(&opened.regions[0]).to_string();
     let mut run = RawRun::attach(&mut rpc, &sid).await.unwrap();
     run.acquire(0, 1);
     run.staged(1).await;
@@ -531,10 +545,8 @@ async fn run_stream_end_tears_the_session_down() {
         async move { session_info(&mut client, &sid).await.is_none() }
     })
     .await;
-    assert!(
-        !std::path::Path::new(&staging).exists(),
-        "{staging} is left"
-    );
+    assert!(fetch_fd(&f.daemon.socket, &staging).await.is_err());
+    assert_eq!(f.daemon.shm_count("staging"), 0);
     let model = model_listed(&mut f.client, &f.manifest.model_id)
         .await
         .unwrap();
@@ -567,5 +579,5 @@ async fn stop_is_bounded_by_the_drain_timeout() {
     }
     daemon.stop().await.expect("stop");
     assert!(!daemon.socket.exists());
-    assert_eq!(daemon.shm_files(), Vec::<String>::new());
+    assert_eq!(daemon.shm_total(), 0);
 }

@@ -214,7 +214,7 @@ async fn daemon_is_clean_after_release(
 ) {
     assert_eq!(client.release_model(model_id).await.unwrap(), 0);
     assert!(model_listed(client, model_id).await.is_none());
-    assert_eq!(daemon.shm_files(), Vec::<String>::new());
+    assert_eq!(daemon.shm_total(), 0);
 }
 
 /// Loading the same file twice gives one model with two references and one host copy; two
@@ -239,12 +239,7 @@ async fn load_is_idempotent_and_release_frees_the_copy() {
     assert_eq!(listed.models[0].model_id, first.model_id);
     assert_eq!(listed.models[0].refcount, 2);
     assert_eq!(listed.store_bytes, model_bytes(&expected), "one host copy");
-    assert_eq!(
-        daemon.shm_count("model"),
-        1,
-        "one arena: {:?}",
-        daemon.shm_files()
-    );
+    assert_eq!(daemon.shm_count("model"), 1, "one arena");
 
     assert_eq!(client.release_model(&first.model_id).await.unwrap(), 1);
     let still = model_listed(&mut client, &first.model_id)
@@ -256,11 +251,7 @@ async fn load_is_idempotent_and_release_frees_the_copy() {
     let listed = client.list_models().await.unwrap();
     assert!(listed.models.is_empty(), "{:?}", listed.models);
     assert_eq!(listed.store_bytes, 0);
-    assert_eq!(
-        daemon.shm_files(),
-        Vec::<String>::new(),
-        "the arena is unlinked"
-    );
+    assert_eq!(daemon.shm_total(), 0, "the arena is gone");
 
     // A third release names a model that is gone.
     let err = client.release_model(&first.model_id).await.unwrap_err();
@@ -358,16 +349,11 @@ async fn upload_round_trips_and_dedupes() {
     assert_eq!(listed.models.len(), 1);
     assert_eq!(listed.store_bytes, model_bytes(&expected), "one host copy");
     assert_eq!(
-        daemon.shm_count("model"),
-        1,
-        "one arena: {:?}",
-        daemon.shm_files()
+        (daemon.shm_count("upload"), daemon.shm_count("model")),
+        (1, 0),
+        "one arena: the first upload's region, sealed"
     );
-    assert_eq!(
-        daemon.shm_count("upload"),
-        0,
-        "uploads are sealed into model arenas"
-    );
+    assert_eq!(daemon.uploads(), 0, "no upload in progress");
     acquire_all(&mut other, &again, &expected).await;
 
     // One byte different: a different model.
@@ -384,12 +370,12 @@ async fn upload_round_trips_and_dedupes() {
     acquire_all(&mut client, &third, &changed_expected).await;
     let listed = client.list_models().await.unwrap();
     assert_eq!(listed.store_bytes, 2 * model_bytes(&expected));
-    assert_eq!(daemon.shm_count("model"), 2);
+    assert_eq!(daemon.shm_count("upload"), 2);
 
     assert_eq!(client.release_model(&manifest.model_id).await.unwrap(), 1);
     assert_eq!(client.release_model(&manifest.model_id).await.unwrap(), 0);
     assert_eq!(client.release_model(&third.model_id).await.unwrap(), 0);
-    assert_eq!(daemon.shm_files(), Vec::<String>::new());
+    assert_eq!(daemon.shm_total(), 0);
 }
 
 /// LoadModel streams progress that ends with the whole model done, for a fresh load and for a

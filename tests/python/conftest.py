@@ -1,5 +1,5 @@
 """Fixtures of the Python tests: a real daemon (the binary built by tests/run.sh) on its host
-backend, on a private socket and shared-memory directory."""
+backend, on a private socket; its shared memory is memfds, counted among its open fds."""
 
 from __future__ import annotations
 
@@ -15,11 +15,26 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = os.environ.get("WEIGHTSTREAM_BIN", str(ROOT / "target" / "debug" / "weightstream"))
 
 
+def memfds(pid: int) -> list[str]:
+    """The kinds of the memfds among process ``pid``'s open fds ("model", "upload", "staging",
+    "resident"; /proc shows one as "/memfd:weightstream-KIND (deleted)"), sorted. A committed
+    upload stays an "upload": it is its model's arena."""
+    kinds = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+        if link.startswith("/memfd:"):
+            name = link.removeprefix("/memfd:").removesuffix(" (deleted)")
+            kinds.append(name.removeprefix("weightstream-"))
+    return sorted(kinds)
+
+
 class Daemon:
     def __init__(self, tmp: Path, *extra_args: str):
+        self.tmp = tmp
         self.socket = str(tmp / "ws.sock")
-        self.shm = tmp / "shm"
-        self.shm.mkdir()
         self.log = open(tmp / "daemon.log", "wb")
         self.proc = subprocess.Popen(
             [
@@ -29,8 +44,6 @@ class Daemon:
                 "host",
                 "--socket",
                 self.socket,
-                "--shm-dir",
-                str(self.shm),
                 *extra_args,
             ],
             stderr=self.log,
@@ -43,8 +56,9 @@ class Daemon:
             time.sleep(0.02)
         self.client = weightstream.connect(self.socket)
 
-    def shm_files(self) -> list[str]:
-        return sorted(os.listdir(self.shm))
+    def memfds(self) -> list[str]:
+        """The daemon's shared memory (see ``memfds``)."""
+        return memfds(self.proc.pid)
 
     def stop(self):
         if self.proc.poll() is None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import weightstream
-from conftest import BIN
+from conftest import BIN, memfds
 from safetensors.torch import save_file
 
 #: How long a failure may take to reach the trainer once the daemon is gone.
@@ -34,8 +34,7 @@ def wait_until(what: str, cond, deadline: float = DEADLINE):
 
 
 def serve(daemon) -> subprocess.Popen:
-    """Starts another daemon on the fixture's socket and shared-memory directory (a restart)
-    and waits until it answers."""
+    """Starts another daemon on the fixture's socket (a restart) and waits until it answers."""
     log = open(Path(daemon.socket).parent / "restarted.log", "ab")
     proc = subprocess.Popen(
         [
@@ -45,8 +44,6 @@ def serve(daemon) -> subprocess.Popen:
             "host",
             "--socket",
             daemon.socket,
-            "--shm-dir",
-            str(daemon.shm),
         ],
         stderr=log,
         env={**os.environ, "WEIGHTSTREAM_LOG": "warn"},
@@ -137,6 +134,7 @@ def test_a_killed_daemon_fails_fast_and_reconnect_resumes_the_trainer(daemon, tm
                     session.reconnect(timeout=0.3)
                 assert time.monotonic() - started < 3
                 restarted = serve(daemon)
+                assert memfds(restarted.pid) == [], "a new daemon holds nothing"
                 assert session.reconnect() is session
         assert (done, failures) == ([0, 1, 3, 4, 5], 1)
         assert session.model_id == manifest.model_id and session.last_plan == plan
@@ -149,10 +147,10 @@ def test_a_killed_daemon_fails_fast_and_reconnect_resumes_the_trainer(daemon, tm
         assert s.acquires == 3 * len(plan) and s.prefetches > 0, s
         session.close()
         assert daemon.client.release_model(manifest.model_id) == 0
+        assert memfds(restarted.pid) == []
     finally:
         if restarted is not None:
             stop(restarted)
-    assert daemon.shm_files() == []
 
 
 def test_a_stopped_daemon_fails_fast_and_reconnect_takes_a_restore_callback(daemon):
@@ -207,7 +205,7 @@ def test_reconnect_against_a_live_daemon_replaces_the_session(daemon):
         "old session torn down",
         lambda: [s.session_id for s in daemon.client.list_sessions()] == [session.id],
     )
-    assert sum("-staging-" in f for f in daemon.shm_files()) == 1
+    assert daemon.memfds().count("staging") == 1
     step(session, tensors, order(4))
     session.close()
 
@@ -229,7 +227,8 @@ sys.stdin.read()
 def test_a_killed_python_trainer_leaves_nothing_behind(daemon):
     """A trainer process SIGKILLed while it holds tickets, has an acquire in flight and an
     upload begun: its session, staging and upload go; the model it uploaded stays with the
-    reference it held; another trainer is unaffected."""
+    reference it held; another trainer is unaffected. Shared memory is counted among the
+    daemon's fds (memfds): a committed upload is its model's arena."""
     tensors = layers(4, 4)
     manifest, _ = daemon.client.upload_model("other", tensors)
     groups = [(n, [n]) for n in tensors]
@@ -243,22 +242,23 @@ def test_a_killed_python_trainer_leaves_nothing_behind(daemon):
     worker_model = worker.stdout.readline().strip()
     assert worker_model.startswith("u-"), worker_model
     assert len(daemon.client.list_sessions()) == 2
-    assert sum("-upload-" in f for f in daemon.shm_files()) == 1
+    # Two committed uploads (the models) and the worker's upload in progress.
+    assert daemon.memfds().count("upload") == 3
     worker.send_signal(signal.SIGKILL)
     assert worker.wait(timeout=30) == -signal.SIGKILL
     wait_until(
         "the killed trainer's session torn down",
         lambda: [s.session_id for s in daemon.client.list_sessions()] == [other.id],
     )
-    wait_until("its upload dropped", lambda: not any("-upload-" in f for f in daemon.shm_files()))
-    assert sum("-staging-" in f for f in daemon.shm_files()) == 1
+    wait_until("its upload dropped", lambda: daemon.memfds().count("upload") == 2)
+    assert daemon.memfds().count("staging") == 1
     listed = {m.model_id: m for m in daemon.client.list_models().models}
     assert (listed[worker_model].refcount, listed[worker_model].sessions) == (1, 0)
     step(other, tensors, order(4))
     other.close()
     assert daemon.client.release_model(worker_model) == 0
     assert daemon.client.release_model(manifest.model_id) == 0
-    wait_until("no shared memory left", lambda: daemon.shm_files() == [])
+    wait_until("no shared memory left", lambda: daemon.memfds() == [])
 
 
 def test_an_attached_model_resumes_after_a_daemon_restart(daemon):

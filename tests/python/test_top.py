@@ -37,7 +37,7 @@ def test_top_shows_the_session_in_a_real_terminal(daemon):
     session.release(session.acquire(0))
     server = f"ws-top-{uuid.uuid4().hex[:8]}"  # a private tmux server: no clash with the user's
     tmux = ["tmux", "-L", server]
-    rc = daemon.shm.parent / "top.rc"
+    rc = daemon.tmp / "top.rc"
     command = f"{BIN} top --socket {daemon.socket} --interval-ms 200; echo $? > {rc}"
     try:
         subprocess.run(

@@ -267,7 +267,7 @@ def test_detach_gives_the_weights_back(daemon):
     for (name, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     assert daemon.client.list_models().models == []
-    assert [f for f in daemon.shm_files() if "model" in f] == []
+    assert daemon.memfds() == []
 
 
 def rss() -> int:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from weightstream import _native
 from weightstream.protocol import (
+    BeginUploadResponse,
     GetInfoResponse,
     ListModelsResponse,
     LoadProgress,
@@ -104,14 +105,21 @@ class Client:
         del held
         return result
 
-    def begin_upload(self, name: str, tensors: Mapping[str, torch.Tensor]) -> str:
-        """Begins an upload of ``tensors``' names, dtypes and shapes without writing or
-        committing it (the first step of ``upload_model``); returns its id. The daemon drops it
-        when this process's connection goes."""
+    def begin_upload(self, name: str, tensors: Mapping[str, torch.Tensor]) -> BeginUploadResponse:
+        """The first step of ``upload_model`` alone: declares ``tensors``' names, dtypes and
+        shapes and returns the region to write them into (its fd from
+        ``fetch_fd(begun.fd_secret)``, each tensor at ``begun.tensors[i].offset``). Unmap it
+        before ``commit_upload``; the daemon drops an upload never committed when this
+        process's connection goes."""
         from weightstream import _dtypes
 
         specs = [(n, _dtypes.to_wire(t.dtype), list(t.shape)) for n, t in tensors.items()]
         return self._native.begin_upload(name, specs)
+
+    def commit_upload(self, upload_id: str) -> tuple[ModelManifest, bool]:
+        """The last step of ``upload_model``: the manifest of a filled upload, and whether an
+        identical model was already stored."""
+        return self._native.commit_upload(upload_id)
 
     def release_model(self, model_id: str) -> int:
         return self._native.release_model(model_id)

@@ -7,7 +7,8 @@
 - The records the client returns (read-only, with the protobuf field names):
   ``GetInfoResponse``, ``ModelManifest``, ``TensorInfo``, ``LoadProgress``,
   ``ListModelsResponse``, ``SessionInfo``, ``SessionStats``, ``OpenSessionResponse``,
-  ``Region``, ``GroupLayout``, ``TensorPlacement``, ``Staged``, ``Device``, ``Limits``.
+  ``Region``, ``GroupLayout``, ``TensorPlacement``, ``Staged``, ``Device``, ``Limits``,
+  ``BeginUploadResponse``, ``UploadTensor``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ Region = _native.Region
 GroupLayout = _native.GroupLayout
 TensorPlacement = _native.TensorPlacement
 Staged = _native.Staged
+BeginUploadResponse = _native.BeginUploadResponse
+UploadTensor = _native.UploadTensor
 
 
 def name_of(enum: dict[str, int], value: int) -> str:

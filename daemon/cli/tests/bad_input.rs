@@ -17,20 +17,19 @@ impl Drop for Child {
     }
 }
 
-/// A client that truncates the shm file of a model it uploaded must not be able to kill the
-/// daemon (the next copy from the truncated mapping is a SIGBUS). The daemon runs as its own
-/// process here, so that its death is observed rather than shared.
+/// A client that truncates the region of a model it uploaded must not be able to kill the
+/// daemon (the next copy from the truncated mapping would be a SIGBUS): the daemon sealed the
+/// region against resizing when it made it, so the truncation is refused (EPERM). The daemon
+/// runs as its own process here, so that its death is observed rather than shared.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn truncating_an_uploaded_model_does_not_kill_the_daemon() {
     let dir = tempfile::tempdir().unwrap();
-    let shm = tempfile::tempdir().unwrap();
     let socket = dir.path().join("ws.sock");
     let mut daemon = Child(
         std::process::Command::new(env!("CARGO_BIN_EXE_weightstream"))
             .arg("--socket")
             .arg(&socket)
-            .args(["serve", "--backend", "host", "--shm-dir"])
-            .arg(shm.path())
+            .args(["serve", "--backend", "host"])
             .env("WEIGHTSTREAM_LOG", "warn")
             .spawn()
             .expect("spawn weightstream serve"),
@@ -41,8 +40,10 @@ async fn truncating_an_uploaded_model_does_not_kill_the_daemon() {
     .await;
     let mut client = Client::connect(Some(&socket)).await.unwrap();
     let tensors = uniform_model(34, 2, 1 << 20);
-    let (manifest, held) = upload_keeping_the_file(&socket, &tensors).await;
-    held.set_len(0).unwrap();
+    let (manifest, held) = upload_keeping_the_fd(&socket, &tensors).await;
+    let refused = held.set_len(0).unwrap_err();
+    assert_eq!(refused.raw_os_error(), Some(1), "EPERM: {refused}");
+    assert_eq!(held.metadata().unwrap().len(), 2 << 20);
     let groups = per_tensor_groups(&manifest);
     if let Ok(session) = client
         .open_session(options(&manifest.model_id, groups, 0, 4 << 20))

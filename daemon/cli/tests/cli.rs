@@ -8,7 +8,6 @@ fn weightstream() -> Command {
 
 #[test]
 fn demo_runs_to_completion_and_leaves_no_shared_memory() {
-    let shm = tempfile::tempdir().unwrap();
     let out = weightstream()
         .args([
             "demo",
@@ -19,8 +18,6 @@ fn demo_runs_to_completion_and_leaves_no_shared_memory() {
             "--backend",
             "host",
         ])
-        .arg("--shm-dir")
-        .arg(shm.path())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -28,7 +25,6 @@ fn demo_runs_to_completion_and_leaves_no_shared_memory() {
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("prefetch hit rate"), "{stdout}");
     assert!(stdout.contains("no shared memory left behind"), "{stdout}");
-    assert_eq!(std::fs::read_dir(shm.path()).unwrap().count(), 0);
 }
 
 #[test]
@@ -49,22 +45,52 @@ fn status_against_a_missing_daemon_fails_fast_with_a_clear_error() {
     );
 }
 
+/// A bad value, and `shm_dir` (gone with issue 17: shared memory is memfds), are refused at
+/// start with the key named; so is the old `--shm-dir` flag.
 #[test]
 fn serve_refuses_a_bad_config_with_the_key_named() {
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("bad.toml");
-    std::fs::write(&config, "prefetch_depth = 0\n").unwrap();
+    let cases = [
+        (
+            "prefetch_depth = 0\n",
+            "prefetch_depth = 0 is out of range: 1 to 1024",
+        ),
+        (
+            "shm_dir = \"/dev/shm\"\n",
+            "line 1: unknown field `shm_dir`, expected one of `socket`",
+        ),
+    ];
+    for (text, want) in cases {
+        let config = dir.path().join("bad.toml");
+        std::fs::write(&config, text).unwrap();
+        let out = weightstream()
+            .args(["serve", "--config"])
+            .arg(&config)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(want), "{text}: {stderr}");
+    }
     let out = weightstream()
-        .args(["serve", "--config"])
-        .arg(&config)
+        .args(["serve", "--shm-dir", "/dev/shm"])
         .output()
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("prefetch_depth = 0 is out of range: 1 to 1024"),
+        stderr.contains("unexpected argument '--shm-dir'"),
         "{stderr}"
     );
+}
+
+/// The memfds among the fds of process `pid` (its shared memory).
+fn memfds_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().starts_with("/memfd:weightstream-"))
+        .count()
 }
 
 /// Polls `done` until it holds or the deadline passes (a condition, not a fixed sleep).
@@ -82,7 +108,6 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 #[test]
 fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
     let dir = tempfile::tempdir().unwrap();
-    let shm = tempfile::tempdir().unwrap();
     let socket = dir.path().join("ws.sock");
     // A real safetensors file written by the safetensors crate.
     let data: Vec<u8> = (0..4096u32)
@@ -96,11 +121,10 @@ fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
     let mut daemon = weightstream()
         .args(["serve", "--backend", "host", "--socket"])
         .arg(&socket)
-        .arg("--shm-dir")
-        .arg(shm.path())
         .spawn()
         .unwrap();
-    wait_until("the socket", || socket.exists());
+    let handoff = dir.path().join("ws.sock.fd");
+    wait_until("the sockets", || socket.exists() && handoff.exists());
     let load = weightstream()
         .arg("load")
         .arg(&model)
@@ -125,7 +149,7 @@ fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
     assert_eq!(json["models"][0]["tensors"], 1);
     assert_eq!(json["models"][0]["total_bytes"], 16384);
     assert_eq!(json["store_bytes"], 16384);
-    assert_eq!(std::fs::read_dir(shm.path()).unwrap().count(), 1);
+    assert_eq!(memfds_of(daemon.id()), 1, "the model's arena");
 
     let kill = Command::new("kill")
         .args(["-TERM", &daemon.id().to_string()])
@@ -135,5 +159,5 @@ fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
     let exit = daemon.wait().unwrap();
     assert!(exit.success(), "daemon exited with {exit:?}");
     assert!(!socket.exists(), "socket left behind");
-    assert_eq!(std::fs::read_dir(shm.path()).unwrap().count(), 0);
+    assert!(!handoff.exists(), "handoff socket left behind");
 }

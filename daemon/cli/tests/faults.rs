@@ -92,19 +92,18 @@ fn env(name: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| panic!("{name} is set by the parent"))
 }
 
-/// Writes `tensors[range]` into the upload's shared-memory file.
+/// Writes `tensors[range]` into the upload's region (`region`: its fd, from the handoff
+/// socket) through a mapping that is gone on return (the daemon seals the region at commit,
+/// which it refuses while a writable mapping exists).
 fn write_upload_part(
+    region: &std::fs::File,
     begun: &proto::BeginUploadResponse,
     tensors: &[Tensor],
     range: std::ops::Range<usize>,
 ) {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&begun.shm_path)
-        .expect("open the upload file");
-    // SAFETY: the daemon made this file for this upload and reads it only after the commit.
-    let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.expect("map the upload file");
+    // SAFETY: the daemon made this memfd for this upload, sealed it against shrinking, and
+    // reads it only after the commit.
+    let mut map = unsafe { memmap2::MmapMut::map_mut(region) }.expect("map the upload region");
     for i in range {
         let start = begun.tensors[i].offset as usize;
         map[start..start + tensors[i].bytes.len()].copy_from_slice(&tensors[i].bytes);
@@ -157,10 +156,17 @@ async fn child_trainer() {
             .collect(),
     };
     let begun = raw.begin_upload(begin).await.unwrap().into_inner();
+    let (region, _) = fetch_fd(&socket, &begun.fd_secret).await.unwrap();
+    let region = std::fs::File::from(region);
     cp.reach("upload begun");
-    write_upload_part(&begun, &child_tensors, 0..CHILD_LAYERS / 2);
+    write_upload_part(&region, &begun, &child_tensors, 0..CHILD_LAYERS / 2);
     cp.reach("upload half written");
-    write_upload_part(&begun, &child_tensors, CHILD_LAYERS / 2..CHILD_LAYERS);
+    write_upload_part(
+        &region,
+        &begun,
+        &child_tensors,
+        CHILD_LAYERS / 2..CHILD_LAYERS,
+    );
     let commit = proto::CommitUploadRequest {
         upload_id: begun.upload_id.clone(),
     };
@@ -397,7 +403,7 @@ async fn killed_clients_leak_nothing() {
         async move { session_ids(&mut client).await.len() == 1 }
     })
     .await;
-    let base_files = served.shm_files();
+    let base_memfds = served.memfds();
     let base_fds = served.fds();
     let base_rss = served.rss_kib();
     let base_models = client.list_models().await.unwrap().models;
@@ -406,7 +412,7 @@ async fn killed_clients_leak_nothing() {
         1,
         "the child model went with its sessions"
     );
-    assert_eq!(served.shm_count("staging"), 1, "{base_files:?}");
+    assert_eq!(served.shm_count("staging"), 1, "{base_memfds:?}");
 
     // The faults.
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -441,8 +447,10 @@ async fn killed_clients_leak_nothing() {
         async move { session_ids(&mut client).await.len() == 1 }
     })
     .await;
-    eventually("no upload left", || async {
-        served.shm_count("upload") == 0
+    // The children's uploads in progress go; what stays of theirs is one committed upload
+    // (they all upload the same bytes), if a dead child still holds a reference to it.
+    eventually("no upload in progress left", || async {
+        served.shm_count("upload") == usize::from(held_refs > 0)
     })
     .await;
     let models = client.list_models().await.unwrap().models;
@@ -464,8 +472,8 @@ async fn killed_clients_leak_nothing() {
             assert_eq!(client.release_model(&child_id).await.unwrap(), left);
         }
     }
-    eventually("the shared-memory files of warm-up", || async {
-        served.shm_files() == base_files
+    eventually("the shared memory of warm-up", || async {
+        served.memfds() == base_memfds
     })
     .await;
     eventually("the fd count of warm-up", || async {
@@ -535,9 +543,9 @@ async fn fails_fast(session: &weightstream_client::Session) -> ClientError {
 }
 
 /// SIGKILL of the daemon mid-run: the trainer's next acquire fails at once; reconnecting
-/// while no daemon listens gives up at its deadline; once a new daemon is up (it sweeps the
-/// dead one's shared memory), `reconnect` loads the model again from the file this client
-/// loaded it from (same id), re-sends the plan, and the next steps get exact bytes.
+/// while no daemon listens gives up at its deadline; once a new daemon is up (the dead one's
+/// shared memory went with it: memfds), `reconnect` loads the model again from the file this
+/// client loaded it from (same id), re-sends the plan, and the next steps get exact bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_daemon_fails_the_trainer_fast_and_reconnect_resumes_it() {
     let t = trainer_files(51);
@@ -557,7 +565,7 @@ async fn a_killed_daemon_fails_the_trainer_fast_and_reconnect_resumes_it() {
     run_step(&session, &step, &t.expected).await;
     session.end_step();
     run_step(&session, &step, &t.expected).await;
-    assert!(!served.shm_files().is_empty());
+    assert!(!served.memfds().is_empty());
 
     served.kill();
     let err = fails_fast(&session).await;
@@ -582,9 +590,9 @@ async fn a_killed_daemon_fails_the_trainer_fast_and_reconnect_resumes_it() {
 
     served = Served::start(t.dir.path());
     assert_eq!(
-        served.shm_files(),
+        served.memfds(),
         Vec::<String>::new(),
-        "the dead daemon's files are swept"
+        "a new daemon holds nothing"
     );
     within(
         "reconnect",
@@ -616,8 +624,9 @@ async fn a_killed_daemon_fails_the_trainer_fast_and_reconnect_resumes_it() {
 
     session.close().await.unwrap();
     assert_eq!(client.release_model(&manifest.model_id).await.unwrap(), 0);
+    assert_eq!(served.memfds(), Vec::<String>::new());
     assert!(served.terminate().success());
-    assert_eq!(served.shm_files(), Vec::<String>::new());
+    assert!(!served.socket.exists());
 }
 
 /// SIGTERM under a trainer streaming an uploaded model: the acquire fails at once saying the
@@ -674,8 +683,9 @@ async fn a_stopped_daemon_fails_the_trainer_fast_and_reconnect_takes_a_reupload(
     }
     session.close().await.unwrap();
     assert_eq!(client.release_model(&again.model_id).await.unwrap(), 0);
+    assert_eq!(served.memfds(), Vec::<String>::new());
     assert!(served.terminate().success());
-    assert_eq!(served.shm_files(), Vec::<String>::new());
+    assert!(!served.socket.exists());
 }
 
 /// `reconnect` on a session whose daemon is still up moves it to a new connection: the old

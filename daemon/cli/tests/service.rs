@@ -34,14 +34,12 @@ struct Served {
 }
 
 impl Served {
-    fn start(dir: &Path, shm: &Path, extra: &[&str], env: &[(&str, &Path)]) -> Served {
+    fn start(dir: &Path, extra: &[&str], env: &[(&str, &Path)]) -> Served {
         let socket = dir.join("ws.sock");
         let log = dir.join("daemon.log");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_weightstream"));
         cmd.args(["serve", "--backend", "host", "--socket"])
             .arg(&socket)
-            .arg("--shm-dir")
-            .arg(shm)
             .args(extra)
             .env_remove("NOTIFY_SOCKET")
             .env("WEIGHTSTREAM_LOG", "info")
@@ -93,22 +91,12 @@ fn recv(notify: &UnixDatagram) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn systemd_notify_ready_then_stopping_and_a_clean_exit_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
-    // In /dev/shm itself, as in production: the check below is about the real tmpfs.
-    let shm = tempfile::Builder::new()
-        .prefix("ws-service-test-")
-        .tempdir_in("/dev/shm")
-        .unwrap();
     let notify_path = dir.path().join("notify.sock");
     let notify = UnixDatagram::bind(&notify_path).unwrap();
     notify
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
-    let mut served = Served::start(
-        dir.path(),
-        shm.path(),
-        &[],
-        &[("NOTIFY_SOCKET", notify_path.as_path())],
-    );
+    let mut served = Served::start(dir.path(), &[], &[("NOTIFY_SOCKET", notify_path.as_path())]);
 
     assert_eq!(
         recv(&notify),
@@ -137,10 +125,14 @@ async fn systemd_notify_ready_then_stopping_and_a_clean_exit_on_sigterm() {
         .await
         .unwrap();
     run_step(&session, &[0, 1], &expected).await;
-    assert!(
-        std::fs::read_dir(shm.path()).unwrap().count() > 0,
-        "a model and a session live in shared memory"
-    );
+    let memfds = std::fs::read_dir(format!("/proc/{}/fd", served.child.id()))
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().starts_with("/memfd:weightstream-"))
+        .count();
+    assert_eq!(memfds, 2, "a model and a session's staging live in memfds");
+    let handoff = weightstream_client::handoff::handoff_path(&served.socket);
+    assert!(handoff.exists());
 
     served.signal("-TERM");
     assert_eq!(recv(&notify), "STOPPING=1\nSTATUS=draining\n");
@@ -155,12 +147,8 @@ async fn systemd_notify_ready_then_stopping_and_a_clean_exit_on_sigterm() {
         ClientError::Unavailable { .. } => {}
         other => panic!("unexpected error after SIGTERM: {other:?}"),
     }
-    let left: Vec<_> = std::fs::read_dir(shm.path())
-        .unwrap()
-        .map(|e| e.unwrap().file_name())
-        .collect();
-    assert!(left.is_empty(), "left in shared memory: {left:?}");
     assert!(!served.socket.exists(), "the socket is removed");
+    assert!(!handoff.exists(), "the handoff socket is removed");
     let log = served.log();
     assert!(log.contains("SIGTERM: stopping"), "{log}");
     assert!(log.contains("stopped"), "{log}");
@@ -169,8 +157,7 @@ async fn systemd_notify_ready_then_stopping_and_a_clean_exit_on_sigterm() {
 #[test]
 fn sigint_stops_cleanly_without_a_notify_socket() {
     let dir = tempfile::tempdir().unwrap();
-    let shm = tempfile::tempdir().unwrap();
-    let mut served = Served::start(dir.path(), shm.path(), &[], &[]);
+    let mut served = Served::start(dir.path(), &[], &[]);
     poll("the socket", || served.socket.exists().then_some(()));
     served.signal("-INT");
     assert_eq!(served.wait_exit().code(), Some(0), "{}", served.log());
@@ -181,16 +168,10 @@ fn sigint_stops_cleanly_without_a_notify_socket() {
 #[test]
 fn the_socket_belongs_to_socket_group_and_is_0660() {
     let dir = tempfile::tempdir().unwrap();
-    let shm = tempfile::tempdir().unwrap();
     // A gid other than ours where the test may chown to it (root in CI); else our own.
     let own = std::fs::metadata(dir.path()).unwrap().gid();
     let gid = if own == 0 { 65534 } else { own };
-    let mut served = Served::start(
-        dir.path(),
-        shm.path(),
-        &["--socket-group", &gid.to_string()],
-        &[],
-    );
+    let mut served = Served::start(dir.path(), &["--socket-group", &gid.to_string()], &[]);
     let meta = poll("the socket", || std::fs::metadata(&served.socket).ok());
     assert_eq!(meta.gid(), gid);
     assert_eq!(meta.mode() & 0o777, 0o660);
@@ -201,13 +182,7 @@ fn the_socket_belongs_to_socket_group_and_is_0660() {
 #[test]
 fn an_unknown_socket_group_is_refused_at_start() {
     let dir = tempfile::tempdir().unwrap();
-    let shm = tempfile::tempdir().unwrap();
-    let mut served = Served::start(
-        dir.path(),
-        shm.path(),
-        &["--socket-group", "no-such-group-ws"],
-        &[],
-    );
+    let mut served = Served::start(dir.path(), &["--socket-group", "no-such-group-ws"], &[]);
     assert_eq!(served.wait_exit().code(), Some(1));
     let log = served.log();
     assert!(
@@ -222,26 +197,15 @@ fn an_unknown_socket_group_is_refused_at_start() {
 #[test]
 fn flags_override_the_config_file() {
     let dir = tempfile::tempdir().unwrap();
-    let shm = tempfile::tempdir().unwrap();
     let config = dir.path().join("c.toml");
     // A socket the daemon could not create: the --socket flag (given by `start`) wins.
     std::fs::write(&config, "socket = \"/proc/weightstream/ws.sock\"\n").unwrap();
-    let mut served = Served::start(
-        dir.path(),
-        shm.path(),
-        &["--config", config.to_str().unwrap()],
-        &[],
-    );
+    let mut served = Served::start(dir.path(), &["--config", config.to_str().unwrap()], &[]);
     poll("the socket", || served.socket.exists().then_some(()));
     served.signal("-TERM");
     assert_eq!(served.wait_exit().code(), Some(0), "{}", served.log());
 
-    let mut bad = Served::start(
-        dir.path(),
-        shm.path(),
-        &["--metrics-listen", "nowhere"],
-        &[],
-    );
+    let mut bad = Served::start(dir.path(), &["--metrics-listen", "nowhere"], &[]);
     assert_eq!(bad.wait_exit().code(), Some(1));
     assert!(
         bad.log().contains(

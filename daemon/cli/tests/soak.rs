@@ -38,7 +38,8 @@ struct Resources {
     sessions: usize,
     /// (id, refcount, sessions)
     models: Vec<(String, u32, u32)>,
-    shm_files: Vec<String>,
+    /// The kinds of the daemon's memfds (its shared memory).
+    memfds: Vec<String>,
     fds: usize,
 }
 
@@ -50,7 +51,7 @@ async fn resources(client: &mut Client, served: &Served) -> Resources {
             .into_iter()
             .map(|m| (m.model_id, m.refcount, m.sessions))
             .collect(),
-        shm_files: served.shm_files(),
+        memfds: served.memfds(),
         fds: served.fds(),
     }
 }
@@ -403,7 +404,7 @@ async fn soak_32_clients_random_traffic() {
 
     assert_eq!(admin.release_model(&manifest.model_id).await.unwrap(), 0);
     eventually("the model's memory is released", || async {
-        served.shm_files().is_empty()
+        served.memfds().is_empty()
     })
     .await;
 }

@@ -11,10 +11,24 @@ use std::time::{Duration, Instant};
 pub const TOKEN_TTL: Duration = Duration::from_secs(60);
 /// Tokens one uid may have waiting at once.
 pub const MAX_DROPS_PER_UID: usize = 16;
+/// Files waiting, all uids together: each is an fd of the daemon's.
+pub const MAX_WAITING_FILES: usize = 8192;
 
-/// 128 random bits as 32 lowercase hex characters: a token or a secret.
+/// 128 random bits from the kernel (getrandom(2)) as 32 lowercase hex characters: a token or
+/// a secret.
 pub fn random_secret() -> String {
-    format!("{:032x}", rand::random::<u128>())
+    let mut bytes = [0u8; 16];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            // Reads of up to 256 bytes from an initialised pool always succeed (random(7)); a
+            // kernel with memfds (3.17) has the call.
+            Err(e) => panic!("getrandom(2) failed: {e}"),
+        }
+    }
+    format!("{:032x}", u128::from_le_bytes(bytes))
 }
 
 /// Why a `PUT` was refused (sent back on the handoff socket).
@@ -26,6 +40,12 @@ pub enum DropError {
         TOKEN_TTL.as_secs()
     )]
     TooMany { uid: u32 },
+    #[error(
+        "the daemon already holds {waiting} files waiting for a LoadModel, and {limit} at most: \
+         retry once some are loaded or expired ({}s)",
+        TOKEN_TTL.as_secs()
+    )]
+    TooManyFiles { waiting: usize, limit: usize },
 }
 
 /// Why LoadModel's `fd_token` was refused. "Unknown" does not say whether the token exists for
@@ -52,12 +72,26 @@ struct Drop {
 }
 
 /// The waiting files, by token.
-#[derive(Default)]
 pub struct FdDrops {
     drops: Mutex<HashMap<String, Drop>>,
+    max_files: usize,
+}
+
+impl Default for FdDrops {
+    fn default() -> Self {
+        FdDrops::with_limit(MAX_WAITING_FILES)
+    }
 }
 
 impl FdDrops {
+    /// At most `max_files` files waiting, all uids together.
+    pub fn with_limit(max_files: usize) -> FdDrops {
+        FdDrops {
+            drops: Mutex::default(),
+            max_files,
+        }
+    }
+
     /// Keeps `fds` for `uid`; returns their token.
     pub fn put(&self, uid: u32, fds: Vec<OwnedFd>) -> Result<String, DropError> {
         self.put_at(uid, fds, Instant::now())
@@ -68,6 +102,11 @@ impl FdDrops {
         drops.retain(|_, d| now.duration_since(d.created) < TOKEN_TTL);
         if drops.values().filter(|d| d.uid == uid).count() >= MAX_DROPS_PER_UID {
             return Err(DropError::TooMany { uid });
+        }
+        let waiting: usize = drops.values().map(|d| d.fds.len()).sum();
+        if waiting + fds.len() > self.max_files {
+            let limit = self.max_files;
+            return Err(DropError::TooManyFiles { waiting, limit });
         }
         let token = random_secret();
         let created = now;
@@ -172,5 +211,19 @@ mod tests {
         // A minute later the sixteen have expired: they are closed on the next put.
         drops.put_at(1, fds(1), late).unwrap();
         assert_eq!(drops.waiting(), 1);
+    }
+
+    #[test]
+    fn the_files_waiting_are_bounded_for_the_whole_daemon() {
+        let drops = FdDrops::with_limit(10);
+        for uid in 0..3 {
+            drops.put(uid, fds(3)).unwrap();
+        }
+        assert_eq!(
+            drops.put(4, fds(2)).unwrap_err().to_string(),
+            "the daemon already holds 9 files waiting for a LoadModel, and 10 at most: retry \
+             once some are loaded or expired (60s)"
+        );
+        drops.put(4, fds(1)).unwrap();
     }
 }

@@ -87,13 +87,14 @@ impl Shm {
     }
 }
 
-/// How a client may use an fd the daemon passes it.
+/// How a client may use an fd the daemon passes it: a new open file description of the memfd
+/// each time (the client shares no file offset or status flags with the daemon).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
-    /// An upload region, for its uploader: the memfd's own file (its seals still apply).
+    /// An upload region, for its uploader (the memfd's seals still apply).
     ReadWrite,
-    /// A region the client only reads: a new open file description, opened read-only, that
-    /// can neither write nor map the memory writable.
+    /// A region the client only reads: opened read-only, it can neither write nor map the
+    /// memory writable.
     ReadOnly,
 }
 
@@ -132,19 +133,23 @@ impl Memfd {
 
     /// An fd to pass to a client (see [`Access`]).
     pub fn share(&self, access: Access) -> io::Result<OwnedFd> {
-        match access {
-            Access::ReadWrite => Ok(self.fd.try_clone()?),
-            Access::ReadOnly => self.reopen_read_only(),
-        }
+        self.reopen(access)
     }
 
-    /// A new read-only open file description of this memfd (through /proc/self/fd: a memfd
-    /// has no other path).
-    fn reopen_read_only(&self) -> io::Result<OwnedFd> {
+    /// A new open file description of this memfd (through /proc/self/fd: a memfd has no other
+    /// path).
+    fn reopen(&self, access: Access) -> io::Result<OwnedFd> {
         use std::os::fd::AsRawFd;
         let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
-        let flags = OFlags::RDONLY | OFlags::CLOEXEC;
-        Ok(rustix::fs::open(path, flags, Mode::empty())?)
+        let mode = match access {
+            Access::ReadWrite => OFlags::RDWR,
+            Access::ReadOnly => OFlags::RDONLY,
+        };
+        Ok(rustix::fs::open(
+            path,
+            mode | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?)
     }
 
     /// Reserves every page (a memfd of a full tmpfs or cgroup fails here instead of faulting
@@ -237,7 +242,7 @@ fn map(memfd: &Memfd, access: Access) -> io::Result<Map> {
         }
         Access::ReadOnly => {
             // A read-only file: the mapping cannot even become writable.
-            let file = File::from(memfd.reopen_read_only()?);
+            let file = File::from(memfd.reopen(Access::ReadOnly)?);
             // SAFETY: the caller sealed the memfd against writes, shrinking and growing
             // (`ShmSegment::sealed` checks): its bytes can never change again and no access
             // past its end can fault.

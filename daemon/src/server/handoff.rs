@@ -24,9 +24,10 @@ use super::access::AccessCheck;
 use super::error::ServeError;
 use crate::core::{Daemon, Peer, SecretError};
 
-/// Exchanges in progress at once, all peers together, and per uid: a peer that opens
-/// connections and stalls each for the whole 5 s holds at most its share.
-const MAX_EXCHANGES: usize = 128;
+/// Connections accepted and not yet answered, all peers together (each holds an fd).
+const MAX_CONNECTIONS: usize = 512;
+/// Exchanges one uid may have in progress at once; its further connections wait their turn. A
+/// peer that connects and stalls for the whole 5 s each time holds up only its own uid.
 const MAX_EXCHANGES_PER_UID: usize = 16;
 
 /// The socket file this daemon bound, removed when dropped if it is still the one it bound
@@ -96,7 +97,10 @@ pub(super) struct HandoffServer {
 }
 
 impl HandoffServer {
-    pub(super) fn stop(self) {}
+    /// Stops accepting and removes the socket file (what dropping it does, said at the call).
+    pub(super) fn stop(self) {
+        drop(self);
+    }
 }
 
 impl Drop for HandoffServer {
@@ -122,10 +126,10 @@ pub(super) fn serve(bound: Bound, daemon: Arc<Daemon>) -> Result<HandoffServer, 
 }
 
 async fn accept(listener: tokio::net::UnixListener, daemon: Arc<Daemon>, access: AccessCheck) {
-    let slots = Arc::new(Semaphore::new(MAX_EXCHANGES));
-    let per_uid: Arc<Mutex<HashMap<u32, usize>>> = Arc::default();
+    let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let per_uid = UidTurns::default();
     loop {
-        let Ok(slot) = slots.clone().acquire_owned().await else {
+        let Ok(connection) = connections.clone().acquire_owned().await else {
             return;
         };
         let (stream, peer) = match listener.accept().await.and_then(|(s, _)| peer_of(s)) {
@@ -137,19 +141,17 @@ async fn accept(listener: tokio::net::UnixListener, daemon: Arc<Daemon>, access:
                 continue;
             }
         };
-        let Some(busy) = UidSlot::take(&per_uid, peer.uid) else {
-            tracing::warn!(
-                uid = peer.uid,
-                pid = peer.pid,
-                "handoff socket: {MAX_EXCHANGES_PER_UID} exchanges of this uid in progress; \
-                 connection closed"
-            );
-            continue;
-        };
+        let turn = per_uid.of(peer.uid);
         let (daemon, access) = (daemon.clone(), access.clone());
-        tokio::task::spawn_blocking(move || {
-            exchange(&stream, &peer, &daemon, &access);
-            drop((busy, slot));
+        tokio::spawn(async move {
+            let Ok(turn) = turn.acquire_owned().await else {
+                return;
+            };
+            let exchanged = tokio::task::spawn_blocking(move || {
+                exchange(&stream, &peer, &daemon, &access);
+            });
+            let _ = exchanged.await;
+            drop((turn, connection));
         });
     }
 }
@@ -168,46 +170,33 @@ fn peer_of(stream: tokio::net::UnixStream) -> std::io::Result<(UnixStream, Peer)
     Ok((stream, peer))
 }
 
-/// One of a uid's exchanges in progress, given back on drop.
-struct UidSlot {
-    counts: Arc<Mutex<HashMap<u32, usize>>>,
-    uid: u32,
-}
+/// Each uid's turns at exchanging.
+#[derive(Default)]
+struct UidTurns(Mutex<HashMap<u32, Arc<Semaphore>>>);
 
-impl UidSlot {
-    fn take(counts: &Arc<Mutex<HashMap<u32, usize>>>, uid: u32) -> Option<UidSlot> {
-        let mut map = counts.lock().unwrap_or_else(|p| p.into_inner());
-        let n = map.entry(uid).or_default();
-        if *n >= MAX_EXCHANGES_PER_UID {
-            return None;
-        }
-        *n += 1;
-        Some(UidSlot {
-            counts: counts.clone(),
-            uid,
-        })
+impl UidTurns {
+    fn of(&self, uid: u32) -> Arc<Semaphore> {
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        // Forget the uids nobody is exchanging for (all permits back, no one else holding it).
+        map.retain(|_, s| Arc::strong_count(s) > 1);
+        let turns = map
+            .entry(uid)
+            .or_insert_with(|| Arc::new(Semaphore::new(MAX_EXCHANGES_PER_UID)));
+        turns.clone()
     }
 }
 
-impl Drop for UidSlot {
-    fn drop(&mut self) {
-        let mut map = self.counts.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = map.get_mut(&self.uid) {
-            *n -= 1;
-            if *n == 0 {
-                map.remove(&self.uid);
-            }
-        }
-    }
-}
-
-/// Reads the connection's one request and answers it.
+/// Reads the connection's one request and answers it. A peer the allow-lists refuse is told
+/// so after its request is read (answering before would cut its sending short), and whatever
+/// fds it passed are closed unused.
 fn exchange(stream: &UnixStream, peer: &Peer, daemon: &Daemon, access: &AccessCheck) {
+    let request = read_request(stream);
     if let Err(denied) = access.admit(peer) {
+        drop(request);
         let _ = reply_error(stream, &denied.to_string());
         return;
     }
-    let replied = match read_request(stream) {
+    let replied = match request {
         // Cut, reset or silent for 5 s: nobody to answer.
         Err(HandoffError::Io(e)) => {
             tracing::debug!(uid = peer.uid, error = %e, "handoff: exchange cut");

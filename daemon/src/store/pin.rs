@@ -120,10 +120,13 @@ mod tests {
         }
     }
 
+    /// One request: the chunks and how.
+    type Asked = (Vec<(usize, usize)>, PinAccess);
+
     /// Records what it is asked to lock; refuses what `refuse` says.
     #[derive(Default)]
     struct Recorder {
-        asked: Mutex<Vec<(Vec<(usize, usize)>, PinAccess)>>,
+        asked: Mutex<Vec<Asked>>,
         refuse: Vec<PinAccess>,
     }
 

@@ -275,6 +275,16 @@ mod tests {
         assert_eq!((store.upload_count(), store.shm.total()), (0, 0));
     }
 
+    /// Tensors of no bytes make an empty region: nothing to map, reserve or pin, and it commits.
+    #[test]
+    fn an_upload_of_empty_tensors_commits() {
+        let store = store_with(HostQuota::default());
+        let ticket = store.begin_upload(ME, "", vec![u8s("e", 0)]).unwrap();
+        assert_eq!(ticket.size, 0);
+        let (model, _) = store.commit_upload(ME, &ticket.upload_id).unwrap();
+        assert_eq!((model.total_bytes, model.slice(0).bytes()), (0, &[][..]));
+    }
+
     #[test]
     fn uploads_in_progress_are_bounded_for_the_whole_daemon() {
         let store = Store::new(

@@ -1,12 +1,14 @@
-//! Helpers shared by the end-to-end tests: an in-process daemon on a temporary socket and
-//! shared-memory directory, real safetensors files with seeded pseudo-random contents, byte
-//! checks of acquired groups against those files, and a raw gRPC connection for the messages
-//! the Rust client never sends.
+//! Helpers shared by the end-to-end tests: an in-process daemon on a temporary socket, real
+//! safetensors files with seeded pseudo-random contents, byte checks of acquired groups against
+//! those files, a raw gRPC connection for the messages the Rust client never sends, the
+//! handoff socket, and a second uid to attack the daemon from (`attacker`).
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use rand::{RngCore, SeedableRng};
@@ -17,11 +19,13 @@ use tokio::net::UnixStream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::transport::{Channel, Endpoint, Uri};
+use weightstream_client::handoff::{self, HandoffError};
 use weightstream_client::proto::client_message::Msg;
 use weightstream_client::proto::server_message::Msg as Reply;
 use weightstream_client::proto::weight_stream_client::WeightStreamClient;
 use weightstream_client::{Acquired, Client, Session, proto};
 use weightstream_daemon::config::{BackendChoice, ConfigFile};
+use weightstream_daemon::core::Daemon;
 use weightstream_daemon::server::{self, ServeError, ServerHandle};
 
 /// How long any single wait in a test may take before it counts as a hang.
@@ -53,13 +57,13 @@ where
 // ---------------------------------------------------------------------------------------------
 // The daemon
 
-/// An in-process daemon (host backend) on its own socket and shared-memory directory.
+/// An in-process daemon (host backend) on its own socket.
 pub struct TestDaemon {
     handle: Option<ServerHandle>,
+    /// The daemon's state (kept after a stop, to check what it let go).
+    pub core: Arc<Daemon>,
     pub socket: PathBuf,
-    pub shm_dir: PathBuf,
     _socket_tmp: TempDir,
-    _shm_tmp: TempDir,
 }
 
 pub async fn start_daemon() -> TestDaemon {
@@ -69,11 +73,9 @@ pub async fn start_daemon() -> TestDaemon {
 /// Starts a daemon after `adjust` has changed the test configuration (e.g. its limits).
 pub async fn start_daemon_with(adjust: impl FnOnce(&mut ConfigFile)) -> TestDaemon {
     let socket_tmp = tempfile::tempdir().expect("socket tempdir");
-    let shm_tmp = tempfile::tempdir().expect("shm tempdir");
     let socket = socket_tmp.path().join("ws.sock");
     let mut config = ConfigFile {
         socket: socket.clone(),
-        shm_dir: shm_tmp.path().to_path_buf(),
         backend: BackendChoice::Host,
         ..Default::default()
     };
@@ -81,11 +83,10 @@ pub async fn start_daemon_with(adjust: impl FnOnce(&mut ConfigFile)) -> TestDaem
     let config = config.validate().expect("test config is valid");
     let handle = server::start(config).await.expect("daemon starts");
     TestDaemon {
+        core: handle.daemon.clone(),
         handle: Some(handle),
         socket,
-        shm_dir: shm_tmp.path().to_path_buf(),
         _socket_tmp: socket_tmp,
-        _shm_tmp: shm_tmp,
     }
 }
 
@@ -101,25 +102,26 @@ impl TestDaemon {
             .expect("connect to the test daemon")
     }
 
-    /// Names of the files in the shared-memory directory, sorted.
-    pub fn shm_files(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.shm_dir)
-            .expect("read shm dir")
-            .map(|e| {
-                e.expect("shm dir entry")
-                    .file_name()
-                    .to_string_lossy()
-                    .into_owned()
-            })
-            .collect();
-        names.sort();
-        names
+    /// How many shared-memory segments (memfds) of one kind the daemon holds: "model" (a
+    /// loaded model's arena), "upload" (an upload region, in progress or committed: a
+    /// committed upload is its model's arena), "staging", "resident".
+    pub fn shm_count(&self, kind: &str) -> usize {
+        self.core.shm.live(kind)
     }
 
-    /// How many segments of one kind ("model", "upload", "staging", "resident") exist.
-    pub fn shm_count(&self, kind: &str) -> usize {
-        let tag = format!("-{kind}-");
-        self.shm_files().iter().filter(|n| n.contains(&tag)).count()
+    /// Shared-memory segments of every kind.
+    pub fn shm_total(&self) -> usize {
+        self.core.shm.total()
+    }
+
+    /// Uploads begun and not committed.
+    pub fn uploads(&self) -> usize {
+        self.core.store.upload_count()
+    }
+
+    /// The handoff socket, next to the gRPC socket.
+    pub fn handoff(&self) -> PathBuf {
+        handoff::handoff_path(&self.socket)
     }
 
     /// Stops the daemon and waits until it has (bounded by [`DEADLINE`]).
@@ -399,11 +401,89 @@ pub async fn stats(client: &mut Client, id: &str) -> proto::SessionStats {
         .expect("stats")
 }
 
-pub fn shm_path(region: &proto::Region) -> &str {
+/// The secret that fetches a host region's fd.
+pub fn fd_secret(region: &proto::Region) -> &str {
     match &region.handle {
-        Some(proto::region::Handle::ShmPath(p)) => p,
-        other => panic!("region {} has no shm path: {other:?}", region.index),
+        Some(proto::region::Handle::FdSecret(s)) => s,
+        other => panic!("region {} has no fd secret: {other:?}", region.index),
     }
+}
+
+/// `GET <secret>` on the handoff socket of `socket`, off the runtime (it blocks).
+pub async fn fetch_fd(socket: &Path, secret: &str) -> Result<(OwnedFd, u64), HandoffError> {
+    let (path, secret) = (handoff::handoff_path(socket), secret.to_string());
+    tokio::task::spawn_blocking(move || handoff::get_fd(&path, &secret))
+        .await
+        .expect("handoff task")
+}
+
+/// `PUT` of `files` on the handoff socket of `socket`; the token.
+pub async fn put_files(socket: &Path, files: Vec<std::fs::File>) -> Result<String, HandoffError> {
+    let path = handoff::handoff_path(socket);
+    tokio::task::spawn_blocking(move || {
+        let fds: Vec<_> = files.iter().map(|f| f.as_fd()).collect();
+        handoff::put_fds(&path, &fds)
+    })
+    .await
+    .expect("handoff task")
+}
+
+/// The bytes of a host region, through a read-only fd of it.
+pub async fn region_bytes(socket: &Path, region: &proto::Region) -> Vec<u8> {
+    use std::io::Read;
+    let (fd, size) = fetch_fd(socket, fd_secret(region))
+        .await
+        .expect("GET region");
+    let mut bytes = Vec::new();
+    std::fs::File::from(fd).read_to_end(&mut bytes).unwrap();
+    assert_eq!(bytes.len() as u64, size);
+    bytes
+}
+
+/// Which memfd a host region is (its inode): two sessions' secrets of one shared region give
+/// the same.
+pub async fn region_inode(socket: &Path, region: &proto::Region) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let (fd, _) = fetch_fd(socket, fd_secret(region))
+        .await
+        .expect("GET region");
+    std::fs::File::from(fd).metadata().unwrap().ino()
+}
+
+/// LoadModel through the raw protocol: opens `paths` here, passes them, and names them
+/// `names` (the display paths; the daemon never opens them).
+pub async fn raw_load(
+    rpc: &mut WeightStreamClient<Channel>,
+    socket: &Path,
+    paths: &[PathBuf],
+    names: &[&str],
+) -> Result<proto::ModelManifest, tonic::Status> {
+    let files = paths
+        .iter()
+        .map(|p| std::fs::File::open(p).unwrap())
+        .collect();
+    let fd_token = put_files(socket, files).await.expect("PUT");
+    load_with_token(rpc, names, &fd_token).await
+}
+
+/// LoadModel with a token (or none) as given; the manifest, or the status it ended with.
+pub async fn load_with_token(
+    rpc: &mut WeightStreamClient<Channel>,
+    names: &[&str],
+    fd_token: &str,
+) -> Result<proto::ModelManifest, tonic::Status> {
+    let request = proto::LoadModelRequest {
+        paths: names.iter().map(|n| n.to_string()).collect(),
+        name: String::new(),
+        fd_token: fd_token.to_string(),
+    };
+    let mut events = rpc.load_model(request).await?.into_inner();
+    while let Some(event) = events.message().await? {
+        if let Some(proto::load_model_event::Event::Manifest(m)) = event.event {
+            return Ok(m);
+        }
+    }
+    Err(tonic::Status::unknown("LoadModel ended without a manifest"))
 }
 
 pub async fn model_listed(client: &mut Client, id: &str) -> Option<proto::ModelManifest> {
@@ -456,38 +536,24 @@ pub async fn raw_channel(socket: &Path) -> Channel {
         .expect("raw connection")
 }
 
-/// Uploads `tensors` through the raw protocol, keeping the upload file open as a client that
-/// still holds its mapping would; returns the manifest and that file.
-pub async fn upload_keeping_the_file(
+/// Uploads `tensors` through the raw protocol, keeping the region's fd (read-write, as the
+/// uploader got it) as a client that holds on to it would; returns the manifest and that fd.
+pub async fn upload_keeping_the_fd(
     socket: &Path,
     tensors: &[Tensor],
 ) -> (proto::ModelManifest, std::fs::File) {
     use std::os::unix::fs::FileExt;
     let mut raw = raw_client(socket).await;
     let begun = raw
-        .begin_upload(proto::BeginUploadRequest {
-            name: "held".into(),
-            tensors: tensors
-                .iter()
-                .map(|t| {
-                    let d = t.as_upload();
-                    proto::TensorInfo {
-                        name: d.name.to_string(),
-                        dtype: d.dtype as i32,
-                        shape: d.shape.to_vec(),
-                        nbytes: 0,
-                    }
-                })
-                .collect(),
-        })
+        .begin_upload(upload_request("held", tensors))
         .await
         .unwrap()
         .into_inner();
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&begun.shm_path)
-        .unwrap();
+    let (fd, size) = fetch_fd(socket, &begun.fd_secret)
+        .await
+        .expect("GET upload");
+    assert_eq!(size, begun.size);
+    let file = std::fs::File::from(fd);
     for (slot, t) in begun.tensors.iter().zip(tensors) {
         file.write_all_at(t.as_upload().bytes, slot.offset).unwrap();
     }
@@ -498,12 +564,26 @@ pub async fn upload_keeping_the_file(
         .await
         .unwrap()
         .into_inner();
-    // The daemon copied the bytes into its own segment and removed the upload file.
-    assert!(
-        !Path::new(&begun.shm_path).exists(),
-        "upload file left behind"
-    );
     (committed.manifest.unwrap(), file)
+}
+
+/// A BeginUpload request declaring `tensors`.
+pub fn upload_request(name: &str, tensors: &[Tensor]) -> proto::BeginUploadRequest {
+    proto::BeginUploadRequest {
+        name: name.into(),
+        tensors: tensors
+            .iter()
+            .map(|t| {
+                let d = t.as_upload();
+                proto::TensorInfo {
+                    name: d.name.to_string(),
+                    dtype: d.dtype as i32,
+                    shape: d.shape.to_vec(),
+                    nbytes: 0,
+                }
+            })
+            .collect(),
+    }
 }
 
 /// A `Run` stream driven message by message.

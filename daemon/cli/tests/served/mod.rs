@@ -12,7 +12,6 @@ pub const START_DEADLINE: Duration = Duration::from_secs(30);
 pub struct Served {
     child: Child,
     pub socket: PathBuf,
-    pub shm_dir: PathBuf,
     log: PathBuf,
 }
 
@@ -27,35 +26,35 @@ pub fn wait_for(what: &str, deadline: Duration, mut done: impl FnMut() -> bool) 
 }
 
 impl Served {
-    /// Starts `weightstream serve` with its socket and shared memory under `dir` (a restart
-    /// passes the same `dir`: same socket, same shm directory) and waits until it accepts.
+    /// Starts `weightstream serve` with its socket under `dir` (a restart passes the same
+    /// `dir`: same socket) and waits until it accepts. Every client of these tests is one uid:
+    /// the per-uid session and upload quotas are off.
     pub fn start(dir: &Path) -> Served {
         let socket = dir.join("ws.sock");
-        let shm_dir = dir.join("shm");
-        std::fs::create_dir_all(&shm_dir).expect("shm dir");
         let log = dir.join("daemon.log");
+        let config = dir.join("one-uid.toml");
+        std::fs::write(
+            &config,
+            "[quotas]\nper_uid_sessions = 0\nper_uid_uploads = 0\n",
+        )
+        .expect("config");
         let log_file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log)
             .expect("daemon log");
         let child = Command::new(env!("CARGO_BIN_EXE_weightstream"))
-            .args(["serve", "--backend", "host", "--socket"])
+            .args(["serve", "--backend", "host", "--config"])
+            .arg(&config)
+            .arg("--socket")
             .arg(&socket)
-            .arg("--shm-dir")
-            .arg(&shm_dir)
             .env("WEIGHTSTREAM_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()
             .expect("spawn weightstream serve");
-        let mut served = Served {
-            child,
-            socket,
-            shm_dir,
-            log,
-        };
+        let mut served = Served { child, socket, log };
         // A killed daemon's socket file stays until the new one claims it: wait for an
         // accepted connection, not for the file.
         wait_for("daemon accepting", START_DEADLINE, || {
@@ -93,23 +92,35 @@ impl Served {
             .expect("VmRSS in /proc/PID/status")
     }
 
-    /// Names of the files in the shared-memory directory, sorted.
-    pub fn shm_files(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.shm_dir)
-            .expect("read shm dir")
-            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+    /// The daemon's shared memory: the kinds of the memfds among its open fds (/proc shows
+    /// one as "/memfd:weightstream-KIND (deleted)"), sorted. A committed upload stays an
+    /// "upload": it is its model's arena.
+    pub fn memfds(&self) -> Vec<String> {
+        let mut kinds: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .expect("/proc/PID/fd")
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter_map(|link| {
+                let link = link.to_string_lossy().into_owned();
+                let name = link.strip_prefix("/memfd:")?;
+                let name = name.strip_suffix(" (deleted)").unwrap_or(name);
+                Some(
+                    name.strip_prefix("weightstream-")
+                        .unwrap_or(name)
+                        .to_string(),
+                )
+            })
             .collect();
-        names.sort();
-        names
+        kinds.sort();
+        kinds
     }
 
-    /// How many segments of one kind ("model", "upload", "staging", "resident") exist.
+    /// How many memfds of one kind ("model", "upload", "staging", "resident") it holds.
     pub fn shm_count(&self, kind: &str) -> usize {
-        let tag = format!("-{kind}-");
-        self.shm_files().iter().filter(|n| n.contains(&tag)).count()
+        self.memfds().iter().filter(|k| *k == kind).count()
     }
 
-    /// SIGKILL: no drain, no cleanup; the socket file and the shared memory stay behind.
+    /// SIGKILL: no drain, no cleanup; the socket files stay behind (the shared memory goes
+    /// with the process: memfds have no name).
     pub fn kill(&mut self) {
         self.child.kill().expect("SIGKILL the daemon");
         self.child.wait().expect("reap the daemon");

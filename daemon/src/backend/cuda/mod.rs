@@ -436,6 +436,51 @@ mod tests {
         region.alloc.read(0, len).unwrap()
     }
 
+    /// On a GPU: a sealed upload (a memfd sealed against writes, mapped read-only: what a
+    /// commit makes the model's arena) is page-locked in place with `READ_ONLY`, and copies
+    /// from it land; a model arena the daemon wrote (sealed against resizing only) is
+    /// page-locked read-write as before. Whether the driver refuses a writable registration of
+    /// the read-only mapping (why the flag is passed) is printed.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn on_a_gpu_a_sealed_upload_is_pinned_read_only_in_place() {
+        use std::os::unix::fs::FileExt;
+
+        use crate::mem::PinAccess;
+        use crate::mem::shm::{Access, ShmSegment};
+        let backend = Arc::new(CudaBackend::new().expect("a CUDA device"));
+        let shm = Shm::new();
+        let n = 64 << 20;
+        let data = pattern(n);
+        let memfd = shm.create_upload(n as u64).unwrap();
+        let writer = std::fs::File::from(memfd.share(Access::ReadWrite).unwrap());
+        writer.write_all_at(&data, 0).unwrap();
+        memfd.seal_writes().unwrap();
+        let sealed = ShmSegment::sealed(memfd).unwrap();
+        let chunk = [(sealed.bytes().as_ptr() as usize, n)];
+        match backend.pin_host(&chunk, PinAccess::ReadWrite) {
+            Ok(_) => println!("a writable registration of the read-only mapping was accepted"),
+            Err(e) => println!("a writable registration of the read-only mapping: {e}"),
+        }
+        let pin = backend
+            .pin_host(&chunk, PinAccess::ReadOnly)
+            .expect("READ_ONLY registration of a sealed memfd");
+        assert!(pin.is_some());
+        let source = HostSlice::new(Arc::new(HostArena::new(sealed, pin)), 0, n as u64);
+        let region = backend.alloc_region(0, n as u64, "resident").unwrap();
+        let mut job = CopyJob::copy(region.clone(), vec![(source, 0)]);
+        job.synchronous = true;
+        backend.copy(0, job).unwrap();
+        assert!(region_bytes(&region, n) == data, "the bytes differ");
+
+        let written = source_with(&backend, &data);
+        let region = backend.alloc_region(0, n as u64, "staging").unwrap();
+        let mut job = CopyJob::copy(region.clone(), vec![(written, 0)]);
+        job.synchronous = true;
+        backend.copy(0, job).unwrap();
+        assert!(region_bytes(&region, n) == data, "the bytes differ");
+    }
+
     /// On a GPU: `cargo test -p weightstream-daemon --lib -- --ignored on_a_gpu`. A queued copy
     /// holds its source arena (and its page-lock) after the store and model are gone, until a
     /// poll sees the stream past it; its device time is then reported, and the bytes landed.

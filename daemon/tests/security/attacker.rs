@@ -1,0 +1,204 @@
+//! The attacker of `security.rs`: user `ws-attacker` (tests/run.sh creates it when run as
+//! root), running that test binary's `attacker_acts` to do one thing to the daemon and print
+//! what it got (`RESULT …`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use weightstream_client::HandoffError;
+use weightstream_daemon::config::ConfigFile;
+
+use super::common::*;
+
+/// User `ws-attacker`'s uid and gid; `None` (the test is skipped) when this is not root or
+/// the user does not exist, unless WEIGHTSTREAM_REQUIRE_ROOT=1, which fails the test instead.
+pub fn attacker() -> Option<(u32, u32)> {
+    let required = std::env::var("WEIGHTSTREAM_REQUIRE_ROOT").is_ok_and(|v| v == "1");
+    let skip = |why: &str| {
+        assert!(!required, "WEIGHTSTREAM_REQUIRE_ROOT=1: {why}");
+        eprintln!("skipped: {why}");
+        None
+    };
+    if !rustix::process::geteuid().is_root() {
+        return skip("the attacker runs as another uid: run the tests as root");
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    let found = passwd.lines().find_map(|line| {
+        let f: Vec<&str> = line.split(':').collect();
+        if f.len() < 4 || f[0] != "ws-attacker" {
+            return None;
+        }
+        Some((f[2].parse().ok()?, f[3].parse().ok()?))
+    });
+    match found {
+        Some(ids) => Some(ids),
+        None => skip("no user ws-attacker (tests/run.sh creates it)"),
+    }
+}
+
+/// A daemon the attacker can reach: the socket's group is the attacker's group, and the
+/// socket's directory is open to it.
+pub async fn daemon_for(attacker_gid: u32, adjust: impl FnOnce(&mut ConfigFile)) -> TestDaemon {
+    let daemon = start_daemon_with(|c| {
+        c.socket_group = Some(attacker_gid.to_string());
+        adjust(c);
+    })
+    .await;
+    let dir = daemon.socket.parent().unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+    daemon
+}
+
+/// This test binary, where `ws-attacker` may run it: where it is, or (when it lies under a
+/// directory closed to others, a home say) a copy in a temporary directory.
+fn attacker_exe((uid, gid): (u32, u32)) -> &'static Path {
+    static EXE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    EXE.get_or_init(|| {
+        let exe = std::env::current_exe().unwrap();
+        let runs = Command::new(&exe)
+            .args(["--list", "--exact", "attacker_acts"])
+            .current_dir("/")
+            .uid(uid)
+            .gid(gid)
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if runs {
+            return exe;
+        }
+        // One place per test binary, reused by later runs (rewritten: it may be stale).
+        let tag = blake3::hash(exe.as_os_str().as_encoded_bytes()).to_hex();
+        let dir = std::env::temp_dir().join(format!("ws-attacker-{}", &tag[..16]));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let (partial, copy) = (
+            dir.join(std::process::id().to_string()),
+            dir.join("attacker"),
+        );
+        std::fs::copy(&exe, &partial).unwrap();
+        std::fs::rename(&partial, &copy).unwrap();
+        copy
+    })
+}
+
+/// Runs this test binary's `attacker_acts` as `ws-attacker`, doing `action` with `args`.
+pub fn spawn_attacker(ids: (u32, u32), socket: &Path, action: &str, args: &[&str]) -> Child {
+    let (uid, gid) = ids;
+    Command::new(attacker_exe(ids))
+        .args(["--exact", "attacker_acts", "--ignored", "--nocapture"])
+        .current_dir("/")
+        .env("WS_ATTACK", action)
+        .env("WS_SOCKET", socket)
+        .env("WS_ARGS", args.join("\n"))
+        .uid(uid)
+        .gid(gid)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn the attacker")
+}
+
+/// The attacker's first `RESULT` line (what it got). Its output is read to the end on a
+/// thread of its own (a closed pipe would fail the attacker's last words).
+pub async fn result_of(child: &mut Child) -> String {
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if let Some(result) = line.strip_prefix("RESULT ") {
+                let _ = tx.send(result.to_string());
+            }
+        }
+    });
+    let first = tokio::task::spawn_blocking(move || rx.recv_timeout(DEADLINE));
+    within("the attacker's result", first)
+        .await
+        .unwrap()
+        .expect("the attacker printed no RESULT (it panicked: see its output above)")
+}
+
+/// Runs the attacker to its end; what it got.
+pub async fn attack(ids: (u32, u32), socket: &Path, action: &str, args: &[&str]) -> String {
+    let mut child = spawn_attacker(ids, socket, action, args);
+    drop(child.stdin.take());
+    let result = result_of(&mut child).await;
+    let status = tokio::task::spawn_blocking(move || child.wait()).await;
+    assert!(status.unwrap().unwrap().success(), "the attacker failed");
+    result
+}
+
+fn status_line(status: &tonic::Status) -> String {
+    format!("{:?}: {}", status.code(), status.message())
+}
+
+pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
+    let names: Vec<&str> = args.iter().skip(1).map(String::as_str).collect();
+    match action {
+        // Open a file, as the attacker.
+        "open" => match std::fs::File::open(&args[0]) {
+            Ok(_) => "opened".into(),
+            Err(e) => format!("errno {}", e.raw_os_error().unwrap_or(0)),
+        },
+        // LoadModel with a token (args[0]; may be empty) and display paths.
+        "load-token" => {
+            let mut rpc = raw_client(socket).await;
+            match load_with_token(&mut rpc, &names, &args[0]).await {
+                Ok(m) => format!("loaded {}", m.model_id),
+                Err(s) => status_line(&s),
+            }
+        }
+        // Pass its own file (args[0]) and name it as it likes (args[1..]).
+        "load-own" => {
+            let mut rpc = raw_client(socket).await;
+            match raw_load(&mut rpc, socket, &[PathBuf::from(&args[0])], &names).await {
+                Ok(m) => {
+                    let mut tensors: Vec<&str> =
+                        m.tensors.iter().map(|t| t.name.as_str()).collect();
+                    tensors.sort();
+                    format!(
+                        "loaded {} named {} with {}",
+                        m.model_id,
+                        m.name,
+                        tensors.join(",")
+                    )
+                }
+                Err(s) => status_line(&s),
+            }
+        }
+        // GET each secret.
+        "get" => {
+            let mut got = Vec::new();
+            for secret in args {
+                got.push(match fetch_fd(socket, secret).await {
+                    Ok((_, size)) => format!("got {size} bytes"),
+                    Err(HandoffError::Refused(m)) => format!("refused: {m}"),
+                    Err(e) => format!("failed: {e}"),
+                });
+            }
+            got.join(" | ")
+        }
+        // Open a session on model args[0] and keep it until stdin closes.
+        "session" => {
+            let mut client = weightstream_client::Client::connect(Some(socket))
+                .await
+                .unwrap();
+            let manifest = model_listed(&mut client, &args[0]).await.unwrap();
+            let groups = per_tensor_groups(&manifest);
+            let session = client
+                .open_session(options(&args[0], groups, 0, 1 << 20))
+                .await
+                .unwrap();
+            println!("RESULT session {}", session.id());
+            std::io::stdout().flush().unwrap();
+            tokio::task::spawn_blocking(|| std::io::stdin().lines().count())
+                .await
+                .unwrap();
+            session.close().await.unwrap();
+            "closed".into()
+        }
+        other => panic!("unknown attack {other}"),
+    }
+}
