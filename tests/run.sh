@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every test that runs without a GPU: formatting, lints, the Rust unit and integration tests
-# (the daemon end to end on its host backend, the CLI and `weightstream demo`), and the Python
-# linter. Installs what it needs from the package registries. GPU suites live in tests/gpu/.
+# (the daemon end to end on its host backend, the CLI and `weightstream demo`), the Python client
+# (built by maturin: editable, and its abi3 wheel in a fresh venv) against the daemon, and the
+# Python linter. Installs what it needs from the package registries. GPU suites live in tests/gpu/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,13 +48,39 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test"
 cargo test --workspace --locked
 
-step "python: .venv with the pinned test requirements (torch, peft, grpcio, pytest)"
+step "python: .venv with the pinned test requirements (torch, peft, grpcio-tools, pytest, maturin)"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e client-py
 
-step "generated Python stubs are current"
-PYTHON=.venv/bin/python client-py/scripts/gen_proto.sh --check
+step "python: pip install -e client-py (maturin builds weightstream._native, dev profile, in target/)"
+# The extension is a workspace member: maturin builds it into the workspace's target/ with the
+# dev profile (pyproject's editable-profile), reusing what cargo built above where it can; maturin
+# comes from the requirements (no build isolation: nothing to download).
+PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -m pip install --quiet --disable-pip-version-check \
+    --no-build-isolation -e client-py
+
+step "python: the abi3 wheel installs into a fresh venv and imports (no torch there)"
+# The GPU machine (no Rust) installs a wheel: `maturin build --release`. CI checks the wheel
+# itself (tag, layout, import, a call) with the dev profile the editable install just built.
+rm -rf target/wheels target/wheel-venv
+.venv/bin/maturin build --quiet --profile dev --manifest-path client-py/Cargo.toml \
+    --out target/wheels
+ls target/wheels/weightstream-0.1.0-cp310-abi3-linux_x86_64.whl
+python3 -m venv target/wheel-venv
+target/wheel-venv/bin/python -m pip install --quiet --disable-pip-version-check \
+    target/wheels/weightstream-0.1.0-cp310-abi3-linux_x86_64.whl
+wheel_python="$PWD/target/wheel-venv/bin/python"
+(cd /tmp && "$wheel_python" -c '
+import weightstream, weightstream._native as native
+assert native.__file__.endswith("_native.abi3.so"), native.__file__
+client = weightstream.connect("/nonexistent/ws.sock")
+try:
+    client.info()
+except weightstream.DaemonUnavailable as e:
+    print("wheel ok:", e)
+else:
+    raise SystemExit("a missing daemon answered")
+')
 
 step "pytest (the Python client and weightstream.torch against the daemon's host backend)"
 cargo build --locked --bin weightstream

@@ -42,7 +42,9 @@ use tonic::transport::{Channel, Endpoint, Uri};
 pub use crate::error::ClientError;
 pub use crate::handoff::HandoffError;
 use crate::proto::weight_stream_client::WeightStreamClient;
-pub use crate::session::{Acquired, Session, SessionOptions};
+pub use crate::session::{Acquired, Session, SessionOptions, Submitted};
+/// The gRPC status code of a [`ClientError::Rejected`].
+pub use tonic::Code;
 
 pub mod proto {
     tonic::include_proto!("weightstream.v1");
@@ -90,30 +92,57 @@ impl Client {
     /// Connects now, so that a missing daemon is an error here rather than a hang later.
     pub async fn connect(socket: Option<&Path>) -> Result<Client, ClientError> {
         let socket = Client::socket_path(socket);
-        let unavailable = |reason: String| ClientError::Unavailable {
-            socket: socket.clone(),
-            reason,
-        };
-        let path = socket.clone();
-        // The URI is a placeholder: the connector below dials the socket.
-        let channel = Endpoint::from_static("http://weightstream.local")
-            .connect_timeout(Duration::from_secs(5))
-            .connect_with_connector(tower::service_fn(move |_: Uri| {
-                let path = path.clone();
-                async move {
-                    let stream = UnixStream::connect(path).await?;
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
-                }
-            }))
+        let channel = Client::endpoint()
+            .connect_with_connector(Client::dialer(&socket))
             .await
-            .map_err(|e| unavailable(error::source_chain(&e)))?;
-        Ok(Client {
+            .map_err(|e| ClientError::Unavailable {
+                socket: socket.clone(),
+                reason: error::source_chain(&e),
+            })?;
+        Ok(Client::with_channel(channel, socket))
+    }
+
+    /// A client that connects on its first call (a missing daemon is an error there, at once)
+    /// and again after the connection is lost. Must be called within a tokio runtime.
+    pub fn connect_lazy(socket: Option<&Path>) -> Client {
+        let socket = Client::socket_path(socket);
+        let channel = Client::endpoint().connect_with_connector_lazy(Client::dialer(&socket));
+        Client::with_channel(channel, socket)
+    }
+
+    fn endpoint() -> Endpoint {
+        // The URI is a placeholder: the connector dials the socket.
+        Endpoint::from_static("http://weightstream.local").connect_timeout(Duration::from_secs(5))
+    }
+
+    fn dialer(
+        socket: &Path,
+    ) -> impl tower::Service<
+        Uri,
+        Response = hyper_util::rt::TokioIo<UnixStream>,
+        Error = std::io::Error,
+        Future = impl Send,
+    > + Clone
+    + Send
+    + 'static {
+        let path = socket.to_path_buf();
+        tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move {
+                let stream = UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        })
+    }
+
+    fn with_channel(channel: Channel, socket: PathBuf) -> Client {
+        Client {
             rpc: WeightStreamClient::new(channel)
                 .max_decoding_message_size(1 << 30)
                 .max_encoding_message_size(1 << 30),
             socket,
             loaded: Arc::default(),
-        })
+        }
     }
 
     /// Dials the socket again until a daemon answers `GetInfo` there (a restarted one), or
@@ -140,7 +169,13 @@ impl Client {
                 },
             };
             if Instant::now() + RECONNECT_INTERVAL >= deadline {
-                return Err(error);
+                return Err(match error {
+                    ClientError::Unavailable { socket, reason } => ClientError::Unavailable {
+                        socket,
+                        reason: format!("no daemon answered within {timeout:?}: {reason}"),
+                    },
+                    other => other,
+                });
             }
             tokio::time::sleep(RECONNECT_INTERVAL).await;
         }
@@ -188,6 +223,14 @@ impl Client {
             },
             other => other,
         })
+    }
+
+    /// Fetches the fd of a region or upload that the daemon named by `secret` (an `fd_secret`)
+    /// from its handoff socket: the fd and the region's size.
+    pub async fn fetch_fd(&self, secret: &str) -> Result<(std::os::fd::OwnedFd, u64), ClientError> {
+        let secret = secret.to_string();
+        self.handoff(move |socket| Ok(handoff::get_fd(socket, &secret)?))
+            .await
     }
 
     fn status(&self, status: tonic::Status) -> ClientError {
@@ -256,37 +299,51 @@ impl Client {
         name: &str,
         tensors: &[TensorData<'_>],
     ) -> Result<(proto::ModelManifest, bool), ClientError> {
-        let request = proto::BeginUploadRequest {
-            name: name.to_string(),
-            tensors: tensors
-                .iter()
-                .map(|t| proto::TensorInfo {
-                    name: t.name.to_string(),
-                    dtype: t.dtype as i32,
-                    shape: t.shape.to_vec(),
-                    nbytes: t.bytes.len() as u64,
-                })
-                .collect(),
-        };
-        let begun = self
-            .rpc
-            .begin_upload(request)
-            .await
-            .map_err(|s| self.status(s))?
-            .into_inner();
+        let infos: Vec<_> = tensors
+            .iter()
+            .map(|t| proto::TensorInfo {
+                name: t.name.to_string(),
+                dtype: t.dtype as i32,
+                shape: t.shape.to_vec(),
+                nbytes: t.bytes.len() as u64,
+            })
+            .collect();
+        let begun = self.begin_upload(name, infos).await?;
         let secret = begun.fd_secret.clone();
         let (region, _) = self
             .handoff(move |socket| Ok(handoff::get_fd(socket, &secret)?))
             .await?;
         session::write_upload(region, &begun, tensors)?;
-        let committed = self
-            .rpc
-            .commit_upload(proto::CommitUploadRequest {
-                upload_id: begun.upload_id,
-            })
-            .await
-            .map_err(|s| self.status(s))?
-            .into_inner();
+        self.commit_upload(&begun.upload_id).await
+    }
+
+    /// The first step of [`Client::upload_model`]: declares the tensors (name, dtype, shape;
+    /// `nbytes` 0 or exact) and gets the region to write them into. The daemon drops an
+    /// upload that is never committed when this client's connection goes.
+    pub async fn begin_upload(
+        &mut self,
+        name: &str,
+        tensors: Vec<proto::TensorInfo>,
+    ) -> Result<proto::BeginUploadResponse, ClientError> {
+        let request = proto::BeginUploadRequest {
+            name: name.to_string(),
+            tensors,
+        };
+        let r = self.rpc.begin_upload(request).await;
+        Ok(r.map_err(|s| self.status(s))?.into_inner())
+    }
+
+    /// The last step of [`Client::upload_model`]: turns a filled (and unmapped) upload into a
+    /// model; returns the manifest and whether an identical model was already in the store.
+    pub async fn commit_upload(
+        &mut self,
+        upload_id: &str,
+    ) -> Result<(proto::ModelManifest, bool), ClientError> {
+        let request = proto::CommitUploadRequest {
+            upload_id: upload_id.to_string(),
+        };
+        let r = self.rpc.commit_upload(request).await;
+        let committed = r.map_err(|s| self.status(s))?.into_inner();
         let manifest = committed
             .manifest
             .ok_or_else(|| ClientError::Protocol("CommitUpload without a manifest".into()))?;
@@ -345,6 +402,50 @@ impl Client {
             repeated_token(&page_token, &page.next_page_token, "ListSessions")?;
             page_token = page.next_page_token;
         }
+    }
+
+    /// Makes sure the daemon has `model_id`: opens and loads again the paths this client loaded
+    /// it from when it does not (a restarted daemon starts empty). True when it loaded it
+    /// again; false when the daemon has it, or when this client did not load it from files
+    /// (then `OpenSession` says NOT_FOUND with the id: upload it again first).
+    pub async fn restore_model(&mut self, model_id: &str) -> Result<bool, ClientError> {
+        let listed = self.list_models().await?;
+        if listed.models.iter().any(|m| m.model_id == model_id) {
+            return Ok(false);
+        }
+        let Some(paths) = self.loaded_from(model_id) else {
+            return Ok(false);
+        };
+        let manifest = self.load_model(&paths, "", |_| {}).await?;
+        if manifest.model_id != model_id {
+            self.release_model(&manifest.model_id).await?;
+            return Err(ClientError::Rejected {
+                code: tonic::Code::FailedPrecondition,
+                message: format!(
+                    "loading {paths:?} again gave model {}, not {model_id}: the files changed",
+                    manifest.model_id
+                ),
+            });
+        }
+        Ok(true)
+    }
+
+    /// The paths of every model this client (or a clone) loaded from files, by model id;
+    /// empty if another thread is updating the table right now (a forked child whose parent
+    /// was doing so then).
+    pub fn loaded_models(&self) -> HashMap<String, Vec<PathBuf>> {
+        match self.loaded.try_lock() {
+            Ok(loaded) => loaded.clone(),
+            Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().clone(),
+            Err(std::sync::TryLockError::WouldBlock) => HashMap::new(),
+        }
+    }
+
+    /// Adds to the models this client can load again in [`Client::restore_model`] (e.g. those
+    /// of a client of the parent process, after a fork).
+    pub fn remember_loaded(&self, models: HashMap<String, Vec<PathBuf>>) {
+        let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        loaded.extend(models);
     }
 
     /// Opens a session and attaches its hot-path stream.

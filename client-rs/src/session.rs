@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -36,6 +36,9 @@ pub struct SessionOptions {
     pub label: String,
     /// Record the first step's acquisitions and send them as the plan at `end_step`.
     pub record_plan: bool,
+    /// Map the host backend's regions into this process, so that views carry their bytes.
+    /// Off for a caller that maps them itself from [`Session::region_fd`] (the Python client).
+    pub map_host_regions: bool,
 }
 
 impl SessionOptions {
@@ -48,6 +51,7 @@ impl SessionOptions {
             groups,
             label: String::new(),
             record_plan: true,
+            map_host_regions: true,
         }
     }
 
@@ -79,10 +83,10 @@ struct Recorder {
 }
 
 /// A region as this process sees it: the host backend's shared memory (its fd fetched from the
-/// handoff socket), mapped read-only, or device memory (CUDA), which this client does not map:
-/// its views carry no bytes.
+/// handoff socket, kept open), mapped read-only unless the options say not to, or device memory
+/// (CUDA), which this client does not map: its views carry no bytes.
 enum MappedRegion {
-    Host(Mmap),
+    Host { file: File, map: Option<Mmap> },
     Device { size: u64 },
 }
 
@@ -96,6 +100,8 @@ pub struct Session {
     tx: mpsc::UnboundedSender<proto::ClientMessage>,
     routes: Arc<Mutex<Routes>>,
     next_ticket: AtomicU64,
+    /// The first ticket number of this opening (those below belong to one before a reconnect).
+    first_ticket: u64,
     recorder: Mutex<Recorder>,
     /// The last plan sent, sent again by `reconnect`.
     plan: Mutex<Option<Vec<u32>>>,
@@ -105,7 +111,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-async fn map_region(client: &Client, region: &proto::Region) -> Result<MappedRegion, ClientError> {
+async fn map_region(
+    client: &Client,
+    region: &proto::Region,
+    map: bool,
+) -> Result<MappedRegion, ClientError> {
     match &region.handle {
         Some(proto::region::Handle::FdSecret(secret)) => {
             let secret = secret.clone();
@@ -119,6 +129,9 @@ async fn map_region(client: &Client, region: &proto::Region) -> Result<MappedReg
                 )));
             }
             let file = File::from(fd);
+            if !map {
+                return Ok(MappedRegion::Host { file, map: None });
+            }
             // SAFETY: the daemon made this shared memory for this session and never shrinks
             // it while the session lives; we only read bytes it says are staged.
             let map = unsafe { MmapOptions::new().len(region.size as usize).map(&file) }.map_err(
@@ -127,7 +140,10 @@ async fn map_region(client: &Client, region: &proto::Region) -> Result<MappedReg
                     source,
                 },
             )?;
-            Ok(MappedRegion::Host(map))
+            Ok(MappedRegion::Host {
+                file,
+                map: Some(map),
+            })
         }
         Some(proto::region::Handle::CudaIpcHandle(_)) => {
             Ok(MappedRegion::Device { size: region.size })
@@ -161,7 +177,7 @@ impl Session {
             .into_inner();
         let mut regions = Vec::with_capacity(opened.regions.len());
         for region in &opened.regions {
-            regions.push(map_region(&client, region).await?);
+            regions.push(map_region(&client, region, options.map_host_regions).await?);
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let attach = proto::ClientMessage {
@@ -199,6 +215,7 @@ impl Session {
             tx,
             routes,
             next_ticket: AtomicU64::new(1),
+            first_ticket: 1,
             plan: Mutex::new(None),
         })
     }
@@ -218,25 +235,42 @@ impl Session {
         model_id: Option<&str>,
         timeout: Duration,
     ) -> Result<(), ClientError> {
-        // A live old stream ends here, so a daemon that is still up tears the old session down.
+        self.disconnect();
+        let mut client = self.client.clone();
+        client.reconnect(timeout).await?;
+        let model_id = model_id.unwrap_or(&self.options.model_id).to_string();
+        client.restore_model(&model_id).await?;
+        self.reopen(client, &model_id).await
+    }
+
+    /// Ends the session's stream (a daemon that is still up tears the session down): acquires
+    /// in flight and later ones fail with [`ClientError::SessionEnded`] ("the session was
+    /// reconnected") until [`Session::reopen`]. The first half of [`Session::reconnect`], for
+    /// a caller that restores the model itself in between.
+    pub fn disconnect(&mut self) {
         let (dead, _) = mpsc::unbounded_channel();
         drop(std::mem::replace(&mut self.tx, dead));
         lock(&self.routes)
             .ended
             .get_or_insert_with(|| "the session was reconnected".into());
-        let mut client = self.client.clone();
-        client.reconnect(timeout).await?;
-        let model_id = model_id.unwrap_or(&self.options.model_id).to_string();
-        restore_model(&mut client, &model_id).await?;
+    }
+
+    /// Opens this session again through `client` (one that answers: see
+    /// [`Client::reconnect`]) with `model_id`, which the daemon must have: the second half of
+    /// [`Session::reconnect`]. The plan last sent is sent again; a first step still being
+    /// recorded is recorded again; ticket numbers go on from the old session's. On failure the
+    /// session stays disconnected and may be reopened again.
+    pub async fn reopen(&mut self, client: Client, model_id: &str) -> Result<(), ClientError> {
+        self.disconnect();
         let mut options = self.options.clone();
-        options.model_id = model_id;
-        let recording = lock(&self.recorder).recording;
-        options.record_plan = recording;
-        let plan = lock(&self.plan).take();
+        options.model_id = model_id.to_string();
+        options.record_plan = lock(&self.recorder).recording;
+        let plan = lock(&self.plan).clone();
         let next_ticket = self.next_ticket.load(Ordering::Relaxed);
         *self = Session::open(client, options).await?;
-        // Ticket numbers go on from the old session's: a stale number is never reused.
+        // A stale number is never reused.
         self.next_ticket.store(next_ticket, Ordering::Relaxed);
+        self.first_ticket = next_ticket;
         if let Some(plan) = plan {
             self.send_plan(plan);
         }
@@ -276,46 +310,117 @@ impl Session {
 
     /// Acquires a group; the returned view releases it when dropped.
     pub async fn acquire(&self, group: u32) -> Result<Acquired<'_>, ClientError> {
-        let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        let submitted = self.submit(group)?;
+        let ticket = submitted.ticket;
+        let staged = submitted.staged().await?;
+        let bytes = self.check_staged(group, &staged)?;
+        Ok(Acquired {
+            session: self,
+            ticket,
+            layout: &self.opened.groups[group as usize],
+            staged,
+            bytes,
+        })
+    }
+
+    /// Sends an Acquire for `group` and returns at once (no round trip): the reply comes to
+    /// the returned [`Submitted`]. Several may be in flight. The ticket is this caller's to
+    /// give back with [`Session::release`] once staged (no view releases it).
+    pub fn submit(&self, group: u32) -> Result<Submitted, ClientError> {
         let (tx, rx) = oneshot::channel();
-        {
+        let ticket = {
             let mut routes = lock(&self.routes);
             if let Some(reason) = &routes.ended {
                 return Err(ClientError::SessionEnded(reason.clone()));
             }
+            // Numbered once it can be sent: `submitted` counts acquires sent.
+            let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
             routes.waiting.insert(ticket, tx);
-        }
+            ticket
+        };
         {
             let mut rec = lock(&self.recorder);
             if rec.recording {
                 rec.groups.push(group);
             }
         }
-        self.send(Msg::Acquire(proto::Acquire { group, ticket }))?;
-        let staged = rx
-            .await
-            .map_err(|_| ClientError::SessionEnded("the stream reader stopped".into()))??;
+        if let Err(e) = self.send(Msg::Acquire(proto::Acquire { group, ticket })) {
+            lock(&self.routes).waiting.remove(&ticket);
+            return Err(e);
+        }
+        Ok(Submitted {
+            ticket,
+            group,
+            reply: rx,
+        })
+    }
+
+    /// Gives a ticket back (from [`Session::submit`]): one message, no round trip. A ticket of
+    /// an opening before [`Session::reopen`] is dropped: that session is gone.
+    pub fn release(&self, ticket: u64) -> Result<(), ClientError> {
+        if ticket < self.first_ticket {
+            return Ok(());
+        }
+        self.send(Msg::Release(proto::Release { ticket }))
+    }
+
+    /// Whether `ticket` was numbered by an opening of this session before the current one.
+    pub fn is_stale(&self, ticket: u64) -> bool {
+        ticket < self.first_ticket
+    }
+
+    /// Checks a placement against the layout; the group's bytes where this client maps them.
+    pub fn check_staged(
+        &self,
+        group: u32,
+        staged: &proto::Staged,
+    ) -> Result<Option<&[u8]>, ClientError> {
         let region = self.regions.get(staged.region as usize).ok_or_else(|| {
             ClientError::Protocol(format!("Staged names region {}", staged.region))
         })?;
-        let layout = &self.opened.groups[group as usize];
+        let layout = self.opened.groups.get(group as usize).ok_or_else(|| {
+            ClientError::Protocol(format!("Staged for group {group}, which is out of range"))
+        })?;
         let start = staged.offset;
         let out_of_range = || ClientError::Protocol(format!("Staged offset {start} out of range"));
-        let bytes = match region {
-            MappedRegion::Host(map) => Some(
-                map.get(start as usize..(start + layout.nbytes) as usize)
+        let end = start.checked_add(layout.nbytes).ok_or_else(out_of_range)?;
+        match region {
+            MappedRegion::Host { map: Some(map), .. } => Ok(Some(
+                map.get(start as usize..end as usize)
                     .ok_or_else(out_of_range)?,
-            ),
-            MappedRegion::Device { size } if start + layout.nbytes <= *size => None,
-            MappedRegion::Device { .. } => return Err(out_of_range()),
-        };
-        Ok(Acquired {
-            session: self,
-            ticket,
-            layout,
-            staged,
-            bytes,
-        })
+            )),
+            MappedRegion::Host { file: _, map: None } => {
+                if end > self.opened.regions[staged.region as usize].size {
+                    return Err(out_of_range());
+                }
+                Ok(None)
+            }
+            MappedRegion::Device { size } if end <= *size => Ok(None),
+            MappedRegion::Device { .. } => Err(out_of_range()),
+        }
+    }
+
+    /// The fd of host region `index` (host backend), for a caller that maps it itself.
+    pub fn region_fd(&self, index: usize) -> Option<BorrowedFd<'_>> {
+        match self.regions.get(index)? {
+            MappedRegion::Host { file, .. } => Some(file.as_fd()),
+            MappedRegion::Device { .. } => None,
+        }
+    }
+
+    /// Why the session's stream ended, once it has: later acquires fail with it.
+    pub fn ended(&self) -> Option<String> {
+        lock(&self.routes).ended.clone()
+    }
+
+    /// Acquires sent so far by this session (across reopenings).
+    pub fn submitted(&self) -> u64 {
+        self.next_ticket.load(Ordering::Relaxed) - 1
+    }
+
+    /// The plan last sent (sent again by [`Session::reopen`]).
+    pub fn last_plan(&self) -> Option<Vec<u32>> {
+        lock(&self.plan).clone()
     }
 
     /// Ends a training step. After the first (when recording), the step's acquisitions are
@@ -349,28 +454,6 @@ impl Session {
             .map_err(|s| ClientError::from_status(self.client.socket(), s))?;
         Ok(())
     }
-}
-
-/// Makes sure the daemon has `model_id`: opens and loads again the paths this client loaded
-/// it from when it does not (a restarted daemon starts empty).
-async fn restore_model(client: &mut Client, model_id: &str) -> Result<(), ClientError> {
-    let listed = client.list_models().await?;
-    if listed.models.iter().any(|m| m.model_id == model_id) {
-        return Ok(());
-    }
-    let Some(paths) = client.loaded_from(model_id) else {
-        // OpenSession says NOT_FOUND with the id: the caller uploads it again first.
-        return Ok(());
-    };
-    let manifest = client.load_model(&paths, "", |_| {}).await?;
-    if manifest.model_id != model_id {
-        client.release_model(&manifest.model_id).await?;
-        return Err(ClientError::Protocol(format!(
-            "loading {paths:?} again gave model {}, not {model_id}: the files changed",
-            manifest.model_id
-        )));
-    }
-    Ok(())
 }
 
 async fn read_replies(
@@ -424,6 +507,55 @@ fn route(routes: &Mutex<Routes>, reply: Reply) {
             }
         }
         Reply::Attached(_) => {}
+    }
+}
+
+/// An acquire sent by [`Session::submit`], its reply not yet taken.
+pub struct Submitted {
+    ticket: u64,
+    group: u32,
+    reply: oneshot::Receiver<Result<proto::Staged, ClientError>>,
+}
+
+impl Submitted {
+    pub fn ticket(&self) -> u64 {
+        self.ticket
+    }
+
+    pub fn group(&self) -> u32 {
+        self.group
+    }
+
+    /// Waits for the daemon's reply.
+    pub async fn staged(self) -> Result<proto::Staged, ClientError> {
+        self.reply
+            .await
+            .map_err(|_| ClientError::SessionEnded("the stream reader stopped".into()))?
+    }
+
+    /// The reply if it has come; `None` while it has not. A caller that blocks on it polls
+    /// `&mut` this (it is a future) or calls [`Submitted::staged`].
+    pub fn try_staged(&mut self) -> Option<Result<proto::Staged, ClientError>> {
+        match self.reply.try_recv() {
+            Ok(reply) => Some(reply),
+            Err(oneshot::error::TryRecvError::Empty) => None,
+            Err(oneshot::error::TryRecvError::Closed) => Some(Err(ClientError::SessionEnded(
+                "the stream reader stopped".into(),
+            ))),
+        }
+    }
+}
+
+impl std::future::Future for Submitted {
+    type Output = Result<proto::Staged, ClientError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.reply).poll(cx).map(|r| {
+            r.map_err(|_| ClientError::SessionEnded("the stream reader stopped".into()))?
+        })
     }
 }
 

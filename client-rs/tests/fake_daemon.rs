@@ -448,3 +448,50 @@ async fn a_missing_handoff_socket_is_unavailable() {
         other => panic!("expected Unavailable, got {other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submitted_tickets_route_out_of_order_and_reopen_goes_on_numbering() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_state, mut client) = start(dir.path()).await;
+    let groups = vec![proto::GroupSpec {
+        name: "w".into(),
+        tensors: vec!["w".into()],
+    }];
+    let mut options = SessionOptions::new("m-1", 1 << 20, groups);
+    options.map_host_regions = false;
+    let mut session = client.open_session(options).await.unwrap();
+    // Not mapped here: the region's fd is the caller's to map.
+    let fd = session.region_fd(0).expect("a host region");
+    let mut bytes = vec![0; REGION.len()];
+    std::fs::File::from(fd.try_clone_to_owned().unwrap())
+        .read_exact_at(&mut bytes, 0)
+        .unwrap();
+    assert_eq!(bytes, REGION);
+    let submitted: Vec<_> = (0..3).map(|_| session.submit(0).unwrap()).collect();
+    assert_eq!(
+        submitted.iter().map(|s| s.ticket()).collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
+    for s in submitted.into_iter().rev() {
+        let ticket = s.ticket();
+        let staged = s.staged().await.unwrap();
+        assert_eq!(staged.ticket, ticket);
+        assert_eq!(session.check_staged(0, &staged).unwrap(), None);
+        session.release(ticket).unwrap();
+    }
+    session.send_plan(vec![0, 0]);
+    session.disconnect();
+    match session.submit(0) {
+        Err(ClientError::SessionEnded(reason)) => assert!(reason.contains("reconnected")),
+        other => panic!("expected SessionEnded, got {:?}", other.map(|s| s.ticket())),
+    }
+    session.reopen(client.clone(), "m-1").await.unwrap();
+    assert!(session.is_stale(3) && !session.is_stale(4));
+    session.release(2).unwrap(); // of the old opening: dropped, not sent
+    let next = session.submit(0).unwrap();
+    assert_eq!((next.ticket(), session.submitted()), (4, 4));
+    next.await.unwrap();
+    assert_eq!(session.last_plan(), Some(vec![0, 0]));
+    assert_eq!(session.ended(), None);
+    session.close().await.unwrap();
+}

@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
 # GPU suite and benchmarks, in one call on the GPU machine (see tests/gpu/README.md):
-#   target/release/weightstream (built on the build machine) must be carried along.
+#   target/release/weightstream and the client's wheel (target/wheels/, both built on the build
+#   machine) must be carried along.
 # Writes logs and results under $OUT; exits non-zero if any check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ws-gpu-out}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/client-py/src${PYTHONPATH:+:$PYTHONPATH}"
+# The Python package: the abi3 wheel built on the build machine (`maturin build --release
+# --manifest-path client-py/Cargo.toml`, carried along; this machine has no Rust), installed
+# into a private directory. Without one: client-py/src with its extension built in place.
+wheel=${WEIGHTSTREAM_WHEEL:-$(ls target/wheels/weightstream-*-cp310-abi3-linux_x86_64.whl 2>/dev/null | head -1)}
+if [ -n "$wheel" ]; then
+  pydir=$(mktemp -d)
+  python3 -m pip install --quiet --no-deps --target "$pydir" "$wheel"
+  export PYTHONPATH="$pydir${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$PWD/client-py/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONUNBUFFERED=1
 BIN=${WEIGHTSTREAM_BIN:-target/release/weightstream}
 status=0

@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import weightstream
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,7 +74,7 @@ class Suite:
             env={**os.environ, "WEIGHTSTREAM_LOG": "info"},
         )
         wsgpu.wait_for("the daemon's socket", lambda: os.path.exists(self.socket), 60)
-        self.stub = wsgpu.connect(self.socket)
+        self.client = wsgpu.connect(self.socket)
 
     def check(self, name, fn):
         started = time.monotonic()
@@ -89,7 +90,7 @@ class Suite:
     # --- checks -----------------------------------------------------------------------
 
     def info(self):
-        info = self.stub.GetInfo(pb.GetInfoRequest())
+        info = self.client.info()
         assert info.backend == pb.BACKEND_CUDA, info.backend
         dev = info.devices[0]
         torch_uuid = str(torch.cuda.get_device_properties(0).uuid)
@@ -101,23 +102,19 @@ class Suite:
         return f"{dev.name} {dev.uuid} {dev.pci_bus_id}"
 
     def load_model(self):
-        self.manifest = wsgpu.load(self.stub, self.socket, [self.model_path], "gpu-suite")
+        self.manifest = self.client.load_model([self.model_path], "gpu-suite")
         names = [t.name for t in self.manifest.tensors]
         assert set(names) == set(self.expected), "manifest tensors differ from the file"
         return f"{len(names)} tensors, {self.manifest.total_bytes / MiB:.0f} MiB"
 
     def small_groups(self):
-        return [
-            pb.GroupSpec(name=t.name, tensors=[t.name])
-            for t in self.manifest.tensors
-            if not t.name.startswith("big.")
-        ]
+        return [(t.name, [t.name]) for t in self.manifest.tensors if not t.name.startswith("big.")]
 
     def small_session(self):
         """A session of the small groups with a 96 MiB staging arena and nothing resident, so
         that groups are evicted and copied again."""
         return wsgpu.Session(
-            self.stub,
+            self.client,
             self.manifest.model_id,
             budget=96 * MiB,
             staging=96 * MiB,
@@ -158,10 +155,10 @@ class Suite:
 
     def ordering(self):
         big = [t for t in self.manifest.tensors if t.name.startswith("big.")]
-        groups = [pb.GroupSpec(name=t.name, tensors=[t.name]) for t in big]
+        groups = [(t.name, [t.name]) for t in big]
         size = max(t.nbytes for t in big)
         session = wsgpu.Session(
-            self.stub, self.manifest.model_id, budget=size + MiB, staging=size, groups=groups
+            self.client, self.manifest.model_id, budget=size + MiB, staging=size, groups=groups
         )
         waited_ok, control_stale = 0, 0
         trials = 8
@@ -204,8 +201,8 @@ class Suite:
             120,
         )
         assert all(p.poll() is None for p in procs), "a consumer exited before the barrier"
-        sessions = self.stub.ListSessions(pb.ListSessionsRequest()).sessions
-        models = self.stub.ListModels(pb.ListModelsRequest())
+        sessions = self.client.list_sessions()
+        models = self.client.list_models()
         (barrier / "go").touch()
         outs = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
         assert all(p.returncode == 0 for p in procs), outs
@@ -234,7 +231,7 @@ class Suite:
         victim.wait(timeout=30)
 
         def gone():
-            ids = [s.session_id for s in self.stub.ListSessions(pb.ListSessionsRequest()).sessions]
+            ids = [s.session_id for s in self.client.list_sessions()]
             return victim_session not in ids
 
         wsgpu.wait_for("the victim's session to go", gone, 30)
@@ -256,8 +253,9 @@ class Suite:
         try:
             session.acquire(0)
             raise AssertionError("acquire succeeded after the daemon stopped")
-        except wsgpu.DaemonFault as e:
-            assert e.fault.code == pb.FAULT_SHUTTING_DOWN, e
+        except weightstream.DaemonUnavailable as e:
+            # The daemon's FAULT_SHUTTING_DOWN ends the session: "the daemon is stopping".
+            assert "stopping" in str(e), e
             message = str(e)
         except Exception as e:  # noqa: BLE001 - a closed stream is also a clear failure
             message = repr(e)
@@ -297,16 +295,12 @@ class Suite:
 
 def consumer_role(args):
     """One of two consumers: open, meet at the barrier, verify three steps, report JSON."""
-    stub = wsgpu.connect(args.socket)
-    manifest = wsgpu.load(stub, args.socket, [args.model])
+    client = wsgpu.connect(args.socket)
+    manifest = client.load_model([args.model])
     expected = {k: wsgpu.tensor_bytes(v) for k, v in load_file(args.model, device="cuda").items()}
-    groups = [
-        pb.GroupSpec(name=t.name, tensors=[t.name])
-        for t in manifest.tensors
-        if not t.name.startswith("big.")
-    ]
+    groups = [(t.name, [t.name]) for t in manifest.tensors if not t.name.startswith("big.")]
     session = wsgpu.Session(
-        stub, manifest.model_id, budget=96 * MiB, staging=96 * MiB, groups=groups
+        client, manifest.model_id, budget=96 * MiB, staging=96 * MiB, groups=groups
     )
     barrier = Path(args.barrier)
     (barrier / f"ready-{args.id}").touch()
@@ -324,17 +318,17 @@ def consumer_role(args):
         if step == 0:
             session.plan(order)
     session.close()
-    stub.ReleaseModel(pb.ReleaseModelRequest(model_id=manifest.model_id))
+    client.release_model(manifest.model_id)
     print(json.dumps({"model_id": manifest.model_id, "mismatches": mismatches}), flush=True)
 
 
 def holder_role(args):
     """Opens a session with a 2 GiB staging arena, holds tickets, and waits to be killed."""
-    stub = wsgpu.connect(args.socket)
-    manifest = wsgpu.load(stub, args.socket, [args.model])
-    groups = [pb.GroupSpec(name=t.name, tensors=[t.name]) for t in manifest.tensors]
+    client = wsgpu.connect(args.socket)
+    manifest = client.load_model([args.model])
+    groups = [(t.name, [t.name]) for t in manifest.tensors]
     session = wsgpu.Session(
-        stub, manifest.model_id, budget=2048 * MiB, staging=2048 * MiB, groups=groups
+        client, manifest.model_id, budget=2048 * MiB, staging=2048 * MiB, groups=groups
     )
     for g in range(3):
         _, staged, _ = session.acquire(g)

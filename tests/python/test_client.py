@@ -8,7 +8,7 @@ import pytest
 import torch
 import weightstream
 from safetensors.torch import save_file
-from weightstream.v1 import weightstream_pb2 as pb
+from weightstream import protocol as pb
 
 
 def test_a_missing_daemon_fails_fast_with_a_clear_error(tmp_path):

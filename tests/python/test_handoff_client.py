@@ -1,27 +1,56 @@
-"""``weightstream.Client`` over the handoff socket, against a fake daemon in this process (a
-gRPC servicer and a handoff listener that keep fds as the spec of issue 17 says): loads pass
-the opened files with a token, uploads write through the fd and unmap before the commit (the
-fake seals the memfd against writes there, as the daemon will), host regions map the fd
-read-only, and lists are paged. Needs no daemon binary."""
+"""``weightstream.Client`` (the native client) over the handoff socket, against a fake daemon in
+this process (a grpcio servicer and a handoff listener that keep fds as the spec of issue 17
+says): loads pass the opened files with a token, uploads write through the fd and unmap before
+the commit (the fake seals the memfd against writes there, as the daemon does), host regions map
+the fd read-only, lists are paged, and paths that do not resolve are refused before anything is
+sent. Needs no daemon binary. (The handoff wire and the path rules themselves: client-rs's
+``handoff.rs`` and ``sources.rs`` unit tests.)
+
+The fake's gRPC stubs are generated from ``proto/`` into a temporary directory (grpcio-tools):
+the package itself has none, its protocol being client-rs's."""
 
 from __future__ import annotations
 
 import fcntl
+import importlib
 import os
 import secrets
+import shutil
 import socket
+import sys
+import tempfile
 import threading
 from concurrent import futures
+from pathlib import Path
 
-import grpc
 import pytest
 import torch
 import weightstream
-from weightstream import _handoff
-from weightstream.v1 import weightstream_pb2 as pb
-from weightstream.v1 import weightstream_pb2_grpc as rpc
+
+grpc = pytest.importorskip("grpc")
+protoc = pytest.importorskip("grpc_tools.protoc")
 
 pytestmark = pytest.mark.no_daemon
+
+PROTO = Path(__file__).resolve().parents[2] / "proto" / "weightstream" / "v1" / "weightstream.proto"
+
+
+def _stubs():
+    """``(pb, rpc)`` generated from the proto under another module name (``fake_ws``), so that
+    they do not shadow the ``weightstream`` package."""
+    out = tempfile.mkdtemp(prefix="ws-fake-stubs-")
+    shutil.copy(PROTO, os.path.join(out, "fake_ws.proto"))
+    include = os.path.join(os.path.dirname(protoc.__file__), "_proto")
+    args = ["protoc", f"-I{out}", f"-I{include}", f"--python_out={out}", f"--grpc_python_out={out}"]
+    assert protoc.main([*args, "fake_ws.proto"]) == 0, "grpc_tools.protoc failed"
+    sys.path.insert(0, out)
+    try:
+        return importlib.import_module("fake_ws_pb2"), importlib.import_module("fake_ws_pb2_grpc")
+    finally:
+        sys.path.remove(out)
+
+
+pb, rpc = _stubs()
 
 
 class Handoff:
@@ -155,7 +184,7 @@ class FakeDaemon(rpc.WeightStreamServicer):
 @pytest.fixture
 def fake(tmp_path):
     sock = str(tmp_path / "ws.sock")
-    handoff = Handoff(_handoff.handoff_path(sock))
+    handoff = Handoff(sock + ".fd")
     daemon = FakeDaemon(handoff)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     rpc.add_WeightStreamServicer_to_server(daemon, server)
@@ -204,3 +233,23 @@ def test_lists_are_read_page_by_page(fake):
     listed = fake.client.list_models()
     assert [m.model_id for m in listed.models] == [f"m-{i}" for i in range(5)]
     assert listed.store_bytes == 7
+
+
+def test_paths_that_do_not_resolve_are_refused_before_sending(fake, tmp_path):
+    with pytest.raises(weightstream.RequestRejected) as e:
+        fake.client.load_model([str(tmp_path / "nope.safetensors")])
+    assert e.value.code == "NOT_FOUND"
+    assert e.value.message == f"paths: {tmp_path / 'nope.safetensors'}: not found"
+    assert fake.loads == []
+
+
+def test_the_native_client_names_the_handoff_socket_and_fetches_fds(fake):
+    assert fake.client.handoff_socket == fake.client.socket + ".fd"
+    secret = fake.handoff.share(memfd("ws-test-fetch", b"fetched"))
+    fd, size = fake.client.fetch_fd(secret)
+    try:
+        assert (os.pread(fd, 16, 0), size) == (b"fetched", 7)
+    finally:
+        os.close(fd)
+    with pytest.raises(weightstream.RequestRejected, match="INVALID_ARGUMENT: .*no such secret"):
+        fake.client.fetch_fd("0" * 32)

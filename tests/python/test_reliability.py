@@ -212,15 +212,13 @@ def test_reconnect_against_a_live_daemon_replaces_the_session(daemon):
 
 WORKER = """
 import sys, torch, weightstream
-from weightstream.v1 import weightstream_pb2 as pb
 client = weightstream.connect(sys.argv[1])
 tensors = {f"l{i}.weight": torch.full((64, 64), float(i)) for i in range(4)}
 manifest, _ = client.upload_model("w", tensors)
 session = client.open_session(manifest.model_id, [(n, [n]) for n in tensors], 3 * 64 * 64 * 4)
 held = [session.acquire(0), session.acquire(1)]
 session.submit(2)
-begun = client.call("BeginUpload", pb.BeginUploadRequest(
-    name="never", tensors=[pb.TensorInfo(name="x", dtype=pb.DTYPE_F32, shape=[1024])]))
+client.begin_upload("never", {"x": torch.empty(1024)})
 print(manifest.model_id, flush=True)
 sys.stdin.read()
 """

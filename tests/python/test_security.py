@@ -21,20 +21,21 @@ from pathlib import Path
 import pytest
 import torch
 import weightstream
-from conftest import ROOT, Daemon
-from weightstream.v1 import weightstream_pb2 as pb
+from conftest import Daemon
 
-#: The attacker runs the client's handoff module alone: it needs no grpc, so any Python 3.11
-#: the attacker may execute will do (the test's own may live under a private home).
+#: The attacker runs the client's native module alone (an abi3 extension, with the exceptions
+#: it raises): it needs no torch, so any Python >= 3.10 the attacker may execute will do (the
+#: test's own may live under a private home). ``fetch_fd`` asks the daemon's handoff socket.
 ATTACK = """
 import sys, types
 pkg = types.ModuleType("weightstream")
 pkg.__path__ = [sys.argv[1]]
 sys.modules["weightstream"] = pkg
-from weightstream import _handoff
+from weightstream import _native
+client = _native.Client(sys.argv[2])
 for secret in sys.argv[3:]:
     try:
-        fd, size = _handoff.get_fd(sys.argv[2], secret)
+        fd, size = client.fetch_fd(secret)
         print(f"got {size} bytes")
     except Exception as e:
         print(f"refused: {getattr(e, 'message', e)}")
@@ -91,13 +92,13 @@ def run_as(ids: tuple[int, int], script: str, args: list[str]) -> subprocess.Com
 @pytest.fixture
 def shared_daemon():
     """A daemon the attacker can reach: the socket's group is the attacker's, its directory
-    open to it (and a copy of the client's handoff module there, for the attacker to run)."""
+    open to it (and a copy of the client's native module there, for the attacker to run)."""
     _, gid = attacker()
     tmp = Path(tempfile.mkdtemp(prefix="ws-security-"))
     tmp.chmod(0o755)
-    src = ROOT / "client-py" / "src" / "weightstream"
+    src = Path(weightstream.__file__).parent
     (tmp / "weightstream").mkdir(mode=0o755)
-    for module in ("_handoff.py", "errors.py"):
+    for module in (Path(weightstream._native.__file__).name, "errors.py"):
         shutil.copy(src / module, tmp / "weightstream" / module)
     d = Daemon(tmp, "--socket-group", str(gid))
     yield d
@@ -112,17 +113,11 @@ def test_another_uid_gets_no_region_and_no_upload(shared_daemon):
     manifest, _ = client.upload_model("mine", tensors)
     groups = [(n, [n]) for n in tensors]
     session = client.open_session(manifest.model_id, groups, 4 * 64 * 64 * 4)
-    begun = client.call(
-        "BeginUpload",
-        pb.BeginUploadRequest(
-            name="pending", tensors=[pb.TensorInfo(name="x", dtype=pb.DTYPE_F32, shape=[1024])]
-        ),
-    )
+    begun = client.begin_upload("pending", {"x": torch.empty(1024)})
     secrets = [r.fd_secret for r in session.opened.regions] + [begun.fd_secret]
     assert all(len(s) == 32 for s in secrets), secrets
     src = str(shared_daemon.tmp / "weightstream")
-    handoff = f"{shared_daemon.socket}.fd"
-    out = run_as(ids, ATTACK, [src, handoff, *secrets])
+    out = run_as(ids, ATTACK, [src, shared_daemon.socket, *secrets])
     assert out.returncode == 0, out.stderr
     refused = (
         f"refused: no such fd_secret for uid {ids[0]}: a secret is only for the uid it was "
@@ -140,12 +135,7 @@ def test_an_upload_region_is_sealed_by_the_daemon(daemon):
     commit is refused while it maps the region writable, and once committed its fd writes no
     more."""
     client = daemon.client
-    begun = client.call(
-        "BeginUpload",
-        pb.BeginUploadRequest(
-            name="sealed", tensors=[pb.TensorInfo(name="x", dtype=pb.DTYPE_F32, shape=[1024])]
-        ),
-    )
+    begun = client.begin_upload("sealed", {"x": torch.empty(1024)})
     fd, size = client.fetch_fd(begun.fd_secret)
     try:
         with pytest.raises(OSError) as e:
@@ -153,20 +143,19 @@ def test_an_upload_region_is_sealed_by_the_daemon(daemon):
         assert e.value.errno == errno.EPERM
         mapped = mmap.mmap(fd, size)
         mapped[:4096] = torch.arange(1024, dtype=torch.float32).numpy().tobytes()
-        commit = pb.CommitUploadRequest(upload_id=begun.upload_id)
         with pytest.raises(weightstream.RequestRejected) as e:
-            client.call("CommitUpload", commit)
+            client.commit_upload(begun.upload_id)
         assert e.value.code == "FAILED_PRECONDITION"
         assert e.value.message == (
             f"upload_id '{begun.upload_id}': the upload region is still mapped writable by the "
             "client: unmap it before CommitUpload"
         )
         mapped.close()
-        committed = client.call("CommitUpload", commit)
+        committed, _ = client.commit_upload(begun.upload_id)
         with pytest.raises(OSError) as e:
             os.pwrite(fd, b"tamper", 0)
         assert e.value.errno == errno.EPERM
     finally:
         os.close(fd)
-    assert committed.manifest.tensors[0].name == "x"
-    assert client.release_model(committed.manifest.model_id) == 0
+    assert committed.tensors[0].name == "x"
+    assert client.release_model(committed.model_id) == 0

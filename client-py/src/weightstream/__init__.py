@@ -1,7 +1,9 @@
 """weightstream: Python client of the weightstream daemon.
 
 ``weightstream.connect()`` gives a client; ``weightstream.torch.attach(model, device)`` streams
-a model's frozen weights through the daemon. The wire protocol is in ``weightstream.v1``.
+a model's frozen weights through the daemon. The protocol is spoken by the native extension
+``weightstream._native`` (client-rs, through PyO3); its enums and records are in
+``weightstream.protocol``.
 """
 
 from weightstream.client import Client, connect

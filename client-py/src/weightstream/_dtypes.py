@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from weightstream.v1 import weightstream_pb2 as pb
+from weightstream import _native as wire
 
 TO_TORCH = {
-    pb.DTYPE_BOOL: torch.bool,
-    pb.DTYPE_U8: torch.uint8,
-    pb.DTYPE_I8: torch.int8,
-    pb.DTYPE_F8_E5M2: torch.float8_e5m2,
-    pb.DTYPE_F8_E4M3: torch.float8_e4m3fn,
-    pb.DTYPE_I16: torch.int16,
-    pb.DTYPE_U16: torch.uint16,
-    pb.DTYPE_F16: torch.float16,
-    pb.DTYPE_BF16: torch.bfloat16,
-    pb.DTYPE_I32: torch.int32,
-    pb.DTYPE_U32: torch.uint32,
-    pb.DTYPE_F32: torch.float32,
-    pb.DTYPE_F64: torch.float64,
-    pb.DTYPE_I64: torch.int64,
-    pb.DTYPE_U64: torch.uint64,
+    wire.DTYPE_BOOL: torch.bool,
+    wire.DTYPE_U8: torch.uint8,
+    wire.DTYPE_I8: torch.int8,
+    wire.DTYPE_F8_E5M2: torch.float8_e5m2,
+    wire.DTYPE_F8_E4M3: torch.float8_e4m3fn,
+    wire.DTYPE_I16: torch.int16,
+    wire.DTYPE_U16: torch.uint16,
+    wire.DTYPE_F16: torch.float16,
+    wire.DTYPE_BF16: torch.bfloat16,
+    wire.DTYPE_I32: torch.int32,
+    wire.DTYPE_U32: torch.uint32,
+    wire.DTYPE_F32: torch.float32,
+    wire.DTYPE_F64: torch.float64,
+    wire.DTYPE_I64: torch.int64,
+    wire.DTYPE_U64: torch.uint64,
 }
 FROM_TORCH = {v: k for k, v in TO_TORCH.items()}
 

@@ -1,0 +1,332 @@
+//! `weightstream._native.Client`: a connection to the daemon, made lazily in each process.
+
+use std::collections::HashMap;
+use std::os::fd::IntoRawFd;
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use weightstream_client::{self as ws, SessionOptions, TensorData, proto};
+
+use crate::errors::IntoPy;
+use crate::records;
+use crate::runtime::{block_on, generation, runtime};
+use crate::session::Session;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The connection of one process. Locked only while holding the GIL, never across a call
+/// that releases it (so no other thread holds it when `os.fork()` runs).
+struct Conn {
+    /// The fork generation the connection was made in.
+    generation: u32,
+    client: Option<ws::Client>,
+    /// Models a parent process's client loaded from files (for `restore_model` in a child).
+    carried: HashMap<String, Vec<PathBuf>>,
+}
+
+impl Conn {
+    /// In a forked child: lets go of the parent's connection (its tasks ran on the parent's
+    /// runtime; it is leaked, never dropped here), keeping what it knew to load again.
+    fn follow_fork(&mut self) {
+        let now = generation();
+        if self.generation == now {
+            return;
+        }
+        if let Some(old) = self.client.take() {
+            self.carried.extend(old.loaded_models());
+            std::mem::forget(old);
+        }
+        self.generation = now;
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if self.generation != generation()
+            && let Some(old) = self.client.take()
+        {
+            std::mem::forget(old);
+        }
+    }
+}
+
+/// A client of the daemon at one socket. It connects on its first call in each process (a
+/// client made before `os.fork()` connects again in the child); every call releases the GIL
+/// while it waits and fails fast with `DaemonUnavailable` when the daemon is not there.
+#[pyclass(module = "weightstream._native", frozen)]
+pub struct Client {
+    socket: PathBuf,
+    conn: Mutex<Conn>,
+}
+
+impl Client {
+    /// This process's connection (made now if there is none yet; it dials on first use).
+    pub(crate) fn client(&self, py: Python<'_>) -> PyResult<ws::Client> {
+        let rt = runtime(py)?;
+        let mut conn = lock(&self.conn);
+        conn.follow_fork();
+        if let Some(c) = &conn.client {
+            return Ok(c.clone());
+        }
+        let fresh = {
+            let _entered = rt.enter();
+            ws::Client::connect_lazy(Some(&self.socket))
+        };
+        fresh.remember_loaded(std::mem::take(&mut conn.carried));
+        conn.client = Some(fresh.clone());
+        Ok(fresh)
+    }
+
+    /// Makes `fresh` (a reconnected clone, sharing what it loaded) this process's connection.
+    fn replace(&self, fresh: ws::Client) {
+        let mut conn = lock(&self.conn);
+        conn.follow_fork();
+        conn.client = Some(fresh);
+    }
+}
+
+/// A tensor's bytes: `bytes`, or `(data_ptr, nbytes)` of a contiguous CPU tensor.
+#[derive(FromPyObject)]
+enum Payload<'py> {
+    Bytes(Bound<'py, PyBytes>),
+    Raw(usize, usize),
+}
+
+fn dtype(value: i32) -> PyResult<proto::Dtype> {
+    proto::Dtype::try_from(value)
+        .ok()
+        .filter(|d| *d != proto::Dtype::Unspecified)
+        .ok_or_else(|| PyValueError::new_err(format!("dtype {value} is not a wire dtype")))
+}
+
+#[pymethods]
+impl Client {
+    #[new]
+    #[pyo3(signature = (socket=None))]
+    fn new(socket: Option<PathBuf>) -> Self {
+        Client {
+            socket: ws::Client::socket_path(socket.as_deref()),
+            conn: Mutex::new(Conn {
+                generation: generation(),
+                client: None,
+                carried: HashMap::new(),
+            }),
+        }
+    }
+
+    #[getter]
+    fn socket(&self) -> PathBuf {
+        self.socket.clone()
+    }
+
+    /// The daemon's handoff socket, where file descriptors pass (next to its socket).
+    #[getter]
+    fn handoff_socket(&self) -> PathBuf {
+        ws::handoff::handoff_path(&self.socket)
+    }
+
+    /// The files each model this client loaded was named by, by model id.
+    #[getter]
+    fn loaded(&self) -> HashMap<String, Vec<PathBuf>> {
+        let mut conn = lock(&self.conn);
+        conn.follow_fork();
+        match &conn.client {
+            Some(c) => c.loaded_models(),
+            None => conn.carried.clone(),
+        }
+    }
+
+    fn info(&self, py: Python<'_>) -> PyResult<records::GetInfoResponse> {
+        let mut c = self.client(py)?;
+        let info = block_on(py, async move { c.info().await })?.py_err()?;
+        records::info(py, info)
+    }
+
+    /// Waits until a daemon answers on the socket (one restarted there), `timeout` seconds at
+    /// most; this client's calls go to it from then on.
+    fn reconnect(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let timeout = Duration::try_from_secs_f64(timeout.max(0.0))
+            .map_err(|e| PyValueError::new_err(format!("timeout: {e}")))?;
+        let mut c = self.client(py)?;
+        let fresh =
+            block_on(py, async move { c.reconnect(timeout).await.map(|()| c) })?.py_err()?;
+        self.replace(fresh);
+        Ok(())
+    }
+
+    /// Loads `model_id` again from the files this client loaded it from, if the daemon no
+    /// longer has it. True if it loaded it again.
+    fn restore_model(&self, py: Python<'_>, model_id: String) -> PyResult<bool> {
+        let mut c = self.client(py)?;
+        block_on(py, async move { c.restore_model(&model_id).await })?.py_err()
+    }
+
+    /// The fd (the caller owns and closes it) and size of what an `fd_secret` names.
+    fn fetch_fd(&self, py: Python<'_>, secret: String) -> PyResult<(i32, u64)> {
+        let c = self.client(py)?;
+        let (fd, size) = block_on(py, async move { c.fetch_fd(&secret).await })?.py_err()?;
+        Ok((fd.into_raw_fd(), size))
+    }
+
+    /// Loads safetensors files (absolute paths of files, index files or directories), which
+    /// this process opens and passes to the daemon; `progress(LoadProgress)` sees each update
+    /// (an exception it raises is raised once the load is done).
+    #[pyo3(signature = (paths, name="", progress=None))]
+    fn load_model(
+        &self,
+        py: Python<'_>,
+        paths: Vec<PathBuf>,
+        name: &str,
+        progress: Option<Py<PyAny>>,
+    ) -> PyResult<records::ModelManifest> {
+        let mut c = self.client(py)?;
+        let name = name.to_string();
+        let (loaded, failed) = block_on(py, async move {
+            let mut failed: Option<PyErr> = None;
+            let loaded = c
+                .load_model(&paths, &name, |p| {
+                    if let (Some(cb), None) = (&progress, &failed)
+                        && let Err(e) = Python::attach(|py| cb.call1(py, (records::progress(p),)))
+                    {
+                        failed = Some(e);
+                    }
+                })
+                .await;
+            (loaded, failed)
+        })?;
+        let manifest = loaded.py_err()?;
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        records::manifest(py, manifest)
+    }
+
+    /// Uploads tensors: `(name, dtype, shape, data)` each, `data` being `bytes` or the
+    /// `(data_ptr, nbytes)` of a contiguous CPU tensor the caller keeps alive and unchanged
+    /// during the call. Returns the manifest and whether an identical model was stored.
+    fn upload_model(
+        &self,
+        py: Python<'_>,
+        name: String,
+        tensors: Vec<(String, i32, Vec<u64>, Payload<'_>)>,
+    ) -> PyResult<(records::ModelManifest, bool)> {
+        let mut data = Vec::with_capacity(tensors.len());
+        for (tname, dt, shape, payload) in &tensors {
+            let bytes: &[u8] = match payload {
+                Payload::Bytes(b) => b.as_bytes(),
+                // SAFETY: the package's Python code passes a tensor it holds until we return
+                // (raw::host_bytes's contract); this call does not outlive `tensors`.
+                #[allow(unsafe_code)]
+                Payload::Raw(ptr, len) => unsafe { crate::raw::host_bytes(*ptr, *len)? },
+            };
+            data.push(TensorData {
+                name: tname,
+                dtype: dtype(*dt)?,
+                shape,
+                bytes,
+            });
+        }
+        let mut c = self.client(py)?;
+        let (manifest, dedup) =
+            block_on(py, async move { c.upload_model(&name, &data).await })?.py_err()?;
+        Ok((records::manifest(py, manifest)?, dedup))
+    }
+
+    /// Begins an upload of tensors `(name, dtype, shape)` without writing or committing it:
+    /// the region to write (its fd from `fetch_fd(fd_secret)`; unmap it before the commit).
+    /// The daemon drops an upload never committed when this process's connection goes.
+    fn begin_upload(
+        &self,
+        py: Python<'_>,
+        name: String,
+        tensors: Vec<(String, i32, Vec<u64>)>,
+    ) -> PyResult<records::BeginUploadResponse> {
+        let mut infos = Vec::with_capacity(tensors.len());
+        for (tname, dt, shape) in tensors {
+            infos.push(proto::TensorInfo {
+                name: tname,
+                dtype: dtype(dt)? as i32,
+                shape,
+                nbytes: 0,
+            });
+        }
+        let mut c = self.client(py)?;
+        let begun = block_on(py, async move { c.begin_upload(&name, infos).await })?.py_err()?;
+        records::begun(py, begun)
+    }
+
+    /// Commits a begun (filled, unmapped) upload: the manifest, and whether an identical model
+    /// was already stored.
+    fn commit_upload(
+        &self,
+        py: Python<'_>,
+        upload_id: String,
+    ) -> PyResult<(records::ModelManifest, bool)> {
+        let mut c = self.client(py)?;
+        let (manifest, dedup) =
+            block_on(py, async move { c.commit_upload(&upload_id).await })?.py_err()?;
+        Ok((records::manifest(py, manifest)?, dedup))
+    }
+
+    fn release_model(&self, py: Python<'_>, model_id: String) -> PyResult<u32> {
+        let mut c = self.client(py)?;
+        block_on(py, async move { c.release_model(&model_id).await })?.py_err()
+    }
+
+    /// Every model in the store (all pages).
+    fn list_models(&self, py: Python<'_>) -> PyResult<records::ListModelsResponse> {
+        let mut c = self.client(py)?;
+        let listed = block_on(py, async move { c.list_models().await })?.py_err()?;
+        records::models(py, listed)
+    }
+
+    /// Every session (all pages).
+    fn list_sessions(&self, py: Python<'_>) -> PyResult<Vec<records::SessionInfo>> {
+        let mut c = self.client(py)?;
+        let sessions = block_on(py, async move { c.list_sessions().await })?.py_err()?;
+        sessions
+            .into_iter()
+            .map(|s| records::session_info(py, s))
+            .collect()
+    }
+
+    /// Opens a session of `groups` (`(name, [tensor names])` each) and attaches its stream.
+    /// Host regions are not mapped here: `Session.region_fd` gives their fds.
+    #[pyo3(signature = (model_id, groups, vram_budget, staging_bytes=0, device_uuid="", label=""))]
+    #[allow(clippy::too_many_arguments)]
+    fn open_session(
+        &self,
+        py: Python<'_>,
+        model_id: &str,
+        groups: Vec<(String, Vec<String>)>,
+        vram_budget: u64,
+        staging_bytes: u64,
+        device_uuid: &str,
+        label: &str,
+    ) -> PyResult<Session> {
+        let groups = groups
+            .into_iter()
+            .map(|(name, tensors)| proto::GroupSpec { name, tensors })
+            .collect();
+        let mut options = SessionOptions::new(model_id, vram_budget, groups);
+        options.staging_bytes = staging_bytes;
+        options.device_uuid = device_uuid.to_string();
+        options.label = label.to_string();
+        // The Python side sends its plan itself (weightstream.torch records it).
+        options.record_plan = false;
+        options.map_host_regions = false;
+        let mut c = self.client(py)?;
+        let session = block_on(py, async move { c.open_session(options).await })?.py_err()?;
+        Session::new(py, session)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Client(socket={:?})", self.socket.display().to_string())
+    }
+}

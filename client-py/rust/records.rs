@@ -1,0 +1,519 @@
+//! The wire's messages as Python sees them: read-only records with the protobuf field names
+//! (so `manifest.model_id`, `session.stats.hits` read as they did with the generated stubs),
+//! a `repr`, and `DESCRIPTOR.fields` (each field's `name`) for code that walks a message's
+//! fields. Repeated messages are lists; enums are their numbers (`weightstream.protocol` names
+//! them).
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList};
+use weightstream_client::proto;
+
+/// `Name(field=repr, ...)`.
+fn repr(obj: &Bound<'_, PyAny>, name: &str, fields: &[&str]) -> PyResult<String> {
+    let mut out = format!("{name}(");
+    for (i, field) in fields.iter().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        let value = obj.getattr(*field)?.repr()?;
+        out.push_str(&format!("{field}={value}"));
+    }
+    out.push(')');
+    Ok(out)
+}
+
+/// `types.SimpleNamespace(name=..., fields=[SimpleNamespace(name=field), ...])`.
+fn descriptor(py: Python<'_>, name: &str, fields: &[&str]) -> PyResult<Py<PyAny>> {
+    let namespace = py.import("types")?.getattr("SimpleNamespace")?;
+    let kwargs = |k: &str, v: Bound<'_, PyAny>| -> PyResult<_> {
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item(k, v)?;
+        Ok(d)
+    };
+    let list = PyList::empty(py);
+    for f in fields {
+        list.append(namespace.call((), Some(&kwargs("name", f.into_pyobject(py)?.into_any())?))?)?;
+    }
+    let d = kwargs("fields", list.into_any())?;
+    d.set_item("name", name)?;
+    Ok(namespace.call((), Some(&d))?.unbind())
+}
+
+macro_rules! record {
+    ($(#[doc = $doc:literal])* $name:ident { $($field:ident: $ty:ty),* $(,)? }) => {
+        $(#[doc = $doc])*
+        #[pyclass(module = "weightstream._native", frozen, get_all)]
+        pub struct $name {
+            $(pub $field: $ty,)*
+        }
+
+        #[pymethods]
+        impl $name {
+            fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+                repr(slf.as_any(), stringify!($name), &[$(stringify!($field)),*])
+            }
+
+            #[classattr]
+            #[allow(non_snake_case)]
+            fn DESCRIPTOR(py: Python<'_>) -> PyResult<Py<PyAny>> {
+                descriptor(py, stringify!($name), &[$(stringify!($field)),*])
+            }
+        }
+    };
+}
+
+fn list<T>(
+    py: Python<'_>,
+    items: impl IntoIterator<Item = T>,
+    f: impl Fn(Python<'_>, T) -> PyResult<Py<PyAny>>,
+) -> PyResult<Py<PyList>> {
+    let out = PyList::empty(py);
+    for item in items {
+        out.append(f(py, item)?)?;
+    }
+    Ok(out.unbind())
+}
+
+fn bytes(py: Python<'_>, b: &[u8]) -> Py<PyBytes> {
+    PyBytes::new(py, b).unbind()
+}
+
+record! {
+    /// `GetInfo`: version, backend (`BACKEND_*`), devices, limits, alignment.
+    GetInfoResponse {
+        version: String,
+        backend: i32,
+        devices: Py<PyList>,
+        limits: Option<Py<Limits>>,
+        alignment: u64,
+    }
+}
+
+record! {
+    Device {
+        uuid: String,
+        name: String,
+        total_memory: u64,
+        free_memory: u64,
+        pci_bus_id: String,
+    }
+}
+
+record! {
+    Limits {
+        max_message_bytes: u64,
+        max_tensors_per_model: u32,
+        max_groups_per_session: u32,
+        max_plan_length: u32,
+        max_live_tickets: u32,
+        max_upload_bytes: u64,
+        max_sessions: u32,
+        max_name_bytes: u32,
+    }
+}
+
+record! {
+    /// A tensor of a model: name, dtype (`DTYPE_*`), shape, bytes.
+    TensorInfo {
+        name: String,
+        dtype: i32,
+        shape: Vec<u64>,
+        nbytes: u64,
+    }
+}
+
+record! {
+    ModelManifest {
+        model_id: String,
+        name: String,
+        tensors: Py<PyList>,
+        total_bytes: u64,
+        refcount: u32,
+        sessions: u32,
+        source: String,
+    }
+}
+
+record! {
+    LoadProgress {
+        bytes_done: u64,
+        bytes_total: u64,
+        current_file: String,
+    }
+}
+
+record! {
+    /// Every model in the store (all pages: `next_page_token` is empty).
+    ListModelsResponse {
+        models: Py<PyList>,
+        store_bytes: u64,
+        next_page_token: String,
+    }
+}
+
+record! {
+    TensorPlacement {
+        name: String,
+        dtype: i32,
+        shape: Vec<u64>,
+        offset: u64,
+        nbytes: u64,
+    }
+}
+
+record! {
+    GroupLayout {
+        group: u32,
+        name: String,
+        nbytes: u64,
+        tensors: Py<PyList>,
+        resident: bool,
+    }
+}
+
+record! {
+    /// A region of a session: `kind` is `"host"` (shared memory: its fd from
+    /// `Session.region_fd`; `fd_secret` names it on the handoff socket) or `"cuda"`
+    /// (`cuda_ipc_handle`, 64 bytes).
+    Region {
+        index: u32,
+        size: u64,
+        kind: String,
+        cuda_ipc_handle: Option<Py<PyBytes>>,
+        fd_secret: Option<String>,
+    }
+}
+
+record! {
+    UploadTensor {
+        name: String,
+        offset: u64,
+        nbytes: u64,
+    }
+}
+
+record! {
+    /// A begun upload: its region (`size` bytes, its fd from `Client.fetch_fd(fd_secret)`)
+    /// and where each tensor goes in it.
+    BeginUploadResponse {
+        upload_id: String,
+        size: u64,
+        tensors: Py<PyList>,
+        fd_secret: String,
+    }
+}
+
+record! {
+    /// What `OpenSession` answered: the session's regions, group layouts and events.
+    OpenSessionResponse {
+        session_id: String,
+        regions: Py<PyList>,
+        groups: Py<PyList>,
+        staging_bytes: u64,
+        resident_bytes: u64,
+        event_handles: Py<PyList>,
+    }
+}
+
+record! {
+    SessionStats {
+        acquires: u64,
+        hits: u64,
+        reuses: u64,
+        misses: u64,
+        resident_hits: u64,
+        bytes_copied: u64,
+        copies: u64,
+        prefetches: u64,
+        stall_ns: u64,
+        resyncs: u64,
+        releases: u64,
+        evictions: u64,
+    }
+}
+
+record! {
+    SessionInfo {
+        session_id: String,
+        model_id: String,
+        device_uuid: String,
+        label: String,
+        peer_uid: u32,
+        peer_gid: u32,
+        peer_pid: i32,
+        vram_budget: u64,
+        staging_bytes: u64,
+        resident_bytes: u64,
+        attached: bool,
+        plan_length: u32,
+        live_tickets: u32,
+        stats: Option<Py<SessionStats>>,
+        age_ms: u64,
+        group_stall_ns: Vec<u64>,
+    }
+}
+
+record! {
+    /// Where the daemon put a ticket's group (`region`, `offset`) and its events (1-based
+    /// indices into the session's event handles; 0: none); `group` is the group acquired.
+    Staged {
+        ticket: u64,
+        group: u32,
+        region: u32,
+        offset: u64,
+        ready_event: u32,
+        free_event: u32,
+    }
+}
+
+fn obj<T: pyo3::PyClass + Into<pyo3::PyClassInitializer<T>>>(
+    py: Python<'_>,
+    value: T,
+) -> PyResult<Py<PyAny>> {
+    Ok(Py::new(py, value)?.into_any())
+}
+
+pub(crate) fn info(py: Python<'_>, m: proto::GetInfoResponse) -> PyResult<GetInfoResponse> {
+    Ok(GetInfoResponse {
+        version: m.version,
+        backend: m.backend,
+        devices: list(py, m.devices, |py, d| {
+            obj(
+                py,
+                Device {
+                    uuid: d.uuid,
+                    name: d.name,
+                    total_memory: d.total_memory,
+                    free_memory: d.free_memory,
+                    pci_bus_id: d.pci_bus_id,
+                },
+            )
+        })?,
+        limits: m
+            .limits
+            .map(|l| {
+                Py::new(
+                    py,
+                    Limits {
+                        max_message_bytes: l.max_message_bytes,
+                        max_tensors_per_model: l.max_tensors_per_model,
+                        max_groups_per_session: l.max_groups_per_session,
+                        max_plan_length: l.max_plan_length,
+                        max_live_tickets: l.max_live_tickets,
+                        max_upload_bytes: l.max_upload_bytes,
+                        max_sessions: l.max_sessions,
+                        max_name_bytes: l.max_name_bytes,
+                    },
+                )
+            })
+            .transpose()?,
+        alignment: m.alignment,
+    })
+}
+
+pub(crate) fn manifest(py: Python<'_>, m: proto::ModelManifest) -> PyResult<ModelManifest> {
+    Ok(ModelManifest {
+        model_id: m.model_id,
+        name: m.name,
+        tensors: list(py, m.tensors, |py, t| {
+            obj(
+                py,
+                TensorInfo {
+                    name: t.name,
+                    dtype: t.dtype,
+                    shape: t.shape,
+                    nbytes: t.nbytes,
+                },
+            )
+        })?,
+        total_bytes: m.total_bytes,
+        refcount: m.refcount,
+        sessions: m.sessions,
+        source: m.source,
+    })
+}
+
+pub(crate) fn progress(p: &proto::LoadProgress) -> LoadProgress {
+    LoadProgress {
+        bytes_done: p.bytes_done,
+        bytes_total: p.bytes_total,
+        current_file: p.current_file.clone(),
+    }
+}
+
+pub(crate) fn models(py: Python<'_>, m: proto::ListModelsResponse) -> PyResult<ListModelsResponse> {
+    Ok(ListModelsResponse {
+        models: list(py, m.models, |py, m| obj(py, manifest(py, m)?))?,
+        store_bytes: m.store_bytes,
+        next_page_token: m.next_page_token,
+    })
+}
+
+pub(crate) fn session_info(py: Python<'_>, s: proto::SessionInfo) -> PyResult<SessionInfo> {
+    Ok(SessionInfo {
+        session_id: s.session_id,
+        model_id: s.model_id,
+        device_uuid: s.device_uuid,
+        label: s.label,
+        peer_uid: s.peer_uid,
+        peer_gid: s.peer_gid,
+        peer_pid: s.peer_pid,
+        vram_budget: s.vram_budget,
+        staging_bytes: s.staging_bytes,
+        resident_bytes: s.resident_bytes,
+        attached: s.attached,
+        plan_length: s.plan_length,
+        live_tickets: s.live_tickets,
+        stats: s.stats.map(|st| Py::new(py, stats(st))).transpose()?,
+        age_ms: s.age_ms,
+        group_stall_ns: s.group_stall_ns,
+    })
+}
+
+fn stats(s: proto::SessionStats) -> SessionStats {
+    SessionStats {
+        acquires: s.acquires,
+        hits: s.hits,
+        reuses: s.reuses,
+        misses: s.misses,
+        resident_hits: s.resident_hits,
+        bytes_copied: s.bytes_copied,
+        copies: s.copies,
+        prefetches: s.prefetches,
+        stall_ns: s.stall_ns,
+        resyncs: s.resyncs,
+        releases: s.releases,
+        evictions: s.evictions,
+    }
+}
+
+pub(crate) fn layout(
+    py: Python<'_>,
+    m: &proto::OpenSessionResponse,
+) -> PyResult<OpenSessionResponse> {
+    Ok(OpenSessionResponse {
+        session_id: m.session_id.clone(),
+        regions: list(py, &m.regions, |py, r| {
+            let (kind, handle, secret) = match &r.handle {
+                Some(proto::region::Handle::CudaIpcHandle(h)) => ("cuda", Some(bytes(py, h)), None),
+                Some(proto::region::Handle::FdSecret(s)) => ("host", None, Some(s.clone())),
+                None => ("none", None, None),
+            };
+            obj(
+                py,
+                Region {
+                    index: r.index,
+                    size: r.size,
+                    kind: kind.to_string(),
+                    cuda_ipc_handle: handle,
+                    fd_secret: secret,
+                },
+            )
+        })?,
+        groups: list(py, &m.groups, |py, g| {
+            obj(
+                py,
+                GroupLayout {
+                    group: g.group,
+                    name: g.name.clone(),
+                    nbytes: g.nbytes,
+                    tensors: list(py, &g.tensors, |py, t| {
+                        obj(
+                            py,
+                            TensorPlacement {
+                                name: t.name.clone(),
+                                dtype: t.dtype,
+                                shape: t.shape.clone(),
+                                offset: t.offset,
+                                nbytes: t.nbytes,
+                            },
+                        )
+                    })?,
+                    resident: g.resident,
+                },
+            )
+        })?,
+        staging_bytes: m.staging_bytes,
+        resident_bytes: m.resident_bytes,
+        event_handles: list(py, &m.event_handles, |py, h| Ok(bytes(py, h).into_any()))?,
+    })
+}
+
+pub(crate) fn begun(
+    py: Python<'_>,
+    b: proto::BeginUploadResponse,
+) -> PyResult<BeginUploadResponse> {
+    Ok(BeginUploadResponse {
+        upload_id: b.upload_id,
+        size: b.size,
+        tensors: list(py, b.tensors, |py, t| {
+            obj(
+                py,
+                UploadTensor {
+                    name: t.name,
+                    offset: t.offset,
+                    nbytes: t.nbytes,
+                },
+            )
+        })?,
+        fd_secret: b.fd_secret,
+    })
+}
+
+pub(crate) fn staged(group: u32, s: &proto::Staged) -> Staged {
+    Staged {
+        ticket: s.ticket,
+        group,
+        region: s.region,
+        offset: s.offset,
+        ready_event: s.ready_event,
+        free_event: s.free_event,
+    }
+}
+
+/// Registers the record classes and the wire's enums (`DTYPE_BF16 = 9`, ...; and each enum as
+/// a `{name: number}` dict: `DTYPES`, `BACKENDS`, `FAULT_CODES`).
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<GetInfoResponse>()?;
+    m.add_class::<Device>()?;
+    m.add_class::<Limits>()?;
+    m.add_class::<TensorInfo>()?;
+    m.add_class::<ModelManifest>()?;
+    m.add_class::<LoadProgress>()?;
+    m.add_class::<ListModelsResponse>()?;
+    m.add_class::<TensorPlacement>()?;
+    m.add_class::<GroupLayout>()?;
+    m.add_class::<Region>()?;
+    m.add_class::<OpenSessionResponse>()?;
+    m.add_class::<SessionStats>()?;
+    m.add_class::<SessionInfo>()?;
+    m.add_class::<Staged>()?;
+    m.add_class::<UploadTensor>()?;
+    m.add_class::<BeginUploadResponse>()?;
+    enum_values(m, "DTYPES", |i| {
+        proto::Dtype::try_from(i).ok().map(|v| v.as_str_name())
+    })?;
+    enum_values(m, "BACKENDS", |i| {
+        proto::Backend::try_from(i).ok().map(|v| v.as_str_name())
+    })?;
+    enum_values(m, "FAULT_CODES", |i| {
+        proto::FaultCode::try_from(i).ok().map(|v| v.as_str_name())
+    })?;
+    Ok(())
+}
+
+fn enum_values(
+    m: &Bound<'_, PyModule>,
+    dict: &str,
+    name: impl Fn(i32) -> Option<&'static str>,
+) -> PyResult<()> {
+    let values = pyo3::types::PyDict::new(m.py());
+    // prost enums have no list of variants: the proto numbers them densely from 0.
+    for i in 0..256 {
+        if let Some(name) = name(i) {
+            values.set_item(name, i)?;
+            m.add(name, i)?;
+        }
+    }
+    m.add(dict, values)
+}

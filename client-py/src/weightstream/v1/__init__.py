@@ -1,1 +1,0 @@
-"""Generated gRPC stubs of proto/weightstream/v1/weightstream.proto (grpcio-tools 1.84.0)."""
