@@ -63,6 +63,11 @@ class Session:
     ):
         self.client = client
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        if self.device.type == "cuda" and self.device.index is None:
+            # CUDA IPC events and memory are per device: torch takes "cuda" without an index for
+            # the current device in most places, but Event.from_ipc_handle on such a device
+            # yields an event whose record() fails (UnicodeDecodeError, torch 2.11).
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._regions = None
         self._generation = 0
         self._native = client._native.open_session(
