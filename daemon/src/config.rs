@@ -83,7 +83,10 @@ impl std::fmt::Display for Rate {
             (1000, "kB"),
         ];
         let n = self.0;
-        match UNITS.iter().find(|(unit, _)| n != 0 && n.is_multiple_of(*unit)) {
+        match UNITS
+            .iter()
+            .find(|(unit, _)| n != 0 && n.is_multiple_of(*unit))
+        {
             Some((unit, name)) => write!(f, "{}{name}/s", n / unit),
             None => write!(f, "{n}B/s"),
         }
