@@ -298,7 +298,9 @@ impl Client {
 
     /// Opens a session of `groups` (`(name, [tensor names])` each) and attaches its stream.
     /// Host regions are not mapped here: `Session.region_fd` gives their fds.
-    #[pyo3(signature = (model_id, groups, vram_budget, staging_bytes=0, device_uuid="", label=""))]
+    /// `copy_bandwidth_limit`: the session's share of the device's copy bandwidth, bytes per
+    /// second (0: none).
+    #[pyo3(signature = (model_id, groups, vram_budget, staging_bytes=0, device_uuid="", label="", copy_bandwidth_limit=0))]
     #[allow(clippy::too_many_arguments)]
     fn open_session(
         &self,
@@ -309,6 +311,7 @@ impl Client {
         staging_bytes: u64,
         device_uuid: &str,
         label: &str,
+        copy_bandwidth_limit: u64,
     ) -> PyResult<Session> {
         let groups = groups
             .into_iter()
@@ -318,6 +321,7 @@ impl Client {
         options.staging_bytes = staging_bytes;
         options.device_uuid = device_uuid.to_string();
         options.label = label.to_string();
+        options.copy_bandwidth_limit = copy_bandwidth_limit;
         // The Python side sends its plan itself (weightstream.torch records it).
         options.record_plan = false;
         options.map_host_regions = false;

@@ -34,6 +34,9 @@ pub struct SessionOptions {
     pub staging_bytes: u64,
     pub groups: Vec<proto::GroupSpec>,
     pub label: String,
+    /// This session's share of the device's copy bandwidth, bytes per second (0: none; the
+    /// daemon refuses less than 100 MB/s).
+    pub copy_bandwidth_limit: u64,
     /// Record the first step's acquisitions and send them as the plan at `end_step`.
     pub record_plan: bool,
     /// Map the host backend's regions into this process, so that views carry their bytes.
@@ -50,6 +53,7 @@ impl SessionOptions {
             staging_bytes: 0,
             groups,
             label: String::new(),
+            copy_bandwidth_limit: 0,
             record_plan: true,
             map_host_regions: true,
         }
@@ -168,6 +172,7 @@ impl Session {
             staging_bytes: options.staging_bytes,
             groups: options.groups.clone(),
             label: options.label.clone(),
+            copy_bandwidth_limit: options.copy_bandwidth_limit,
         };
         let status = |s| ClientError::from_status(client.socket(), s);
         let opened = rpc

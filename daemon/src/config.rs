@@ -4,7 +4,9 @@
 //! byte counts and a resolved gid, and is the only thing the daemon starts from.
 
 use std::net::SocketAddr;
+use std::num::NonZeroU64;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::time::Duration;
 
 use bytesize::ByteSize;
@@ -30,6 +32,65 @@ pub enum BackendChoice {
 /// A size with units ("64MiB") or a plain number, as bytes.
 fn bytes<'de, D: Deserializer<'de>>(de: D) -> Result<u64, D::Error> {
     ByteSize::deserialize(de).map(|b| b.as_u64())
+}
+
+/// The lowest copy bandwidth limit, the device's or a session's (100 MB/s): below it a limit
+/// is more likely a unit mistake ("25MB/s" for "25GB/s") than a wish, and copies of a
+/// 24 GiB model would take minutes.
+pub const MIN_COPY_BANDWIDTH: u64 = 100_000_000;
+
+/// Bytes per second, as written: "25GB/s", "25 GiB/s", "25GB" or a plain number of bytes per
+/// second. Not yet checked against [`MIN_COPY_BANDWIDTH`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "RawSize")]
+pub struct Rate(pub u64);
+
+impl FromStr for Rate {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Rate, String> {
+        let t = text.trim();
+        let t = t.strip_suffix("/s").unwrap_or(t).trim_end();
+        t.parse::<u64>()
+            .map(Rate)
+            .or_else(|_| t.parse::<ByteSize>().map(|b| Rate(b.as_u64())))
+            .map_err(|_| {
+                format!("{text:?} is not a rate like \"25GB/s\", \"25GiB/s\" or bytes per second")
+            })
+    }
+}
+
+impl TryFrom<RawSize> for Rate {
+    type Error = String;
+
+    fn try_from(raw: RawSize) -> Result<Self, String> {
+        match raw {
+            RawSize::Number(n) => Ok(Rate(n)),
+            RawSize::Text(text) => text.parse(),
+        }
+    }
+}
+
+impl std::fmt::Display for Rate {
+    /// In the largest unit that divides it exactly ("25GB/s", "24GiB/s"), else in bytes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const UNITS: [(u64, &str); 6] = [
+            (1 << 30, "GiB"),
+            (1_000_000_000, "GB"),
+            (1 << 20, "MiB"),
+            (1_000_000, "MB"),
+            (1 << 10, "KiB"),
+            (1000, "kB"),
+        ];
+        let n = self.0;
+        match UNITS
+            .iter()
+            .find(|(unit, _)| n != 0 && n.is_multiple_of(*unit))
+        {
+            Some((unit, name)) => write!(f, "{}{name}/s", n / unit),
+            None => write!(f, "{n}B/s"),
+        }
+    }
 }
 
 /// Limits the daemon enforces on every request (see the README's configuration reference).
@@ -226,6 +287,9 @@ pub struct ConfigFile {
     pub prefetch_depth: u32,
     /// How long shutdown waits, from the stop request, for sessions and connections to end.
     pub drain_timeout_secs: u64,
+    /// Host-to-device bytes per second each device's copies may use (a slower link, emulated);
+    /// none by default.
+    pub copy_bandwidth_limit: Option<Rate>,
     pub limits: Limits,
     pub metrics: MetricsConfig,
     pub access: AccessConfig,
@@ -240,6 +304,7 @@ impl Default for ConfigFile {
             backend: BackendChoice::Auto,
             prefetch_depth: 16,
             drain_timeout_secs: 10,
+            copy_bandwidth_limit: None,
             limits: Limits::default(),
             metrics: MetricsConfig::default(),
             access: AccessConfig::default(),
@@ -260,6 +325,8 @@ pub struct Config {
     /// How long shutdown waits, from the stop request, for sessions to close and connections
     /// to finish before cutting them; the stop gives up on what is left 2 s after that.
     pub drain_timeout: Duration,
+    /// Bytes per second each device's copy thread may issue, at least [`MIN_COPY_BANDWIDTH`].
+    pub copy_bandwidth_limit: Option<NonZeroU64>,
     /// Where `/metrics` is served; `None` when metrics are off.
     pub metrics_listen: Option<SocketAddr>,
     pub limits: Limits,
@@ -370,6 +437,19 @@ impl ConfigFile {
             self.drain_timeout_secs <= 3600,
             "0 to 3600",
         )?;
+        let copy_bandwidth_limit = match self.copy_bandwidth_limit {
+            None => None,
+            Some(rate) => match NonZeroU64::new(rate.0) {
+                Some(r) if rate.0 >= MIN_COPY_BANDWIDTH => Some(r),
+                _ => {
+                    return Err(ConfigError::OutOfRange {
+                        key: "copy_bandwidth_limit",
+                        value: rate.to_string(),
+                        limit: "at least 100MB/s (leave it out for no limit)",
+                    });
+                }
+            },
+        };
         let l = &self.limits;
         let msg = l.max_message_bytes;
         range(
@@ -474,6 +554,7 @@ impl ConfigFile {
             backend: self.backend,
             prefetch_depth: self.prefetch_depth,
             drain_timeout: Duration::from_secs(self.drain_timeout_secs),
+            copy_bandwidth_limit,
             metrics_listen: self.metrics.enabled.then_some(listen),
             limits: self.limits,
             access: self.access,
@@ -526,6 +607,7 @@ mod tests {
         assert_eq!(c.metrics_listen, None);
         assert_eq!(c.drain_timeout, Duration::from_secs(10));
         assert_eq!(c.socket_gid, None);
+        assert_eq!(c.copy_bandwidth_limit, None);
         let q = config(
             "[access]\nallowed_uids = [1000, 1001]\n[quotas]\nper_uid_sessions = 2\n\
              per_uid_host_bytes = \"1GiB\"\nmax_host_bytes = \"64GiB\"\nmax_device_bytes = \"90%\"\n",
@@ -556,6 +638,7 @@ mod tests {
             "backend =",
             "prefetch_depth =",
             "drain_timeout_secs =",
+            "# copy_bandwidth_limit =",
             "[metrics]",
             "enabled =",
             "listen =",
@@ -594,6 +677,33 @@ mod tests {
     }
 
     #[test]
+    fn copy_bandwidth_limits_are_read_in_any_unit() {
+        let cases: &[(&str, u64)] = &[
+            ("\"25GB/s\"", 25_000_000_000),
+            ("\"25 GB/s\"", 25_000_000_000),
+            ("\"25GiB/s\"", 25 << 30),
+            ("\"25GB\"", 25_000_000_000),
+            ("\"1.5GB/s\"", 1_500_000_000),
+            ("\"100MB/s\"", 100_000_000),
+            ("25000000000", 25_000_000_000),
+            ("\"25000000000\"", 25_000_000_000),
+        ];
+        let mut failures = Vec::new();
+        for (value, want) in cases {
+            let got = config(&format!("copy_bandwidth_limit = {value}"))
+                .map(|c| c.copy_bandwidth_limit.map(NonZeroU64::get));
+            if !matches!(got, Ok(Some(g)) if g == *want) {
+                failures.push(format!("{value}: {got:?}, want {want}"));
+            }
+        }
+        assert!(failures.is_empty(), "{failures:#?}");
+        let shown: Vec<String> = [25_000_000_000, 25 << 30, 100_000_000, 123_456_789]
+            .map(|n| Rate(n).to_string())
+            .into();
+        assert_eq!(shown, ["25GB/s", "25GiB/s", "100MB/s", "123456789B/s"]);
+    }
+
+    #[test]
     fn socket_group_is_resolved_to_a_gid_when_validated() {
         let gid = |text| config(text).map(|c| c.socket_gid);
         assert_eq!(gid("socket_group = \"4242\"").unwrap(), Some(4242));
@@ -613,8 +723,8 @@ mod tests {
             (
                 "sockets = \"/x\"",
                 "line 1: unknown field `sockets`, expected one of `socket`, `socket_group`, \
-                 `backend`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`, `access`, \
-                 `quotas`",
+                 `backend`, `prefetch_depth`, `drain_timeout_secs`, `copy_bandwidth_limit`, \
+                 `limits`, `metrics`, `access`, `quotas`",
             ),
             (
                 "[limits]\nmax_sesions = 3",
@@ -687,8 +797,8 @@ mod tests {
             (
                 "shm_dir = \"/dev/shm\"",
                 "line 1: unknown field `shm_dir`, expected one of `socket`, `socket_group`, \
-                 `backend`, `prefetch_depth`, `drain_timeout_secs`, `limits`, `metrics`, `access`, \
-                 `quotas`",
+                 `backend`, `prefetch_depth`, `drain_timeout_secs`, `copy_bandwidth_limit`, \
+                 `limits`, `metrics`, `access`, `quotas`",
             ),
             (
                 "socket = \"ws.sock\"",
@@ -726,6 +836,20 @@ mod tests {
             (
                 "[access]\nallowed_uids = [-1]",
                 "line 2: invalid value: integer `-1`, expected u32",
+            ),
+            (
+                "copy_bandwidth_limit = \"25MB/s\"",
+                "copy_bandwidth_limit = 25MB/s is out of range: at least 100MB/s (leave it out \
+                 for no limit)",
+            ),
+            (
+                "copy_bandwidth_limit = 0",
+                "copy_bandwidth_limit = 0B/s is out of range: at least 100MB/s (leave it out for \
+                 no limit)",
+            ),
+            (
+                "copy_bandwidth_limit = \"fast\"",
+                "line 1: \"fast\" is not a rate like \"25GB/s\", \"25GiB/s\" or bytes per second",
             ),
             (
                 "[metrics]\nlisten = \"localhost\"",

@@ -6,7 +6,9 @@
 //! the handoff socket: validation, status mapping, start-up, drain) → `core` (shared state, the
 //! fds clients pass and fetch) → `session` (actors, staging arenas, plans) → `residency` /
 //! `scheduler` → `store` (registry, load, upload, pin) → `mem` (memfd mappings, host arenas and
-//! slices); `backend` (host, CUDA: the only FFI) → `mem`. The store pins through `mem::HostPinner`, which every backend implements.
+//! slices); `backend` (host, CUDA: the only FFI) → `mem`; `pacing` (the copy token bucket and its
+//! clock) is a leaf the scheduler reads. The store pins through `mem::HostPinner`, which every
+//! backend implements.
 // Unsafe code lives in two places that allow it explicitly: the CUDA driver layer
 // (`backend::cuda::{ffi, safe}`, on their `mod` lines) and the shared-memory mapping
 // (`mem::shm::map`).
@@ -17,6 +19,7 @@ pub mod config;
 pub mod core;
 pub mod mem;
 pub mod metrics;
+pub mod pacing;
 pub mod quota;
 pub mod residency;
 pub mod scheduler;

@@ -115,7 +115,7 @@ impl Collector for DaemonCollector {
                 .map(|(i, dev)| (vec![("device", dev.uuid.as_str())], f(i)))
                 .collect()
         };
-        let device_counters: [Series; 8] = [
+        let device_counters: [Series; 10] = [
             (
                 "weightstream_device_streamed_bytes",
                 "Bytes copied host to device (staging and resident copies).",
@@ -130,6 +130,17 @@ impl Collector for DaemonCollector {
                 "weightstream_device_copy_busy_seconds",
                 "Time the device's copy engine spent copying.",
                 &|i| copy[i].busy_ns as f64 * NS,
+            ),
+            (
+                "weightstream_device_copy_throttled_seconds",
+                "Time the device's copy thread waited for the device's copy bandwidth limit.",
+                &|i| copy[i].throttled_ns as f64 * NS,
+            ),
+            (
+                "weightstream_device_copy_share_throttled_seconds",
+                "Time the device's copy thread waited with copies ready that sessions' \
+                 copy bandwidth shares held back.",
+                &|i| copy[i].share_throttled_ns as f64 * NS,
             ),
             (
                 "weightstream_device_acquires",
@@ -174,6 +185,12 @@ impl Collector for DaemonCollector {
             "weightstream_device_copy_queue_length",
             "Copies waiting for the device's copy thread.",
             per_device(&|i| copy[i].queued as f64),
+        )?;
+        gauge(
+            &mut e,
+            "weightstream_device_copy_bandwidth_limit_bytes_per_second",
+            "The device's copy bandwidth limit (0: none).",
+            per_device(&|i| d.scheduler.limit(i).map_or(0.0, |r| r.get() as f64)),
         )?;
         gauge(
             &mut e,
@@ -250,7 +267,7 @@ impl Collector for DaemonCollector {
         for (name, help, f) in session_counters {
             counter(&mut e, name, help, per_session(f))?;
         }
-        let session_gauges: [Series; 3] = [
+        let session_gauges: [Series; 4] = [
             (
                 "weightstream_session_budget_bytes",
                 "The session's VRAM budget.",
@@ -260,6 +277,16 @@ impl Collector for DaemonCollector {
                 "weightstream_session_staging_bytes",
                 "The session's staging arena.",
                 &|i| sessions[i].staging_bytes as f64,
+            ),
+            (
+                "weightstream_session_copy_bandwidth_limit_bytes_per_second",
+                "The session's share of its device's copy bandwidth (0: none of its own).",
+                &|i| {
+                    let s = &sessions[i];
+                    d.scheduler
+                        .share(s.device, s.number)
+                        .map_or(0.0, |r| r.get() as f64)
+                },
             ),
             (
                 "weightstream_session_resident_bytes",

@@ -5,13 +5,52 @@
 //! prefetches, and round-robin between sessions within each class, so that one session's deep
 //! prefetch cannot starve another's demand. The thread is dedicated because the CUDA backend
 //! binds its context to it (tokio moves tasks between threads).
+//!
+//! Copy bandwidth limits (`pacing`): a device's limit emulates a slower link, so the copy
+//! thread itself waits for it: each copy goes in pieces of [`PACED_CHUNK`] bytes, each piece
+//! issued once the device's bucket allows it. Pacing is on *issue*, not completion: on CUDA a
+//! copy returns once queued, and waiting for completion would leave the link idle between
+//! pieces. It holds because the real link is faster than the limit: what is queued ahead of
+//! the limit's schedule is at most the burst ([`PACING_BURST`]) plus one piece, so completions
+//! trail issues by that much and the completed rate over any window of seconds is the limit's
+//! within (burst + piece) / window. The pieces keep the emulation honest at a group's scale: a
+//! 150 MB group completes after 150 MB / limit, as on the slower link, not in one burst.
+//! A session's share is a policy, not a link: a session in debt with its own bucket is passed
+//! over (as a copy waiting on its events is) so that the others use the link meanwhile; it is
+//! charged a whole copy when the copy starts.
 
 use std::collections::{HashMap, VecDeque};
+use std::num::NonZeroU64;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BackendError, CopyJob, CopyTiming};
+use crate::pacing::{Clock, SystemClock, TokenBucket};
+
+/// Largest piece of a paced copy (about 0.34 ms at 25 GB/s; 4 MB copies already run at 53 of
+/// the H200's 55 GB/s, so pieces cost the link next to nothing).
+pub const PACED_CHUNK: u64 = 8 << 20;
+/// What a bucket lends after an idle spell: two pieces. It also absorbs the copy thread's late
+/// wake-ups (timer slack, the time to queue a piece) without losing rate.
+pub const PACING_BURST: u64 = 2 * PACED_CHUNK;
+
+/// How the copy threads pace: the devices' limits (bytes per second; `None`: the link's own
+/// speed) and the clock they read and sleep on.
+#[derive(Clone)]
+pub struct Pacing {
+    pub device_limit: Option<NonZeroU64>,
+    pub clock: Arc<dyn Clock>,
+}
+
+impl Default for Pacing {
+    fn default() -> Self {
+        Pacing {
+            device_limit: None,
+            clock: Arc::new(SystemClock::default()),
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Priority {
@@ -56,6 +95,10 @@ pub struct DeviceCopyStats {
     /// around each batch on the copy stream; host: the memcpy), not the time to queue them.
     pub busy_ns: u64,
     pub queued: u64,
+    /// Time the copy thread waited for the device's copy bandwidth limit.
+    pub throttled_ns: u64,
+    /// Time the copy thread waited with copies ready that sessions' shares held back.
+    pub share_throttled_ns: u64,
 }
 
 #[derive(Default)]
@@ -118,6 +161,10 @@ impl Lanes {
     fn len(&self) -> usize {
         self.per_session.values().map(VecDeque::len).sum()
     }
+
+    fn iter(&self) -> impl Iterator<Item = &CopyRequest> {
+        self.per_session.values().flatten()
+    }
 }
 
 #[derive(Default)]
@@ -126,11 +173,14 @@ struct QueueState {
     prefetch: Lanes,
     stopping: bool,
     stats: DeviceCopyStats,
+    /// Sessions' shares of the device's copy bandwidth, by session.
+    shares: HashMap<u64, TokenBucket>,
 }
 
 struct DeviceQueue {
     state: Mutex<QueueState>,
     wake: Condvar,
+    limit: Option<NonZeroU64>,
 }
 
 impl DeviceQueue {
@@ -145,6 +195,7 @@ pub struct CopyScheduler {
     /// Copy threads still running: a stop can wait for them with a deadline (a copy stuck in
     /// the driver must not hold the daemon's exit forever).
     running: Arc<tokio::sync::watch::Sender<usize>>,
+    clock: Arc<dyn Clock>,
 }
 
 /// Counts its copy thread out when the thread ends, however it ends.
@@ -157,8 +208,17 @@ impl Drop for Running {
 }
 
 impl CopyScheduler {
-    /// Starts one copy thread per device.
+    /// Starts one copy thread per device, unpaced.
     pub fn start(backend: Arc<dyn Backend>, devices: usize) -> std::io::Result<Arc<Self>> {
+        Self::start_paced(backend, devices, Pacing::default())
+    }
+
+    /// Starts one copy thread per device, each paced to `pacing.device_limit`.
+    pub fn start_paced(
+        backend: Arc<dyn Backend>,
+        devices: usize,
+        pacing: Pacing,
+    ) -> std::io::Result<Arc<Self>> {
         let mut queues = Vec::new();
         let mut threads = Vec::new();
         let running = Arc::new(tokio::sync::watch::Sender::new(0));
@@ -166,15 +226,16 @@ impl CopyScheduler {
             let queue = Arc::new(DeviceQueue {
                 state: Mutex::new(QueueState::default()),
                 wake: Condvar::new(),
+                limit: pacing.device_limit,
             });
-            let (q, b) = (queue.clone(), backend.clone());
+            let (q, b, clock) = (queue.clone(), backend.clone(), pacing.clock.clone());
             running.send_modify(|n| *n += 1);
             let counted = Running(running.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("ws-copy-{device}"))
                 .spawn(move || {
                     let _counted = counted;
-                    copy_loop(device, &q, b.as_ref());
+                    copy_loop(device, &q, b.as_ref(), clock.as_ref());
                 });
             let thread = match thread {
                 Ok(t) => t,
@@ -191,7 +252,37 @@ impl CopyScheduler {
             queues,
             threads: Mutex::new(threads),
             running,
+            clock: pacing.clock,
         }))
+    }
+
+    /// The device's copy bandwidth limit, bytes per second.
+    pub fn limit(&self, device: usize) -> Option<NonZeroU64> {
+        self.queues[device].limit
+    }
+
+    /// Caps a session's copies to the device at `rate` bytes per second (within the device's
+    /// own limit), until [`cancel_session`](Self::cancel_session) or the guard's drop.
+    pub fn set_share(
+        self: &Arc<Self>,
+        device: usize,
+        session: u64,
+        rate: NonZeroU64,
+    ) -> ShareGuard {
+        let bucket = TokenBucket::new(rate, PACING_BURST, self.clock.now());
+        self.queues[device].lock().shares.insert(session, bucket);
+        ShareGuard {
+            scheduler: self.clone(),
+            device,
+            session,
+            kept: false,
+        }
+    }
+
+    /// The session's share, bytes per second, if it has one.
+    pub fn share(&self, device: usize, session: u64) -> Option<NonZeroU64> {
+        let state = self.queues[device].lock();
+        state.shares.get(&session).map(TokenBucket::rate)
     }
 
     pub fn submit(&self, device: usize, req: CopyRequest) {
@@ -223,11 +314,12 @@ impl CopyScheduler {
         }
     }
 
-    /// Drops a session's queued copies (each reports `Cancelled`); a copy already running
-    /// finishes and reports as usual. Returns how many were dropped.
+    /// Drops a session's queued copies (each reports `Cancelled`) and its share; a copy
+    /// already running finishes and reports as usual. Returns how many were dropped.
     pub fn cancel_session(&self, device: usize, session: u64) -> usize {
         let dropped: Vec<CopyRequest> = {
             let mut state = self.queues[device].lock();
+            state.shares.remove(&session);
             let mut d: Vec<_> = state.demand.take_session(session).into();
             d.extend(state.prefetch.take_session(session));
             d
@@ -276,6 +368,30 @@ impl CopyScheduler {
     }
 }
 
+/// Holds a session's share while the session is being opened: dropped, it takes the share
+/// back; kept, the share lasts until the session's teardown cancels its copies.
+pub struct ShareGuard {
+    scheduler: Arc<CopyScheduler>,
+    device: usize,
+    session: u64,
+    kept: bool,
+}
+
+impl ShareGuard {
+    pub fn keep(mut self) {
+        self.kept = true;
+    }
+}
+
+impl Drop for ShareGuard {
+    fn drop(&mut self) {
+        if !self.kept {
+            let queue = &self.scheduler.queues[self.device];
+            queue.lock().shares.remove(&self.session);
+        }
+    }
+}
+
 impl DeviceQueue {
     fn stop(&self) {
         let dropped: Vec<CopyRequest> = {
@@ -310,7 +426,10 @@ fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
-fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend) {
+fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &dyn Clock) {
+    let mut link = queue
+        .limit
+        .map(|rate| TokenBucket::new(rate, PACING_BURST, clock.now()));
     loop {
         // Outside the queue's lock: retiring a copy may drop the last reference to a model's
         // arena, which unlocks and unmaps it.
@@ -318,14 +437,46 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend) {
         let req = {
             let mut state = queue.lock();
             state.stats.busy_ns += nanos(polled.busy);
-            let ready = |r: &CopyRequest| r.job.ready();
-            let next = state
-                .demand
+            let now = clock.now();
+            let QueueState {
+                demand,
+                prefetch,
+                shares,
+                ..
+            } = &mut *state;
+            let allowed = |r: &CopyRequest| {
+                shares
+                    .get(&r.session)
+                    .is_none_or(|b| b.delay(now).is_zero())
+            };
+            let ready = |r: &CopyRequest| r.job.ready() && allowed(r);
+            let next = demand
                 .pop_ready(ready)
-                .or_else(|| state.prefetch.pop_ready(ready));
+                .or_else(|| prefetch.pop_ready(ready));
             match next {
-                Some(r) => r,
+                Some(r) => {
+                    if let Some(share) = shares.get_mut(&r.session) {
+                        share.charge(now, r.job.bytes());
+                    }
+                    r
+                }
                 None => {
+                    // Copies that could run but for their sessions' shares: wait for the first
+                    // share to allow one (on the clock, so that tests can fake it; at most a
+                    // poll's time, so that a new submission is seen as soon as it would be).
+                    let held = demand
+                        .iter()
+                        .chain(prefetch.iter())
+                        .filter(|r| r.job.ready())
+                        .filter_map(|r| shares.get(&r.session).map(|b| b.delay(now)))
+                        .min();
+                    if let Some(wait) = held.filter(|_| !state.stopping) {
+                        drop(state);
+                        let wait = wait.min(POLL);
+                        clock.sleep(wait);
+                        queue.lock().stats.share_throttled_ns += nanos(wait);
+                        continue;
+                    }
                     let queued = state.demand.len() + state.prefetch.len();
                     if state.stopping && queued == 0 {
                         return;
@@ -346,22 +497,137 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend) {
         };
         let bytes = req.job.bytes();
         let started = Instant::now();
-        let result = backend.copy(device, req.job);
+        let ran = match &mut link {
+            None => Ran::once(backend.copy(device, req.job)),
+            Some(bucket) => run_paced(device, queue, backend, clock, bucket, req.job),
+        };
         let elapsed = started.elapsed();
         {
             let mut state = queue.lock();
             state.stats.copies += 1;
             state.stats.bytes += bytes;
-            if let Ok(CopyTiming::Done(busy)) = result {
-                state.stats.busy_ns += nanos(busy);
-            }
+            state.stats.busy_ns += nanos(ran.busy);
+            state.stats.throttled_ns += nanos(ran.throttled);
         }
         (req.done)(CopyOutcome {
-            result: result.map(|_timing| ()).map_err(CopyError::from),
+            result: ran.result,
             bytes,
             elapsed,
         });
     }
+}
+
+/// What running one request came to.
+struct Ran {
+    result: Result<(), CopyError>,
+    /// Device time known by now: `Done` copies' and, for a paced copy, what polls between its
+    /// pieces reported.
+    busy: Duration,
+    /// Time spent waiting for the device's limit.
+    throttled: Duration,
+}
+
+impl Ran {
+    fn once(result: Result<CopyTiming, BackendError>) -> Ran {
+        let busy = match result {
+            Ok(CopyTiming::Done(busy)) => busy,
+            _ => Duration::ZERO,
+        };
+        Ran {
+            result: result.map(|_timing| ()).map_err(CopyError::from),
+            busy,
+            throttled: Duration::ZERO,
+        }
+    }
+}
+
+/// Runs a job in pieces, each issued once the device's bucket allows it. A stop between
+/// pieces cancels the rest (a slow limit must not hold the daemon's exit for minutes).
+fn run_paced(
+    device: usize,
+    queue: &DeviceQueue,
+    backend: &dyn Backend,
+    clock: &dyn Clock,
+    bucket: &mut TokenBucket,
+    job: CopyJob,
+) -> Ran {
+    let mut ran = Ran {
+        result: Ok(()),
+        busy: Duration::ZERO,
+        throttled: Duration::ZERO,
+    };
+    for piece in split_job(job, PACED_CHUNK) {
+        let wait = bucket.reserve(clock.now(), piece.bytes());
+        if !wait.is_zero() {
+            clock.sleep(wait);
+            ran.throttled += wait;
+        }
+        if queue.lock().stopping {
+            ran.result = Err(CopyError::Cancelled);
+            break;
+        }
+        let once = Ran::once(backend.copy(device, piece));
+        ran.busy += once.busy + backend.poll_copies(device).busy;
+        if once.result.is_err() {
+            ran.result = once.result;
+            break;
+        }
+    }
+    ran
+}
+
+/// Cuts a job into jobs of at most `chunk` bytes each, in order (spans are cut where they
+/// cross a boundary; small ones share a piece). The first piece waits on the job's events; the
+/// last records its event and is synchronous if the job was. Always at least one piece.
+fn split_job(job: CopyJob, chunk: u64) -> Vec<CopyJob> {
+    let CopyJob {
+        region,
+        spans,
+        events,
+        wait,
+        record,
+        synchronous,
+    } = job;
+    let mut pieces: Vec<Vec<_>> = vec![Vec::new()];
+    let mut room = chunk;
+    for (src, dst) in spans {
+        let len = src.len() as u64;
+        let mut at = 0;
+        while at < len {
+            if room == 0 {
+                pieces.push(Vec::new());
+                room = chunk;
+            }
+            let take = room.min(len - at);
+            let part = if take == len {
+                src.clone()
+            } else {
+                src.slice(at, take)
+            };
+            if let Some(last) = pieces.last_mut() {
+                last.push((part, dst + at));
+            }
+            at += take;
+            room -= take;
+        }
+    }
+    let n = pieces.len();
+    let mut wait = Some(wait);
+    pieces
+        .into_iter()
+        .enumerate()
+        .map(|(i, spans)| {
+            let last = i + 1 == n;
+            CopyJob {
+                region: region.clone(),
+                spans,
+                events: events.clone(),
+                wait: wait.take().unwrap_or_default(),
+                record: if last { record } else { None },
+                synchronous: last && synchronous,
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -610,5 +876,187 @@ mod tests {
         assert_eq!(stats.copies, 2);
         let busy = Duration::from_nanos(stats.busy_ns);
         assert!(!busy.is_zero() && busy < hold / 4, "{busy:?}");
+    }
+}
+
+#[cfg(test)]
+mod pacing_tests {
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::backend::host::tests::backend_and_tensor;
+    use crate::mem::HostSlice;
+    use crate::pacing::FakeClock;
+
+    const MIB: u64 = 1 << 20;
+
+    fn rate(bytes_per_sec: u64) -> Option<NonZeroU64> {
+        NonZeroU64::new(bytes_per_sec)
+    }
+
+    /// A job of `mib` MiB: the 1 MiB tensor copied `mib` times, end to end.
+    fn job_of(
+        region: &Arc<dyn crate::backend::DeviceRegion>,
+        tensor: &HostSlice,
+        mib: u64,
+    ) -> CopyJob {
+        let spans = (0..mib).map(|i| (tensor.clone(), i * MIB)).collect();
+        CopyJob::copy(region.clone(), spans)
+    }
+
+    #[test]
+    fn a_job_is_cut_into_pieces_with_its_events_at_the_ends() {
+        let (backend, tensor) = backend_and_tensor();
+        let region = backend.alloc_region(0, 4 * MIB, "staging").unwrap();
+        let job = CopyJob {
+            wait: vec![3, 4],
+            record: Some(5),
+            synchronous: true,
+            ..CopyJob::copy(
+                region.clone(),
+                vec![(tensor.clone(), 0), (tensor.slice(10, 100), 2 * MIB)],
+            )
+        };
+        let pieces = split_job(job, 300_000);
+        let sizes: Vec<u64> = pieces.iter().map(CopyJob::bytes).collect();
+        assert_eq!(sizes, [300_000, 300_000, 300_000, 148_676]);
+        // Each span's bytes go where the whole span would have put them.
+        let spans: Vec<(usize, u64)> = pieces
+            .iter()
+            .flat_map(|p| p.spans.iter().map(|(s, at)| (s.len(), *at)))
+            .collect();
+        assert_eq!(
+            spans,
+            [
+                (300_000, 0),
+                (300_000, 300_000),
+                (300_000, 600_000),
+                (148_576, 900_000),
+                (100, 2 * MIB)
+            ]
+        );
+        assert_eq!(pieces[3].spans[1].0.bytes(), &tensor.bytes()[10..110]);
+        let events: Vec<_> = pieces
+            .iter()
+            .map(|p| (p.wait.clone(), p.record, p.synchronous))
+            .collect();
+        assert_eq!(
+            events,
+            [
+                (vec![3, 4], None, false),
+                (vec![], None, false),
+                (vec![], None, false),
+                (vec![], Some(5), true),
+            ]
+        );
+        let empty = split_job(CopyJob::copy(region, Vec::new()), 300_000);
+        assert_eq!(empty.len(), 1);
+    }
+
+    /// Runs `jobs` (session, MiB) through a scheduler on a fake clock; returns, per job in
+    /// submission order, (session, fake time its copy reported done), and the device's stats.
+    fn run_on_fake_clock(
+        device_limit: Option<NonZeroU64>,
+        shares: &[(u64, u64)],
+        jobs: &[(u64, u64)],
+    ) -> (Vec<(u64, Duration)>, DeviceCopyStats, Arc<FakeClock>) {
+        let (backend, tensor) = backend_and_tensor();
+        let region = backend.alloc_region(0, 64 * MIB, "staging").unwrap();
+        let clock = Arc::new(FakeClock::default());
+        let pacing = Pacing {
+            device_limit,
+            clock: clock.clone(),
+        };
+        let scheduler = CopyScheduler::start_paced(backend, 1, pacing).unwrap();
+        let guards: Vec<_> = shares
+            .iter()
+            .map(|&(s, r)| scheduler.set_share(0, s, rate(r).unwrap()))
+            .collect();
+        let (tx, rx) = mpsc::channel();
+        for (i, &(session, mib)) in jobs.iter().enumerate() {
+            let (tx, clock) = (tx.clone(), clock.clone());
+            scheduler.submit(
+                0,
+                CopyRequest {
+                    session,
+                    tag: i as u32,
+                    priority: Priority::Demand,
+                    job: job_of(&region, &tensor, mib),
+                    done: Box::new(move |outcome| {
+                        assert!(outcome.result.is_ok(), "{:?}", outcome.result);
+                        tx.send((i, clock.now())).unwrap();
+                    }),
+                },
+            );
+        }
+        let mut done = vec![(0, Duration::MAX); jobs.len()];
+        for _ in jobs {
+            let (i, at) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+            done[i] = (jobs[i].0, at);
+        }
+        let stats = scheduler.stats(0);
+        drop(guards);
+        scheduler.shutdown();
+        (done, stats, clock)
+    }
+
+    fn nanos_for(bytes: u64, rate: u64) -> Duration {
+        Duration::from_nanos((u128::from(bytes) * 1_000_000_000).div_ceil(u128::from(rate)) as u64)
+    }
+
+    /// The device's limit: 40 MiB at 100 MB/s, less the 16 MiB burst, take (24 MiB / 100 MB/s)
+    /// of the copy thread's (fake) time, all of it spent throttled; without a limit, none.
+    #[test]
+    fn a_device_limit_paces_every_copy_to_the_rate() {
+        let jobs = [(1, 8), (2, 8), (1, 16), (2, 8)];
+        let (done, stats, clock) = run_on_fake_clock(rate(100_000_000), &[], &jobs);
+        let want = nanos_for(24 * MIB, 100_000_000);
+        // Each piece's wait rounds up to a whole ns.
+        assert!(
+            clock.now().abs_diff(want) <= Duration::from_nanos(8),
+            "{:?}",
+            clock.now()
+        );
+        assert_eq!(Duration::from_nanos(stats.throttled_ns), clock.now());
+        assert_eq!(
+            (stats.copies, stats.bytes, stats.share_throttled_ns),
+            (4, 40 * MIB, 0)
+        );
+        assert_eq!(done.iter().map(|d| d.1).max(), Some(clock.now()));
+
+        let (_, stats, clock) = run_on_fake_clock(None, &[], &jobs);
+        assert_eq!((clock.now(), stats.throttled_ns), (Duration::ZERO, 0));
+    }
+
+    /// Session 1's share (100 MB/s, 16 MiB burst) lets its first three 8 MiB copies go at once
+    /// (the third into debt) and holds the fourth until the debt is paid; session 2, with no
+    /// share, is never held back (its copies, queued first, are all done at time 0).
+    #[test]
+    fn a_session_share_holds_back_only_its_own_session() {
+        let jobs = [(2, 8), (2, 8), (2, 8), (1, 8), (1, 8), (1, 8), (1, 8)];
+        let (done, stats, clock) = run_on_fake_clock(None, &[(1, 100_000_000)], &jobs);
+        let debt = nanos_for(8 * MIB, 100_000_000);
+        let times: Vec<Duration> = done.iter().map(|d| d.1).collect();
+        let zero = Duration::ZERO;
+        assert_eq!(times, [zero, zero, zero, zero, zero, zero, debt]);
+        assert_eq!(clock.now(), debt);
+        assert_eq!(Duration::from_nanos(stats.share_throttled_ns), debt);
+        assert_eq!(stats.throttled_ns, 0);
+    }
+
+    #[test]
+    fn a_share_lasts_until_its_session_is_cancelled_or_its_guard_dropped() {
+        let (backend, _) = backend_and_tensor();
+        let scheduler = CopyScheduler::start(backend, 1).unwrap();
+        let r = rate(200_000_000).unwrap();
+        drop(scheduler.set_share(0, 1, r));
+        assert_eq!(scheduler.share(0, 1), None);
+        scheduler.set_share(0, 1, r).keep();
+        assert_eq!(scheduler.share(0, 1), Some(r));
+        assert_eq!(scheduler.share(0, 2), None);
+        scheduler.cancel_session(0, 1);
+        assert_eq!(scheduler.share(0, 1), None);
+        assert_eq!(scheduler.limit(0), None);
+        scheduler.shutdown();
     }
 }

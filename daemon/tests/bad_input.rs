@@ -431,6 +431,17 @@ async fn bad_session_requests_are_refused_precisely() {
             "staging_bytes 20000 exceeds vram_budget 10000".into(),
         ),
         (
+            "a share below 100 MB/s",
+            weightstream_client::SessionOptions {
+                copy_bandwidth_limit: 99_999_999,
+                ..opts(groups.clone(), 0, 1 << 20)
+            },
+            Code::InvalidArgument,
+            "copy_bandwidth_limit: 99999999B/s is below the least the daemon accepts, 100MB/s \
+             (0: none)"
+                .into(),
+        ),
+        (
             "unknown device",
             unknown_device,
             Code::NotFound,

@@ -30,12 +30,22 @@ def groups_per_tensor(manifest) -> list[tuple[str, list[str]]]:
 
 class Session:
     def __init__(
-        self, client, model_id, budget, staging=0, groups=None, manifest=None, label="gpu-test"
+        self,
+        client,
+        model_id,
+        budget,
+        staging=0,
+        groups=None,
+        manifest=None,
+        label="gpu-test",
+        copy_bandwidth_limit=0,
     ):
         torch.zeros(1, device="cuda")  # makes the primary context current on this thread
         self.client = client
         groups = groups if groups is not None else groups_per_tensor(manifest)
-        self.native = client._native.open_session(model_id, groups, budget, staging, "", label)
+        self.native = client._native.open_session(
+            model_id, groups, budget, staging, "", label, copy_bandwidth_limit
+        )
         self.opened = self.native.layout
         self.id = self.opened.session_id
         device = torch.device("cuda", torch.cuda.current_device())

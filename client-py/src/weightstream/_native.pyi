@@ -70,6 +70,7 @@ class Client:
         staging_bytes: int = 0,
         device_uuid: str = "",
         label: str = "",
+        copy_bandwidth_limit: int = 0,
     ) -> Session: ...
 
 class Session:

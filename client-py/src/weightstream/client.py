@@ -141,8 +141,11 @@ class Client:
         staging_bytes: int = 0,
         device: torch.device | str | None = None,
         label: str = "",
+        copy_bandwidth_limit: int = 0,
     ) -> Session:
-        """Opens a session and attaches its stream (see ``weightstream.session.Session``)."""
+        """Opens a session and attaches its stream (see ``weightstream.session.Session``).
+        ``copy_bandwidth_limit``: this session's share of the device's host-to-device
+        bandwidth, bytes per second (0: none; at least 100 MB/s)."""
         from weightstream.session import Session
 
         return Session(
@@ -153,6 +156,7 @@ class Client:
             staging_bytes=staging_bytes,
             device=device,
             label=label,
+            copy_bandwidth_limit=copy_bandwidth_limit,
         )
 
     def __repr__(self):

@@ -60,6 +60,7 @@ class Session:
         staging_bytes: int = 0,
         device: torch.device | str | None = None,
         label: str = "",
+        copy_bandwidth_limit: int = 0,
     ):
         self.client = client
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -77,6 +78,7 @@ class Session:
             staging_bytes,
             device_uuid(self.device),
             label,
+            copy_bandwidth_limit,
         )
         try:
             self._setup()

@@ -10,7 +10,7 @@ use bytesize::ByteSize;
 use sd_notify::NotifyState;
 use tokio::signal::unix::{SignalKind, signal};
 
-use weightstream_daemon::config::ConfigFile;
+use weightstream_daemon::config::{ConfigFile, Rate};
 
 use super::{Backend, CliResult};
 
@@ -28,6 +28,10 @@ pub struct ServeArgs {
     /// Largest gRPC message accepted (e.g. 16MiB).
     #[arg(long, env = "WEIGHTSTREAM_MAX_MESSAGE_BYTES")]
     max_message_bytes: Option<ByteSize>,
+    /// Host-to-device bytes per second each device's copies may use, e.g. 25GB/s (a PCIe
+    /// Gen4 x16 link, emulated), 25GiB/s, or bytes per second; at least 100MB/s.
+    #[arg(long, env = "WEIGHTSTREAM_COPY_BANDWIDTH_LIMIT", value_parser = parse_rate)]
+    copy_bandwidth_limit: Option<Rate>,
     /// Group that owns the socket (name or gid): the trainers' access list.
     #[arg(long, env = "WEIGHTSTREAM_SOCKET_GROUP")]
     socket_group: Option<String>,
@@ -62,6 +66,9 @@ pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
     }
     if let Some(m) = args.max_message_bytes {
         config.limits.max_message_bytes = m.as_u64();
+    }
+    if let Some(r) = args.copy_bandwidth_limit {
+        config.copy_bandwidth_limit = Some(r);
     }
     if let Some(g) = args.socket_group {
         config.socket_group = Some(g);
@@ -101,6 +108,10 @@ pub async fn run(socket: Option<PathBuf>, args: ServeArgs) -> CliResult {
     } else {
         Err(format!("the stop abandoned work: {}", report.abandoned()).into())
     }
+}
+
+fn parse_rate(text: &str) -> Result<Rate, String> {
+    text.parse()
 }
 
 /// Tells systemd (when `NOTIFY_SOCKET` is set; a no-op otherwise). A failure is logged, not

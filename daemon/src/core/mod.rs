@@ -6,6 +6,7 @@ mod drops;
 mod secrets;
 
 use std::collections::HashMap;
+use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
@@ -19,7 +20,7 @@ use crate::config::Config;
 use crate::mem::shm::{Access, Shm};
 use crate::quota::{HostQuota, QuotaError, SessionLedger};
 use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
-use crate::scheduler::CopyScheduler;
+use crate::scheduler::{CopyScheduler, Pacing};
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
 use crate::session::{ActorParts, CloseReason, DrainDeadline, SessionShared, SessionStats};
 use crate::store::{
@@ -85,6 +86,8 @@ pub struct OpenRequest {
     pub staging_bytes: u64,
     pub groups: Vec<(String, Vec<String>)>,
     pub label: String,
+    /// The session's share of the device's copy bandwidth, bytes per second.
+    pub copy_bandwidth_limit: Option<NonZeroU64>,
 }
 
 /// A live session and the peer whose connection drives it: ownership is the core's business,
@@ -129,7 +132,17 @@ impl Daemon {
         shm: Arc<Shm>,
     ) -> std::io::Result<Arc<Daemon>> {
         let device_info = backend.devices();
-        let scheduler = CopyScheduler::start(backend.clone(), device_info.len())?;
+        let pacing = Pacing {
+            device_limit: config.copy_bandwidth_limit,
+            ..Pacing::default()
+        };
+        if let Some(limit) = pacing.device_limit {
+            tracing::info!(
+                bytes_per_sec = limit.get(),
+                "copy bandwidth limit, per device"
+            );
+        }
+        let scheduler = CopyScheduler::start_paced(backend.clone(), device_info.len(), pacing)?;
         let host = HostQuota::resolve(&config.quotas, crate::backend::host::host_memory().0);
         let devices: Vec<(String, u64)> = device_info
             .into_iter()
@@ -296,6 +309,10 @@ impl Daemon {
             split.staging_bytes + split.resident_bytes,
         )?;
         let number = self.next_session.fetch_add(1, Ordering::Relaxed);
+        // Before the resident copies, which are the session's too.
+        let share = req
+            .copy_bandwidth_limit
+            .map(|rate| self.scheduler.set_share(device, number, rate));
         let staging = self
             .backend
             .alloc_region(device, split.staging_bytes, "staging")?;
@@ -393,6 +410,10 @@ impl Daemon {
         drop(sessions);
         let daemon = Arc::clone(self);
         let (ended, model_id) = (shared.clone(), model.id.clone());
+        // From here the session's teardown takes the share back (`cancel_session`).
+        if let Some(share) = share {
+            share.keep();
+        }
         crate::session::spawn(parts, control_rx, finished_tx, move || {
             // Under the sessions lock, so that a scrape sees the session either live or
             // retired, never both or neither (device counters must not jump).

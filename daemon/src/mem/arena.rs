@@ -76,6 +76,16 @@ impl HostSlice {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// `len` bytes of this slice from `offset` (a paced copy sends a tensor in pieces).
+    pub fn slice(&self, offset: u64, len: u64) -> HostSlice {
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= self.len),
+            "{offset}+{len} outside a {}-byte slice",
+            self.len
+        );
+        HostSlice::new(self.arena.clone(), self.offset + offset, len)
+    }
 }
 
 /// A slice over all of `data`, copied into a fresh segment of `shm` and page-locked by `pinner`

@@ -9,7 +9,7 @@ use weightstream_client::handoff;
 use weightstream_client::proto as pb;
 
 use super::convert::dtype_from_pb;
-use crate::config::Limits;
+use crate::config::{Limits, MIN_COPY_BANDWIDTH, Rate};
 use crate::core::OpenRequest;
 use crate::store::TensorDecl;
 use crate::store::safetensors::{DType, tensor_nbytes};
@@ -45,6 +45,12 @@ pub enum ValidationError {
     TooMany { field: String, n: usize, max: usize },
     #[error("{field}: must be more than 0")]
     Zero { field: &'static str },
+    #[error("{field}: {value} is below the least the daemon accepts, {min} (0: none)")]
+    TooSlow {
+        field: &'static str,
+        value: Rate,
+        min: Rate,
+    },
     #[error("{field}: '{name}' is declared twice")]
     Duplicate { field: String, name: String },
     #[error("{field}: {value} is not a known dtype")]
@@ -123,6 +129,8 @@ pub struct ValidOpenSession {
     pub staging_bytes: u64,
     pub groups: Vec<(String, Vec<String>)>,
     pub label: String,
+    /// The session's share of the device's copy bandwidth, bytes per second.
+    pub copy_bandwidth_limit: Option<NonZeroU64>,
 }
 
 impl From<ValidOpenSession> for OpenRequest {
@@ -134,6 +142,7 @@ impl From<ValidOpenSession> for OpenRequest {
             staging_bytes: v.staging_bytes,
             groups: v.groups,
             label: v.label,
+            copy_bandwidth_limit: v.copy_bandwidth_limit,
         }
     }
 }
@@ -233,6 +242,14 @@ impl Validation {
         let vram_budget = NonZeroU64::new(req.vram_budget).ok_or(ValidationError::Zero {
             field: "vram_budget",
         })?;
+        let copy_bandwidth_limit = NonZeroU64::new(req.copy_bandwidth_limit);
+        if copy_bandwidth_limit.is_some_and(|r| r.get() < MIN_COPY_BANDWIDTH) {
+            return Err(ValidationError::TooSlow {
+                field: "copy_bandwidth_limit",
+                value: Rate(req.copy_bandwidth_limit),
+                min: Rate(MIN_COPY_BANDWIDTH),
+            });
+        }
         count("groups", req.groups.len(), 1, self.max_groups)?;
         let mut groups = Vec::with_capacity(req.groups.len());
         for (i, g) in req.groups.into_iter().enumerate() {
@@ -252,6 +269,7 @@ impl Validation {
             staging_bytes: req.staging_bytes,
             groups,
             label: req.label,
+            copy_bandwidth_limit,
         })
     }
 

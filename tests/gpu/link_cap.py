@@ -1,0 +1,289 @@
+"""GPU check of the copy bandwidth limit (issue 15, a PCIe Gen4 link emulated on the H200's Gen5):
+runs the daemon with ``--copy-bandwidth-limit`` on the CUDA backend and streams a synthetic model
+to CUDA IPC consumers for a few seconds.
+
+1. One session: the rate its consumer sees (bytes whose ready event it waited on, per second of
+   wall time, in steady state) is within 5 % of the limit.
+2. Two sessions at once, one with a share (``OpenSessionRequest.copy_bandwidth_limit``): the
+   capped one stays within 5 % of its share, and the two together within 5 % of the limit.
+
+Prints the numbers (and the daemon's throttle metrics), writes link_cap.json under --out, and
+exits non-zero if a check fails. Needs the release binary and the client's wheel (run.sh):
+
+    python3 tests/gpu/link_cap.py --bin target/release/weightstream --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket as pysocket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import wsgpu  # noqa: E402
+
+MiB = 1 << 20
+GiB = 1 << 30
+SIZES_MIB = [8, 16, 32, 64, 128, 256]
+LOOKAHEAD = 8
+TOLERANCE = 0.05
+
+
+def parse_rate(text: str) -> int:
+    """Bytes per second of "25GB/s", "25GiB/s" or a plain number (as the daemon reads them)."""
+    t = text.strip().removesuffix("/s").strip()
+    units = {"GIB": GiB, "MIB": MiB, "KIB": 1 << 10, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+    for unit, factor in units.items():
+        if t.upper().endswith(unit):
+            return int(float(t[: -len(unit)]) * factor)
+    return int(t)
+
+
+def pinned_bandwidth(nbytes=512 * MiB, reps=8) -> float:
+    """torch's pinned host-to-device rate, bytes/s: the link must be faster than the limit."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return nbytes / statistics.median(times[2:])
+
+
+def upload_model(client, total: int):
+    sizes = []
+    while sum(sizes) < total:
+        sizes.append(SIZES_MIB[len(sizes) % len(SIZES_MIB)] * MiB)
+    pattern = torch.randint(0, 256, (256 * MiB,), dtype=torch.uint8, device="cuda").cpu()
+    tensors = {f"g{i:04d}": pattern[:s].view(torch.bfloat16) for i, s in enumerate(sizes)}
+    manifest, _ = client.upload_model("link-cap", tensors)
+    return manifest
+
+
+class Stream:
+    """One consumer: passes over every group, LOOKAHEAD acquires in flight, each group's ready
+    event waited on by its own CUDA stream (two consumers in one process must not order each
+    other through the default stream)."""
+
+    def __init__(self, session: wsgpu.Session, nbytes: list[int]):
+        self.session = session
+        self.nbytes = nbytes
+        self.order = list(range(len(nbytes)))
+        self.stream = torch.cuda.Stream()
+
+    def one_pass(self) -> int:
+        s, order = self.session, self.order
+        tickets = [s.send_acquire(g) for g in order[:LOOKAHEAD]]
+        for i in range(len(order)):
+            ticket, staged, _view = s.wait_staged(tickets[i])
+            if i + LOOKAHEAD < len(order):
+                tickets.append(s.send_acquire(order[i + LOOKAHEAD]))
+            s.wait_ready(staged, self.stream)
+            s.release(ticket, staged, self.stream)
+        self.stream.synchronize()
+        return sum(self.nbytes)
+
+    def warm_up(self):
+        with torch.cuda.stream(self.stream):
+            self.one_pass()  # the plan is sent after it
+            self.session.plan(self.order)
+            self.one_pass()
+
+    def measure(self, seconds: float, stop: threading.Event | None = None) -> dict:
+        """Steady-state rate: from the end of a first timed pass (staging already full of
+        prefetched groups then, as at the end) to the end of the last; runs until `seconds`
+        have passed, or until `stop` is set when given."""
+        with torch.cuda.stream(self.stream):
+            self.one_pass()
+            began, moved, passes = time.monotonic(), 0, 0
+            while True:
+                moved += self.one_pass()
+                passes += 1
+                elapsed = time.monotonic() - began
+                done = stop.is_set() if stop is not None else elapsed >= seconds
+                if done and passes >= 2:
+                    break
+        return {
+            "bytes": moved,
+            "seconds": round(elapsed, 4),
+            "passes": passes,
+            "rate_gbps": round(moved / elapsed / 1e9, 3),
+        }
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The daemon's device-level metrics of interest, by name."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("weightstream_device_") and "{" in line:
+            name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+            out[name] = out.get(name, 0.0) + value
+    return out
+
+
+def within(got: float, want: float) -> bool:
+    return abs(got / want - 1.0) <= TOLERANCE
+
+
+def free_port() -> int:
+    with pysocket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bin", default="target/release/weightstream")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-gpu-out"))
+    parser.add_argument("--limit", default="25GB/s")
+    parser.add_argument("--share", default="5GB/s", help="the capped session's share")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--size-gib", type=float, default=4.0)
+    parser.add_argument("--staging-gib", type=float, default=1.0)
+    args = parser.parse_args()
+    limit, share = parse_rate(args.limit), parse_rate(args.share)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="ws-linkcap-"))
+    sock = str(tmp / "ws.sock")
+    port = free_port()
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    daemon = subprocess.Popen(
+        [
+            args.bin,
+            "serve",
+            "--backend",
+            "cuda",
+            "--socket",
+            sock,
+            "--copy-bandwidth-limit",
+            args.limit,
+            "--metrics-listen",
+            f"127.0.0.1:{port}",
+        ],
+        stderr=open(out / "link-cap-daemon.log", "ab"),
+    )
+    result: dict = {"limit_bytes_per_s": limit, "share_bytes_per_s": share}
+    failures = []
+    try:
+        wsgpu.wait_for("the socket", lambda: os.path.exists(sock), 60)
+        client = wsgpu.connect(sock)
+        pinned = pinned_bandwidth()
+        result["pinned_h2d_gbps"] = round(pinned / 1e9, 2)
+        print(f"pinned host-to-device: {pinned / 1e9:.1f} GB/s; limit {limit / 1e9:.2f} GB/s")
+        if pinned < limit * (1 + TOLERANCE):
+            failures.append("the link is not faster than the limit: nothing to emulate")
+        manifest = upload_model(client, int(args.size_gib * GiB))
+        nbytes = [t.nbytes for t in manifest.tensors]
+        staging = int(args.staging_gib * GiB)
+
+        def open_stream(label: str, cap: int = 0) -> Stream:
+            session = wsgpu.Session(
+                client,
+                manifest.model_id,
+                budget=staging,
+                staging=staging,
+                manifest=manifest,
+                label=label,
+                copy_bandwidth_limit=cap,
+            )
+            return Stream(session, nbytes)
+
+        # 1. One session, the device's limit alone.
+        before = scrape(metrics_url)
+        one = open_stream("link-cap")
+        one.warm_up()
+        solo = one.measure(args.seconds)
+        after = scrape(metrics_url)
+        one.session.close()
+        throttled = after.get("weightstream_device_copy_throttled_seconds_total", 0.0) - before.get(
+            "weightstream_device_copy_throttled_seconds_total", 0.0
+        )
+        solo["daemon_throttled_s"] = round(throttled, 3)
+        solo["daemon_limit_gauge"] = after.get(
+            "weightstream_device_copy_bandwidth_limit_bytes_per_second"
+        )
+        result["one_session"] = solo
+        ok = within(solo["rate_gbps"] * 1e9, limit)
+        print(f"[{'PASS' if ok else 'FAIL'}] one session: {solo}")
+        if not ok:
+            failures.append(f"one session at {solo['rate_gbps']} GB/s, limit {limit / 1e9} GB/s")
+        if solo["daemon_limit_gauge"] != limit:
+            failures.append(f"the limit gauge says {solo['daemon_limit_gauge']}, not {limit}")
+
+        # 2. Two sessions: one capped at its share, one free; the free one is measured while
+        # the capped one streams (the capped one goes on until the free one is done).
+        capped, free = open_stream("link-cap-capped", share), open_stream("link-cap-free")
+        capped.warm_up()
+        free.warm_up()
+        stop, results = threading.Event(), {}
+        errors = []
+
+        def run(name, stream, seconds, until):
+            try:
+                results[name] = stream.measure(seconds, until)
+            except BaseException as e:  # reported below; a thread must not die silently
+                errors.append(f"{name}: {e!r}")
+            finally:
+                stop.set()
+
+        before = scrape(metrics_url)
+        t_capped = threading.Thread(target=run, args=("capped", capped, 0.0, stop))
+        t_capped.start()
+        time.sleep(0.2)  # the capped one is streaming before the free one starts measuring
+        run_free = threading.Thread(target=run, args=("free", free, args.seconds, None))
+        run_free.start()
+        run_free.join()
+        t_capped.join()
+        after = scrape(metrics_url)
+        capped.session.close()
+        free.session.close()
+        if errors:
+            failures.extend(errors)
+        else:
+            c, f = results["capped"]["rate_gbps"] * 1e9, results["free"]["rate_gbps"] * 1e9
+            key = "weightstream_device_copy_share_throttled_seconds_total"
+            result["two_sessions"] = {
+                **results,
+                "together_gbps": round((c + f) / 1e9, 3),
+                "daemon_share_throttled_s": round(after.get(key, 0) - before.get(key, 0), 3),
+            }
+            for what, got, want in (("capped session", c, share), ("both", c + f, limit)):
+                ok = within(got, want)
+                print(
+                    f"[{'PASS' if ok else 'FAIL'}] {what}: {got / 1e9:.2f} GB/s, "
+                    f"want {want / 1e9:.2f} GB/s +-{TOLERANCE:.0%}"
+                )
+                if not ok:
+                    failures.append(f"{what} at {got / 1e9:.2f} GB/s, want {want / 1e9:.2f}")
+            print(f"two sessions: {result['two_sessions']}")
+    except BaseException as e:
+        failures.append(f"error: {e!r}")
+        raise
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+        result["failures"] = failures
+        (out / "link_cap.json").write_text(json.dumps(result, indent=2))
+    print("link_cap:", "PASS" if not failures else f"FAIL {failures}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
