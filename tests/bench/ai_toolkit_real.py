@@ -1,34 +1,57 @@
-"""ai-toolkit's real code, run twice on one FLUX.1-shaped model: its own layer offloading, then
-weightstream's launcher, with the same YAML (tests/bench/ai_toolkit_flux.yaml).
+"""ai-toolkit's real code, run twice on one model: its own layer offloading, then weightstream's
+launcher, with the same YAML.
 
+    # FLUX.2 klein 4B: the loader attaches the transformer and the Qwen3 text encoder
     python3 tests/bench/ai_toolkit_real.py --aitk .aitk --bin target/release/weightstream \\
-        --size flux1 --out $OUT
+        --arch flux2_klein_4b --size klein4b --out $OUT          # -> $OUT/ai_toolkit.{json,md}
+    # FLUX.1: the loader attaches nothing at the pinned commit
+    python3 tests/bench/ai_toolkit_real.py --aitk .aitk --bin target/release/weightstream \\
+        --arch flux1 --size flux1 --out $OUT                     # -> $OUT/ai_toolkit_flux1.*
 
 What runs, unchanged: ai-toolkit's `run.py` (given by --aitk, a checkout of ostris/ai-toolkit,
-kept outside this repository), its ExtensionJob, SDTrainer, the FLUX.1 loader
-(`toolkit/stable_diffusion_model.py`), latent and text-embedding caching, the unloader, its
-LoRA network and training steps, and its UILogger (every step's loss in
-`output/<name>/loss_log.db`). Run (a) is `python run.py job.yaml`; run (b) is
-`python -m weightstream.integrations.ai_toolkit run.py job.yaml` against a daemon this script
-starts (`--bin`). Each run has its own folder with the same `job.yaml`, a link to the shared
-model, a fresh copy of the dataset (ai-toolkit writes its caches there) and its own output.
+kept outside this repository), its ExtensionJob, SDTrainer, the model's loader (FLUX.1:
+`toolkit/stable_diffusion_model.py`; FLUX.2 klein 4B:
+`extensions_built_in/diffusion_models/flux2/flux2{,_klein}_model.py`, which call
+`MemoryManager.attach` on the transformer and on the Qwen3 text encoder when
+`model.layer_offloading` is set), latent and text-embedding caching, the unloader
+(`MemoryManager.free` of the text encoder), its LoRA network and training steps, and its
+UILogger (every step's loss in `output/<name>/loss_log.db`). Run (a) is `python run.py
+job.yaml`; run (b) is `python -m weightstream.integrations.ai_toolkit run.py job.yaml` against a
+daemon this script starts (`--bin`). Each run has its own folder with the same `job.yaml`, a
+link to the shared model, a fresh copy of the dataset (ai-toolkit writes its caches there) and
+its own output. `network.layer_offloading` stays off (the LoRA stays on the device in both).
 
-What this script makes: a diffusers FLUX.1 folder with random weights (FluxTransformer2DModel
-at `--size tiny|flux1`, `--double`/`--single` to cut blocks; a small AutoencoderKL with 16
-latent channels; one-layer CLIP and T5 encoders whose widths match the transformer's, with
-tokenizers built from a made-up vocabulary), a few random images with captions, and the YAML.
+What this script makes, with seeded random weights:
+- flux1 (tests/bench/ai_toolkit_flux.yaml): a diffusers FLUX.1 folder (FluxTransformer2DModel at
+  `--size tiny|flux1`, `--double`/`--single` to cut blocks; a small AutoencoderKL; one-layer
+  CLIP and T5 encoders whose widths match the transformer's, tokenizers from a made-up
+  vocabulary).
+- flux2_klein_4b (tests/bench/ai_toolkit_flux2_klein.yaml): `model/flux-2-klein-base-4b.
+  safetensors` (ai-toolkit's own `Flux2` class, loaded by path from --aitk, at
+  `Klein4BParams(**fields)`: `--size klein4b` is the real 4B, `--double`/`--single` cut its 5 +
+  20 blocks, `--size tiny` is narrow too), `model/ae.safetensors` (ai-toolkit's FLUX.2
+  `AutoEncoder` at its real size) and a 27-layer Qwen3ForCausalLM with a byte-level tokenizer
+  saved as `Qwen/Qwen3-4B` in an HF cache (`<work>/hf/hub/models--Qwen--Qwen3-4B/{refs/main,
+  snapshots/<rev>}`; the runs get HF_HOME=<work>/hf and HF_HUB_OFFLINE=1), where klein's
+  `load_te` finds it with `from_pretrained("Qwen/Qwen3-4B")`. When the transformer's fields
+  differ from ai-toolkit's Klein4BParams, the shim rebinds that name in
+  `flux2_klein_model.py` (WS_AITK_FLUX2_PARAMS, both runs): the only patch of ai-toolkit.
+- a few random images with captions, and the YAML.
 
 What it stubs: tests/bench/aitk_shim/sitecustomize.py serves the modules in STUBS when they are
-not installed (ai-toolkit imports every extension and model at start-up; none of these is on a
-FLUX.1 LoRA run's path, and the shim records any call into a stub outside an import, which
-fails the bench). On a machine without CUDA it hides `triton` (OmniGen2's kernels query the
-CUDA device at import). Pure-Python packages missing from the GPU image travel as wheels
-(`.whl/`: ai-toolkit's pinned diffusers commit, oyaml).
+not installed (ai-toolkit imports every extension and model at start-up; none of these is on
+these runs' path, and the shim records any call into a stub outside an import, which fails the
+bench). On a machine without CUDA it hides `triton` (OmniGen2's kernels query the CUDA device at
+import). Pure-Python packages missing from the GPU image travel as wheels (`.whl/`: ai-toolkit's
+pinned diffusers commit, oyaml, python-dotenv).
 
 Measured per run: seconds per step (UILogger's wall times, after the first logged step), the
 run's wall time, the trainer's peak RSS (VmHWM) and, on CUDA, torch's peak allocated/reserved
-bytes in the trainer and nvidia-smi's peak device memory in use; the daemon's peak RSS. Checked:
-every logged loss and the saved LoRA tensors are bit-identical between the two runs.
+bytes in the trainer and nvidia-smi's peak device memory in use; the daemon's peak RSS; what
+each `MemoryManager.attach` took over (ai-toolkit: the layers it bounces from the CPU;
+weightstream: the handle's streamed layers) and weightstream's daemon session statistics.
+Checked: every logged loss and the saved LoRA tensors are bit-identical between the two runs;
+for klein, that both managers took layers over and that the daemon copied bytes for acquires.
 """
 
 from __future__ import annotations
@@ -49,7 +72,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SHIM = HERE / "aitk_shim"
-TEMPLATE = HERE / "ai_toolkit_flux.yaml"
+TEMPLATES = {
+    "flux1": HERE / "ai_toolkit_flux.yaml",
+    "flux2_klein_4b": HERE / "ai_toolkit_flux2_klein.yaml",
+}
 AITK_COMMIT = "27a03a91f23eb1b757d5ec2e80ee3e129cfcc350"
 
 #: Imported by ai-toolkit at start-up, absent from the GPU image, off a FLUX.1 LoRA run's path.
@@ -89,6 +115,44 @@ SIZES = {
         axes_dims_rope=(16, 56, 56),
     ),
 }
+
+#: FLUX.2 klein 4B: the transformer's Klein4BParams fields that differ from ai-toolkit's (the
+#: shim rebinds `Klein4BParams` in flux2_klein_model.py to these: WS_AITK_FLUX2_PARAMS), and
+#: the Qwen3 text encoder's config. The pipeline stacks Qwen3's hidden states 9, 18 and 27
+#: (OUTPUT_LAYERS_QWEN3), so the encoder has 27 layers, and context_in_dim = 3 x its width.
+KLEIN_SIZES = {
+    "tiny": {
+        "transformer": dict(
+            hidden_size=64,
+            num_heads=2,
+            axes_dim=[8, 8, 8, 8],
+            depth=1,
+            depth_single_blocks=2,
+            context_in_dim=96,
+        ),
+        "te": dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        ),
+    },
+    "klein4b": {  # ai-toolkit's Klein4BParams (hidden 3072, 5 + 20 blocks); Qwen3-4B's width
+        "transformer": {},
+        "te": dict(
+            hidden_size=2560,
+            intermediate_size=9728,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+        ),
+    },
+}
+KLEIN_TE_LAYERS = 27
+KLEIN_TE_REPO = "Qwen/Qwen3-4B"  # Flux2Klein4BModel.flux2_klein_te_path, from the HF cache
+KLEIN_TRANSFORMER_FILE = "flux-2-klein-base-4b.safetensors"  # Flux2Klein4BModel.flux2_te_filename
+KLEIN_VAE_FILE = "ae.safetensors"  # flux2_model.FLUX2_VAE_FILENAME, looked for in name_or_path
 
 
 # --- the model, the data, the job ---------------------------------------------------------------
@@ -267,6 +331,125 @@ def build_model(root: Path, cfg: dict, seed: int, device: str) -> dict:
     return {"transformer_params": n, "transformer_bytes": nbytes, "build_s": time.monotonic() - t0}
 
 
+def _aitk_flux2_src(aitk: Path, name: str):
+    """ai-toolkit's FLUX.2 source file `src/<name>.py` (torch and einops only), loaded by path:
+    importing it as a package would import every ai-toolkit model."""
+    import importlib.util
+
+    path = aitk / "extensions_built_in" / "diffusion_models" / "flux2" / "src" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_aitk_flux2_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _save(module, path: Path) -> tuple[int, int]:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    save_file(state, path, metadata={"format": "pt"})
+    return sum(v.numel() for v in state.values()), sum(
+        v.numel() * v.element_size() for v in state.values()
+    )
+
+
+def _qwen3(hf_home: Path, te: dict, seed: int, device: str) -> dict:
+    """A Qwen3ForCausalLM with random weights and a byte-level tokenizer, in the HF cache layout
+    that `from_pretrained("Qwen/Qwen3-4B")` reads with HF_HUB_OFFLINE=1:
+    hub/models--Qwen--Qwen3-4B/{refs/main, snapshots/<rev>/}."""
+    import torch
+    import transformers
+    from transformers import Qwen2Tokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    repo = hf_home / "hub" / ("models--" + KLEIN_TE_REPO.replace("/", "--"))
+    rev = "0" * 40
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    # GPT-2's byte-to-unicode table, no merges: every byte is a token.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    vocab = {chr(c): i for i, c in enumerate(cs)}
+    special = dict(
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token=None, **special)
+    else:
+        (snap / "vocab.json").write_text(json.dumps(vocab))
+        (snap / "merges.txt").write_text("#version: 0.2\n")
+        tok = Qwen2Tokenizer(snap / "vocab.json", snap / "merges.txt", **special)
+    # Qwen3's chat template, reduced to what the FLUX.2 pipeline renders (no thinking).
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}"
+        "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    )
+    tok.model_max_length = 512
+    tok.save_pretrained(snap)
+    cfg = Qwen3Config(
+        vocab_size=len(tok),
+        num_hidden_layers=KLEIN_TE_LAYERS,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+        **te,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(snap)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    return {"te_params": n, "te_bytes": 2 * n, "te_layers": KLEIN_TE_LAYERS, "vocab": len(tok)}
+
+
+def build_klein(root: Path, aitk: Path, fields: dict, te: dict, seed: int, device: str) -> dict:
+    """model/flux-2-klein-base-4b.safetensors (ai-toolkit's Flux2 at Klein4BParams(**fields)),
+    model/ae.safetensors (its AutoEncoder at AutoEncoderParams(), FLUX.2's VAE size) and the
+    Qwen3 text encoder in root/hf (HF_HOME), all with seeded random initialisation."""
+    import torch
+
+    t0 = time.monotonic()
+    root.mkdir(parents=True)
+    src = _aitk_flux2_src(aitk, "model")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        transformer = src.Flux2(src.Klein4BParams(**fields))
+    transformer = transformer.to(torch.bfloat16)
+    n, nbytes = _save(transformer, root / KLEIN_TRANSFORMER_FILE)
+    del transformer
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    ae_src = _aitk_flux2_src(aitk, "autoencoder")
+    torch.manual_seed(seed + 1)
+    vae = ae_src.AutoEncoder(ae_src.AutoEncoderParams())
+    vae_params, _ = _save(vae.to(torch.bfloat16), root / KLEIN_VAE_FILE)
+    del vae
+    te_info = _qwen3(root.parent / "hf", te, seed + 2, device)
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return {
+        "transformer_params": n,
+        "transformer_bytes": nbytes,
+        "vae_params": vae_params,
+        **te_info,
+        "build_s": time.monotonic() - t0,
+    }
+
+
 def build_data(folder: Path, images: int, resolution: int, seed: int):
     import numpy as np
     from PIL import Image
@@ -283,8 +466,8 @@ def build_data(folder: Path, images: int, resolution: int, seed: int):
         (folder / f"img{i}.txt").write_text(caption)
 
 
-def job_yaml(device: str, steps: int, resolution: int) -> str:
-    text = TEMPLATE.read_text()
+def job_yaml(arch: str, device: str, steps: int, resolution: int) -> str:
+    text = TEMPLATES[arch].read_text()
     for key, value in {"@DEVICE@": device, "@STEPS@": steps, "@RESOLUTION@": resolution}.items():
         text = text.replace(key, str(value))
     return text
@@ -374,7 +557,16 @@ def start_daemon(binary: str, folder: Path, backend: str):
     return proc, sock
 
 
-def run_one(mode: str, args, work: Path, model: Path, data: Path, yaml_text: str, cuda: bool):
+def run_one(
+    mode: str,
+    args,
+    work: Path,
+    model: Path,
+    data: Path,
+    yaml_text: str,
+    cuda: bool,
+    extra_env: dict,
+):
     folder = work / mode
     folder.mkdir()
     (folder / "model").symlink_to(model)
@@ -407,6 +599,7 @@ def run_one(mode: str, args, work: Path, model: Path, data: Path, yaml_text: str
             "TQDM_MININTERVAL": "5",
         }
     )
+    env.update(extra_env)
     if not cuda:
         env["WS_AITK_HIDE"] = "triton"
     daemon = None
@@ -485,7 +678,19 @@ def main(argv=None) -> int:
         "--aitk", required=True, help="ai-toolkit checkout (its run.py is run unchanged)"
     )
     ap.add_argument("--bin", required=True, help="the weightstream daemon binary")
-    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
+    ap.add_argument(
+        "--arch",
+        choices=sorted(TEMPLATES),
+        default="flux1",
+        help="flux1: the FLUX.1 loader (attaches nothing at the pinned commit); flux2_klein_4b:"
+        " FLUX.2 klein 4B (attaches the transformer and the Qwen3 text encoder)",
+    )
+    ap.add_argument(
+        "--size",
+        choices=sorted(set(SIZES) | set(KLEIN_SIZES)),
+        default="tiny",
+        help="flux1: tiny|flux1; flux2_klein_4b: tiny|klein4b",
+    )
     ap.add_argument("--double", type=int, help="double-stream blocks (default: the size's)")
     ap.add_argument("--single", type=int, help="single-stream blocks (default: the size's)")
     ap.add_argument("--steps", type=int, default=4, help="ai-toolkit's train.steps")
@@ -507,12 +712,22 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available() if args.device is None else args.device.startswith("cuda")
     device = args.device or ("cuda:0" if cuda else "cpu")
-    resolution = args.resolution or (512 if args.size == "flux1" else 64)
-    cfg = dict(SIZES[args.size])
+    resolution = args.resolution or (64 if args.size == "tiny" else 512)
+    klein = args.arch == "flux2_klein_4b"
+    sizes = KLEIN_SIZES if klein else SIZES
+    if args.size not in sizes:
+        ap.error(f"--size {args.size} is not one of {sorted(sizes)} for --arch {args.arch}")
+    if klein:
+        cfg = dict(KLEIN_SIZES[args.size]["transformer"])
+        te_cfg = dict(KLEIN_SIZES[args.size]["te"])
+        double, single = "depth", "depth_single_blocks"
+    else:
+        cfg, te_cfg = dict(SIZES[args.size]), None
+        double, single = "num_layers", "num_single_layers"
     if args.double is not None:
-        cfg["num_layers"] = args.double
+        cfg[double] = args.double
     if args.single is not None:
-        cfg["num_single_layers"] = args.single
+        cfg[single] = args.single
     work = Path(args.work) if args.work else Path(f"/tmp/ws-aitk-{os.getpid()}")
     if work.exists():
         shutil.rmtree(work)
@@ -520,17 +735,28 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    print(f"building the model ({args.size}, {cfg}) in {work}", flush=True)
-    built = build_model(work / "model", cfg, args.seed, device if cuda else "cpu")
+    print(f"building the model ({args.arch} {args.size}, {cfg}) in {work}", flush=True)
+    extra_env = {}
+    if klein:
+        built = build_klein(
+            work / "model", Path(args.aitk).resolve(), cfg, te_cfg, args.seed, device
+        )
+        extra_env["HF_HOME"] = str(work / "hf")  # Qwen/Qwen3-4B from its cache, offline
+        if cfg:
+            extra_env["WS_AITK_FLUX2_PARAMS"] = json.dumps(cfg)
+    else:
+        built = build_model(work / "model", cfg, args.seed, device if cuda else "cpu")
     build_data(work / "data", args.images, resolution, args.seed)
-    yaml_text = job_yaml(device, args.steps, resolution)
+    yaml_text = job_yaml(args.arch, device, args.steps, resolution)
     print(f"built: {built}", flush=True)
     if cuda:
         torch.cuda.empty_cache()
 
     runs, loras = [], {}
     for mode in args.modes.split(","):
-        result, lora = run_one(mode, args, work, work / "model", work / "data", yaml_text, cuda)
+        result, lora = run_one(
+            mode, args, work, work / "model", work / "data", yaml_text, cuda, extra_env
+        )
         runs.append(result)
         loras[mode] = lora
         print(
@@ -545,8 +771,11 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "ai_toolkit": {"path": str(Path(args.aitk).resolve()), "commit": AITK_COMMIT},
         "device": device,
+        "arch": args.arch,
         "size": args.size,
         "transformer_config": cfg,
+        "text_encoder_config": te_cfg,
+        "env": extra_env,
         "model": built,
         "steps": args.steps,
         "resolution": resolution,
@@ -562,6 +791,9 @@ def main(argv=None) -> int:
     called = {r["mode"]: stubs_called(r) for r in runs}
     report["stubs_called_outside_imports"] = called
     ok = ok and not any(called.values())
+    if klein and ok:
+        report["streaming"] = streaming = streaming_check(runs)
+        ok = ok and streaming["ok"]
     if ok and len(runs) == 2:
         a, b = runs
         report["losses_equal"] = a["losses"] == b["losses"] and len(a["losses"]) > 0
@@ -572,10 +804,43 @@ def main(argv=None) -> int:
             report["loss_diffs"] = [x - y for x, y in zip(a["losses"], b["losses"], strict=False)]
         ok = report["losses_equal"] and report["lora_equal"]
     report["ok"] = bool(ok)
-    (out / "ai_toolkit.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-    (out / "ai_toolkit.md").write_text(markdown(report))
+    stem = "ai_toolkit" if klein else "ai_toolkit_flux1"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report), flush=True)
     return 0 if ok else 1
+
+
+def _mm(run: dict) -> dict:
+    return (run.get("stubs") or {}).get("memory_manager") or {}
+
+
+def streaming_check(runs: list[dict]) -> dict:
+    """FLUX.2 klein: both loaders' attaches happened, ai-toolkit's manager bounced layers from
+    the CPU in its run, weightstream's handle streamed layers in its run, and the daemon copied
+    bytes for acquires (session statistics taken before `free` and at exit)."""
+    out = {"ok": True, "problems": []}
+    for run in runs:
+        attaches = [c for c in _mm(run).get("calls", []) if c["call"] == "attach"]
+        modules = sorted(c["module"] for c in attaches)
+        if modules != ["Flux2", "Qwen3ForCausalLM"]:
+            out["problems"].append(f"{run['mode']}: attached {modules}")
+        key = "aitk_managed_layers" if run["mode"] == "aitk" else "ws_streamed_layers"
+        for c in attaches:
+            if not c.get(key):
+                out["problems"].append(f"{run['mode']}: {c['module']} has no {key}")
+        if run["mode"] != "aitk":
+            stats = _mm(run).get("session_stats", [])
+            for module in modules:
+                best = max(
+                    (s for s in stats if s["module"] == module),
+                    key=lambda s: s.get("acquires", 0),
+                    default={},
+                )
+                if not (best.get("acquires", 0) > 0 and best.get("bytes_copied", 0) > 0):
+                    out["problems"].append(f"{run['mode']}: {module} session stats {best}")
+    out["ok"] = not out["problems"]
+    return out
 
 
 def _gib(n) -> str:
@@ -588,8 +853,86 @@ def _cmd(command: list[str]) -> str:
     )
 
 
-def markdown(r: dict) -> str:
+def _model_lines(r: dict) -> list[str]:
     m, cfg = r["model"], r["transformer_config"]
+    data = f"{r['images']} images at {r['resolution']} px, {r['steps']} steps, seed {r['seed']}"
+    if r.get("arch", "flux1") == "flux1":
+        return [
+            f"- model: FLUX.1 transformer `{r['size']}` {cfg}, {m['transformer_params']:,}"
+            f" params, {_gib(m['transformer_bytes'])} bf16 (random weights, safetensors); {data}"
+        ]
+    return [
+        f"- model: FLUX.2 klein 4B (`arch: flux2_klein_4b`), size `{r['size']}`: ai-toolkit's"
+        f" `Flux2` at `Klein4BParams(**{cfg})`, {m['transformer_params']:,} params,"
+        f" {_gib(m['transformer_bytes'])} bf16 in `model/{KLEIN_TRANSFORMER_FILE}`; its"
+        f" `AutoEncoder(AutoEncoderParams())` ({m['vae_params']:,} params) in"
+        f" `model/{KLEIN_VAE_FILE}`; a Qwen3ForCausalLM ({m['te_layers']} layers,"
+        f" {r['text_encoder_config']}, vocabulary {m['vocab']} byte tokens, {m['te_params']:,}"
+        f" params) as `{KLEIN_TE_REPO}` in HF_HOME's cache (HF_HUB_OFFLINE=1); random"
+        f" weights; {data}",
+        "- patched: "
+        + (
+            "`Klein4BParams` in `flux2_klein_model.py` rebound by the shim to"
+            f" `Klein4BParams(**{cfg})` (WS_AITK_FLUX2_PARAMS), in both runs"
+            if cfg
+            else "nothing (ai-toolkit's Klein4BParams)"
+        ),
+    ]
+
+
+def _streaming_lines(r: dict) -> list[str]:
+    lines = [
+        "",
+        "What each manager took over at `attach` (ai-toolkit: layers it bounces from the CPU,"
+        " `_layer_memory_manager`; weightstream: the handle's streamed layers), and the daemon's"
+        " session statistics (taken when ai-toolkit frees the text encoder, and at exit):",
+        "",
+        "| run | module | Linear/Conv2d layers | managed / streamed | bytes | kept on device |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in r["runs"]:
+        for c in _mm(run).get("calls", []):
+            if c["call"] != "attach":
+                continue
+            if "aitk_managed_layers" in c:
+                managed, nbytes = c["aitk_managed_layers"], c["aitk_managed_bytes"]
+                kept = f"{c['aitk_unmanaged']} unmanaged modules (norms, embeddings, ...)"
+            else:
+                managed, nbytes = c.get("ws_streamed_layers", 0), c.get("ws_streamed_bytes", 0)
+                kept = f"{c.get('ws_resident_layers', 0)} layers {c.get('ws_resident', {})}"
+            lines.append(
+                f"| {run['mode']} | {c['module']} | {c['linear_conv_layers']} | {managed} |"
+                f" {nbytes:,} of {c['linear_conv_bytes']:,} | {kept} |"
+            )
+    stats = [(run["mode"], s) for run in r["runs"] for s in _mm(run).get("session_stats", [])]
+    if stats:
+        lines += [
+            "",
+            "| run | session | taken at | acquires | hits | misses | copies | bytes copied |"
+            " prefetches | stall |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for mode, s in stats:
+            lines.append(
+                f"| {mode} | {s['module']} | {s['when']} | {s.get('acquires')} |"
+                f" {s.get('hits')} | {s.get('misses')} | {s.get('copies')} |"
+                f" {s.get('bytes_copied', 0):,} | {s.get('prefetches')} |"
+                f" {s.get('stall_ns', 0) / 1e6:.1f} ms |"
+            )
+    check = r.get("streaming")
+    if check:
+        lines += [
+            "",
+            f"Streaming check: **{'OK' if check['ok'] else 'FAILED'}**"
+            + (f" ({'; '.join(check['problems'])})" if check["problems"] else "")
+            + ": both loaders attached `Flux2` and `Qwen3ForCausalLM`; ai-toolkit managed"
+            " layers in its run, weightstream streamed layers in its run and its daemon copied"
+            " bytes for acquires of both sessions.",
+        ]
+    return lines
+
+
+def markdown(r: dict) -> str:
     result = f"**{'OK' if r['ok'] else 'FAILED'}**"
     if "losses_equal" in r:
         result += (
@@ -602,9 +945,7 @@ def markdown(r: dict) -> str:
         f"- machine: {r['machine']} (python {r['python']}, torch {r['torch']}),"
         f" device `{r['device']}`",
         f"- ai-toolkit: ostris/ai-toolkit at `{r['ai_toolkit']['commit']}`, `run.py` unchanged",
-        f"- model: FLUX.1 transformer `{r['size']}` {cfg}, {m['transformer_params']:,} params,"
-        f" {_gib(m['transformer_bytes'])} bf16 (random weights, safetensors);"
-        f" {r['images']} images at {r['resolution']} px, {r['steps']} steps, seed {r['seed']}",
+        *_model_lines(r),
         f"- stubbed where not installed: {', '.join(r['stubs'])};"
         f" hidden: {', '.join(r['hidden']) or 'none'}",
         f"- result: {result}",
@@ -635,11 +976,9 @@ def markdown(r: dict) -> str:
         calls = [c["call"] + f"({c.get('module', '')})" for c in mm.get("calls", [])]
         impl = mm.get("implementation")
         lines.append(f"- {run['mode']}: `{impl}`: {', '.join(calls) or 'no call'}")
-    attached = any(
-        c["call"] == "attach"
-        for run in r["runs"]
-        for c in ((run.get("stubs") or {}).get("memory_manager") or {}).get("calls", [])
-    )
+    attached = any(c["call"] == "attach" for run in r["runs"] for c in _mm(run).get("calls", []))
+    if attached:
+        lines += _streaming_lines(r)
     if not attached:
         lines += [
             "",

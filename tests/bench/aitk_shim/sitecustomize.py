@@ -172,8 +172,14 @@ def _wrap_memory_manager():
         func = cls.__dict__[name].__func__
 
         def call(klass, module, *args, **kwargs):
-            _MM["calls"].append({"call": name, "module": type(module).__name__})
-            return func(klass, module, *args, **kwargs)
+            record = {"call": name, "module": type(module).__name__}
+            _MM["calls"].append(record)
+            if name in ("free", "detach"):
+                _session_stats(module, record)
+            out = func(klass, module, *args, **kwargs)
+            if name == "attach":
+                record.update(_attached(module))
+            return out
 
         return classmethod(call)
 
@@ -192,6 +198,81 @@ def _wrap_memory_manager():
     return True
 
 
+def _layer_bytes(m) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+
+
+def _attached(module) -> dict:
+    """What the manager took over in ``module`` right after ``attach``: ai-toolkit's marks
+    each layer it bounces from the CPU with ``_layer_memory_manager``; weightstream's handle
+    lists the layers it streams (``handle.streamed``) and those it keeps (``handle.resident``)."""
+    layers = [
+        (n, m)
+        for n, m in module.named_modules()
+        if type(m).__name__ in ("Linear", "Conv2d", "LoRACompatibleLinear", "LoRACompatibleConv")
+    ]
+    out = {
+        "linear_conv_layers": len(layers),
+        "linear_conv_bytes": sum(_layer_bytes(m) for _, m in layers),
+    }
+    aitk = [(n, m) for n, m in module.named_modules() if hasattr(m, "_layer_memory_manager")]
+    if aitk:
+        out["aitk_managed_layers"] = len(aitk)
+        out["aitk_managed_bytes"] = sum(_layer_bytes(m) for _, m in aitk)
+        out["aitk_managed_on_cpu"] = all(
+            p.device.type == "cpu" for _, m in aitk for p in m.parameters(recurse=False)
+        )
+        out["aitk_unmanaged"] = len(module._memory_manager.unmanaged_modules)
+    manager = vars(module).get("_memory_manager")
+    handle = getattr(manager, "handle", None)
+    if handle is not None:
+        out["ws_streamed_layers"] = len(handle.streamed)
+        out["ws_streamed_bytes"] = sum(
+            _layer_bytes(layer.module) for layer in handle.streamed.values()
+        )
+        out["ws_resident_layers"] = len(handle.resident)
+        reasons: dict = {}
+        for layer, why in handle.resident.items():  # why a layer stays on the device
+            reasons.setdefault(str(why), []).append(layer)
+        out["ws_resident"] = {
+            why: names[:8] + ["..."] * (len(names) > 8) for why, names in reasons.items()
+        }
+        out["ws_model_id"] = handle.model_id
+        _HANDLES.append((type(module).__name__, handle))
+    elif manager is not None and "aitk_managed_layers" not in out:
+        out["ws_streamed_layers"] = 0
+    return out
+
+
+#: weightstream handles attached in this process: their daemon session statistics are taken
+#: when ai-toolkit frees or detaches the module and at exit (the sessions end with them).
+_HANDLES: list = []
+
+
+def _session_stats(module, record=None):
+    manager = vars(module).get("_memory_manager")
+    handle = getattr(manager, "handle", None)
+    if handle is None:
+        return
+    try:
+        stats = handle.stats()
+    except Exception as e:  # the bench reports it; the run goes on
+        stats = {"error": repr(e)}
+    _MM.setdefault("session_stats", []).append(
+        {"module": type(module).__name__, "when": record["call"] if record else "exit", **stats}
+    )
+
+
+def _stats_at_exit():
+    for name, handle in _HANDLES:
+        try:
+            stats = handle.stats()  # {} once the session is closed
+        except Exception as e:
+            stats = {"error": repr(e)}
+        if stats:
+            _MM.setdefault("session_stats", []).append({"module": name, "when": "exit", **stats})
+
+
 def _audit(event, args):
     if (
         event == "import"
@@ -204,4 +285,53 @@ def _audit(event, args):
 if os.environ.get("WS_AITK_STUB_LOG"):
     sys.addaudithook(_audit)
     if not (_NAMES or _HIDE):
+        atexit.register(_dump)
+    atexit.register(_stats_at_exit)  # registered after _dump: runs before it
+
+
+# WS_AITK_FLUX2_PARAMS: a JSON object of Klein4BParams fields (e.g. a reduced depth, or a
+# reduced width for the CPU). ai-toolkit's FLUX.2 klein 4B loader builds its transformer from
+# `Klein4BParams()`, a name looked up in its module's globals
+# (extensions_built_in/diffusion_models/flux2/flux2_klein_model.py, `get_flux2_params`):
+# once that module is imported, the name is rebound to `Klein4BParams(**fields)`. Nothing
+# else of ai-toolkit is changed; both runs get the same fields.
+_PATCHED = "extensions_built_in.diffusion_models.flux2.flux2_klein_model"
+
+
+def _patch_klein(module):
+    import functools
+
+    fields = json.loads(os.environ["WS_AITK_FLUX2_PARAMS"])
+    module.Klein4BParams = functools.partial(module.Klein4BParams, **fields)
+    _MM["patched"] = {f"{_PATCHED}.Klein4BParams": fields}
+
+
+class _PatchFinder(importlib.abc.MetaPathFinder):
+    """Finds `_PATCHED` with the finders after it, then runs `_patch_klein` once the module
+    has executed."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _PATCHED:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch_klein(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if os.environ.get("WS_AITK_FLUX2_PARAMS"):
+    sys.meta_path.insert(0, _PatchFinder())
+    if not (_NAMES or _HIDE or os.environ.get("WS_AITK_STUB_LOG")):
         atexit.register(_dump)
