@@ -208,7 +208,11 @@ class MemoryManager:
 
 def _options(s: Settings, ignore: set[str]) -> wst.StreamOptions:
     return wst.StreamOptions(
-        min_bytes=s.min_bytes, group_by=s.group_by, lookahead=s.lookahead, ignore=ignore
+        min_bytes=s.min_bytes,
+        group_by=s.group_by,
+        lookahead=s.lookahead,
+        ignore=ignore,
+        quantize=s.quantize,
     )
 
 
