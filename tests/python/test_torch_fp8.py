@@ -334,3 +334,23 @@ def test_fp8_glue_without_a_daemon(dtype, ckpt, autocast, resident):
     assert handle.stats()["dequant_peak_bytes"] == 256 * 64 * ref.proj_out.weight.element_size()
     handle.close()
     assert client.session.held == 0
+
+
+def test_ai_toolkit_streams_in_8_bits_when_configured(daemon):
+    from weightstream.integrations import ai_toolkit
+    from weightstream.integrations.ai_toolkit import MemoryManager
+    from weightstream.integrations.ai_toolkit.settings import Settings
+
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ai_toolkit.configure(Settings(socket=daemon.socket, quantize="fp8"))
+    try:
+        manager = MemoryManager.attach(model, torch.device("cpu"), offload_percent=1.0)
+    finally:
+        ai_toolkit.configure(None)
+    handle = manager.handle
+    placed = {t.name: t.quantization for g in handle.session.groups for t in g.tensors}
+    assert {placed[f"{n}.weight"] for n in handle.streamed} == {FP8}
+    quantize.to_fp8_resident(ref, handle.streamed)
+    assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
+    MemoryManager.detach(model, release=True)
