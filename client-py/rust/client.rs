@@ -140,7 +140,10 @@ impl Client {
             Some(c) => c.loaded_models(),
             None => conn.carried.clone(),
         };
-        loaded.into_iter().map(|(id, from)| (id, from.paths)).collect()
+        loaded
+            .into_iter()
+            .map(|(id, from)| (id, from.paths))
+            .collect()
     }
 
     fn info(&self, py: Python<'_>) -> PyResult<records::GetInfoResponse> {
