@@ -28,11 +28,23 @@ def by_name(manifest):
 def check_fp8(manifest):
     t = by_name(manifest)
     attn, mlp = t["blocks.0.attn.weight"], t["blocks.0.mlp.weight"]
-    assert (attn.quantization, attn.dtype, list(attn.shape)) == ("fp8_e4m3_block64", F8_E4M3, [64, 128])
-    assert (list(attn.scale_shape), attn.scale_offset, attn.nbytes) == ([64, 2], 8192, 8192 + 64 * 2 * 4)
+    assert (attn.quantization, attn.dtype, list(attn.shape)) == (
+        "fp8_e4m3_block64",
+        F8_E4M3,
+        [64, 128],
+    )
+    assert (list(attn.scale_shape), attn.scale_offset, attn.nbytes) == (
+        [64, 2],
+        8192,
+        8192 + 64 * 2 * 4,
+    )
     assert (list(mlp.scale_shape), mlp.scale_offset, mlp.nbytes) == ([33, 1], 3312, 3312 + 33 * 4)
     for name in ["blocks.0.norm.weight", "blocks.0.attn.bias"]:
-        assert (t[name].quantization, list(t[name].scale_shape), t[name].scale_offset) == ("none", [], 0)
+        assert (t[name].quantization, list(t[name].scale_shape), t[name].scale_offset) == (
+            "none",
+            [],
+            0,
+        )
         assert t[name].nbytes == weights()[name].nbytes
 
 
@@ -48,7 +60,7 @@ def test_load_model_quantize_fp8_reports_the_quantized_manifest(daemon, tmp_path
     assert fp8.total_bytes == sum(t.nbytes for t in fp8.tensors) < plain.total_bytes
     listed = {m.model_id: m for m in daemon.client.list_models().models}
     check_fp8(listed[fp8.model_id])
-    with pytest.raises(ValueError, match="quantize: \"int4\" is not supported"):
+    with pytest.raises(ValueError, match='quantize: "int4" is not supported'):
         daemon.client.load_model([str(path)], quantize="int4")
 
 
@@ -58,7 +70,7 @@ def test_upload_model_quantizes_the_named_tensors_at_commit(daemon):
     manifest, dedup = daemon.client.upload_model("q", tensors, quantize=names)
     assert not dedup
     check_fp8(manifest)
-    with pytest.raises(ValueError, match="quantize: \"nope\" is not one of the uploaded tensors"):
+    with pytest.raises(ValueError, match='quantize: "nope" is not one of the uploaded tensors'):
         daemon.client.upload_model("q", tensors, quantize=["nope"])
     with pytest.raises(weightstream.RequestRejected) as e:
         daemon.client.upload_model("q", tensors, quantize=["blocks.0.norm.weight"])
