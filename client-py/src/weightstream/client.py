@@ -80,20 +80,25 @@ class Client:
     ) -> ModelManifest:
         """Loads safetensors into the store: files, ``*.safetensors.index.json`` files (their
         shards) or directories (their ``*.safetensors``). This process opens the files, with
-        its own rights, and passes them to the daemon (at most 253 files per load). With
-        ``quantize="fp8"`` the daemon keeps every ``*.weight`` of rank >= 2 and a float dtype
-        in 8 bits (``fp8_e4m3_block64``), the rest as it is (another model id)."""
+        its own rights, and passes them to the daemon (at most 253 files per load).
+
+        ``quantize="fp8"`` (or ``"fp8_e4m3_block64"``): the daemon quantizes each ``.weight``
+        of rank >= 2 in BF16/F16/F32 while loading and keeps only that copy; the manifest's
+        tensors say ``quantization``, ``scale_shape`` and ``scale_offset``."""
         paths = [os.path.abspath(p) for p in paths]
-        return self._native.load_model(paths, name, progress, quantize=quantize)
+        return self._native.load_model(paths, name, progress, quantize)
 
     def upload_model(
-        self, name: str, tensors: Mapping[str, torch.Tensor], quantize: Iterable[str] = ()
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        quantize: Iterable[str] = (),
     ) -> tuple[ModelManifest, bool]:
         """Writes tensors into a shared-memory region the daemon makes (the native client
         fetches its fd from the handoff socket, copies each tensor's bytes in with the GIL
-        released, and unmaps it before the commit), then commits them; the daemon keeps the
-        tensors named in ``quantize`` in 8 bits (``fp8_e4m3_block64``, quantized at the
-        commit). Returns the manifest and whether an identical model was already stored."""
+        released, and unmaps it before the commit), then commits them. The daemon quantizes
+        the tensors named in ``quantize`` (fp8_e4m3_block64) at commit and keeps only that
+        copy. Returns the manifest and whether an identical model was already stored."""
         from weightstream import _dtypes
 
         held, payload = [], []
@@ -105,22 +110,26 @@ class Client:
             held.append(src)  # alive, and unchanged by us, until the call returns
             data = (src.data_ptr(), src.nbytes)
             payload.append((n, _dtypes.to_wire(t.dtype), list(t.shape), data))
-        result = self._native.upload_model(name, payload, quantize=list(quantize))
+        result = self._native.upload_model(name, payload, list(quantize))
         del held
         return result
 
     def begin_upload(
-        self, name: str, tensors: Mapping[str, torch.Tensor], quantize: Iterable[str] = ()
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        quantize: Iterable[str] = (),
     ) -> BeginUploadResponse:
         """The first step of ``upload_model`` alone: declares ``tensors``' names, dtypes and
-        shapes (and which to quantize) and returns the region to write them into (its fd from
+        shapes and returns the region to write them into (its fd from
         ``fetch_fd(begun.fd_secret)``, each tensor at ``begun.tensors[i].offset``). Unmap it
         before ``commit_upload``; the daemon drops an upload never committed when this
-        process's connection goes."""
+        process's connection goes. Those named in ``quantize`` are written as they are and
+        quantized (fp8_e4m3_block64) at commit."""
         from weightstream import _dtypes
 
         specs = [(n, _dtypes.to_wire(t.dtype), list(t.shape)) for n, t in tensors.items()]
-        return self._native.begin_upload(name, specs, quantize=list(quantize))
+        return self._native.begin_upload(name, specs, list(quantize))
 
     def commit_upload(self, upload_id: str) -> tuple[ModelManifest, bool]:
         """The last step of ``upload_model``: the manifest of a filled upload, and whether an
