@@ -122,7 +122,11 @@ pub fn fp8_layout(shape: &[u64]) -> Option<([u64; 2], u64, u64)> {
         return None;
     }
     let cols = rest.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
-    let blocks = if cols % 64 == 0 { cols / 64 } else { 1 };
+    let blocks = if cols.is_multiple_of(64) {
+        cols / 64
+    } else {
+        1
+    };
     let data = rows.checked_mul(cols)?;
     let scale_offset = data.div_ceil(16).checked_mul(16)?;
     let nbytes = scale_offset.checked_add(rows.checked_mul(blocks)?.checked_mul(4)?)?;

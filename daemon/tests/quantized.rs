@@ -87,7 +87,11 @@ fn listed(t: &Tensor) -> (i32, i32, Vec<u64>, u64, u64) {
     }
     let rows = t.dims[0];
     let cols: u64 = t.dims[1..].iter().product();
-    let blocks = if cols % 64 == 0 { cols / 64 } else { 1 };
+    let blocks = if cols.is_multiple_of(64) {
+        cols / 64
+    } else {
+        1
+    };
     let offset = (rows * cols).div_ceil(16) * 16;
     let nbytes = offset + 4 * rows * blocks;
     (

@@ -98,7 +98,7 @@ fn shape(p: &Plan, quantize: bool) -> Vec<u64> {
     }
     let cols = [4096, 64, 1]
         .into_iter()
-        .find(|c| elems % c == 0)
+        .find(|c| elems.is_multiple_of(*c))
         .unwrap_or(1);
     vec![elems / cols, cols]
 }
