@@ -8,6 +8,14 @@ Each mode runs in its own process (clean GPU memory, its own memory fraction); r
 appended to $OUT/flux_train.json as they come (the children's logs end up in flux-logs.tgz).
 `python3 tests/bench/flux_report.py` turns tests/bench/results/flux_train.json into the tables
 of flux_train.md and the plot flux_train.png.
+
+8 bits: `--quantize fp8` streams the weights in fp8_e4m3_block64 in the weightstream modes and
+adds the mode `resident-fp8` (the 8-bit resident reference: each weight weightstream streams
+replaced on the GPU by its w_hat) to the default modes; their deterministic losses are compared
+with it, the others' with `resident`, so one run compares fp8 streaming, 8-bit resident and bf16
+resident. Both 8-bit modes record the per-tensor SQNR of the quantized weights (`sqnr`: median
+and worst, dB); the weightstream mode also the device time of its dequantizations over one step
+(`dequant_ms_per_step`, CUDA events around each) and the largest dequantization's memory.
 """
 
 from __future__ import annotations
@@ -164,6 +172,75 @@ def mode_resident(args, record):
     record["det_losses"] = losses
 
 
+def streamable(model) -> list[str]:
+    """The layers attach streams with its default options (what 8-bit streaming quantizes)."""
+    import weightstream.torch as wst
+    from weightstream.torch import policy
+
+    return [n for n, _ in policy.select(model, wst.StreamOptions()).streamed]
+
+
+def sqnr_stats(model, names, device="cuda") -> dict:
+    """Per-tensor SQNR (dB) of the 8-bit weights of the layers ``names``, each weight moved to
+    ``device`` for its quantization: median and worst, and the worst tensor's name."""
+    from weightstream import quantize
+
+    modules = dict(model.named_modules())
+    values = {}
+    for name in names:
+        w = modules[name].weight.detach().to(device)
+        values[name] = quantize.sqnr_db(w, quantize.w_hat(w))
+    worst = min(values, key=values.get)
+    return {
+        "median_db": round(statistics.median(values.values()), 2),
+        "worst_db": round(values[worst], 2),
+        "worst_tensor": worst,
+        "tensors": len(values),
+    }
+
+
+def mode_resident_fp8(args, record):
+    """The 8-bit resident reference: the bf16 model on the GPU with each weight that
+    weightstream would stream replaced in place by its w_hat."""
+    from weightstream import quantize
+
+    model = add_lora(build())
+    names = streamable(model)
+    record["sqnr"] = sqnr_stats(model, names)
+    record["quantized_layers"] = len(quantize.to_fp8_resident(model, names))
+    init = lora_state(model)
+    timing(model, args, record)
+    deterministic(True)
+    _, losses = steps(model, args.det_steps, init)
+    record["det_losses"] = losses
+
+
+def dequant_probe(model, record):
+    """One more step with CUDA events around each dequantization: its device time per step
+    (the events wait on nothing else: each dequantization follows its group's ready event)."""
+    import torch
+    from weightstream import quantize
+
+    real, events = quantize.dequantize, []
+
+    def timed(q, scale, dtype):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        w = real(q, scale, dtype)
+        end.record()
+        events.append((start, end))
+        return w
+
+    quantize.dequantize = timed
+    try:
+        steps(model, 1)
+    finally:
+        quantize.dequantize = real
+    torch.cuda.synchronize()
+    record["dequant_calls_per_step"] = len(events)
+    record["dequant_ms_per_step"] = round(sum(a.elapsed_time(b) for a, b in events), 2)
+
+
 def scrape(args, name: str) -> float:
     """Sum of a metric's samples from the daemon's Prometheus endpoint."""
     import urllib.request
@@ -212,12 +289,20 @@ def mode_weightstream(args, record):
     model = build_on_host()
     model = add_lora(model)
     init = lora_state(model)
+    if args.quantize:
+        record["quantize"] = args.quantize
+        record["sqnr"] = sqnr_stats(model, streamable(model))
     client = weightstream.connect(args.socket)
     total = torch.cuda.get_device_properties(0).total_memory
     started = time.monotonic()
     first = args.budgets[0]
     handle = wst.attach(
-        model, "cuda", client=client, vram_budget=daemon_part(args, first), group_by=args.group_by
+        model,
+        "cuda",
+        client=client,
+        vram_budget=daemon_part(args, first),
+        group_by=args.group_by,
+        quantize=args.quantize,
     )
     record["attach_s"] = round(time.monotonic() - started, 1)
     record["streamed_modules"] = len(handle.streamed)
@@ -246,6 +331,9 @@ def mode_weightstream(args, record):
             traceback.print_exc()
     torch.cuda.set_per_process_memory_fraction(1.0)
     handle.set_budget(daemon_part(args, args.det_budget))
+    if args.quantize:
+        dequant_probe(model, record)
+        record["dequant_peak_gib"] = round(handle.stats()["dequant_scratch_peak_bytes"] / GiB, 3)
     deterministic(True)
     _, losses = steps(model, args.det_steps, init)
     record["det_losses"] = losses
@@ -271,13 +359,17 @@ def mode_job(args, record):
     total = torch.cuda.get_device_properties(0).total_memory
     budget = daemon_part(args, args.jobs_budget)
     if args.job == 0:
-        handle = wst.attach(model, "cuda", client=client, vram_budget=budget)
+        handle = wst.attach(
+            model, "cuda", client=client, vram_budget=budget, quantize=args.quantize
+        )
         (barrier / "model").write_text(handle.model_id)
     else:
         while not (barrier / "model").exists():
             time.sleep(0.5)
         model_id = (barrier / "model").read_text()
-        handle = wst.attach(model, "cuda", client=client, vram_budget=budget, model=model_id)
+        handle = wst.attach(
+            model, "cuda", client=client, vram_budget=budget, model=model_id, quantize=args.quantize
+        )
     record["trainer_rss_gib"] = rss_gib()
     torch.cuda.set_per_process_memory_fraction(args.trainer_gib * GiB / total)
     steps(model, args.warmup)
@@ -361,6 +453,7 @@ def mode_group_offload(args, record):
 
 MODES = {
     "resident": mode_resident,
+    "resident-fp8": mode_resident_fp8,  # run by default only with --quantize fp8
     "weightstream": mode_weightstream,
     "ramtorch": mode_ramtorch,
     "accelerate-offload": mode_accelerate,
@@ -405,6 +498,8 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
     cmd += ["--jobs-budget", str(args.jobs_budget), "--min-blocks", str(args.min_blocks)]
+    if args.quantize:
+        cmd += ["--quantize", args.quantize]
     return cmd
 
 
@@ -502,11 +597,14 @@ def parent(args):
 
 
 def check_equality(results):
+    """Each mode's deterministic losses against the resident reference of its format: bf16
+    resident, or for 8-bit streaming (and resident-fp8 itself) the 8-bit resident reference."""
     modes = {m["mode"]: m for m in results["modes"]}
-    ref = modes.get("resident", {}).get("det_losses")
+    refs = {fmt: modes.get(mode, {}).get("det_losses") for fmt, mode in REFERENCE.items()}
     ok = True
     for m in results["modes"]:
-        if "det_losses" in m and ref is not None:
+        ref = refs[m.get("quantize") or ("fp8" if m["mode"] == "resident-fp8" else None)]
+        if "det_losses" in m and ref is not None and m["mode"] != "resident-fp8":
             m["losses_equal_resident"] = m["det_losses"] == ref
             if m["mode"] == "weightstream" and not m["losses_equal_resident"]:
                 ok = False
@@ -517,13 +615,24 @@ def check_equality(results):
     return ok
 
 
+#: The reference mode of each weight format (the key: ``--quantize``).
+REFERENCE = {None: "resident", "fp8": "resident-fp8"}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--bin", default="target/release/weightstream")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-flux-out"))
     parser.add_argument("--child")
     parser.add_argument("--socket")
-    parser.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "job"])
+    parser.add_argument("--modes", nargs="+", default=None)
+    parser.add_argument(
+        "--quantize",
+        choices=["fp8"],
+        default=None,
+        help="weightstream modes stream the weights in 8 bits (fp8_e4m3_block64); their "
+        "losses are compared with resident-fp8, which the default modes then include",
+    )
     parser.add_argument("--budgets", nargs="+", type=float, default=[24, 16, 12, 8])
     parser.add_argument(
         "--trainer-gib",
@@ -548,6 +657,9 @@ def main():
     parser.add_argument("--measured", type=int, default=10)
     parser.add_argument("--timeout", type=int, default=400)
     args = parser.parse_args()
+    if args.modes is None:
+        skip = {"job"} if args.quantize else {"job", "resident-fp8"}
+        args.modes = [m for m in MODES if m not in skip]
     if args.child:
         args.mode = args.child
         return child(args)
