@@ -52,9 +52,27 @@ LORA_TARGETS = [
 ]
 
 
+#: Which transformer (``--model``): FLUX.1-dev (12 B) or FLUX.2-dev (32 B).
+MODEL = "flux1"
+#: The LoRA rank (``--rank``).
+RANK = 32
+
+#: FLUX.2's LoRA targets (peft regex): the attention and MLP linears of both block kinds.
+FLUX2_TARGETS = (
+    r".*\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out|"
+    r"to_qkv_mlp_proj|linear_in|linear_out)$|.*single_transformer_blocks\.\d+\.attn\.to_out$"
+)
+
+
+def results_name() -> str:
+    return "flux_train" if MODEL == "flux1" else f"{MODEL}_train"
+
+
 def build(device="cuda", num_layers=19, num_single_layers=38):
-    """FLUX.1-dev's transformer with random weights, initialised on the GPU, seeded (fewer
+    """The transformer with random weights, initialised on the GPU, seeded (FLUX.1: fewer
     blocks, same width, for the equality probe)."""
+    if MODEL == "flux2":
+        return build_flux2(device)
     import torch
     from diffusers import FluxTransformer2DModel
 
@@ -75,6 +93,35 @@ def build(device="cuda", num_layers=19, num_single_layers=38):
     return model
 
 
+def build_flux2(device="cuda"):
+    """FLUX.2-dev's transformer (diffusers' default config, 32 B parameters) in bf16: built on
+    the meta device and materialised on ``device`` (building in fp32 first would leave ~120 GiB
+    in the caching allocator), then seeded random weights: N(0, 1/fan_in) matrices, unit norms."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+
+    with torch.device("meta"):
+        model = Flux2Transformer2DModel().to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, p[0].numel() ** -0.5, generator=g)
+            else:
+                p.fill_(1.0)
+    model.requires_grad_(False)
+    torch.cuda.empty_cache()
+    return model
+
+
+def build_for_attach():
+    """The model as the trainer holds it before attach: FLUX.1 moved to host memory (the
+    upload reads it there), FLUX.2 left on the GPU (attach uploads it from the device by DMA
+    and frees the device copies: 64 GB would not fit twice in host memory)."""
+    return build() if MODEL == "flux2" else build_on_host()
+
+
 def build_on_host():
     """The same model, initialised on the GPU (fast) and moved to host memory."""
     import torch
@@ -90,7 +137,8 @@ def add_lora(model):
     from peft import LoraConfig, inject_adapter_in_model
 
     torch.manual_seed(1)  # peft's init uses the global RNG
-    config = LoraConfig(r=32, lora_alpha=32, target_modules=LORA_TARGETS)
+    targets = FLUX2_TARGETS if MODEL == "flux2" else LORA_TARGETS
+    config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=targets)
     model = inject_adapter_in_model(config, model)
     for name, p in model.named_parameters():
         p.requires_grad = "lora_" in name
@@ -103,6 +151,17 @@ def batch(device="cuda"):
 
     g = torch.Generator(device=device).manual_seed(2)
     bf = torch.bfloat16
+    if MODEL == "flux2":
+        return {
+            "hidden_states": torch.randn(1, 4096, 128, generator=g, device=device, dtype=bf),
+            "encoder_hidden_states": torch.randn(
+                1, 512, 15360, generator=g, device=device, dtype=bf
+            ),
+            "timestep": torch.tensor([0.5], device=device, dtype=bf),
+            "img_ids": torch.zeros(4096, 4, device=device, dtype=bf),
+            "txt_ids": torch.zeros(512, 4, device=device, dtype=bf),
+            "guidance": torch.tensor([3.5], device=device, dtype=bf),
+        }
     return {
         "hidden_states": torch.randn(1, 4096, 64, generator=g, device=device, dtype=bf),
         "encoder_hidden_states": torch.randn(1, 512, 4096, generator=g, device=device, dtype=bf),
@@ -279,6 +338,21 @@ def measure_budget(args, handle, client, model, r):
     r["gpu_total_gib"] = round(
         r["trainer_reserved_gib"] + r["daemon_staging_gib"] + r["daemon_resident_gib"], 2
     )
+    r["nvidia_smi_used_gib"] = nvidia_smi_used_gib()
+
+
+def nvidia_smi_used_gib() -> float | None:
+    """The device's used memory as nvidia-smi sees it (every process and context on it)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        return round(float(out.split()[0]) / 1024, 2)
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
 
 
 def mode_weightstream(args, record):
@@ -286,8 +360,7 @@ def mode_weightstream(args, record):
     import weightstream
     import weightstream.torch as wst
 
-    model = build_on_host()
-    model = add_lora(model)
+    model = add_lora(build_for_attach())
     init = lora_state(model)
     if args.quantize:
         record["quantize"] = args.quantize
@@ -314,7 +387,7 @@ def mode_weightstream(args, record):
     # The smallest budget: --min-blocks of the largest block, all of it staging.
     smallest = round(args.trainer_gib + args.min_blocks * largest / GiB, 2)
     record["budgets"] = {}
-    for budget in [*args.budgets, smallest]:
+    for budget in [*args.budgets, smallest] if args.min_blocks > 0 else args.budgets:
         key = f"{budget:g}"
         r = record["budgets"][key] = {"daemon_budget_gib": daemon_part(args, budget) / GiB}
         try:
@@ -354,7 +427,7 @@ def mode_job(args, record):
     import weightstream.torch as wst
 
     barrier = Path(args.barrier)
-    model = add_lora(build_on_host())
+    model = add_lora(build_for_attach())
     client = weightstream.connect(args.socket)
     total = torch.cuda.get_device_properties(0).total_memory
     budget = daemon_part(args, args.jobs_budget)
@@ -498,6 +571,7 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
     cmd += ["--jobs-budget", str(args.jobs_budget), "--min-blocks", str(args.min_blocks)]
+    cmd += ["--model", args.model, "--rank", str(args.rank)]
     if args.quantize:
         cmd += ["--quantize", args.quantize]
     return cmd
@@ -559,9 +633,11 @@ def parent(args):
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="ws-flux-"))
     socket = str(tmp / "ws.sock")
+    cap = ["--copy-bandwidth-limit", args.copy_bandwidth_limit] if args.copy_bandwidth_limit else []
     daemon = subprocess.Popen(
         [args.bin, "serve", "--backend", "cuda", "--socket", socket]
-        + ["--metrics-listen", args.metrics],
+        + ["--metrics-listen", args.metrics]
+        + cap,
         stderr=open(out / "flux-daemon.log", "ab"),
     )
     results = {
@@ -569,6 +645,9 @@ def parent(args):
         "date": time.strftime("%Y-%m-%d"),
         "pinned_h2d_gbps": round(pinned_bandwidth(), 2),
         "trainer_gib": args.trainer_gib,
+        "model": args.model,
+        "rank": args.rank,
+        "copy_bandwidth_limit": args.copy_bandwidth_limit,
         "modes": [],
     }
     import torch
@@ -583,12 +662,12 @@ def parent(args):
             record = run_mode(args, mode, socket, env, out)
         record["wall_s"] = round(time.monotonic() - started, 1)
         results["modes"].append(record)
-        (out / "flux_train.json").write_text(json.dumps(results, indent=2))
+        (out / f"{results_name()}.json").write_text(json.dumps(results, indent=2))
         print(json.dumps(record)[:1500], flush=True)
     daemon.terminate()
     daemon.wait(timeout=60)
     ok = check_equality(results)
-    (out / "flux_train.json").write_text(json.dumps(results, indent=2))
+    (out / f"{results_name()}.json").write_text(json.dumps(results, indent=2))
     # The device tool brings back at most 8 files from $OUT: pack the logs into one.
     logs = sorted(p.name for p in out.glob("flux-*.log"))
     if logs:
@@ -619,8 +698,16 @@ def check_equality(results):
 REFERENCE = {None: "resident", "fp8": "resident-fp8"}
 
 
-def main():
+def main(model: str = "flux1"):
+    global MODEL, RANK
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=["flux1", "flux2"], default=model)
+    parser.add_argument("--rank", type=int, default=32, help="the LoRA rank")
+    parser.add_argument(
+        "--copy-bandwidth-limit",
+        default=None,
+        help="the daemon's copy_bandwidth_limit (e.g. 25GB/s: a PCIe Gen4 x16 link, emulated)",
+    )
     parser.add_argument("--bin", default="target/release/weightstream")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-flux-out"))
     parser.add_argument("--child")
@@ -657,6 +744,7 @@ def main():
     parser.add_argument("--measured", type=int, default=10)
     parser.add_argument("--timeout", type=int, default=400)
     args = parser.parse_args()
+    MODEL, RANK = args.model, args.rank
     if args.modes is None:
         skip = {"job"} if args.quantize else {"job", "resident-fp8"}
         args.modes = [m for m in MODES if m not in skip]
