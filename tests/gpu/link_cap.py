@@ -155,7 +155,10 @@ def main() -> int:
     parser.add_argument("--share", default="5GB/s", help="the capped session's share")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--size-gib", type=float, default=4.0)
-    parser.add_argument("--staging-gib", type=float, default=1.0)
+    # LOOKAHEAD acquires in flight hold up to ~0.9 GiB of staged groups (two 256 MiB ones among
+    # them): at 1 GiB a session could not stage its next 256 MiB group past them (the daemon
+    # refused it with RESOURCE_EXHAUSTED on the H200, run of 2026-12-01).
+    parser.add_argument("--staging-gib", type=float, default=2.0)
     args = parser.parse_args()
     limit, share = parse_rate(args.limit), parse_rate(args.share)
     out = Path(args.out)

@@ -88,7 +88,11 @@ def quantize_fp8_block64(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block = BLOCK if cols % BLOCK == 0 else cols
     x = w.float().reshape(rows, cols // block, block)
     amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = amax / E4M3_MAX
+    # A tensor divisor, not the Python scalar: CUDA divides by a CPU scalar as a multiplication
+    # by its reciprocal (torch's BinaryDivTrueKernel), which differs from amax / 448 in the last
+    # bit of some scales; a tensor divisor is a true division on every device (found on the
+    # H200: the 8-bit resident reference quantized on the GPU missed the daemon's bytes).
+    scale = amax / torch.full_like(amax, E4M3_MAX)
     # All zeros, or an amax so small that amax / 448 underflows: scale 1 (never 0/0).
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
