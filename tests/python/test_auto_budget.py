@@ -253,3 +253,42 @@ def test_auto_refuses_a_staging_size(daemon):
             vram_budget="auto",
             staging_bytes=1 << 20,
         )
+
+
+# --- the ai-toolkit launcher's default ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "budget,percent,auto",
+    [
+        (None, 1.0, True),  # ai-toolkit's default: offload everything, weightstream sizes it
+        (None, 0.5, False),  # a percent the job chose: that fraction streams, fixed default
+        (8 << 20, 1.0, False),  # a budget the job chose
+        ("auto", 0.5, True),
+    ],
+)
+def test_ai_toolkit_budget_is_auto_unless_the_job_sets_one(daemon, budget, percent, auto):
+    from weightstream.integrations import ai_toolkit
+    from weightstream.integrations.ai_toolkit import MemoryManager, Settings
+
+    ai_toolkit.configure(Settings(socket=daemon.socket, vram_budget=budget))
+    try:
+        model = make_deep()
+        manager = MemoryManager.attach(model, "cpu", offload_percent=percent)
+        handle = manager.handle
+        assert (handle._auto is not None) == auto
+        if budget is not None and not auto:
+            assert session_info(handle).vram_budget == budget
+        MemoryManager.detach(model)
+    finally:
+        ai_toolkit.configure(None)
+
+
+def test_ai_toolkit_settings_take_auto():
+    from weightstream.integrations.ai_toolkit import Settings
+
+    assert Settings.load({"vram_budget": "auto"}, {}).vram_budget == "auto"
+    assert Settings.load({"vram_budget": "8GiB"}, {"WEIGHTSTREAM_BUDGET": "Auto"}).vram_budget == (
+        "auto"
+    )
+    assert Settings.load(None, {}).vram_budget is None
