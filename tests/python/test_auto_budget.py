@@ -207,9 +207,11 @@ def test_auto_grows_after_the_first_step_keeps_the_plan_and_shrinks(daemon):
     # Step 2 ran on the grown session with the first step's plan, not a new recording.
     assert handle._recording is None and handle.session.last_plan == recorded
     assert s["acquires"] > 0 and s["hits"] / s["acquires"] >= 0.95, s
-    before = handle.stats()
+    before, submitted = handle.stats(), handle.session.submitted
     steps += [train(streamed, xs[i : i + 1]) for i in range(2, 4)]
     after = handle.stats()
+    # Resident groups cost nothing per step: the streamed ones are acquired once per pass.
+    assert handle.session.submitted - submitted == 2 * 2 * (len(sizes) - len(resident))
     acquires = after["acquires"] - before["acquires"]
     assert acquires > 0 and (after["hits"] - before["hits"]) / acquires >= 0.95, (before, after)
     # Another job takes memory: the next step starts by shrinking until the margin is free.
