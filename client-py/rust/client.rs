@@ -27,7 +27,7 @@ struct Conn {
     generation: u32,
     client: Option<ws::Client>,
     /// Models a parent process's client loaded from files (for `restore_model` in a child).
-    carried: HashMap<String, Vec<PathBuf>>,
+    carried: HashMap<String, ws::LoadedFrom>,
 }
 
 impl Conn {
@@ -136,10 +136,14 @@ impl Client {
     fn loaded(&self) -> HashMap<String, Vec<PathBuf>> {
         let mut conn = lock(&self.conn);
         conn.follow_fork();
-        match &conn.client {
+        let loaded = match &conn.client {
             Some(c) => c.loaded_models(),
             None => conn.carried.clone(),
-        }
+        };
+        loaded
+            .into_iter()
+            .map(|(id, from)| (id, from.paths))
+            .collect()
     }
 
     fn info(&self, py: Python<'_>) -> PyResult<records::GetInfoResponse> {
@@ -177,20 +181,22 @@ impl Client {
     /// Loads safetensors files (absolute paths of files, index files or directories), which
     /// this process opens and passes to the daemon; `progress(LoadProgress)` sees each update
     /// (an exception it raises is raised once the load is done).
-    #[pyo3(signature = (paths, name="", progress=None))]
+    #[pyo3(signature = (paths, name="", progress=None, quantize=None))]
     fn load_model(
         &self,
         py: Python<'_>,
         paths: Vec<PathBuf>,
         name: &str,
         progress: Option<Py<PyAny>>,
+        quantize: Option<&str>,
     ) -> PyResult<records::ModelManifest> {
+        let quantization = quantization(quantize.unwrap_or("none"))?;
         let mut c = self.client(py)?;
         let name = name.to_string();
         let (loaded, failed) = block_on(py, async move {
             let mut failed: Option<PyErr> = None;
             let loaded = c
-                .load_model(&paths, &name, |p| {
+                .load_model(&paths, &name, quantization, |p| {
                     if let (Some(cb), None) = (&progress, &failed)
                         && let Err(e) = Python::attach(|py| cb.call1(py, (records::progress(p),)))
                     {
@@ -209,13 +215,17 @@ impl Client {
 
     /// Uploads tensors: `(name, dtype, shape, data)` each, `data` being `bytes` or the
     /// `(data_ptr, nbytes)` of a contiguous CPU tensor the caller keeps alive and unchanged
-    /// during the call. Returns the manifest and whether an identical model was stored.
+    /// during the call; the daemon quantizes those named in `quantize` (fp8_e4m3_block64) at
+    /// commit. Returns the manifest and whether an identical model was stored.
+    #[pyo3(signature = (name, tensors, quantize=Vec::new()))]
     fn upload_model(
         &self,
         py: Python<'_>,
         name: String,
         tensors: Vec<(String, i32, Vec<u64>, Payload<'_>)>,
+        quantize: Vec<String>,
     ) -> PyResult<(records::ModelManifest, bool)> {
+        let quantize = quantize_set(quantize, tensors.iter().map(|t| t.0.as_str()))?;
         let mut data = Vec::with_capacity(tensors.len());
         for (tname, dt, shape, payload) in &tensors {
             let bytes: &[u8] = match payload {
@@ -225,11 +235,11 @@ impl Client {
                 #[allow(unsafe_code)]
                 Payload::Raw(ptr, len) => unsafe { crate::raw::host_bytes(*ptr, *len)? },
             };
-            data.push(TensorData {
-                name: tname,
-                dtype: dtype(*dt)?,
-                shape,
-                bytes,
+            let tensor = TensorData::new(tname, dtype(*dt)?, shape, bytes);
+            data.push(if quantize.contains(tname.as_str()) {
+                tensor.quantized_at_commit()
+            } else {
+                tensor
             });
         }
         let mut c = self.client(py)?;
@@ -241,19 +251,29 @@ impl Client {
     /// Begins an upload of tensors `(name, dtype, shape)` without writing or committing it:
     /// the region to write (its fd from `fetch_fd(fd_secret)`; unmap it before the commit).
     /// The daemon drops an upload never committed when this process's connection goes.
+    /// Tensors named in `quantize` are written as declared and quantized at commit.
+    #[pyo3(signature = (name, tensors, quantize=Vec::new()))]
     fn begin_upload(
         &self,
         py: Python<'_>,
         name: String,
         tensors: Vec<(String, i32, Vec<u64>)>,
+        quantize: Vec<String>,
     ) -> PyResult<records::BeginUploadResponse> {
+        let quantize = quantize_set(quantize, tensors.iter().map(|t| t.0.as_str()))?;
         let mut infos = Vec::with_capacity(tensors.len());
         for (tname, dt, shape) in tensors {
+            let quantization = if quantize.contains(tname.as_str()) {
+                proto::Quantization::Fp8E4m3Block64
+            } else {
+                proto::Quantization::None
+            };
             infos.push(proto::TensorInfo {
                 name: tname,
                 dtype: dtype(dt)? as i32,
                 shape,
-                nbytes: 0,
+                quantization: quantization as i32,
+                ..Default::default()
             });
         }
         let mut c = self.client(py)?;
@@ -333,4 +353,28 @@ impl Client {
     fn __repr__(&self) -> String {
         format!("Client(socket={:?})", self.socket.display().to_string())
     }
+}
+
+/// `quantize=` of `load_model`: "none", "fp8_e4m3_block64" or "fp8".
+fn quantization(value: &str) -> PyResult<proto::Quantization> {
+    ws::parse_quantization(value).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "quantize: {value:?} is not supported: the accepted values are None, \"none\", \
+             \"fp8_e4m3_block64\", \"fp8\" (its alias)"
+        ))
+    })
+}
+
+/// `quantize=` of the uploads: names of declared tensors, each once.
+fn quantize_set<'a>(
+    names: Vec<String>,
+    declared: impl Iterator<Item = &'a str>,
+) -> PyResult<std::collections::HashSet<String>> {
+    let declared: std::collections::HashSet<&str> = declared.collect();
+    if let Some(unknown) = names.iter().find(|n| !declared.contains(n.as_str())) {
+        return Err(PyValueError::new_err(format!(
+            "quantize: {unknown:?} is not one of the uploaded tensors"
+        )));
+    }
+    Ok(names.into_iter().collect())
 }

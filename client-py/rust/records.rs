@@ -6,7 +6,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
-use weightstream_client::proto;
+use weightstream_client::{proto, quantization_name};
 
 /// `Name(field=repr, ...)`.
 fn repr(obj: &Bound<'_, PyAny>, name: &str, fields: &[&str]) -> PyResult<String> {
@@ -113,12 +113,17 @@ record! {
 }
 
 record! {
-    /// A tensor of a model: name, dtype (`DTYPE_*`), shape, bytes.
+    /// A tensor of a model: name, dtype (`DTYPE_*`), shape, bytes; a quantized one
+    /// (`quantization` "fp8_e4m3_block64", else "none") has dtype F8_E4M3 and its bytes are
+    /// data, padding and fp32 scales of `scale_shape` at `scale_offset`.
     TensorInfo {
         name: String,
         dtype: i32,
         shape: Vec<u64>,
         nbytes: u64,
+        quantization: String,
+        scale_shape: Vec<u64>,
+        scale_offset: u64,
     }
 }
 
@@ -152,12 +157,17 @@ record! {
 }
 
 record! {
+    /// A tensor in a group: as in `TensorInfo`, at `offset` from the group's start (its
+    /// scales, when quantized, at `offset + scale_offset`).
     TensorPlacement {
         name: String,
         dtype: i32,
         shape: Vec<u64>,
         offset: u64,
         nbytes: u64,
+        quantization: String,
+        scale_shape: Vec<u64>,
+        scale_offset: u64,
     }
 }
 
@@ -319,10 +329,13 @@ pub(crate) fn manifest(py: Python<'_>, m: proto::ModelManifest) -> PyResult<Mode
             obj(
                 py,
                 TensorInfo {
+                    quantization: quantization_name(t.quantization),
                     name: t.name,
                     dtype: t.dtype,
                     shape: t.shape,
                     nbytes: t.nbytes,
+                    scale_shape: t.scale_shape,
+                    scale_offset: t.scale_offset,
                 },
             )
         })?,
@@ -426,6 +439,9 @@ pub(crate) fn layout(
                                 shape: t.shape.clone(),
                                 offset: t.offset,
                                 nbytes: t.nbytes,
+                                quantization: quantization_name(t.quantization),
+                                scale_shape: t.scale_shape.clone(),
+                                scale_offset: t.scale_offset,
                             },
                         )
                     })?,

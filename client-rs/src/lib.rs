@@ -4,7 +4,8 @@
 //! # async fn demo() -> Result<(), weightstream_client::ClientError> {
 //! use weightstream_client::{Client, SessionOptions};
 //! let mut client = Client::connect(None).await?;
-//! let model = client.load_model(&["/models/flux.safetensors".into()], "flux", |_| {}).await?;
+//! let none = weightstream_client::proto::Quantization::None;
+//! let model = client.load_model(&["/models/flux.safetensors".into()], "flux", none, |_| {}).await?;
 //! let groups = SessionOptions::one_group_per_tensor(&model);
 //! let session = client
 //!     .open_session(SessionOptions::new(&model.model_id, 8 << 30, groups))
@@ -42,7 +43,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 pub use crate::error::ClientError;
 pub use crate::handoff::HandoffError;
 use crate::proto::weight_stream_client::WeightStreamClient;
-pub use crate::session::{Acquired, Session, SessionOptions, Submitted};
+pub use crate::session::{Acquired, QuantizedView, Session, SessionOptions, Submitted};
 /// The gRPC status code of a [`ClientError::Rejected`].
 pub use tonic::Code;
 
@@ -57,12 +58,87 @@ pub const DEFAULT_SOCKET: &str = "/run/weightstream/weightstream.sock";
 /// The environment variable that names the socket.
 pub const SOCKET_ENV: &str = "WEIGHTSTREAM_SOCKET";
 
-/// A tensor to upload: its name, dtype, shape and bytes.
+/// A tensor to upload: its name, dtype, shape and bytes, and whether it is quantized.
+///
+/// `quantization` FP8_E4M3_BLOCK64 with a float dtype: the daemon quantizes `bytes` at commit;
+/// with [`proto::Dtype::F8E4m3`]: `bytes` are already data, padding and scales (the store's
+/// layout, see [`fp8_layout`]) and `scale_shape` says the scales' shape.
 pub struct TensorData<'a> {
     pub name: &'a str,
     pub dtype: proto::Dtype,
     pub shape: &'a [u64],
     pub bytes: &'a [u8],
+    pub quantization: proto::Quantization,
+    pub scale_shape: &'a [u64],
+}
+
+impl<'a> TensorData<'a> {
+    /// A tensor held as it is.
+    pub fn new(name: &'a str, dtype: proto::Dtype, shape: &'a [u64], bytes: &'a [u8]) -> Self {
+        TensorData {
+            name,
+            dtype,
+            shape,
+            bytes,
+            quantization: proto::Quantization::None,
+            scale_shape: &[],
+        }
+    }
+
+    /// The same tensor, quantized by the daemon at commit (fp8_e4m3_block64).
+    pub fn quantized_at_commit(self) -> Self {
+        TensorData {
+            quantization: proto::Quantization::Fp8E4m3Block64,
+            ..self
+        }
+    }
+}
+
+/// Parses a quantization as the CLI and the Python client spell it: "none",
+/// "fp8_e4m3_block64", or "fp8" (an alias of it).
+pub fn parse_quantization(value: &str) -> Option<proto::Quantization> {
+    match value {
+        "none" => Some(proto::Quantization::None),
+        "fp8" | "fp8_e4m3_block64" => Some(proto::Quantization::Fp8E4m3Block64),
+        _ => None,
+    }
+}
+
+/// The lowercase name of a quantization ("none", "fp8_e4m3_block64"); values this client does
+/// not know as "unknown(N)".
+pub fn quantization_name(value: i32) -> String {
+    match proto::Quantization::try_from(value) {
+        Ok(proto::Quantization::None) => "none".into(),
+        Ok(proto::Quantization::Fp8E4m3Block64) => "fp8_e4m3_block64".into(),
+        Err(_) => format!("unknown({value})"),
+    }
+}
+
+/// The store's layout of an fp8_e4m3_block64 weight of `shape` (rank >= 2): (scale_shape,
+/// scale_offset, nbytes): data (one byte per element), zero padding to 16, fp32 scales.
+pub fn fp8_layout(shape: &[u64]) -> Option<([u64; 2], u64, u64)> {
+    let (&rows, rest) = shape.split_first()?;
+    if rest.is_empty() {
+        return None;
+    }
+    let cols = rest.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
+    let blocks = if cols.is_multiple_of(64) {
+        cols / 64
+    } else {
+        1
+    };
+    let data = rows.checked_mul(cols)?;
+    let scale_offset = data.div_ceil(16).checked_mul(16)?;
+    let nbytes = scale_offset.checked_add(rows.checked_mul(blocks)?.checked_mul(4)?)?;
+    Some(([rows, blocks], scale_offset, nbytes))
+}
+
+/// The files a model was loaded from, and in which format: what
+/// [`Client::restore_model`] loads again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadedFrom {
+    pub paths: Vec<PathBuf>,
+    pub quantization: proto::Quantization,
 }
 
 /// How often [`Client::reconnect`] dials again while the daemon is not back.
@@ -75,7 +151,7 @@ pub struct Client {
     socket: PathBuf,
     /// The paths each model this client (or a clone) loaded was named by, so that a session
     /// can open and load them again into a restarted daemon (same files, same model id).
-    loaded: Arc<Mutex<HashMap<String, Vec<PathBuf>>>>,
+    loaded: Arc<Mutex<HashMap<String, LoadedFrom>>>,
 }
 
 impl Client {
@@ -182,7 +258,7 @@ impl Client {
     }
 
     /// The files this client loaded `model_id` from, if it did.
-    pub(crate) fn loaded_from(&self, model_id: &str) -> Option<Vec<PathBuf>> {
+    pub(crate) fn loaded_from(&self, model_id: &str) -> Option<LoadedFrom> {
         let loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
         loaded.get(model_id).cloned()
     }
@@ -245,11 +321,13 @@ impl Client {
     /// Loads safetensors: absolute paths of files, `*.safetensors.index.json` files (their
     /// shards) or directories (their `*.safetensors`). This client opens the files, with its
     /// own rights, and passes them to the daemon (at most 253 files per load); `progress` sees
-    /// each update.
+    /// each update (bytes of the files). With `quantization` FP8_E4M3_BLOCK64 the daemon
+    /// quantizes the weights (".weight", rank >= 2, float) as it loads and keeps only that copy.
     pub async fn load_model(
         &mut self,
         paths: &[PathBuf],
         name: &str,
+        quantization: proto::Quantization,
         mut progress: impl FnMut(&proto::LoadProgress),
     ) -> Result<proto::ModelManifest, ClientError> {
         let named = paths.to_vec();
@@ -268,6 +346,7 @@ impl Client {
             paths: files.iter().map(|p| p.display().to_string()).collect(),
             name: name.to_string(),
             fd_token,
+            quantization: quantization as i32,
         };
         let mut events = self
             .rpc
@@ -280,7 +359,11 @@ impl Client {
                 Some(proto::load_model_event::Event::Progress(p)) => progress(&p),
                 Some(proto::load_model_event::Event::Manifest(m)) => {
                     let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
-                    loaded.insert(m.model_id.clone(), paths.to_vec());
+                    let from = LoadedFrom {
+                        paths: paths.to_vec(),
+                        quantization,
+                    };
+                    loaded.insert(m.model_id.clone(), from);
                     return Ok(m);
                 }
                 None => {}
@@ -306,6 +389,9 @@ impl Client {
                 dtype: t.dtype as i32,
                 shape: t.shape.to_vec(),
                 nbytes: t.bytes.len() as u64,
+                quantization: t.quantization as i32,
+                scale_shape: t.scale_shape.to_vec(),
+                scale_offset: 0,
             })
             .collect();
         let begun = self.begin_upload(name, infos).await?;
@@ -318,7 +404,8 @@ impl Client {
     }
 
     /// The first step of [`Client::upload_model`]: declares the tensors (name, dtype, shape;
-    /// `nbytes` 0 or exact) and gets the region to write them into. The daemon drops an
+    /// `nbytes` 0 or exact; `quantization` and `scale_shape` as in [`TensorData`]) and gets
+    /// the region to write them into. The daemon drops an
     /// upload that is never committed when this client's connection goes.
     pub async fn begin_upload(
         &mut self,
@@ -413,10 +500,14 @@ impl Client {
         if listed.models.iter().any(|m| m.model_id == model_id) {
             return Ok(false);
         }
-        let Some(paths) = self.loaded_from(model_id) else {
+        let Some(LoadedFrom {
+            paths,
+            quantization,
+        }) = self.loaded_from(model_id)
+        else {
             return Ok(false);
         };
-        let manifest = self.load_model(&paths, "", |_| {}).await?;
+        let manifest = self.load_model(&paths, "", quantization, |_| {}).await?;
         if manifest.model_id != model_id {
             self.release_model(&manifest.model_id).await?;
             return Err(ClientError::Rejected {
@@ -433,7 +524,7 @@ impl Client {
     /// The paths of every model this client (or a clone) loaded from files, by model id;
     /// empty if another thread is updating the table right now (a forked child whose parent
     /// was doing so then).
-    pub fn loaded_models(&self) -> HashMap<String, Vec<PathBuf>> {
+    pub fn loaded_models(&self) -> HashMap<String, LoadedFrom> {
         match self.loaded.try_lock() {
             Ok(loaded) => loaded.clone(),
             Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().clone(),
@@ -443,7 +534,7 @@ impl Client {
 
     /// Adds to the models this client can load again in [`Client::restore_model`] (e.g. those
     /// of a client of the parent process, after a fork).
-    pub fn remember_loaded(&self, models: HashMap<String, Vec<PathBuf>>) {
+    pub fn remember_loaded(&self, models: HashMap<String, LoadedFrom>) {
         let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
         loaded.extend(models);
     }

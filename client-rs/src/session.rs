@@ -599,6 +599,31 @@ impl Acquired<'_> {
         let i = self.layout.tensors.iter().position(|t| t.name == name)?;
         self.tensor(i)
     }
+
+    /// Tensor `i` of the group split into its data and its scales when it is quantized
+    /// (`None` when it is not, or in device memory): e4m3fn bytes in the tensor's shape, and
+    /// little-endian fp32 scales of its `scale_shape`.
+    pub fn quantized(&self, i: usize) -> Option<QuantizedView<'_>> {
+        let t = &self.layout.tensors[i];
+        if t.quantization == proto::Quantization::None as i32 {
+            return None;
+        }
+        let bytes = self.tensor(i)?;
+        let data_bytes = t.shape.iter().product::<u64>() as usize;
+        Some(QuantizedView {
+            data: &bytes[..data_bytes],
+            scales: &bytes[t.scale_offset as usize..],
+            scale_shape: &t.scale_shape,
+        })
+    }
+}
+
+/// A quantized tensor's two parts, as staged (see [`Acquired::quantized`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantizedView<'a> {
+    pub data: &'a [u8],
+    pub scales: &'a [u8],
+    pub scale_shape: &'a [u64],
 }
 
 impl Drop for Acquired<'_> {

@@ -228,6 +228,7 @@ impl WeightStream for Fake {
             shape: vec![n],
             offset: 0,
             nbytes: n,
+            ..Default::default()
         };
         Ok(Response::new(proto::OpenSessionResponse {
             session_id: "s-1".into(),
@@ -318,7 +319,12 @@ async fn load_passes_the_opened_files_and_their_display_paths() {
     std::fs::write(model.join("b.safetensors"), b"second").unwrap();
     std::fs::write(model.join("a.safetensors"), b"first").unwrap();
     let manifest = client
-        .load_model(std::slice::from_ref(&model), "m", |_| {})
+        .load_model(
+            std::slice::from_ref(&model),
+            "m",
+            weightstream_client::proto::Quantization::None,
+            |_| {},
+        )
         .await;
     assert_eq!(manifest.unwrap().model_id, "m-load");
     let shown = |f: &str| model.join(f).display().to_string();
@@ -349,7 +355,12 @@ async fn paths_that_do_not_resolve_are_refused_before_sending() {
     let mut failures = Vec::new();
     for (path, code, message) in cases {
         match client
-            .load_model(std::slice::from_ref(&path), "", |_| {})
+            .load_model(
+                std::slice::from_ref(&path),
+                "",
+                weightstream_client::proto::Quantization::None,
+                |_| {},
+            )
             .await
         {
             Err(ClientError::Rejected {
@@ -361,7 +372,15 @@ async fn paths_that_do_not_resolve_are_refused_before_sending() {
             )),
         }
     }
-    match client.load_model(&[], "", |_| {}).await {
+    match client
+        .load_model(
+            &[],
+            "",
+            weightstream_client::proto::Quantization::None,
+            |_| {},
+        )
+        .await
+    {
         Err(e) if e.to_string() == "InvalidArgument: paths: no file given" => {}
         other => failures.push(format!("no paths: got {other:?}")),
     }
@@ -374,18 +393,8 @@ async fn upload_writes_through_the_fd_and_unmaps_before_commit() {
     let dir = tempfile::tempdir().unwrap();
     let (state, mut client) = start(dir.path()).await;
     let tensors = [
-        TensorData {
-            name: "a",
-            dtype: proto::Dtype::U8,
-            shape: &[5],
-            bytes: b"first",
-        },
-        TensorData {
-            name: "b",
-            dtype: proto::Dtype::U8,
-            shape: &[6],
-            bytes: b"second",
-        },
+        TensorData::new("a", proto::Dtype::U8, &[5], b"first"),
+        TensorData::new("b", proto::Dtype::U8, &[6], b"second"),
     ];
     let (manifest, _) = client.upload_model("up", &tensors).await.unwrap();
     assert_eq!(manifest.model_id, "m-up");
@@ -440,7 +449,15 @@ async fn a_missing_handoff_socket_is_unavailable() {
     std::fs::remove_file(&handoff_socket).unwrap();
     let model = dir.path().join("m.safetensors");
     std::fs::write(&model, b"weights").unwrap();
-    match client.load_model(&[model], "", |_| {}).await {
+    match client
+        .load_model(
+            &[model],
+            "",
+            weightstream_client::proto::Quantization::None,
+            |_| {},
+        )
+        .await
+    {
         Err(ClientError::Unavailable { socket, reason }) => {
             assert_eq!(socket, handoff_socket);
             assert!(reason.contains("handoff socket"), "{reason}");

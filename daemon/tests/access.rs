@@ -92,6 +92,7 @@ fn upload_request(name: &str, bytes: u64) -> proto::BeginUploadRequest {
             dtype: proto::Dtype::U8 as i32,
             shape: vec![bytes],
             nbytes: 0,
+            ..Default::default()
         }],
     }
 }
@@ -122,6 +123,7 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
             paths: vec!["/nonexistent.safetensors".into()],
             name: String::new(),
             fd_token: "0".repeat(32),
+            ..Default::default()
         })
         .await
         .err()
@@ -170,7 +172,14 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
     // The handoff socket lets in whom the service lets in: the client's load stops there.
     let dir = tempfile::tempdir().unwrap();
     let path = model_file(dir.path(), 9);
-    let got = client.load_model(&[path], "", |_| {}).await;
+    let got = client
+        .load_model(
+            &[path],
+            "",
+            weightstream_client::proto::Quantization::None,
+            |_| {},
+        )
+        .await;
     match got.err().unwrap() {
         ClientError::Handoff(HandoffError::Refused(message)) => {
             assert_eq!(message, want.1, "Client::load_model (PUT)")
@@ -425,7 +434,12 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
         .await;
         let mut client = daemon.client().await;
         let first = client
-            .load_model(std::slice::from_ref(&a), "", |_| {})
+            .load_model(
+                std::slice::from_ref(&a),
+                "",
+                weightstream_client::proto::Quantization::None,
+                |_| {},
+            )
             .await
             .unwrap();
         let message = |used: u64, item: &str, need: u64| {
@@ -438,7 +452,12 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
             )
         };
         let got = client
-            .load_model(std::slice::from_ref(&b), "", |_| {})
+            .load_model(
+                std::slice::from_ref(&b),
+                "",
+                weightstream_client::proto::Quantization::None,
+                |_| {},
+            )
             .await;
         assert_eq!(
             rejected(got.err().unwrap()),
@@ -448,7 +467,12 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
         assert_eq!(daemon.shm_count("model"), 1, "{which}: nothing made");
         // The same files again are the same copy: not charged twice.
         let again = client
-            .load_model(std::slice::from_ref(&a), "", |_| {})
+            .load_model(
+                std::slice::from_ref(&a),
+                "",
+                weightstream_client::proto::Quantization::None,
+                |_| {},
+            )
             .await
             .unwrap();
         assert_eq!(
@@ -473,7 +497,12 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
         assert_eq!(client.release_model(&first.model_id).await.unwrap(), 1);
         assert_eq!(client.release_model(&first.model_id).await.unwrap(), 0);
         let second = client
-            .load_model(std::slice::from_ref(&b), "", |_| {})
+            .load_model(
+                std::slice::from_ref(&b),
+                "",
+                weightstream_client::proto::Quantization::None,
+                |_| {},
+            )
             .await
             .unwrap();
         assert_eq!(second.refcount, 1);

@@ -35,7 +35,15 @@ fn rejected(err: ClientError) -> (Code, String) {
 }
 
 async fn load_error(client: &mut Client, paths: &[PathBuf]) -> (Code, String) {
-    match client.load_model(paths, "", |_| {}).await {
+    match client
+        .load_model(
+            paths,
+            "",
+            weightstream_client::proto::Quantization::None,
+            |_| {},
+        )
+        .await
+    {
         Ok(m) => panic!("{paths:?} loaded as {}", m.model_id),
         Err(e) => rejected(e),
     }
@@ -712,12 +720,7 @@ async fn oversized_messages_are_refused() {
     let byte = [7u8];
     let tensors: Vec<TensorData<'_>> = names
         .iter()
-        .map(|name| TensorData {
-            name: name.as_str(),
-            dtype: proto::Dtype::U8,
-            shape: &[1],
-            bytes: &byte,
-        })
+        .map(|name| TensorData::new(name.as_str(), proto::Dtype::U8, &[1], &byte))
         .collect();
     check(upload_error(&mut client, &tensors).await);
     assert_eq!(daemon.shm_count("upload"), 0);
@@ -780,11 +783,8 @@ async fn bad_uploads_are_refused_precisely() {
     const TEN: &[u8] = &[0; 10];
     const RANK_17: &[u64] = &[1; 17];
     const TWO_TIB: &[u64] = &[2 << 40];
-    let t = |name: &'static str, dtype, shape: &'static [u64], bytes: &'static [u8]| TensorData {
-        name,
-        dtype,
-        shape,
-        bytes,
+    let t = |name: &'static str, dtype, shape: &'static [u64], bytes: &'static [u8]| {
+        TensorData::new(name, dtype, shape, bytes)
     };
     use proto::Dtype::*;
     let cases: Vec<(&str, Vec<TensorData<'static>>, Code, String)> = vec![
@@ -858,6 +858,7 @@ async fn bad_uploads_are_refused_precisely() {
                 dtype: proto::Dtype::F32 as i32,
                 shape: vec![2, 2],
                 nbytes: 0,
+                ..Default::default()
             }],
         })
         .await
@@ -937,7 +938,12 @@ async fn limits_are_enforced() {
 
     let long = "a-name-of-17-byte";
     let err = client
-        .load_model(std::slice::from_ref(&layers), long, |_| {})
+        .load_model(
+            std::slice::from_ref(&layers),
+            long,
+            weightstream_client::proto::Quantization::None,
+            |_| {},
+        )
         .await
         .err()
         .unwrap();

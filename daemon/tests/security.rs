@@ -419,6 +419,7 @@ async fn descriptions_are_charged_and_uploads_in_progress_are_bounded() {
             dtype: proto::Dtype::F32 as i32,
             shape: vec![0],
             nbytes: 0,
+            ..Default::default()
         })
         .collect();
     let mut raw = raw_client(&daemon.socket).await;

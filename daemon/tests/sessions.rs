@@ -365,6 +365,7 @@ async fn vanished_client_is_torn_down() {
             dtype: proto::Dtype::U8 as i32,
             shape: vec![4096],
             nbytes: 0,
+            ..Default::default()
         }],
     };
     let expected = f.expected.clone();

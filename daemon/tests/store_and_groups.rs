@@ -392,9 +392,12 @@ async fn load_reports_progress() {
     for (attempt, refcount) in [("fresh", 1), ("already loaded", 2)] {
         let mut events: Vec<proto::LoadProgress> = Vec::new();
         let manifest = client
-            .load_model(&[dir.path().to_path_buf()], "sharded", |p| {
-                events.push(p.clone())
-            })
+            .load_model(
+                &[dir.path().to_path_buf()],
+                "sharded",
+                weightstream_client::proto::Quantization::None,
+                |p| events.push(p.clone()),
+            )
             .await
             .unwrap();
         check_manifest(&manifest, &expected);

@@ -78,7 +78,13 @@ def peers_table(run: dict) -> str:
         "| losses equal resident |",
         "|---|---|---|---|---|---|",
     ]
-    for name in ("resident", "ramtorch", "accelerate-offload", "diffusers-group-offload"):
+    for name in (
+        "resident",
+        "resident-fp8",
+        "ramtorch",
+        "accelerate-offload",
+        "diffusers-group-offload",
+    ):
         r = m.get(name)
         if r is None:
             continue

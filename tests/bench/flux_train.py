@@ -8,6 +8,14 @@ Each mode runs in its own process (clean GPU memory, its own memory fraction); r
 appended to $OUT/flux_train.json as they come (the children's logs end up in flux-logs.tgz).
 `python3 tests/bench/flux_report.py` turns tests/bench/results/flux_train.json into the tables
 of flux_train.md and the plot flux_train.png.
+
+8 bits: `--quantize fp8` streams the weights in fp8_e4m3_block64 in the weightstream modes and
+adds the mode `resident-fp8` (the 8-bit resident reference: each weight weightstream streams
+replaced on the GPU by its w_hat) to the default modes; their deterministic losses are compared
+with it, the others' with `resident`, so one run compares fp8 streaming, 8-bit resident and bf16
+resident. Both 8-bit modes record the per-tensor SQNR of the quantized weights (`sqnr`: median
+and worst, dB); the weightstream mode also the device time of its dequantizations over one step
+(`dequant_ms_per_step`, CUDA events around each) and the largest dequantization's memory.
 """
 
 from __future__ import annotations
@@ -44,9 +52,27 @@ LORA_TARGETS = [
 ]
 
 
+#: Which transformer (``--model``): FLUX.1-dev (12 B) or FLUX.2-dev (32 B).
+MODEL = "flux1"
+#: The LoRA rank (``--rank``).
+RANK = 32
+
+#: FLUX.2's LoRA targets (peft regex): the attention and MLP linears of both block kinds.
+FLUX2_TARGETS = (
+    r".*\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out|"
+    r"to_qkv_mlp_proj|linear_in|linear_out)$|.*single_transformer_blocks\.\d+\.attn\.to_out$"
+)
+
+
+def results_name() -> str:
+    return "flux_train" if MODEL == "flux1" else f"{MODEL}_train"
+
+
 def build(device="cuda", num_layers=19, num_single_layers=38):
-    """FLUX.1-dev's transformer with random weights, initialised on the GPU, seeded (fewer
+    """The transformer with random weights, initialised on the GPU, seeded (FLUX.1: fewer
     blocks, same width, for the equality probe)."""
+    if MODEL == "flux2":
+        return build_flux2(device)
     import torch
     from diffusers import FluxTransformer2DModel
 
@@ -67,6 +93,35 @@ def build(device="cuda", num_layers=19, num_single_layers=38):
     return model
 
 
+def build_flux2(device="cuda"):
+    """FLUX.2-dev's transformer (diffusers' default config, 32 B parameters) in bf16: built on
+    the meta device and materialised on ``device`` (building in fp32 first would leave ~120 GiB
+    in the caching allocator), then seeded random weights: N(0, 1/fan_in) matrices, unit norms."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+
+    with torch.device("meta"):
+        model = Flux2Transformer2DModel().to(torch.bfloat16)
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, p[0].numel() ** -0.5, generator=g)
+            else:
+                p.fill_(1.0)
+    model.requires_grad_(False)
+    torch.cuda.empty_cache()
+    return model
+
+
+def build_for_attach():
+    """The model as the trainer holds it before attach: FLUX.1 moved to host memory (the
+    upload reads it there), FLUX.2 left on the GPU (attach uploads it from the device by DMA
+    and frees the device copies: 64 GB would not fit twice in host memory)."""
+    return build() if MODEL == "flux2" else build_on_host()
+
+
 def build_on_host():
     """The same model, initialised on the GPU (fast) and moved to host memory."""
     import torch
@@ -82,7 +137,8 @@ def add_lora(model):
     from peft import LoraConfig, inject_adapter_in_model
 
     torch.manual_seed(1)  # peft's init uses the global RNG
-    config = LoraConfig(r=32, lora_alpha=32, target_modules=LORA_TARGETS)
+    targets = FLUX2_TARGETS if MODEL == "flux2" else LORA_TARGETS
+    config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=targets)
     model = inject_adapter_in_model(config, model)
     for name, p in model.named_parameters():
         p.requires_grad = "lora_" in name
@@ -95,6 +151,17 @@ def batch(device="cuda"):
 
     g = torch.Generator(device=device).manual_seed(2)
     bf = torch.bfloat16
+    if MODEL == "flux2":
+        return {
+            "hidden_states": torch.randn(1, 4096, 128, generator=g, device=device, dtype=bf),
+            "encoder_hidden_states": torch.randn(
+                1, 512, 15360, generator=g, device=device, dtype=bf
+            ),
+            "timestep": torch.tensor([0.5], device=device, dtype=bf),
+            "img_ids": torch.zeros(4096, 4, device=device, dtype=bf),
+            "txt_ids": torch.zeros(512, 4, device=device, dtype=bf),
+            "guidance": torch.tensor([3.5], device=device, dtype=bf),
+        }
     return {
         "hidden_states": torch.randn(1, 4096, 64, generator=g, device=device, dtype=bf),
         "encoder_hidden_states": torch.randn(1, 512, 4096, generator=g, device=device, dtype=bf),
@@ -164,6 +231,75 @@ def mode_resident(args, record):
     record["det_losses"] = losses
 
 
+def streamable(model) -> list[str]:
+    """The layers attach streams with its default options (what 8-bit streaming quantizes)."""
+    import weightstream.torch as wst
+    from weightstream.torch import policy
+
+    return [n for n, _ in policy.select(model, wst.StreamOptions()).streamed]
+
+
+def sqnr_stats(model, names, device="cuda") -> dict:
+    """Per-tensor SQNR (dB) of the 8-bit weights of the layers ``names``, each weight moved to
+    ``device`` for its quantization: median and worst, and the worst tensor's name."""
+    from weightstream import quantize
+
+    modules = dict(model.named_modules())
+    values = {}
+    for name in names:
+        w = modules[name].weight.detach().to(device)
+        values[name] = quantize.sqnr_db(w, quantize.w_hat(w))
+    worst = min(values, key=values.get)
+    return {
+        "median_db": round(statistics.median(values.values()), 2),
+        "worst_db": round(values[worst], 2),
+        "worst_tensor": worst,
+        "tensors": len(values),
+    }
+
+
+def mode_resident_fp8(args, record):
+    """The 8-bit resident reference: the bf16 model on the GPU with each weight that
+    weightstream would stream replaced in place by its w_hat."""
+    from weightstream import quantize
+
+    model = add_lora(build())
+    names = streamable(model)
+    record["sqnr"] = sqnr_stats(model, names)
+    record["quantized_layers"] = len(quantize.to_fp8_resident(model, names))
+    init = lora_state(model)
+    timing(model, args, record)
+    deterministic(True)
+    _, losses = steps(model, args.det_steps, init)
+    record["det_losses"] = losses
+
+
+def dequant_probe(model, record):
+    """One more step with CUDA events around each dequantization: its device time per step
+    (the events wait on nothing else: each dequantization follows its group's ready event)."""
+    import torch
+    from weightstream import quantize
+
+    real, events = quantize.dequantize, []
+
+    def timed(q, scale, dtype):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        w = real(q, scale, dtype)
+        end.record()
+        events.append((start, end))
+        return w
+
+    quantize.dequantize = timed
+    try:
+        steps(model, 1)
+    finally:
+        quantize.dequantize = real
+    torch.cuda.synchronize()
+    record["dequant_calls_per_step"] = len(events)
+    record["dequant_ms_per_step"] = round(sum(a.elapsed_time(b) for a, b in events), 2)
+
+
 def scrape(args, name: str) -> float:
     """Sum of a metric's samples from the daemon's Prometheus endpoint."""
     import urllib.request
@@ -202,6 +338,21 @@ def measure_budget(args, handle, client, model, r):
     r["gpu_total_gib"] = round(
         r["trainer_reserved_gib"] + r["daemon_staging_gib"] + r["daemon_resident_gib"], 2
     )
+    r["nvidia_smi_used_gib"] = nvidia_smi_used_gib()
+
+
+def nvidia_smi_used_gib() -> float | None:
+    """The device's used memory as nvidia-smi sees it (every process and context on it)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        return round(float(out.split()[0]) / 1024, 2)
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
 
 
 def mode_weightstream(args, record):
@@ -209,15 +360,22 @@ def mode_weightstream(args, record):
     import weightstream
     import weightstream.torch as wst
 
-    model = build_on_host()
-    model = add_lora(model)
+    model = add_lora(build_for_attach())
     init = lora_state(model)
+    if args.quantize:
+        record["quantize"] = args.quantize
+        record["sqnr"] = sqnr_stats(model, streamable(model))
     client = weightstream.connect(args.socket)
     total = torch.cuda.get_device_properties(0).total_memory
     started = time.monotonic()
     first = args.budgets[0]
     handle = wst.attach(
-        model, "cuda", client=client, vram_budget=daemon_part(args, first), group_by=args.group_by
+        model,
+        "cuda",
+        client=client,
+        vram_budget=daemon_part(args, first),
+        group_by=args.group_by,
+        quantize=args.quantize,
     )
     record["attach_s"] = round(time.monotonic() - started, 1)
     record["streamed_modules"] = len(handle.streamed)
@@ -229,7 +387,7 @@ def mode_weightstream(args, record):
     # The smallest budget: --min-blocks of the largest block, all of it staging.
     smallest = round(args.trainer_gib + args.min_blocks * largest / GiB, 2)
     record["budgets"] = {}
-    for budget in [*args.budgets, smallest]:
+    for budget in [*args.budgets, smallest] if args.min_blocks > 0 else args.budgets:
         key = f"{budget:g}"
         r = record["budgets"][key] = {"daemon_budget_gib": daemon_part(args, budget) / GiB}
         try:
@@ -246,6 +404,9 @@ def mode_weightstream(args, record):
             traceback.print_exc()
     torch.cuda.set_per_process_memory_fraction(1.0)
     handle.set_budget(daemon_part(args, args.det_budget))
+    if args.quantize:
+        dequant_probe(model, record)
+        record["dequant_peak_gib"] = round(handle.stats()["dequant_scratch_peak_bytes"] / GiB, 3)
     deterministic(True)
     _, losses = steps(model, args.det_steps, init)
     record["det_losses"] = losses
@@ -266,18 +427,22 @@ def mode_job(args, record):
     import weightstream.torch as wst
 
     barrier = Path(args.barrier)
-    model = add_lora(build_on_host())
+    model = add_lora(build_for_attach())
     client = weightstream.connect(args.socket)
     total = torch.cuda.get_device_properties(0).total_memory
     budget = daemon_part(args, args.jobs_budget)
     if args.job == 0:
-        handle = wst.attach(model, "cuda", client=client, vram_budget=budget)
+        handle = wst.attach(
+            model, "cuda", client=client, vram_budget=budget, quantize=args.quantize
+        )
         (barrier / "model").write_text(handle.model_id)
     else:
         while not (barrier / "model").exists():
             time.sleep(0.5)
         model_id = (barrier / "model").read_text()
-        handle = wst.attach(model, "cuda", client=client, vram_budget=budget, model=model_id)
+        handle = wst.attach(
+            model, "cuda", client=client, vram_budget=budget, model=model_id, quantize=args.quantize
+        )
     record["trainer_rss_gib"] = rss_gib()
     torch.cuda.set_per_process_memory_fraction(args.trainer_gib * GiB / total)
     steps(model, args.warmup)
@@ -361,6 +526,7 @@ def mode_group_offload(args, record):
 
 MODES = {
     "resident": mode_resident,
+    "resident-fp8": mode_resident_fp8,  # run by default only with --quantize fp8
     "weightstream": mode_weightstream,
     "ramtorch": mode_ramtorch,
     "accelerate-offload": mode_accelerate,
@@ -405,6 +571,9 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
     cmd += ["--jobs-budget", str(args.jobs_budget), "--min-blocks", str(args.min_blocks)]
+    cmd += ["--model", args.model, "--rank", str(args.rank)]
+    if args.quantize:
+        cmd += ["--quantize", args.quantize]
     return cmd
 
 
@@ -464,9 +633,11 @@ def parent(args):
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="ws-flux-"))
     socket = str(tmp / "ws.sock")
+    cap = ["--copy-bandwidth-limit", args.copy_bandwidth_limit] if args.copy_bandwidth_limit else []
     daemon = subprocess.Popen(
         [args.bin, "serve", "--backend", "cuda", "--socket", socket]
-        + ["--metrics-listen", args.metrics],
+        + ["--metrics-listen", args.metrics]
+        + cap,
         stderr=open(out / "flux-daemon.log", "ab"),
     )
     results = {
@@ -474,6 +645,9 @@ def parent(args):
         "date": time.strftime("%Y-%m-%d"),
         "pinned_h2d_gbps": round(pinned_bandwidth(), 2),
         "trainer_gib": args.trainer_gib,
+        "model": args.model,
+        "rank": args.rank,
+        "copy_bandwidth_limit": args.copy_bandwidth_limit,
         "modes": [],
     }
     import torch
@@ -488,12 +662,12 @@ def parent(args):
             record = run_mode(args, mode, socket, env, out)
         record["wall_s"] = round(time.monotonic() - started, 1)
         results["modes"].append(record)
-        (out / "flux_train.json").write_text(json.dumps(results, indent=2))
+        (out / f"{results_name()}.json").write_text(json.dumps(results, indent=2))
         print(json.dumps(record)[:1500], flush=True)
     daemon.terminate()
     daemon.wait(timeout=60)
     ok = check_equality(results)
-    (out / "flux_train.json").write_text(json.dumps(results, indent=2))
+    (out / f"{results_name()}.json").write_text(json.dumps(results, indent=2))
     # The device tool brings back at most 8 files from $OUT: pack the logs into one.
     logs = sorted(p.name for p in out.glob("flux-*.log"))
     if logs:
@@ -502,11 +676,14 @@ def parent(args):
 
 
 def check_equality(results):
+    """Each mode's deterministic losses against the resident reference of its format: bf16
+    resident, or for 8-bit streaming (and resident-fp8 itself) the 8-bit resident reference."""
     modes = {m["mode"]: m for m in results["modes"]}
-    ref = modes.get("resident", {}).get("det_losses")
+    refs = {fmt: modes.get(mode, {}).get("det_losses") for fmt, mode in REFERENCE.items()}
     ok = True
     for m in results["modes"]:
-        if "det_losses" in m and ref is not None:
+        ref = refs[m.get("quantize") or ("fp8" if m["mode"] == "resident-fp8" else None)]
+        if "det_losses" in m and ref is not None and m["mode"] != "resident-fp8":
             m["losses_equal_resident"] = m["det_losses"] == ref
             if m["mode"] == "weightstream" and not m["losses_equal_resident"]:
                 ok = False
@@ -517,13 +694,32 @@ def check_equality(results):
     return ok
 
 
-def main():
+#: The reference mode of each weight format (the key: ``--quantize``).
+REFERENCE = {None: "resident", "fp8": "resident-fp8"}
+
+
+def main(model: str = "flux1"):
+    global MODEL, RANK
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=["flux1", "flux2"], default=model)
+    parser.add_argument("--rank", type=int, default=32, help="the LoRA rank")
+    parser.add_argument(
+        "--copy-bandwidth-limit",
+        default=None,
+        help="the daemon's copy_bandwidth_limit (e.g. 25GB/s: a PCIe Gen4 x16 link, emulated)",
+    )
     parser.add_argument("--bin", default="target/release/weightstream")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-flux-out"))
     parser.add_argument("--child")
     parser.add_argument("--socket")
-    parser.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "job"])
+    parser.add_argument("--modes", nargs="+", default=None)
+    parser.add_argument(
+        "--quantize",
+        choices=["fp8"],
+        default=None,
+        help="weightstream modes stream the weights in 8 bits (fp8_e4m3_block64); their "
+        "losses are compared with resident-fp8, which the default modes then include",
+    )
     parser.add_argument("--budgets", nargs="+", type=float, default=[24, 16, 12, 8])
     parser.add_argument(
         "--trainer-gib",
@@ -548,6 +744,10 @@ def main():
     parser.add_argument("--measured", type=int, default=10)
     parser.add_argument("--timeout", type=int, default=400)
     args = parser.parse_args()
+    MODEL, RANK = args.model, args.rank
+    if args.modes is None:
+        skip = {"job"} if args.quantize else {"job", "resident-fp8"}
+        args.modes = [m for m in MODES if m not in skip]
     if args.child:
         args.mode = args.child
         return child(args)

@@ -7,7 +7,8 @@ float8_e4m3fn bytes as U8, the weight's shape) and `C.scale` (F32, [rows, cols/6
 `convert.x` (F32) and `convert.q` (U8) pin the bare f32 -> e4m3fn conversion, including inputs
 past 448 that the quantizer clamps away. The Rust quantizer must reproduce every byte
 (daemon/tests/quantize.rs); tests/python/test_fp8_reference.py checks that this script still
-writes the committed file. Needs torch (CPU) and safetensors; deterministic (seeded generators).
+writes the committed file. The quantizer is the package's (``weightstream.quantize``): needs the
+package installed, torch (CPU) and safetensors; deterministic (seeded generators).
 """
 
 from __future__ import annotations
@@ -17,26 +18,18 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from weightstream.quantize import E4M3_MAX, quantize_fp8_block64
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "daemon" / "tests" / "data" / "fp8_vectors.safetensors"
-BLOCK = 64
-E4M3_MAX = 448.0
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 
 def reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The documented quantization, in torch: (q as uint8 in w's shape, f32 scales)."""
-    rows = w.shape[0]
-    cols = w.numel() // rows
-    block = BLOCK if cols % BLOCK == 0 else cols
-    x = w.float().reshape(rows, cols // block, block)
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    scale = amax / E4M3_MAX
-    # All zeros, or an amax so small that amax / 448 underflows: scale 1 (never 0/0).
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(w.shape).view(torch.uint8), scale.reshape(rows, cols // block)
+    """The documented quantization (``weightstream.quantize``): (q as uint8 in w's shape, f32
+    scales)."""
+    q, scale = quantize_fp8_block64(w)
+    return q.view(torch.uint8), scale
 
 
 def e4m3_values() -> torch.Tensor:

@@ -541,6 +541,14 @@ def test_offload_percent_and_ignore_modules(daemon, toolkit):
             {"WEIGHTSTREAM_LOOKAHEAD": "4"},
             Settings(lookahead=4, min_bytes=1_500_000),
         ),
+        ({"quantize": "fp8"}, {}, Settings(quantize="fp8")),
+        ({"quantize": "fp8"}, {"WEIGHTSTREAM_QUANTIZE": "none"}, Settings()),
+        ({}, {"WEIGHTSTREAM_QUANTIZE": "fp8_e4m3_block64"}, Settings(quantize="fp8")),
+        (
+            {"quantize": "int4"},
+            {},
+            "weightstream.quantize: 'int4': expected 'fp8' or 'none'",
+        ),
         ({"budget": 1}, {}, "weightstream.budget: unknown setting"),
         ({"vram_budget": "8 GiBs"}, {}, "weightstream.vram_budget: '8 GiBs' is not a size"),
         (

@@ -43,6 +43,32 @@ def test_upload_then_acquire_gives_the_same_tensors(daemon):
             session.release(ticket)
 
 
+def test_an_upload_by_tensor_copies_stores_the_same_bytes(daemon):
+    """The path device tensors take (the region mapped here and written by tensor copies, cut
+    into windows) stores what the native memcpy path stores: the same content digest."""
+    from weightstream import _upload
+
+    g = torch.Generator().manual_seed(4)
+    tensors = {
+        "a": torch.randn(64, 33, generator=g),
+        "t": torch.randn(16, 8, generator=g).to(torch.bfloat16).t(),  # not contiguous
+        "c": torch.randint(0, 100, (3, 4, 5), generator=g),
+        "s": torch.tensor(2.5, dtype=torch.float16),
+        "big": torch.randn(3000, generator=g),
+    }
+    begun = daemon.client.begin_upload("copied", tensors)
+    at = {t.name: t for t in begun.tensors}
+    placements = [at[n] for n in tensors]
+    # offsets are 4096-aligned: a is 8448 bytes, t+c fit in 8192 bytes from t, s would not
+    assert _upload.windows(placements, limit=8192) == [[0], [1, 2], [3], [4]]
+    fd, size = daemon.client.fetch_fd(begun.fd_secret)
+    _upload.write_by_copy(fd, size, placements, list(tensors.values()), pin=False)
+    copied, dedup = daemon.client.commit_upload(begun.upload_id)
+    assert not dedup
+    native, dedup = daemon.client.upload_model("copied", tensors)
+    assert dedup and native.model_id == copied.model_id
+
+
 def test_load_model_from_safetensors_and_idempotence(daemon, tmp_path):
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.arange(12.0).reshape(3, 4)}, str(path))

@@ -51,12 +51,19 @@ class Client:
         paths: list[str],
         name: str = "",
         progress: Callable[[LoadProgress], object] | None = None,
+        quantize: str | None = None,
     ) -> ModelManifest: ...
     def upload_model(
-        self, name: str, tensors: list[tuple[str, int, list[int], Payload]]
+        self,
+        name: str,
+        tensors: list[tuple[str, int, list[int], Payload]],
+        quantize: list[str] = ...,
     ) -> tuple[ModelManifest, bool]: ...
     def begin_upload(
-        self, name: str, tensors: list[tuple[str, int, list[int]]]
+        self,
+        name: str,
+        tensors: list[tuple[str, int, list[int]]],
+        quantize: list[str] = ...,
     ) -> BeginUploadResponse: ...
     def commit_upload(self, upload_id: str) -> tuple[ModelManifest, bool]: ...
     def release_model(self, model_id: str) -> int: ...

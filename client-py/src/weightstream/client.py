@@ -76,22 +76,33 @@ class Client:
         paths: Iterable[str],
         name: str = "",
         progress: Callable[[LoadProgress], None] | None = None,
+        quantize: str | None = None,
     ) -> ModelManifest:
         """Loads safetensors into the store: files, ``*.safetensors.index.json`` files (their
         shards) or directories (their ``*.safetensors``). This process opens the files, with
-        its own rights, and passes them to the daemon (at most 253 files per load)."""
+        its own rights, and passes them to the daemon (at most 253 files per load).
+
+        ``quantize="fp8"`` (or ``"fp8_e4m3_block64"``): the daemon quantizes each ``.weight``
+        of rank >= 2 in BF16/F16/F32 while loading and keeps only that copy; the manifest's
+        tensors say ``quantization``, ``scale_shape`` and ``scale_offset``."""
         paths = [os.path.abspath(p) for p in paths]
-        return self._native.load_model(paths, name, progress)
+        return self._native.load_model(paths, name, progress, quantize)
 
     def upload_model(
-        self, name: str, tensors: Mapping[str, torch.Tensor]
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        quantize: Iterable[str] = (),
     ) -> tuple[ModelManifest, bool]:
         """Writes tensors into a shared-memory region the daemon makes (the native client
         fetches its fd from the handoff socket, copies each tensor's bytes in with the GIL
-        released, and unmaps it before the commit), then commits them. Returns the manifest
-        and whether an identical model was already stored."""
+        released, and unmaps it before the commit), then commits them. The daemon quantizes
+        the tensors named in ``quantize`` (fp8_e4m3_block64) at commit and keeps only that
+        copy. Returns the manifest and whether an identical model was already stored."""
         from weightstream import _dtypes
 
+        if any(t.device.type == "cuda" for t in tensors.values()):
+            return self._upload_by_copy(name, tensors, quantize, pin=True)
         held, payload = [], []
         for n, t in tensors.items():
             src = t.detach()
@@ -101,20 +112,52 @@ class Client:
             held.append(src)  # alive, and unchanged by us, until the call returns
             data = (src.data_ptr(), src.nbytes)
             payload.append((n, _dtypes.to_wire(t.dtype), list(t.shape), data))
-        result = self._native.upload_model(name, payload)
+        result = self._native.upload_model(name, payload, list(quantize))
         del held
         return result
 
-    def begin_upload(self, name: str, tensors: Mapping[str, torch.Tensor]) -> BeginUploadResponse:
+    def _upload_by_copy(
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        quantize: Iterable[str] = (),
+        *,
+        pin: bool,
+    ) -> tuple[ModelManifest, bool]:
+        """``upload_model`` by tensor copies into the mapped region (``_upload``): for tensors on
+        a CUDA device, page-locked a window at a time so that each copy is one DMA at link
+        speed. A progress line goes to stderr when it takes more than 2 s."""
+        from weightstream import _upload
+
+        begun = self.begin_upload(name, tensors, quantize)
+        at = {t.name: t for t in begun.tensors}
+        fd, size = self.fetch_fd(begun.fd_secret)
+        _upload.write_by_copy(
+            fd,
+            size,
+            [at[n] for n in tensors],
+            list(tensors.values()),
+            pin=pin,
+            progress=_upload.ProgressLine(f"weightstream: uploading {name!r}"),
+        )
+        return self.commit_upload(begun.upload_id)
+
+    def begin_upload(
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        quantize: Iterable[str] = (),
+    ) -> BeginUploadResponse:
         """The first step of ``upload_model`` alone: declares ``tensors``' names, dtypes and
         shapes and returns the region to write them into (its fd from
         ``fetch_fd(begun.fd_secret)``, each tensor at ``begun.tensors[i].offset``). Unmap it
         before ``commit_upload``; the daemon drops an upload never committed when this
-        process's connection goes."""
+        process's connection goes. Those named in ``quantize`` are written as they are and
+        quantized (fp8_e4m3_block64) at commit."""
         from weightstream import _dtypes
 
         specs = [(n, _dtypes.to_wire(t.dtype), list(t.shape)) for n, t in tensors.items()]
-        return self._native.begin_upload(name, specs)
+        return self._native.begin_upload(name, specs, list(quantize))
 
     def commit_upload(self, upload_id: str) -> tuple[ModelManifest, bool]:
         """The last step of ``upload_model``: the manifest of a filled upload, and whether an

@@ -13,6 +13,7 @@ that comes back on the socket.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from weightstream import _dtypes
 from weightstream._ipc import CudaRegion, HostRegion
 from weightstream.client import Client
 from weightstream.protocol import OpenSessionResponse, SessionStats, Staged
+from weightstream.quantize import FP8_E4M3_BLOCK64, Fp8Weight
 
 
 def device_uuid(device: torch.device) -> str:
@@ -33,18 +35,37 @@ def device_uuid(device: torch.device) -> str:
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
+def tensor_view(base: torch.Tensor, start: int, t) -> torch.Tensor | Fp8Weight:
+    """The view of placement ``t`` at byte ``start`` of a region's bytes: a tensor of its dtype
+    and shape, or for an ``fp8_e4m3_block64`` tensor an ``Fp8Weight`` of its data (e4m3fn, its
+    shape) and scales (f32, ``scale_shape``, ``scale_offset`` bytes further)."""
+    shape = tuple(t.shape)
+    if t.quantization == FP8_E4M3_BLOCK64:
+        numel = math.prod(shape)
+        data = base[start : start + numel].view(torch.float8_e4m3fn).view(shape)
+        scales = start + t.scale_offset
+        count = math.prod(t.scale_shape)
+        scale = base[scales : scales + 4 * count].view(torch.float32).view(tuple(t.scale_shape))
+        return Fp8Weight(data, scale)
+    if t.quantization != "none":
+        raise ValueError(f"tensor {t.name!r}: unknown quantization {t.quantization!r}")
+    raw = base[start : start + t.nbytes]
+    return raw.view(_dtypes.TO_TORCH[t.dtype]).view(shape)
+
+
 #: Views kept per (group, region, offset) before the cache starts over.
 VIEW_CACHE_ENTRIES = 8192
 
 
 @dataclass
 class Ticket:
-    """A staged group: tensor views valid until ``Session.release``."""
+    """A staged group: tensor views valid until ``Session.release`` (an ``Fp8Weight`` for a
+    tensor the daemon keeps in 8 bits)."""
 
     number: int
     group: int
     staged: Staged
-    tensors: list[torch.Tensor] = field(default_factory=list)
+    tensors: list[torch.Tensor | Fp8Weight] = field(default_factory=list)
     #: Which opening of the session staged it (``Session.reconnect`` opens it again).
     generation: int = 0
 
@@ -134,7 +155,7 @@ class Session:
         views = self._views(staged)
         return Ticket(staged.ticket, staged.group, staged, views, self._generation)
 
-    def _views(self, staged: Staged) -> list[torch.Tensor]:
+    def _views(self, staged: Staged) -> list[torch.Tensor | Fp8Weight]:
         """The group's tensors at the staged place. A group comes back to the same few places
         (resident, or its usual slots of the staging ring), so the views are kept: building
         them costs three tensor operations per tensor, on every acquire."""
@@ -143,11 +164,10 @@ class Session:
         if views is not None:
             return views
         base = self._regions[staged.region].bytes
-        views = []
-        for t in self.groups[staged.group].tensors:
-            start = staged.offset + t.offset
-            raw = base[start : start + t.nbytes]
-            views.append(raw.view(_dtypes.TO_TORCH[t.dtype]).view(tuple(t.shape)))
+        views = [
+            tensor_view(base, staged.offset + t.offset, t)
+            for t in self.groups[staged.group].tensors
+        ]
         if len(self._view_cache) >= VIEW_CACHE_ENTRIES:
             self._view_cache.clear()
         self._view_cache[key] = views

@@ -14,7 +14,10 @@ use weightstream_client::{Client, SessionOptions, proto};
 use weightstream_daemon::config::ConfigFile;
 use weightstream_daemon::server::{self, ServerHandle};
 
-use super::{Backend, BoxError, CliResult, human};
+use weightstream_daemon::store::quantize::{TensorIn, quantize_all};
+use weightstream_daemon::store::safetensors::DType;
+
+use super::{Backend, BoxError, CliResult, human, parse_quantize, saved};
 
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
@@ -32,6 +35,10 @@ pub struct DemoArgs {
     budget: Option<ByteSize>,
     #[arg(long, env = "WEIGHTSTREAM_BACKEND", default_value = "auto")]
     backend: Backend,
+    /// Stream the model quantized by the daemon at load: none, fp8 (= fp8_e4m3_block64). The
+    /// synthetic weights are then 2-D and finite, and the report says how many bytes that saved.
+    #[arg(long, default_value = "none", value_parser = parse_quantize)]
+    quantize: proto::Quantization,
 }
 
 struct Plan {
@@ -50,6 +57,12 @@ fn plan(args: &DemoArgs) -> Plan {
         .map_or(size / 48, |g| g.as_u64())
         .clamp(4096, 256 << 20)
         .min(size);
+    // Quantized: rows of 4096 bf16 weights, so that each row has 64 scales.
+    let group = if args.quantize == proto::Quantization::None {
+        group
+    } else {
+        (group / 8192).max(1) * 8192
+    };
     let groups = (size / group).max(2) as usize;
     let size = group * groups as u64;
     let budget = args.budget.map_or(size / 4, |b| b.as_u64()).max(group);
@@ -77,15 +90,40 @@ fn fill(seed: u64, out: &mut [u8]) {
     }
 }
 
-fn write_model(dir: &std::path::Path, p: &Plan) -> Result<(PathBuf, Vec<Vec<u8>>), BoxError> {
+/// The shape of each synthetic weight: 1-D, or 2-D (rows of 4096, 64 or 1) to be quantized.
+fn shape(p: &Plan, quantize: bool) -> Vec<u64> {
+    let elems = p.group / 2;
+    if !quantize {
+        return vec![elems];
+    }
+    let cols = [4096, 64, 1]
+        .into_iter()
+        .find(|c| elems.is_multiple_of(*c))
+        .unwrap_or(1);
+    vec![elems / cols, cols]
+}
+
+/// The synthetic model: one bf16 weight per group. Weights to quantize are made finite (the
+/// top exponent bit cleared: |w| < 2), since the quantizer refuses NaN and infinities.
+fn write_model(
+    dir: &std::path::Path,
+    p: &Plan,
+    quantize: bool,
+) -> Result<(PathBuf, Vec<Vec<u8>>), BoxError> {
     let elems = p.group / 2;
     let data: Vec<Vec<u8>> = (0..p.groups)
         .map(|i| {
             let mut v = vec![0u8; (elems * 2) as usize];
             fill(i as u64 + 1, &mut v);
+            if quantize {
+                for hi in v.iter_mut().skip(1).step_by(2) {
+                    *hi &= !0x40;
+                }
+            }
             v
         })
         .collect();
+    let dims: Vec<usize> = shape(p, quantize).iter().map(|&d| d as usize).collect();
     // Zero-padded so that the file's (sorted) order is the numeric order.
     let names: Vec<String> = (0..p.groups)
         .map(|i| format!("blocks.{i:05}.weight"))
@@ -96,11 +134,7 @@ fn write_model(dir: &std::path::Path, p: &Plan) -> Result<(PathBuf, Vec<Vec<u8>>
         .map(|(n, d)| {
             Ok((
                 n.as_str(),
-                safetensors::tensor::TensorView::new(
-                    safetensors::Dtype::BF16,
-                    vec![elems as usize],
-                    d,
-                )?,
+                safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, dims.clone(), d)?,
             ))
         })
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()?;
@@ -124,7 +158,12 @@ pub async fn run(args: DemoArgs) -> CliResult {
     let spinner =
         ProgressBar::new_spinner().with_message("writing the synthetic model as safetensors");
     spinner.enable_steady_tick(Duration::from_millis(100));
-    let (path, data) = write_model(dir.path(), &p)?;
+    let quantize = args.quantize != proto::Quantization::None;
+    let (path, mut data) = write_model(dir.path(), &p, quantize)?;
+    if quantize {
+        spinner.set_message("quantizing the expected bytes");
+        data = expected_fp8(&p, &data)?;
+    }
     spinner.finish_and_clear();
 
     let config = ConfigFile {
@@ -134,7 +173,7 @@ pub async fn run(args: DemoArgs) -> CliResult {
     }
     .validate()?;
     let handle = server::start(config).await?;
-    let outcome = drive(&handle, &path, &p, &data, args.steps).await;
+    let outcome = drive(&handle, &path, &p, &data, args.steps, args.quantize).await;
     let shm = handle.daemon.shm.clone();
     handle.stop().await?;
     let report = outcome?;
@@ -148,11 +187,29 @@ pub async fn run(args: DemoArgs) -> CliResult {
     }
 }
 
+/// What the daemon should stage for each weight quantized: data, padding, scales.
+fn expected_fp8(p: &Plan, data: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, BoxError> {
+    let shape = shape(p, true);
+    let inputs: Vec<TensorIn<'_>> = (data.iter())
+        .map(|bytes| TensorIn {
+            name: "demo",
+            dtype: DType::BF16,
+            shape: &shape,
+            bytes,
+        })
+        .collect();
+    let threads = std::thread::available_parallelism()?;
+    let quantized = quantize_all(&inputs, threads)?;
+    Ok(quantized.iter().map(|q| q.to_stored()).collect())
+}
+
 /// Steps' numbers, taken after the plan is in place (steps 2..N).
 struct Measured {
     bytes: u64,
     elapsed: Duration,
     stats: proto::SessionStats,
+    /// Quantized: the model's bytes in the files and in the store.
+    model_bytes: Option<(u64, u64)>,
 }
 
 async fn drive(
@@ -161,6 +218,7 @@ async fn drive(
     p: &Plan,
     data: &[Vec<u8>],
     steps: u32,
+    quantize: proto::Quantization,
 ) -> Result<Table, BoxError> {
     let mut client = Client::connect(Some(&server.socket)).await?;
     let info = client.info().await?;
@@ -179,7 +237,7 @@ async fn drive(
         "loading   [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec}",
     )?;
     let manifest = client
-        .load_model(&[path.to_path_buf()], "demo", |x| {
+        .load_model(&[path.to_path_buf()], "demo", quantize, |x| {
             load.set_length(x.bytes_total);
             load.set_position(x.bytes_done);
         })
@@ -206,7 +264,15 @@ async fn drive(
             // suite, tests/gpu, checks them there.)
             match acquired.tensor(0) {
                 Some(bytes) if step == 0 && bytes != data[g as usize].as_slice() => {
-                    return Err(format!("group {g}: staged bytes differ from the file").into());
+                    return Err(format!(
+                        "group {g}: staged bytes differ from the file's{}",
+                        if quantize == proto::Quantization::None {
+                            ""
+                        } else {
+                            " quantized"
+                        }
+                    )
+                    .into());
                 }
                 Some(bytes) => {
                     std::hint::black_box(bytes.iter().step_by(4096).fold(0u8, |a, b| a ^ b));
@@ -232,6 +298,8 @@ async fn drive(
         bytes: after.bytes_copied - before.bytes_copied,
         elapsed: from.elapsed(),
         stats: delta(&before, &after),
+        model_bytes: (quantize != proto::Quantization::None)
+            .then_some((p.size, manifest.total_bytes)),
     };
     session.close().await?;
     client.release_model(&manifest.model_id).await?;
@@ -314,6 +382,19 @@ fn report(p: &Plan, steps: u32, m: &Measured) -> Table {
     ];
     for (k, v) in rows {
         t.add_row(vec![k.to_string(), v]);
+    }
+    if let Some((file, stored)) = m.model_bytes {
+        // Each copy moves one group, which is one weight.
+        let per_group = stored / p.groups as u64;
+        let streamed_bf16 = s.copies * p.group;
+        t.add_row(vec![
+            "model, bf16 -> fp8_e4m3_block64".to_string(),
+            saved(file, stored),
+        ]);
+        t.add_row(vec![
+            "bytes copied, bf16 -> fp8_e4m3_block64".to_string(),
+            saved(streamed_bf16, s.copies * per_group),
+        ]);
     }
     t
 }

@@ -147,6 +147,23 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type CliResult = Result<(), BoxError>;
 
 /// Bytes as people read them.
+/// `--quantize`: none, fp8_e4m3_block64, or fp8 (its alias).
+fn parse_quantize(value: &str) -> Result<weightstream_client::proto::Quantization, String> {
+    weightstream_client::parse_quantization(value).ok_or_else(|| {
+        format!("'{value}': the accepted values are none, fp8_e4m3_block64, fp8 (its alias)")
+    })
+}
+
+/// Bytes before and after quantization, as `load` and `demo` print them.
+fn saved(before: u64, after: u64) -> String {
+    let pct = if before == 0 {
+        0.0
+    } else {
+        100.0 * before.saturating_sub(after) as f64 / before as f64
+    };
+    format!("{} -> {} ({pct:.1} % saved)", human(before), human(after))
+}
+
 fn human(bytes: u64) -> String {
     bytesize::ByteSize::b(bytes).display().iec().to_string()
 }

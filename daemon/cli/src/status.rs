@@ -7,6 +7,7 @@ use comfy_table::{Table, presets::UTF8_FULL_CONDENSED};
 use serde_json::json;
 use weightstream_client::Client;
 use weightstream_client::proto;
+use weightstream_client::quantization_name;
 
 use super::{CliResult, human};
 
@@ -66,7 +67,7 @@ fn to_json(
         "models": models.models.iter().map(|m| json!({
             "model_id": m.model_id, "name": m.name, "tensors": m.tensors.len(),
             "total_bytes": m.total_bytes, "refcount": m.refcount, "sessions": m.sessions,
-            "source": m.source,
+            "source": m.source, "format": model_format(m),
         })).collect::<Vec<_>>(),
         "sessions": sessions.iter().map(|s| {
             let st = s.stats.unwrap_or_default();
@@ -118,7 +119,7 @@ fn print_tables(
     }
     println!("{devices}");
     let mut m = table(&[
-        "model", "name", "tensors", "bytes", "refs", "sessions", "source",
+        "model", "name", "tensors", "bytes", "refs", "sessions", "source", "format",
     ]);
     for x in &models.models {
         m.add_row(vec![
@@ -129,6 +130,7 @@ fn print_tables(
             x.refcount.to_string(),
             x.sessions.to_string(),
             x.source.clone(),
+            model_format(x),
         ]);
     }
     println!("models (store: {})\n{m}", human(models.store_bytes));
@@ -153,4 +155,11 @@ fn print_tables(
         ]);
     }
     println!("sessions\n{s}");
+}
+
+/// A model's format: the quantization of its quantized tensors ("fp8_e4m3_block64"), or "none".
+fn model_format(m: &proto::ModelManifest) -> String {
+    (m.tensors.iter())
+        .find(|t| t.quantization != proto::Quantization::None as i32)
+        .map_or_else(|| "none".into(), |t| quantization_name(t.quantization))
 }

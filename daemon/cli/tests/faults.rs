@@ -152,6 +152,7 @@ async fn child_trainer() {
                 dtype: pb_dtype(t.dtype) as i32,
                 shape: t.dims.clone(),
                 nbytes: t.bytes.len() as u64,
+                ..Default::default()
             })
             .collect(),
     };

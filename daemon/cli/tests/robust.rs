@@ -57,7 +57,15 @@ async fn raw_session(dir: &Path, socket: &Path) -> (RawClient, String, StdUnixSt
     let tensors = uniform_model(17, 2, LAYER);
     let path = write_model(dir, "m.safetensors", &tensors);
     let mut client = Client::connect(Some(socket)).await.unwrap();
-    let manifest = client.load_model(&[path], "", |_| {}).await.unwrap();
+    let manifest = client
+        .load_model(
+            &[path],
+            "",
+            weightstream_client::proto::Quantization::None,
+            |_| {},
+        )
+        .await
+        .unwrap();
     let (mut raw, connection) = killable_client(socket).await;
     let opened = raw
         .open_session(proto::OpenSessionRequest {

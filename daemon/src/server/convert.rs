@@ -5,8 +5,9 @@ use weightstream_client::proto as pb;
 use crate::backend::{BackendKind, RegionHandle};
 use crate::core::{Daemon, OpenedSession, Peer};
 use crate::session::{SessionShared, StatsSnapshot};
+use crate::store::quantize::Quantization;
 use crate::store::safetensors::DType;
-use crate::store::{Model, ModelEntry, ModelSource, UploadTicket};
+use crate::store::{Model, ModelEntry, ModelSource, StoredTensor, UploadTicket};
 
 pub fn dtype_to_pb(d: DType) -> pb::Dtype {
     use pb::Dtype as P;
@@ -26,6 +27,32 @@ pub fn dtype_to_pb(d: DType) -> pb::Dtype {
         DType::F64 => P::F64,
         DType::I64 => P::I64,
         DType::U64 => P::U64,
+    }
+}
+
+pub fn quantization_to_pb(q: Quantization) -> pb::Quantization {
+    match q {
+        Quantization::None => pb::Quantization::None,
+        Quantization::Fp8E4m3Block64 => pb::Quantization::Fp8E4m3Block64,
+    }
+}
+
+pub fn quantization_from_pb(value: i32) -> Option<Quantization> {
+    match pb::Quantization::try_from(value).ok()? {
+        pb::Quantization::None => Some(Quantization::None),
+        pb::Quantization::Fp8E4m3Block64 => Some(Quantization::Fp8E4m3Block64),
+    }
+}
+
+/// A stored tensor's quantization, scale shape and scale offset, as the wire spells them.
+fn quantized_fields(t: &StoredTensor) -> (i32, Vec<u64>, u64) {
+    match t.quantized {
+        None => (pb::Quantization::None as i32, Vec::new(), 0),
+        Some(q) => (
+            quantization_to_pb(q.quantization) as i32,
+            q.scale_shape.to_vec(),
+            q.scale_offset,
+        ),
     }
 }
 
@@ -95,11 +122,17 @@ pub fn manifest(model: &Model, entry: Option<&ModelEntry>) -> pb::ModelManifest 
         tensors: model
             .tensors
             .iter()
-            .map(|t| pb::TensorInfo {
-                name: t.name.clone(),
-                dtype: dtype_to_pb(t.dtype) as i32,
-                shape: t.shape.clone(),
-                nbytes: t.nbytes,
+            .map(|t| {
+                let (quantization, scale_shape, scale_offset) = quantized_fields(t);
+                pb::TensorInfo {
+                    name: t.name.clone(),
+                    dtype: dtype_to_pb(t.dtype) as i32,
+                    shape: t.shape.clone(),
+                    nbytes: t.nbytes,
+                    quantization,
+                    scale_shape,
+                    scale_offset,
+                }
             })
             .collect(),
         total_bytes: model.total_bytes,
@@ -148,12 +181,16 @@ pub fn opened(o: &OpenedSession) -> pb::OpenSessionResponse {
                     .iter()
                     .map(|&(t, offset)| {
                         let t = &o.model.tensors[t];
+                        let (quantization, scale_shape, scale_offset) = quantized_fields(t);
                         pb::TensorPlacement {
                             name: t.name.clone(),
                             dtype: dtype_to_pb(t.dtype) as i32,
                             shape: t.shape.clone(),
                             offset,
                             nbytes: t.nbytes,
+                            quantization,
+                            scale_shape,
+                            scale_offset,
                         }
                     })
                     .collect(),

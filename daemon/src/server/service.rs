@@ -85,10 +85,10 @@ impl WeightStream for Service {
             };
             let result = daemon
                 .store
-                .load(&sources, &req.name, peer.uid, &mut progress);
+                .load(&sources, &req.name, req.quantization, peer.uid, &mut progress);
             let msg = result
                 .map(|(model, existed)| {
-                    tracing::info!(model = %model.id, existed, bytes = model.total_bytes, "model loaded");
+                    tracing::info!(model = %model.id, existed, bytes = model.total_bytes, quantization = %model.quantization(), "model loaded");
                     let entry = daemon.store.get(&model.id);
                     let event = pb::load_model_event::Event::Manifest(manifest(&model, entry.as_ref()));
                     pb::LoadModelEvent { event: Some(event) }

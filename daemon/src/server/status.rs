@@ -52,7 +52,9 @@ pub fn status_of(e: &CoreError) -> Status {
             StoreError::Header { .. }
             | StoreError::NotAFile { .. }
             | StoreError::DuplicateTensor { .. }
-            | StoreError::TooManyTensors { .. } => Status::invalid_argument(msg),
+            | StoreError::TooManyTensors { .. }
+            | StoreError::Quantize(_)
+            | StoreError::Scale { .. } => Status::invalid_argument(msg),
             StoreError::Io { .. } | StoreError::UploadMapped(_) => Status::failed_precondition(msg),
             StoreError::Seal { .. } => Status::internal(msg),
             StoreError::Arena { .. }

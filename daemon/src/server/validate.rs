@@ -8,11 +8,12 @@ use std::num::NonZeroU64;
 use weightstream_client::handoff;
 use weightstream_client::proto as pb;
 
-use super::convert::dtype_from_pb;
+use super::convert::{dtype_from_pb, quantization_from_pb};
 use crate::config::{Limits, MIN_COPY_BANDWIDTH, Rate};
 use crate::core::OpenRequest;
-use crate::store::TensorDecl;
+use crate::store::quantize::{Quantization, QuantizeError, StoredLayout};
 use crate::store::safetensors::{DType, tensor_nbytes};
+use crate::store::{DeclQuant, TensorDecl};
 
 /// Most dimensions a tensor may have.
 pub const MAX_RANK: usize = 16;
@@ -56,6 +57,52 @@ pub enum ValidationError {
     #[error("{field}: {value} is not a known dtype")]
     UnknownDtype { field: String, value: i32 },
     #[error(
+        "{field}: {value} is not a known quantization (QUANTIZATION_NONE = 0, \
+         QUANTIZATION_FP8_E4M3_BLOCK64 = 1)"
+    )]
+    UnknownQuantization { field: String, value: i32 },
+    /// A tensor declared for quantization that cannot be quantized (rank, dtype).
+    #[error("{field}: {source}")]
+    Quantize {
+        field: String,
+        source: QuantizeError,
+    },
+    #[error(
+        "{field}: tensor '{name}' declares fp8 data without scales: pre-quantized \
+         fp8_e4m3_block64 needs scale_shape {expected:?}"
+    )]
+    NoScales {
+        field: String,
+        name: String,
+        expected: [u64; 2],
+    },
+    #[error(
+        "{field}: tensor '{name}': scale shape {given:?} does not match {expected:?}, the scales \
+         of fp8_e4m3_block64 of shape {shape:?}"
+    )]
+    ScaleShape {
+        field: String,
+        name: String,
+        given: Vec<u64>,
+        expected: [u64; 2],
+        shape: Vec<u64>,
+    },
+    #[error(
+        "{field}: {given} disagrees with the fp8_e4m3_block64 layout of tensor '{name}' ({expected})"
+    )]
+    ScaleOffset {
+        field: String,
+        name: String,
+        given: u64,
+        expected: u64,
+    },
+    #[error("{field}: given for tensor '{name}', which {why}")]
+    ScalesNotExpected {
+        field: String,
+        name: String,
+        why: &'static str,
+    },
+    #[error(
         "fd_token: required — open the files in the client and pass them through the handoff \
          socket (the weightstream clients do)"
     )]
@@ -92,6 +139,7 @@ pub struct ValidLoadModel {
     pub paths: Vec<String>,
     pub name: String,
     pub fd_token: String,
+    pub quantization: Quantization,
 }
 
 /// A page of a list: how many entries, and after which (`T::default()`: from the start).
@@ -181,10 +229,12 @@ impl Validation {
         if !handoff::is_secret(&req.fd_token) {
             return Err(ValidationError::BadFdToken);
         }
+        let quantization = quantization("quantization", req.quantization)?;
         Ok(ValidLoadModel {
             paths: req.paths,
             name: req.name,
             fd_token: req.fd_token,
+            quantization,
         })
     }
 
@@ -285,7 +335,8 @@ impl Validation {
         text_opt(field, value, self.max_name)
     }
 
-    /// Upload tensors as (name, dtype, shape, nbytes): names unique, nbytes from the shape.
+    /// Upload tensors: names unique, nbytes from the shape (and the fp8 layout), quantized ones
+    /// quantizable, pre-quantized ones with the scales their shape needs.
     fn upload_tensors(&self, tensors: &[pb::TensorInfo]) -> Result<Vec<TensorDecl>> {
         count("tensors", tensors.len(), 1, usize::MAX)?;
         let mut names = HashSet::new();
@@ -314,6 +365,11 @@ impl Validation {
                     field: format!("{field}.shape"),
                     shape: t.shape.clone(),
                 })?;
+            let quant = upload_quantization(&field, t, dtype)?;
+            let nbytes = match quant {
+                DeclQuant::Prequantized(layout) => layout.nbytes,
+                DeclQuant::None | DeclQuant::AtCommit(_) => nbytes,
+            };
             if t.nbytes != 0 && t.nbytes != nbytes {
                 return Err(ValidationError::Nbytes {
                     field: format!("{field}.nbytes"),
@@ -323,10 +379,84 @@ impl Validation {
                     nbytes,
                 });
             }
-            out.push((t.name.clone(), dtype, t.shape.clone(), nbytes));
+            out.push(TensorDecl {
+                name: t.name.clone(),
+                dtype,
+                shape: t.shape.clone(),
+                nbytes,
+                quant,
+            });
         }
         Ok(out)
     }
+}
+
+fn quantization(field: &str, value: i32) -> Result<Quantization> {
+    quantization_from_pb(value).ok_or_else(|| ValidationError::UnknownQuantization {
+        field: field.to_string(),
+        value,
+    })
+}
+
+/// How an upload tensor (`field`, of known `dtype`) is quantized: not; at commit (a float
+/// weight of rank >= 2); or already (F8_E4M3 data with the scales its shape needs).
+fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<DeclQuant> {
+    let q_field = format!("{field}.quantization");
+    let scales_field = format!("{field}.scale_shape");
+    let not_expected = |why| ValidationError::ScalesNotExpected {
+        field: scales_field.clone(),
+        name: t.name.clone(),
+        why,
+    };
+    if quantization(&q_field, t.quantization)? == Quantization::None {
+        if !t.scale_shape.is_empty() || t.scale_offset != 0 {
+            return Err(not_expected("is not quantized"));
+        }
+        return Ok(DeclQuant::None);
+    }
+    let quantize_error = |source| ValidationError::Quantize {
+        field: q_field.clone(),
+        source,
+    };
+    if !matches!(dtype, DType::F8E4M3 | DType::BF16 | DType::F16 | DType::F32) {
+        return Err(quantize_error(QuantizeError::DType {
+            name: t.name.clone(),
+            dtype,
+        }));
+    }
+    let layout = StoredLayout::of(&t.name, &t.shape).map_err(quantize_error)?;
+    if dtype != DType::F8E4M3 {
+        if !t.scale_shape.is_empty() || t.scale_offset != 0 {
+            return Err(not_expected("the daemon quantizes at commit"));
+        }
+        return Ok(DeclQuant::AtCommit(layout));
+    }
+    let expected = layout.block.scale_shape();
+    if t.scale_shape.is_empty() {
+        return Err(ValidationError::NoScales {
+            field: scales_field,
+            name: t.name.clone(),
+            expected,
+        });
+    }
+    if t.scale_shape != expected {
+        return Err(ValidationError::ScaleShape {
+            field: scales_field,
+            name: t.name.clone(),
+            given: t.scale_shape.clone(),
+            expected,
+            shape: t.shape.clone(),
+        });
+    }
+    if t.scale_offset != 0 && t.scale_offset != layout.scale_offset {
+        return Err(ValidationError::ScaleOffset {
+            field: format!("{field}.scale_offset"),
+            name: t.name.clone(),
+            given: t.scale_offset,
+            expected: layout.scale_offset,
+        });
+    }
+    Ok(DeclQuant::Prequantized(layout))
 }
 
 fn page_size(given: u32) -> Result<usize> {
@@ -392,6 +522,7 @@ mod tests {
             dtype: dtype as i32,
             shape: shape.to_vec(),
             nbytes,
+            ..Default::default()
         }
     }
 
@@ -455,7 +586,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             valid.tensors,
-            vec![("w".into(), DType::BF16, vec![4, 8], 64)]
+            vec![TensorDecl::plain("w", DType::BF16, vec![4, 8], 64)]
         );
     }
 }

@@ -2,18 +2,31 @@
 //! tensors placed page-aligned in a new arena, copied in with positioned reads (progress
 //! reported as it goes), pinned, then inserted, where a concurrent load of the same files that
 //! finished first wins and this one becomes a reference to it. No lock is held while reading.
+//!
+//! A load with a quantization reads the weights it quantizes in batches of rows (at most
+//! [`QUANT_BATCH`] bytes of input, two batches in memory: the next is read while this one is
+//! quantized on every core) and quantizes them straight into the arena, which holds only the
+//! quantized copy.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::Read;
+use std::num::NonZeroUsize;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
 use rustix::fs::FileType;
 
+use super::quantize::{
+    Quantization, QuantizeError, StoredLayout, TensorIn, TensorOut, quantize_all_into,
+    quantizes_on_load,
+};
 use super::safetensors::{self, TensorEntry};
-use super::{Model, ModelSource, Store, StoreError, StoredTensor, TENSOR_ALIGN, metadata_bytes};
+use super::{
+    Model, ModelSource, QuantizedLayout, Store, StoreError, StoredTensor, TENSOR_ALIGN,
+    metadata_bytes,
+};
 use crate::mem::align_up;
 
 /// Load progress is reported at least this often (in bytes).
@@ -36,30 +49,51 @@ struct Opened<'a> {
     len: u64,
 }
 
-/// Each tensor, the file it is read from and its offset in the arena.
-type Plan<'a> = Vec<(&'a Opened<'a>, TensorEntry, u64)>;
+/// Input bytes of one batch of rows to quantize (a row is never split: a batch may hold one
+/// row that is larger).
+const QUANT_BATCH: u64 = 64 << 20;
+
+/// One tensor to load: the file it is read from, its entry there, its offset in the arena and,
+/// when it is quantized, its layout there.
+struct Planned<'a> {
+    opened: &'a Opened<'a>,
+    entry: TensorEntry,
+    offset: u64,
+    quantized: Option<StoredLayout>,
+}
+
+impl Planned<'_> {
+    /// Bytes it takes in the arena.
+    fn nbytes(&self) -> u64 {
+        self.quantized.map_or(self.entry.nbytes, |q| q.nbytes)
+    }
+}
+
+type Plan<'a> = Vec<Planned<'a>>;
 
 impl Store {
-    /// Loads safetensors from `sources` (blocking; run it off the async runtime). Returns the
-    /// model and whether it was already in the store.
+    /// Loads safetensors from `sources` (blocking; run it off the async runtime), quantizing
+    /// its weights as `quantization` says ([`quantizes_on_load`]). Returns the model and
+    /// whether it was already in the store. Progress counts the files' bytes.
     pub fn load(
         &self,
         sources: &[LoadSource],
         name: &str,
+        quantization: Quantization,
         uid: u32,
         progress: Progress<'_>,
     ) -> Result<(Arc<Model>, bool), StoreError> {
-        let (id, opened) = identity(sources)?;
+        let (id, opened) = identity(sources, quantization)?;
         let last = Path::new(sources.last().map_or("", |s| s.name.as_str()));
         if let Some(model) = self.add_ref(&id, uid) {
             let total = model.total_bytes;
             progress(total, total, last);
             return Ok((model, true));
         }
-        let plan = self.plan_load(&opened)?;
-        let total: u64 = plan.iter().map(|(_, e, _)| e.nbytes).sum();
+        let plan = self.plan_load(&opened, quantization)?;
+        let total: u64 = plan.iter().map(|p| p.entry.nbytes).sum();
         let arena_len = align_up(
-            plan.last().map_or(0, |(_, e, off)| off + e.nbytes),
+            plan.last().map_or(0, |p| p.offset + p.nbytes()),
             TENSOR_ALIGN,
         );
         let name = if name.is_empty() {
@@ -69,7 +103,7 @@ impl Store {
         };
         let metadata = metadata_bytes(
             &name,
-            plan.iter().map(|(_, e, _)| (&*e.name, e.shape.len())),
+            plan.iter().map(|p| (&*p.entry.name, p.entry.shape.len())),
         );
         let reserved = self.reserve(uid, arena_len + metadata, false, "model")?;
         let mut segment =
@@ -80,15 +114,19 @@ impl Store {
                     source,
                 })?;
         let arena = segment.bytes_mut().expect("a new segment is writable");
-        copy_tensors(&plan, arena, total, progress)?;
+        fill_arena(&plan, arena, total, progress)?;
         let tensors: Vec<StoredTensor> = plan
             .into_iter()
-            .map(|(_, e, offset)| StoredTensor {
-                name: e.name,
-                dtype: e.dtype,
-                shape: e.shape,
-                offset,
-                nbytes: e.nbytes,
+            .map(|p| StoredTensor {
+                nbytes: p.nbytes(),
+                name: p.entry.name,
+                dtype: match p.quantized {
+                    Some(_) => safetensors::DType::F8E4M3,
+                    None => p.entry.dtype,
+                },
+                shape: p.entry.shape,
+                offset: p.offset,
+                quantized: p.quantized.as_ref().map(QuantizedLayout::fp8),
             })
             .collect();
         progress(total, total, Path::new("page-locking host memory"));
@@ -99,8 +137,13 @@ impl Store {
         Ok(loaded)
     }
 
-    /// Reads every header, rejects duplicates and places each tensor in the future arena.
-    fn plan_load<'a>(&self, files: &'a [Opened<'a>]) -> Result<Plan<'a>, StoreError> {
+    /// Reads every header, rejects duplicates and places each tensor in the future arena, at
+    /// its quantized size where it is quantized.
+    fn plan_load<'a>(
+        &self,
+        files: &'a [Opened<'a>],
+        quantization: Quantization,
+    ) -> Result<Plan<'a>, StoreError> {
         let mut seen: HashMap<String, &str> = HashMap::new();
         let mut plan = Vec::new();
         let mut offset = 0u64;
@@ -131,10 +174,19 @@ impl Store {
                         second: path.to_string(),
                     });
                 }
+                let quantized =
+                    quantizes_on_load(quantization, &entry.name, entry.dtype, entry.shape.len())
+                        .then(|| StoredLayout::of(&entry.name, &entry.shape))
+                        .transpose()?;
                 offset = align_up(offset, TENSOR_ALIGN);
-                let at = offset;
-                offset += entry.nbytes;
-                plan.push((opened, entry, at));
+                let planned = Planned {
+                    opened,
+                    entry,
+                    offset,
+                    quantized,
+                };
+                offset += planned.nbytes();
+                plan.push(planned);
             }
         }
         Ok(plan)
@@ -156,47 +208,263 @@ impl Read for ReadAt<'_> {
     }
 }
 
-/// Copies each tensor from its file into the arena with positioned reads: unlike a mapping of
-/// the source, a file truncated under us is an error here, not a SIGBUS.
-fn copy_tensors(
+/// Copies each tensor that keeps its dtype from its file into the arena with positioned reads
+/// (unlike a mapping of the source, a file truncated under us is an error here, not a
+/// SIGBUS), then quantizes the others into it batch by batch.
+fn fill_arena(
     plan: &Plan<'_>,
     arena: &mut [u8],
     total: u64,
     progress: Progress<'_>,
 ) -> Result<(), StoreError> {
-    let mut done = 0u64;
-    let mut reported = 0u64;
-    for (opened, entry, offset) in plan {
-        let path = opened.source.name.as_str();
+    let mut done = Done {
+        done: 0,
+        reported: 0,
+        total,
+    };
+    for p in plan.iter().filter(|p| p.quantized.is_none()) {
         let mut at = 0u64;
-        while at < entry.nbytes {
-            let n = (entry.nbytes - at).min(PROGRESS_STEP);
-            let dst = &mut arena[(offset + at) as usize..(offset + at + n) as usize];
-            (opened.source.file)
-                .read_exact_at(dst, entry.file_offset + at)
-                .map_err(|source| StoreError::Io {
-                    path: path.to_string(),
-                    source,
-                })?;
+        while at < p.entry.nbytes {
+            let n = (p.entry.nbytes - at).min(PROGRESS_STEP);
+            let dst = &mut arena[(p.offset + at) as usize..(p.offset + at + n) as usize];
+            read_at(p, dst, at)?;
             at += n;
-            done += n;
-            if done - reported >= PROGRESS_STEP {
-                reported = done;
-                progress(done, total, Path::new(path));
-            }
+            done.add(n, &p.opened.source.name, progress);
         }
     }
-    if let Some((opened, _, _)) = plan.last() {
-        progress(done, total, Path::new(&opened.source.name));
+    quantize_batches(plan, arena, &mut done, progress)?;
+    if let Some(p) = plan.last() {
+        progress(done.done, total, Path::new(&p.opened.source.name));
     }
     Ok(())
+}
+
+/// Bytes read so far, and when they were last reported.
+struct Done {
+    done: u64,
+    reported: u64,
+    total: u64,
+}
+
+impl Done {
+    fn add(&mut self, n: u64, path: &str, progress: Progress<'_>) {
+        self.done += n;
+        if self.done - self.reported >= PROGRESS_STEP {
+            self.reported = self.done;
+            progress(self.done, self.total, Path::new(path));
+        }
+    }
+}
+
+fn read_at(p: &Planned<'_>, dst: &mut [u8], at: u64) -> Result<(), StoreError> {
+    (p.opened.source.file)
+        .read_exact_at(dst, p.entry.file_offset + at)
+        .map_err(|source| StoreError::Io {
+            path: p.opened.source.name.clone(),
+            source,
+        })
+}
+
+/// Rows `first..first + rows` of a tensor to quantize.
+struct Piece<'p, 'a> {
+    tensor: &'p Planned<'a>,
+    first: usize,
+    rows: usize,
+}
+
+impl Piece<'_, '_> {
+    fn layout(&self) -> StoredLayout {
+        self.tensor
+            .quantized
+            .expect("pieces are of quantized tensors")
+    }
+
+    /// Input bytes per row.
+    fn row_bytes(&self) -> usize {
+        self.layout().block.cols * self.tensor.entry.dtype.size() as usize
+    }
+
+    fn input_bytes(&self) -> usize {
+        self.rows * self.row_bytes()
+    }
+}
+
+/// Cuts the quantized tensors into batches of whole rows of at most [`QUANT_BATCH`] input
+/// bytes (one row at least).
+fn batches<'p, 'a>(plan: &'p Plan<'a>) -> Vec<Vec<Piece<'p, 'a>>> {
+    let mut out: Vec<Vec<Piece<'p, 'a>>> = Vec::new();
+    let mut current = Vec::new();
+    let mut bytes = 0u64;
+    for tensor in plan {
+        let Some(layout) = tensor.quantized else {
+            continue;
+        };
+        let row_bytes = (layout.block.cols as u64 * tensor.entry.dtype.size()).max(1);
+        let mut first = 0;
+        while first < layout.block.rows {
+            let room = QUANT_BATCH.saturating_sub(bytes) / row_bytes;
+            if room == 0 && !current.is_empty() {
+                out.push(std::mem::take(&mut current));
+                bytes = 0;
+                continue;
+            }
+            let rows = (room.max(1) as usize).min(layout.block.rows - first);
+            current.push(Piece {
+                tensor,
+                first,
+                rows,
+            });
+            bytes += rows as u64 * row_bytes;
+            first += rows;
+        }
+    }
+    if !current.is_empty() {
+        out.push(current);
+    }
+    out
+}
+
+/// Reads a batch's rows into `buf`, one piece after the other.
+fn read_batch(batch: &[Piece<'_, '_>], buf: &mut Vec<u8>) -> Result<(), StoreError> {
+    buf.clear();
+    buf.resize(batch.iter().map(Piece::input_bytes).sum(), 0);
+    let mut at = 0;
+    for piece in batch {
+        let n = piece.input_bytes();
+        let from = (piece.first * piece.row_bytes()) as u64;
+        read_at(piece.tensor, &mut buf[at..at + n], from)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// Quantizes the batches into the arena on every core, reading the next batch meanwhile.
+fn quantize_batches(
+    plan: &Plan<'_>,
+    arena: &mut [u8],
+    done: &mut Done,
+    progress: Progress<'_>,
+) -> Result<(), StoreError> {
+    let batches = batches(plan);
+    let threads = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
+    let (mut current, mut next) = (Vec::new(), Vec::new());
+    if let Some(first) = batches.first() {
+        read_batch(first, &mut current)?;
+    }
+    for (i, batch) in batches.iter().enumerate() {
+        let (quantized, read) = std::thread::scope(|s| {
+            let reader = batches
+                .get(i + 1)
+                .map(|b| s.spawn(|| read_batch(b, &mut next)));
+            let quantized = quantize_batch(batch, &current, arena, threads);
+            let read = reader.map_or(Ok(()), |r| r.join().expect("a reader does not panic"));
+            (quantized, read)
+        });
+        quantized?;
+        read?;
+        std::mem::swap(&mut current, &mut next);
+        let path = &batch
+            .last()
+            .expect("batches are not empty")
+            .tensor
+            .opened
+            .source
+            .name;
+        done.add(
+            batch.iter().map(|p| p.input_bytes() as u64).sum(),
+            path,
+            progress,
+        );
+    }
+    Ok(())
+}
+
+/// Quantizes one batch (its input in `input`) into the pieces' places in the arena.
+fn quantize_batch(
+    batch: &[Piece<'_, '_>],
+    input: &[u8],
+    arena: &mut [u8],
+    threads: NonZeroUsize,
+) -> Result<(), StoreError> {
+    // Where each piece's data and scales go: disjoint ranges of the arena.
+    let mut ranges = Vec::with_capacity(2 * batch.len());
+    for piece in batch {
+        let l = piece.layout();
+        let base = piece.tensor.offset as usize;
+        let per_row_scales = l.block.blocks_per_row() * 4;
+        ranges.push((base + piece.first * l.block.cols, piece.rows * l.block.cols));
+        ranges.push((
+            base + l.scale_offset as usize + piece.first * per_row_scales,
+            piece.rows * per_row_scales,
+        ));
+    }
+    let mut outs = disjoint_mut(arena, &ranges).into_iter();
+    let shapes: Vec<[u64; 2]> = (batch.iter())
+        .map(|p| [p.rows as u64, p.layout().block.cols as u64])
+        .collect();
+    let mut work = Vec::with_capacity(batch.len());
+    let mut at = 0;
+    for (piece, shape) in batch.iter().zip(&shapes) {
+        let n = piece.input_bytes();
+        let input = TensorIn {
+            name: &piece.tensor.entry.name,
+            dtype: piece.tensor.entry.dtype,
+            shape,
+            bytes: &input[at..at + n],
+        };
+        at += n;
+        let (data, scales) = (outs.next(), outs.next());
+        let out = TensorOut {
+            data: data.expect("two ranges per piece"),
+            scales: scales.expect("two ranges per piece"),
+        };
+        work.push((input, out));
+    }
+    quantize_all_into(work, threads).map_err(|e| match e {
+        // The index within the piece, made the index within the tensor.
+        QuantizeError::NonFinite { name, value, index } => {
+            let piece = (batch.iter())
+                .find(|p| p.tensor.entry.name == name)
+                .expect("the tensor is in the batch");
+            let offset = (piece.first * piece.layout().block.cols) as u64;
+            QuantizeError::NonFinite {
+                name,
+                value,
+                index: index + offset,
+            }
+        }
+        other => other,
+    })?;
+    Ok(())
+}
+
+/// Mutable slices of `arena` at `ranges` (start, len), which do not overlap, in their order.
+fn disjoint_mut<'a>(arena: &'a mut [u8], ranges: &[(usize, usize)]) -> Vec<&'a mut [u8]> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_unstable_by_key(|&i| ranges[i].0);
+    let mut out: Vec<Option<&'a mut [u8]>> = (0..ranges.len()).map(|_| None).collect();
+    let mut rest = arena;
+    let mut consumed = 0;
+    for i in order {
+        let (start, len) = ranges[i];
+        let (_, tail) = rest.split_at_mut(start - consumed);
+        let (slice, tail) = tail.split_at_mut(len);
+        out[i] = Some(slice);
+        rest = tail;
+        consumed = start + len;
+    }
+    out.into_iter().map(|s| s.expect("every range")).collect()
 }
 
 /// The model id of these files, and their lengths. The same files unchanged give the same id:
 /// (device, inode, size, mtime, ctime) of each. The ctime catches a file rewritten in place
 /// with its mtime set back (anyone who can write a file can set its mtime; only the kernel sets
-/// its ctime).
-fn identity(sources: &[LoadSource]) -> Result<(String, Vec<Opened<'_>>), StoreError> {
+/// its ctime). The quantization is part of it: the same files in another format are another
+/// model (without one, the id is what it was before quantization existed).
+fn identity(
+    sources: &[LoadSource],
+    quantization: Quantization,
+) -> Result<(String, Vec<Opened<'_>>), StoreError> {
     let mut hasher = blake3::Hasher::new();
     let mut opened = Vec::with_capacity(sources.len());
     for source in sources {
@@ -225,6 +493,9 @@ fn identity(sources: &[LoadSource]) -> Result<(String, Vec<Opened<'_>>), StoreEr
             source,
             len: stat.st_size as u64,
         });
+    }
+    if quantization != Quantization::None {
+        hasher.update(format!("quantization:{quantization}\n").as_bytes());
     }
     Ok((format!("m-{}", &hasher.finalize().to_hex()[..16]), opened))
 }
@@ -273,7 +544,8 @@ mod tests {
                         waited = Some(second_done_rx.recv_timeout(Duration::from_secs(10)));
                     }
                 };
-                let loaded = store.load(&sources(&[path]), "", 1, &mut progress);
+                let loaded =
+                    store.load(&sources(&[path]), "", Quantization::None, 1, &mut progress);
                 (loaded, waited)
             })
         };
@@ -331,7 +603,9 @@ mod tests {
             name: "/models/dir".into(),
             file: File::open(dir.path()).unwrap(),
         };
-        let err = store.load(&[source], "", 1, &mut |_, _, _| {}).unwrap_err();
+        let err = store
+            .load(&[source], "", Quantization::None, 1, &mut |_, _, _| {})
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             "/models/dir: not a regular file: only regular files can be loaded"

@@ -26,10 +26,11 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use self::load::{LoadSource, Progress};
+use self::quantize::{NonFinite, Quantization, QuantizeError, StoredLayout};
 use self::registry::Inner;
 pub use self::registry::{Holder, HostUse, ModelEntry};
 use self::safetensors::{DType, HeaderError};
-pub use self::upload::{TensorDecl, UploadTicket};
+pub use self::upload::{DeclQuant, TensorDecl, UploadTicket};
 use crate::mem::shm::Shm;
 use crate::mem::{HostArena, HostPinner, HostSlice, PinError};
 use crate::quota::{HostQuota, QuotaError};
@@ -105,6 +106,17 @@ pub enum StoreError {
          it may release it"
     )]
     NotHolder { id: String, uid: u32 },
+    /// A weight that cannot be quantized (its rank, dtype, or a non-finite value).
+    #[error(transparent)]
+    Quantize(#[from] QuantizeError),
+    #[error(
+        "tensor '{name}': scale {value} at index {index}: the scales of fp8 data must be finite"
+    )]
+    Scale {
+        name: String,
+        value: NonFinite,
+        index: u64,
+    },
     #[error(transparent)]
     Quota(#[from] QuotaError),
     #[error(transparent)]
@@ -118,7 +130,37 @@ pub struct StoredTensor {
     pub shape: Vec<u64>,
     /// Offset in the model's arena.
     pub offset: u64,
+    /// Of a quantized tensor: data, padding and scales.
     pub nbytes: u64,
+    /// How a quantized tensor's slice is laid out; `None`: held as its dtype says.
+    pub quantized: Option<QuantizedLayout>,
+}
+
+/// A quantized tensor's format and where its scales are (see [`StoredLayout`]): its dtype is
+/// then the data's (F8_E4M3), its shape the weight's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QuantizedLayout {
+    pub quantization: Quantization,
+    pub scale_shape: [u64; 2],
+    /// The scales' offset from the tensor's own start.
+    pub scale_offset: u64,
+}
+
+impl QuantizedLayout {
+    pub fn fp8(layout: &StoredLayout) -> QuantizedLayout {
+        QuantizedLayout {
+            quantization: Quantization::Fp8E4m3Block64,
+            scale_shape: layout.block.scale_shape(),
+            scale_offset: layout.scale_offset,
+        }
+    }
+}
+
+impl StoredTensor {
+    pub fn quantization(&self) -> Quantization {
+        self.quantized
+            .map_or(Quantization::None, |q| q.quantization)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -149,6 +191,16 @@ pub struct Model {
     pub total_bytes: u64,
     /// What its description takes ([`metadata_bytes`]).
     pub metadata_bytes: u64,
+}
+
+impl Model {
+    /// The model's format: the quantization of its quantized tensors, or `None`.
+    pub fn quantization(&self) -> Quantization {
+        (self.tensors.iter())
+            .map(StoredTensor::quantization)
+            .find(|q| *q != Quantization::None)
+            .unwrap_or_default()
+    }
 }
 
 impl Model {

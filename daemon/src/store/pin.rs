@@ -117,6 +117,7 @@ mod tests {
             shape: vec![nbytes],
             offset,
             nbytes,
+            quantized: None,
         }
     }
 
@@ -206,7 +207,7 @@ mod tests {
     fn a_sealed_upload_that_cannot_be_pinned_read_only_is_copied_and_pinned() {
         let me = Owner { conn: 1, uid: 7 };
         let upload = |store: &Store| {
-            let decl = ("w".to_string(), DType::U8, vec![100], 100);
+            let decl = crate::store::TensorDecl::plain("w", DType::U8, vec![100], 100);
             let ticket = store.begin_upload(me, "m", vec![decl]).unwrap();
             let fd = ticket
                 .memfd

@@ -188,6 +188,83 @@ impl BlockLayout {
     }
 }
 
+/// Where a quantized weight's data and scales sit in its one contiguous slice of the store:
+/// `[data: rows·cols bytes][zero padding to 16][scales: fp32 of scale_shape]`. One slice per
+/// weight, so that staging, copies and placements treat it like any other tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredLayout {
+    pub block: BlockLayout,
+    /// Bytes of e4m3fn data (one per element).
+    pub data_bytes: u64,
+    /// The scales' byte offset from the slice's start: the data rounded up to [`SCALE_ALIGN`].
+    pub scale_offset: u64,
+    /// The whole slice: `scale_offset` + the scales.
+    pub nbytes: u64,
+}
+
+/// Alignment of the scales within a quantized weight's slice.
+pub const SCALE_ALIGN: u64 = 16;
+
+impl StoredLayout {
+    /// The slice layout of a weight of `shape` (rank ≥ 2).
+    pub fn of(name: &str, shape: &[u64]) -> Result<StoredLayout, QuantizeError> {
+        let block = BlockLayout::of(name, shape)?;
+        // `BlockLayout::of` checked that 4 bytes per element fit: these cannot overflow.
+        let data_bytes = block.elements() as u64;
+        let scale_offset = data_bytes.div_ceil(SCALE_ALIGN) * SCALE_ALIGN;
+        Ok(StoredLayout {
+            block,
+            data_bytes,
+            scale_offset,
+            nbytes: scale_offset + block.scale_bytes() as u64,
+        })
+    }
+
+    /// Splits a slice of `nbytes` into (data, padding, scales).
+    pub fn split_mut<'a>(&self, slice: &'a mut [u8]) -> (&'a mut [u8], &'a mut [u8], &'a mut [u8]) {
+        let (data, rest) = slice.split_at_mut(self.data_bytes as usize);
+        let (pad, scales) = rest.split_at_mut((self.scale_offset - self.data_bytes) as usize);
+        (data, pad, scales)
+    }
+}
+
+impl Quantized {
+    /// The weight as the store holds it: data, zero padding, scales (see [`StoredLayout`]).
+    pub fn to_stored(&self) -> Vec<u8> {
+        let offset = self.data.len().div_ceil(SCALE_ALIGN as usize) * SCALE_ALIGN as usize;
+        let mut out = vec![0u8; offset + self.scales.len()];
+        out[..self.data.len()].copy_from_slice(&self.data);
+        out[offset..].copy_from_slice(&self.scales);
+        out
+    }
+}
+
+/// Whether a load with `quantization` quantizes this tensor: a weight (the name ends in
+/// ".weight") of rank ≥ 2 in BF16, F16 or F32. The others keep their dtype and bytes.
+pub fn quantizes_on_load(
+    quantization: Quantization,
+    name: &str,
+    dtype: DType,
+    rank: usize,
+) -> bool {
+    quantization == Quantization::Fp8E4m3Block64
+        && name.ends_with(".weight")
+        && rank >= 2
+        && Input::of(dtype).is_some()
+}
+
+/// The first non-finite fp32 in little-endian `scales` (an uploaded weight's), as (index, kind).
+pub fn first_non_finite_scale(scales: &[u8]) -> Option<(u64, NonFinite)> {
+    scales
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("chunks of 4")))
+        .position(|x| !x.is_finite())
+        .map(|i| {
+            let x = f32::from_le_bytes(scales[i * 4..i * 4 + 4].try_into().expect("4 bytes"));
+            (i as u64, classify(x))
+        })
+}
+
 /// One weight to quantize: its bytes as in safetensors (little-endian, row-major).
 #[derive(Debug, Clone, Copy)]
 pub struct TensorIn<'a> {

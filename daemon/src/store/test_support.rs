@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::quantize::Quantization;
 use super::{LoadSource, Model, Store, StoreError, StoreLimits};
 use crate::mem::shm::Shm;
 use crate::mem::{HostPinner, PinAccess, PinError, PinGuard};
@@ -57,7 +58,13 @@ pub fn load_paths(
     paths: &[PathBuf],
     uid: u32,
 ) -> Result<(Arc<Model>, bool), StoreError> {
-    store.load(&sources(paths), "", uid, &mut |_, _, _| {})
+    store.load(
+        &sources(paths),
+        "",
+        Quantization::None,
+        uid,
+        &mut |_, _, _| {},
+    )
 }
 
 /// A safetensors file holding one u8 tensor `w` of `bytes` bytes.

@@ -1,25 +1,68 @@
 //! Uploads: a memfd the client writes through its own fd (sealed against resizing from the
 //! start), sealed against writes at commit and then, as it is, the model's arena: mapped
 //! read-only, hashed for dedup, pinned. Uncommitted ones go with their connection.
+//!
+//! Tensors declared for quantization at commit are written as declared; the commit quantizes
+//! them into a new arena (the upload's memfd is then dropped: only the quantized copy stays).
+//! Pre-quantized tensors are written in the store's layout, and their scales checked.
 
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 
+use super::quantize::{
+    Quantization, StoredLayout, TensorIn, TensorOut, first_non_finite_scale, quantize_all_into,
+};
 use super::registry::{Pending, Reservation};
 use super::safetensors::DType;
 use super::{
-    Model, ModelSource, Owner, Store, StoreError, StoredTensor, TENSOR_ALIGN, metadata_bytes,
+    Model, ModelSource, Owner, QuantizedLayout, Store, StoreError, StoredTensor, TENSOR_ALIGN,
+    metadata_bytes,
 };
 use crate::mem::align_up;
 use crate::mem::shm::{Memfd, SealError, ShmSegment};
 
-/// A tensor declared for upload: name, dtype, shape, bytes.
-pub type TensorDecl = (String, DType, Vec<u64>, u64);
+/// A tensor declared for upload: name, dtype, shape, the bytes the client writes, and whether
+/// it is quantized.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorDecl {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub nbytes: u64,
+    pub quant: DeclQuant,
+}
+
+/// How an uploaded tensor is quantized (layouts checked by the edge).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeclQuant {
+    None,
+    /// Written as its (float) dtype; quantized at commit into this layout.
+    AtCommit(StoredLayout),
+    /// Written as data, padding and scales in this layout (its dtype is F8_E4M3).
+    Prequantized(StoredLayout),
+}
+
+impl TensorDecl {
+    /// A tensor held as it is written.
+    pub fn plain(name: &str, dtype: DType, shape: Vec<u64>, nbytes: u64) -> TensorDecl {
+        TensorDecl {
+            name: name.to_string(),
+            dtype,
+            shape,
+            nbytes,
+            quant: DeclQuant::None,
+        }
+    }
+}
 
 /// A region being written by its client; it counts against the owner's host quota.
 pub(super) struct Upload {
     pub(super) owner: Owner,
     name: String,
+    /// Where each tensor is written in the region.
     tensors: Vec<StoredTensor>,
+    /// Which of them the commit quantizes (same order).
+    at_commit: Vec<Option<StoredLayout>>,
     pub(super) memfd: Arc<Memfd>,
     /// Its description's bytes ([`metadata_bytes`]), charged with the region.
     pub(super) metadata: u64,
@@ -58,16 +101,24 @@ impl Store {
         }
         let mut offset = 0u64;
         let mut placed = Vec::with_capacity(tensors.len());
-        for (name, dtype, shape, nbytes) in tensors {
+        let mut at_commit = Vec::with_capacity(tensors.len());
+        for t in tensors {
             offset = align_up(offset, TENSOR_ALIGN);
+            let (quantized, later) = match t.quant {
+                DeclQuant::None => (None, None),
+                DeclQuant::AtCommit(layout) => (None, Some(layout)),
+                DeclQuant::Prequantized(layout) => (Some(QuantizedLayout::fp8(&layout)), None),
+            };
             placed.push(StoredTensor {
-                name,
-                dtype,
-                shape,
+                name: t.name,
+                dtype: t.dtype,
+                shape: t.shape,
                 offset,
-                nbytes,
+                nbytes: t.nbytes,
+                quantized,
             });
-            offset = offset.saturating_add(nbytes);
+            at_commit.push(later);
+            offset = offset.saturating_add(t.nbytes);
         }
         if offset > self.limits.max_upload_bytes {
             return Err(StoreError::UploadTooLarge {
@@ -100,6 +151,7 @@ impl Store {
                 owner,
                 name: name.to_string(),
                 tensors: placed,
+                at_commit,
                 memfd,
                 metadata,
             },
@@ -143,7 +195,20 @@ impl Store {
             upload_id: upload_id.to_string(),
             source,
         })?;
-        let id = content_identity(&upload.tensors, segment.bytes());
+        check_scales(&upload.tensors, segment.bytes())?;
+        // Quantized at commit: a new arena (charged within the upload's bytes, but for what it
+        // needs beyond them), and the upload's region dropped.
+        let (segment, tensors, _extra) = if upload.at_commit.iter().any(Option::is_some) {
+            let (tensors, size) = quantized_placement(&upload.tensors, &upload.at_commit);
+            let extra = size.saturating_sub(segment.size());
+            let extra = self.reserve(owner.uid, extra, false, "quantized upload")?;
+            let arena =
+                self.quantize_upload(&segment, &upload.tensors, &upload.at_commit, &tensors, size)?;
+            (arena, tensors, Some(extra))
+        } else {
+            (segment, upload.tensors, None)
+        };
+        let id = content_identity(&tensors, segment.bytes());
         if let Some(model) = self.add_ref(&id, owner.uid) {
             return Ok((model, true));
         }
@@ -152,8 +217,8 @@ impl Store {
         } else {
             upload.name
         };
-        let arena = self.pin(segment, &upload.tensors)?;
-        let model = Model::new(id, name, ModelSource::Upload, upload.tensors, arena);
+        let arena = self.pin(segment, &tensors)?;
+        let model = Model::new(id, name, ModelSource::Upload, tensors, arena);
         let committed = self.insert_or_ref(Arc::new(model), owner.uid);
         drop(reserved);
         Ok(committed)
@@ -188,11 +253,103 @@ impl Store {
     }
 }
 
-/// Same tensors (names, dtypes, shapes, bytes) give the same id.
+impl Store {
+    /// A new arena holding the upload's tensors at `placed`: the plain ones copied, the others
+    /// quantized on every core.
+    fn quantize_upload(
+        &self,
+        sealed: &ShmSegment,
+        written: &[StoredTensor],
+        at_commit: &[Option<StoredLayout>],
+        placed: &[StoredTensor],
+        size: u64,
+    ) -> Result<ShmSegment, StoreError> {
+        let mut segment = (self.shm)
+            .create("model", size)
+            .map_err(|source| StoreError::Arena {
+                bytes: size,
+                source,
+            })?;
+        let arena = segment.bytes_mut().expect("a new segment is writable");
+        let src = sealed.bytes();
+        let mut rest: &mut [u8] = arena;
+        let mut consumed = 0usize;
+        let mut work = Vec::new();
+        for ((w, layout), p) in written.iter().zip(at_commit).zip(placed) {
+            let input = &src[w.offset as usize..(w.offset + w.nbytes) as usize];
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(p.offset as usize - consumed);
+            let (slice, tail) = tail.split_at_mut(p.nbytes as usize);
+            rest = tail;
+            consumed = (p.offset + p.nbytes) as usize;
+            match layout {
+                None => slice.copy_from_slice(input),
+                Some(layout) => {
+                    let (data, _pad, scales) = layout.split_mut(slice);
+                    let tensor = TensorIn {
+                        name: &w.name,
+                        dtype: w.dtype,
+                        shape: &w.shape,
+                        bytes: input,
+                    };
+                    work.push((tensor, TensorOut { data, scales }));
+                }
+            }
+        }
+        let threads = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
+        quantize_all_into(work, threads)?;
+        Ok(segment)
+    }
+}
+
+/// Where the tensors go once those of `at_commit` are quantized, and the arena's size.
+fn quantized_placement(
+    written: &[StoredTensor],
+    at_commit: &[Option<StoredLayout>],
+) -> (Vec<StoredTensor>, u64) {
+    let mut offset = 0u64;
+    let placed = (written.iter().zip(at_commit))
+        .map(|(t, layout)| {
+            offset = align_up(offset, TENSOR_ALIGN);
+            let mut placed = t.clone();
+            placed.offset = offset;
+            if let Some(layout) = layout {
+                placed.dtype = DType::F8E4M3;
+                placed.nbytes = layout.nbytes;
+                placed.quantized = Some(QuantizedLayout::fp8(layout));
+            }
+            offset += placed.nbytes;
+            placed
+        })
+        .collect();
+    (placed, align_up(offset, TENSOR_ALIGN))
+}
+
+/// Pre-quantized tensors' scales are finite (a NaN scale would make every weight of its block
+/// NaN on the device).
+fn check_scales(tensors: &[StoredTensor], arena: &[u8]) -> Result<(), StoreError> {
+    for t in tensors {
+        let Some(q) = t.quantized else { continue };
+        let scales = &arena[(t.offset + q.scale_offset) as usize..(t.offset + t.nbytes) as usize];
+        if let Some((index, value)) = first_non_finite_scale(scales) {
+            return Err(StoreError::Scale {
+                name: t.name.clone(),
+                value,
+                index,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Same tensors (names, dtypes, shapes, formats, bytes) give the same id: a weight quantized
+/// at commit and the same weight uploaded pre-quantized are one model.
 fn content_identity(tensors: &[StoredTensor], arena: &[u8]) -> String {
     let mut hasher = blake3::Hasher::new();
     for t in tensors {
         hasher.update(format!("{}\0{}\0{:?}\0", t.name, t.dtype, t.shape).as_bytes());
+        if t.quantization() != Quantization::None {
+            hasher.update(format!("{}\0", t.quantization()).as_bytes());
+        }
         hasher.update(&arena[t.offset as usize..(t.offset + t.nbytes) as usize]);
     }
     format!("u-{}", &hasher.finalize().to_hex()[..16])
@@ -212,7 +369,7 @@ mod tests {
     const ME: Owner = Owner { conn: 1, uid: 7 };
 
     fn u8s(name: &str, n: u64) -> TensorDecl {
-        (name.to_string(), DType::U8, vec![n], n)
+        TensorDecl::plain(name, DType::U8, vec![n], n)
     }
 
     /// A writable shared mapping, as a client makes one.

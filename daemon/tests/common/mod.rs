@@ -159,12 +159,12 @@ impl Tensor {
 
     /// The tensor as `Client::upload_model` takes it.
     pub fn as_upload(&self) -> weightstream_client::TensorData<'_> {
-        weightstream_client::TensorData {
-            name: &self.name,
-            dtype: pb_dtype(self.dtype),
-            shape: &self.dims,
-            bytes: &self.bytes,
-        }
+        weightstream_client::TensorData::new(
+            &self.name,
+            pb_dtype(self.dtype),
+            &self.dims,
+            &self.bytes,
+        )
     }
 }
 
@@ -278,7 +278,12 @@ pub async fn load(
     expected: &BTreeMap<String, Tensor>,
 ) -> proto::ModelManifest {
     let manifest = client
-        .load_model(paths, "", |_| {})
+        .load_model(
+            paths,
+            "",
+            weightstream_client::proto::Quantization::None,
+            |_| {},
+        )
         .await
         .unwrap_or_else(|e| panic!("load {paths:?}: {e}"));
     check_manifest(&manifest, expected);
@@ -477,6 +482,7 @@ pub async fn load_with_token(
         paths: names.iter().map(|n| n.to_string()).collect(),
         name: String::new(),
         fd_token: fd_token.to_string(),
+        ..Default::default()
     };
     let mut events = rpc.load_model(request).await?.into_inner();
     while let Some(event) = events.message().await? {
@@ -581,6 +587,7 @@ pub fn upload_request(name: &str, tensors: &[Tensor]) -> proto::BeginUploadReque
                     dtype: d.dtype as i32,
                     shape: d.shape.to_vec(),
                     nbytes: 0,
+                    ..Default::default()
                 }
             })
             .collect(),

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 import weightstream
+from weightstream import quantize
 from weightstream.client import Client
 from weightstream.torch import budget, ops, placeholder, policy
 from weightstream.torch.budget import AutoBudget, AutoBudgetError
@@ -108,7 +109,16 @@ def attach(
       less a margin, and shrinks when another job needs room (``budget``).
     - ``staging_bytes``: the part of it for streaming (default: the daemon's choice).
     - ``model``: the id of a model the daemon already loaded from safetensors whose tensor
-      names match the module's parameter names; otherwise the weights are uploaded.
+      names match the module's parameter names; otherwise the weights are uploaded. A model
+      loaded with ``quantize="fp8"`` streams its weights in 8 bits, as below.
+    - ``quantize="fp8"`` (a ``StreamOptions`` field): the streamed layers' weights are
+      uploaded for the daemon to keep in 8 bits (``fp8_e4m3_block64``); each layer
+      dequantizes its weight on the device after it arrives, into a tensor of the weight's
+      dtype from the trainer's allocator (one layer at a time, freed after use; the largest is
+      ``Handle.stats()["dequant_peak_bytes"]``), and runs its own operation on it. Results
+      equal the model with each streamed weight replaced by its dequantization
+      (``weightstream.quantize.to_fp8_resident``). A weight that is not bf16/f16/f32 raises
+      ``ValueError`` naming the layer, before anything is uploaded.
     The trainer's own copies of the streamed weights are freed, those already on ``device``
     before the session opens (so that the daemon can allocate the budget where they were),
     the others once it is open; their parameters become ``Placeholder``s on ``device``. A
@@ -126,6 +136,10 @@ def attach(
     hooks = HookRegistry()
     for name, m in selection.streamed:
         hooks.check(name, m)  # refuse before uploading anything
+    fmt = quantize.format_name(options.quantize)
+    if fmt is not None:
+        for name, m in selection.streamed:
+            quantize.check_quantizable(name, m.weight)
     client = client or weightstream.connect()
     alignment = client.info().alignment or 1
     label = label or type(module).__name__
@@ -134,11 +148,20 @@ def attach(
         if staging_bytes:
             raise ValueError('vram_budget="auto" chooses staging_bytes: leave it 0')
         vram_budget = None  # the groups are chosen as for a budget that fits blocks
-    manifest, uploaded = _model_of(client, selection.streamed, model, label)
+    manifest, uploaded = _model_of(client, selection.streamed, model, label, fmt)
     session, freed = None, []
     try:
+        quantized = frozenset(
+            t.name for t in manifest.tensors if t.quantization == quantize.FP8_E4M3_BLOCK64
+        )
         grouping = policy.choose_groups(
-            module, selection.streamed, options.group_by, alignment, vram_budget, staging_bytes
+            module,
+            selection.streamed,
+            options.group_by,
+            alignment,
+            vram_budget,
+            staging_bytes,
+            quantized,
         )
         if grouping.fallback:
             warnings.warn(grouping.fallback, stacklevel=2)
@@ -170,7 +193,9 @@ def attach(
         for gname, members in grouping.members.items():
             group, slot = session.group_index(gname), 0
             for name, m in members:
-                layer = StreamedLayer(handle, m, name, group, m.bias is not None, slot)
+                layer = StreamedLayer(
+                    handle, m, name, group, m.bias is not None, slot, dtype=m.weight.dtype
+                )
                 slot += 2 if m.bias is not None else 1
                 handle.streamed[name] = layer
                 hooks.install(name, m, functools.partial(ops.forward, layer))
@@ -185,15 +210,17 @@ def attach(
     return handle
 
 
-def _model_of(client: Client, streamed, model: str | None, label: str):
+def _model_of(client: Client, streamed, model: str | None, label: str, fmt: str | None):
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
-    release if attach fails), or ``model``, checked against them."""
+    release if attach fails), with the weights quantized to ``fmt`` by the daemon, or
+    ``model``, checked against them."""
     tensors = {
         tname: t.detach() for name, m in streamed for tname, t in policy.layer_tensors(name, m)
     }
+    weights = [f"{name}.weight" for name, _ in streamed]
     if model is not None:
-        return _match(client, model, tensors), None
-    manifest, _ = client.upload_model(label, tensors)
+        return _match(client, model, tensors, weights if fmt else ()), None
+    manifest, _ = client.upload_model(label, tensors, quantize=weights if fmt else ())
     return manifest, manifest.model_id
 
 
@@ -245,8 +272,9 @@ def _move_the_rest(module: nn.Module, streamed, device: torch.device):
                 m.register_buffer(bname, b.to(device))
 
 
-def _match(client: Client, model_id: str, tensors: dict[str, torch.Tensor]):
-    """The daemon's loaded model, checked against the module's weights (names and shapes)."""
+def _match(client: Client, model_id: str, tensors: dict[str, torch.Tensor], quantized=()):
+    """The daemon's loaded model, checked against the module's weights (names and shapes), and
+    the tensors named in ``quantized`` against the 8-bit format."""
     listed = {m.model_id: m for m in client.list_models().models}
     if model_id not in listed:
         raise ValueError(f"model={model_id!r}: the daemon has no such model")
@@ -260,6 +288,12 @@ def _match(client: Client, model_id: str, tensors: dict[str, torch.Tensor]):
             raise ValueError(
                 f"model={model_id!r}: tensor {name!r} has shape {list(info.shape)}, "
                 f"the module's is {list(t.shape)}"
+            )
+    for name in quantized:
+        if have[name].quantization != quantize.FP8_E4M3_BLOCK64:
+            raise ValueError(
+                f"model={model_id!r}: quantize='fp8', but its tensor {name!r} is not in 8 bits "
+                "(load the model with quantize='fp8')"
             )
     warnings.warn(
         "attach(model=...): streaming the daemon's copy; the module's own weights are freed",

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from weightstream import quantize
 from weightstream.client import Client
 from weightstream.errors import SessionFault
+from weightstream.quantize import Fp8Weight
 from weightstream.session import Session
 from weightstream.torch import budget, ops, policy
 from weightstream.torch.hooks import HookRegistry
@@ -30,7 +32,12 @@ class StreamedLayer:
     has_bias: bool
     #: Index of the layer's weight among its group's tensors (the bias follows it).
     slot: int = 0
+    #: The weight's dtype in the trainer: what an 8-bit weight is dequantized to.
+    dtype: torch.dtype | None = None
     #: (weight, bias) views of a resident group, valid for the session's life; else None.
+    pinned: tuple | None = None
+    #: ``pinned`` when the op may run on it and autograd may keep it (not an 8-bit weight,
+    #: which is dequantized per call); else None.
     fixed: tuple | None = None
 
     @property
@@ -38,7 +45,10 @@ class StreamedLayer:
         return self.handle.options.input_grad
 
     def weights(self, training: bool) -> tuple:
-        return self.handle._acquire(self, training)
+        """The (weight, bias) this pass computes with: the views, or for an 8-bit weight its
+        dequantization (a new tensor per call, freed when the op is done with it)."""
+        views = self.pinned if self.pinned is not None else self.handle._acquire(self, training)
+        return self.handle._dequantized(self, views)
 
     def views(self, ticket) -> tuple:
         """The layer's (weight, bias) views in its group's ticket."""
@@ -79,8 +89,21 @@ class Handle:
     _auto: budget.AutoBudget | None = None
     _auto_armed: bool = False
     _auto_hooks: list = field(default_factory=list)
+    #: See ``stats``.
+    _dequant_peak: int = 0
+    _dequant_scratch_peak: int = 0
 
     # --- used by the streamed layers ----------------------------------------------------
+
+    def _dequantized(self, layer: StreamedLayer, views: tuple) -> tuple:
+        weight, bias = views
+        if not isinstance(weight, Fp8Weight):
+            return views
+        w = quantize.dequantize(weight.data, weight.scale, layer.dtype)
+        product = 0 if w.dtype == torch.float32 else w.numel() * 4
+        self._dequant_peak = max(self._dequant_peak, w.nbytes)
+        self._dequant_scratch_peak = max(self._dequant_scratch_peak, w.nbytes + product)
+        return w, bias
 
     def _acquire(self, layer: StreamedLayer, training: bool) -> tuple:
         """The layer's (weight, bias) views, from the group's held ticket when it serves this
@@ -154,12 +177,14 @@ class Handle:
             ticket = self.session.acquire(group)
             self._pinned.append(ticket)
             for layer in layers:
-                layer.fixed = layer.views(ticket)
+                layer.pinned = layer.views(ticket)
+                quantized = isinstance(layer.pinned[0], Fp8Weight)
+                layer.fixed = None if quantized else layer.pinned
 
     def _unpin(self, release: bool = True):
         """Drops the resident views; gives their tickets back unless the session is gone."""
         for layer in self.streamed.values():
-            layer.fixed = None
+            layer.pinned = layer.fixed = None
         pinned, self._pinned = self._pinned, []
         for ticket in pinned if release else ():
             self.session.release(ticket)
@@ -235,14 +260,18 @@ class Handle:
             self._recording = policy.PlanRecorder()
 
     def stats(self) -> dict:
-        """The daemon's counters of the session, its hit rate, and with
-        ``vram_budget="auto"`` the policy's decisions (``auto_*``: ``AutoBudget.stats``)."""
-        s = self.session.stats()
+        """The daemon's counters of the session (none when it does not list it), the
+        trainer's side of 8-bit streaming: ``dequant_peak_bytes``, the largest dequantized
+        weight so far, and ``dequant_scratch_peak_bytes``, the most device memory one
+        dequantization held at once (that weight and, below float32, its float32 product);
+        with ``vram_budget="auto"`` the policy's decisions (``auto_*``: ``AutoBudget.stats``)."""
         out = {} if self._auto is None else self._auto.stats()
-        if s is None:
-            return out
-        out.update({f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields})
-        out["hit_rate"] = s.hits / s.acquires if s.acquires else 0.0
+        s = self.session.stats()
+        if s is not None:
+            out.update({f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields})
+            out["hit_rate"] = s.hits / s.acquires if s.acquires else 0.0
+        out["dequant_peak_bytes"] = self._dequant_peak
+        out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
         return out
 
     # --- vram_budget="auto" -------------------------------------------------------------
@@ -308,7 +337,8 @@ class Handle:
         self._auto_hooks = []
 
     def detach(self, release: bool = False, device: torch.device | str | None = None):
-        """Puts the weights back into the layers (on ``device``, by default the session's),
+        """Puts the weights back into the layers (on ``device``, by default the session's;
+        an 8-bit weight comes back dequantized, as the layer computed with it),
         removes weightstream's forwards (what other libraries installed stays) and closes the
         session; with ``release``, also drops this handle's reference to the daemon's copy (it
         goes when no other session uses it)."""
@@ -318,7 +348,7 @@ class Handle:
         self._unpin()
         for name, layer in self.streamed.items():
             ticket = self.session.acquire(layer.group)
-            weight, bias = layer.views(ticket)
+            weight, bias = self._dequantized(layer, layer.views(ticket))
             weight = weight.to(device, copy=True)
             bias = bias.to(device, copy=True) if bias is not None else None
             self.session.release(ticket)

@@ -1,7 +1,8 @@
 """The streamed layer's operation: an autograd Function that acquires the layer's weights in
 forward and again in backward and saves no view of streamed memory (the staging space is
-reused once released), with backward's input gradient computed exactly as autograd computes it
-for the layer with its weights in place.
+reused once released) nor any dequantized weight (an 8-bit weight is dequantized again for
+backward), with backward's input gradient computed exactly as autograd computes it for the
+layer with its weights in place.
 
 ``forward(layer, x)`` is what runs in place of ``nn.Linear.forward``/``nn.Conv2d.forward``.
 ``layer`` is anything with the attributes of ``Layer``; ``op`` and ``input_grad`` are looked up
@@ -20,13 +21,16 @@ from torch import nn
 class Layer(Protocol):
     module: nn.Module
     name: str
-    #: (weight, bias) views of a resident group, valid for the session's life; else None.
+    #: (weight, bias) views of a resident group, valid for the session's life, that the op
+    #: may run on as they are (autograd may keep them); else None (an 8-bit weight is
+    #: dequantized per call by ``weights``, even when resident).
     fixed: tuple | None
     #: "formula" or "recompute" (see ``StreamOptions.input_grad``).
     input_grad: str
 
     def weights(self, training: bool) -> tuple:
-        """The (weight, bias) views for this pass; ``training``: the pass is recorded."""
+        """The (weight, bias) for this pass (views, or a dequantized weight); ``training``: the
+        pass is recorded."""
         ...
 
 

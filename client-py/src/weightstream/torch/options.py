@@ -9,6 +9,8 @@ from typing import Literal
 
 from torch import nn
 
+from weightstream import quantize as fp8
+
 #: Layers smaller than this stay on the device by default: not worth a round trip.
 DEFAULT_MIN_BYTES = 1 << 20
 
@@ -30,6 +32,12 @@ class StreamOptions:
     - ``ignore``: layer names or types to keep on the device.
     - ``lookahead``: at most this many of the plan's next acquires kept in flight; ``None``:
       as many as the staging arena holds; 0: none (the daemon still prefetches along the plan).
+    - ``quantize``: ``"fp8"`` streams the layers' weights in 8 bits (``fp8_e4m3_block64``: the
+      daemon keeps and copies only the quantized weight; each layer dequantizes it on the
+      device into its original dtype, one layer at a time, and runs its own operation). The
+      result is that of the model with each streamed weight replaced by its dequantization
+      (``weightstream.quantize.to_fp8_resident``), bit for bit. Biases stay as they are.
+      ``None``: the weights as they are.
     """
 
     input_grad: Literal["formula", "recompute"] = "formula"
@@ -38,6 +46,7 @@ class StreamOptions:
     include: tuple[type, ...] = (nn.Linear, nn.Conv2d)
     ignore: Iterable = field(default_factory=frozenset)
     lookahead: int | None = None
+    quantize: Literal["fp8", "fp8_e4m3_block64"] | None = None
 
     def __post_init__(self):
         if self.input_grad not in INPUT_GRADS:
@@ -48,6 +57,7 @@ class StreamOptions:
             raise ValueError(f"min_bytes={self.min_bytes}: expected 0 or more")
         if self.lookahead is not None and self.lookahead < 0:
             raise ValueError(f"lookahead={self.lookahead}: expected None, 0 or more")
+        fp8.format_name(self.quantize)  # raises for an unknown format
         # Callers pass lists and sets; a frozen value keeps the options hashable and shareable.
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "ignore", frozenset(self.ignore))

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from weightstream import quantize as fp8
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.placeholder import is_placeholder
 
@@ -89,9 +90,10 @@ def refuse_quantized(name: str, m: nn.Module):
         if quantizer is not None:
             raise QuantizedWeight(
                 f"cannot stream {name!r}: its {pname} is a {type(t).__qualname__} made by "
-                f"{quantizer}, whose bytes are not the {pname}'s (streaming quantized weights "
-                f"exactly is not supported yet). Keep the layer on the device "
-                f"(ignore=[{name!r}]), or load the model unquantized."
+                f"{quantizer}, whose bytes are not the {pname}'s (streaming another library's "
+                f"quantized weights is not supported). Keep the layer on the device "
+                f"(ignore=[{name!r}]), or load the model unquantized (quantize='fp8' streams "
+                "it in 8 bits)."
             )
 
 
@@ -211,6 +213,12 @@ def layer_tensors(name: str, m: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def tensor_nbytes(name: str, t: torch.Tensor, quantized: frozenset[str] = frozenset()) -> int:
+    """Bytes of a streamed tensor in the daemon's store: its own, or those of its 8-bit form
+    when the daemon keeps it quantized (``name`` in ``quantized``)."""
+    return fp8.fp8_nbytes(t.shape) if name in quantized else t.nbytes
+
+
 def group_nbytes(tensor_bytes: list[int], alignment: int) -> int:
     """Bytes a group takes in the daemon: each tensor starts aligned, the end is rounded up
     (as ``layout_groups`` in ``daemon/src/session/layout.rs``)."""
@@ -229,16 +237,30 @@ class Grouping:
 
 
 def choose_groups(
-    root, layers, group_by, alignment: int, vram_budget: int | None, staging_bytes: int
+    root,
+    layers,
+    group_by,
+    alignment: int,
+    vram_budget: int | None,
+    staging_bytes: int,
+    quantized: frozenset[str] = frozenset(),
 ) -> Grouping:
-    """The groups and their sizes. Blocks need staging for three of the largest (the one in
-    use, the next, and one re-acquired); a smaller budget without an explicit staging size
-    streams layer by layer instead."""
+    """The groups and their sizes (``quantized``: the tensors the daemon keeps in 8 bits).
+    Blocks need staging for three of the largest (the one in use, the next, and one
+    re-acquired); a smaller budget without an explicit staging size streams layer by layer
+    instead."""
 
     def grouping(by) -> Grouping:
         members = group_layers(root, layers, by)
         sizes = [
-            group_nbytes([t.nbytes for n, m in ms for _, t in layer_tensors(n, m)], alignment)
+            group_nbytes(
+                [
+                    tensor_nbytes(tname, t, quantized)
+                    for n, m in ms
+                    for tname, t in layer_tensors(n, m)
+                ],
+                alignment,
+            )
             for ms in members.values()
         ]
         return Grouping(members, sizes)

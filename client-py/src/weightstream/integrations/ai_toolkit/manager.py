@@ -208,7 +208,11 @@ class MemoryManager:
 
 def _options(s: Settings, ignore: set[str]) -> wst.StreamOptions:
     return wst.StreamOptions(
-        min_bytes=s.min_bytes, group_by=s.group_by, lookahead=s.lookahead, ignore=ignore
+        min_bytes=s.min_bytes,
+        group_by=s.group_by,
+        lookahead=s.lookahead,
+        ignore=ignore,
+        quantize=s.quantize,
     )
 
 
@@ -301,6 +305,7 @@ def _refuse_ostris_quantized(root: nn.Module, ignore: set[str]):
         if name not in ignore and getattr(m, "is_ostris_quantized", False):
             raise policy.QuantizedWeight(
                 f"cannot stream {name!r}: it is ai-toolkit's {type(m).__name__}, quantized by "
-                "ai-toolkit (streaming quantized weights exactly is not supported yet); load "
-                "the model unquantized, or pass it in ignore_modules"
+                "ai-toolkit (its bytes are not the weight's); load the model unquantized "
+                "(model.quantize: false; weightstream's quantize: fp8 streams it in 8 bits), "
+                "or pass it in ignore_modules"
             )

@@ -18,6 +18,7 @@ ENV = {
     "min_bytes": "WEIGHTSTREAM_MIN_BYTES",
     "group_by": "WEIGHTSTREAM_GROUP_BY",
     "lookahead": "WEIGHTSTREAM_LOOKAHEAD",
+    "quantize": "WEIGHTSTREAM_QUANTIZE",
 }
 
 _UNITS = {
@@ -74,6 +75,8 @@ class Settings:
       Linear and Conv2d counts, as in ai-toolkit's offloading).
     - ``group_by``: ``block`` or ``layer`` (``StreamOptions.group_by``).
     - ``lookahead``: ``StreamOptions.lookahead`` (``none``: as many as staging holds).
+    - ``quantize``: ``fp8`` streams the weights in 8 bits (``StreamOptions.quantize``);
+      ``none`` (the default): as they are.
     """
 
     socket: str | None = None
@@ -82,6 +85,7 @@ class Settings:
     min_bytes: int = 0
     group_by: str = "block"
     lookahead: int | None = None
+    quantize: str | None = None
 
     @classmethod
     def load(cls, section: Mapping | None = None, env: Mapping[str, str] | None = None):
@@ -120,6 +124,12 @@ def _convert(key: str, what: str, value):
         if value not in ("block", "layer"):
             raise ValueError(f"{what}: {value!r}: expected 'block' or 'layer'")
         return value
+    if key == "quantize":
+        if value is None or str(value).lower() in ("none", ""):
+            return None
+        if value not in ("fp8", "fp8_e4m3_block64"):
+            raise ValueError(f"{what}: {value!r}: expected 'fp8' or 'none'")
+        return "fp8"
     if value is None or str(value).lower() == "none":
         return None
     try:

@@ -1,0 +1,149 @@
+"""The 8-bit weight format, in torch (no daemon): ``fp8_e4m3_block64``.
+
+A weight of shape S (rank >= 2; rows = S[0], cols = prod(S[1:])) is kept as ``q``, float8_e4m3fn
+in shape S, and ``scale``, float32 [rows, cols / 64] (one per 64 inputs of a row), or [rows, 1]
+when cols is not a multiple of 64 (one per row). scale = amax / 448 of its block (1 where that is
+0), q = e4m3(clamp(w / scale, -448, 448)); the weight a layer computes with is
+``w_hat = (q.float() * scale).to(compute dtype)``.
+
+The daemon quantizes in Rust (``daemon/src/store/quantize.rs``), byte for byte as
+``quantize_fp8_block64`` here (``daemon/tests/data/fp8_vectors.safetensors``, written by
+``tests/python/gen_fp8_vectors.py`` from this module, pins both). The exactness contract of 8-bit
+streaming: a model streamed in this format equals, bit for bit, the same model with each
+streamed weight replaced in place by its w_hat (``to_fp8_resident``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+#: The format's name on the wire (``TensorPlacement.quantization``).
+FP8_E4M3_BLOCK64 = "fp8_e4m3_block64"
+#: Names a caller may use for it.
+ALIASES = {"fp8": FP8_E4M3_BLOCK64, FP8_E4M3_BLOCK64: FP8_E4M3_BLOCK64}
+BLOCK = 64
+E4M3_MAX = 448.0
+#: The weight dtypes the format quantizes.
+QUANTIZABLE = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Fp8Weight(NamedTuple):
+    """A weight in ``fp8_e4m3_block64``: ``data`` float8_e4m3fn in the weight's shape,
+    ``scale`` float32 [rows, blocks per row]."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+
+def format_name(quantize: str | None) -> str | None:
+    """The wire name of ``quantize`` ("fp8" or "fp8_e4m3_block64"); None for None."""
+    if quantize is None:
+        return None
+    try:
+        return ALIASES[quantize]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"quantize={quantize!r}: expected None or 'fp8' (fp8_e4m3_block64)"
+        ) from None
+
+
+def scale_shape(shape) -> tuple[int, int]:
+    """[rows, blocks per row] of a weight of ``shape``."""
+    rows = shape[0]
+    cols = 1
+    for n in shape[1:]:
+        cols *= n
+    return rows, (cols // BLOCK if cols % BLOCK == 0 else 1)
+
+
+def fp8_nbytes(shape) -> int:
+    """Bytes of a quantized tensor in the daemon's store: data, zeros up to 16 bytes, scales."""
+    rows, blocks = scale_shape(shape)
+    data = rows
+    for n in shape[1:]:
+        data *= n
+    return -(-data // 16) * 16 + 4 * rows * blocks
+
+
+def check_quantizable(name: str, w: torch.Tensor):
+    """Raises ``ValueError`` naming ``name`` unless ``w`` is a float weight of rank >= 2."""
+    if w.dtype not in QUANTIZABLE:
+        raise ValueError(
+            f"cannot quantize {name!r} to fp8: its weight is {w.dtype} (fp8_e4m3_block64 takes "
+            "bfloat16, float16 or float32 weights); keep the layer out of quantization "
+            f"(ignore=[{name!r}] keeps it on the device)"
+        )
+    if w.dim() < 2:
+        raise ValueError(f"cannot quantize {name!r} to fp8: its weight has rank {w.dim()}")
+
+
+def quantize_fp8_block64(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documented quantization: (q, float8_e4m3fn in w's shape; scale, float32)."""
+    rows = w.shape[0]
+    cols = w.numel() // rows
+    block = BLOCK if cols % BLOCK == 0 else cols
+    x = w.float().reshape(rows, cols // block, block)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = amax / E4M3_MAX
+    # All zeros, or an amax so small that amax / 448 underflows: scale 1 (never 0/0).
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    q = (x / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(w.shape), scale.reshape(rows, cols // block)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w_hat = (q.float() * scale).to(dtype), in q's shape, on q's device. Holds one float32
+    copy of the weight while it runs (the product is formed in place in it)."""
+    rows, blocks = scale.shape
+    x = q.float()
+    x.view(rows, blocks, -1).mul_(scale.view(rows, blocks, 1))
+    return x.to(dtype)
+
+
+def dequantize_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(w.data, w.scale, dtype)
+
+
+def w_hat(w: torch.Tensor) -> torch.Tensor:
+    """The weight a layer computes with when ``w`` is streamed in 8 bits (w's dtype)."""
+    return dequantize(*quantize_fp8_block64(w), w.dtype)
+
+
+def to_fp8_resident(
+    model: nn.Module, names_or_predicate: Iterable[str] | Callable[[str, nn.Module], bool]
+) -> list[str]:
+    """The 8-bit resident reference: replaces, in place, the ``weight`` of each module named
+    (or of each for which ``predicate(name, module)`` is true) by its w_hat, same dtype and
+    device. Returns the names of the modules changed, in the model's order."""
+    modules = dict(model.named_modules())
+    if callable(names_or_predicate):
+        names = [n for n, m in modules.items() if names_or_predicate(n, m)]
+    else:
+        names = list(names_or_predicate)
+        missing = [n for n in names if n not in modules]
+        if missing:
+            raise KeyError(f"to_fp8_resident: no module named {missing[0]!r}")
+        wanted = set(names)
+        names = [n for n in modules if n in wanted]
+    for name in names:
+        weight = getattr(modules[name], "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            raise ValueError(f"to_fp8_resident: {name!r} has no weight")
+        check_quantizable(name, weight)
+        with torch.no_grad():
+            weight.copy_(w_hat(weight.detach()))
+    return names
+
+
+def sqnr_db(w: torch.Tensor, w_hat_: torch.Tensor) -> float:
+    """Signal to quantization noise of ``w_hat_`` against ``w``, in dB (inf when equal)."""
+    x = w.double()
+    noise = (x - w_hat_.double()).pow(2).sum()
+    signal = x.pow(2).sum()
+    if float(noise) == 0:
+        return float("inf")
+    return float(10 * torch.log10(signal / noise))

@@ -1,0 +1,337 @@
+"""Import stubs for ai-toolkit's dependencies that the bench machine lacks.
+
+tests/bench/ai_toolkit_real.py puts this folder first on PYTHONPATH for ai-toolkit's `run.py`
+(plain and through weightstream's launcher alike), so Python imports it at start-up. It serves
+the modules named in WS_AITK_STUBS (comma-separated top-level names) *only when they cannot be
+imported for real*: the finder sits at the end of `sys.meta_path`. ai-toolkit imports every
+extension and every model class at start-up (`toolkit/extension.py`), so most of these are
+imported but never run by an SDTrainer LoRA job on FLUX.1.
+
+A stub's attributes are placeholder classes that can be subclassed, compared with `isinstance`
+and used in annotations. Calling one (ai-toolkit builds a few torchao configs at import time)
+returns an inert placeholder and records the caller's file:line. Every attribute read and every
+call is written to WS_AITK_STUB_LOG (JSON, at exit), so the bench reports which stubbed names
+the run touched and where anything stubbed was called: a call outside an import is a stub on
+the executed path, which the bench treats as a failure.
+"""
+
+import atexit
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import json
+import os
+import sys
+import types
+
+_NAMES = {n.strip() for n in os.environ.get("WS_AITK_STUBS", "").split(",") if n.strip()}
+_DISTS = {n.strip() for n in os.environ.get("WS_AITK_STUB_DISTS", "").split(",") if n.strip()}
+_TOUCHED: dict[str, set[str]] = {}
+
+
+_CALLS: list[dict] = []
+
+
+class _StubMeta(type):
+    def __call__(cls, *args, **kwargs):
+        frame = sys._getframe(1)
+        _CALLS.append(
+            {
+                "name": f"{cls.__module__}.{cls.__qualname__}",
+                "at": f"{frame.f_code.co_filename}:{frame.f_lineno}",
+                "in_import": frame.f_code.co_name == "<module>",
+            }
+        )
+        return cls
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _placeholder(cls.__module__, f"{cls.__qualname__}.{name}")
+
+    def __getitem__(cls, item):
+        return cls
+
+
+def _placeholder(module: str, qualname: str):
+    return _StubMeta(
+        qualname.rsplit(".", 1)[-1], (), {"__module__": module, "__qualname__": qualname}
+    )
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        _TOUCHED.setdefault(self.__name__, set()).add(name)
+        value = _placeholder(self.__name__, name)
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] not in _NAMES:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        module.__version__ = "0.0.0+stub"
+        _TOUCHED.setdefault(spec.name, set())
+        return module
+
+    def exec_module(self, module):
+        pass
+
+    def find_distributions(self, context=None):
+        # WS_AITK_STUB_DISTS: stubs that must also look installed to importlib.metadata
+        # (diffusers' LTX-2 export utilities check that PyAV is installed before importing it).
+        if context is not None and context.name in _DISTS:
+            return iter([_StubDistribution(context.name)])
+        return iter(())
+
+
+class _StubDistribution(importlib.metadata.Distribution):
+    def __init__(self, name):
+        self._name = name
+
+    def read_text(self, filename):
+        if filename == "METADATA":
+            return f"Metadata-Version: 2.1\nName: {self._name}\nVersion: 0.0.0+stub\n"
+        return None
+
+    def locate_file(self, path):
+        return None
+
+
+def _dump():
+    path = os.environ.get("WS_AITK_STUB_LOG")
+    if path:
+        with open(path, "w") as f:
+            touched = {k: sorted(v) for k, v in sorted(_TOUCHED.items())}
+            json.dump({"touched": touched, "calls": _CALLS, "memory_manager": _MM}, f, indent=1)
+
+
+_HIDE = {n.strip() for n in os.environ.get("WS_AITK_HIDE", "").split(",") if n.strip()}
+# WS_AITK_HIDE: top-level names imported as if not installed (`None` in sys.modules makes
+# `import` raise and `importlib.util.find_spec` answer None). CPU runs hide `triton`: with triton
+# present, ai-toolkit's OmniGen2 kernels query the CUDA device at import time.
+for _name in _HIDE:
+    sys.modules[_name] = None
+if _NAMES:
+    sys.meta_path.append(_StubFinder())
+if _NAMES or _HIDE:
+    atexit.register(_dump)
+
+
+# WS_AITK_DETERMINISTIC: torch's deterministic algorithms (warn where an op has none), for the
+# bench's bit-for-bit comparison of two runs. run.py seeds from SEED itself.
+if os.environ.get("WS_AITK_DETERMINISTIC") == "1":
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+
+
+def _stats():
+    path = os.environ.get("WS_AITK_STATS")
+    torch = sys.modules.get("torch")
+    if not path or torch is None:
+        return
+    stats = {}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stats = {
+            "max_memory_allocated": torch.cuda.max_memory_allocated(),
+            "max_memory_reserved": torch.cuda.max_memory_reserved(),
+        }
+    with open(path, "w") as f:
+        json.dump(stats, f)
+
+
+# WS_AITK_STATS: the trainer's peak device memory as torch counts it, written at exit.
+if os.environ.get("WS_AITK_STATS"):
+    atexit.register(_stats)
+
+
+# Which MemoryManager served the run, and what ai-toolkit asked of it: once
+# `toolkit.memory_management` is imported (ai-toolkit's, or weightstream's through the
+# launcher), its class methods are wrapped to count the calls (recorded with the stub log).
+_MM: dict = {"implementation": None, "calls": []}
+
+
+def _wrap_memory_manager():
+    mod = sys.modules.get("toolkit.memory_management")
+    cls = getattr(mod, "MemoryManager", None) if mod is not None else None
+    if cls is None or getattr(cls, "_ws_bench_wrapped", False):
+        return cls is not None
+    _MM["implementation"] = cls.__module__
+
+    def wrap(name):
+        func = cls.__dict__[name].__func__
+
+        def call(klass, module, *args, **kwargs):
+            record = {"call": name, "module": type(module).__name__}
+            _MM["calls"].append(record)
+            if name in ("free", "detach"):
+                _session_stats(module, record)
+            out = func(klass, module, *args, **kwargs)
+            if name == "attach":
+                record.update(_attached(module))
+            return out
+
+        return classmethod(call)
+
+    for name in ("attach", "detach", "free"):
+        if isinstance(cls.__dict__.get(name), classmethod):
+            setattr(cls, name, wrap(name))
+    release = cls.__dict__.get("release_cached_memory")
+    if isinstance(release, classmethod):
+
+        def release_cached_memory(klass, _f=release.__func__):
+            _MM["calls"].append({"call": "release_cached_memory"})
+            return _f(klass)
+
+        cls.release_cached_memory = classmethod(release_cached_memory)
+    cls._ws_bench_wrapped = True
+    return True
+
+
+def _layer_bytes(m) -> int:
+    return sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+
+
+def _attached(module) -> dict:
+    """What the manager took over in ``module`` right after ``attach``: ai-toolkit's marks
+    each layer it bounces from the CPU with ``_layer_memory_manager``; weightstream's handle
+    lists the layers it streams (``handle.streamed``) and those it keeps (``handle.resident``)."""
+    layers = [
+        (n, m)
+        for n, m in module.named_modules()
+        if type(m).__name__ in ("Linear", "Conv2d", "LoRACompatibleLinear", "LoRACompatibleConv")
+    ]
+    out = {
+        "linear_conv_layers": len(layers),
+        "linear_conv_bytes": sum(_layer_bytes(m) for _, m in layers),
+    }
+    aitk = [(n, m) for n, m in module.named_modules() if hasattr(m, "_layer_memory_manager")]
+    if aitk:
+        out["aitk_managed_layers"] = len(aitk)
+        out["aitk_managed_bytes"] = sum(_layer_bytes(m) for _, m in aitk)
+        out["aitk_managed_on_cpu"] = all(
+            p.device.type == "cpu" for _, m in aitk for p in m.parameters(recurse=False)
+        )
+        out["aitk_unmanaged"] = len(module._memory_manager.unmanaged_modules)
+    manager = vars(module).get("_memory_manager")
+    handle = getattr(manager, "handle", None)
+    if handle is not None:
+        out["ws_streamed_layers"] = len(handle.streamed)
+        out["ws_streamed_bytes"] = sum(
+            _layer_bytes(layer.module) for layer in handle.streamed.values()
+        )
+        out["ws_resident_layers"] = len(handle.resident)
+        reasons: dict = {}
+        for layer, why in handle.resident.items():  # why a layer stays on the device
+            reasons.setdefault(str(why), []).append(layer)
+        out["ws_resident"] = {
+            why: names[:8] + ["..."] * (len(names) > 8) for why, names in reasons.items()
+        }
+        out["ws_model_id"] = handle.model_id
+        _HANDLES.append((type(module).__name__, handle))
+    elif manager is not None and "aitk_managed_layers" not in out:
+        out["ws_streamed_layers"] = 0
+    return out
+
+
+#: weightstream handles attached in this process: their daemon session statistics are taken
+#: when ai-toolkit frees or detaches the module and at exit (the sessions end with them).
+_HANDLES: list = []
+
+
+def _session_stats(module, record=None):
+    manager = vars(module).get("_memory_manager")
+    handle = getattr(manager, "handle", None)
+    if handle is None:
+        return
+    try:
+        stats = handle.stats()
+    except Exception as e:  # the bench reports it; the run goes on
+        stats = {"error": repr(e)}
+    _MM.setdefault("session_stats", []).append(
+        {"module": type(module).__name__, "when": record["call"] if record else "exit", **stats}
+    )
+
+
+def _stats_at_exit():
+    for name, handle in _HANDLES:
+        try:
+            stats = handle.stats()  # {} once the session is closed
+        except Exception as e:
+            stats = {"error": repr(e)}
+        if stats:
+            _MM.setdefault("session_stats", []).append({"module": name, "when": "exit", **stats})
+
+
+def _audit(event, args):
+    if (
+        event == "import"
+        and not _MM.get("done")
+        and str(args[0]).startswith(("jobs", "extensions"))
+    ):
+        _MM["done"] = _wrap_memory_manager()
+
+
+if os.environ.get("WS_AITK_STUB_LOG"):
+    sys.addaudithook(_audit)
+    if not (_NAMES or _HIDE):
+        atexit.register(_dump)
+    atexit.register(_stats_at_exit)  # registered after _dump: runs before it
+
+
+# WS_AITK_FLUX2_PARAMS: a JSON object of Klein4BParams fields (e.g. a reduced depth, or a
+# reduced width for the CPU). ai-toolkit's FLUX.2 klein 4B loader builds its transformer from
+# `Klein4BParams()`, a name looked up in its module's globals
+# (extensions_built_in/diffusion_models/flux2/flux2_klein_model.py, `get_flux2_params`):
+# once that module is imported, the name is rebound to `Klein4BParams(**fields)`. Nothing
+# else of ai-toolkit is changed; both runs get the same fields.
+_PATCHED = "extensions_built_in.diffusion_models.flux2.flux2_klein_model"
+
+
+def _patch_klein(module):
+    import functools
+
+    fields = json.loads(os.environ["WS_AITK_FLUX2_PARAMS"])
+    module.Klein4BParams = functools.partial(module.Klein4BParams, **fields)
+    _MM["patched"] = {f"{_PATCHED}.Klein4BParams": fields}
+
+
+class _PatchFinder(importlib.abc.MetaPathFinder):
+    """Finds `_PATCHED` with the finders after it, then runs `_patch_klein` once the module
+    has executed."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _PATCHED:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            _patch_klein(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+if os.environ.get("WS_AITK_FLUX2_PARAMS"):
+    sys.meta_path.insert(0, _PatchFinder())
+    if not (_NAMES or _HIDE or os.environ.get("WS_AITK_STUB_LOG")):
+        atexit.register(_dump)

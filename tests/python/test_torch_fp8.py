@@ -1,0 +1,355 @@
+"""weightstream.torch.attach(quantize="fp8") on the CPU against the daemon's host backend:
+outputs, gradients (LoRA and input) and losses equal (torch.equal) to the 8-bit resident
+reference, the same model with each streamed weight replaced in place by its w_hat
+(``weightstream.quantize.to_fp8_resident``)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+import weightstream.torch as wst
+from test_torch import inputs, make_model, train
+from torch import nn
+from weightstream import quantize
+from weightstream.session import Ticket
+from weightstream.torch import policy
+
+FP8 = quantize.FP8_E4M3_BLOCK64
+
+
+class FakeSession:
+    """The session side of ``attach`` without a daemon: acquires hand out fresh copies of the
+    stored tensors (an ``Fp8Weight`` for a quantized one); groups named in ``resident`` are
+    resident."""
+
+    def __init__(self, store, groups, resident):
+        self.store = store
+        self.groups = [
+            SimpleNamespace(
+                name=name,
+                tensors=[SimpleNamespace(name=t) for t in tensors],
+                resident=name in resident,
+                nbytes=1,
+            )
+            for name, tensors in groups
+        ]
+        self.opened = SimpleNamespace(staging_bytes=1 << 30, session_id="fake")
+        self.numbers = itertools.count(1)
+        self.submitted: dict[int, int] = {}
+        self.held = 0
+
+    def group_index(self, name):
+        return [g.name for g in self.groups].index(name)
+
+    def submit(self, group):
+        number = next(self.numbers)
+        self.submitted[number] = group
+        return number
+
+    def wait(self, number):
+        group = self.submitted.pop(number)
+        views = []
+        for t in self.groups[group].tensors:
+            stored = self.store[t.name]
+            copied = [x.clone() for x in stored] if isinstance(stored, tuple) else [stored.clone()]
+            views.append(quantize.Fp8Weight(*copied) if isinstance(stored, tuple) else copied[0])
+        self.held += 1
+        return Ticket(number, group, None, views)
+
+    def acquire(self, group):
+        return self.wait(self.submit(group))
+
+    def release(self, ticket):
+        ticket.tensors = []
+        self.held -= 1
+
+    def plan(self, groups):
+        pass
+
+    def stats(self):
+        return None
+
+    def close(self):
+        pass
+
+
+class FakeClient:
+    """``attach``'s calls to the daemon: the upload quantizes the tensors named in
+    ``quantize`` as the daemon does (``quantize_fp8_block64``)."""
+
+    def __init__(self, resident=()):
+        self.resident, self.store, self.session = set(resident), {}, None
+
+    def info(self):
+        return SimpleNamespace(alignment=512)
+
+    def upload_model(self, name, tensors, quantize=()):
+        names = set(quantize)
+        for n, t in tensors.items():
+            self.store[n] = quantize_fp8_block64(t) if n in names else t.clone()
+        listed = [
+            SimpleNamespace(name=n, quantization=FP8 if n in names else "none") for n in tensors
+        ]
+        return SimpleNamespace(model_id="fake", tensors=listed), False
+
+    def open_session(self, model_id, groups, vram_budget, **kwargs):
+        self.session = FakeSession(self.store, groups, self.resident)
+        return self.session
+
+    def release_model(self, model_id):
+        pass
+
+
+def quantize_fp8_block64(t):
+    # (FakeClient.upload_model's argument `quantize` hides the module there.)
+    return quantize.quantize_fp8_block64(t)
+
+
+def run(model, steps, dtype, **kwargs):
+    """``train`` on fresh inputs; also returns each step's input gradient."""
+    xs = inputs(steps, dtype)
+    return (*train(model, xs, **kwargs), [x.grad.clone() for x in xs])
+
+
+def assert_equal_runs(ref, got):
+    what = ("loss", "output", "grads", "samples", "input grads")
+    for name, a, b in zip(what, ref, got, strict=True):
+        assert len(a) == len(b), name
+        for step, (x, y) in enumerate(zip(a, b, strict=True)):
+            if isinstance(x, list):
+                for i, (gx, gy) in enumerate(zip(x, y, strict=True)):
+                    assert torch.equal(gx, gy), f"{name} {i} differs at step {step}"
+            else:
+                assert torch.equal(x, y), f"{name} differs at step {step}"
+
+
+def fp8_sizes(model, group_by: str, alignment: int) -> list[int]:
+    """The groups' sizes in the daemon when the streamed weights are kept in 8 bits."""
+    layers = policy.select(model, wst.StreamOptions(min_bytes=0)).streamed
+    quantized = frozenset(f"{n}.weight" for n, _ in layers)
+    return policy.choose_groups(model, layers, group_by, alignment, None, 0, quantized).sizes
+
+
+def budget(sizes: list[int], where: str) -> tuple[int, int]:
+    """(vram_budget, staging_bytes): "streamed": all staging, three of the largest group;
+    "mixed": that staging and room for about half of the groups to stay resident."""
+    staging = 3 * max(sizes)
+    if where == "streamed":
+        return staging, staging
+    return staging + sum(sorted(sizes)[: len(sizes) // 2]), staging
+
+
+def frozen_weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+@pytest.mark.parametrize(
+    "dtype,ckpt,autocast,group_by,where",
+    [
+        (torch.float32, None, False, "layer", "streamed"),
+        (torch.float32, "reentrant", False, "layer", "mixed"),
+        (torch.bfloat16, None, False, "layer", "mixed"),
+        (torch.bfloat16, "non-reentrant", False, "layer", "streamed"),
+        (torch.float32, "non-reentrant", True, "layer", "mixed"),
+        (torch.float32, None, False, "block", "mixed"),
+        (torch.float32, "reentrant", False, "block", "streamed"),
+        (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
+        (torch.bfloat16, None, False, "block", "streamed"),
+    ],
+)
+def test_fp8_attach_equals_the_8bit_resident_reference(
+    daemon, dtype, ckpt, autocast, group_by, where
+):
+    ref = make_model(dtype)
+    original = frozen_weights(ref)
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = ckpt
+    sizes = fp8_sizes(streamed, group_by, daemon.client.info().alignment)
+    vram_budget, staging = budget(sizes, where)
+    handle = wst.attach(
+        streamed,
+        "cpu",
+        client=daemon.client,
+        min_bytes=0,
+        vram_budget=vram_budget,
+        staging_bytes=staging,
+        group_by=group_by,
+        quantize="fp8",
+    )
+    assert [g.nbytes for g in handle.session.groups] == sizes
+    resident = [g.resident for g in handle.session.groups]
+    if where == "streamed":
+        assert not any(resident), resident
+    else:
+        assert any(resident) and not all(resident), resident
+    # The daemon keeps the streamed weights in 8 bits, biases as they are.
+    placed = {t.name: t for g in handle.session.groups for t in g.tensors}
+    for name in handle.streamed:
+        assert placed[f"{name}.weight"].quantization == FP8, name
+        if f"{name}.bias" in placed:
+            assert placed[f"{name}.bias"].quantization == "none", name
+    changed = quantize.to_fp8_resident(ref, handle.streamed)
+    assert len(changed) == len(handle.streamed) == 20
+    assert not torch.equal(
+        ref.blocks[0].fc1.base_layer.weight, original["blocks.0.fc1.base_layer.weight"]
+    ), "the reference computes with w_hat, not w"
+    assert_equal_runs(
+        run(ref, 3, dtype, sample_between=True, autocast=autocast),
+        run(streamed, 3, dtype, sample_between=True, autocast=autocast),
+    )
+    stats = handle.stats()
+    modules = dict(ref.named_modules())
+    largest = max(modules[n].weight.nbytes for n in handle.streamed)
+    assert stats["dequant_peak_bytes"] == largest
+    product = 0 if dtype == torch.float32 else largest * 2
+    assert stats["dequant_scratch_peak_bytes"] == largest + product
+    handle.detach(release=True)
+
+
+def test_fp8_weights_are_dequantized_for_each_use(daemon, monkeypatch):
+    """Streamed and resident layers alike dequantize in forward and again in backward: no
+    w_hat is kept between calls (nor saved for backward)."""
+    calls = []
+    real = quantize.dequantize
+    monkeypatch.setattr(quantize, "dequantize", lambda *a: calls.append(1) or real(*a))
+    model = make_model()
+    sizes = fp8_sizes(model, "block", daemon.client.info().alignment)
+    vram_budget, staging = budget(sizes, "mixed")
+    handle = wst.attach(
+        model,
+        "cpu",
+        client=daemon.client,
+        min_bytes=0,
+        vram_budget=vram_budget,
+        staging_bytes=staging,
+        quantize="fp8",
+    )
+    assert any(layer.pinned is not None for layer in handle.streamed.values())
+    assert all(layer.fixed is None for layer in handle.streamed.values()), "no w_hat kept"
+    xs = inputs(2, torch.float32)
+    train(model, xs)
+    assert len(calls) == 2 * 2 * len(handle.streamed), "one per layer and pass"
+    calls.clear()
+    with torch.no_grad():
+        model(xs[0])
+    assert len(calls) == len(handle.streamed)
+    handle.detach(release=True)
+
+
+def test_attach_to_an_fp8_model_the_daemon_loaded(daemon, tmp_path):
+    from safetensors.torch import save_file
+
+    model = make_model(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    frozen = {
+        n: p.detach().contiguous()
+        for n, p in model.named_parameters()
+        if not p.requires_grad and not n.startswith("mha.")
+    }
+    path = tmp_path / "base.safetensors"
+    save_file(frozen, str(path))
+    manifest = daemon.client.load_model([str(path)], "base", quantize="fp8")
+    kinds = {t.name: t.quantization for t in manifest.tensors}
+    assert kinds["blocks.0.fc1.base_layer.weight"] == FP8
+    assert kinds["blocks.0.fc1.base_layer.bias"] == kinds["blocks.0.norm1.weight"] == "none"
+    with pytest.warns(UserWarning, match="streaming the daemon's copy"):
+        handle = wst.attach(
+            model, "cpu", client=daemon.client, min_bytes=0, model=manifest.model_id
+        )
+    assert len(daemon.client.list_models().models) == 1, "nothing was uploaded"
+    quantize.to_fp8_resident(ref, handle.streamed)
+    assert_equal_runs(run(ref, 2, torch.bfloat16), run(model, 2, torch.bfloat16))
+    assert handle.stats()["dequant_peak_bytes"] == 256 * 64 * 2
+    handle.detach()
+    # Asking for 8 bits from a model loaded without them is refused, naming a tensor.
+    plain = daemon.client.load_model([str(path)], "plain")
+    assert plain.model_id != manifest.model_id, "the format is part of the model's identity"
+    with pytest.raises(ValueError, match=r"quantize='fp8', but its tensor 'conv_in.weight'"):
+        wst.attach(
+            make_model(torch.bfloat16),
+            "cpu",
+            client=daemon.client,
+            min_bytes=0,
+            model=plain.model_id,
+            quantize="fp8",
+        )
+
+
+def test_detach_gives_back_the_dequantized_weights(daemon):
+    model = make_model()
+    ref = copy.deepcopy(model)
+    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, quantize="fp8")
+    names = list(handle.streamed)
+    handle.detach(release=True)
+    quantize.to_fp8_resident(ref, names)
+    for (name, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert daemon.client.list_models().models == []
+
+
+def test_fp8_refuses_a_weight_it_cannot_quantize_naming_the_layer():
+    """No daemon needed: attach refuses before it connects."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).requires_grad_(False)
+    model[1].weight = nn.Parameter(torch.zeros(64, 64, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(ValueError, match="cannot quantize '1' to fp8: its weight is torch.int8"):
+        wst.attach(model, "cpu", min_bytes=0, quantize="fp8")
+    assert model[1].weight.dtype == torch.int8 and model[0].weight.device.type == "cpu"
+    with pytest.raises(ValueError, match="quantize='int8': expected None or 'fp8'"):
+        wst.StreamOptions(quantize="int8")
+
+
+@pytest.mark.parametrize(
+    "dtype,ckpt,autocast,resident",
+    [
+        (torch.float32, None, False, ()),
+        (torch.bfloat16, "non-reentrant", False, ("blocks.0", "conv_in")),
+        (torch.float32, "reentrant", True, ("blocks.1", "proj_out")),
+        (torch.bfloat16, None, False, ("conv_in", "blocks.0", "blocks.1", "blocks.2", "proj_out")),
+    ],
+)
+def test_fp8_glue_without_a_daemon(dtype, ckpt, autocast, resident):
+    """attach's torch side over a fake daemon that quantizes as the daemon does: results equal
+    the 8-bit resident reference, streamed and resident groups alike, and every ticket is
+    given back."""
+    ref = make_model(dtype)
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = ckpt
+    client = FakeClient(resident)
+    handle = wst.attach(streamed, "cpu", client=client, min_bytes=0, quantize="fp8")
+    assert [g.name for g in client.session.groups if g.resident] == [
+        g for g in ("conv_in", "blocks.0", "blocks.1", "blocks.2", "proj_out") if g in resident
+    ]
+    assert isinstance(client.store["blocks.0.fc1.base_layer.weight"], tuple)
+    assert isinstance(client.store["blocks.0.fc1.base_layer.bias"], torch.Tensor)
+    quantize.to_fp8_resident(ref, handle.streamed)
+    assert_equal_runs(
+        run(ref, 3, dtype, sample_between=True, autocast=autocast),
+        run(streamed, 3, dtype, sample_between=True, autocast=autocast),
+    )
+    assert handle.stats()["dequant_peak_bytes"] == 256 * 64 * ref.proj_out.weight.element_size()
+    handle.close()
+    assert client.session.held == 0
+
+
+def test_ai_toolkit_streams_in_8_bits_when_configured(daemon):
+    from weightstream.integrations import ai_toolkit
+    from weightstream.integrations.ai_toolkit import MemoryManager
+    from weightstream.integrations.ai_toolkit.settings import Settings
+
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ai_toolkit.configure(Settings(socket=daemon.socket, quantize="fp8"))
+    try:
+        manager = MemoryManager.attach(model, torch.device("cpu"), offload_percent=1.0)
+    finally:
+        ai_toolkit.configure(None)
+    handle = manager.handle
+    placed = {t.name: t.quantization for g in handle.session.groups for t in g.tensors}
+    assert {placed[f"{n}.weight"] for n in handle.streamed} == {FP8}
+    quantize.to_fp8_resident(ref, handle.streamed)
+    assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
+    MemoryManager.detach(model, release=True)
