@@ -39,7 +39,8 @@ from torch import nn
 import weightstream
 from weightstream import quantize
 from weightstream.client import Client
-from weightstream.torch import ops, placeholder, policy
+from weightstream.torch import budget, ops, placeholder, policy
+from weightstream.torch.budget import AutoBudget, AutoBudgetError
 from weightstream.torch.handle import Handle, StreamedLayer
 from weightstream.torch.hooks import HookConflict, HookRegistry
 from weightstream.torch.options import DEFAULT_MIN_BYTES, StreamOptions
@@ -52,6 +53,8 @@ INPUT_GRAD = "formula"
 
 __all__ = [
     "DEFAULT_MIN_BYTES",
+    "AutoBudget",
+    "AutoBudgetError",
     "INPUT_GRAD",
     "Handle",
     "HookConflict",
@@ -87,7 +90,7 @@ def attach(
     device: torch.device | str,
     options: StreamOptions | None = None,
     *,
-    vram_budget: int | None = None,
+    vram_budget: int | str | AutoBudget | None = None,
     staging_bytes: int = 0,
     model: str | None = None,
     client: Client | None = None,
@@ -100,7 +103,10 @@ def attach(
     - ``options``: ``StreamOptions`` (input gradient, grouping, ``min_bytes``, ``include``,
       ``ignore``, lookahead); any of its fields may also be passed as a keyword here.
     - ``vram_budget``: device bytes the daemon may use for this session (default: a quarter
-      of the streamed bytes, at least three times the largest group).
+      of the streamed bytes, at least three times the largest group). ``"auto"`` (or an
+      ``AutoBudget``, to choose its margin or probes): starts at two of the largest group,
+      measures the trainer through its first step, then grows to what the device has left
+      less a margin, and shrinks when another job needs room (``budget``).
     - ``staging_bytes``: the part of it for streaming (default: the daemon's choice).
     - ``model``: the id of a model the daemon already loaded from safetensors whose tensor
       names match the module's parameter names; otherwise the weights are uploaded. A model
@@ -137,6 +143,11 @@ def attach(
     client = client or weightstream.connect()
     alignment = client.info().alignment or 1
     label = label or type(module).__name__
+    auto = budget.resolve(vram_budget)
+    if auto is not None:
+        if staging_bytes:
+            raise ValueError('vram_budget="auto" chooses staging_bytes: leave it 0')
+        vram_budget = None  # the groups are chosen as for a budget that fits blocks
     manifest, uploaded = _model_of(client, selection.streamed, model, label, fmt)
     session, freed = None, []
     try:
@@ -158,7 +169,10 @@ def attach(
             (gname, [t for n, m in ms for t, _ in policy.layer_tensors(n, m)])
             for gname, ms in grouping.members.items()
         ]
-        if vram_budget is None:
+        if auto is not None:
+            auto.bind(device, grouping.sizes, alignment)
+            vram_budget, staging_bytes = auto.budget, auto.staging
+        elif vram_budget is None:
             vram_budget = policy.default_budget(grouping.sizes)
         # The daemon allocates the session's budget on the device: the trainer's copies there
         # go first, and torch's cache gives their memory back.
@@ -188,6 +202,8 @@ def attach(
         handle._pin_resident()
         _move_the_rest(module, handle.streamed, device)
         _free(selection.streamed, device)
+        if auto is not None:
+            handle._auto_attach(module, auto)
     except BaseException as e:
         _undo(hooks, session, client, uploaded, freed, e)
         raise

@@ -16,7 +16,7 @@ from weightstream.client import Client
 from weightstream.errors import SessionFault
 from weightstream.quantize import Fp8Weight
 from weightstream.session import Session
-from weightstream.torch import ops, policy
+from weightstream.torch import budget, ops, policy
 from weightstream.torch.hooks import HookRegistry
 from weightstream.torch.options import StreamOptions
 
@@ -84,6 +84,11 @@ class Handle:
     _pinned: list = field(default_factory=list)
     _hooks: HookRegistry = field(default_factory=HookRegistry)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: ``vram_budget="auto"``: the policy, and the hooks on the attached module that find
+    #: each step's start (``budget``).
+    _auto: budget.AutoBudget | None = None
+    _auto_armed: bool = False
+    _auto_hooks: list = field(default_factory=list)
     #: See ``stats``.
     _dequant_peak: int = 0
     _dequant_scratch_peak: int = 0
@@ -145,7 +150,11 @@ class Handle:
             pass  # refused (arena full): nothing to give back
 
     def _start_lookahead(self, plan: list[int]):
-        if self.options.lookahead == 0:
+        # Groups resident since the plan was recorded (set_budget with keep_plan) are not
+        # acquired per step: the lookahead follows the streamed ones (the daemon skips them).
+        groups = self.session.groups
+        plan = [g for g in plan if not groups[g].resident]
+        if self.options.lookahead == 0 or not plan:
             return
         self._lookahead = policy.Lookahead(
             plan,
@@ -196,11 +205,16 @@ class Handle:
             plan = self._recording.groups
             self.session.plan(plan)
             self._start_lookahead(plan)
+            self._recording = None
+            if self._auto is not None:
+                self._auto_grow()
         self._recording = None
 
-    def set_budget(self, vram_budget: int, staging_bytes: int = 0):
+    def set_budget(self, vram_budget: int, staging_bytes: int = 0, keep_plan: bool = False):
         """Reopens the session with another device budget (same model, same groups); the plan
-        is recorded again from the next step."""
+        is recorded again from the next step, or with ``keep_plan`` the plan sent so far is
+        sent to the new session (call it between steps: views of the old session die)."""
+        plan = self.session.last_plan if keep_plan and self._recording is None else None
         self._drop_lookahead()
         self._unpin()
         old = self.session
@@ -215,7 +229,15 @@ class Handle:
             label=old.opened.session_id,
         )
         self._pin_resident()
-        self._recording = policy.PlanRecorder()
+        if plan:
+            self.session.plan(plan)
+            self._start_lookahead(plan)
+            self._recording = None
+        else:
+            self._recording = policy.PlanRecorder()
+        if self._auto is not None:
+            self._auto.budget = vram_budget
+            self._auto.staging = self.session.opened.staging_bytes
 
     def reconnect(self, *, restore=None, timeout: float = 30.0):
         """After the daemon restarted (a call raised ``DaemonUnavailable``): opens the session
@@ -238,18 +260,81 @@ class Handle:
             self._recording = policy.PlanRecorder()
 
     def stats(self) -> dict:
-        """The daemon's counters of the session (none when it does not list it), and the
+        """The daemon's counters of the session (none when it does not list it), the
         trainer's side of 8-bit streaming: ``dequant_peak_bytes``, the largest dequantized
         weight so far, and ``dequant_scratch_peak_bytes``, the most device memory one
-        dequantization held at once (that weight and, below float32, its float32 product)."""
-        out = {}
+        dequantization held at once (that weight and, below float32, its float32 product);
+        with ``vram_budget="auto"`` the policy's decisions (``auto_*``: ``AutoBudget.stats``)."""
+        out = {} if self._auto is None else self._auto.stats()
         s = self.session.stats()
         if s is not None:
-            out = {f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields}
+            out.update({f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields})
             out["hit_rate"] = s.hits / s.acquires if s.acquires else 0.0
         out["dequant_peak_bytes"] = self._dequant_peak
         out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
         return out
+
+    # --- vram_budget="auto" -------------------------------------------------------------
+
+    def _auto_attach(self, module: nn.Module, auto: budget.AutoBudget):
+        """Hooks the attached module: its forward's start is a step's start once a backward
+        pass reached its output (then no graph holds views of the session: it may reopen)."""
+        self._auto = auto
+        self._auto_hooks = [
+            module.register_forward_pre_hook(self._auto_step_start),
+            module.register_forward_hook(self._auto_arm_on_backward),
+        ]
+        auto.start()
+
+    def _auto_arm_on_backward(self, module, args, output):
+        t = _first_grad_tensor(output)
+        if t is not None:
+            t.register_hook(self._auto_arm)
+
+    def _auto_arm(self, grad):
+        self._auto_armed = True
+
+    def _auto_step_start(self, module, args):
+        if not self._auto_armed:
+            return
+        self._auto_armed = False
+        rec = self._recording
+        if rec is not None:
+            if rec.groups and rec.seen_backward:
+                self.end_step()  # the first step is over: its plan, then the growth
+            return
+        self.check_budget()
+
+    def _auto_probe(self):
+        free, total = self._auto.probe()
+        return free, total, self._auto.trainer_probe()
+
+    def _auto_grow(self):
+        """After the first step's plan was sent: grows the session to what the device has
+        left (``AutoBudget.grow``), keeping the plan."""
+        free, total, trainer = self._auto_probe()
+        current = self._auto.budget
+        decision = self._auto.grow(free, total, trainer, current)
+        if decision.budget > current:
+            self.set_budget(decision.budget, decision.staging, keep_plan=True)
+
+    def check_budget(self):
+        """With ``vram_budget="auto"``: shrinks the session if the device's free memory fell
+        under half the margin (``AutoBudget.check``), or raises ``AutoBudgetError``. Runs by
+        itself at the start of each step; call it between steps only (a step's graph may hold
+        views of the session)."""
+        if self._auto is None or self._recording is not None:
+            return
+        free, total, trainer = self._auto_probe()
+        current = self._auto.budget
+        decision = self._auto.check(free, total, trainer, current)
+        if decision is not None and decision.budget < current:
+            self.set_budget(decision.budget, decision.staging, keep_plan=True)
+
+    def _auto_detach(self):
+        for h in self._auto_hooks:
+            h.remove()
+        self._auto_hooks = []
 
     def detach(self, release: bool = False, device: torch.device | str | None = None):
         """Puts the weights back into the layers (on ``device``, by default the session's;
@@ -258,6 +343,7 @@ class Handle:
         session; with ``release``, also drops this handle's reference to the daemon's copy (it
         goes when no other session uses it)."""
         device = self.device if device is None else torch.device(device)
+        self._auto_detach()
         self._drop_lookahead()
         self._unpin()
         for name, layer in self.streamed.items():
@@ -281,6 +367,7 @@ class Handle:
         discarded: weightstream's forwards come out, and the streamed layers keep their
         placeholders (they cannot run any more). With ``release``, also drops this handle's
         reference to the daemon's copy."""
+        self._auto_detach()
         self._drop_lookahead()
         self._unpin()
         self._hooks.remove_all()
@@ -288,3 +375,18 @@ class Handle:
         self.session.close()
         if release:
             self.client.release_model(self.model_id)
+
+
+def _first_grad_tensor(output):
+    """The first tensor requiring grad in a module's output (a tensor, a tuple or list, a
+    dict or a ``ModelOutput``), or None."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            t = _first_grad_tensor(item)
+            if t is not None:
+                return t
+    return None

@@ -87,7 +87,7 @@ class MemoryManager:
                     module,
                     device,
                     dataclasses.replace(options, ignore=ignore | keep),
-                    vram_budget=settings.vram_budget,
+                    vram_budget=_budget(settings, offload_percent),
                     staging_bytes=settings.staging_bytes,
                     client=weightstream.connect(settings.socket),
                 )
@@ -271,6 +271,15 @@ def _frozen(layers):
             for pname, p in m.named_parameters(recurse=False):
                 if was.get((name, pname)) and not is_placeholder(p):
                     p.requires_grad_(True)
+
+
+def _budget(settings, offload_percent: float):
+    """The session's budget: the one set, else ``"auto"`` when ai-toolkit offloads every
+    layer (``offload_percent`` 1, its default), else weightstream's fixed default (None): a
+    job that chose a percent keeps ai-toolkit's meaning of it, that fraction streamed."""
+    if settings.vram_budget is not None:
+        return settings.vram_budget
+    return "auto" if offload_percent >= 1.0 else None
 
 
 def _largest_first(candidates, percent: float) -> list[str]:

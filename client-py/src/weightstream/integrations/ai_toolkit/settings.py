@@ -63,8 +63,13 @@ def parse_size(what: str, value) -> int:
 @dataclass(frozen=True)
 class Settings:
     """- ``socket``: the daemon's socket (default: weightstream's default).
-    - ``vram_budget``: device bytes of each attached module's session (default: a quarter of
-      its streamed bytes, at least three of its largest blocks).
+    - ``vram_budget``: device bytes of each attached module's session, or ``auto``
+      (``weightstream.torch.budget``: grown after the first step to what the device has left
+      less a margin). Default: ``auto`` where ai-toolkit's ``offload_percent`` is 1 (its
+      default: offload everything, weightstream decides what stays resident); where the job
+      sets a smaller percent, that fraction streams and the rest stays on the device as
+      ai-toolkit does, with weightstream's fixed default (a quarter of the streamed bytes, at
+      least three of the largest blocks).
     - ``staging_bytes``: the streaming part of that budget (default: the daemon's choice).
     - ``min_bytes``: layers with fewer weight bytes stay on the device (default 0: every
       Linear and Conv2d counts, as in ai-toolkit's offloading).
@@ -75,7 +80,7 @@ class Settings:
     """
 
     socket: str | None = None
-    vram_budget: int | None = None
+    vram_budget: int | str | None = None
     staging_bytes: int = 0
     min_bytes: int = 0
     group_by: str = "block"
@@ -112,6 +117,8 @@ def _convert(key: str, what: str, value):
     if key in ("vram_budget", "staging_bytes", "min_bytes"):
         if key == "vram_budget" and str(value).lower() in ("none", "default", ""):
             return None
+        if key == "vram_budget" and str(value).strip().lower() == "auto":
+            return "auto"
         return parse_size(what, value)
     if key == "group_by":
         if value not in ("block", "layer"):
