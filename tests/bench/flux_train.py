@@ -413,6 +413,28 @@ def mode_weightstream(args, record):
     record["det_budget_gib"] = args.det_budget
 
 
+def mode_weightstream_auto(args, record):
+    """attach(vram_budget="auto"): the session starts at its minimum, grows after the first
+    step to what the device has left less the margin, and is timed there."""
+    import torch
+    import weightstream
+    import weightstream.torch as wst
+
+    model = add_lora(build_for_attach())
+    client = weightstream.connect(args.socket)
+    started = time.monotonic()
+    handle = wst.attach(model, "cuda", client=client, vram_budget="auto", quantize=args.quantize)
+    record["attach_s"] = round(time.monotonic() - started, 1)
+    if args.quantize:
+        record["quantize"] = args.quantize
+    r = record["budgets"] = {"auto": {}}
+    measure_budget(args, handle, client, model, r["auto"])
+    stats = handle.stats()
+    r["auto"].update({k: v for k, v in stats.items() if k.startswith("auto_")})
+    free, total = torch.cuda.mem_get_info()
+    r["auto"]["device_free_after_gib"] = round(free / GiB, 2)
+
+
 def daemon_part(args, budget_gib: float) -> int:
     """The daemon's share of a budget: all but what the trainer needs beside the weights
     (activations with checkpointing, LoRA and its optimizer state)."""
@@ -528,6 +550,7 @@ MODES = {
     "resident": mode_resident,
     "resident-fp8": mode_resident_fp8,  # run by default only with --quantize fp8
     "weightstream": mode_weightstream,
+    "weightstream-auto": mode_weightstream_auto,
     "ramtorch": mode_ramtorch,
     "accelerate-offload": mode_accelerate,
     "diffusers-group-offload": mode_group_offload,
