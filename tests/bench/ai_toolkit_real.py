@@ -571,6 +571,9 @@ def run_one(
     folder.mkdir()
     (folder / "model").symlink_to(model)
     shutil.copytree(data, folder / "data")
+    if mode == "resident":
+        # The reference: the same job without any offloading (the weights in place).
+        yaml_text = yaml_text.replace("layer_offloading: true", "layer_offloading: false")
     (folder / "job.yaml").write_text(yaml_text)
     aitk = Path(args.aitk).resolve()
     env = dict(os.environ)
@@ -603,7 +606,7 @@ def run_one(
     if not cuda:
         env["WS_AITK_HIDE"] = "triton"
     daemon = None
-    if mode == "aitk":
+    if mode in ("aitk", "resident"):
         cmd = [sys.executable, str(aitk / "run.py"), "job.yaml"]
     else:
         daemon, sock = start_daemon(args.bin, folder, "cuda" if cuda else "host")
@@ -792,9 +795,29 @@ def main(argv=None) -> int:
     report["stubs_called_outside_imports"] = called
     ok = ok and not any(called.values())
     if klein and ok:
-        report["streaming"] = streaming = streaming_check(runs)
+        report["streaming"] = streaming = streaming_check(
+            [r for r in runs if r["mode"] != "resident"]
+        )
         ok = ok and streaming["ok"]
-    if ok and len(runs) == 2:
+    by_mode = {r["mode"]: r for r in runs}
+    if ok and "resident" in by_mode:
+        # With the weights-in-place run present, each offloading run is compared with it;
+        # weightstream's must equal it bit for bit (ai-toolkit's is reported).
+        ref, ref_lora = by_mode["resident"], loras["resident"]
+        report["vs_resident"] = {}
+        for mode, run in by_mode.items():
+            if mode == "resident":
+                continue
+            lora = loras[mode]
+            report["vs_resident"][mode] = {
+                "losses_equal": run["losses"] == ref["losses"] and len(ref["losses"]) > 0,
+                "lora_equal": lora.keys() == ref_lora.keys()
+                and all(torch.equal(lora[k], ref_lora[k]) for k in lora),
+                "loss_diffs": [x - y for x, y in zip(run["losses"], ref["losses"], strict=False)],
+            }
+        ws = report["vs_resident"].get("weightstream", {})
+        ok = bool(ws.get("losses_equal") and ws.get("lora_equal"))
+    elif ok and len(runs) == 2:
         a, b = runs
         report["losses_equal"] = a["losses"] == b["losses"] and len(a["losses"]) > 0
         la, lb = loras[a["mode"]], loras[b["mode"]]
@@ -938,6 +961,11 @@ def markdown(r: dict) -> str:
         result += (
             f", losses bit-identical: {r['losses_equal']},"
             f" saved LoRA tensors bit-identical: {r['lora_equal']} ({r['lora_tensors']} tensors)"
+        )
+    for mode, cmp in (r.get("vs_resident") or {}).items():
+        result += (
+            f"; {mode} vs no offloading: losses bit-identical {cmp['losses_equal']},"
+            f" LoRA bit-identical {cmp['lora_equal']}"
         )
     lines = [
         "# ai-toolkit's real run: its layer offloading vs weightstream's launcher",

@@ -411,6 +411,9 @@ def mode_weightstream(args, record):
     _, losses = steps(model, args.det_steps, init)
     record["det_losses"] = losses
     record["det_budget_gib"] = args.det_budget
+    # The next mode uploads again: give the daemon's host copy back (the host quota would
+    # refuse a second 64 GB FLUX.2 copy).
+    handle.close(release=True)
 
 
 def mode_weightstream_auto(args, record):
@@ -433,6 +436,7 @@ def mode_weightstream_auto(args, record):
     r["auto"].update({k: v for k, v in stats.items() if k.startswith("auto_")})
     free, total = torch.cuda.mem_get_info()
     r["auto"]["device_free_after_gib"] = round(free / GiB, 2)
+    handle.close(release=True)
 
 
 def daemon_part(args, budget_gib: float) -> int:
