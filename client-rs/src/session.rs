@@ -253,11 +253,14 @@ impl Session {
     /// reconnected") until [`Session::reopen`]. The first half of [`Session::reconnect`], for
     /// a caller that restores the model itself in between.
     pub fn disconnect(&mut self) {
-        let (dead, _) = mpsc::unbounded_channel();
-        drop(std::mem::replace(&mut self.tx, dead));
+        // The reason first: once the request stream is dropped, the daemon ends the reply
+        // stream, and the reader would record its own reason ("the stream ended") first if
+        // it got there before this line (seen under load in fake_daemon.rs).
         lock(&self.routes)
             .ended
             .get_or_insert_with(|| "the session was reconnected".into());
+        let (dead, _) = mpsc::unbounded_channel();
+        drop(std::mem::replace(&mut self.tx, dead));
     }
 
     /// Opens this session again through `client` (one that answers: see
