@@ -7,6 +7,7 @@ use prost::Message;
 use weightstream_client::proto;
 use weightstream_daemon::config::Limits;
 use weightstream_daemon::server::validate::Validation;
+use weightstream_daemon::store::DeclQuant;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(req) = proto::BeginUploadRequest::decode(data) else {
@@ -25,10 +26,22 @@ fuzz_target!(|data: &[u8]| {
     match validation.begin_upload(unnamed) {
         Ok(valid) => {
             assert_eq!(valid.tensors.len(), req.tensors.len());
-            for ((_, dtype, shape, nbytes), t) in valid.tensors.iter().zip(&req.tensors) {
-                let elems = shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
-                assert_eq!(elems.and_then(|e| e.checked_mul(dtype.size())), Some(*nbytes));
-                assert!(t.nbytes == 0 || t.nbytes == *nbytes);
+            for (decl, t) in valid.tensors.iter().zip(&req.tensors) {
+                let elems = decl.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
+                let written = elems.and_then(|e| e.checked_mul(decl.dtype.size()));
+                match decl.quant {
+                    // Written as declared (and quantized at commit, or kept): dtype × shape.
+                    DeclQuant::None | DeclQuant::AtCommit(_) => {
+                        assert_eq!(written, Some(decl.nbytes))
+                    }
+                    // Written as data, padding and scales: the layout's size, data first.
+                    DeclQuant::Prequantized(layout) => {
+                        assert_eq!(layout.nbytes, decl.nbytes);
+                        assert_eq!(Some(layout.data_bytes), written);
+                        assert!(layout.scale_offset >= layout.data_bytes);
+                    }
+                }
+                assert!(t.nbytes == 0 || t.nbytes == decl.nbytes);
             }
         }
         Err(e) => assert!(e.to_string().starts_with("tensors"), "{e}"),
