@@ -151,10 +151,8 @@ def main(rank: int, world: int, socket: str, store: str, out: str):
     stats = handle.stats()
     # Rank 0 holds the upload's reference; each session holds one for its uid until it closes.
     handle.detach(release=rank == 0)
-    torch.save(
-        {"after": after, "listed": listed, "model_id": ids[0], "streamed": streamed, "stats": stats},
-        out,
-    )
+    saved = {"after": after, "listed": listed, "model_id": ids[0], "streamed": streamed}
+    torch.save({**saved, "stats": stats}, out)
     dist.destroy_process_group()
 
 
