@@ -477,17 +477,26 @@ impl HostRegistration {
     ) -> Result<HostRegistration, CudaError> {
         ctx.bind()?;
         let ptr = ptr as *mut c_void;
-        let mut flags = ffi::HOST_REGISTER_PORTABLE;
-        if read_only {
-            flags |= ffi::HOST_REGISTER_READ_ONLY;
-        }
         // SAFETY: see above; a context is bound.
-        unsafe { ffi::mem_host_register(ptr, len, flags) }?;
+        unsafe { ffi::mem_host_register(ptr, len, register_flags(read_only)) }?;
         Ok(HostRegistration {
             ctx: ctx.clone(),
             ptr,
         })
     }
+}
+
+/// The `cuMemHostRegister` flags of a registration: always `PORTABLE`, because one daemon
+/// registers the store's arenas once (in device 0's context) and every device's copy stream
+/// DMAs from them; without it the pages count as page-locked for the registering context
+/// only, and another device's copies of them fall back to staged (pageable) copies. A
+/// read-only mapping (a sealed upload) adds `READ_ONLY`, and stays `PORTABLE`.
+fn register_flags(read_only: bool) -> u32 {
+    let mut flags = ffi::HOST_REGISTER_PORTABLE;
+    if read_only {
+        flags |= ffi::HOST_REGISTER_READ_ONLY;
+    }
+    flags
 }
 
 impl Drop for HostRegistration {
@@ -510,6 +519,15 @@ mod tests {
     fn uuid_is_formatted_like_nvidia_smi() {
         let b: [u8; 16] = std::array::from_fn(|i| i as u8 * 17);
         assert_eq!(format_uuid(&b), "GPU-00112233-4455-6677-8899-aabbccddeeff");
+    }
+
+    /// Every registration, the read-only one of a sealed upload included, is `PORTABLE` (0x01):
+    /// one host copy serves the copy streams of every device's context.
+    #[test]
+    fn host_registrations_are_portable_for_every_device() {
+        assert_eq!(register_flags(false), 0x01);
+        assert_eq!(register_flags(true), 0x01 | 0x08);
+        assert_ne!(register_flags(true) & ffi::HOST_REGISTER_PORTABLE, 0);
     }
 
     #[test]
