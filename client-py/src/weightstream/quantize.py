@@ -6,6 +6,9 @@ when cols is not a multiple of 64 (one per row). scale = amax / 448 of its block
 0), q = e4m3(clamp(w / scale, -448, 448)); the weight a layer computes with is
 ``w_hat = (q.float() * scale).to(compute dtype)``.
 
+Pre-quantized files read as published (``fp8_scaled_musubi``, ``fp8_scaled_comfy``) share the
+slice layout but keep their own scale shapes and formulas: ``dequantize_as``.
+
 The daemon quantizes in Rust (``daemon/src/store/quantize.rs``), byte for byte as
 ``quantize_fp8_block64`` here (``daemon/tests/data/fp8_vectors.safetensors``, written by
 ``tests/python/gen_fp8_vectors.py`` from this module, pins both). The exactness contract of 8-bit
