@@ -381,5 +381,23 @@ async fn a_scale_that_breaks_its_format_is_refused_by_name_and_leaves_nothing() 
         )
     );
     assert_nothing_left(&daemon, &mut client, "quantize a pre-quantized file").await;
+    // An upload cannot declare them either: they are read from files only.
+    let t = fp8("w", &[2, 16], 1);
+    let upload = weightstream_client::TensorData {
+        quantization: Q::Fp8ScaledComfy,
+        ..t.as_upload()
+    };
+    let err = client.upload_model("bad", &[upload]).await.unwrap_err();
+    assert_eq!(
+        rejected(err),
+        (
+            Code::InvalidArgument,
+            "tensors[0].quantization: fp8_scaled_comfy is read from pre-quantized files as they \
+             are: load such a file with QUANTIZATION_NONE"
+                .to_string()
+        )
+    );
+    assert_nothing_left(&daemon, &mut client, "upload declaring a read-only format").await;
+    assert_eq!(daemon.uploads(), 0);
     load(&mut client, &path).await;
 }
