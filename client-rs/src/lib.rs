@@ -110,6 +110,8 @@ pub fn quantization_name(value: i32) -> String {
     match proto::Quantization::try_from(value) {
         Ok(proto::Quantization::None) => "none".into(),
         Ok(proto::Quantization::Fp8E4m3Block64) => "fp8_e4m3_block64".into(),
+        Ok(proto::Quantization::Fp8ScaledMusubi) => "fp8_scaled_musubi".into(),
+        Ok(proto::Quantization::Fp8ScaledComfy) => "fp8_scaled_comfy".into(),
         Err(_) => format!("unknown({value})"),
     }
 }

@@ -6,6 +6,9 @@ when cols is not a multiple of 64 (one per row). scale = amax / 448 of its block
 0), q = e4m3(clamp(w / scale, -448, 448)); the weight a layer computes with is
 ``w_hat = (q.float() * scale).to(compute dtype)``.
 
+Pre-quantized files read as published (``fp8_scaled_musubi``, ``fp8_scaled_comfy``) share the
+slice layout but keep their own scale shapes and formulas: ``dequantize_as``.
+
 The daemon quantizes in Rust (``daemon/src/store/quantize.rs``), byte for byte as
 ``quantize_fp8_block64`` here (``daemon/tests/data/fp8_vectors.safetensors``, written by
 ``tests/python/gen_fp8_vectors.py`` from this module, pins both). The exactness contract of 8-bit
@@ -31,12 +34,23 @@ E4M3_MAX = 448.0
 QUANTIZABLE = (torch.bfloat16, torch.float16, torch.float32)
 
 
+#: Pre-quantized files read as published (LoadModel with quantization none of such a file; the
+#: daemon never makes them): musubi-tuner ``--fp8_scaled`` and ComfyUI scaled-fp8 weights. Their
+#: dequantization formulas are in ``dequantize_as``.
+FP8_SCALED_MUSUBI = "fp8_scaled_musubi"
+FP8_SCALED_COMFY = "fp8_scaled_comfy"
+#: Every 8-bit format a placement may name.
+FORMATS = (FP8_E4M3_BLOCK64, FP8_SCALED_MUSUBI, FP8_SCALED_COMFY)
+
+
 class Fp8Weight(NamedTuple):
-    """A weight in ``fp8_e4m3_block64``: ``data`` float8_e4m3fn in the weight's shape,
-    ``scale`` float32 [rows, blocks per row]."""
+    """An 8-bit weight: ``data`` float8_e4m3fn in the weight's shape, ``scale`` float32 (of
+    ``fp8_e4m3_block64``: [rows, blocks per row]; of a pre-quantized format: the file's scale
+    shape), ``format`` one of ``FORMATS``."""
 
     data: torch.Tensor
     scale: torch.Tensor
+    format: str = FP8_E4M3_BLOCK64
 
 
 def format_name(quantize: str | None) -> str | None:
@@ -108,8 +122,39 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return x.to(dtype)
 
 
+def dequantize_as(
+    fmt: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """w_hat of an 8-bit weight in format ``fmt``, in ``dtype``, with that format's own formula.
+
+    - ``fp8_e4m3_block64``: ``dequantize`` (``(q.float() * scale).to(dtype)``).
+    - ``fp8_scaled_musubi``: musubi-tuner's ``fp8_linear_forward_patch`` (non-scaled_mm branch,
+      ``src/musubi_tuner/modules/fp8_optimization_utils.py``): ``q.to(D) * scale`` with the
+      weight viewed as [out, blocks, in / blocks] for a per-block scale [out, blocks, 1], where
+      musubi's D is the scale's dtype in the file (its ``original_dtype``). The daemon holds the
+      scale as fp32 (exact), so here ``scale.to(dtype)`` restores it: with ``dtype`` the file's
+      scale dtype this is musubi's result bit for bit.
+    - ``fp8_scaled_comfy``: ComfyUI's ``scaled_fp8_ops`` (``comfy/ops.py``:
+      ``weight * self.scale_weight.to(device=weight.device, dtype=weight.dtype)`` after
+      ``cast_bias_weight`` made ``weight = s.weight.to(dtype)``): ``q.to(D) * scale.to(D)``, D
+      the compute dtype; the scale is rounded to D before the product."""
+    if fmt == FP8_E4M3_BLOCK64:
+        return dequantize(q, scale, dtype)
+    if fmt == FP8_SCALED_MUSUBI:
+        s = scale.to(dtype)
+        if s.ndim < 3:
+            return q.to(dtype) * s
+        out_features, num_blocks, _ = s.shape
+        w = q.to(dtype).contiguous().view(out_features, num_blocks, -1)
+        return (w * s).view(q.shape)
+    if fmt == FP8_SCALED_COMFY:
+        w = q.to(dtype)
+        return w * scale.to(device=w.device, dtype=w.dtype)
+    raise ValueError(f"unknown 8-bit format {fmt!r}: expected one of {', '.join(FORMATS)}")
+
+
 def dequantize_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize(w.data, w.scale, dtype)
+    return dequantize_as(w.format, w.data, w.scale, dtype)
 
 
 def w_hat(w: torch.Tensor) -> torch.Tensor:

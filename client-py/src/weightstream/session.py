@@ -23,7 +23,7 @@ from weightstream import _dtypes
 from weightstream._ipc import CudaRegion, HostRegion
 from weightstream.client import Client
 from weightstream.protocol import OpenSessionResponse, SessionStats, Staged
-from weightstream.quantize import FP8_E4M3_BLOCK64, Fp8Weight
+from weightstream.quantize import FORMATS, Fp8Weight
 
 
 def device_uuid(device: torch.device) -> str:
@@ -37,16 +37,17 @@ def device_uuid(device: torch.device) -> str:
 
 def tensor_view(base: torch.Tensor, start: int, t) -> torch.Tensor | Fp8Weight:
     """The view of placement ``t`` at byte ``start`` of a region's bytes: a tensor of its dtype
-    and shape, or for an ``fp8_e4m3_block64`` tensor an ``Fp8Weight`` of its data (e4m3fn, its
-    shape) and scales (f32, ``scale_shape``, ``scale_offset`` bytes further)."""
+    and shape, or for an 8-bit tensor (``quantize.FORMATS``) an ``Fp8Weight`` of its data
+    (e4m3fn, its shape), scales (f32, ``scale_shape``, ``scale_offset`` bytes further) and
+    format."""
     shape = tuple(t.shape)
-    if t.quantization == FP8_E4M3_BLOCK64:
+    if t.quantization in FORMATS:
         numel = math.prod(shape)
         data = base[start : start + numel].view(torch.float8_e4m3fn).view(shape)
         scales = start + t.scale_offset
         count = math.prod(t.scale_shape)
         scale = base[scales : scales + 4 * count].view(torch.float32).view(tuple(t.scale_shape))
-        return Fp8Weight(data, scale)
+        return Fp8Weight(data, scale, t.quantization)
     if t.quantization != "none":
         raise ValueError(f"tensor {t.name!r}: unknown quantization {t.quantization!r}")
     raw = base[start : start + t.nbytes]

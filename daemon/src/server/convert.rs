@@ -34,6 +34,8 @@ pub fn quantization_to_pb(q: Quantization) -> pb::Quantization {
     match q {
         Quantization::None => pb::Quantization::None,
         Quantization::Fp8E4m3Block64 => pb::Quantization::Fp8E4m3Block64,
+        Quantization::Fp8ScaledMusubi => pb::Quantization::Fp8ScaledMusubi,
+        Quantization::Fp8ScaledComfy => pb::Quantization::Fp8ScaledComfy,
     }
 }
 
@@ -41,16 +43,18 @@ pub fn quantization_from_pb(value: i32) -> Option<Quantization> {
     match pb::Quantization::try_from(value).ok()? {
         pb::Quantization::None => Some(Quantization::None),
         pb::Quantization::Fp8E4m3Block64 => Some(Quantization::Fp8E4m3Block64),
+        pb::Quantization::Fp8ScaledMusubi => Some(Quantization::Fp8ScaledMusubi),
+        pb::Quantization::Fp8ScaledComfy => Some(Quantization::Fp8ScaledComfy),
     }
 }
 
 /// A stored tensor's quantization, scale shape and scale offset, as the wire spells them.
 fn quantized_fields(t: &StoredTensor) -> (i32, Vec<u64>, u64) {
-    match t.quantized {
+    match &t.quantized {
         None => (pb::Quantization::None as i32, Vec::new(), 0),
         Some(q) => (
             quantization_to_pb(q.quantization) as i32,
-            q.scale_shape.to_vec(),
+            q.scale_shape.clone(),
             q.scale_offset,
         ),
     }

@@ -61,6 +61,13 @@ pub enum ValidationError {
          QUANTIZATION_FP8_E4M3_BLOCK64 = 1)"
     )]
     UnknownQuantization { field: String, value: i32 },
+    /// A pre-quantized format is read from files as published (a LoadModel with quantization
+    /// none of such a file), never asked for.
+    #[error(
+        "{field}: {name} is read from pre-quantized files as they are: load such a file with \
+         QUANTIZATION_NONE"
+    )]
+    ReadOnlyQuantization { field: String, name: &'static str },
     /// A tensor declared for quantization that cannot be quantized (rank, dtype).
     #[error("{field}: {source}")]
     Quantize {
@@ -392,10 +399,20 @@ impl Validation {
 }
 
 fn quantization(field: &str, value: i32) -> Result<Quantization> {
-    quantization_from_pb(value).ok_or_else(|| ValidationError::UnknownQuantization {
+    let q = quantization_from_pb(value).ok_or_else(|| ValidationError::UnknownQuantization {
         field: field.to_string(),
         value,
-    })
+    })?;
+    if matches!(
+        q,
+        Quantization::Fp8ScaledMusubi | Quantization::Fp8ScaledComfy
+    ) {
+        return Err(ValidationError::ReadOnlyQuantization {
+            field: field.to_string(),
+            name: q.name(),
+        });
+    }
+    Ok(q)
 }
 
 /// How an upload tensor (`field`, of known `dtype`) is quantized: not; at commit (a float

@@ -18,6 +18,7 @@ use std::sync::Arc;
 
 use rustix::fs::FileType;
 
+use super::prequantized::{self, PreLayout};
 use super::quantize::{
     Quantization, QuantizeError, StoredLayout, TensorIn, TensorOut, quantize_all_into,
     quantizes_on_load,
@@ -60,12 +61,30 @@ struct Planned<'a> {
     entry: TensorEntry,
     offset: u64,
     quantized: Option<StoredLayout>,
+    /// A pre-quantized weight's scale tensor (read from its file, stored as fp32 after the
+    /// weight's bytes) and the slice's layout.
+    pre: Option<PreScale<'a>>,
+}
+
+struct PreScale<'a> {
+    opened: &'a Opened<'a>,
+    entry: TensorEntry,
+    layout: PreLayout,
 }
 
 impl Planned<'_> {
     /// Bytes it takes in the arena.
     fn nbytes(&self) -> u64 {
-        self.quantized.map_or(self.entry.nbytes, |q| q.nbytes)
+        match (&self.pre, self.quantized) {
+            (Some(pre), _) => pre.layout.nbytes,
+            (None, Some(q)) => q.nbytes,
+            (None, None) => self.entry.nbytes,
+        }
+    }
+
+    /// Bytes it reads from the files.
+    fn input_bytes(&self) -> u64 {
+        self.entry.nbytes + self.pre.as_ref().map_or(0, |p| p.entry.nbytes)
     }
 }
 
@@ -91,7 +110,7 @@ impl Store {
             return Ok((model, true));
         }
         let plan = self.plan_load(&opened, quantization)?;
-        let total: u64 = plan.iter().map(|p| p.entry.nbytes).sum();
+        let total: u64 = plan.iter().map(Planned::input_bytes).sum();
         let arena_len = align_up(
             plan.last().map_or(0, |p| p.offset + p.nbytes()),
             TENSOR_ALIGN,
@@ -126,7 +145,14 @@ impl Store {
                 },
                 shape: p.entry.shape,
                 offset: p.offset,
-                quantized: p.quantized.as_ref().map(QuantizedLayout::fp8),
+                quantized: match p.pre {
+                    Some(pre) => Some(QuantizedLayout {
+                        quantization: pre.layout.quantization,
+                        scale_shape: pre.layout.scale_shape,
+                        scale_offset: pre.layout.scale_offset,
+                    }),
+                    None => p.quantized.as_ref().map(QuantizedLayout::fp8),
+                },
             })
             .collect();
         progress(total, total, Path::new("page-locking host memory"));
@@ -145,8 +171,7 @@ impl Store {
         quantization: Quantization,
     ) -> Result<Plan<'a>, StoreError> {
         let mut seen: HashMap<String, &str> = HashMap::new();
-        let mut plan = Vec::new();
-        let mut offset = 0u64;
+        let mut entries: Vec<(&'a Opened<'a>, TensorEntry)> = Vec::new();
         for opened in files {
             let path = opened.source.name.as_str();
             let mut reader = ReadAt {
@@ -174,20 +199,49 @@ impl Store {
                         second: path.to_string(),
                     });
                 }
-                let quantized =
-                    quantizes_on_load(quantization, &entry.name, entry.dtype, entry.shape.len())
-                        .then(|| StoredLayout::of(&entry.name, &entry.shape))
-                        .transpose()?;
-                offset = align_up(offset, TENSOR_ALIGN);
-                let planned = Planned {
+                entries.push((opened, entry));
+            }
+        }
+        // Pre-quantized weights take their scale tensor into their slice.
+        let refs: Vec<&TensorEntry> = entries.iter().map(|(_, e)| e).collect();
+        let pairs = prequantized::pair(&refs, quantization)?;
+        let mut scale_of: HashMap<usize, (usize, PreLayout)> = HashMap::new();
+        for (weight, scale, layout) in pairs {
+            scale_of.insert(weight, (scale, layout));
+        }
+        let scales: std::collections::HashSet<usize> =
+            scale_of.values().map(|(scale, _)| *scale).collect();
+        let mut slots: Vec<Option<(&'a Opened<'a>, TensorEntry)>> =
+            entries.into_iter().map(Some).collect();
+        let mut plan = Vec::new();
+        let mut offset = 0u64;
+        for i in 0..slots.len() {
+            if scales.contains(&i) {
+                continue;
+            }
+            let (opened, entry) = slots[i].take().expect("each tensor is planned once");
+            let pre = scale_of.remove(&i).map(|(scale, layout)| {
+                let (opened, entry) = slots[scale].take().expect("a scale scales one weight");
+                PreScale {
                     opened,
                     entry,
-                    offset,
-                    quantized,
-                };
-                offset += planned.nbytes();
-                plan.push(planned);
-            }
+                    layout,
+                }
+            });
+            let quantized = (pre.is_none()
+                && quantizes_on_load(quantization, &entry.name, entry.dtype, entry.shape.len()))
+            .then(|| StoredLayout::of(&entry.name, &entry.shape))
+            .transpose()?;
+            offset = align_up(offset, TENSOR_ALIGN);
+            let planned = Planned {
+                opened,
+                entry,
+                offset,
+                quantized,
+                pre,
+            };
+            offset += planned.nbytes();
+            plan.push(planned);
         }
         Ok(plan)
     }
@@ -231,11 +285,36 @@ fn fill_arena(
             at += n;
             done.add(n, &p.opened.source.name, progress);
         }
+        if let Some(pre) = &p.pre {
+            fill_scales(p.offset, pre, arena)?;
+            done.add(pre.entry.nbytes, &pre.opened.source.name, progress);
+        }
     }
     quantize_batches(plan, arena, &mut done, progress)?;
     if let Some(p) = plan.last() {
         progress(done.done, total, Path::new(&p.opened.source.name));
     }
+    Ok(())
+}
+
+/// A pre-quantized weight's padding (zeros) and scales (its file's, as fp32) after its data.
+fn fill_scales(offset: u64, pre: &PreScale<'_>, arena: &mut [u8]) -> Result<(), StoreError> {
+    let l = &pre.layout;
+    let mut bytes = vec![0u8; pre.entry.nbytes as usize];
+    (pre.opened.source.file)
+        .read_exact_at(&mut bytes, pre.entry.file_offset)
+        .map_err(|source| StoreError::Io {
+            path: pre.opened.source.name.clone(),
+            source,
+        })?;
+    let slice = &mut arena[offset as usize..(offset + l.nbytes) as usize];
+    slice[l.data_bytes as usize..l.scale_offset as usize].fill(0);
+    prequantized::scales_to_f32(
+        &pre.entry.name,
+        l.scale_dtype,
+        &bytes,
+        &mut slice[l.scale_offset as usize..],
+    )?;
     Ok(())
 }
 

@@ -14,6 +14,7 @@
 
 mod load;
 mod pin;
+pub mod prequantized;
 pub mod quantize;
 mod registry;
 pub mod safetensors;
@@ -138,10 +139,11 @@ pub struct StoredTensor {
 
 /// A quantized tensor's format and where its scales are (see [`StoredLayout`]): its dtype is
 /// then the data's (F8_E4M3), its shape the weight's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuantizedLayout {
     pub quantization: Quantization,
-    pub scale_shape: [u64; 2],
+    /// Of fp8_e4m3_block64: [rows, blocks]; of a pre-quantized format: the file's.
+    pub scale_shape: Vec<u64>,
     /// The scales' offset from the tensor's own start.
     pub scale_offset: u64,
 }
@@ -150,7 +152,7 @@ impl QuantizedLayout {
     pub fn fp8(layout: &StoredLayout) -> QuantizedLayout {
         QuantizedLayout {
             quantization: Quantization::Fp8E4m3Block64,
-            scale_shape: layout.block.scale_shape(),
+            scale_shape: layout.block.scale_shape().to_vec(),
             scale_offset: layout.scale_offset,
         }
     }
@@ -158,8 +160,7 @@ impl QuantizedLayout {
 
 impl StoredTensor {
     pub fn quantization(&self) -> Quantization {
-        self.quantized
-            .map_or(Quantization::None, |q| q.quantization)
+        (self.quantized.as_ref()).map_or(Quantization::None, |q| q.quantization)
     }
 }
 

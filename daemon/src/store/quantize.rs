@@ -40,6 +40,10 @@ pub enum Quantization {
     /// float8_e4m3fn with one fp32 scale per 64 inputs of a row (per row when the width is not
     /// a multiple of 64).
     Fp8E4m3Block64,
+    /// Read as published: musubi-tuner `--fp8_scaled` weights (see [`super::prequantized`]).
+    Fp8ScaledMusubi,
+    /// Read as published: ComfyUI scaled-fp8 weights (see [`super::prequantized`]).
+    Fp8ScaledComfy,
 }
 
 impl Quantization {
@@ -62,6 +66,8 @@ impl Quantization {
         match self {
             Quantization::None => "none",
             Quantization::Fp8E4m3Block64 => "fp8_e4m3_block64",
+            Quantization::Fp8ScaledMusubi => "fp8_scaled_musubi",
+            Quantization::Fp8ScaledComfy => "fp8_scaled_comfy",
         }
     }
 }
@@ -126,6 +132,10 @@ pub enum QuantizeError {
         expected: usize,
         actual: usize,
     },
+    /// A pre-quantized file's weight or scale that breaks its format's rules (the message names
+    /// the tensor and the rule).
+    #[error("{0}")]
+    Prequantized(String),
     #[error("tensor '{name}': {value} at index {index}: cannot quantize")]
     NonFinite {
         name: String,
@@ -566,7 +576,7 @@ fn widen_into<const N: usize>(src: &[u8], out: &mut [f32], f: impl Fn([u8; N]) -
 }
 
 #[inline(always)]
-fn bf16_to_f32(b: [u8; 2]) -> f32 {
+pub(crate) fn bf16_to_f32(b: [u8; 2]) -> f32 {
     f32::from_bits(u32::from(u16::from_le_bytes(b)) << 16)
 }
 
@@ -575,7 +585,7 @@ fn bf16_to_f32(b: [u8; 2]) -> f32 {
 /// biases 127 and 15; a half subnormal becomes an f32 subnormal), so one exact multiplication by
 /// 2^112 finishes both; infinities and NaNs (exponent 31) are rebuilt with the f32 exponent 255.
 #[inline(always)]
-fn f16_to_f32(b: [u8; 2]) -> f32 {
+pub(crate) fn f16_to_f32(b: [u8; 2]) -> f32 {
     let h = u32::from(u16::from_le_bytes(b));
     let sign = (h & 0x8000) << 16;
     let mag = (h & 0x7FFF) << 13;

@@ -328,7 +328,7 @@ fn quantized_placement(
 /// NaN on the device).
 fn check_scales(tensors: &[StoredTensor], arena: &[u8]) -> Result<(), StoreError> {
     for t in tensors {
-        let Some(q) = t.quantized else { continue };
+        let Some(q) = &t.quantized else { continue };
         let scales = &arena[(t.offset + q.scale_offset) as usize..(t.offset + t.nbytes) as usize];
         if let Some((index, value)) = first_non_finite_scale(scales) {
             return Err(StoreError::Scale {

@@ -152,7 +152,7 @@ def attach(
     session, freed = None, []
     try:
         quantized = frozenset(
-            t.name for t in manifest.tensors if t.quantization == quantize.FP8_E4M3_BLOCK64
+            t.name for t in manifest.tensors if t.quantization in quantize.FORMATS
         )
         grouping = policy.choose_groups(
             module,

@@ -99,7 +99,7 @@ class Handle:
         weight, bias = views
         if not isinstance(weight, Fp8Weight):
             return views
-        w = quantize.dequantize(weight.data, weight.scale, layer.dtype)
+        w = quantize.dequantize_weight(weight, layer.dtype)
         product = 0 if w.dtype == torch.float32 else w.numel() * 4
         self._dequant_peak = max(self._dequant_peak, w.nbytes)
         self._dequant_scratch_peak = max(self._dequant_scratch_peak, w.nbytes + product)
