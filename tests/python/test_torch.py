@@ -225,7 +225,9 @@ def test_resident_groups_run_without_acquires(daemon):
     before = handle.session.submitted  # the plan is followed from here on
     assert_equal_runs(want[1], train(streamed, splits[1]))
     assert handle.session.submitted - before == 2, "only blocks.2, once per pass"
+    label = [s.label for s in daemon.client.list_sessions()]
     handle.set_budget(660 << 10, staging_bytes=600 << 10)
+    assert [s.label for s in daemon.client.list_sessions()] == label, "the reopened keeps it"
     assert [g.name for g in handle.session.groups if g.resident] == ["conv_in", "proj_out"]
     assert handle.streamed["blocks.0.attn.q.base_layer"].fixed is None
     assert_equal_runs(want[2], train(streamed, splits[2]))

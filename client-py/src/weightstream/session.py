@@ -85,6 +85,7 @@ class Session:
         copy_bandwidth_limit: int = 0,
     ):
         self.client = client
+        self.label = label
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and self.device.index is None:
             # CUDA IPC events and memory are per device: torch takes "cuda" without an index for

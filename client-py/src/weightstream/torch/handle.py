@@ -226,7 +226,7 @@ class Handle:
             vram_budget,
             staging_bytes=staging_bytes,
             device=self.device,
-            label=old.opened.session_id,
+            label=old.label,
         )
         self._pin_resident()
         if plan:
