@@ -136,8 +136,8 @@ def main(rank: int, world: int, socket: str, store: str, out: str):
         }
     dist.barrier()  # rank 0 listed before anyone trains or detaches
     # The streamed weights are placeholders without storage: DDP must not broadcast them.
-    streamed = [n for n, p in model.named_parameters() if is_placeholder(p)]
-    DDP._set_params_and_buffers_to_ignore_for_model(model, streamed)
+    streamed = wst.ddp_ignore_streamed(model)
+    assert streamed and all(is_placeholder(p) for n, p in model.named_parameters() if n in streamed)
     ddp = DDP(model)
     opt = optimizer(model)
     after = []

@@ -63,7 +63,27 @@ __all__ = [
     "StreamOptions",
     "StreamedLayer",
     "attach",
+    "ddp_ignore_streamed",
 ]
+
+
+def ddp_ignore_streamed(model: nn.Module) -> list[str]:
+    """Tells ``DistributedDataParallel`` to leave the streamed weights alone, before wrapping
+    ``model`` in it: they are placeholders without storage (the daemon holds the weights), so
+    DDP's initial broadcast of the module's state must skip them. Returns their names. Uses
+    torch's ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` (the hook
+    torch's own wrappers use), in this one place."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    names = [n for n, p in model.named_parameters() if is_placeholder(p)]
+    ignore = getattr(DDP, "_set_params_and_buffers_to_ignore_for_model", None)
+    if ignore is None:
+        raise RuntimeError(
+            "this torch has no DistributedDataParallel._set_params_and_buffers_to_ignore_for_"
+            f"model: DDP would broadcast {len(names)} streamed placeholders; use torch >= 1.8"
+        )
+    ignore(model, names)
+    return names
 
 
 def _options(options: StreamOptions | None, overrides: dict) -> StreamOptions:
