@@ -576,20 +576,11 @@ def child(args):
     print("RESULT " + json.dumps(record), flush=True)
 
 
-def pinned_bandwidth():
-    import torch
+def pinned_bandwidth() -> float:
+    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+    import wsgpu
 
-    src = torch.empty(512 << 20, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device="cuda")
-    times = []
-    for _ in range(8):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return (512 << 20) / statistics.median(times[2:]) / 1e9
+    return wsgpu.pinned_h2d_gbps(reps=6)
 
 
 def child_cmd(args, mode: str, socket: str) -> list[str]:

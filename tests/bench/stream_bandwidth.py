@@ -29,19 +29,6 @@ GiB = 1 << 30
 SIZES_MIB = [8, 16, 32, 64, 128, 256]
 
 
-def pinned_bandwidth(nbytes=512 * MiB, reps=10) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return nbytes / statistics.median(times[2:]) / 1e9
-
 
 def matmul_rate(n=8192, reps=10) -> float:
     x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -138,7 +125,7 @@ def main():
     try:
         wsgpu.wait_for("the socket", lambda: os.path.exists(socket), 60)
         client = wsgpu.connect(socket)
-        pinned = pinned_bandwidth()
+        pinned = wsgpu.pinned_h2d_gbps(reps=10)
         rate = matmul_rate()
         manifest, upload_s = upload_model(client, int(args.size_gib * GiB))
         total = manifest.total_bytes

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import socket as pysocket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,20 +48,6 @@ def parse_rate(text: str) -> int:
             return int(float(t[: -len(unit)]) * factor)
     return int(t)
 
-
-def pinned_bandwidth(nbytes=512 * MiB, reps=8) -> float:
-    """torch's pinned host-to-device rate, bytes/s: the link must be faster than the limit."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return nbytes / statistics.median(times[2:])
 
 
 def upload_model(client, total: int):
@@ -187,7 +172,7 @@ def main() -> int:
     try:
         wsgpu.wait_for("the socket", lambda: os.path.exists(sock), 60)
         client = wsgpu.connect(sock)
-        pinned = pinned_bandwidth()
+        pinned = wsgpu.pinned_h2d_gbps() * 1e9  # bytes/s: the link must be faster than the limit
         result["pinned_h2d_gbps"] = round(pinned / 1e9, 2)
         print(f"pinned host-to-device: {pinned / 1e9:.1f} GB/s; limit {limit / 1e9:.2f} GB/s")
         if pinned < limit * (1 + TOLERANCE):

@@ -20,6 +20,24 @@ from weightstream._ipc import CudaRegion
 DaemonFault = weightstream.SessionFault
 
 
+def pinned_h2d_gbps(nbytes: int = 512 << 20, reps: int = 8) -> float:
+    """torch's pinned host-to-device copy rate on the current device, GB/s: the median of
+    ``reps`` timed copies after two warm-up ones (the reference the benchmarks compare with)."""
+    import statistics
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return nbytes / statistics.median(times[2:]) / 1e9
+
+
 def connect(socket: str) -> weightstream.Client:
     return weightstream.connect(socket)
 
