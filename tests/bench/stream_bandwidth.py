@@ -29,7 +29,6 @@ GiB = 1 << 30
 SIZES_MIB = [8, 16, 32, 64, 128, 256]
 
 
-
 def matmul_rate(n=8192, reps=10) -> float:
     x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

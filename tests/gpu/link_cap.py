@@ -49,7 +49,6 @@ def parse_rate(text: str) -> int:
     return int(t)
 
 
-
 def upload_model(client, total: int):
     sizes = []
     while sum(sizes) < total:
