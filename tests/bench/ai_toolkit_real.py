@@ -210,11 +210,9 @@ def _vocabulary() -> list[str]:
     return [f"w{i}" for i in range(64)] + ["a", "photo", "of", "tok", "cube", "red", "blue"]
 
 
-def _clip(root: Path, width: int, seed: int):
-    import torch
-    from transformers import CLIPTextConfig, CLIPTextModel
-
-    # CLIP's byte-level BPE with no merges: every character is a token.
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-to-unicode table (CLIP's and Qwen's byte-level BPE): one character per
+    byte, the printable ones as themselves."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     bs += list(range(ord("®"), ord("ÿ") + 1))
     cs, n = bs[:], 0
@@ -223,7 +221,15 @@ def _clip(root: Path, width: int, seed: int):
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    chars = [chr(c) for c in cs]
+    return [chr(c) for c in cs]
+
+
+def _clip(root: Path, width: int, seed: int):
+    import torch
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    # CLIP's byte-level BPE with no merges: every character is a token.
+    chars = _byte_chars()
     vocab = {c: i for i, c in enumerate(chars)}
     vocab.update({c + "</w>": len(chars) + i for i, c in enumerate(chars)})
     vocab["<|startoftext|>"] = len(vocab)
@@ -368,15 +374,7 @@ def _qwen3(hf_home: Path, te: dict, seed: int, device: str) -> dict:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(rev)
     # GPT-2's byte-to-unicode table, no merges: every byte is a token.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    vocab = {chr(c): i for i, c in enumerate(cs)}
+    vocab = {c: i for i, c in enumerate(_byte_chars())}
     special = dict(
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
