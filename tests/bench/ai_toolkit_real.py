@@ -571,6 +571,7 @@ def run_one(
     shutil.copytree(data, folder / "data")
     if mode == "resident":
         # The reference: the same job without any offloading (the weights in place).
+        assert "layer_offloading: true" in yaml_text, "the template no longer offloads"
         yaml_text = yaml_text.replace("layer_offloading: true", "layer_offloading: false")
     (folder / "job.yaml").write_text(yaml_text)
     aitk = Path(args.aitk).resolve()
