@@ -341,11 +341,12 @@ def measure_budget(args, handle, client, model, r):
     r["nvidia_smi_used_gib"] = nvidia_smi_used_gib()
 
 
-def nvidia_smi_used_gib() -> float | None:
-    """The device's used memory as nvidia-smi sees it (every process and context on it)."""
+def nvidia_smi_used_gib(index: int = 0) -> float | None:
+    """Device ``index``'s used memory as nvidia-smi sees it (every process and context on it)."""
     try:
+        query = ["--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(index)]
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            ["nvidia-smi", *query],
             capture_output=True,
             text=True,
             timeout=30,

@@ -21,6 +21,8 @@ sys.path.insert(0, str(ROOT / "tests" / "python"))
 import test_torch as t  # noqa: E402
 import weightstream  # noqa: E402
 import weightstream.torch as wst  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from weightstream import _fused_dequant, quantize  # noqa: E402
 
 
 def start_daemon(binary: str, tmp: Path, out: Path):
@@ -58,6 +60,65 @@ def equality(client, dtype, ckpt, autocast=False, steps=4, group_by="layer"):
     stats = handle.stats()
     handle.detach(release=True)
     return f"{len(handle.resident)} resident, {stats['acquires']} acquires"
+
+
+def equality_fp8(client, dtype, ckpt, group_by="layer"):
+    """8-bit streaming (fused dequantization on the device) against the 8-bit resident
+    reference: every streamed weight replaced in place by its w_hat."""
+    ref = t.make_model(dtype).cuda()
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = ckpt
+    budget, staging = t.BUDGETS[group_by, dtype]
+    handle = wst.attach(
+        streamed,
+        "cuda",
+        client=client,
+        min_bytes=0,
+        vram_budget=budget,
+        staging_bytes=staging,
+        group_by=group_by,
+        quantize="fp8",
+    )
+    quantize.to_fp8_resident(ref, handle.streamed)
+    xs = t.inputs(4, dtype, device="cuda")
+    t.assert_equal_runs(
+        t.train(ref, xs, sample_between=True), t.train(streamed, xs, sample_between=True)
+    )
+    stats = handle.stats()
+    handle.detach(release=True)
+    return (
+        f"{len(handle.streamed)} streamed in 8 bits, scratch {stats['dequant_scratch_peak_bytes']}"
+    )
+
+
+def fused_dequant():
+    """The fused kernel against the documented formula (evaluated by torch on the CPU) on the
+    committed edge vectors (zeros, subnormal products, ties, +-448 * scale, tiny and huge
+    scales) and on random weights of the shapes FLUX uses, in every compute dtype."""
+    vectors = load_file(str(ROOT / "daemon" / "tests" / "data" / "fp8_vectors.safetensors"))
+    cases = [
+        (vectors[f"{k[:-2]}.q"].view(torch.float8_e4m3fn), vectors[f"{k[:-2]}.scale"])
+        for k in sorted(vectors)
+        if k.endswith(".w")
+    ]
+    g = torch.Generator().manual_seed(3)
+    for shape in [(3072, 3072), (12288, 3072), (3072, 15360), (5, 100), (7, 64, 3, 3)]:
+        w = torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16)
+        cases.append(quantize.quantize_fp8_block64(w))
+    bad = []
+    for i, (q, scale) in enumerate(cases):
+        rows, nb = scale.shape
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            want = (q.float().view(rows, nb, -1) * scale.view(rows, nb, 1)).view(q.shape)
+            want = want.to(dtype)
+            qd, sd = q.cuda(), scale.cuda()
+            assert _fused_dequant.applies(qd, sd, dtype), "the fused kernel does not apply"
+            got = quantize.dequantize(qd, sd, dtype).cpu()
+            bits = torch.int32 if dtype == torch.float32 else torch.int16  # -0.0 != 0.0
+            if got.dtype != dtype or not torch.equal(got.view(bits), want.view(bits)):
+                bad.append(f"case {i} {tuple(q.shape)} {dtype}")
+    assert not bad, f"{len(bad)} differ: {bad[:10]}"
+    return f"{len(cases)} tensors x 3 dtypes bit for bit"
 
 
 def hit_rate(client):
@@ -106,6 +167,15 @@ def main():
         (
             "equal: fp32 under bf16 autocast, checkpointing, by block",
             lambda: equality(client, torch.float32, "non-reentrant", True, group_by="block"),
+        ),
+        ("fused fp8 dequantization == the documented formula", fused_dequant),
+        (
+            "equal: fp8 streaming, bf16, non-reentrant checkpointing",
+            lambda: equality_fp8(client, torch.bfloat16, "non-reentrant"),
+        ),
+        (
+            "equal: fp8 streaming, fp32, by block",
+            lambda: equality_fp8(client, torch.float32, None, group_by="block"),
         ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
     ]

@@ -24,6 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from weightstream import _fused_dequant
+
 #: The format's name on the wire (``TensorPlacement.quantization``).
 FP8_E4M3_BLOCK64 = "fp8_e4m3_block64"
 #: Names a caller may use for it.
@@ -114,8 +116,12 @@ def quantize_fp8_block64(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w_hat = (q.float() * scale).to(dtype), in q's shape, on q's device. Holds one float32
-    copy of the weight while it runs (the product is formed in place in it)."""
+    """w_hat = (q.float() * scale).to(dtype), in q's shape, on q's device. On a CUDA device
+    with Triton, one fused kernel (``_fused_dequant``: same bits, no float32 copy); else three
+    torch kernels that hold one float32 copy of the weight while they run (the product is
+    formed in place in it)."""
+    if _fused_dequant.applies(q, scale, dtype):
+        return _fused_dequant.dequantize(q, scale, dtype)
     rows, blocks = scale.shape
     x = q.float()
     x.view(rows, blocks, -1).mul_(scale.view(rows, blocks, 1))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from weightstream import quantize
+from weightstream import _fused_dequant, quantize
 from weightstream.client import Client
 from weightstream.errors import SessionFault
 from weightstream.quantize import Fp8Weight
@@ -99,8 +99,12 @@ class Handle:
         weight, bias = views
         if not isinstance(weight, Fp8Weight):
             return views
+        fused = weight.format == quantize.FP8_E4M3_BLOCK64 and _fused_dequant.applies(
+            weight.data, weight.scale, layer.dtype
+        )
         w = quantize.dequantize_weight(weight, layer.dtype)
-        product = 0 if w.dtype == torch.float32 else w.numel() * 4
+        # The torch path forms the product in a float32 copy; the fused kernel writes w only.
+        product = 0 if fused or w.dtype == torch.float32 else w.numel() * 4
         self._dequant_peak = max(self._dequant_peak, w.nbytes)
         self._dequant_scratch_peak = max(self._dequant_scratch_peak, w.nbytes + product)
         return w, bias
