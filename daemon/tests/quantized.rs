@@ -200,7 +200,10 @@ async fn a_load_with_fp8_stages_the_quantized_bytes_of_each_weight() {
     let total: u64 = tensors.iter().map(|t| listed(t).4).sum();
     assert_eq!(manifest.total_bytes, total);
     assert!(total < file_bytes);
-    assert!(manifest.phases.is_some(), "the load says where its time went");
+    assert!(
+        manifest.phases.is_some(),
+        "the load says where its time went"
+    );
     let without_phases = proto::ModelManifest {
         phases: None,
         ..manifest.clone()

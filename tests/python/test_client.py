@@ -138,6 +138,15 @@ def test_a_pinned_upload_locks_each_window_once_a_few_at_a_time(daemon, monkeypa
     assert dedup and native.model_id == copied.model_id
 
 
+def test_windows_that_share_a_page_are_locked_as_one():
+    """Pages larger than the tensors' alignment (64 KiB on some ARM hosts) would put one page
+    in two windows locked at once: those windows merge."""
+    from weightstream import _upload
+
+    runs, spans = _upload._disjoint([[0], [1], [2, 3], [4]], [(0, 8), (8, 16), (12, 24), (32, 40)])
+    assert runs == [[0], [1, 2, 3], [4]] and spans == [(0, 8), (8, 24), (32, 40)]
+
+
 def test_a_refused_registration_fails_the_write_and_unlocks_the_rest(daemon, monkeypatch):
     from weightstream import _upload
 

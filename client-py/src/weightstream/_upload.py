@@ -90,6 +90,20 @@ def _span(placements: Sequence, run: list[int], size: int) -> tuple[int, int]:
     return lo, hi
 
 
+def _disjoint(runs: list[list[int]], spans: list[tuple[int, int]]):
+    """Runs merged where their pages overlap (pages larger than the daemon's 4 KiB tensor
+    alignment), so that no page is in two windows locked at once."""
+    out_runs, out_spans = [], []
+    for run, (lo, hi) in zip(runs, spans, strict=True):
+        if out_spans and lo < out_spans[-1][1]:
+            out_runs[-1] = out_runs[-1] + run
+            out_spans[-1] = (out_spans[-1][0], max(hi, out_spans[-1][1]))
+        else:
+            out_runs.append(run)
+            out_spans.append((lo, hi))
+    return out_runs, out_spans
+
+
 def default_threads() -> int:
     return max(1, min(THREADS, os.cpu_count() or 1))
 
@@ -163,7 +177,8 @@ def _copy_pinned(copy: _Copier, runs, size: int, devices, threads: int, timings:
     order here, each unregistered on the pool once events after its copies (on each device's
     current stream, where torch ran them) have passed."""
     base = copy.region.data_ptr()
-    spans = [_span(copy.placements, run, size) for run in runs]
+    runs, spans = _disjoint(runs, [_span(copy.placements, run, size) for run in runs])
+    timings.windows = len(runs)
     flags = _PORTABLE if len(devices) > 1 else 0
     device = devices[0] if devices else None
     lock = threading.Lock()

@@ -51,17 +51,25 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
         .progress_chars("=> "),
     );
     let quantized = args.quantize != proto::Quantization::None;
-    bar.set_message(if quantized {
+    let verb = if quantized {
         "loading and quantizing"
     } else {
         "loading"
-    });
+    };
+    bar.set_message(verb);
     let mut file_bytes = 0;
     let manifest = client
         .load_model(&paths, &args.name, args.quantize, |p| {
             file_bytes = p.bytes_total;
             bar.set_length(p.bytes_total);
             bar.set_position(p.bytes_done);
+            // The daemon names its phases where it names the file it reads.
+            let phase = !p.current_file.starts_with('/');
+            bar.set_message(if phase {
+                p.current_file.clone()
+            } else {
+                verb.into()
+            });
         })
         .await;
     bar.finish_and_clear();
@@ -91,7 +99,7 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
         );
     }
     if let Some(p) = &manifest.phases {
-        println!("{}", phases_line(p, wall));
+        println!("{}", phases_line(p, wall, quantized));
     }
     Ok(())
 }
@@ -106,12 +114,17 @@ fn gb_per_s(bytes: u64, ns: u64) -> f64 {
 
 /// "ready in 21.3 s (2.9 GB/s): arena 2.1 s, read 60.0 GiB in 9.8 s (6.6 GB/s), page-locked in
 /// 9.4 s (6.8 GB/s)"; `wall`: this command's own time, handoff and all.
-fn phases_line(p: &proto::StorePhases, wall: f64) -> String {
+fn phases_line(p: &proto::StorePhases, wall: f64, quantized: bool) -> String {
     let mut line = format!(
-        "ready in {:.1} s ({:.1} GB/s): arena {:.1} s, read {} in {:.1} s ({:.1} GB/s)",
+        "ready in {:.1} s ({:.1} GB/s): arena {:.1} s, {} {} in {:.1} s ({:.1} GB/s)",
         secs(p.total_ns),
         gb_per_s(p.input_bytes, p.total_ns),
         secs(p.alloc_ns),
+        if quantized {
+            "read and quantized"
+        } else {
+            "read"
+        },
         human(p.input_bytes),
         secs(p.read_ns),
         gb_per_s(p.input_bytes, p.read_ns),
@@ -170,11 +183,12 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(
-            phases_line(&p, 20.5),
+            phases_line(&p, 20.5, false),
             "ready in 20.0 s (3.2 GB/s): arena 2.0 s, read 59.6 GiB in 10.0 s (6.4 GB/s), \
              page-locked in 8.0 s (8.0 GB/s); 20.5 s for this command"
         );
+        assert!(phases_line(&p, 20.5, true).contains("read and quantized 59.6 GiB"));
         let host = proto::StorePhases { pin_ns: 0, ..p };
-        assert!(!phases_line(&host, 20.5).contains("page-locked"));
+        assert!(!phases_line(&host, 20.5, false).contains("page-locked"));
     }
 }
