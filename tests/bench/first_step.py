@@ -583,6 +583,9 @@ class Run:
                 p.kill()
                 p.communicate()
                 return {"error": f"timed out after {timeout:.0f} s (see {log.name})"}
+            except BaseException:  # stopped meanwhile (SIGTERM): the child goes too
+                p.kill()
+                raise
             f.write(stdout)
         lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
         if not lines:
@@ -639,6 +642,7 @@ class Run:
         try:
             self.start_daemon()
             for part in self.args.parts:
+                print(f"== {part} ({self.deadline - time.monotonic():.0f} s left)", flush=True)
                 started = time.monotonic()
                 try:
                     record = self.run_part(part)
