@@ -128,6 +128,8 @@ record! {
 }
 
 record! {
+    /// A model; `phases` says where the daemon's time went in the `load_model` or
+    /// `commit_upload` that returned it (None in `list_models`).
     ModelManifest {
         model_id: String,
         name: String,
@@ -136,6 +138,23 @@ record! {
         refcount: u32,
         sessions: u32,
         source: String,
+        phases: Option<Py<StorePhases>>,
+    }
+}
+
+record! {
+    /// A load's or a commit's time in the daemon, phase by phase (nanoseconds; 0: the call did
+    /// not go through it): arena allocation, reading, sealing, quantizing, hashing (while
+    /// page-locking), page-locking, the whole call, and the bytes read or uploaded.
+    StorePhases {
+        alloc_ns: u64,
+        read_ns: u64,
+        seal_ns: u64,
+        quantize_ns: u64,
+        hash_ns: u64,
+        pin_ns: u64,
+        total_ns: u64,
+        input_bytes: u64,
     }
 }
 
@@ -343,6 +362,21 @@ pub(crate) fn manifest(py: Python<'_>, m: proto::ModelManifest) -> PyResult<Mode
         refcount: m.refcount,
         sessions: m.sessions,
         source: m.source,
+        phases: (m.phases)
+            .map(|p| {
+                let p = StorePhases {
+                    alloc_ns: p.alloc_ns,
+                    read_ns: p.read_ns,
+                    seal_ns: p.seal_ns,
+                    quantize_ns: p.quantize_ns,
+                    hash_ns: p.hash_ns,
+                    pin_ns: p.pin_ns,
+                    total_ns: p.total_ns,
+                    input_bytes: p.input_bytes,
+                };
+                Py::new(py, p)
+            })
+            .transpose()?,
     })
 }
 
@@ -495,6 +529,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Limits>()?;
     m.add_class::<TensorInfo>()?;
     m.add_class::<ModelManifest>()?;
+    m.add_class::<StorePhases>()?;
     m.add_class::<LoadProgress>()?;
     m.add_class::<ListModelsResponse>()?;
     m.add_class::<TensorPlacement>()?;

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -67,6 +68,121 @@ def test_an_upload_by_tensor_copies_stores_the_same_bytes(daemon):
     assert not dedup
     native, dedup = daemon.client.upload_model("copied", tensors)
     assert dedup and native.model_id == copied.model_id
+
+
+class FakeDriver:
+    """Stands in for cudaHostRegister/Unregister: records the windows locked, refuses the
+    registration numbered ``refuse`` (from 0)."""
+
+    def __init__(self, refuse: int | None = None):
+        self.lock = threading.Lock()
+        self.locked: dict[int, int] = {}
+        self.registered: list[int] = []
+        self.peak = 0
+        self.refuse = refuse
+
+    def register(self, ptr: int, size: int, flags: int):
+        with self.lock:
+            if len(self.registered) == self.refuse:
+                self.registered.append(-1)
+                raise RuntimeError("cudaHostRegister refused")
+            assert ptr not in self.locked, "a window is locked once"
+            self.locked[ptr] = size
+            self.registered.append(ptr)
+            self.peak = max(self.peak, len(self.locked))
+
+    def unregister(self, ptr: int):
+        with self.lock:
+            del self.locked[ptr]
+
+
+def many_tensors(n: int = 24) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return {f"t{i}": torch.randn(900 + 37 * i, generator=g) for i in range(n)}
+
+
+def test_a_pinned_upload_locks_each_window_once_a_few_at_a_time(daemon, monkeypatch):
+    """The page-locked path's pipeline (windows registered ahead on a pool, copied in order,
+    unregistered behind the copies), with the driver's calls recorded: each window locked once
+    and unlocked by the end, at most two per thread at once; the bytes stored are the native
+    path's, and the write says where its time went."""
+    from weightstream import _upload
+
+    driver = FakeDriver()
+    monkeypatch.setattr(_upload, "_register", driver.register)
+    monkeypatch.setattr(_upload, "_unregister", driver.unregister)
+    tensors = many_tensors()
+    begun = daemon.client.begin_upload("pinned", tensors)
+    at = {t.name: t for t in begun.tensors}
+    placements = [at[n] for n in tensors]
+    fd, size = daemon.client.fetch_fd(begun.fd_secret)
+    done = []
+    timings = _upload.write_by_copy(
+        fd,
+        size,
+        placements,
+        list(tensors.values()),
+        pin=True,
+        threads=3,
+        window=3 * 4096,
+        progress=lambda d, t: done.append((d, t)),
+    )
+    runs = _upload.windows(placements, 3 * 4096)
+    assert (timings.windows, timings.threads) == (len(runs), 3) and len(runs) > 6
+    assert not driver.locked, "every window unlocked"
+    assert len(driver.registered) == len(runs) and driver.peak <= 6
+    assert timings.bytes == sum(t.nbytes for t in tensors.values()) == done[-1][0]
+    assert timings.wall >= timings.copy and timings.as_dict()["windows"] == len(runs)
+    copied, _ = daemon.client.commit_upload(begun.upload_id)
+    native, dedup = daemon.client.upload_model("pinned", tensors)
+    assert dedup and native.model_id == copied.model_id
+
+
+def test_windows_that_share_a_page_are_locked_as_one():
+    """Pages larger than the tensors' alignment (64 KiB on some ARM hosts) would put one page
+    in two windows locked at once: those windows merge."""
+    from weightstream import _upload
+
+    runs, spans = _upload._disjoint([[0], [1], [2, 3], [4]], [(0, 8), (8, 16), (12, 24), (32, 40)])
+    assert runs == [[0], [1, 2, 3], [4]] and spans == [(0, 8), (8, 24), (32, 40)]
+
+
+def test_a_refused_registration_fails_the_write_and_unlocks_the_rest(daemon, monkeypatch):
+    from weightstream import _upload
+
+    driver = FakeDriver(refuse=4)
+    monkeypatch.setattr(_upload, "_register", driver.register)
+    monkeypatch.setattr(_upload, "_unregister", driver.unregister)
+    tensors = many_tensors()
+    begun = daemon.client.begin_upload("refused", tensors)
+    at = {t.name: t for t in begun.tensors}
+    fd, size = daemon.client.fetch_fd(begun.fd_secret)
+    with pytest.raises(RuntimeError, match="cudaHostRegister refused"):
+        _upload.write_by_copy(
+            fd,
+            size,
+            [at[n] for n in tensors],
+            list(tensors.values()),
+            pin=True,
+            threads=2,
+            window=2 * 4096,
+        )
+    assert not driver.locked, "what was locked is unlocked"
+
+
+def test_loads_and_uploads_say_where_the_daemons_time_went(daemon, tmp_path):
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.arange(4096.0)}, str(path))
+    loaded = daemon.client.load_model([str(path)])
+    p = loaded.phases
+    assert p.input_bytes == 4 * 4096 and p.total_ns >= p.alloc_ns + p.read_ns > 0
+    assert p.pin_ns == 0, "the host backend locks nothing"
+    assert daemon.client.list_models().models[0].phases is None
+    phases = {}
+    manifest, _ = daemon.client.upload_model("u", {"w": torch.ones(4096)}, phases=phases)
+    assert manifest.phases.seal_ns > 0 and manifest.phases.hash_ns > 0
+    assert phases["daemon_input_bytes"] == 4 * 4096
+    assert phases["total_s"] >= phases["daemon_total_s"] >= phases["daemon_hash_s"] > 0
 
 
 def test_load_model_from_safetensors_and_idempotence(daemon, tmp_path):

@@ -173,6 +173,10 @@ def test_attach_is_bit_exact(daemon, dtype, ckpt, autocast, group_by):
     )
     stats = handle.stats()
     assert stats["acquires"] > 0 and stats["misses"] < stats["acquires"]
+    # Where the attach's time went: the upload (the daemon's commit within it), the session.
+    assert stats["attach_total_s"] >= stats["attach_model_s"] >= stats["attach_upload_total_s"]
+    assert stats["attach_upload_total_s"] >= stats["attach_upload_daemon_total_s"] > 0
+    assert stats["attach_upload_daemon_input_bytes"] > 0 and stats["attach_open_session_s"] > 0
     streaming = sum(not g.resident for g in handle.session.groups)
     assert stats["copies"] > 2 * streaming, "groups were evicted and copied again"
     handle.detach(release=True)
@@ -462,6 +466,9 @@ def test_attach_to_a_model_the_daemon_loaded(daemon, tmp_path):
         )
     assert handle.model_id == manifest.model_id
     assert len(daemon.client.list_models().models) == 1, "nothing was uploaded"
+    stats = handle.stats()
+    assert stats["attach_total_s"] >= stats["attach_model_s"] + stats["attach_open_session_s"]
+    assert not any(k.startswith("attach_upload_") for k in stats)
     xs = inputs(2, torch.float32)
     assert_equal_runs(train(ref, xs), train(model, xs))
     bad = make_model()

@@ -19,6 +19,7 @@ Device = Any
 Limits = Any
 TensorInfo = Any
 ModelManifest = Any
+StorePhases = Any
 LoadProgress = Any
 ListModelsResponse = Any
 TensorPlacement = Any

@@ -10,6 +10,7 @@ Python API and turns torch tensors into what the native client writes.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -93,16 +94,41 @@ class Client:
         name: str,
         tensors: Mapping[str, torch.Tensor],
         quantize: Iterable[str] = (),
+        *,
+        phases: dict | None = None,
     ) -> tuple[ModelManifest, bool]:
         """Writes tensors into a shared-memory region the daemon makes (the native client
         fetches its fd from the handoff socket, copies each tensor's bytes in with the GIL
         released, and unmaps it before the commit), then commits them. The daemon quantizes
         the tensors named in ``quantize`` (fp8_e4m3_block64) at commit and keeps only that
-        copy. Returns the manifest and whether an identical model was already stored."""
+        copy. Returns the manifest and whether an identical model was already stored.
+
+        ``phases``: a dict this fills with where the time went, in seconds: ``total_s`` (the
+        call) and the daemon's side of the commit, ``daemon_seal_s``, ``daemon_quantize_s``,
+        ``daemon_hash_s`` and ``daemon_pin_s`` (those two at once), ``daemon_total_s``,
+        ``daemon_input_bytes`` (``daemon_phases``); for tensors on a GPU also the client's:
+        ``begin_s`` (BeginUpload, where the daemon reserves the region, and its fd),
+        ``write_wall_s`` (writing the region), within it ``write_register_s`` and
+        ``write_unregister_s`` (page-locking the windows, summed over the threads that do it),
+        ``write_wait_register_s`` (the copies waiting for a window) and ``write_copy_s``
+        (issuing the copies), ``write_bytes``, ``write_windows``, ``write_threads``, and
+        ``commit_s`` (CommitUpload as this process waits for it)."""
+        started = time.monotonic()
+        if any(t.device.type == "cuda" for t in tensors.values()):
+            out = self._upload_by_copy(name, tensors, quantize, pin=True, phases=phases)
+        else:
+            out = self._upload_native(name, tensors, quantize)
+        if phases is not None:
+            phases.update(daemon_phases(out[0].phases))
+            phases["total_s"] = round(time.monotonic() - started, 4)
+        return out
+
+    def _upload_native(
+        self, name: str, tensors: Mapping[str, torch.Tensor], quantize: Iterable[str]
+    ) -> tuple[ModelManifest, bool]:
+        """``upload_model`` through the native client's memcpy path (tensors in host memory)."""
         from weightstream import _dtypes
 
-        if any(t.device.type == "cuda" for t in tensors.values()):
-            return self._upload_by_copy(name, tensors, quantize, pin=True)
         held, payload = [], []
         for n, t in tensors.items():
             src = t.detach()
@@ -123,16 +149,19 @@ class Client:
         quantize: Iterable[str] = (),
         *,
         pin: bool,
+        phases: dict | None = None,
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` by tensor copies into the mapped region (``_upload``): for tensors on
         a CUDA device, page-locked a window at a time so that each copy is one DMA at link
         speed. A progress line goes to stderr when it takes more than 2 s."""
         from weightstream import _upload
 
+        t = time.monotonic()
         begun = self.begin_upload(name, tensors, quantize)
         at = {t.name: t for t in begun.tensors}
         fd, size = self.fetch_fd(begun.fd_secret)
-        _upload.write_by_copy(
+        begin_s = time.monotonic() - t
+        written = _upload.write_by_copy(
             fd,
             size,
             [at[n] for n in tensors],
@@ -140,7 +169,13 @@ class Client:
             pin=pin,
             progress=_upload.ProgressLine(f"weightstream: uploading {name!r}"),
         )
-        return self.commit_upload(begun.upload_id)
+        t = time.monotonic()
+        out = self.commit_upload(begun.upload_id)
+        if phases is not None:
+            phases["begin_s"] = round(begin_s, 4)
+            phases.update({f"write_{k}": v for k, v in written.as_dict().items()})
+            phases["commit_s"] = round(time.monotonic() - t, 4)
+        return out
 
     def begin_upload(
         self,
@@ -204,6 +239,17 @@ class Client:
 
     def __repr__(self):
         return f"Client(socket={self.socket!r})"
+
+
+def daemon_phases(p) -> dict:
+    """A manifest's ``StorePhases`` (None: no phases) as ``{"daemon_<phase>_s": seconds}`` and
+    ``daemon_input_bytes``."""
+    if p is None:
+        return {}
+    names = ("alloc", "read", "seal", "quantize", "hash", "pin", "total")
+    out = {f"daemon_{n}_s": round(getattr(p, f"{n}_ns") / 1e9, 4) for n in names}
+    out["daemon_input_bytes"] = p.input_bytes
+    return out
 
 
 def connect(socket: str | None = None) -> Client:

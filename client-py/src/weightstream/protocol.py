@@ -5,7 +5,7 @@
   ``FAULT_SHUTTING_DOWN``; and each enum as a ``{name: number}`` dict: ``DTYPES``,
   ``BACKENDS``, ``FAULT_CODES``.
 - The records the client returns (read-only, with the protobuf field names):
-  ``GetInfoResponse``, ``ModelManifest``, ``TensorInfo``, ``LoadProgress``,
+  ``GetInfoResponse``, ``ModelManifest`` (with ``StorePhases``), ``TensorInfo``, ``LoadProgress``,
   ``ListModelsResponse``, ``SessionInfo``, ``SessionStats``, ``OpenSessionResponse``,
   ``Region``, ``GroupLayout``, ``TensorPlacement``, ``Staged``, ``Device``, ``Limits``,
   ``BeginUploadResponse``, ``UploadTensor``.
@@ -27,6 +27,7 @@ GetInfoResponse = _native.GetInfoResponse
 Device = _native.Device
 Limits = _native.Limits
 ModelManifest = _native.ModelManifest
+StorePhases = _native.StorePhases
 TensorInfo = _native.TensorInfo
 LoadProgress = _native.LoadProgress
 ListModelsResponse = _native.ListModelsResponse

@@ -138,6 +138,28 @@ fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
         loaded.contains("1 tensors") && loaded.contains("16.0 KiB"),
         "{loaded}"
     );
+    assert!(
+        loaded.contains("ready in ") && loaded.contains("read 16.0 KiB"),
+        "{loaded}"
+    );
+    // Again, for scripts: the same model (one more reference), its phases in seconds.
+    let again = weightstream()
+        .args(["load", "--json", "--socket"])
+        .arg(&socket)
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(again.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(
+        (json["refcount"].as_u64(), json["tensors"].as_u64()),
+        (Some(2), Some(1))
+    );
+    assert_eq!(
+        json["phases"]["read_s"], 0.0,
+        "found in the store: nothing read"
+    );
+    assert!(json["phases"]["total_s"].as_f64().unwrap() > 0.0, "{json}");
     let status = weightstream()
         .args(["status", "--json", "--socket"])
         .arg(&socket)

@@ -24,7 +24,7 @@ use crate::scheduler::{CopyScheduler, Pacing};
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
 use crate::session::{ActorParts, CloseReason, DrainDeadline, SessionShared, SessionStats};
 use crate::store::{
-    LoadSource, Model, Owner, Store, StoreError, StoreLimits, TensorDecl, UploadTicket,
+    LoadSource, Model, Owner, Store, StoreError, StoreLimits, Stored, TensorDecl, UploadTicket,
 };
 
 /// The identity of the process at the other end of a connection: what sessions and uploads
@@ -243,12 +243,8 @@ impl Daemon {
     }
 
     /// Commits `peer`'s upload (blocking: it hashes the bytes); its secret ends.
-    pub fn commit_upload(
-        &self,
-        peer: &Peer,
-        upload_id: &str,
-    ) -> Result<(Arc<Model>, bool), CoreError> {
-        let committed = self.store.commit_upload(owner(peer), upload_id)?;
+    pub fn commit_upload(&self, peer: &Peer, upload_id: &str) -> Result<Stored, CoreError> {
+        let committed = self.store.commit_upload_timed(owner(peer), upload_id)?;
         (self.secrets).revoke(&SecretOwner::Upload(upload_id.to_string()));
         Ok(committed)
     }

@@ -32,6 +32,11 @@ impl HostArena {
         self.segment.bytes()
     }
 
+    /// Whether something keeps it page-locked (not on the host backend).
+    pub fn is_pinned(&self) -> bool {
+        self._pin.is_some()
+    }
+
     pub fn segment(&self) -> &ShmSegment {
         &self.segment
     }

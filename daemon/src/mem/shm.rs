@@ -3,8 +3,12 @@
 //! Every segment is a memfd (`memfd_create(MFD_CLOEXEC | MFD_ALLOW_SEALING)`): it has no name
 //! in any directory (nothing to predict, link or sweep after a crash: `st_nlink` is 0) and is
 //! reached only by holding an fd, which the daemon passes to the client it is for through the
-//! handoff socket. Pages are reserved at creation (`fallocate`), so a full tmpfs or cgroup is an
-//! error here, never a SIGBUS on a later write.
+//! handoff socket. Pages are reserved at creation, so a full tmpfs or cgroup is an error here,
+//! never a SIGBUS on a later write: faulted in writable (`MADV_POPULATE_WRITE`) by several
+//! threads at once, which allocates and zeroes them at the speed of many cores (a 60 GiB model
+//! arena or upload region is 15 million pages, which `fallocate`, serialised on the file's lock,
+//! allocates on one core and leaves its first writer to zero on another); `fallocate` where the
+//! kernel predates that advice (Linux 5.14).
 //!
 //! Seals make the fds others hold harmless:
 //! - every segment is sealed `SHRINK | GROW` before anyone else can hold it: no client can
@@ -20,10 +24,16 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use memmap2::{Mmap, MmapMut};
-use rustix::fs::{FallocateFlags, MemfdFlags, Mode, OFlags, SealFlags};
+use memmap2::{Advice, Mmap, MmapMut};
+use rustix::fs::{FallocateFlags, MemfdFlags, Mode, OFlags, SealFlags, SeekFrom};
+
+/// Bytes one thread faults in at a time when a segment is reserved.
+const POPULATE_PIECE: usize = 64 << 20;
+/// Threads that fault a segment in, at most (memory bandwidth is spent long before).
+const POPULATE_THREADS: usize = 16;
 
 /// The daemon's shared memory: makes segments and counts the live ones by kind.
 #[derive(Debug, Default)]
@@ -50,7 +60,8 @@ impl Shm {
         self.live.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A new memfd of `size` bytes, pages reserved, sealed against resizing; not mapped.
+    /// A new memfd of `size` bytes, sealed against resizing; not mapped, pages not reserved
+    /// yet.
     fn memfd(self: &Arc<Self>, kind: &'static str, size: u64) -> io::Result<Memfd> {
         let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
         // The name only labels the fd in /proc/PID/fd ("/memfd:weightstream-model (deleted)").
@@ -64,26 +75,94 @@ impl Shm {
             shm: Arc::clone(self),
         };
         rustix::fs::ftruncate(&memfd.fd, size)?;
-        memfd.reserve()?;
         memfd.seal(SealFlags::SHRINK | SealFlags::GROW)?;
         Ok(memfd)
     }
 
     /// A segment the daemon writes (a model arena, a staging or resident region), mapped
-    /// read-write; its pages are reserved and its size sealed.
+    /// read-write; its pages are reserved (faulted in through this mapping) and its size sealed.
     pub fn create(self: &Arc<Self>, kind: &'static str, size: u64) -> io::Result<ShmSegment> {
         let memfd = self.memfd(kind, size)?;
         let map = map(&memfd, Access::ReadWrite)?;
+        if let Map::Write(m) = &map {
+            memfd.reserve_by(|offset, len| m.advise_range(Advice::PopulateWrite, offset, len))?;
+        }
         Ok(ShmSegment {
             memfd: Arc::new(memfd),
             map,
         })
     }
 
-    /// An upload region of `size` bytes: not mapped by the daemon (its uploader writes it
-    /// through its own fd) until [`ShmSegment::sealed`] at commit.
+    /// An upload region of `size` bytes, its pages reserved: not mapped by the daemon (its
+    /// uploader writes it through its own fd) until [`ShmSegment::sealed`] at commit. (The
+    /// daemon maps it writable only to fault its pages in, and unmaps it before anyone else
+    /// can hold it.)
     pub fn create_upload(self: &Arc<Self>, size: u64) -> io::Result<Arc<Memfd>> {
-        Ok(Arc::new(self.memfd("upload", size)?))
+        let memfd = self.memfd("upload", size)?;
+        if size > 0 {
+            let file = File::from(memfd.fd.try_clone()?);
+            let map = memmap2::MmapOptions::new()
+                .len(size as usize)
+                .map_raw(&file)?;
+            memfd.reserve_by(|offset, len| map.advise_range(Advice::PopulateWrite, offset, len))?;
+        }
+        Ok(Arc::new(memfd))
+    }
+}
+
+/// Runs `populate(offset, len)` over `0..size` in pieces of [`POPULATE_PIECE`] bytes on up to
+/// [`POPULATE_THREADS`] threads (the first piece on this one: a kernel without the advice says
+/// so there, and `Ok(false)` is returned). Stops at the first error.
+fn populate_parallel(
+    size: usize,
+    populate: &(dyn Fn(usize, usize) -> io::Result<()> + Sync),
+) -> io::Result<bool> {
+    if size == 0 {
+        return Ok(true);
+    }
+    match populate(0, size.min(POPULATE_PIECE)) {
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => {
+            return Ok(false);
+        }
+        other => other?,
+    }
+    let pieces = size.div_ceil(POPULATE_PIECE);
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .clamp(1, POPULATE_THREADS)
+        .min(pieces - 1);
+    let next = AtomicUsize::new(1);
+    let failed = AtomicBool::new(false);
+    let errors: Vec<io::Error> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                scope.spawn(|| {
+                    while !failed.load(Ordering::Relaxed) {
+                        let piece = next.fetch_add(1, Ordering::Relaxed);
+                        if piece >= pieces {
+                            return None;
+                        }
+                        let offset = piece * POPULATE_PIECE;
+                        let len = POPULATE_PIECE.min(size - offset);
+                        if let Err(e) = populate(offset, len) {
+                            failed.store(true, Ordering::Relaxed);
+                            return Some(e);
+                        }
+                    }
+                    None
+                })
+            })
+            .collect();
+        (workers.into_iter())
+            .filter_map(|w| {
+                w.join()
+                    .unwrap_or_else(|_| Some(io::Error::other("a thread panicked")))
+            })
+            .collect()
+    });
+    match errors.into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(true),
     }
 }
 
@@ -152,19 +231,47 @@ impl Memfd {
         )?)
     }
 
-    /// Reserves every page (a memfd of a full tmpfs or cgroup fails here instead of faulting
-    /// later). Also fills holes punched since (sealing writes does not forbid reserving).
+    /// Reserves every page of a new memfd through a writable mapping of it:
+    /// `populate(offset, len)` faults a range in (`MADV_POPULATE_WRITE`), on several threads;
+    /// where the kernel lacks that advice, `fallocate` (one thread). A full tmpfs or cgroup fails
+    /// here instead of faulting later.
+    fn reserve_by(
+        &self,
+        populate: impl Fn(usize, usize) -> io::Result<()> + Sync,
+    ) -> io::Result<()> {
+        match populate_parallel(self.size as usize, &populate) {
+            Ok(true) => Ok(()),
+            Ok(false) => self.reserve(),
+            Err(e) => Err(self.reserve_error(e)),
+        }
+    }
+
+    /// Reserves every page with `fallocate`; also fills holes punched since (sealing writes
+    /// does not forbid reserving), and costs little then when there are none: it first asks
+    /// where the first hole is.
     fn reserve(&self) -> io::Result<()> {
-        if self.size == 0 {
+        if self.size == 0 || !self.has_holes()? {
             return Ok(());
         }
-        rustix::fs::fallocate(&self.fd, FallocateFlags::empty(), 0, self.size).map_err(|e| {
-            let e = io::Error::from(e);
-            io::Error::new(
-                e.kind(),
-                format!("cannot reserve {} bytes of shared memory: {e}", self.size),
-            )
-        })
+        rustix::fs::fallocate(&self.fd, FallocateFlags::empty(), 0, self.size)
+            .map_err(|e| self.reserve_error(e.into()))
+    }
+
+    /// Whether a page of the memfd is not allocated (`SEEK_HOLE` finds one before the end).
+    fn has_holes(&self) -> io::Result<bool> {
+        match rustix::fs::seek(&self.fd, SeekFrom::Hole(0)) {
+            Ok(hole) => Ok(hole < self.size),
+            // ENXIO: nothing at or past offset 0 (an empty file).
+            Err(rustix::io::Errno::NXIO) => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn reserve_error(&self, e: io::Error) -> io::Error {
+        io::Error::new(
+            e.kind(),
+            format!("cannot reserve {} bytes of shared memory: {e}", self.size),
+        )
     }
 
     fn seal(&self, seals: SealFlags) -> io::Result<()> {

@@ -7,7 +7,7 @@ use crate::core::{Daemon, OpenedSession, Peer};
 use crate::session::{SessionShared, StatsSnapshot};
 use crate::store::quantize::Quantization;
 use crate::store::safetensors::DType;
-use crate::store::{Model, ModelEntry, ModelSource, StoredTensor, UploadTicket};
+use crate::store::{Model, ModelEntry, ModelSource, Phases, Stored, StoredTensor, UploadTicket};
 
 pub fn dtype_to_pb(d: DType) -> pb::Dtype {
     use pb::Dtype as P;
@@ -147,6 +147,29 @@ pub fn manifest(model: &Model, entry: Option<&ModelEntry>) -> pb::ModelManifest 
             ModelSource::Upload => "upload",
         }
         .to_string(),
+        phases: None,
+    }
+}
+
+/// The manifest a load or a commit returns: the model's, with where the call's time went.
+pub fn stored_manifest(stored: &Stored, entry: Option<&ModelEntry>) -> pb::ModelManifest {
+    pb::ModelManifest {
+        phases: Some(phases(&stored.phases)),
+        ..manifest(&stored.model, entry)
+    }
+}
+
+fn phases(p: &Phases) -> pb::StorePhases {
+    let ns = |d: std::time::Duration| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+    pb::StorePhases {
+        alloc_ns: ns(p.alloc),
+        read_ns: ns(p.read),
+        seal_ns: ns(p.seal),
+        quantize_ns: ns(p.quantize),
+        hash_ns: ns(p.hash),
+        pin_ns: ns(p.pin),
+        total_ns: ns(p.total),
+        input_bytes: p.input_bytes,
     }
 }
 

@@ -12,7 +12,7 @@ use weightstream_client::proto as pb;
 use weightstream_client::proto::weight_stream_server::WeightStream;
 
 use super::blocking::BlockingTasks;
-use super::convert::{self, manifest, session_info};
+use super::convert::{self, manifest, session_info, stored_manifest};
 use super::error::EdgeError;
 use super::validate::Validation;
 use crate::core::Daemon;
@@ -43,6 +43,27 @@ fn peer<T>(req: &Request<T>) -> Result<Peer, Status> {
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+
+/// One line per load or commit: the model, and where the time went.
+fn log_stored(what: &'static str, stored: &crate::store::Stored) {
+    let (m, p) = (&stored.model, &stored.phases);
+    tracing::info!(
+        model = %m.id,
+        existed = stored.existed,
+        bytes = m.total_bytes,
+        quantization = %m.quantization(),
+        input_bytes = p.input_bytes,
+        secs = p.total.as_secs_f64(),
+        gb_per_s = p.gb_per_s(),
+        alloc_secs = p.alloc.as_secs_f64(),
+        read_secs = p.read.as_secs_f64(),
+        seal_secs = p.seal.as_secs_f64(),
+        quantize_secs = p.quantize.as_secs_f64(),
+        hash_secs = p.hash.as_secs_f64(),
+        pin_secs = p.pin.as_secs_f64(),
+        "{what}"
+    );
+}
 
 #[tonic::async_trait]
 impl WeightStream for Service {
@@ -83,14 +104,21 @@ impl WeightStream for Service {
                 });
                 let _ = progress_tx.blocking_send(Ok(pb::LoadModelEvent { event: Some(event) }));
             };
-            let result = daemon
-                .store
-                .load(&sources, &req.name, req.quantization, peer.uid, &mut progress);
+            let result = daemon.store.load_timed(
+                &sources,
+                &req.name,
+                req.quantization,
+                peer.uid,
+                &mut progress,
+            );
             let msg = result
-                .map(|(model, existed)| {
-                    tracing::info!(model = %model.id, existed, bytes = model.total_bytes, quantization = %model.quantization(), "model loaded");
-                    let entry = daemon.store.get(&model.id);
-                    let event = pb::load_model_event::Event::Manifest(manifest(&model, entry.as_ref()));
+                .map(|stored| {
+                    log_stored("model loaded", &stored);
+                    let entry = daemon.store.get(&stored.model.id);
+                    let event = pb::load_model_event::Event::Manifest(stored_manifest(
+                        &stored,
+                        entry.as_ref(),
+                    ));
                     pb::LoadModelEvent { event: Some(event) }
                 })
                 .map_err(Status::from);
@@ -105,7 +133,19 @@ impl WeightStream for Service {
     ) -> Result<Response<pb::BeginUploadResponse>, Status> {
         let peer = peer(&req)?;
         let req = self.validation.begin_upload(req.into_inner())?;
-        let (ticket, secret) = (self.daemon).begin_upload(&peer, &req.name, req.tensors)?;
+        let daemon = self.daemon.clone();
+        let what = format!("BeginUpload '{}' for uid {}", req.name, peer.uid);
+        // Blocking: the region's pages are reserved here (seconds for tens of GB).
+        let (ticket, secret) = self
+            .blocking
+            .spawn(what, move || {
+                daemon.begin_upload(&peer, &req.name, req.tensors)
+            })
+            .await
+            .map_err(|source| EdgeError::Task {
+                what: "begin upload",
+                source,
+            })??;
         Ok(Response::new(convert::upload_begun(ticket, secret)))
     }
 
@@ -117,7 +157,7 @@ impl WeightStream for Service {
         let req = self.validation.commit_upload(req.into_inner())?;
         let daemon = self.daemon.clone();
         let what = format!("CommitUpload '{}' for uid {}", req.upload_id, peer.uid);
-        let (model, deduplicated) = self
+        let stored = self
             .blocking
             .spawn(what, move || daemon.commit_upload(&peer, &req.upload_id))
             .await
@@ -125,10 +165,11 @@ impl WeightStream for Service {
                 what: "commit",
                 source,
             })??;
-        let entry = self.daemon.store.get(&model.id);
+        log_stored("upload committed", &stored);
+        let entry = self.daemon.store.get(&stored.model.id);
         Ok(Response::new(pb::CommitUploadResponse {
-            manifest: Some(manifest(&model, entry.as_ref())),
-            deduplicated,
+            manifest: Some(stored_manifest(&stored, entry.as_ref())),
+            deduplicated: stored.existed,
         }))
     }
 

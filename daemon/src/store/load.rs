@@ -1,7 +1,8 @@
 //! Loading safetensors from files the client opened and passed: headers read and checked,
-//! tensors placed page-aligned in a new arena, copied in with positioned reads (progress
-//! reported as it goes), pinned, then inserted, where a concurrent load of the same files that
-//! finished first wins and this one becomes a reference to it. No lock is held while reading.
+//! tensors placed page-aligned in a new arena, copied in with positioned reads on several
+//! threads (progress reported as it goes), pinned, then inserted, where a concurrent load of the
+//! same files that finished first wins and this one becomes a reference to it. No lock is held
+//! while reading. Each phase is timed ([`Phases`]).
 //!
 //! A load with a quantization reads the weights it quantizes in batches of rows (at most
 //! [`QUANT_BATCH`] bytes of input, two batches in memory: the next is read while this one is
@@ -15,9 +16,11 @@ use std::num::NonZeroUsize;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
 use rustix::fs::FileType;
 
+use super::phases::{Phases, Stored};
 use super::prequantized::{self, PreLayout};
 use super::quantize::{
     Quantization, QuantizeError, StoredLayout, TensorIn, TensorOut, quantize_all_into,
@@ -26,12 +29,17 @@ use super::quantize::{
 use super::safetensors::{self, TensorEntry};
 use super::{
     Model, ModelSource, QuantizedLayout, Store, StoreError, StoredTensor, TENSOR_ALIGN,
-    metadata_bytes,
+    metadata_bytes, parallel,
 };
 use crate::mem::align_up;
 
-/// Load progress is reported at least this often (in bytes).
+/// Load progress is reported at least this often (in bytes); also the most one reader copies
+/// at a time.
 const PROGRESS_STEP: u64 = 64 << 20;
+
+/// Threads that read the files at most: positioned reads from the page cache run at a few GB/s
+/// each, and memory bandwidth is spent by about this many.
+const READERS: usize = 8;
 
 /// Load progress as (bytes done, bytes total, current file).
 pub type Progress<'a> = &'a mut dyn FnMut(u64, u64, &Path);
@@ -102,12 +110,33 @@ impl Store {
         uid: u32,
         progress: Progress<'_>,
     ) -> Result<(Arc<Model>, bool), StoreError> {
+        let stored = self.load_timed(sources, name, quantization, uid, progress)?;
+        Ok((stored.model, stored.existed))
+    }
+
+    /// [`Store::load`], and where its time went: the arena's allocation, reading (and
+    /// quantizing), page-locking.
+    pub fn load_timed(
+        &self,
+        sources: &[LoadSource],
+        name: &str,
+        quantization: Quantization,
+        uid: u32,
+        progress: Progress<'_>,
+    ) -> Result<Stored, StoreError> {
+        let started = Instant::now();
+        let mut phases = Phases::default();
         let (id, opened) = identity(sources, quantization)?;
         let last = Path::new(sources.last().map_or("", |s| s.name.as_str()));
         if let Some(model) = self.add_ref(&id, uid) {
             let total = model.total_bytes;
             progress(total, total, last);
-            return Ok((model, true));
+            phases.total = started.elapsed();
+            return Ok(Stored {
+                model,
+                existed: true,
+                phases,
+            });
         }
         let plan = self.plan_load(&opened, quantization)?;
         let total: u64 = plan.iter().map(Planned::input_bytes).sum();
@@ -125,15 +154,19 @@ impl Store {
             plan.iter().map(|p| (&*p.entry.name, p.entry.shape.len())),
         );
         let reserved = self.reserve(uid, arena_len + metadata, false, "model")?;
-        let mut segment =
-            self.shm
-                .create("model", arena_len)
-                .map_err(|source| StoreError::Arena {
-                    bytes: arena_len,
-                    source,
-                })?;
+        progress(0, total, Path::new("allocating host memory"));
+        let mut segment = phases
+            .time(|p| &mut p.alloc, || self.shm.create("model", arena_len))
+            .map_err(|source| StoreError::Arena {
+                bytes: arena_len,
+                source,
+            })?;
         let arena = segment.bytes_mut().expect("a new segment is writable");
-        fill_arena(&plan, arena, total, progress)?;
+        phases.time(
+            |p| &mut p.read,
+            || fill_arena(&plan, arena, total, progress),
+        )?;
+        phases.input_bytes = total;
         let tensors: Vec<StoredTensor> = plan
             .into_iter()
             .map(|p| StoredTensor {
@@ -156,11 +189,17 @@ impl Store {
             })
             .collect();
         progress(total, total, Path::new("page-locking host memory"));
-        let arena = self.pin(segment, &tensors)?;
+        let arena = phases.time(|p| &mut p.pin, || self.pin(segment, &tensors))?;
+        phases.nothing_pinned_unless(arena.is_pinned());
         let model = Model::new(id, name, ModelSource::File, tensors, arena);
-        let loaded = self.insert_or_ref(Arc::new(model), uid);
+        let (model, existed) = self.insert_or_ref(Arc::new(model), uid);
         drop(reserved);
-        Ok(loaded)
+        phases.total = started.elapsed();
+        Ok(Stored {
+            model,
+            existed,
+            phases,
+        })
     }
 
     /// Reads every header, rejects duplicates and places each tensor in the future arena, at
@@ -276,20 +315,7 @@ fn fill_arena(
         reported: 0,
         total,
     };
-    for p in plan.iter().filter(|p| p.quantized.is_none()) {
-        let mut at = 0u64;
-        while at < p.entry.nbytes {
-            let n = (p.entry.nbytes - at).min(PROGRESS_STEP);
-            let dst = &mut arena[(p.offset + at) as usize..(p.offset + at + n) as usize];
-            read_at(p, dst, at)?;
-            at += n;
-            done.add(n, &p.opened.source.name, progress);
-        }
-        if let Some(pre) = &p.pre {
-            fill_scales(p.offset, pre, arena)?;
-            done.add(pre.entry.nbytes, &pre.opened.source.name, progress);
-        }
-    }
+    read_plain(plan, arena, &mut done, progress)?;
     quantize_batches(plan, arena, &mut done, progress)?;
     if let Some(p) = plan.last() {
         progress(done.done, total, Path::new(&p.opened.source.name));
@@ -297,8 +323,73 @@ fn fill_arena(
     Ok(())
 }
 
-/// A pre-quantized weight's padding (zeros) and scales (its file's, as fp32) after its data.
-fn fill_scales(offset: u64, pre: &PreScale<'_>, arena: &mut [u8]) -> Result<(), StoreError> {
+/// One piece of the copy: bytes of a tensor's data from its file, or a pre-quantized weight's
+/// scales (converted) and padding.
+enum ReadPiece<'p, 'a, 'm> {
+    Data {
+        tensor: &'p Planned<'a>,
+        at: u64,
+        dst: &'m mut [u8],
+    },
+    Scales {
+        pre: &'p PreScale<'a>,
+        /// The weight's slice past its data: padding, then scales.
+        tail: &'m mut [u8],
+    },
+}
+
+/// Copies the tensors that keep their dtype (and pre-quantized weights) into the arena on up
+/// to [`READERS`] threads, in pieces of at most [`PROGRESS_STEP`] bytes taken in arena order.
+fn read_plain(
+    plan: &Plan<'_>,
+    arena: &mut [u8],
+    done: &mut Done,
+    progress: Progress<'_>,
+) -> Result<(), StoreError> {
+    let mut pieces = Vec::new();
+    let mut rest: &mut [u8] = arena;
+    let mut consumed = 0u64;
+    for p in plan.iter().filter(|p| p.quantized.is_none()) {
+        let (_, tail) = std::mem::take(&mut rest).split_at_mut((p.offset - consumed) as usize);
+        let (slot, tail) = tail.split_at_mut(p.nbytes() as usize);
+        rest = tail;
+        consumed = p.offset + p.nbytes();
+        let (mut data, scales) = slot.split_at_mut(p.entry.nbytes as usize);
+        let mut at = 0u64;
+        while !data.is_empty() {
+            let n = data.len().min(PROGRESS_STEP as usize);
+            let (dst, more) = std::mem::take(&mut data).split_at_mut(n);
+            data = more;
+            pieces.push(ReadPiece::Data { tensor: p, at, dst });
+            at += n as u64;
+        }
+        if let Some(pre) = &p.pre {
+            pieces.push(ReadPiece::Scales { pre, tail: scales });
+        }
+    }
+    let threads = parallel::threads_for(pieces.len(), READERS);
+    parallel::for_each(pieces, threads, read_piece, |(n, path)| {
+        done.add(n, path, &mut *progress)
+    })
+}
+
+/// Reads one piece; returns the bytes of the files it covered and the file's name.
+fn read_piece<'p>(piece: ReadPiece<'p, '_, '_>) -> Result<(u64, &'p str), StoreError> {
+    match piece {
+        ReadPiece::Data { tensor, at, dst } => {
+            read_at(tensor, dst, at)?;
+            Ok((dst.len() as u64, &tensor.opened.source.name))
+        }
+        ReadPiece::Scales { pre, tail } => {
+            fill_scales(pre, tail)?;
+            Ok((pre.entry.nbytes, &pre.opened.source.name))
+        }
+    }
+}
+
+/// A pre-quantized weight's padding (zeros) and scales (its file's, as fp32) after its data:
+/// `tail` is its slice from the end of the data on.
+fn fill_scales(pre: &PreScale<'_>, tail: &mut [u8]) -> Result<(), StoreError> {
     let l = &pre.layout;
     let mut bytes = vec![0u8; pre.entry.nbytes as usize];
     (pre.opened.source.file)
@@ -307,14 +398,9 @@ fn fill_scales(offset: u64, pre: &PreScale<'_>, arena: &mut [u8]) -> Result<(), 
             path: pre.opened.source.name.clone(),
             source,
         })?;
-    let slice = &mut arena[offset as usize..(offset + l.nbytes) as usize];
-    slice[l.data_bytes as usize..l.scale_offset as usize].fill(0);
-    prequantized::scales_to_f32(
-        &pre.entry.name,
-        l.scale_dtype,
-        &bytes,
-        &mut slice[l.scale_offset as usize..],
-    )?;
+    let (padding, scales) = tail.split_at_mut((l.scale_offset - l.data_bytes) as usize);
+    padding.fill(0);
+    prequantized::scales_to_f32(&pre.entry.name, l.scale_dtype, &bytes, scales)?;
     Ok(())
 }
 
@@ -689,5 +775,46 @@ mod tests {
             err.to_string(),
             "/models/dir: not a regular file: only regular files can be loaded"
         );
+    }
+
+    /// Tensors larger than a reader's piece, and several of them, are read on several threads
+    /// into the right places, every byte; the load says where its time went.
+    #[test]
+    fn a_load_is_read_in_pieces_on_several_threads_and_timed() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(HostQuota::default());
+        let sizes = [2 * PROGRESS_STEP as usize + 12_345, 1, 5 * 4096 + 7];
+        let data: Vec<Vec<u8>> = (sizes.iter().enumerate())
+            .map(|(t, &n)| (0..n).map(|i| ((i * 7 + t) % 251) as u8).collect())
+            .collect();
+        let names = ["a", "b", "c"];
+        let views = (names.iter().zip(&data)).map(|(name, d)| {
+            let view =
+                ::safetensors::tensor::TensorView::new(::safetensors::Dtype::U8, vec![d.len()], d);
+            (*name, view.unwrap())
+        });
+        let path = dir.path().join("m.safetensors");
+        ::safetensors::serialize_to_file(views, None, &path).unwrap();
+        let mut events = 0;
+        let stored = store
+            .load_timed(
+                &sources(&[path]),
+                "",
+                Quantization::None,
+                1,
+                &mut |_, _, _| events += 1,
+            )
+            .unwrap();
+        let model = &stored.model;
+        for (name, d) in names.iter().zip(&data) {
+            let i = model.tensor_index(name).unwrap();
+            assert!(model.slice(i).bytes() == &d[..], "tensor {name}");
+        }
+        let p = stored.phases;
+        let total: u64 = sizes.iter().map(|&n| n as u64).sum();
+        assert_eq!(p.input_bytes, total);
+        assert!(!p.read.is_zero() && !p.alloc.is_zero(), "{p:?}");
+        assert!(p.total >= p.alloc + p.read + p.pin, "{p:?}");
+        assert!(events >= 3, "progress as the pieces come: {events}");
     }
 }

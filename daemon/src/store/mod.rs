@@ -8,11 +8,14 @@
 //!
 //! One job per module: `registry` (models by id, references, dedup, host charges, sessions),
 //! `load` (safetensors files into an arena), `upload` (client-written regions, sealed into
-//! arenas), `pin` (page-locking an arena through a `HostPinner`); `safetensors` parses headers.
+//! arenas), `pin` (page-locking an arena through a `HostPinner`); `safetensors` parses headers;
+//! `parallel` spreads reading and hashing over threads, `phases` times them.
 //! This file holds the types they share. Memory itself (memfds, arenas, slices) lives in
 //! `crate::mem`.
 
 mod load;
+mod parallel;
+mod phases;
 mod pin;
 pub mod prequantized;
 pub mod quantize;
@@ -27,6 +30,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 pub use self::load::{LoadSource, Progress};
+pub use self::phases::{Phases, Stored};
 use self::quantize::{NonFinite, Quantization, QuantizeError, StoredLayout};
 use self::registry::Inner;
 pub use self::registry::{Holder, HostUse, ModelEntry};

@@ -20,17 +20,42 @@ impl Store {
         segment: ShmSegment,
         tensors: &[StoredTensor],
     ) -> Result<HostArena, StoreError> {
-        if !segment.is_read_only() {
-            let pin = self.pin_segment(&segment, tensors, PinAccess::ReadWrite)?;
-            return Ok(HostArena::new(segment, pin));
-        }
-        match self.pin_segment(&segment, tensors, PinAccess::ReadOnly) {
+        let in_place = self.pin_in_place(&segment, tensors);
+        self.finish_pin(segment, tensors, in_place)
+    }
+
+    /// Page-locks `segment` as it is mapped (read-only for a sealed upload); [`Store::finish_pin`]
+    /// makes the arena of the result. Split so that a commit pins while it hashes.
+    pub(super) fn pin_in_place(
+        &self,
+        segment: &ShmSegment,
+        tensors: &[StoredTensor],
+    ) -> Result<Option<PinGuard>, PinError> {
+        let access = if segment.is_read_only() {
+            PinAccess::ReadOnly
+        } else {
+            PinAccess::ReadWrite
+        };
+        self.pin_segment(segment, tensors, access)
+    }
+
+    /// The arena of `segment`, pinned as `in_place` says; a read-only segment that could not
+    /// be pinned in place is copied into one the daemon writes, and that is pinned.
+    pub(super) fn finish_pin(
+        &self,
+        segment: ShmSegment,
+        tensors: &[StoredTensor],
+        in_place: Result<Option<PinGuard>, PinError>,
+    ) -> Result<HostArena, StoreError> {
+        match in_place {
             Ok(pin) => Ok(HostArena::new(segment, pin)),
-            Err(why) => {
+            Err(why) if segment.is_read_only() => {
                 let copy = self.writable_copy(&segment, why)?;
+                drop(segment);
                 let pin = self.pin_segment(&copy, tensors, PinAccess::ReadWrite)?;
                 Ok(HostArena::new(copy, pin))
             }
+            Err(e) => Err(e.into()),
         }
     }
 

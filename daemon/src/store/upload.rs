@@ -1,14 +1,23 @@
 //! Uploads: a memfd the client writes through its own fd (sealed against resizing from the
-//! start), sealed against writes at commit and then, as it is, the model's arena: mapped
-//! read-only, hashed for dedup, pinned. Uncommitted ones go with their connection.
+//! start, its pages reserved by the daemon), sealed against writes at commit and then, as it
+//! is, the model's arena: mapped read-only, hashed for dedup (on several threads) while it is
+//! pinned. Uncommitted ones go with their connection.
+//!
+//! The region cannot be page-locked before the commit, by the daemon or anyone: sealing it
+//! against writes waits for, then refuses, pages that are still pinned (the kernel cannot tell
+//! a daemon's pin from a client's DMA registration that would write on after the seal). The
+//! client pins what it writes a window at a time and unpins it before the commit.
 //!
 //! Tensors declared for quantization at commit are written as declared; the commit quantizes
 //! them into a new arena (the upload's memfd is then dropped: only the quantized copy stays).
 //! Pre-quantized tensors are written in the store's layout, and their scales checked.
 
+use std::convert::Infallible;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
+use std::time::Instant;
 
+use super::phases::{Phases, Stored};
 use super::quantize::{
     Quantization, StoredLayout, TensorIn, TensorOut, first_non_finite_scale, quantize_all_into,
 };
@@ -16,7 +25,7 @@ use super::registry::{Pending, Reservation};
 use super::safetensors::DType;
 use super::{
     Model, ModelSource, Owner, QuantizedLayout, Store, StoreError, StoredTensor, TENSOR_ALIGN,
-    metadata_bytes,
+    metadata_bytes, parallel,
 };
 use crate::mem::align_up;
 use crate::mem::shm::{Memfd, SealError, ShmSegment};
@@ -169,15 +178,26 @@ impl Store {
         owner: Owner,
         upload_id: &str,
     ) -> Result<(Arc<Model>, bool), StoreError> {
+        let stored = self.commit_upload_timed(owner, upload_id)?;
+        Ok((stored.model, stored.existed))
+    }
+
+    /// [`Store::commit_upload`], and where its time went: sealing, quantizing, hashing and
+    /// page-locking (the last two at once).
+    pub fn commit_upload_timed(&self, owner: Owner, upload_id: &str) -> Result<Stored, StoreError> {
+        let started = Instant::now();
+        let mut phases = Phases::default();
         let memfd = self.owned_upload(owner, upload_id)?;
         // Outside the lock: sealing may wait for pages pinned by I/O in flight.
-        memfd.seal_writes().map_err(|e| match e {
-            SealError::MappedWritable => StoreError::UploadMapped(upload_id.to_string()),
-            SealError::Io(source) => StoreError::Seal {
-                upload_id: upload_id.to_string(),
-                source,
-            },
-        })?;
+        phases
+            .time(|p| &mut p.seal, || memfd.seal_writes())
+            .map_err(|e| match e {
+                SealError::MappedWritable => StoreError::UploadMapped(upload_id.to_string()),
+                SealError::Io(source) => StoreError::Seal {
+                    upload_id: upload_id.to_string(),
+                    source,
+                },
+            })?;
         let (upload, reserved) = {
             let mut inner = self.inner();
             // Gone meanwhile: its connection closed, or a concurrent commit took it.
@@ -191,10 +211,13 @@ impl Store {
             });
             (upload, Reservation { store: self, id })
         };
-        let segment = ShmSegment::sealed(upload.memfd).map_err(|source| StoreError::Seal {
-            upload_id: upload_id.to_string(),
-            source,
-        })?;
+        let segment = phases
+            .time(|p| &mut p.seal, || ShmSegment::sealed(upload.memfd))
+            .map_err(|source| StoreError::Seal {
+                upload_id: upload_id.to_string(),
+                source,
+            })?;
+        phases.input_bytes = upload.tensors.iter().map(|t| t.nbytes).sum();
         check_scales(&upload.tensors, segment.bytes())?;
         // Quantized at commit: a new arena (charged within the upload's bytes, but for what it
         // needs beyond them), and the upload's region dropped.
@@ -202,26 +225,66 @@ impl Store {
             let (tensors, size) = quantized_placement(&upload.tensors, &upload.at_commit);
             let extra = size.saturating_sub(segment.size());
             let extra = self.reserve(owner.uid, extra, false, "quantized upload")?;
-            let arena =
-                self.quantize_upload(&segment, &upload.tensors, &upload.at_commit, &tensors, size)?;
+            let arena = phases.time(
+                |p| &mut p.quantize,
+                || {
+                    self.quantize_upload(
+                        &segment,
+                        &upload.tensors,
+                        &upload.at_commit,
+                        &tensors,
+                        size,
+                    )
+                },
+            )?;
             (arena, tensors, Some(extra))
         } else {
             (segment, upload.tensors, None)
         };
-        let id = content_identity(&tensors, segment.bytes());
+        // Hashed while it is pinned: a new model (the rule) waits for the longer of the two
+        // rather than both; a duplicate (the exception) drops a pin it did not need.
+        let (id, in_place) = std::thread::scope(|scope| {
+            let pinning = scope.spawn(|| {
+                let started = Instant::now();
+                (self.pin_in_place(&segment, &tensors), started.elapsed())
+            });
+            let id = phases.time(
+                |p| &mut p.hash,
+                || content_identity(&tensors, segment.bytes()),
+            );
+            let (in_place, took) = pinning.join().expect("pinning does not panic");
+            phases.pin += took;
+            (id, in_place)
+        });
         if let Some(model) = self.add_ref(&id, owner.uid) {
-            return Ok((model, true));
+            phases.nothing_pinned_unless(matches!(in_place, Ok(Some(_))));
+            drop(in_place); // unlocked before the segment is unmapped
+            phases.total = started.elapsed();
+            return Ok(Stored {
+                model,
+                existed: true,
+                phases,
+            });
         }
         let name = if upload.name.is_empty() {
             id.clone()
         } else {
             upload.name
         };
-        let arena = self.pin(segment, &tensors)?;
+        let arena = phases.time(
+            |p| &mut p.pin,
+            || self.finish_pin(segment, &tensors, in_place),
+        )?;
+        phases.nothing_pinned_unless(arena.is_pinned());
         let model = Model::new(id, name, ModelSource::Upload, tensors, arena);
-        let committed = self.insert_or_ref(Arc::new(model), owner.uid);
+        let (model, existed) = self.insert_or_ref(Arc::new(model), owner.uid);
         drop(reserved);
-        Ok(committed)
+        phases.total = started.elapsed();
+        Ok(Stored {
+            model,
+            existed,
+            phases,
+        })
     }
 
     /// The region of `upload_id`, if `owner`'s connection began it.
@@ -341,16 +404,51 @@ fn check_scales(tensors: &[StoredTensor], arena: &[u8]) -> Result<(), StoreError
     Ok(())
 }
 
+/// Bytes of a tensor hashed as one piece, on one thread.
+const HASH_PIECE: u64 = 64 << 20;
+/// Threads that hash at most (one hashes a few GB/s; memory bandwidth is the limit beyond).
+const HASHERS: usize = 16;
+
 /// Same tensors (names, dtypes, shapes, formats, bytes) give the same id: a weight quantized
-/// at commit and the same weight uploaded pre-quantized are one model.
+/// at commit and the same weight uploaded pre-quantized are one model. The id hashes each
+/// tensor's description and the digests of its bytes in pieces of [`HASH_PIECE`], which are
+/// hashed on several threads.
 fn content_identity(tensors: &[StoredTensor], arena: &[u8]) -> String {
+    let mut pieces: Vec<(usize, std::ops::Range<usize>)> = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        let (mut at, end) = (t.offset, t.offset + t.nbytes);
+        while at < end {
+            let n = (end - at).min(HASH_PIECE);
+            pieces.push((i, at as usize..(at + n) as usize));
+            at += n;
+        }
+    }
+    let mut digests = vec![[0u8; 32]; pieces.len()];
+    let work: Vec<(usize, std::ops::Range<usize>)> = (pieces.iter().enumerate())
+        .map(|(k, (_, range))| (k, range.clone()))
+        .collect();
+    let threads = parallel::threads_for(work.len(), HASHERS);
+    let hashed = parallel::for_each(
+        work,
+        threads,
+        |(k, range)| Ok::<_, Infallible>((k, *blake3::hash(&arena[range]).as_bytes())),
+        |(k, digest)| digests[k] = digest,
+    );
+    match hashed {
+        Ok(()) => {}
+        Err(never) => match never {},
+    }
     let mut hasher = blake3::Hasher::new();
-    for t in tensors {
+    let mut next = 0;
+    for (i, t) in tensors.iter().enumerate() {
         hasher.update(format!("{}\0{}\0{:?}\0", t.name, t.dtype, t.shape).as_bytes());
         if t.quantization() != Quantization::None {
             hasher.update(format!("{}\0", t.quantization()).as_bytes());
         }
-        hasher.update(&arena[t.offset as usize..(t.offset + t.nbytes) as usize]);
+        while next < pieces.len() && pieces[next].0 == i {
+            hasher.update(&digests[next]);
+            next += 1;
+        }
     }
     format!("u-{}", &hasher.finalize().to_hex()[..16])
 }
@@ -466,5 +564,51 @@ mod tests {
         );
         assert_eq!(store.drop_uploads_of(1), vec!["up-1".to_string()]);
         store.begin_upload(ME, "", vec![u8s("w", 1)]).unwrap();
+    }
+
+    /// The id covers every byte of every piece a tensor is hashed in, in order, and each
+    /// tensor's description: a byte changed in a later piece, two pieces swapped, or another
+    /// name give another id; the same content gives the same id.
+    #[test]
+    fn the_content_id_covers_every_piece_in_order() {
+        let piece = HASH_PIECE as usize;
+        let mut arena: Vec<u8> = (0..2 * piece + 4096).map(|i| (i % 251) as u8).collect();
+        arena[..piece].fill(1);
+        arena[piece..2 * piece].fill(2);
+        let t = |name: &str| StoredTensor {
+            name: name.into(),
+            dtype: DType::U8,
+            shape: vec![arena.len() as u64],
+            offset: 0,
+            nbytes: arena.len() as u64,
+            quantized: None,
+        };
+        let id = content_identity(&[t("w")], &arena);
+        assert_eq!(id, content_identity(&[t("w")], &arena.clone()));
+        assert_ne!(id, content_identity(&[t("v")], &arena));
+        let mut changed = arena.clone();
+        changed[2 * piece + 10] ^= 1;
+        assert_ne!(id, content_identity(&[t("w")], &changed));
+        let mut swapped = arena.clone();
+        swapped[..piece].fill(2);
+        swapped[piece..2 * piece].fill(1);
+        assert_ne!(id, content_identity(&[t("w")], &swapped));
+    }
+
+    /// A commit says where its time went: the bytes the client wrote, and sealing and hashing
+    /// within the whole (the host backend pins nothing).
+    #[test]
+    fn a_commit_is_timed() {
+        let store = store_with(HostQuota::default());
+        let ticket = store.begin_upload(ME, "m", vec![u8s("w", 5000)]).unwrap();
+        let client = File::from(ticket.memfd.share(Access::ReadWrite).unwrap());
+        client.write_all_at(&[3u8; 5000], 0).unwrap();
+        let stored = store.commit_upload_timed(ME, &ticket.upload_id).unwrap();
+        let p = stored.phases;
+        assert!(!stored.existed);
+        assert_eq!(p.input_bytes, 5000);
+        assert!(!p.seal.is_zero() && !p.hash.is_zero(), "{p:?}");
+        assert!(p.total >= p.seal + p.hash, "{p:?}");
+        assert!(p.read.is_zero() && p.quantize.is_zero(), "{p:?}");
     }
 }

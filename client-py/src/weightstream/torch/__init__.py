@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import time
 import warnings
 
 import torch
@@ -139,6 +140,7 @@ def attach(
       equal the model with each streamed weight replaced by its dequantization
       (``weightstream.quantize.to_fp8_resident``). A weight that is not bf16/f16/f32 raises
       ``ValueError`` naming the layer, before anything is uploaded.
+    ``Handle.stats()`` says where the attach's time went (``attach_*``: ``Handle.attach_phases``).
     The trainer's own copies of the streamed weights are freed, those already on ``device``
     before the session opens (so that the daemon can allocate the budget where they were),
     the others once it is open; their parameters become ``Placeholder``s on ``device``. A
@@ -146,6 +148,7 @@ def attach(
     stream inside its wrapper, or are refused (``hooks``); quantized weights are refused
     (``policy.QuantizedWeight``).
     """
+    started = time.monotonic()
     options = _options(options, overrides)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -168,7 +171,11 @@ def attach(
         if staging_bytes:
             raise ValueError('vram_budget="auto" chooses staging_bytes: leave it 0')
         vram_budget = None  # the groups are chosen as for a budget that fits blocks
-    manifest, uploaded = _model_of(client, selection.streamed, model, label, fmt)
+    upload_phases: dict = {}
+    t = time.monotonic()
+    manifest, uploaded = _model_of(client, selection.streamed, model, label, fmt, upload_phases)
+    phases = {"model_s": time.monotonic() - t}
+    phases.update({f"upload_{k}": v for k, v in upload_phases.items()})
     session, freed = None, []
     try:
         quantized = frozenset(
@@ -199,6 +206,7 @@ def attach(
         freed += _free(selection.streamed, device, only_on=device)
         gc.collect()
         torch.cuda.empty_cache()
+        t = time.monotonic()
         session = client.open_session(
             manifest.model_id,
             groups,
@@ -207,6 +215,7 @@ def attach(
             device=device,
             label=label,
         )
+        phases["open_session_s"] = time.monotonic() - t
         resident = {n: policy.reason_text(why, options) for n, why in selection.resident.items()}
         handle = Handle(client, session, manifest.model_id, device, options, resident=resident)
         handle._hooks = hooks
@@ -227,20 +236,28 @@ def attach(
     except BaseException as e:
         _undo(hooks, session, client, uploaded, freed, e)
         raise
+    phases["total_s"] = time.monotonic() - started
+    handle.attach_phases = {
+        k: round(v, 4) if isinstance(v, float) else v for k, v in phases.items()
+    }
     return handle
 
 
-def _model_of(client: Client, streamed, model: str | None, label: str, fmt: str | None):
+def _model_of(
+    client: Client, streamed, model: str | None, label: str, fmt: str | None, phases: dict
+):
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
-    release if attach fails), with the weights quantized to ``fmt`` by the daemon, or
-    ``model``, checked against them."""
+    release if attach fails; ``phases`` filled as ``Client.upload_model`` says), with the
+    weights quantized to ``fmt`` by the daemon, or ``model``, checked against them."""
     tensors = {
         tname: t.detach() for name, m in streamed for tname, t in policy.layer_tensors(name, m)
     }
     weights = [f"{name}.weight" for name, _ in streamed]
     if model is not None:
         return _match(client, model, tensors, weights if fmt else ()), None
-    manifest, _ = client.upload_model(label, tensors, quantize=weights if fmt else ())
+    manifest, _ = client.upload_model(
+        label, tensors, quantize=weights if fmt else (), phases=phases
+    )
     return manifest, manifest.model_id
 
 

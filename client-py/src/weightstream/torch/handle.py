@@ -89,6 +89,12 @@ class Handle:
     _auto: budget.AutoBudget | None = None
     _auto_armed: bool = False
     _auto_hooks: list = field(default_factory=list)
+    #: Where ``attach`` spent its time, in seconds: ``total_s``; ``model_s`` (uploading the
+    #: weights, or finding the model named by ``model=``); ``open_session_s`` (the daemon
+    #: allocating the budget and copying the resident groups); for an upload its phases as
+    #: ``upload_<key>`` (``Client.upload_model``'s ``phases``: the client's write and the
+    #: daemon's commit). ``stats()`` has them as ``attach_<key>``.
+    attach_phases: dict = field(default_factory=dict)
     #: See ``stats``.
     _dequant_peak: int = 0
     _dequant_scratch_peak: int = 0
@@ -268,8 +274,10 @@ class Handle:
         trainer's side of 8-bit streaming: ``dequant_peak_bytes``, the largest dequantized
         weight so far, and ``dequant_scratch_peak_bytes``, the most device memory one
         dequantization held at once (that weight and, below float32, its float32 product);
-        with ``vram_budget="auto"`` the policy's decisions (``auto_*``: ``AutoBudget.stats``)."""
+        with ``vram_budget="auto"`` the policy's decisions (``auto_*``: ``AutoBudget.stats``);
+        where ``attach`` spent its time (``attach_*``: ``attach_phases``)."""
         out = {} if self._auto is None else self._auto.stats()
+        out.update({f"attach_{k}": v for k, v in self.attach_phases.items()})
         s = self.session.stats()
         if s is not None:
             out.update({f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields})
