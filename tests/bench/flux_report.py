@@ -84,6 +84,7 @@ def peers_table(run: dict) -> str:
         "ramtorch",
         "accelerate-offload",
         "diffusers-group-offload",
+        "aitk",
     ):
         r = m.get(name)
         if r is None:
