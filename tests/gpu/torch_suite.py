@@ -84,11 +84,10 @@ def equality_fp8(client, dtype, ckpt, group_by="layer"):
     t.assert_equal_runs(
         t.train(ref, xs, sample_between=True), t.train(streamed, xs, sample_between=True)
     )
-    stats = handle.stats()
+    stats, streamed = handle.stats(), len(handle.streamed)
+    assert streamed > 0, "nothing was streamed"
     handle.detach(release=True)
-    return (
-        f"{len(handle.streamed)} streamed in 8 bits, scratch {stats['dequant_scratch_peak_bytes']}"
-    )
+    return f"{streamed} streamed in 8 bits, scratch {stats['dequant_scratch_peak_bytes']} B"
 
 
 def fused_dequant():
