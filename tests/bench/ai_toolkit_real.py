@@ -565,11 +565,14 @@ def run_one(
     cuda: bool,
     extra_env: dict,
 ):
-    folder = work / mode
+    # "MODE#N": MODE once more (its own folder and result), e.g. resident#2 to see whether a
+    # run repeats itself bit for bit on this machine.
+    kind = mode.partition("#")[0]
+    folder = work / mode.replace("#", "-")
     folder.mkdir()
     (folder / "model").symlink_to(model)
     shutil.copytree(data, folder / "data")
-    if mode == "resident":
+    if kind == "resident":
         # The reference: the same job without any offloading (the weights in place).
         assert "layer_offloading: true" in yaml_text, "the template no longer offloads"
         yaml_text = yaml_text.replace("layer_offloading: true", "layer_offloading: false")
@@ -590,6 +593,7 @@ def run_one(
             "WS_AITK_STUB_DISTS": ",".join(STUB_DISTS),
             "WS_AITK_STUB_LOG": str(folder / "stubs.json"),
             "WS_AITK_STATS": str(folder / "torch_stats.json"),
+            "WS_AITK_PROBE": str(folder / "probe.json"),
             "WS_AITK_DETERMINISTIC": "1",
             "SEED": str(args.seed),
             "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
@@ -605,7 +609,7 @@ def run_one(
     if not cuda:
         env["WS_AITK_HIDE"] = "triton"
     daemon = None
-    if mode in ("aitk", "resident"):
+    if kind in ("aitk", "resident"):
         cmd = [sys.executable, str(aitk / "run.py"), "job.yaml"]
     else:
         daemon, sock = start_daemon(args.bin, folder, "cuda" if cuda else "host")
@@ -655,7 +659,7 @@ def run_one(
         result["daemon_peak_rss"] = dsampler.hwm
     if cuda:
         result["nvidia_smi_peak_used"] = sampler.gpu_used
-    for name in ("torch_stats.json", "stubs.json"):
+    for name in ("torch_stats.json", "stubs.json", "probe.json"):
         p = folder / name
         if p.exists():
             result[name.removesuffix(".json")] = json.loads(p.read_text())
@@ -795,7 +799,7 @@ def main(argv=None) -> int:
     ok = ok and not any(called.values())
     if klein and ok:
         report["streaming"] = streaming = streaming_check(
-            [r for r in runs if r["mode"] != "resident"]
+            [r for r in runs if not r["mode"].startswith("resident")]
         )
         ok = ok and streaming["ok"]
     by_mode = {r["mode"]: r for r in runs}
@@ -813,6 +817,7 @@ def main(argv=None) -> int:
                 "lora_equal": lora.keys() == ref_lora.keys()
                 and all(torch.equal(lora[k], ref_lora[k]) for k in lora),
                 "loss_diffs": [x - y for x, y in zip(run["losses"], ref["losses"], strict=False)],
+                "probe": probe_diff(ref.get("probe"), run.get("probe")),
             }
         ws = report["vs_resident"].get("weightstream", {})
         ok = bool(ws.get("losses_equal") and ws.get("lora_equal"))
@@ -837,6 +842,19 @@ def _mm(run: dict) -> dict:
     return (run.get("stubs") or {}).get("memory_manager") or {}
 
 
+def probe_diff(a: dict | None, b: dict | None) -> dict | None:
+    """Where two runs' nn.Linear calls (the shim's WS_AITK_PROBE, in call order) first differ:
+    the call's index, what it was, and how many calls were compared."""
+    if not a or not b:
+        return None
+    calls_a, calls_b = a.get("calls", []), b.get("calls", [])
+    for i, (x, y) in enumerate(zip(calls_a, calls_b, strict=False)):
+        if x != y:
+            return {"first_difference": i, "a": x, "b": y, "compared": i + 1}
+    n = min(len(calls_a), len(calls_b))
+    return {"first_difference": None, "compared": n, "lengths": [len(calls_a), len(calls_b)]}
+
+
 def streaming_check(runs: list[dict]) -> dict:
     """FLUX.2 klein: both loaders' attaches happened, ai-toolkit's manager bounced layers from
     the CPU in its run, weightstream's handle streamed layers in its run, and the daemon copied
@@ -847,11 +865,12 @@ def streaming_check(runs: list[dict]) -> dict:
         modules = sorted(c["module"] for c in attaches)
         if modules != ["Flux2", "Qwen3ForCausalLM"]:
             out["problems"].append(f"{run['mode']}: attached {modules}")
-        key = "aitk_managed_layers" if run["mode"] == "aitk" else "ws_streamed_layers"
+        aitk = run["mode"].startswith("aitk")
+        key = "aitk_managed_layers" if aitk else "ws_streamed_layers"
         for c in attaches:
             if not c.get(key):
                 out["problems"].append(f"{run['mode']}: {c['module']} has no {key}")
-        if run["mode"] != "aitk":
+        if not aitk:
             stats = _mm(run).get("session_stats", [])
             for module in modules:
                 best = max(

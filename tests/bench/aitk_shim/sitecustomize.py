@@ -335,3 +335,72 @@ if os.environ.get("WS_AITK_FLUX2_PARAMS"):
     sys.meta_path.insert(0, _PatchFinder())
     if not (_NAMES or _HIDE or os.environ.get("WS_AITK_STUB_LOG")):
         atexit.register(_dump)
+
+
+# WS_AITK_PROBE: where two runs part. Every nn.Linear call (in call order, the first
+# _PROBE_CALLS of them) is recorded with its weight's and input's shapes, the input's strides,
+# and checksums of the input's and the output's bits (summed on the device, read at exit); the
+# warnings torch gives for an operation without a deterministic implementation are recorded too.
+_PROBE_CALLS = 6000
+
+
+def _probe():
+    import warnings
+
+    import torch
+
+    calls, nondeterministic = [], []
+    shown = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if "determinis" in str(message):
+            nondeterministic.append(str(message)[:300])
+        return shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+
+    def bits(t):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return None
+        v = t.detach()
+        v = v.contiguous().view(torch.int16 if v.element_size() == 2 else torch.int32)
+        return v.to(torch.int64).sum()
+
+    def hook(module, args, output):
+        if not isinstance(module, torch.nn.Linear) or len(calls) >= _PROBE_CALLS:
+            return
+        x = args[0] if args else None
+        calls.append(
+            (
+                tuple(module.weight.shape),
+                tuple(x.shape) if isinstance(x, torch.Tensor) else None,
+                tuple(x.stride()) if isinstance(x, torch.Tensor) else None,
+                torch.is_grad_enabled(),
+                bits(x),
+                bits(output),
+            )
+        )
+
+    torch.nn.modules.module.register_module_forward_hook(hook)
+
+    def dump():
+        out = []
+        for w, xs, st, grad, bx, by in calls:
+            out.append(
+                [
+                    list(w),
+                    xs and list(xs),
+                    st and list(st),
+                    grad,
+                    None if bx is None else int(bx),
+                    None if by is None else int(by),
+                ]
+            )
+        with open(os.environ["WS_AITK_PROBE"], "w") as f:
+            json.dump({"calls": out, "nondeterministic_warnings": sorted(set(nondeterministic))}, f)
+
+    atexit.register(dump)
+
+
+if os.environ.get("WS_AITK_PROBE"):
+    _probe()
