@@ -735,6 +735,7 @@ def pinned_bandwidth() -> float:
 def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd = [sys.executable, __file__, "--child", mode, "--socket", socket, "--metrics", args.metrics]
     cmd += ["--budgets", *map(str, args.budgets), "--det-budget", str(args.det_budget)]
+    cmd += ["--det-steps", str(args.det_steps)]
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
     cmd += ["--jobs-budget", str(args.jobs_budget), "--min-blocks", str(args.min_blocks)]
