@@ -24,11 +24,12 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use memmap2::{Advice, Mmap, MmapMut};
 use rustix::fs::{FallocateFlags, MemfdFlags, Mode, OFlags, SealFlags, SeekFrom};
+
+use super::parallel;
 
 /// Bytes one thread faults in at a time when a segment is reserved.
 const POPULATE_PIECE: usize = 64 << 20;
@@ -126,44 +127,14 @@ fn populate_parallel(
         }
         other => other?,
     }
-    let pieces = size.div_ceil(POPULATE_PIECE);
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .clamp(1, POPULATE_THREADS)
-        .min(pieces - 1);
-    let next = AtomicUsize::new(1);
-    let failed = AtomicBool::new(false);
-    let errors: Vec<io::Error> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                scope.spawn(|| {
-                    while !failed.load(Ordering::Relaxed) {
-                        let piece = next.fetch_add(1, Ordering::Relaxed);
-                        if piece >= pieces {
-                            return None;
-                        }
-                        let offset = piece * POPULATE_PIECE;
-                        let len = POPULATE_PIECE.min(size - offset);
-                        if let Err(e) = populate(offset, len) {
-                            failed.store(true, Ordering::Relaxed);
-                            return Some(e);
-                        }
-                    }
-                    None
-                })
-            })
-            .collect();
-        (workers.into_iter())
-            .filter_map(|w| {
-                w.join()
-                    .unwrap_or_else(|_| Some(io::Error::other("a thread panicked")))
-            })
-            .collect()
-    });
-    match errors.into_iter().next() {
-        Some(e) => Err(e),
-        None => Ok(true),
-    }
+    let pieces: Vec<usize> = (1..size.div_ceil(POPULATE_PIECE)).collect();
+    let threads = parallel::threads_for(pieces.len(), POPULATE_THREADS);
+    let piece = |n: usize| {
+        let offset = n * POPULATE_PIECE;
+        populate(offset, POPULATE_PIECE.min(size - offset))
+    };
+    parallel::for_each(pieces, threads, piece, |()| {})?;
+    Ok(true)
 }
 
 /// How a client may use an fd the daemon passes it: a new open file description of the memfd

@@ -29,9 +29,9 @@ use super::quantize::{
 use super::safetensors::{self, TensorEntry};
 use super::{
     Model, ModelSource, QuantizedLayout, Store, StoreError, StoredTensor, TENSOR_ALIGN,
-    metadata_bytes, parallel,
+    metadata_bytes,
 };
-use crate::mem::align_up;
+use crate::mem::{align_up, parallel};
 
 /// Load progress is reported at least this often (in bytes); also the most one reader copies
 /// at a time.

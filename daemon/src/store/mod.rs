@@ -14,7 +14,6 @@
 //! `crate::mem`.
 
 mod load;
-mod parallel;
 mod phases;
 mod pin;
 pub mod prequantized;

@@ -25,10 +25,10 @@ use super::registry::{Pending, Reservation};
 use super::safetensors::DType;
 use super::{
     Model, ModelSource, Owner, QuantizedLayout, Store, StoreError, StoredTensor, TENSOR_ALIGN,
-    metadata_bytes, parallel,
+    metadata_bytes,
 };
-use crate::mem::align_up;
 use crate::mem::shm::{Memfd, SealError, ShmSegment};
+use crate::mem::{align_up, parallel};
 
 /// A tensor declared for upload: name, dtype, shape, the bytes the client writes, and whether
 /// it is quantized.

@@ -1,14 +1,15 @@
 //! Work spread over threads: the items of one queue taken in order by up to N workers, each
 //! result handed back to the calling thread (which reports progress or collects them there: the
-//! store's progress callbacks are not `Send`). Loads read files this way and commits hash their
-//! bytes: one core copies or hashes a few GB/s, a model is tens of GB.
+//! store's progress callbacks are not `Send`). Segments populate their pages this way, loads
+//! read files and commits hash their bytes: one core zeroes, copies or hashes a few GB/s, a
+//! model is tens of GB.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, mpsc};
 
 /// Threads for `items` pieces of work: the cores there are, at most `max` and `items`, at
 /// least one.
-pub(super) fn threads_for(items: usize, max: usize) -> usize {
+pub fn threads_for(items: usize, max: usize) -> usize {
     std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(max)
@@ -19,7 +20,7 @@ pub(super) fn threads_for(items: usize, max: usize) -> usize {
 /// Runs `work` on each item on `threads` threads (items are taken in order) and calls `done`
 /// here with each result as it comes. At the first error no further item is started; that
 /// error is returned once the items in flight are done.
-pub(super) fn for_each<T, R, E>(
+pub fn for_each<T, R, E>(
     items: Vec<T>,
     threads: usize,
     work: impl Fn(T) -> Result<R, E> + Sync,
