@@ -5,9 +5,9 @@
 //! while reading. Each phase is timed ([`Phases`]).
 //!
 //! A load with a quantization reads the weights it quantizes in batches of rows (at most
-//! [`QUANT_BATCH`] bytes of input, two batches in memory: the next is read while this one is
-//! quantized on every core) and quantizes them straight into the arena, which holds only the
-//! quantized copy.
+//! [`QUANT_BATCH`] bytes of input, two batches in memory: the next is read, on several
+//! threads, while this one is quantized on every core) and quantizes them straight into the
+//! arena, which holds only the quantized copy.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -61,6 +61,9 @@ struct Opened<'a> {
 /// Input bytes of one batch of rows to quantize (a row is never split: a batch may hold one
 /// row that is larger).
 const QUANT_BATCH: u64 = 64 << 20;
+
+/// The piece of a batch one reader thread reads at a time.
+const QUANT_READ_PIECE: usize = 8 << 20;
 
 /// One tensor to load: the file it is read from, its entry there, its offset in the arena and,
 /// when it is quantized, its layout there.
@@ -493,14 +496,21 @@ fn batches<'p, 'a>(plan: &'p Plan<'a>) -> Vec<Vec<Piece<'p, 'a>>> {
 fn read_batch(batch: &[Piece<'_, '_>], buf: &mut Vec<u8>) -> Result<(), StoreError> {
     buf.clear();
     buf.resize(batch.iter().map(Piece::input_bytes).sum(), 0);
-    let mut at = 0;
+    // One thread reads from the page cache at ~2.5 GB/s (measured on the H200 machine: the
+    // quantizing load ran at that rate with one reader): the batch is read in pieces of
+    // [`QUANT_READ_PIECE`] on up to [`READERS`] threads.
+    let mut jobs = Vec::new();
+    let mut rest = buf.as_mut_slice();
     for piece in batch {
-        let n = piece.input_bytes();
+        let (mine, tail) = rest.split_at_mut(piece.input_bytes());
+        rest = tail;
         let from = (piece.first * piece.row_bytes()) as u64;
-        read_at(piece.tensor, &mut buf[at..at + n], from)?;
-        at += n;
+        for (k, dst) in mine.chunks_mut(QUANT_READ_PIECE).enumerate() {
+            jobs.push((piece.tensor, dst, from + (k * QUANT_READ_PIECE) as u64));
+        }
     }
-    Ok(())
+    let threads = parallel::threads_for(jobs.len(), READERS);
+    parallel::for_each(jobs, threads, |(t, dst, at)| read_at(t, dst, at), |()| {})
 }
 
 /// Quantizes the batches into the arena on every core, reading the next batch meanwhile.
