@@ -244,7 +244,7 @@ impl Daemon {
 
     /// Commits `peer`'s upload (blocking: it hashes the bytes); its secret ends.
     pub fn commit_upload(&self, peer: &Peer, upload_id: &str) -> Result<Stored, CoreError> {
-        let committed = self.store.commit_upload_timed(owner(peer), upload_id)?;
+        let committed = self.store.commit_upload(owner(peer), upload_id)?;
         (self.secrets).revoke(&SecretOwner::Upload(upload_id.to_string()));
         Ok(committed)
     }

@@ -104,7 +104,7 @@ impl WeightStream for Service {
                 });
                 let _ = progress_tx.blocking_send(Ok(pb::LoadModelEvent { event: Some(event) }));
             };
-            let result = daemon.store.load_timed(
+            let result = daemon.store.load(
                 &sources,
                 &req.name,
                 req.quantization,

@@ -103,23 +103,10 @@ type Plan<'a> = Vec<Planned<'a>>;
 
 impl Store {
     /// Loads safetensors from `sources` (blocking; run it off the async runtime), quantizing
-    /// its weights as `quantization` says ([`quantizes_on_load`]). Returns the model and
-    /// whether it was already in the store. Progress counts the files' bytes.
+    /// its weights as `quantization` says ([`quantizes_on_load`]). Returns the model, whether it
+    /// was already in the store, and where the time went: the arena's allocation, reading (and
+    /// quantizing), page-locking. Progress counts the files' bytes.
     pub fn load(
-        &self,
-        sources: &[LoadSource],
-        name: &str,
-        quantization: Quantization,
-        uid: u32,
-        progress: Progress<'_>,
-    ) -> Result<(Arc<Model>, bool), StoreError> {
-        let stored = self.load_timed(sources, name, quantization, uid, progress)?;
-        Ok((stored.model, stored.existed))
-    }
-
-    /// [`Store::load`], and where its time went: the arena's allocation, reading (and
-    /// quantizing), page-locking.
-    pub fn load_timed(
         &self,
         sources: &[LoadSource],
         name: &str,
@@ -721,7 +708,7 @@ mod tests {
                 };
                 let loaded =
                     store.load(&sources(&[path]), "", Quantization::None, 1, &mut progress);
-                (loaded, waited)
+                (loaded.map(|s| (s.model, s.existed)), waited)
             })
         };
         reading_rx.recv_timeout(Duration::from_secs(10)).unwrap();
@@ -807,7 +794,7 @@ mod tests {
         ::safetensors::serialize_to_file(views, None, &path).unwrap();
         let mut events = 0;
         let stored = store
-            .load_timed(
+            .load(
                 &sources(&[path]),
                 "",
                 Quantization::None,

@@ -246,7 +246,7 @@ mod tests {
         let in_place = Arc::new(Recorder::default());
         let store = store_pinned_by(HostQuota::default(), in_place.clone());
         let (ticket, committed) = upload(&store);
-        let model = committed.unwrap().0;
+        let model = committed.unwrap().model;
         assert!(Arc::ptr_eq(model.arena().segment().memfd(), &ticket.memfd));
         assert_eq!(in_place.asked.lock().unwrap()[0].1, PinAccess::ReadOnly);
 
@@ -256,7 +256,7 @@ mod tests {
         });
         let store = store_pinned_by(HostQuota::default(), refuses_read_only.clone());
         let (ticket, committed) = upload(&store);
-        let model = committed.unwrap().0;
+        let model = committed.unwrap().model;
         let accesses: Vec<PinAccess> = (refuses_read_only.asked.lock().unwrap().iter())
             .map(|(_, a)| *a)
             .collect();

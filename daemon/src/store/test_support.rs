@@ -58,13 +58,14 @@ pub fn load_paths(
     paths: &[PathBuf],
     uid: u32,
 ) -> Result<(Arc<Model>, bool), StoreError> {
-    store.load(
+    let stored = store.load(
         &sources(paths),
         "",
         Quantization::None,
         uid,
         &mut |_, _, _| {},
-    )
+    )?;
+    Ok((stored.model, stored.existed))
 }
 
 /// A safetensors file holding one u8 tensor `w` of `bytes` bytes.

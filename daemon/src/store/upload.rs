@@ -173,18 +173,9 @@ impl Store {
 
     /// Turns a filled upload into a model, or into one more reference to an identical one.
     /// Refused, with the upload left as it was, while its client still maps it writable.
-    pub fn commit_upload(
-        &self,
-        owner: Owner,
-        upload_id: &str,
-    ) -> Result<(Arc<Model>, bool), StoreError> {
-        let stored = self.commit_upload_timed(owner, upload_id)?;
-        Ok((stored.model, stored.existed))
-    }
-
-    /// [`Store::commit_upload`], and where its time went: sealing, quantizing, hashing and
-    /// page-locking (the last two at once).
-    pub fn commit_upload_timed(&self, owner: Owner, upload_id: &str) -> Result<Stored, StoreError> {
+    /// Returns the model, whether it was already in the store, and where the time went:
+    /// sealing, quantizing, hashing and page-locking (the last two at once).
+    pub fn commit_upload(&self, owner: Owner, upload_id: &str) -> Result<Stored, StoreError> {
         let started = Instant::now();
         let mut phases = Phases::default();
         let memfd = self.owned_upload(owner, upload_id)?;
@@ -498,7 +489,7 @@ mod tests {
         );
         assert_eq!(store.upload_count(), 1, "the upload is left as it was");
         drop(map);
-        let (model, existed) = store.commit_upload(ME, &ticket.upload_id).unwrap();
+        let Stored { model, existed, .. } = store.commit_upload(ME, &ticket.upload_id).unwrap();
         assert!(!existed);
         assert_eq!(
             client.write_at(b"x", 0).unwrap_err().raw_os_error(),
@@ -536,7 +527,7 @@ mod tests {
         let store = store_with(HostQuota::default());
         let ticket = store.begin_upload(ME, "", vec![u8s("e", 0)]).unwrap();
         assert_eq!(ticket.size, 0);
-        let (model, _) = store.commit_upload(ME, &ticket.upload_id).unwrap();
+        let model = store.commit_upload(ME, &ticket.upload_id).unwrap().model;
         assert_eq!((model.total_bytes, model.slice(0).bytes()), (0, &[][..]));
     }
 
@@ -603,7 +594,7 @@ mod tests {
         let ticket = store.begin_upload(ME, "m", vec![u8s("w", 5000)]).unwrap();
         let client = File::from(ticket.memfd.share(Access::ReadWrite).unwrap());
         client.write_all_at(&[3u8; 5000], 0).unwrap();
-        let stored = store.commit_upload_timed(ME, &ticket.upload_id).unwrap();
+        let stored = store.commit_upload(ME, &ticket.upload_id).unwrap();
         let p = stored.phases;
         assert!(!stored.existed);
         assert_eq!(p.input_bytes, 5000);
