@@ -38,7 +38,10 @@ def start_daemon(binary: str, tmp: Path, out: Path):
     return proc, weightstream.connect(socket)
 
 
-def equality(client, dtype, ckpt, autocast=False, steps=4, group_by="layer"):
+def equality(client, dtype, ckpt, autocast=False, steps=4, group_by="layer", fp8=False):
+    """The model streamed against the same model resident on the GPU. With ``fp8``: streamed
+    in 8 bits (fused dequantization on the device) against the 8-bit resident reference, every
+    streamed weight replaced in place by its w_hat."""
     ref = t.make_model(dtype).cuda()
     streamed = copy.deepcopy(ref)
     ref.ckpt = streamed.ckpt = ckpt
@@ -51,43 +54,25 @@ def equality(client, dtype, ckpt, autocast=False, steps=4, group_by="layer"):
         vram_budget=budget,
         staging_bytes=staging,
         group_by=group_by,
+        quantize="fp8" if fp8 else None,
     )
+    if fp8:
+        quantize.to_fp8_resident(ref, handle.streamed)
     xs = t.inputs(steps, dtype, device="cuda")
     t.assert_equal_runs(
         t.train(ref, xs, sample_between=True, autocast=autocast),
         t.train(streamed, xs, sample_between=True, autocast=autocast),
     )
-    stats = handle.stats()
-    handle.detach(release=True)
-    return f"{len(handle.resident)} resident, {stats['acquires']} acquires"
-
-
-def equality_fp8(client, dtype, ckpt, group_by="layer"):
-    """8-bit streaming (fused dequantization on the device) against the 8-bit resident
-    reference: every streamed weight replaced in place by its w_hat."""
-    ref = t.make_model(dtype).cuda()
-    streamed = copy.deepcopy(ref)
-    ref.ckpt = streamed.ckpt = ckpt
-    budget, staging = t.BUDGETS[group_by, dtype]
-    handle = wst.attach(
-        streamed,
-        "cuda",
-        client=client,
-        min_bytes=0,
-        vram_budget=budget,
-        staging_bytes=staging,
-        group_by=group_by,
-        quantize="fp8",
-    )
-    quantize.to_fp8_resident(ref, handle.streamed)
-    xs = t.inputs(4, dtype, device="cuda")
-    t.assert_equal_runs(
-        t.train(ref, xs, sample_between=True), t.train(streamed, xs, sample_between=True)
-    )
-    stats, streamed = handle.stats(), len(handle.streamed)
+    # Counted before detach, which clears them.
+    stats, streamed, resident = handle.stats(), len(handle.streamed), len(handle.resident)
     assert streamed > 0, "nothing was streamed"
     handle.detach(release=True)
-    return f"{streamed} streamed in 8 bits, scratch {stats['dequant_scratch_peak_bytes']} B"
+    detail = f"{resident} resident, {stats['acquires']} acquires"
+    if fp8:
+        detail += (
+            f", {streamed} streamed in 8 bits, scratch {stats['dequant_scratch_peak_bytes']} B"
+        )
+    return detail
 
 
 def fused_dequant():
@@ -170,11 +155,11 @@ def main():
         ("fused fp8 dequantization == the documented formula", fused_dequant),
         (
             "equal: fp8 streaming, bf16, non-reentrant checkpointing",
-            lambda: equality_fp8(client, torch.bfloat16, "non-reentrant"),
+            lambda: equality(client, torch.bfloat16, "non-reentrant", fp8=True),
         ),
         (
             "equal: fp8 streaming, fp32, by block",
-            lambda: equality_fp8(client, torch.float32, None, group_by="block"),
+            lambda: equality(client, torch.float32, None, group_by="block", fp8=True),
         ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
     ]
