@@ -51,6 +51,8 @@ GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import flux_train  # noqa: E402  (its FLUX.1 config, seeded weights, LoRA and batch)
+
 PARTS = ["register", "gen", "load", "attach-id", "load-fp8", "upload"]
 OPTIONAL = ["attach-id-fp8", "upload-fp8"]
 #: Each part's default timeout (s); all of them end by --deadline.
@@ -81,15 +83,7 @@ def build_meta(args):
 
             n, s = layers(19, 38, args.scale)
             model = FluxTransformer2DModel(
-                patch_size=1,
-                in_channels=64,
-                num_layers=n,
-                num_single_layers=s,
-                attention_head_dim=128,
-                num_attention_heads=24,
-                joint_attention_dim=4096,
-                pooled_projection_dim=768,
-                guidance_embeds=True,
+                num_layers=n, num_single_layers=s, **flux_train.FLUX1_CONFIG
             )
     model = model.to(torch.bfloat16)
     model.requires_grad_(False)
@@ -97,26 +91,17 @@ def build_meta(args):
 
 
 def build(args):
-    """The model materialised on ``--device`` with seeded random weights (as flux_train's
-    FLUX.2 build: N(0, 1/fan_in) matrices, unit vectors), then LoRA."""
+    """The model materialised on ``--device`` with flux_train's seeded random weights, then
+    LoRA."""
     import torch
 
-    model = build_meta(args).to_empty(device=args.device)
-    g = torch.Generator(device=args.device).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, p[0].numel() ** -0.5, generator=g)
-            else:
-                p.fill_(1.0)
+    model = flux_train.seeded_random(build_meta(args), args.device)
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return add_lora(args, model)
 
 
 def add_lora(args, model):
-    import flux_train
-
     flux_train.MODEL, flux_train.RANK = args.model, args.rank
     return flux_train.add_lora(model)
 

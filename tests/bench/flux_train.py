@@ -74,6 +74,34 @@ def results_name() -> str:
     return "flux_train" if MODEL == "flux1" else f"{MODEL}_train"
 
 
+#: FLUX.1-dev's transformer config apart from its depth (19 double, 38 single blocks).
+FLUX1_CONFIG = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+}
+
+
+def seeded_random(model, device):
+    """``model`` (built on the meta device) materialised on ``device`` with seeded random
+    weights: N(0, 1/fan_in) matrices, unit vectors."""
+    import torch
+
+    model = model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.normal_(0.0, p[0].numel() ** -0.5, generator=g)
+            else:
+                p.fill_(1.0)
+    return model
+
+
 def build(device="cuda", num_layers=19, num_single_layers=38):
     """The transformer with random weights, initialised on the GPU, seeded (FLUX.1: fewer
     blocks, same width, for the equality probe)."""
@@ -85,15 +113,7 @@ def build(device="cuda", num_layers=19, num_single_layers=38):
     torch.manual_seed(0)
     with torch.device(device):
         model = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=64,
-            num_layers=num_layers,
-            num_single_layers=num_single_layers,
-            attention_head_dim=128,
-            num_attention_heads=24,
-            joint_attention_dim=4096,
-            pooled_projection_dim=768,
-            guidance_embeds=True,
+            num_layers=num_layers, num_single_layers=num_single_layers, **FLUX1_CONFIG
         ).to(torch.bfloat16)
     model.requires_grad_(False)
     return model
@@ -108,14 +128,7 @@ def build_flux2(device="cuda"):
 
     with torch.device("meta"):
         model = Flux2Transformer2DModel().to(torch.bfloat16)
-    model = model.to_empty(device=device)
-    g = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim >= 2:
-                p.normal_(0.0, p[0].numel() ** -0.5, generator=g)
-            else:
-                p.fill_(1.0)
+    model = seeded_random(model, device)
     model.requires_grad_(False)
     torch.cuda.empty_cache()
     return model
