@@ -202,11 +202,14 @@ def steps(model, n, lora_state=None):
     opt = torch.optim.AdamW(params, lr=1e-4)
     inputs = batch()
     times, losses = [], []
+    forward_s.clear()
     for _ in range(n):
         torch.cuda.synchronize()
         t = time.monotonic()
         out = model(**inputs, return_dict=False)[0]
         loss = out.float().pow(2).mean()
+        torch.cuda.synchronize()  # the forward's share of the step (where streaming can stall)
+        forward_s.append(time.monotonic() - t)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -214,6 +217,10 @@ def steps(model, n, lora_state=None):
         times.append(time.monotonic() - t)
         losses.append(loss.item())
     return times, losses
+
+
+#: Seconds of each step of the last ``steps`` call spent in the forward pass (and the loss).
+forward_s: list[float] = []
 
 
 def lora_state(model):
@@ -235,6 +242,7 @@ def timing(model, args, record):
     measured = t[args.warmup :]
     record["s_per_step"] = round(statistics.median(measured), 4)
     record["steps_s"] = [round(x, 4) for x in measured]
+    record["forward_s_per_step"] = round(statistics.median(forward_s[args.warmup :]), 4)
     record["trainer_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
     record["trainer_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
     # Allocations that hit the memory-fraction cap: each frees the cache and synchronises.
@@ -473,6 +481,11 @@ def mode_job(args, record):
     import weightstream.torch as wst
 
     barrier = Path(args.barrier)
+    if args.job == 1:
+        # Built once job 0 has attached (and freed its device copy): two FLUX.2 copies at once
+        # would not fit on the device, nor two uploads in host memory.
+        while not (barrier / "model").exists():
+            time.sleep(0.5)
     model = add_lora(build_for_attach())
     client = weightstream.connect(args.socket)
     total = torch.cuda.get_device_properties(0).total_memory
@@ -483,8 +496,6 @@ def mode_job(args, record):
         )
         (barrier / "model").write_text(handle.model_id)
     else:
-        while not (barrier / "model").exists():
-            time.sleep(0.5)
         model_id = (barrier / "model").read_text()
         handle = wst.attach(
             model, "cuda", client=client, vram_budget=budget, model=model_id, quantize=args.quantize
