@@ -167,8 +167,8 @@ impl Default for MetricsConfig {
 
 /// Who may use the daemon beyond the socket's own mode and group (`[access]`). Both lists empty
 /// (the default): every peer that can open the socket. Otherwise a peer is let in when its uid
-/// is in `allowed_uids` or its gid (the primary gid SO_PEERCRED reports; supplementary groups
-/// are not visible there) is in `allowed_gids`.
+/// is in `allowed_uids`, or its primary gid (SO_PEERCRED) or one of its supplementary groups
+/// (SO_PEERGROUPS), as they were when it connected, is in `allowed_gids`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AccessConfig {

@@ -9,9 +9,9 @@
 //! slices); `backend` (host, CUDA: the only FFI) → `mem`; `pacing` (the copy token bucket and its
 //! clock) is a leaf the scheduler reads. The store pins through `mem::HostPinner`, which every
 //! backend implements.
-// Unsafe code lives in two places that allow it explicitly: the CUDA driver layer
-// (`backend::cuda::{ffi, safe}`, on their `mod` lines) and the shared-memory mapping
-// (`mem::shm::map`).
+// Unsafe code lives in three places that allow it explicitly: the CUDA driver layer
+// (`backend::cuda::{ffi, safe}`, on their `mod` lines), the shared-memory mapping
+// (`mem::shm::map`) and the one socket option read through libc (`server::sockopt`).
 #![deny(unsafe_code)]
 
 pub mod backend;

@@ -62,6 +62,16 @@ fn me() -> (u32, u32, u32) {
     )
 }
 
+/// This process's supplementary groups, as the daemon reports them (sorted, no repeats).
+fn my_groups() -> Vec<u32> {
+    let mut groups: Vec<u32> = (rustix::process::getgroups().unwrap().iter())
+        .map(|g| g.as_raw())
+        .collect();
+    groups.sort_unstable();
+    groups.dedup();
+    groups
+}
+
 fn rejected(err: ClientError) -> (Code, String) {
     match err {
         ClientError::Rejected { code, message } => (code, message),
@@ -109,8 +119,9 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
     let want = (
         Code::PermissionDenied,
         format!(
-            "uid {uid} (gid {gid}, pid {pid}) may not use this daemon: neither in \
-             access.allowed_uids [{}] nor in access.allowed_gids [{}]",
+            "uid {uid} (gid {gid}, groups {:?}, pid {pid}) may not use this daemon: neither \
+             in access.allowed_uids [{}] nor in access.allowed_gids [{}]",
+            my_groups(),
             uid + 1,
             gid + 1
         ),

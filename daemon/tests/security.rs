@@ -15,7 +15,7 @@ use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use attacker::{attack, attacker, daemon_for, result_of, spawn_attacker};
+use attacker::{attack, attack_in, attacker, daemon_for, result_of, spawn_attacker};
 use common::*;
 use rustix::fs::{Mode, OFlags};
 use tonic::Code;
@@ -395,6 +395,48 @@ async fn another_uid_gets_no_region_and_no_upload() {
         );
     }
     run_step(&session, &[0, 1, 2, 3], &expected).await;
+}
+
+/// `[access]` lets a peer in through one of its supplementary groups (SO_PEERGROUPS), the way
+/// the kernel's check of the socket's group does: on the gRPC socket and the handoff socket. A
+/// peer none of whose groups is listed stays out of both, and is told its groups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_supplementary_group_in_allowed_gids_lets_a_peer_in() {
+    let Some(ids) = attacker() else { return };
+    // Numbers no group of the box needs to have: the kernel takes gids as they are.
+    let (team, other) = (47_411, 47_412);
+    let unknown = |uid: u32| {
+        format!(
+            "refused: no such fd_secret for uid {uid}: a secret is only for the uid it was \
+             given to, and ends with its upload or session"
+        )
+    };
+    let secret = "0".repeat(32);
+
+    // The socket's group is the team's, and so is the one listed: ws-attacker is in it only
+    // as a supplementary group (its primary gid is its own).
+    let daemon = daemon_for(team, |c| c.access.allowed_gids = vec![team]).await;
+    let socket = &daemon.socket;
+    let (_, got) = attack_in(ids, &[team], socket, "info", &[]).await;
+    assert_eq!(got, "served");
+    let (_, got) = attack_in(ids, &[team], socket, "get", &[&secret]).await;
+    assert_eq!(got, unknown(ids.0), "the handoff socket lets it in too");
+    drop(daemon);
+
+    // The socket is open to ws-attacker's primary group; the listed group is not one of its.
+    let daemon = daemon_for(ids.1, |c| c.access.allowed_gids = vec![team]).await;
+    let socket = &daemon.socket;
+    let denied = |pid: u32| {
+        format!(
+            "uid {} (gid {}, groups [{other}], pid {pid}) may not use this daemon: neither in \
+             access.allowed_uids [] nor in access.allowed_gids [{team}]",
+            ids.0, ids.1
+        )
+    };
+    let (pid, got) = attack_in(ids, &[other], socket, "info", &[]).await;
+    assert_eq!(got, format!("PermissionDenied: {}", denied(pid)));
+    let (pid, got) = attack_in(ids, &[other], socket, "get", &[&secret]).await;
+    assert_eq!(got, format!("refused: {}", denied(pid)));
 }
 
 // ---------------------------------------------------------------------------------------------

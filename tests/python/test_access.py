@@ -22,10 +22,11 @@ def start(tmp_path, config: str) -> Daemon:
 
 def test_a_peer_outside_the_allow_list_is_refused_and_logged(tmp_path):
     uid, gid, pid = os.getuid(), os.getgid(), os.getpid()
+    groups = sorted(set(os.getgroups()))
     d = start(tmp_path, f"[access]\nallowed_uids = [{uid + 1}]\n")
     try:
         want = (
-            f"uid {uid} (gid {gid}, pid {pid}) may not use this daemon: neither in "
+            f"uid {uid} (gid {gid}, groups {groups}, pid {pid}) may not use this daemon: neither in "
             f"access.allowed_uids [{uid + 1}] nor in access.allowed_gids []"
         )
         for call in (d.client.info, d.client.list_models, d.client.list_sessions):

@@ -1,5 +1,7 @@
 //! Who may use the `weightstream.v1` service: the `[access]` allow-lists, checked on every call
-//! against the peer's credentials (SO_PEERCRED), before the call reaches its handler.
+//! against the peer's credentials (its uid and gid from SO_PEERCRED, its supplementary groups
+//! from SO_PEERGROUPS, all as they were when it connected), before the call reaches its
+//! handler.
 //!
 //! The kernel already lets only the socket's owner and group connect (mode 0660); the lists
 //! narrow that down. The health and reflection services are not covered: they reveal nothing a
@@ -10,21 +12,22 @@ use std::sync::Arc;
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
+use super::conn::Caller;
 use super::error::EdgeError;
 use crate::config::AccessConfig;
-use crate::core::Peer;
 
-/// A peer the allow-lists keep out: the message names its uid and the keys.
+/// A peer the allow-lists keep out: the message names its uid, its groups and the keys.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "uid {} (gid {}, pid {}) may not use this daemon: neither in access.allowed_uids {allowed_uids:?} \
-     nor in access.allowed_gids {allowed_gids:?}",
-    peer.uid,
-    peer.gid,
-    peer.pid
+    "uid {} (gid {}, groups {:?}, pid {}) may not use this daemon: neither in \
+     access.allowed_uids {allowed_uids:?} nor in access.allowed_gids {allowed_gids:?}",
+    caller.peer.uid,
+    caller.peer.gid,
+    caller.groups,
+    caller.peer.pid
 )]
 pub struct AccessDenied {
-    pub peer: Peer,
+    pub caller: Caller,
     pub allowed_uids: Vec<u32>,
     pub allowed_gids: Vec<u32>,
 }
@@ -42,12 +45,14 @@ impl AccessCheck {
         }
     }
 
-    /// Whether `peer` may call; the refusal names its uid and the keys that keep it out.
-    pub fn admit(&self, peer: &Peer) -> Result<(), AccessDenied> {
-        let c = &self.config;
+    /// Whether `caller` may call: its uid is listed, or its primary gid or one of its
+    /// supplementary groups is; the refusal names them and the keys that keep it out.
+    pub fn admit(&self, caller: &Caller) -> Result<(), AccessDenied> {
+        let (c, peer) = (&self.config, &caller.peer);
+        let in_group = |gid: &u32| *gid == peer.gid || caller.groups.binary_search(gid).is_ok();
         if !c.restricts()
             || c.allowed_uids.contains(&peer.uid)
-            || c.allowed_gids.contains(&peer.gid)
+            || c.allowed_gids.iter().any(in_group)
         {
             return Ok(());
         }
@@ -55,12 +60,13 @@ impl AccessCheck {
         tracing::warn!(
             uid = peer.uid,
             gid = peer.gid,
+            groups = ?caller.groups,
             pid = peer.pid,
             conn = peer.conn,
             "access denied: peer not in access.allowed_uids or access.allowed_gids"
         );
         Err(AccessDenied {
-            peer: *peer,
+            caller: caller.clone(),
             allowed_uids: c.allowed_uids.clone(),
             allowed_gids: c.allowed_gids.clone(),
         })
@@ -69,12 +75,8 @@ impl AccessCheck {
 
 impl Interceptor for AccessCheck {
     fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
-        let peer = req
-            .extensions()
-            .get::<Peer>()
-            .copied()
-            .ok_or(EdgeError::NoPeer)?;
-        self.admit(&peer)?;
+        let caller = req.extensions().get::<Caller>().ok_or(EdgeError::NoPeer)?;
+        self.admit(caller)?;
         Ok(req)
     }
 }
@@ -82,33 +84,51 @@ impl Interceptor for AccessCheck {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::Peer;
 
-    fn peer(uid: u32, gid: u32) -> Peer {
-        Peer {
-            conn: 1,
-            uid,
-            gid,
-            pid: 42,
+    fn caller(uid: u32, gid: u32, groups: &[u32]) -> Caller {
+        Caller {
+            peer: Peer {
+                conn: 1,
+                uid,
+                gid,
+                pid: 42,
+            },
+            groups: groups.into(),
         }
     }
 
     #[test]
     fn empty_lists_admit_everyone_and_either_list_admits() {
         let open = AccessCheck::new(&AccessConfig::default());
-        assert!(open.admit(&peer(12345, 12345)).is_ok());
+        assert!(open.admit(&caller(12345, 12345, &[])).is_ok());
         let lists = AccessCheck::new(&AccessConfig {
             allowed_uids: vec![1000],
-            allowed_gids: vec![2000],
+            allowed_gids: vec![2000, 3000],
         });
-        assert!(lists.admit(&peer(1000, 1)).is_ok());
-        assert!(lists.admit(&peer(1, 2000)).is_ok());
-        let refused = Status::from(lists.admit(&peer(1, 1)).unwrap_err());
+        let cases = [
+            ("listed uid", caller(1000, 1, &[]), true),
+            ("listed primary gid", caller(1, 2000, &[]), true),
+            (
+                "listed supplementary group",
+                caller(1, 1, &[5, 3000, 7000]),
+                true,
+            ),
+            ("only unlisted groups", caller(1, 1, &[5, 2001]), false),
+            ("nothing listed", caller(1, 1, &[]), false),
+        ];
+        let wrong: Vec<_> = (cases.iter())
+            .filter(|(_, c, want)| lists.admit(c).is_ok() != *want)
+            .map(|(name, ..)| *name)
+            .collect();
+        assert!(wrong.is_empty(), "{wrong:?}");
+        let refused = Status::from(lists.admit(&caller(1, 1, &[5, 2001])).unwrap_err());
         assert_eq!(
             (refused.code(), refused.message()),
             (
                 tonic::Code::PermissionDenied,
-                "uid 1 (gid 1, pid 42) may not use this daemon: neither in access.allowed_uids \
-                 [1000] nor in access.allowed_gids [2000]"
+                "uid 1 (gid 1, groups [5, 2001], pid 42) may not use this daemon: neither in \
+                 access.allowed_uids [1000] nor in access.allowed_gids [2000, 3000]"
             )
         );
     }

@@ -1,5 +1,5 @@
-//! Connections on the Unix socket: who the peer is (SO_PEERCRED), how many each uid holds, and
-//! when one goes away.
+//! Connections on the Unix socket: who the peer is (SO_PEERCRED and SO_PEERGROUPS), how many
+//! each uid holds, and when one goes away.
 //!
 //! Each accepted stream gets a connection number. Sessions and uploads belong to the connection
 //! that made them, and the stream's drop (the client closed it, or died, or the drain cut it)
@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
+use std::os::fd::AsFd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -24,6 +25,30 @@ use tonic::transport::server::Connected;
 // The core owns the peer's identity; the edge reads it off the socket and hands it in (and
 // handlers find it in each request's extensions under this name).
 use crate::core::Peer;
+
+/// Who is at the other end of a connection, as the kernel saw it at connect time: the core's
+/// [`Peer`] and, for the `[access]` lists alone, its supplementary groups.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub peer: Peer,
+    /// Sorted, without repeats; the primary gid is `peer.gid` (and may be here too).
+    pub groups: Arc<[u32]>,
+}
+
+/// Reads the peer's credentials off an accepted stream; `conn` numbers the connection.
+pub fn identify(stream: &UnixStream, conn: u64) -> io::Result<Caller> {
+    let cred = stream.peer_cred()?;
+    let groups = super::sockopt::peer_groups(stream.as_fd())?;
+    Ok(Caller {
+        peer: Peer {
+            conn,
+            uid: cred.uid(),
+            gid: cred.gid(),
+            pid: cred.pid().unwrap_or(0),
+        },
+        groups: groups.into(),
+    })
+}
 
 /// The first wait after accept fails for want of descriptors or memory; it doubles up to
 /// [`BACKOFF_MAX`] while accept keeps failing.
@@ -111,7 +136,7 @@ impl Drop for Slot {
 /// A peer's stream; its drop reports the connection closed.
 pub struct PeerStream {
     inner: UnixStream,
-    peer: Peer,
+    caller: Caller,
     closed: mpsc::UnboundedSender<u64>,
     _slot: Slot,
     /// Resolves when the drain cuts every connection.
@@ -133,15 +158,15 @@ impl PeerStream {
 
 impl Drop for PeerStream {
     fn drop(&mut self) {
-        let _ = self.closed.send(self.peer.conn);
+        let _ = self.closed.send(self.caller.peer.conn);
     }
 }
 
 impl Connected for PeerStream {
-    type ConnectInfo = Peer;
+    type ConnectInfo = Caller;
 
-    fn connect_info(&self) -> Peer {
-        self.peer
+    fn connect_info(&self) -> Caller {
+        self.caller.clone()
     }
 }
 
@@ -244,47 +269,44 @@ impl Acceptor {
                 }
             };
             self.backoff = BACKOFF_START;
-            let cred = match stream.peer_cred() {
-                Ok(cred) => cred,
+            let mut caller = match identify(&stream, 0) {
+                Ok(caller) => caller,
                 Err(e) => {
                     tracing::debug!(error = %e, "no peer credentials: connection closed");
                     continue;
                 }
             };
-            let slot = match self.table.admit(cred.uid()) {
+            let slot = match self.table.admit(caller.peer.uid) {
                 Ok(slot) => slot,
                 Err(held) => {
                     if let Some(suppressed) = self.refused_warning.due() {
                         tracing::warn!(
-                            uid = cred.uid(),
-                            pid = cred.pid().unwrap_or(0),
+                            uid = caller.peer.uid,
+                            pid = caller.peer.pid,
                             held,
                             suppressed,
                             "uid {} already holds {held} connections, the limit is \
                             limits.max_connections_per_uid = {}: connection closed",
-                            cred.uid(),
+                            caller.peer.uid,
                             self.table.limit_per_uid
                         );
                     }
                     continue;
                 }
             };
-            let peer = Peer {
-                conn: NEXT.fetch_add(1, Ordering::Relaxed),
-                uid: cred.uid(),
-                gid: cred.gid(),
-                pid: cred.pid().unwrap_or(0),
-            };
+            caller.peer.conn = NEXT.fetch_add(1, Ordering::Relaxed);
+            let peer = caller.peer;
             tracing::debug!(
                 conn = peer.conn,
                 uid = peer.uid,
                 pid = peer.pid,
+                groups = ?caller.groups,
                 "connected"
             );
             let mut cut = self.table.cut.subscribe();
             return PeerStream {
                 inner: stream,
-                peer,
+                caller,
                 closed: self.closed.clone(),
                 _slot: slot,
                 cut: Box::pin(async move {

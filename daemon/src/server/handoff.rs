@@ -1,8 +1,9 @@
 //! The handoff socket, next to the gRPC socket (its path + `.fd`): file descriptors passed
 //! with `SCM_RIGHTS`. The wire format is `weightstream_client::handoff`'s, whose daemon half
 //! this listener is built from: one request per connection, read and answered on a blocking
-//! thread within the format's 5 s, so a peer that stalls holds nothing else. The peer's uid
-//! (SO_PEERCRED) must pass the same `[access]` allow-lists as the gRPC service; `PUT` keeps the
+//! thread within the format's 5 s, so a peer that stalls holds nothing else. The peer (its
+//! uid and groups, SO_PEERCRED and SO_PEERGROUPS) must pass the same `[access]` allow-lists as
+//! the gRPC service; `PUT` keeps the
 //! files in the core's `FdDrops` under a token, `GET` hands out what the core's `FdSecrets`
 //! gives that uid.
 
@@ -21,8 +22,9 @@ use weightstream_client::handoff::{
 };
 
 use super::access::AccessCheck;
+use super::conn::{Caller, identify};
 use super::error::ServeError;
-use crate::core::{Daemon, Peer, SecretError};
+use crate::core::{Daemon, SecretError};
 
 /// Connections accepted and not yet answered, all peers together (each holds an fd).
 const MAX_CONNECTIONS: usize = 512;
@@ -132,7 +134,7 @@ async fn accept(listener: tokio::net::UnixListener, daemon: Arc<Daemon>, access:
         let Ok(connection) = connections.clone().acquire_owned().await else {
             return;
         };
-        let (stream, peer) = match listener.accept().await.and_then(|(s, _)| peer_of(s)) {
+        let (stream, caller) = match listener.accept().await.and_then(|(s, _)| peer_of(s)) {
             Ok(accepted) => accepted,
             Err(e) => {
                 // EMFILE and the like: wait rather than spin; the peer retries.
@@ -141,14 +143,14 @@ async fn accept(listener: tokio::net::UnixListener, daemon: Arc<Daemon>, access:
                 continue;
             }
         };
-        let turn = per_uid.of(peer.uid);
+        let turn = per_uid.of(caller.peer.uid);
         let (daemon, access) = (daemon.clone(), access.clone());
         tokio::spawn(async move {
             let Ok(turn) = turn.acquire_owned().await else {
                 return;
             };
             let exchanged = tokio::task::spawn_blocking(move || {
-                exchange(&stream, &peer, &daemon, &access);
+                exchange(&stream, &caller, &daemon, &access);
             });
             let _ = exchanged.await;
             drop((turn, connection));
@@ -157,17 +159,11 @@ async fn accept(listener: tokio::net::UnixListener, daemon: Arc<Daemon>, access:
 }
 
 /// The accepted stream as a blocking one, and who is at the other end.
-fn peer_of(stream: tokio::net::UnixStream) -> std::io::Result<(UnixStream, Peer)> {
-    let cred = stream.peer_cred()?;
-    let peer = Peer {
-        conn: 0,
-        uid: cred.uid(),
-        gid: cred.gid(),
-        pid: cred.pid().unwrap_or(0),
-    };
+fn peer_of(stream: tokio::net::UnixStream) -> std::io::Result<(UnixStream, Caller)> {
+    let caller = identify(&stream, 0)?;
     let stream = stream.into_std()?;
     stream.set_nonblocking(false)?;
-    Ok((stream, peer))
+    Ok((stream, caller))
 }
 
 /// Each uid's turns at exchanging.
@@ -189,9 +185,10 @@ impl UidTurns {
 /// Reads the connection's one request and answers it. A peer the allow-lists refuse is told
 /// so after its request is read (answering before would cut its sending short), and whatever
 /// fds it passed are closed unused.
-fn exchange(stream: &UnixStream, peer: &Peer, daemon: &Daemon, access: &AccessCheck) {
+fn exchange(stream: &UnixStream, caller: &Caller, daemon: &Daemon, access: &AccessCheck) {
     let request = read_request(stream);
-    if let Err(denied) = access.admit(peer) {
+    let peer = &caller.peer;
+    if let Err(denied) = access.admit(caller) {
         drop(request);
         let _ = reply_error(stream, &denied.to_string());
         return;

@@ -14,6 +14,9 @@ mod handoff;
 mod run;
 mod serve;
 mod service;
+// The one socket option rustix lacks (SO_PEERGROUPS): a libc call, so unsafe is allowed there.
+#[allow(unsafe_code)]
+mod sockopt;
 mod status;
 pub mod validate;
 

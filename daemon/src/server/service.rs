@@ -12,6 +12,7 @@ use weightstream_client::proto as pb;
 use weightstream_client::proto::weight_stream_server::WeightStream;
 
 use super::blocking::BlockingTasks;
+use super::conn::Caller;
 use super::convert::{self, manifest, session_info, stored_manifest};
 use super::error::EdgeError;
 use super::validate::Validation;
@@ -38,8 +39,10 @@ impl Service {
 }
 
 fn peer<T>(req: &Request<T>) -> Result<Peer, Status> {
-    let peer = req.extensions().get::<Peer>().copied();
-    peer.ok_or_else(|| EdgeError::NoPeer.into())
+    let caller = req.extensions().get::<Caller>();
+    caller
+        .map(|c| c.peer)
+        .ok_or_else(|| EdgeError::NoPeer.into())
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;

@@ -8,7 +8,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use weightstream_client::HandoffError;
+use weightstream_client::{HandoffError, proto};
 use weightstream_daemon::config::ConfigFile;
 
 use super::common::*;
@@ -85,15 +85,40 @@ fn attacker_exe((uid, gid): (u32, u32)) -> &'static Path {
 
 /// Runs this test binary's `attacker_acts` as `ws-attacker`, doing `action` with `args`.
 pub fn spawn_attacker(ids: (u32, u32), socket: &Path, action: &str, args: &[&str]) -> Child {
+    spawn_attacker_in(ids, &[], socket, action, args)
+}
+
+/// As [`spawn_attacker`], with `groups` as the attacker's supplementary groups (none: none).
+/// std's `Command` sets no supplementary groups on stable Rust; util-linux's `setpriv` does.
+pub fn spawn_attacker_in(
+    ids: (u32, u32),
+    groups: &[u32],
+    socket: &Path,
+    action: &str,
+    args: &[&str],
+) -> Child {
     let (uid, gid) = ids;
-    Command::new(attacker_exe(ids))
+    let mut command = if groups.is_empty() {
+        let mut plain = Command::new(attacker_exe(ids));
+        plain.uid(uid).gid(gid);
+        plain
+    } else {
+        let list: Vec<String> = groups.iter().map(u32::to_string).collect();
+        let mut setpriv = Command::new("setpriv");
+        setpriv
+            .arg(format!("--reuid={uid}"))
+            .arg(format!("--regid={gid}"))
+            .arg(format!("--groups={}", list.join(",")))
+            .arg("--")
+            .arg(attacker_exe(ids));
+        setpriv
+    };
+    command
         .args(["--exact", "attacker_acts", "--ignored", "--nocapture"])
         .current_dir("/")
         .env("WS_ATTACK", action)
         .env("WS_SOCKET", socket)
         .env("WS_ARGS", args.join("\n"))
-        .uid(uid)
-        .gid(gid)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -122,12 +147,24 @@ pub async fn result_of(child: &mut Child) -> String {
 
 /// Runs the attacker to its end; what it got.
 pub async fn attack(ids: (u32, u32), socket: &Path, action: &str, args: &[&str]) -> String {
-    let mut child = spawn_attacker(ids, socket, action, args);
+    attack_in(ids, &[], socket, action, args).await.1
+}
+
+/// Runs the attacker in `groups` to its end: its pid, and what it got.
+pub async fn attack_in(
+    ids: (u32, u32),
+    groups: &[u32],
+    socket: &Path,
+    action: &str,
+    args: &[&str],
+) -> (u32, String) {
+    let mut child = spawn_attacker_in(ids, groups, socket, action, args);
+    let pid = child.id();
     drop(child.stdin.take());
     let result = result_of(&mut child).await;
     let status = tokio::task::spawn_blocking(move || child.wait()).await;
     assert!(status.unwrap().unwrap().success(), "the attacker failed");
-    result
+    (pid, result)
 }
 
 fn status_line(status: &tonic::Status) -> String {
@@ -168,6 +205,15 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                 Err(s) => status_line(&s),
             }
         }
+        // GetInfo: whether the daemon serves it.
+        "info" => match raw_client(socket)
+            .await
+            .get_info(proto::GetInfoRequest {})
+            .await
+        {
+            Ok(_) => "served".into(),
+            Err(s) => status_line(&s),
+        },
         // GET each secret.
         "get" => {
             let mut got = Vec::new();
