@@ -11,6 +11,10 @@ use crate::config::Quotas;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum QuotaError {
+    #[error(
+        "limits.max_sessions = {limit} reached: the daemon has {open} sessions open or opening"
+    )]
+    Sessions { limit: u32, open: u32 },
     #[error("quotas.{key} = {limit} reached: uid {uid} has {used} {what}")]
     Count {
         key: &'static str,
@@ -135,11 +139,16 @@ struct UidUse {
 struct LedgerInner {
     by_uid: HashMap<u32, UidUse>,
     by_device: Vec<u64>,
+    /// Sessions charged, all uids together: open ones and those still opening.
+    sessions: u32,
 }
 
-/// Open sessions and their device bytes (staging plus resident), per uid and per device.
+/// Open sessions and their device bytes (staging plus resident), per uid and per device, and
+/// the daemon's session count (`limits.max_sessions`): each checked and charged under one
+/// lock, so that sessions opening at once cannot all pass a check made before any counts.
 #[derive(Debug)]
 pub struct SessionLedger {
+    max_sessions: u32,
     per_uid_sessions: u32,
     per_uid_device_bytes: u64,
     /// Per device: (uuid, the daemon's total there).
@@ -158,9 +167,15 @@ pub struct SessionCharge {
 }
 
 impl SessionLedger {
-    /// `devices`: each device's uuid and total memory, in the backend's order.
-    pub fn new(quotas: &Quotas, devices: &[(String, u64)]) -> Arc<SessionLedger> {
+    /// `devices`: each device's uuid and total memory, in the backend's order; `max_sessions`
+    /// counts every uid's.
+    pub fn new(
+        quotas: &Quotas,
+        max_sessions: u32,
+        devices: &[(String, u64)],
+    ) -> Arc<SessionLedger> {
         Arc::new(SessionLedger {
+            max_sessions,
             per_uid_sessions: quotas.per_uid_sessions,
             per_uid_device_bytes: quotas.per_uid_device_bytes,
             devices: devices
@@ -170,6 +185,7 @@ impl SessionLedger {
             inner: Mutex::new(LedgerInner {
                 by_uid: HashMap::new(),
                 by_device: vec![0; devices.len()],
+                sessions: 0,
             }),
         })
     }
@@ -191,6 +207,12 @@ impl SessionLedger {
         bytes: u64,
     ) -> Result<SessionCharge, QuotaError> {
         let mut inner = self.inner();
+        if inner.sessions >= self.max_sessions {
+            return Err(QuotaError::Sessions {
+                limit: self.max_sessions,
+                open: inner.sessions,
+            });
+        }
         let mine = inner.by_uid.get(&uid).copied().unwrap_or_default();
         check_count(
             "per_uid_sessions",
@@ -220,6 +242,7 @@ impl SessionLedger {
         entry.sessions += 1;
         entry.device_bytes += bytes;
         inner.by_device[device] += bytes;
+        inner.sessions += 1;
         Ok(SessionCharge {
             ledger: Arc::clone(self),
             uid,
@@ -242,6 +265,7 @@ impl Drop for SessionCharge {
     fn drop(&mut self) {
         let mut inner = self.ledger.inner();
         inner.by_device[self.device] -= self.bytes;
+        inner.sessions -= 1;
         if let Some(u) = inner.by_uid.get_mut(&self.uid) {
             u.sessions -= 1;
             u.device_bytes -= self.bytes;
@@ -265,7 +289,7 @@ mod tests {
             max_device_bytes: SizeOrShare::Percent(50),
             ..Quotas::default()
         };
-        let ledger = SessionLedger::new(&quotas, &[("gpu-a".into(), 3000)]);
+        let ledger = SessionLedger::new(&quotas, 4, &[("gpu-a".into(), 3000)]);
         assert_eq!(ledger.device_limits(), vec![1500]);
         let a = ledger.charge(7, 0, 600).unwrap();
         assert_eq!(
@@ -292,6 +316,21 @@ mod tests {
         // The whole device total is free again (two uids: each may hold 1000).
         let _d = ledger.charge(9, 0, 1000).unwrap();
         let _e = ledger.charge(10, 0, 500).unwrap();
+    }
+
+    #[test]
+    fn max_sessions_counts_every_uid_and_a_dropped_charge_frees_a_place() {
+        let ledger = SessionLedger::new(&Quotas::default(), 2, &[("gpu-a".into(), 3000)]);
+        let a = ledger.charge(7, 0, 1).unwrap();
+        let _b = ledger.charge(8, 0, 1).unwrap();
+        assert_eq!(
+            ledger.charge(9, 0, 1).unwrap_err().to_string(),
+            "limits.max_sessions = 2 reached: the daemon has 2 sessions open or opening"
+        );
+        drop(a);
+        let _c = ledger
+            .charge(9, 0, 1)
+            .expect("a closed session frees its place");
     }
 
     #[test]

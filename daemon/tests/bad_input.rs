@@ -998,7 +998,7 @@ async fn limits_are_enforced() {
         got,
         (
             Code::ResourceExhausted,
-            "max_sessions = 2 sessions are already open".into()
+            "limits.max_sessions = 2 reached: the daemon has 2 sessions open or opening".into()
         )
     );
     second.close().await.unwrap();

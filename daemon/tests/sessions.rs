@@ -582,3 +582,48 @@ async fn stop_is_bounded_by_the_drain_timeout() {
     assert!(!daemon.socket.exists());
     assert_eq!(daemon.shm_total(), 0);
 }
+
+/// `limits.max_sessions` holds for sessions that open at once: each open is counted under the
+/// quotas' lock before anything is allocated (a count checked first and taken after the
+/// awaited resident copies let every one of them in).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_sessions_holds_for_sessions_opening_at_once() {
+    let daemon = start_daemon_with(|c| c.limits.max_sessions = 2).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path(), "m.safetensors", &uniform_model(91, 8, LAYER));
+    let expected = read_model(std::slice::from_ref(&path));
+    let mut client = daemon.client().await;
+    let manifest = load(&mut client, std::slice::from_ref(&path), &expected).await;
+    // A budget for every group: each open waits for its resident copies.
+    let opts = options(
+        &manifest.model_id,
+        per_tensor_groups(&manifest),
+        2 * LAYER as u64,
+        16 * LAYER as u64,
+    );
+    let opens = (0..6).map(|_| {
+        let (mut client, opts) = (client.clone(), opts.clone());
+        async move { client.open_session(opts).await }
+    });
+    let results = within("six opens at once", futures::future::join_all(opens)).await;
+    let (opened, refused): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+    let refusals: Vec<(tonic::Code, String)> = (refused.into_iter())
+        .map(|r| match r.err().unwrap() {
+            ClientError::Rejected { code, message } => (code, message),
+            other => panic!("expected a rejection, got {other:?}"),
+        })
+        .collect();
+    let full = (
+        tonic::Code::ResourceExhausted,
+        "limits.max_sessions = 2 reached: the daemon has 2 sessions open or opening".to_string(),
+    );
+    assert_eq!((opened.len(), refusals), (2, vec![full; 4]));
+    for session in opened {
+        session.unwrap().close().await.unwrap();
+    }
+    let again = client
+        .open_session(opts)
+        .await
+        .expect("closed sessions free their places");
+    again.close().await.unwrap();
+}

@@ -59,8 +59,6 @@ pub enum CoreError {
     NotOwner(String),
     #[error("device_uuid '{0}' is not a device of this daemon")]
     UnknownDevice(String),
-    #[error("max_sessions = {0} sessions are already open")]
-    TooManySessions(u32),
     #[error("the daemon is stopping")]
     ShuttingDown,
 }
@@ -148,7 +146,7 @@ impl Daemon {
             .into_iter()
             .map(|d| (d.uuid, d.total_memory))
             .collect();
-        let ledger = SessionLedger::new(&config.quotas, &devices);
+        let ledger = SessionLedger::new(&config.quotas, config.limits.max_sessions, &devices);
         tracing::info!(
             max_host_bytes = host.max_bytes,
             max_device_bytes = ?ledger.device_limits(),
@@ -269,10 +267,6 @@ impl Daemon {
     ) -> Result<OpenedSession, CoreError> {
         if self.stopping.load(Ordering::Relaxed) {
             return Err(CoreError::ShuttingDown);
-        }
-        let max = self.config.limits.max_sessions;
-        if self.sessions().len() >= max as usize {
-            return Err(CoreError::TooManySessions(max));
         }
         let (device, device_uuid) = self.device_index(&req.device_uuid)?;
         // A reference for the session's uid, given back when the session ends.

@@ -74,7 +74,7 @@ pub fn status_of(e: &CoreError) -> Status {
         CoreError::Backend(_) | CoreError::Residency(_) => Status::internal(msg),
         CoreError::UnknownSession(_) | CoreError::UnknownDevice(_) => Status::not_found(msg),
         CoreError::NotOwner(_) => Status::permission_denied(msg),
-        CoreError::TooManySessions(_) | CoreError::Quota(_) => Status::resource_exhausted(msg),
+        CoreError::Quota(_) => Status::resource_exhausted(msg),
         CoreError::ShuttingDown => Status::unavailable(msg),
     }
 }
