@@ -35,8 +35,9 @@ elif [ "$WEIGHTSTREAM_REQUIRE_ROOT" = 1 ]; then
     echo "not root: the tests that attack the daemon as another uid will fail" >&2
 fi
 
-step "cargo fmt --check"
+step "cargo fmt --check (the workspace and the fuzz crate, a workspace of its own)"
 cargo fmt --all -- --check
+cargo fmt --manifest-path daemon/fuzz/Cargo.toml -- --check
 
 step "module layering: every import in daemon/src points down the module map"
 python3 tests/check_layers.py --self-test

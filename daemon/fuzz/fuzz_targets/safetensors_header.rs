@@ -8,7 +8,11 @@ use weightstream_daemon::store::safetensors::{parse_header, read_header};
 fuzz_target!(|data: &[u8]| {
     let parsed = parse_header(data);
     let read = read_header(&mut &data[..], data.len() as u64);
-    assert_eq!(parsed.is_ok(), read.is_ok(), "the two entry points disagree");
+    assert_eq!(
+        parsed.is_ok(),
+        read.is_ok(),
+        "the two entry points disagree"
+    );
     if let Ok(header) = parsed {
         let mut end = 0;
         for t in &header.tensors {
