@@ -79,13 +79,43 @@ fn bytes(py: Python<'_>, b: &[u8]) -> Py<PyBytes> {
 }
 
 record! {
-    /// `GetInfo`: version, backend (`BACKEND_*`), devices, limits, alignment.
+    /// `GetInfo`: version, backend (`BACKEND_*`), devices, limits, alignment, the quotas and
+    /// what the caller's uid and the daemon hold against them (`usage`).
     GetInfoResponse {
         version: String,
         backend: i32,
         devices: Py<PyList>,
         limits: Option<Py<Limits>>,
         alignment: u64,
+        quotas: Option<Py<Quotas>>,
+        usage: Option<Py<QuotaUse>>,
+    }
+}
+
+record! {
+    /// The `[quotas]` as resolved at start (0: no limit); `max_device_bytes` per device.
+    Quotas {
+        per_uid_sessions: u32,
+        per_uid_device_bytes: u64,
+        per_uid_host_bytes: u64,
+        per_uid_uploads: u32,
+        max_host_bytes: u64,
+        max_device_bytes: Vec<u64>,
+    }
+}
+
+record! {
+    /// What the caller's uid holds now, and the daemon's totals (`daemon_*`).
+    QuotaUse {
+        uid: u32,
+        sessions: u32,
+        device_bytes: u64,
+        host_bytes: u64,
+        uploads: u32,
+        daemon_sessions: u32,
+        daemon_host_bytes: u64,
+        daemon_uploads: u32,
+        daemon_device_bytes: Vec<u64>,
     }
 }
 
@@ -96,6 +126,7 @@ record! {
         total_memory: u64,
         free_memory: u64,
         pci_bus_id: String,
+        copy_bandwidth_limit: u64,
     }
 }
 
@@ -109,6 +140,7 @@ record! {
         max_upload_bytes: u64,
         max_sessions: u32,
         max_name_bytes: u32,
+        max_uploads: u32,
     }
 }
 
@@ -315,6 +347,7 @@ pub(crate) fn info(py: Python<'_>, m: proto::GetInfoResponse) -> PyResult<GetInf
                     total_memory: d.total_memory,
                     free_memory: d.free_memory,
                     pci_bus_id: d.pci_bus_id,
+                    copy_bandwidth_limit: d.copy_bandwidth_limit,
                 },
             )
         })?,
@@ -332,11 +365,45 @@ pub(crate) fn info(py: Python<'_>, m: proto::GetInfoResponse) -> PyResult<GetInf
                         max_upload_bytes: l.max_upload_bytes,
                         max_sessions: l.max_sessions,
                         max_name_bytes: l.max_name_bytes,
+                        max_uploads: l.max_uploads,
                     },
                 )
             })
             .transpose()?,
         alignment: m.alignment,
+        quotas: (m.quotas)
+            .map(|q| {
+                Py::new(
+                    py,
+                    Quotas {
+                        per_uid_sessions: q.per_uid_sessions,
+                        per_uid_device_bytes: q.per_uid_device_bytes,
+                        per_uid_host_bytes: q.per_uid_host_bytes,
+                        per_uid_uploads: q.per_uid_uploads,
+                        max_host_bytes: q.max_host_bytes,
+                        max_device_bytes: q.max_device_bytes,
+                    },
+                )
+            })
+            .transpose()?,
+        usage: (m.usage)
+            .map(|u| {
+                Py::new(
+                    py,
+                    QuotaUse {
+                        uid: u.uid,
+                        sessions: u.sessions,
+                        device_bytes: u.device_bytes,
+                        host_bytes: u.host_bytes,
+                        uploads: u.uploads,
+                        daemon_sessions: u.daemon_sessions,
+                        daemon_host_bytes: u.daemon_host_bytes,
+                        daemon_uploads: u.daemon_uploads,
+                        daemon_device_bytes: u.daemon_device_bytes,
+                    },
+                )
+            })
+            .transpose()?,
     })
 }
 
@@ -527,6 +594,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<GetInfoResponse>()?;
     m.add_class::<Device>()?;
     m.add_class::<Limits>()?;
+    m.add_class::<Quotas>()?;
+    m.add_class::<QuotaUse>()?;
     m.add_class::<TensorInfo>()?;
     m.add_class::<ModelManifest>()?;
     m.add_class::<StorePhases>()?;

@@ -251,6 +251,12 @@ impl SessionLedger {
         })
     }
 
+    /// (sessions, device bytes on each device) charged to every uid together now.
+    pub fn totals(&self) -> (u32, Vec<u64>) {
+        let inner = self.inner();
+        (inner.sessions, inner.by_device.clone())
+    }
+
     /// (sessions, device bytes) charged to `uid` now.
     pub fn usage(&self, uid: u32) -> (u32, u64) {
         let inner = self.inner();

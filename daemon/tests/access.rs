@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use common::*;
 use tonic::Code;
 use weightstream_client::{ClientError, HandoffError, proto};
-use weightstream_daemon::config::SizeOrShare;
+use weightstream_daemon::config::{Rate, SizeOrShare};
 
 /// Everything the daemons of this test binary log (a global subscriber: the server's tasks run
 /// on other threads than the test).
@@ -367,6 +367,87 @@ async fn per_uid_sessions_are_limited_and_a_closed_session_gives_its_place_back(
     first.close().await.unwrap();
     let third = other.open_session(opts()).await.unwrap();
     run_step(&third, &[3, 2, 1, 0], &expected).await;
+}
+
+/// GetInfo says what a refusal would be measured against: the quotas as resolved, what the
+/// caller's uid holds, and the daemon's totals; each changes as sessions and uploads come and go.
+/// Each device carries the daemon's copy bandwidth limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_info_reports_the_quotas_and_the_caller_s_use() {
+    let (uid, _, _) = me();
+    let daemon = start_daemon_with(|c| {
+        c.quotas.per_uid_sessions = 3;
+        c.quotas.per_uid_device_bytes = 1 << 30;
+        c.quotas.per_uid_host_bytes = 2 << 30;
+        c.quotas.per_uid_uploads = 5;
+        c.quotas.max_host_bytes = SizeOrShare::Bytes(4 << 30);
+        c.quotas.max_device_bytes = SizeOrShare::Bytes(8 << 30);
+        c.limits.max_uploads = 7;
+        c.copy_bandwidth_limit = Some(Rate(25_000_000_000));
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = model_file(dir.path(), 8);
+    let expected = read_model(std::slice::from_ref(&path));
+    let mut client = daemon.client().await;
+    let info = client.info().await.unwrap();
+    assert_eq!(
+        info.quotas,
+        Some(proto::Quotas {
+            per_uid_sessions: 3,
+            per_uid_device_bytes: 1 << 30,
+            per_uid_host_bytes: 2 << 30,
+            per_uid_uploads: 5,
+            max_host_bytes: 4 << 30,
+            max_device_bytes: vec![8 << 30],
+        })
+    );
+    assert_eq!(info.limits.unwrap().max_uploads, 7);
+    assert_eq!(info.devices[0].copy_bandwidth_limit, 25_000_000_000);
+    let idle = proto::QuotaUse {
+        uid,
+        daemon_device_bytes: vec![0],
+        ..Default::default()
+    };
+    assert_eq!(info.usage, Some(idle.clone()));
+
+    let manifest = load(&mut client, &[path], &expected).await;
+    let host = daemon.core.store.host_use(uid).uid_bytes;
+    let per_session = 4 * LAYER as u64;
+    let session = client
+        .open_session(options(
+            &manifest.model_id,
+            per_tensor_groups(&manifest),
+            3 * LAYER as u64,
+            per_session,
+        ))
+        .await
+        .unwrap();
+    let mut raw = raw_client(&daemon.socket).await;
+    let begun = raw.begin_upload(upload_request("u", 16)).await.unwrap();
+    let upload = daemon.core.store.host_use(uid).uid_bytes - host;
+    let busy = proto::QuotaUse {
+        uid,
+        sessions: 1,
+        device_bytes: per_session,
+        host_bytes: host + upload,
+        uploads: 1,
+        daemon_sessions: 1,
+        daemon_host_bytes: host + upload,
+        daemon_uploads: 1,
+        daemon_device_bytes: vec![per_session],
+    };
+    assert_eq!(client.info().await.unwrap().usage, Some(busy));
+
+    drop((begun, raw));
+    session.close().await.unwrap();
+    assert_eq!(client.release_model(&manifest.model_id).await.unwrap(), 0);
+    eventually("the upload goes with its connection", || {
+        let mut client = client.clone();
+        let idle = idle.clone();
+        async move { client.info().await.unwrap().usage == Some(idle) }
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

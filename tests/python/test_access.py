@@ -58,8 +58,11 @@ def test_the_sessions_quota_is_refused_by_name_and_freed_by_close(tmp_path):
     d = start(tmp_path, "[quotas]\nper_uid_sessions = 1\n")
     try:
         manifest, _ = d.client.upload_model("x", {"w": torch.ones(256)})
+        assert d.client.info().quotas.per_uid_sessions == 1
         with d.client.open_session(manifest.model_id, [("w", ["w"])], 1 << 20) as session:
             session.release(session.acquire(0))
+            usage = d.client.info().usage
+            assert (usage.uid, usage.sessions, usage.daemon_sessions) == (uid, 1, 1)
             with pytest.raises(weightstream.RequestRejected) as e:
                 d.client.open_session(manifest.model_id, [("w", ["w"])], 1 << 20)
             assert (e.value.code, e.value.message) == (

@@ -17,6 +17,8 @@ def _after_fork_in_child() -> None: ...
 GetInfoResponse = Any
 Device = Any
 Limits = Any
+Quotas = Any
+QuotaUse = Any
 TensorInfo = Any
 ModelManifest = Any
 StorePhases = Any

@@ -8,7 +8,7 @@
   ``GetInfoResponse``, ``ModelManifest`` (with ``StorePhases``), ``TensorInfo``, ``LoadProgress``,
   ``ListModelsResponse``, ``SessionInfo``, ``SessionStats``, ``OpenSessionResponse``,
   ``Region``, ``GroupLayout``, ``TensorPlacement``, ``Staged``, ``Device``, ``Limits``,
-  ``BeginUploadResponse``, ``UploadTensor``.
+  ``Quotas``, ``QuotaUse``, ``BeginUploadResponse``, ``UploadTensor``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ globals().update(FAULT_CODES)
 GetInfoResponse = _native.GetInfoResponse
 Device = _native.Device
 Limits = _native.Limits
+Quotas = _native.Quotas
+QuotaUse = _native.QuotaUse
 ModelManifest = _native.ModelManifest
 StorePhases = _native.StorePhases
 TensorInfo = _native.TensorInfo

@@ -62,7 +62,19 @@ fn to_json(
         "devices": info.devices.iter().map(|d| json!({
             "uuid": d.uuid, "name": d.name, "total_memory": d.total_memory,
             "free_memory": d.free_memory, "pci_bus_id": d.pci_bus_id,
+            "copy_bandwidth_limit": d.copy_bandwidth_limit,
         })).collect::<Vec<_>>(),
+        "quotas": info.quotas.as_ref().map(|q| json!({
+            "per_uid_sessions": q.per_uid_sessions, "per_uid_device_bytes": q.per_uid_device_bytes,
+            "per_uid_host_bytes": q.per_uid_host_bytes, "per_uid_uploads": q.per_uid_uploads,
+            "max_host_bytes": q.max_host_bytes, "max_device_bytes": q.max_device_bytes,
+        })),
+        "usage": info.usage.as_ref().map(|u| json!({
+            "uid": u.uid, "sessions": u.sessions, "device_bytes": u.device_bytes,
+            "host_bytes": u.host_bytes, "uploads": u.uploads,
+            "daemon_sessions": u.daemon_sessions, "daemon_host_bytes": u.daemon_host_bytes,
+            "daemon_uploads": u.daemon_uploads, "daemon_device_bytes": u.daemon_device_bytes,
+        })),
         "store_bytes": models.store_bytes,
         "models": models.models.iter().map(|m| json!({
             "model_id": m.model_id, "name": m.name, "tensors": m.tensors.len(),
@@ -107,7 +119,7 @@ fn print_tables(
         info.version,
         backend_name(info)
     );
-    let mut devices = table(&["device", "name", "memory", "free", "pci"]);
+    let mut devices = table(&["device", "name", "memory", "free", "pci", "copy limit"]);
     for d in &info.devices {
         devices.add_row(vec![
             d.uuid.clone(),
@@ -115,9 +127,16 @@ fn print_tables(
             human(d.total_memory),
             human(d.free_memory),
             d.pci_bus_id.clone(),
+            match d.copy_bandwidth_limit {
+                0 => "none".to_string(),
+                rate => format!("{:.1} GB/s", rate as f64 / 1e9),
+            },
         ]);
     }
     println!("{devices}");
+    if let Some(q) = quota_table(info) {
+        println!("{q}");
+    }
     let mut m = table(&[
         "model", "name", "tensors", "bytes", "refs", "sessions", "source", "format",
     ]);
@@ -155,6 +174,62 @@ fn print_tables(
         ]);
     }
     println!("sessions\n{s}");
+}
+
+/// The quotas against what the caller's uid and the daemon hold (a daemon that predates
+/// quotas in GetInfo: none).
+fn quota_table(info: &proto::GetInfoResponse) -> Option<String> {
+    let (q, u) = (info.quotas.as_ref()?, info.usage.as_ref()?);
+    let limit = |n: u64, show: fn(u64) -> String| {
+        if n == 0 {
+            "no limit".to_string()
+        } else {
+            show(n)
+        }
+    };
+    let count = |n: u64| n.to_string();
+    let (max_sessions, max_uploads) = info
+        .limits
+        .map_or((0, 0), |l| (l.max_sessions, l.max_uploads));
+    let mut t = table(&["quota", "yours", "your limit", "the daemon's", "its limit"]);
+    t.add_row(vec![
+        "sessions".to_string(),
+        u.sessions.to_string(),
+        limit(q.per_uid_sessions.into(), count),
+        u.daemon_sessions.to_string(),
+        limit(max_sessions.into(), count),
+    ]);
+    t.add_row(vec![
+        "host bytes".to_string(),
+        human(u.host_bytes),
+        limit(q.per_uid_host_bytes, human),
+        human(u.daemon_host_bytes),
+        limit(q.max_host_bytes, human),
+    ]);
+    t.add_row(vec![
+        "uploads in progress".to_string(),
+        u.uploads.to_string(),
+        limit(q.per_uid_uploads.into(), count),
+        u.daemon_uploads.to_string(),
+        limit(max_uploads.into(), count),
+    ]);
+    t.add_row(vec![
+        "device bytes".to_string(),
+        human(u.device_bytes),
+        limit(q.per_uid_device_bytes, human),
+        String::new(),
+        String::new(),
+    ]);
+    for (i, d) in info.devices.iter().enumerate() {
+        t.add_row(vec![
+            format!("  on {}", d.uuid),
+            String::new(),
+            String::new(),
+            human(u.daemon_device_bytes.get(i).copied().unwrap_or(0)),
+            limit(q.max_device_bytes.get(i).copied().unwrap_or(0), human),
+        ]);
+    }
+    Some(format!("quotas (uid {})\n{t}", u.uid))
 }
 
 /// A model's format: the quantization of its quantized tensors ("fp8_e4m3_block64"), or "none".

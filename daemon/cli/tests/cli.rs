@@ -6,6 +6,16 @@ fn weightstream() -> Command {
     Command::new(env!("CARGO_BIN_EXE_weightstream"))
 }
 
+/// A child process that is killed and reaped when dropped (after it exited: nothing to do).
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[test]
 fn demo_runs_to_completion_and_leaves_no_shared_memory() {
     let out = weightstream()
@@ -118,11 +128,15 @@ fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
     let model = dir.path().join("m.safetensors");
     safetensors::serialize_to_file(vec![("w", view)], None, &model).unwrap();
 
-    let mut daemon = weightstream()
-        .args(["serve", "--backend", "host", "--socket"])
-        .arg(&socket)
-        .spawn()
-        .unwrap();
+    // Killed if an assertion fails first: a daemon left running would hold the test's output
+    // open, and the test run would never end.
+    let mut daemon = Reaped(
+        weightstream()
+            .args(["serve", "--backend", "host", "--socket"])
+            .arg(&socket)
+            .spawn()
+            .unwrap(),
+    );
     let handoff = dir.path().join("ws.sock.fd");
     wait_until("the sockets", || socket.exists() && handoff.exists());
     let load = weightstream()
@@ -171,14 +185,20 @@ fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
     assert_eq!(json["models"][0]["tensors"], 1);
     assert_eq!(json["models"][0]["total_bytes"], 16384);
     assert_eq!(json["store_bytes"], 16384);
-    assert_eq!(memfds_of(daemon.id()), 1, "the model's arena");
+    let uid = rustix::process::getuid().as_raw();
+    assert_eq!(
+        (&json["usage"]["uid"], &json["usage"]["daemon_sessions"]),
+        (&serde_json::json!(uid), &serde_json::json!(0))
+    );
+    assert_eq!(json["quotas"]["per_uid_sessions"], 32, "the default");
+    assert_eq!(memfds_of(daemon.0.id()), 1, "the model's arena");
 
     let kill = Command::new("kill")
-        .args(["-TERM", &daemon.id().to_string()])
+        .args(["-TERM", &daemon.0.id().to_string()])
         .status()
         .unwrap();
     assert!(kill.success());
-    let exit = daemon.wait().unwrap();
+    let exit = daemon.0.wait().unwrap();
     assert!(exit.success(), "daemon exited with {exit:?}");
     assert!(!socket.exists(), "socket left behind");
     assert!(!handoff.exists(), "handoff socket left behind");

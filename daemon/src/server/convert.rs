@@ -66,9 +66,14 @@ pub fn dtype_from_pb(value: i32) -> Option<DType> {
         .find(|d| dtype_to_pb(*d) as i32 == value)
 }
 
-/// GetInfo: the backend, its devices and the limits requests are checked against.
-pub fn info(d: &Daemon) -> pb::GetInfoResponse {
+/// GetInfo: the backend, its devices, the limits requests are checked against, and the
+/// quotas with what `uid` (the caller) and the daemon hold against them.
+pub fn info(d: &Daemon, uid: u32) -> pb::GetInfoResponse {
     let l = &d.config.limits;
+    let (q, host) = (&d.config.quotas, d.store.host_quota());
+    let host_use = d.store.host_use(uid);
+    let (sessions, device_bytes) = d.ledger.usage(uid);
+    let (daemon_sessions, daemon_device_bytes) = d.ledger.totals();
     pb::GetInfoResponse {
         version: env!("CARGO_PKG_VERSION").to_string(),
         backend: match d.backend.kind() {
@@ -85,6 +90,7 @@ pub fn info(d: &Daemon) -> pb::GetInfoResponse {
                 total_memory: x.total_memory,
                 free_memory: x.free_memory,
                 pci_bus_id: x.pci_bus_id,
+                copy_bandwidth_limit: d.config.copy_bandwidth_limit.map_or(0, |r| r.get()),
             })
             .collect(),
         limits: Some(pb::Limits {
@@ -96,8 +102,28 @@ pub fn info(d: &Daemon) -> pb::GetInfoResponse {
             max_upload_bytes: l.max_upload_bytes,
             max_sessions: l.max_sessions,
             max_name_bytes: l.max_name_bytes,
+            max_uploads: l.max_uploads,
         }),
         alignment: d.backend.alignment(),
+        quotas: Some(pb::Quotas {
+            per_uid_sessions: q.per_uid_sessions,
+            per_uid_device_bytes: q.per_uid_device_bytes,
+            per_uid_host_bytes: host.per_uid_bytes,
+            per_uid_uploads: host.per_uid_uploads,
+            max_host_bytes: host.max_bytes,
+            max_device_bytes: d.ledger.device_limits(),
+        }),
+        usage: Some(pb::QuotaUse {
+            uid,
+            sessions,
+            device_bytes,
+            host_bytes: host_use.uid_bytes,
+            uploads: host_use.uid_uploads,
+            daemon_sessions,
+            daemon_host_bytes: host_use.total_bytes,
+            daemon_uploads: host_use.total_uploads,
+            daemon_device_bytes,
+        }),
     }
 }
 

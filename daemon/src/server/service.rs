@@ -72,9 +72,10 @@ fn log_stored(what: &'static str, stored: &crate::store::Stored) {
 impl WeightStream for Service {
     async fn get_info(
         &self,
-        _req: Request<pb::GetInfoRequest>,
+        req: Request<pb::GetInfoRequest>,
     ) -> Result<Response<pb::GetInfoResponse>, Status> {
-        Ok(Response::new(convert::info(&self.daemon)))
+        let peer = peer(&req)?;
+        Ok(Response::new(convert::info(&self.daemon, peer.uid)))
     }
 
     type LoadModelStream = EventStream<pb::LoadModelEvent>;

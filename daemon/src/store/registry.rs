@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::upload::Upload;
 use super::{Model, Store, StoreError};
-use crate::quota::check_count;
+use crate::quota::{HostQuota, check_count};
 
 /// What one uid holds of a model: load references (LoadModel, CommitUpload: given back by
 /// ReleaseModel) and open sessions (given back when they close).
@@ -196,6 +196,11 @@ impl Store {
     /// Host use as the quotas see it, for `uid` and in total.
     pub fn host_use(&self, uid: u32) -> HostUse {
         self.inner().host_use(uid)
+    }
+
+    /// The host quotas the store enforces, as resolved at start.
+    pub fn host_quota(&self) -> HostQuota {
+        self.limits.host
     }
 
     /// One more load reference for `uid` to a model already in the store (not charged again).
