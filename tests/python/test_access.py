@@ -26,8 +26,8 @@ def test_a_peer_outside_the_allow_list_is_refused_and_logged(tmp_path):
     d = start(tmp_path, f"[access]\nallowed_uids = [{uid + 1}]\n")
     try:
         want = (
-            f"uid {uid} (gid {gid}, groups {groups}, pid {pid}) may not use this daemon: neither in "
-            f"access.allowed_uids [{uid + 1}] nor in access.allowed_gids []"
+            f"uid {uid} (gid {gid}, groups {groups}, pid {pid}) may not use this daemon: "
+            f"neither in access.allowed_uids [{uid + 1}] nor in access.allowed_gids []"
         )
         for call in (d.client.info, d.client.list_models, d.client.list_sessions):
             with pytest.raises(weightstream.RequestRejected) as e:
