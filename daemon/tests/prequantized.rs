@@ -1,6 +1,7 @@
 //! Pre-quantized files read as published (host backend): musubi-tuner `--fp8_scaled` and
-//! ComfyUI scaled-fp8 safetensors, loaded with quantization none, store each fp8 weight and
-//! its `.scale_weight` as one slice (the weight's bytes, zero padding to 16, the scales as
+//! ComfyUI scaled-fp8 safetensors (legacy, and mixed precision: `.comfy_quant` markers or a
+//! `_quantization_metadata` listing), loaded with quantization none, store each fp8 weight and
+//! its scale as one slice (the weight's bytes, zero padding to 16, the scales as
 //! fp32) with the format and the file's scale shape; every other tensor keeps its bytes; a
 //! scale that breaks the format's rules is refused by name and rule, leaving nothing behind.
 
@@ -148,20 +149,67 @@ fn comfy() -> Vec<Tensor> {
     ]
 }
 
+/// `{"format": "float8_e4m3fn"}`, as a ComfyUI mixed-precision file marks a layer.
+fn marker(layer: &str) -> Tensor {
+    let json = br#"{"format": "float8_e4m3fn"}"#.to_vec();
+    Tensor::new(
+        &format!("{layer}.comfy_quant"),
+        Dtype::U8,
+        &[json.len()],
+        json,
+    )
+}
+
+/// A ComfyUI mixed-precision file: a layer marked by its `.comfy_quant` (scale []), one listed
+/// in the header (scale [1]), an `input_scale` and the markers kept as tensors, an unquantized
+/// bf16 weight with a `weight_scale`-like name that no marker names, kept as it is.
+fn comfy_mixed() -> (Vec<Tensor>, std::collections::HashMap<String, String>) {
+    let tensors = vec![
+        fp8("diffusion_model.a.weight", &[6, 64], 12),
+        scale(
+            "diffusion_model.a.weight_scale",
+            Dtype::F32,
+            &[],
+            &[0.03125],
+        ),
+        scale("diffusion_model.a.input_scale", Dtype::F32, &[], &[1.0]),
+        marker("diffusion_model.a"),
+        fp8("diffusion_model.b.weight", &[3, 5], 13),
+        scale(
+            "diffusion_model.b.weight_scale",
+            Dtype::F32,
+            &[1],
+            &[1.0e-3],
+        ),
+        random_tensors(14, &[("diffusion_model.c.weight", Dtype::BF16, &[2, 2])]).remove(0),
+        scale("diffusion_model.c.weight_scale", Dtype::F32, &[], &[2.0]),
+    ];
+    let listing = r#"{"format_version": "1.0", "layers": {"diffusion_model.b": {"format": "float8_e4m3fn"}}}"#;
+    let metadata = [("_quantization_metadata".to_string(), listing.to_string())];
+    (tensors, metadata.into_iter().collect())
+}
+
 /// (quantization, scale_shape, scale_offset, nbytes, stored bytes) of each tensor of the model.
 type Want = BTreeMap<String, (i32, Vec<u64>, u64, u64, Vec<u8>)>;
 
-fn expected(tensors: &[Tensor], format: i32) -> Want {
+/// What a load of `tensors` stores: each weight whose layer's scale (`<layer><scale_suffix>`)
+/// is among `tensors` and is one of `scaled` layers (None: any) as one slice, the rest as is.
+fn expected_with(
+    tensors: &[Tensor],
+    format: i32,
+    scale_suffix: &str,
+    scaled: Option<&[&str]>,
+) -> Want {
     let by_name: BTreeMap<&str, &Tensor> = tensors.iter().map(|t| (t.name.as_str(), t)).collect();
+    let is_scaled = |layer: &str| scaled.is_none_or(|layers| layers.contains(&layer));
     let mut want = Want::new();
     for t in tensors {
-        if t.name.ends_with(".scale_weight") {
+        if (t.name.strip_suffix(scale_suffix)).is_some_and(is_scaled) {
             continue;
         }
-        let scale_name = t
-            .name
-            .strip_suffix(".weight")
-            .map(|l| format!("{l}.scale_weight"));
+        let scale_name = (t.name.strip_suffix(".weight"))
+            .filter(|l| is_scaled(l))
+            .map(|l| format!("{l}{scale_suffix}"));
         match scale_name.as_deref().and_then(|s| by_name.get(s)) {
             None => {
                 want.insert(
@@ -182,6 +230,10 @@ fn expected(tensors: &[Tensor], format: i32) -> Want {
         }
     }
     want
+}
+
+fn expected(tensors: &[Tensor], format: i32) -> Want {
+    expected_with(tensors, format, ".scale_weight", None)
 }
 
 async fn load(client: &mut Client, path: &PathBuf) -> weightstream_client::proto::ModelManifest {
@@ -265,6 +317,33 @@ async fn a_comfy_file_stages_its_weights_and_scales_as_they_are() {
     check(&mut client, &path, &expected(&tensors, COMFY)).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_comfy_mixed_precision_file_stages_its_marked_and_listed_layers_as_they_are() {
+    let daemon = start_daemon().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (tensors, metadata) = comfy_mixed();
+    let path = write_model_with(dir.path(), "mixed.safetensors", &tensors, Some(metadata));
+    let want = expected_with(
+        &tensors,
+        COMFY,
+        ".weight_scale",
+        Some(&["diffusion_model.a", "diffusion_model.b"]),
+    );
+    assert_eq!(
+        (want.iter())
+            .filter(|(_, w)| w.0 == COMFY)
+            .map(|(name, w)| (name.as_str(), w.1.clone()))
+            .collect::<Vec<_>>(),
+        [
+            ("diffusion_model.a.weight", vec![]),
+            ("diffusion_model.b.weight", vec![1])
+        ],
+        "the marked layer and the listed one"
+    );
+    let mut client = daemon.client().await;
+    check(&mut client, &path, &want).await;
+}
+
 async fn assert_nothing_left(daemon: &TestDaemon, client: &mut Client, case: &str) {
     let listed = client.list_models().await.unwrap();
     assert!(listed.models.is_empty(), "{case}: {:?}", listed.models);
@@ -342,6 +421,60 @@ async fn a_scale_that_breaks_its_format_is_refused_by_name_and_leaves_nothing() 
             vec![scale("l.scale_weight", Dtype::F32, &[], &[1.0])],
             "tensor 'l.scale_weight': no 'l.weight' to scale (fp8_scaled_musubi)".into(),
         ),
+        (
+            "comfy marked layer without its scale",
+            vec![w(), marker("l")],
+            "tensor 'l.comfy_quant': no 'l.weight_scale' for this quantized layer \
+             (fp8_scaled_comfy)"
+                .into(),
+        ),
+        (
+            "comfy marked layer without its weight",
+            vec![scale("l.weight_scale", Dtype::F32, &[], &[1.0]), marker("l")],
+            "tensor 'l.comfy_quant': no 'l.weight' for this quantized layer (fp8_scaled_comfy)"
+                .into(),
+        ),
+        (
+            "comfy nvfp4 layer (packed U8 weight)",
+            vec![
+                Tensor::new("l.weight", Dtype::U8, &[4, 64], vec![0; 256]),
+                scale("l.weight_scale", Dtype::F32, &[], &[1.0]),
+                marker("l"),
+            ],
+            "tensor 'l.weight': dtype U8: a ComfyUI quantized layer is read only as \
+             float8_e4m3fn (an F8_E4M3 weight; nvfp4, mxfp8 and int8 layers are not read)"
+                .into(),
+        ),
+        (
+            "comfy per-row scale",
+            vec![w(), scale("l.weight_scale", Dtype::F32, &[4, 1], &[1.0; 4]), marker("l")],
+            "tensor 'l.weight_scale': shape [4, 1] does not fit weight 'l.weight' of shape \
+             [4, 128]: fp8_scaled_comfy needs [] or [1] (one scale per weight)"
+                .into(),
+        ),
+        (
+            "comfy marker not U8",
+            vec![
+                w(),
+                scale("l.weight_scale", Dtype::F32, &[], &[1.0]),
+                scale("l.comfy_quant", Dtype::F32, &[1], &[1.0]),
+            ],
+            "tensor 'l.comfy_quant': dtype F32 shape [1]: a ComfyUI layer marker is U8 of rank \
+             1 (its config as JSON)"
+                .into(),
+        ),
+        (
+            "two scales for one weight",
+            vec![
+                w(),
+                scale("l.scale_weight", Dtype::F32, &[], &[1.0]),
+                scale("l.weight_scale", Dtype::F32, &[], &[1.0]),
+                marker("l"),
+            ],
+            "tensor 'l.weight': two scales, 'l.scale_weight' and 'l.weight_scale': a weight has \
+             one"
+            .into(),
+        ),
     ];
     for (i, (case, tensors, message)) in cases.into_iter().enumerate() {
         let path = write_model(dir.path(), &format!("bad{i}.safetensors"), &tensors);
@@ -350,6 +483,38 @@ async fn a_scale_that_breaks_its_format_is_refused_by_name_and_leaves_nothing() 
             .await
             .unwrap_err();
         assert_eq!(rejected(err), (Code::InvalidArgument, message), "{case}");
+        assert_nothing_left(&daemon, &mut client, case).await;
+    }
+    // A header listing that is not ComfyUI's, or that names a layout not read.
+    let listings = [
+        (
+            "not JSON",
+            "{",
+            "header metadata '_quantization_metadata' is not a ComfyUI layer listing \
+             ({\"layers\": {name: {\"format\": ...}}}): EOF while parsing an object at line 1 \
+             column 1",
+        ),
+        (
+            "an nvfp4 layer",
+            r#"{"layers": {"l": {"format": "nvfp4"}}}"#,
+            "layer 'l' is 'nvfp4' in '_quantization_metadata': of ComfyUI's mixed-precision \
+             layouts only float8_e4m3fn (one fp32 scale per weight) is read",
+        ),
+    ];
+    for (i, (case, listing, message)) in listings.into_iter().enumerate() {
+        let metadata = [("_quantization_metadata".to_string(), listing.to_string())];
+        let name = format!("listed{i}.safetensors");
+        let tensors = [w(), scale("l.weight_scale", Dtype::F32, &[], &[1.0])];
+        let path = write_model_with(dir.path(), &name, &tensors, Some(metadata.into()));
+        let err = client
+            .load_model(std::slice::from_ref(&path), &name, Q::None, |_| {})
+            .await
+            .unwrap_err();
+        let want = (
+            Code::InvalidArgument,
+            format!("{}: {message}", path.display()),
+        );
+        assert_eq!(rejected(err), want, "{case}");
         assert_nothing_left(&daemon, &mut client, case).await;
     }
     // Asking to quantize a pre-quantized file, or for a read-only format, is refused too.

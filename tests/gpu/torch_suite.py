@@ -105,6 +105,27 @@ def fused_dequant():
     return f"{len(cases)} tensors x 3 dtypes bit for bit"
 
 
+def comfy_mixed_on_cuda():
+    """ComfyUI's mixed-precision dequantization (``TensorCoreFP8Layout.dequantize``:
+    ``qdata.to(orig_dtype) * scale``) as ComfyUI runs it, on the GPU with the 0-d fp32 scale on
+    the device, against ``dequantize_as("fp8_scaled_comfy")``. The CPU tests write out the rule
+    this relies on (the GPU casts the 0-d operand to the common dtype; the CPU would keep a 0-d
+    CPU tensor in fp32): here it is checked where ComfyUI computes."""
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(3072, 3072, generator=g) * 20).to(torch.float8_e4m3fn).cuda()
+    bad = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        for value in (0.0123456789, 1.0 / 3.0, 2.5e-4):
+            scale = torch.tensor(value, dtype=torch.float32, device="cuda")
+            comfy = torch.ops.aten._to_copy.default(q, dtype=dtype) * scale
+            got = quantize.dequantize_as(quantize.FP8_SCALED_COMFY, q, scale, dtype)
+            if got.dtype != dtype or not torch.equal(got.view(bits), comfy.view(bits)):
+                bad.append(f"{dtype} scale {value}")
+    assert not bad, f"differ from ComfyUI on CUDA: {bad}"
+    return "3 dtypes x 3 scales bit for bit"
+
+
 def hit_rate(client):
     model = t.make_model(torch.bfloat16).cuda()
     model.ckpt = "non-reentrant"
@@ -161,6 +182,7 @@ def main():
             "equal: fp8 streaming, fp32, by block",
             lambda: equality(client, torch.float32, None, group_by="block", fp8=True),
         ),
+        ("ComfyUI mixed-precision fp8 == ComfyUI's own expression on CUDA", comfy_mixed_on_cuda),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
     ]
     passed = failed = 0

@@ -1,5 +1,7 @@
 """Pre-quantized files read as published: musubi-tuner ``--fp8_scaled`` (``fp8_scaled_musubi``)
-and ComfyUI scaled-fp8 (``fp8_scaled_comfy``) safetensors.
+and ComfyUI scaled-fp8 (``fp8_scaled_comfy``: the legacy ``scaled_fp8`` files and the newer
+mixed-precision ones, whose layers carry a ``.comfy_quant`` marker or are listed in the header's
+``_quantization_metadata``) safetensors.
 
 ``quantize.dequantize_as`` is checked bit for bit against each project's dequantization: the
 expression reproduced verbatim below (source lines cited), and, when ``WEIGHTSTREAM_MUSUBI_SRC``
@@ -83,6 +85,21 @@ def comfy_reference(s_weight: torch.Tensor, scale_weight: torch.Tensor, dtype) -
     return weight * scale_weight.to(device=weight.device, dtype=weight.dtype)
 
 
+def comfy_mixed_reference(qdata: torch.Tensor, scale: torch.Tensor, orig_dtype) -> torch.Tensor:
+    """ComfyUI ``TensorCoreFP8Layout.dequantize`` (comfy/quant_ops.py, the ``float8_e4m3fn``
+    layout of mixed-precision files; ``orig_dtype`` is ``MixedPrecisionOps``' compute dtype):
+    ``plain_tensor = torch.ops.aten._to_copy.default(qdata, dtype=orig_dtype)``, then
+    ``plain_tensor * scale``, the fp32 ``weight_scale`` moved to the weight's device with it
+    (``_move_layout_params_to_device``). On the GPU, where ComfyUI computes, that product reads
+    the 0-d fp32 operand as the common dtype (a CUDA tensor operand is cast to the kernel's
+    argument type, ``BinaryFunctor<scalar_t, scalar_t, ...>`` in ATen's
+    ``opmath_symmetric_gpu_kernel_with_scalars``): the scale is rounded to ``orig_dtype``
+    first. The CPU treats a 0-d CPU tensor as a scalar kept in fp32 instead (see the test
+    below), so the GPU's rule is written out here."""
+    plain_tensor = torch.ops.aten._to_copy.default(qdata, dtype=orig_dtype)
+    return plain_tensor * scale.to(plain_tensor.dtype)
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("mode", ["tensor", "channel", "block"])
 def test_musubi_dequantization_is_musubis_bit_for_bit(dtype, mode):
@@ -117,6 +134,26 @@ def test_comfy_dequantization_is_comfys_bit_for_bit(dtype):
         quantize.dequantize_as(quantize.FP8_SCALED_COMFY, q, s, torch.bfloat16),
         (q.float() * s).to(torch.bfloat16),
     )
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_comfy_mixed_precision_dequantization_is_comfys_bit_for_bit(dtype):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 96, generator=g) * 0.05
+    q, _ = fp8_scaled(w, "tensor")
+    for value in (0.0123456789, 1.0 / 3.0, 2.5e-4):
+        for shape in ((), (1,)):  # weight_scale: 0-d, or one element
+            scale = torch.full(shape, value, dtype=torch.float32)
+            want = comfy_mixed_reference(q, scale, dtype)
+            got = quantize.dequantize_as(quantize.FP8_SCALED_COMFY, q, scale, dtype)
+            assert same_bits(got, want), (dtype, value, shape)
+    # ComfyUI's expression as written, on the CPU, keeps the scale in fp32: not what it
+    # computes on the GPU, nor what weightstream computes anywhere.
+    if dtype != torch.float32:
+        scale = torch.tensor(1.0 / 3.0)
+        on_cpu = torch.ops.aten._to_copy.default(q, dtype=dtype) * scale
+        assert same_bits(on_cpu, (q.to(dtype).float() * scale).to(dtype))
+        assert not same_bits(on_cpu, comfy_mixed_reference(q, scale, dtype))
 
 
 def test_unknown_format_is_refused():
@@ -167,9 +204,36 @@ class Net(nn.Module):
         return self.c(torch.nn.functional.gelu(self.b(torch.nn.functional.gelu(self.a(x)))))
 
 
+def comfy_mixed_file(model: Net, path):
+    """The model's weights as a ComfyUI mixed-precision file: ``<layer>.weight`` e4m3fn with a
+    scalar fp32 ``<layer>.weight_scale``; a and c marked by ``<layer>.comfy_quant`` (the JSON
+    config as uint8), b listed in the header's ``_quantization_metadata``; a's ``input_scale``.
+    Each weight's w_hat in the model's dtype."""
+    tensors, w_hats = {}, {}
+    dtype = model.a.weight.dtype
+    config = torch.tensor(list(b'{"format": "float8_e4m3fn"}'), dtype=torch.uint8)
+    for name in ("a", "b", "c"):
+        layer = getattr(model, name)
+        q, scale = fp8_scaled(layer.weight, "tensor")
+        scale = scale.reshape(()).float()
+        w_hats[name] = comfy_mixed_reference(q, scale, dtype)
+        tensors[f"{name}.weight"] = q
+        tensors[f"{name}.weight_scale"] = scale
+        if name != "b":
+            tensors[f"{name}.comfy_quant"] = config.clone()
+        if layer.bias is not None:
+            tensors[f"{name}.bias"] = layer.bias.detach().clone()
+    tensors["a.input_scale"] = torch.ones(())
+    listing = '{"format_version": "1.0", "layers": {"b": {"format": "float8_e4m3fn"}}}'
+    save_file(tensors, str(path), metadata={"_quantization_metadata": listing})
+    return w_hats
+
+
 def prequantized_file(model: Net, path, fmt: str):
     """The model's weights as a musubi (a: block, b: channel, c: tensor) or ComfyUI (scalar
     scales, a ``scaled_fp8`` marker) file, and each weight's w_hat in the model's dtype."""
+    if fmt == "comfy-mixed":
+        return comfy_mixed_file(model, path)
     tensors, w_hats = {}, {}
     modes = {"a": "block", "b": "channel", "c": "tensor"}
     dtype = model.a.weight.dtype
@@ -196,22 +260,30 @@ def prequantized_file(model: Net, path, fmt: str):
 
 
 @pytest.mark.parametrize(
-    ("fmt", "dtype"),
+    ("kind", "dtype"),
     [
         (quantize.FP8_SCALED_MUSUBI, torch.bfloat16),
         (quantize.FP8_SCALED_MUSUBI, torch.float16),
         (quantize.FP8_SCALED_COMFY, torch.bfloat16),
+        ("comfy-mixed", torch.bfloat16),
+        ("comfy-mixed", torch.float16),
     ],
 )
-def test_attach_to_a_prequantized_model_equals_its_w_hat_in_place(daemon, tmp_path, fmt, dtype):
+def test_attach_to_a_prequantized_model_equals_its_w_hat_in_place(daemon, tmp_path, kind, dtype):
     torch.manual_seed(7)
     model = Net(dtype)
     path = tmp_path / "pre.safetensors"
-    w_hats = prequantized_file(model, path, fmt)
+    w_hats = prequantized_file(model, path, kind)
     manifest = daemon.client.load_model([str(path)], "pre")
     kinds = {t.name: t.quantization for t in manifest.tensors}
+    fmt = (
+        quantize.FP8_SCALED_MUSUBI
+        if kind == quantize.FP8_SCALED_MUSUBI
+        else quantize.FP8_SCALED_COMFY
+    )
     assert kinds["a.weight"] == kinds["b.weight"] == kinds["c.weight"] == fmt
-    assert "a.scale_weight" not in kinds and kinds["a.bias"] == "none"
+    assert "a.scale_weight" not in kinds and "a.weight_scale" not in kinds
+    assert kinds["a.bias"] == "none"
     ref = Net(dtype)
     ref.load_state_dict(model.state_dict())
     with torch.no_grad():

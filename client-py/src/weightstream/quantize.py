@@ -143,7 +143,10 @@ def dequantize_as(
     - ``fp8_scaled_comfy``: ComfyUI's ``scaled_fp8_ops`` (``comfy/ops.py``:
       ``weight * self.scale_weight.to(device=weight.device, dtype=weight.dtype)`` after
       ``cast_bias_weight`` made ``weight = s.weight.to(dtype)``): ``q.to(D) * scale.to(D)``, D
-      the compute dtype; the scale is rounded to D before the product."""
+      the compute dtype; the scale is rounded to D before the product. The same is ComfyUI's
+      mixed-precision ``TensorCoreFP8Layout.dequantize`` (``comfy/quant_ops.py``) as it runs
+      on the GPU, where the 0-d fp32 ``weight_scale`` is cast to D (on the CPU torch would keep
+      a 0-d CPU tensor in fp32: see the README's pre-quantized files)."""
     if fmt == FP8_E4M3_BLOCK64:
         return dequantize(q, scale, dtype)
     if fmt == FP8_SCALED_MUSUBI:

@@ -201,6 +201,8 @@ impl Store {
     ) -> Result<Plan<'a>, StoreError> {
         let mut seen: HashMap<String, &str> = HashMap::new();
         let mut entries: Vec<(&'a Opened<'a>, TensorEntry)> = Vec::new();
+        // Layers a ComfyUI mixed-precision header lists as quantized.
+        let mut listed = Vec::new();
         for opened in files {
             let path = opened.source.name.as_str();
             let mut reader = ReadAt {
@@ -220,6 +222,7 @@ impl Store {
                     limit: self.limits.max_tensors,
                 });
             }
+            listed.extend(prequantized::listed_layers(path, &header.metadata)?);
             for entry in header.tensors {
                 if let Some(first) = seen.insert(entry.name.clone(), path) {
                     return Err(StoreError::DuplicateTensor {
@@ -233,7 +236,7 @@ impl Store {
         }
         // Pre-quantized weights take their scale tensor into their slice.
         let refs: Vec<&TensorEntry> = entries.iter().map(|(_, e)| e).collect();
-        let pairs = prequantized::pair(&refs, quantization)?;
+        let pairs = prequantized::pair(&refs, &listed, quantization)?;
         let mut scale_of: HashMap<usize, (usize, PreLayout)> = HashMap::new();
         for (weight, scale, layout) in pairs {
             scale_of.insert(weight, (scale, layout));

@@ -1,10 +1,16 @@
 //! Pre-quantized files read as they are published: musubi-tuner's `--fp8_scaled` safetensors
-//! and ComfyUI's scaled-fp8 files. Both keep a linear layer's weight as `<layer>.weight`
-//! (float8_e4m3fn) next to `<layer>.scale_weight`; a ComfyUI file also holds a `scaled_fp8`
-//! key (any prefix). A load with quantization none of such a file stores each such weight as
-//! one slice laid out as fp8_e4m3_block64's (data, zero padding to 16, little-endian fp32
-//! scales, [`SCALE_ALIGN`]) with the format's [`Quantization`] and the file's scale shape; the
-//! `.scale_weight` tensors are then not tensors of the model, every other tensor is kept as is.
+//! and ComfyUI's scaled-fp8 files, legacy and "mixed precision". The first two keep a linear
+//! layer's weight as `<layer>.weight` (float8_e4m3fn) next to `<layer>.scale_weight`; a legacy
+//! ComfyUI file also holds a `scaled_fp8` key (any prefix). A ComfyUI mixed-precision file
+//! (`comfy/quant_ops.py`'s `float8_e4m3fn` layout, `TensorCoreFP8Layout`) marks each quantized
+//! layer with a `<layer>.comfy_quant` tensor (its config as UTF-8 JSON in U8) or lists it in the
+//! header's `_quantization_metadata`, and keeps its scale as `<layer>.weight_scale`; it
+//! dequantizes as the legacy one does (`q.to(D) * scale`, the fp32 scale rounded to D first),
+//! so it is read as `fp8_scaled_comfy` too. A load with quantization none of such a file stores
+//! each such weight as one slice laid out as fp8_e4m3_block64's (data, zero padding to 16,
+//! little-endian fp32 scales, [`SCALE_ALIGN`]) with the format's [`Quantization`] and the file's
+//! scale shape; the scale tensors are then not tensors of the model, every other tensor (the
+//! markers and input scales included) is kept as is.
 //!
 //! The rules checked (each refusal names the tensor and the rule; nothing is stored):
 //! - every `.scale_weight` has its `.weight`, and that weight is F8_E4M3;
@@ -13,8 +19,12 @@
 //!   `modules/fp8_optimization_utils.py`): a 2-D weight [out, in] has a scale of shape [] or
 //!   [1] (per tensor), [out, 1] (per channel) or [out, blocks, 1] with blocks dividing in (per
 //!   block); a weight of any other rank one of shape [] or [1];
-//! - ComfyUI (`scaled_fp8_ops` in `comfy/ops.py`, whose `scale_weight` is a 0-d parameter): a
-//!   scale of shape [].
+//! - ComfyUI legacy (`scaled_fp8_ops` in `comfy/ops.py`, whose `scale_weight` is a 0-d
+//!   parameter): a scale of shape [];
+//! - ComfyUI mixed precision: a marked layer has its `.weight` (F8_E4M3: the other layouts,
+//!   nvfp4, mxfp8 and int8, are not read) and a `.weight_scale` of shape [] or [1] (one scale
+//!   per tensor); a `.comfy_quant` marker is U8 of rank 1; `_quantization_metadata` is JSON
+//!   whose `layers` each name the format `float8_e4m3fn`.
 
 use super::quantize::{
     NonFinite, Quantization, QuantizeError, SCALE_ALIGN, bf16_to_f32, f16_to_f32,
@@ -22,10 +32,18 @@ use super::quantize::{
 use super::safetensors::{DType, TensorEntry};
 use crate::mem::align_up;
 
-/// The suffix of a scale's name (musubi and ComfyUI alike).
+/// The suffix of a scale's name (musubi and legacy ComfyUI alike).
 pub const SCALE_SUFFIX: &str = ".scale_weight";
-/// The marker key of a ComfyUI scaled-fp8 file (after a model prefix, or alone).
+/// The marker key of a legacy ComfyUI scaled-fp8 file (after a model prefix, or alone).
 pub const COMFY_MARKER: &str = "scaled_fp8";
+/// The suffix of a scale's name in a ComfyUI mixed-precision file.
+pub const WEIGHT_SCALE_SUFFIX: &str = ".weight_scale";
+/// The suffix of a layer's marker in a ComfyUI mixed-precision file.
+pub const COMFY_QUANT_SUFFIX: &str = ".comfy_quant";
+/// The header metadata key that lists a ComfyUI mixed-precision file's quantized layers.
+pub const COMFY_QUANT_METADATA: &str = "_quantization_metadata";
+/// The one ComfyUI mixed-precision layout read (`QUANT_ALGOS` in `comfy/quant_ops.py`).
+pub const COMFY_FP8_FORMAT: &str = "float8_e4m3fn";
 
 /// Where a pre-quantized weight's parts are in its slice.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,19 +59,89 @@ pub struct PreLayout {
     pub nbytes: u64,
 }
 
-/// Of `entries` (every tensor of the load, in order): for each weight stored pre-quantized,
-/// (index of the weight, index of its scale, its layout). Empty when the files hold no
-/// `.scale_weight`. A load with a quantization other than none of such files is refused.
-pub fn pair(
-    entries: &[&TensorEntry],
-    quantization: Quantization,
-) -> Result<Vec<(usize, usize, PreLayout)>, QuantizeError> {
-    let Some(first) = entries.iter().find(|e| e.name.ends_with(SCALE_SUFFIX)) else {
+/// The layers a file's header lists in `_quantization_metadata` (ComfyUI mixed precision),
+/// refusing a listing that is not JSON or names a format other than `float8_e4m3fn`.
+pub fn listed_layers(
+    path: &str,
+    metadata: &std::collections::BTreeMap<String, String>,
+) -> Result<Vec<String>, QuantizeError> {
+    #[derive(serde::Deserialize)]
+    struct Listing {
+        #[serde(default)]
+        layers: std::collections::BTreeMap<String, Layer>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Layer {
+        format: String,
+    }
+    let Some(text) = metadata.get(COMFY_QUANT_METADATA) else {
         return Ok(Vec::new());
     };
-    let comfy = entries
-        .iter()
-        .any(|e| e.name == COMFY_MARKER || e.name.ends_with(&format!(".{COMFY_MARKER}")));
+    let listing: Listing = serde_json::from_str(text).map_err(|e| {
+        QuantizeError::Prequantized(format!(
+            "{path}: header metadata '{COMFY_QUANT_METADATA}' is not a ComfyUI layer listing \
+             ({{\"layers\": {{name: {{\"format\": ...}}}}}}): {e}"
+        ))
+    })?;
+    let mut layers = Vec::new();
+    for (layer, config) in listing.layers {
+        if config.format != COMFY_FP8_FORMAT {
+            return Err(QuantizeError::Prequantized(format!(
+                "{path}: layer '{layer}' is '{}' in '{COMFY_QUANT_METADATA}': of ComfyUI's \
+                 mixed-precision layouts only {COMFY_FP8_FORMAT} (one fp32 scale per weight) \
+                 is read",
+                config.format
+            )));
+        }
+        layers.push(layer);
+    }
+    Ok(layers)
+}
+
+/// Of `entries` (every tensor of the load, in order) and the layers the headers list
+/// ([`listed_layers`]): for each weight stored pre-quantized, (index of the weight, index of
+/// its scale, its layout). Empty when the files hold no scales of either kind. A load with a
+/// quantization other than none of such files is refused.
+pub fn pair(
+    entries: &[&TensorEntry],
+    listed: &[String],
+    quantization: Quantization,
+) -> Result<Vec<(usize, usize, PreLayout)>, QuantizeError> {
+    let index: std::collections::HashMap<&str, usize> = (entries.iter().enumerate())
+        .map(|(i, e)| (e.name.as_str(), i))
+        .collect();
+    // ComfyUI mixed precision: each marked or listed layer, once, in the order found.
+    let mut mixed: Vec<&str> = Vec::new();
+    for e in entries {
+        if let Some(layer) = e.name.strip_suffix(COMFY_QUANT_SUFFIX) {
+            if e.dtype != DType::U8 || e.shape.len() != 1 {
+                return Err(rule(
+                    &e.name,
+                    format!(
+                        "dtype {} shape {:?}: a ComfyUI layer marker is U8 of rank 1 (its \
+                         config as JSON)",
+                        e.dtype, e.shape
+                    ),
+                ));
+            }
+            mixed.push(layer);
+        }
+    }
+    for layer in listed {
+        if !mixed.contains(&layer.as_str()) {
+            mixed.push(layer);
+        }
+    }
+    let legacy = entries.iter().find(|e| e.name.ends_with(SCALE_SUFFIX));
+    let first = match (legacy, mixed.first()) {
+        (Some(scale), _) => scale.name.clone(),
+        (None, Some(layer)) => format!("{layer}{COMFY_QUANT_SUFFIX}"),
+        (None, None) => return Ok(Vec::new()),
+    };
+    let comfy = !mixed.is_empty()
+        || entries
+            .iter()
+            .any(|e| e.name == COMFY_MARKER || e.name.ends_with(&format!(".{COMFY_MARKER}")));
     let format = if comfy {
         Quantization::Fp8ScaledComfy
     } else {
@@ -61,29 +149,57 @@ pub fn pair(
     };
     if quantization != Quantization::None {
         return Err(QuantizeError::Prequantized(format!(
-            "tensor '{}': the file is pre-quantized ({format}): load it with quantization none",
-            first.name
+            "tensor '{first}': the file is pre-quantized ({format}): load it with quantization none"
         )));
     }
-    let index: std::collections::HashMap<&str, usize> = (entries.iter().enumerate())
-        .map(|(i, e)| (e.name.as_str(), i))
+    let mut pairs: Vec<(usize, usize, PreLayout)> = Vec::new();
+    let mut scales: Vec<(&str, String, Kind)> = (entries.iter())
+        .filter_map(|e| e.name.strip_suffix(SCALE_SUFFIX))
+        .map(|layer| (layer, format!("{layer}{SCALE_SUFFIX}"), Kind::Legacy))
         .collect();
-    let mut pairs = Vec::new();
-    for (si, scale) in entries.iter().enumerate() {
-        let Some(layer) = scale.name.strip_suffix(SCALE_SUFFIX) else {
-            continue;
-        };
+    scales.extend(
+        (mixed.iter()).map(|&layer| (layer, format!("{layer}{WEIGHT_SCALE_SUFFIX}"), Kind::Mixed)),
+    );
+    for (layer, scale_name, kind) in scales {
         let weight_name = format!("{layer}.weight");
-        let Some(&wi) = index.get(weight_name.as_str()) else {
-            return Err(rule(
-                &scale.name,
-                format!("no '{weight_name}' to scale ({format})"),
-            ));
+        let (Some(&wi), Some(&si)) = (
+            index.get(weight_name.as_str()),
+            index.get(scale_name.as_str()),
+        ) else {
+            let (named, missing) = match kind {
+                Kind::Legacy => (scale_name.clone(), weight_name),
+                Kind::Mixed if !index.contains_key(weight_name.as_str()) => {
+                    (format!("{layer}{COMFY_QUANT_SUFFIX}"), weight_name)
+                }
+                Kind::Mixed => (format!("{layer}{COMFY_QUANT_SUFFIX}"), scale_name),
+            };
+            let what = match kind {
+                Kind::Legacy => "to scale",
+                Kind::Mixed => "for this quantized layer",
+            };
+            return Err(rule(&named, format!("no '{missing}' {what} ({format})")));
         };
-        let weight = entries[wi];
-        pairs.push((wi, si, layout(format, weight, scale)?));
+        if let Some((_, other, _)) = pairs.iter().find(|(w, ..)| *w == wi) {
+            return Err(rule(
+                &weight_name,
+                format!(
+                    "two scales, '{}' and '{scale_name}': a weight has one",
+                    entries[*other].name
+                ),
+            ));
+        }
+        pairs.push((wi, si, layout(format, kind, entries[wi], entries[si])?));
     }
     Ok(pairs)
+}
+
+/// Which kind of file a scale comes from: its name and the shapes its format allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// `.scale_weight` (musubi, legacy ComfyUI).
+    Legacy,
+    /// `.weight_scale` of a marked or listed layer (ComfyUI mixed precision).
+    Mixed,
 }
 
 fn rule(name: &str, rule: String) -> QuantizeError {
@@ -93,17 +209,21 @@ fn rule(name: &str, rule: String) -> QuantizeError {
 /// Checks one weight and its scale against `format`'s rules; its layout.
 fn layout(
     format: Quantization,
+    kind: Kind,
     weight: &TensorEntry,
     scale: &TensorEntry,
 ) -> Result<PreLayout, QuantizeError> {
     if weight.dtype != DType::F8E4M3 {
-        return Err(rule(
-            &weight.name,
-            format!(
-                "dtype {}: a weight with a .scale_weight must be F8_E4M3 (float8_e4m3fn) in {format}",
-                weight.dtype
+        let why = match kind {
+            Kind::Legacy => {
+                format!("a weight with a .scale_weight must be F8_E4M3 (float8_e4m3fn) in {format}")
+            }
+            Kind::Mixed => format!(
+                "a ComfyUI quantized layer is read only as {COMFY_FP8_FORMAT} (an F8_E4M3 \
+                 weight; nvfp4, mxfp8 and int8 layers are not read)"
             ),
-        ));
+        };
+        return Err(rule(&weight.name, format!("dtype {}: {why}", weight.dtype)));
     }
     if !matches!(scale.dtype, DType::F32 | DType::BF16 | DType::F16) {
         return Err(rule(
@@ -116,8 +236,9 @@ fn layout(
     }
     let s = scale.shape.as_slice();
     let w = weight.shape.as_slice();
-    let ok = match format {
-        Quantization::Fp8ScaledComfy => s.is_empty(),
+    let ok = match (kind, format) {
+        (Kind::Mixed, _) => matches!(s, [] | [1]),
+        (_, Quantization::Fp8ScaledComfy) => s.is_empty(),
         _ => match (w, s) {
             (_, [] | [1]) => true,
             (&[out, _], &[o, 1]) => o == out,
@@ -128,9 +249,10 @@ fn layout(
         },
     };
     if !ok {
-        let needs = match (format, w.len()) {
-            (Quantization::Fp8ScaledComfy, _) => "[] (one scale per weight)".to_string(),
-            (_, 2) => format!(
+        let needs = match (kind, format, w.len()) {
+            (Kind::Mixed, ..) => "[] or [1] (one scale per weight)".to_string(),
+            (_, Quantization::Fp8ScaledComfy, _) => "[] (one scale per weight)".to_string(),
+            (.., 2) => format!(
                 "[] or [1] (per tensor), [{out}, 1] (per channel) or [{out}, blocks, 1] with \
                  blocks dividing {inputs} (per block)",
                 out = w[0],

@@ -218,6 +218,16 @@ pub fn uniform_model(seed: u64, layers: usize, bytes_each: usize) -> Vec<Tensor>
 
 /// Writes `tensors` as `dir/name` with the `safetensors` crate; returns the path.
 pub fn write_model(dir: &Path, name: &str, tensors: &[Tensor]) -> PathBuf {
+    write_model_with(dir, name, tensors, None)
+}
+
+/// As [`write_model`], with the header's `__metadata__`.
+pub fn write_model_with(
+    dir: &Path,
+    name: &str,
+    tensors: &[Tensor],
+    metadata: Option<std::collections::HashMap<String, String>>,
+) -> PathBuf {
     let path = dir.join(name);
     let views: Vec<(String, TensorView<'_>)> = tensors
         .iter()
@@ -226,7 +236,7 @@ pub fn write_model(dir: &Path, name: &str, tensors: &[Tensor]) -> PathBuf {
             (t.name.clone(), view)
         })
         .collect();
-    safetensors::serialize_to_file(views, None, &path).expect("write safetensors file");
+    safetensors::serialize_to_file(views, metadata, &path).expect("write safetensors file");
     path
 }
 
