@@ -102,6 +102,27 @@ def test_shrinks_so_that_the_margin_is_free_again():
     assert (d.budget, d.need) == (p.minimum, 18 * GiB) and p.minimum == 2 * GiB
 
 
+def test_grows_back_once_twice_the_margin_is_free_and_the_gain_is_worth_a_reopen():
+    p = policy([4 * GiB] * 10)  # a 1 GiB margin on a 16 GiB device
+    none = TrainerMemory()
+    p.grow(free=20 * GiB, total=16 * GiB, trainer=none)
+    assert p.budget == 8 * GiB + 20 * GiB - GiB
+    p.check(free=0, total=16 * GiB, trainer=none)  # another job took memory
+    assert (p.budget, p.shrinks) == (26 * GiB, 1)
+    for free in (GiB, 3 * GiB // 2, 9 * GiB // 2):
+        # Within the band, or twice the margin free but a gain (3.5 GiB) below one group.
+        assert p.check(free=free, total=16 * GiB, trainer=none) is None, free
+    assert p.grows == 1
+    d = p.check(free=10 * GiB, total=16 * GiB, trainer=none)  # the other job ended
+    assert (d.budget, d.staging) == (26 * GiB + 10 * GiB - GiB, 12 * GiB)
+    assert (p.budget, p.grows, p.shrinks) == (d.budget, 2, 1)
+    assert d.why.startswith(f"free {10 * GiB} >= 2 x margin {GiB}: {26 * GiB} -> {35 * GiB}")
+    # What the trainer will still need counts, and the ceiling holds.
+    p.expected_peak = 3 * GiB
+    d = p.check(free=100 * GiB, total=16 * GiB, trainer=none)
+    assert d.budget == p.ceiling == 44 * GiB and d.need == 3 * GiB
+
+
 def test_fails_naming_the_numbers_when_the_minimum_does_not_fit():
     p = policy([GiB] * 40)
     p.grow(free=GiB, total=16 * GiB, trainer=TrainerMemory(peak_reserved=6 * GiB))
@@ -175,7 +196,7 @@ def session_info(handle):
 def test_auto_grows_after_the_first_step_keeps_the_plan_and_shrinks(daemon):
     ref = make_deep()
     streamed = copy.deepcopy(ref)
-    xs = inputs(8, torch.float32)
+    xs = inputs(10, torch.float32)
     # One optimizer per step, as below (a fresh AdamW each time).
     want = [train(ref, xs[i : i + 1]) for i in range(len(xs))]
     want = tuple([x for step in want for x in step[k]] for k in range(4))
@@ -224,6 +245,14 @@ def test_auto_grows_after_the_first_step_keeps_the_plan_and_shrinks(daemon):
     assert (s["auto_grows"], s["auto_shrinks"], s["auto_checks"]) == (1, 1, 4), s
     steps += [train(streamed, xs[i : i + 1]) for i in range(6, 8)]
     assert handle.stats()["auto_shrinks"] == 1, "the margin is free again: no more reopening"
+    # The other job ends, and two blocks more are free: the session grows back, plan kept.
+    device.pool += auto.margin * 3 // 4 + 2 * block
+    steps += [train(streamed, xs[i : i + 1]) for i in range(8, 10)]
+    info = session_info(handle)
+    assert info.vram_budget == min(8 * block, auto.ceiling)
+    assert handle.session.last_plan == recorded, "the plan survives growing back"
+    s = handle.stats()
+    assert (s["auto_grows"], s["auto_shrinks"]) == (2, 1), s
     got = tuple([x for step in steps for x in step[k]] for k in range(4))
     assert_equal_runs(want, got)
     handle.detach(release=True)

@@ -8,6 +8,9 @@ kept (sent again to the grown session, not recorded again). Before each later st
 of the device's free memory (``torch.cuda.mem_get_info``) decides whether another job took
 room: under half the margin free, the session shrinks until the margin is free again, or, if
 even the minimum no longer fits, the step fails with ``AutoBudgetError`` naming the numbers.
+When room comes back (another job ended: twice the margin free) the session grows again, as
+after the first step, if that gains at least one group or a margin's worth (``GROW_BACK``):
+each reopen copies the resident groups again, so small gains are not worth one.
 
 ``AutoBudget`` is the policy, pure: it takes numbers (free and total device bytes, the
 trainer's memory, the session's budget, the group sizes) and returns a ``Decision`` or raises.
@@ -229,17 +232,20 @@ class AutoBudget:
     def check(
         self, free: int, total: int, trainer: TrainerMemory, current: int | None = None
     ) -> Decision | None:
-        """Before a later step: None while at least half the margin is free; else the budget
-        to shrink to, so that the margin is free again (the minimum at least). Raises
-        ``AutoBudgetError`` when the minimum does not fit in what the device can give the
-        session (its budget and the free bytes, less what the trainer still needs)."""
+        """Before a later step: the budget to shrink to when under half the margin is free
+        (so that the margin is free again; the minimum at least), the budget to grow back to
+        when twice the margin is free and growing gains enough (``grow_back``), else None.
+        Raises ``AutoBudgetError`` when the minimum does not fit in what the device can give
+        the session (its budget and the free bytes, less what the trainer still needs)."""
         current = self.budget if current is None else current
         margin = self._margin(total)
         self.checks += 1
         self.free_seen, self.margin_used = free, margin
+        need = max(0, self.expected_peak - trainer.reserved)
+        if free >= 2 * margin:
+            return self.grow_back(free, need, margin, current)
         if free >= margin // 2:
             return None
-        need = max(0, self.expected_peak - trainer.reserved)
         room = current + free - need
         if room < self.minimum:
             raise AutoBudgetError(
@@ -256,6 +262,20 @@ class AutoBudget:
         if budget < current:
             self.shrinks += 1
         return self._record(decision)
+
+    def grow_back(self, free: int, need: int, margin: int, current: int) -> Decision | None:
+        """Room came back: the budget ``grow`` would choose now, if it passes ``current`` by
+        at least one of the largest group or a margin (a reopen copies the resident groups
+        again); else None."""
+        target = min(self.ceiling, self._round(current + free - need - margin))
+        if target - current < max(self.largest, margin):
+            return None
+        why = (
+            f"free {free} >= 2 x margin {margin}: {current} -> {target} "
+            f"(free + current - trainer's need {need} - margin; ceiling {self.ceiling})"
+        )
+        self.grows += 1
+        return self._record(Decision(target, self.staging_for(target), free, need, margin, why))
 
     def _record(self, d: Decision) -> Decision:
         self.last = d

@@ -332,15 +332,15 @@ class Handle:
 
     def check_budget(self):
         """With ``vram_budget="auto"``: shrinks the session if the device's free memory fell
-        under half the margin (``AutoBudget.check``), or raises ``AutoBudgetError``. Runs by
-        itself at the start of each step; call it between steps only (a step's graph may hold
-        views of the session)."""
+        under half the margin, grows it back when room came back (``AutoBudget.check``), or
+        raises ``AutoBudgetError``. Runs by itself at the start of each step; call it between
+        steps only (a step's graph may hold views of the session)."""
         if self._auto is None or self._recording is not None:
             return
         free, total, trainer = self._auto_probe()
         current = self._auto.budget
         decision = self._auto.check(free, total, trainer, current)
-        if decision is not None and decision.budget < current:
+        if decision is not None and decision.budget != current:
             self.set_budget(decision.budget, decision.staging, keep_plan=True)
 
     def _auto_detach(self):
