@@ -1,8 +1,7 @@
 //! The handoff socket: file descriptors passed between clients and the daemon with
 //! `SCM_RIGHTS`, next to the gRPC socket (at its path + `.fd`). Both halves live here, so that
-//! the wire format is written once: the client's [`put_fds`] and [`get_fd`], and the primitives
-//! the daemon's listener is built from ([`read_request`], [`reply_token`], [`reply_fd`],
-//! [`reply_error`]).
+//! the wire format is written once: the client's [`put_fds`] and [`get_fd`], and the daemon's
+//! half of one connection, an [`Exchange`] (its request, then one reply).
 //!
 //! One request per connection, one ASCII line each way, each line at most 4096 bytes:
 //! ```text
@@ -169,11 +168,67 @@ pub enum Request {
     Get(String),
 }
 
-/// Reads the one request of a connection, within [`TIMEOUT`]. Received fds are close-on-exec;
-/// on any error those that arrived are closed, and the error's text is what to send back with
-/// [`reply_error`].
-pub fn read_request(stream: &UnixStream) -> Result<Request, HandoffError> {
-    let (line, fds) = read_line(stream, Instant::now() + TIMEOUT, MAX_FDS)?;
+/// The daemon's half of one connection: its request, then one reply, all within one
+/// [`TIMEOUT`] from [`Exchange::begin`] (a reply does not get a fresh 5 s of its own).
+pub struct Exchange<'a> {
+    stream: &'a UnixStream,
+    deadline: Instant,
+}
+
+impl<'a> Exchange<'a> {
+    /// The exchange on an accepted `stream` begins: its [`TIMEOUT`] runs from now.
+    pub fn begin(stream: &'a UnixStream) -> Exchange<'a> {
+        Exchange {
+            stream,
+            deadline: Instant::now() + TIMEOUT,
+        }
+    }
+
+    /// Reads the connection's one request. Received fds are close-on-exec; on any error those
+    /// that arrived are closed, and the error's text is what to send back with
+    /// [`Exchange::reply_error`].
+    pub fn read_request(&self) -> Result<Request, HandoffError> {
+        let (line, fds) = read_line(self.stream, self.deadline, MAX_FDS)?;
+        parse_request(line, fds)
+    }
+
+    /// Answers a `PUT`: `OK <token>`.
+    pub fn reply_token(&self, token: &str) -> Result<(), HandoffError> {
+        debug_assert!(
+            is_secret(token),
+            "a token is {SECRET_LEN} lowercase hex characters"
+        );
+        let line = format!("OK {token}\n");
+        send_line(self.stream, line.as_bytes(), &[], self.deadline)
+    }
+
+    /// Answers a `GET`: `OK <size>` with the fd.
+    pub fn reply_fd(&self, fd: BorrowedFd<'_>, size: u64) -> Result<(), HandoffError> {
+        let line = format!("OK {size}\n");
+        send_line(self.stream, line.as_bytes(), &[fd], self.deadline)
+    }
+
+    /// Answers with `ERR <message>`: the message on one line, cut to fit [`MAX_LINE`].
+    pub fn reply_error(&self, message: &str) -> Result<(), HandoffError> {
+        let mut text: String = message
+            .chars()
+            .map(|c| if c.is_control() { ' ' } else { c })
+            .collect();
+        let room = MAX_LINE - "ERR \n".len();
+        if text.len() > room {
+            let mut cut = room;
+            while !text.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            text.truncate(cut);
+        }
+        let line = format!("ERR {text}\n");
+        send_line(self.stream, line.as_bytes(), &[], self.deadline)
+    }
+}
+
+/// A request's line and fds as a [`Request`], or the refusal to send back.
+fn parse_request(line: Vec<u8>, fds: Vec<OwnedFd>) -> Result<Request, HandoffError> {
     if line == b"PUT" {
         if fds.is_empty() {
             return Err(invalid(format!(
@@ -240,40 +295,6 @@ pub(crate) fn describe(kind: FileType) -> &'static str {
         FileType::Symlink => "a symbolic link",
         FileType::Unknown => "a file of an unknown kind",
     }
-}
-
-/// Answers a `PUT`: `OK <token>`.
-pub fn reply_token(stream: &UnixStream, token: &str) -> Result<(), HandoffError> {
-    debug_assert!(
-        is_secret(token),
-        "a token is {SECRET_LEN} lowercase hex characters"
-    );
-    let line = format!("OK {token}\n");
-    send_line(stream, line.as_bytes(), &[], Instant::now() + TIMEOUT)
-}
-
-/// Answers a `GET`: `OK <size>` with the fd.
-pub fn reply_fd(stream: &UnixStream, fd: BorrowedFd<'_>, size: u64) -> Result<(), HandoffError> {
-    let line = format!("OK {size}\n");
-    send_line(stream, line.as_bytes(), &[fd], Instant::now() + TIMEOUT)
-}
-
-/// Answers with `ERR <message>`: the message on one line, cut to fit [`MAX_LINE`].
-pub fn reply_error(stream: &UnixStream, message: &str) -> Result<(), HandoffError> {
-    let mut text: String = message
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    let room = MAX_LINE - "ERR \n".len();
-    if text.len() > room {
-        let mut cut = room;
-        while !text.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        text.truncate(cut);
-    }
-    let line = format!("ERR {text}\n");
-    send_line(stream, line.as_bytes(), &[], Instant::now() + TIMEOUT)
 }
 
 // --- framing -----------------------------------------------------------------------------
@@ -467,7 +488,7 @@ mod tests {
             })
             .collect();
         let (_dir, socket, server) = serve(|stream| {
-            let Request::Put(fds) = read_request(&stream).unwrap() else {
+            let Request::Put(fds) = Exchange::begin(&stream).read_request().unwrap() else {
                 panic!("expected PUT")
             };
             let read: Vec<String> = fds
@@ -478,7 +499,7 @@ mod tests {
                     text
                 })
                 .collect();
-            reply_token(&stream, SECRET).unwrap();
+            Exchange::begin(&stream).reply_token(SECRET).unwrap();
             read
         });
         let fds: Vec<BorrowedFd<'_>> = files.iter().map(|f| f.as_fd()).collect();
@@ -537,7 +558,7 @@ mod tests {
             let (client, server) = UnixStream::pair().unwrap();
             let deadline = Instant::now() + TIMEOUT;
             send_line(&client, b"PUT\n", &[good.as_fd(), fd.as_fd()], deadline).unwrap();
-            let got = message(read_request(&server));
+            let got = message(Exchange::begin(&server).read_request());
             if got != *want {
                 failures.push(format!("want {want:?}, got {got:?}"));
             }
@@ -552,8 +573,9 @@ mod tests {
         std::fs::write(&path, b"region bytes").unwrap();
         let region = File::open(&path).unwrap();
         let (_dir, socket, server) = serve(move |stream| {
-            let request = read_request(&stream).unwrap();
-            reply_fd(&stream, region.as_fd(), 12).unwrap();
+            let exchange = Exchange::begin(&stream);
+            let request = exchange.read_request().unwrap();
+            exchange.reply_fd(region.as_fd(), 12).unwrap();
             request
         });
         let (fd, size) = get_fd(&socket, SECRET).unwrap();
@@ -611,7 +633,7 @@ mod tests {
             let (mut client, server) = UnixStream::pair().unwrap();
             client.write_all(bytes).unwrap();
             client.shutdown(std::net::Shutdown::Write).unwrap();
-            let got = message(read_request(&server));
+            let got = message(Exchange::begin(&server).read_request());
             if got != *want {
                 failures.push(format!(
                     "{:?}: want {want:?}, got {got:?}",
@@ -623,7 +645,7 @@ mod tests {
         let deadline = Instant::now() + TIMEOUT;
         let line = format!("GET {SECRET}\n");
         send_line(&client, line.as_bytes(), &[client.as_fd()], deadline).unwrap();
-        let got = message(read_request(&server));
+        let got = message(Exchange::begin(&server).read_request());
         if got != "GET carries no files" {
             failures.push(format!("GET with an fd: got {got:?}"));
         }
@@ -655,7 +677,7 @@ mod tests {
         let (client, server) = UnixStream::pair().unwrap();
         send_line(&client, b"P", &[file.as_fd()], deadline).unwrap();
         send_line(&client, b"UT\n", &[file.as_fd()], deadline).unwrap();
-        match read_request(&server) {
+        match Exchange::begin(&server).read_request() {
             Err(e) if e.to_string() == "the files must come in one SCM_RIGHTS message" => {}
             other => failures.push(format!("two messages: got {other:?}")),
         }
@@ -697,7 +719,7 @@ mod tests {
         let mut failures = Vec::new();
         for (reply, want) in cases {
             let (_dir, socket, server) = serve(move |mut stream| {
-                let _ = read_request(&stream);
+                let _ = Exchange::begin(&stream).read_request();
                 stream.write_all(reply.as_bytes()).unwrap();
             });
             let got = get_fd(&socket, SECRET).map(|(_, size)| size);
@@ -708,12 +730,11 @@ mod tests {
             }
         }
         let (_dir, socket, server) = serve(|stream| {
-            let _ = read_request(&stream);
-            reply_error(
-                &stream,
-                "file 0 is a FIFO:\nonly regular files can be passed",
-            )
-            .unwrap();
+            let exchange = Exchange::begin(&stream);
+            let _ = exchange.read_request();
+            exchange
+                .reply_error("file 0 is a FIFO:\nonly regular files can be passed")
+                .unwrap();
         });
         let file = File::open("/dev/null").unwrap();
         match put_fds(&socket, &[file.as_fd()]) {
@@ -757,9 +778,35 @@ mod tests {
     }
 
     #[test]
+    fn a_reply_has_what_is_left_of_the_exchange_s_deadline_not_a_fresh_one() {
+        let (mut client, server) = UnixStream::pair().unwrap();
+        client
+            .write_all(b"GET 0123456789abcdef0123456789abcdef\n")
+            .unwrap();
+        let exchange = Exchange::begin(&server);
+        assert!(matches!(exchange.read_request(), Ok(Request::Get(_))));
+        // The request took the exchange's whole time: no reply goes out.
+        let spent = Exchange {
+            deadline: Instant::now(),
+            ..exchange
+        };
+        let err = spent.reply_fd(server.as_fd(), 1).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "handoff socket: the exchange did not finish within 5s"
+        );
+        drop(server);
+        let mut sent = Vec::new();
+        client.read_to_end(&mut sent).unwrap();
+        assert!(sent.is_empty(), "{sent:?}");
+    }
+
+    #[test]
     fn reply_error_keeps_to_one_bounded_line() {
         let (mut client, server) = UnixStream::pair().unwrap();
-        reply_error(&server, &format!("a\nb\r{}", "é".repeat(MAX_LINE))).unwrap();
+        Exchange::begin(&server)
+            .reply_error(&format!("a\nb\r{}", "é".repeat(MAX_LINE)))
+            .unwrap();
         drop(server);
         let mut sent = Vec::new();
         client.read_to_end(&mut sent).unwrap();
@@ -782,8 +829,9 @@ mod tests {
             .open(&path)
             .unwrap();
         let (_dir, socket, server) = serve(|stream| {
-            if let Err(e) = read_request(&stream) {
-                reply_error(&stream, &e.to_string()).unwrap();
+            let exchange = Exchange::begin(&stream);
+            if let Err(e) = exchange.read_request() {
+                exchange.reply_error(&e.to_string()).unwrap();
             }
         });
         let err = put_fds(&socket, &[file.as_fd()]).unwrap_err();

@@ -59,7 +59,8 @@ fn memfd(name: &str, bytes: &[u8]) -> OwnedFd {
 fn serve_handoff(listener: std::os::unix::net::UnixListener, state: Shared) {
     for stream in listener.incoming() {
         let Ok(stream) = stream else { return };
-        match handoff::read_request(&stream) {
+        let exchange = handoff::Exchange::begin(&stream);
+        match exchange.read_request() {
             Ok(Handoff::Put(fds)) => {
                 let token = {
                     let mut state = state.lock().unwrap();
@@ -67,19 +68,19 @@ fn serve_handoff(listener: std::os::unix::net::UnixListener, state: Shared) {
                     state.drops.insert(token.clone(), fds);
                     token
                 };
-                handoff::reply_token(&stream, &token).unwrap();
+                exchange.reply_token(&token).unwrap();
             }
             Ok(Handoff::Get(secret)) => {
                 let fd = state.lock().unwrap().objects.get(&secret).cloned();
                 match fd {
                     Some(fd) => {
                         let size = rustix::fs::fstat(&*fd).unwrap().st_size as u64;
-                        handoff::reply_fd(&stream, fd.as_fd(), size).unwrap();
+                        exchange.reply_fd(fd.as_fd(), size).unwrap();
                     }
-                    None => handoff::reply_error(&stream, "no such secret").unwrap(),
+                    None => exchange.reply_error("no such secret").unwrap(),
                 }
             }
-            Err(e) => handoff::reply_error(&stream, &e.to_string()).unwrap(),
+            Err(e) => exchange.reply_error(&e.to_string()).unwrap(),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The handoff socket, next to the gRPC socket (its path + `.fd`): file descriptors passed
 //! with `SCM_RIGHTS`. The wire format is `weightstream_client::handoff`'s, whose daemon half
 //! this listener is built from: one request per connection, read and answered on a blocking
-//! thread within the format's 5 s, so a peer that stalls holds nothing else. The peer (its
+//! thread within one 5 s `Exchange`, so a peer that stalls holds nothing else. The peer (its
 //! uid and groups, SO_PEERCRED and SO_PEERGROUPS) must pass the same `[access]` allow-lists as
 //! the gRPC service; `PUT` keeps the
 //! files in the core's `FdDrops` under a token, `GET` hands out what the core's `FdSecrets`
@@ -17,9 +17,7 @@ use std::time::Duration;
 
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
-use weightstream_client::handoff::{
-    HandoffError, Request, handoff_path, read_request, reply_error, reply_fd, reply_token,
-};
+use weightstream_client::handoff::{Exchange, HandoffError, Request, handoff_path};
 
 use super::access::AccessCheck;
 use super::conn::{Caller, identify};
@@ -186,11 +184,12 @@ impl UidTurns {
 /// so after its request is read (answering before would cut its sending short), and whatever
 /// fds it passed are closed unused.
 fn exchange(stream: &UnixStream, caller: &Caller, daemon: &Daemon, access: &AccessCheck) {
-    let request = read_request(stream);
+    let exchange = Exchange::begin(stream);
+    let request = exchange.read_request();
     let peer = &caller.peer;
     if let Err(denied) = access.admit(caller) {
         drop(request);
-        let _ = reply_error(stream, &denied.to_string());
+        let _ = exchange.reply_error(&denied.to_string());
         return;
     }
     let replied = match request {
@@ -199,13 +198,13 @@ fn exchange(stream: &UnixStream, caller: &Caller, daemon: &Daemon, access: &Acce
             tracing::debug!(uid = peer.uid, error = %e, "handoff: exchange cut");
             return;
         }
-        Err(refused) => reply_error(stream, &refused.to_string()),
+        Err(refused) => exchange.reply_error(&refused.to_string()),
         Ok(Request::Put(fds)) => match daemon.fd_drops.put(peer.uid, fds) {
-            Ok(token) => reply_token(stream, &token),
-            Err(refused) => reply_error(stream, &refused.to_string()),
+            Ok(token) => exchange.reply_token(&token),
+            Err(refused) => exchange.reply_error(&refused.to_string()),
         },
         Ok(Request::Get(secret)) => match daemon.secrets.fetch(&secret, peer.uid) {
-            Ok((fd, size)) => reply_fd(stream, fd.as_fd(), size),
+            Ok((fd, size)) => exchange.reply_fd(fd.as_fd(), size),
             Err(refused) => {
                 if matches!(refused, SecretError::Unknown { .. }) {
                     tracing::info!(
@@ -214,7 +213,7 @@ fn exchange(stream: &UnixStream, caller: &Caller, daemon: &Daemon, access: &Acce
                         "handoff: GET of an unknown fd_secret refused"
                     );
                 }
-                reply_error(stream, &refused.to_string())
+                exchange.reply_error(&refused.to_string())
             }
         },
     };
