@@ -62,6 +62,9 @@ LORA_TARGETS = [
 MODEL = "flux1"
 #: The LoRA rank (``--rank``).
 RANK = 32
+#: The LoRA parameters' optimizer: "adamw" (torch's) or "adamw8bit" (torchao's, for ranks
+#: whose AdamW state would not fit the trainer's share; needs torchao: carry its wheel).
+OPTIMIZER = "adamw"
 
 #: FLUX.2's LoRA targets (peft regex): the attention and MLP linears of both block kinds.
 FLUX2_TARGETS = (
@@ -199,7 +202,7 @@ def steps(model, n, lora_state=None):
     if lora_state is not None:
         model.load_state_dict(lora_state, strict=False)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = optimizer(params)
     inputs = batch()
     times, losses = [], []
     forward_s.clear()
@@ -217,6 +220,22 @@ def steps(model, n, lora_state=None):
         times.append(time.monotonic() - t)
         losses.append(loss.item())
     return times, losses
+
+
+def optimizer(params):
+    """``OPTIMIZER`` over ``params`` at lr 1e-4."""
+    import torch
+
+    if OPTIMIZER == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4)
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as e:
+        raise SystemExit(
+            f"--optimizer adamw8bit needs torchao ({e}): carry its wheel in .whl/ "
+            "(pip download --no-deps torchao) and install it as the benches' other wheels"
+        ) from e
+    return AdamW8bit(params, lr=1e-4)
 
 
 #: Seconds of each step of the last ``steps`` call spent in the forward pass (and the loss).
@@ -763,7 +782,7 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
     cmd += ["--jobs-budget", str(args.jobs_budget), "--min-blocks", str(args.min_blocks)]
-    cmd += ["--model", args.model, "--rank", str(args.rank)]
+    cmd += ["--model", args.model, "--rank", str(args.rank), "--optimizer", args.optimizer]
     if args.aitk:
         cmd += ["--aitk", args.aitk]
     if args.quantize:
@@ -841,6 +860,7 @@ def parent(args):
         "trainer_gib": args.trainer_gib,
         "model": args.model,
         "rank": args.rank,
+        "optimizer": args.optimizer,
         "copy_bandwidth_limit": args.copy_bandwidth_limit,
         "modes": [],
     }
@@ -893,10 +913,17 @@ REFERENCE = {None: "resident", "fp8": "resident-fp8"}
 
 
 def main(model: str = "flux1"):
-    global MODEL, RANK
+    global MODEL, RANK, OPTIMIZER
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=["flux1", "flux2"], default=model)
     parser.add_argument("--rank", type=int, default=32, help="the LoRA rank")
+    parser.add_argument(
+        "--optimizer",
+        choices=["adamw", "adamw8bit"],
+        default="adamw",
+        help="the LoRA optimizer: torch's AdamW, or torchao's AdamW8bit (a quarter of the "
+        "state: for high ranks whose AdamW state outgrows --trainer-gib)",
+    )
     parser.add_argument(
         "--copy-bandwidth-limit",
         default=None,
@@ -944,7 +971,7 @@ def main(model: str = "flux1"):
     parser.add_argument("--measured", type=int, default=10)
     parser.add_argument("--timeout", type=int, default=400)
     args = parser.parse_args()
-    MODEL, RANK = args.model, args.rank
+    MODEL, RANK, OPTIMIZER = args.model, args.rank, args.optimizer
     if args.modes is None:
         skip = {"job", "aitk", "aitk-float8"} | (set() if args.quantize else {"resident-fp8"})
         args.modes = [m for m in MODES if m not in skip]
