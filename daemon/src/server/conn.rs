@@ -35,10 +35,24 @@ pub struct Caller {
     pub groups: Arc<[u32]>,
 }
 
-/// Reads the peer's credentials off an accepted stream; `conn` numbers the connection.
+/// Reads the peer's credentials off an accepted stream; `conn` numbers the connection. A
+/// kernel without SO_PEERGROUPS (before 4.13) gives no supplementary groups: only the primary
+/// gid counts then (said once in the log).
 pub fn identify(stream: &UnixStream, conn: u64) -> io::Result<Caller> {
+    static WARNED: std::sync::Once = std::sync::Once::new();
     let cred = stream.peer_cred()?;
-    let groups = super::sockopt::peer_groups(stream.as_fd())?;
+    let groups = match super::sockopt::peer_groups(stream.as_fd()) {
+        Err(e) if e.raw_os_error() == Some(rustix::io::Errno::NOPROTOOPT.raw_os_error()) => {
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    "this kernel has no SO_PEERGROUPS (Linux 4.13+): access.allowed_gids \
+                     matches a peer's primary gid only"
+                )
+            });
+            Vec::new()
+        }
+        groups => groups?,
+    };
     Ok(Caller {
         peer: Peer {
             conn,
