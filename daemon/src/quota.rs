@@ -139,8 +139,13 @@ struct UidUse {
 struct LedgerInner {
     by_uid: HashMap<u32, UidUse>,
     by_device: Vec<u64>,
+}
+
+impl LedgerInner {
     /// Sessions charged, all uids together: open ones and those still opening.
-    sessions: u32,
+    fn sessions(&self) -> u32 {
+        self.by_uid.values().map(|u| u.sessions).sum()
+    }
 }
 
 /// Open sessions and their device bytes (staging plus resident), per uid and per device, and
@@ -185,7 +190,6 @@ impl SessionLedger {
             inner: Mutex::new(LedgerInner {
                 by_uid: HashMap::new(),
                 by_device: vec![0; devices.len()],
-                sessions: 0,
             }),
         })
     }
@@ -207,10 +211,11 @@ impl SessionLedger {
         bytes: u64,
     ) -> Result<SessionCharge, QuotaError> {
         let mut inner = self.inner();
-        if inner.sessions >= self.max_sessions {
+        let open = inner.sessions();
+        if open >= self.max_sessions {
             return Err(QuotaError::Sessions {
                 limit: self.max_sessions,
-                open: inner.sessions,
+                open,
             });
         }
         let mine = inner.by_uid.get(&uid).copied().unwrap_or_default();
@@ -242,7 +247,6 @@ impl SessionLedger {
         entry.sessions += 1;
         entry.device_bytes += bytes;
         inner.by_device[device] += bytes;
-        inner.sessions += 1;
         Ok(SessionCharge {
             ledger: Arc::clone(self),
             uid,
@@ -254,7 +258,7 @@ impl SessionLedger {
     /// (sessions, device bytes on each device) charged to every uid together now.
     pub fn totals(&self) -> (u32, Vec<u64>) {
         let inner = self.inner();
-        (inner.sessions, inner.by_device.clone())
+        (inner.sessions(), inner.by_device.clone())
     }
 
     /// (sessions, device bytes) charged to `uid` now.
@@ -271,7 +275,6 @@ impl Drop for SessionCharge {
     fn drop(&mut self) {
         let mut inner = self.ledger.inner();
         inner.by_device[self.device] -= self.bytes;
-        inner.sessions -= 1;
         if let Some(u) = inner.by_uid.get_mut(&self.uid) {
             u.sessions -= 1;
             u.device_bytes -= self.bytes;
