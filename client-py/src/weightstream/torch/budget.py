@@ -9,8 +9,9 @@ of the device's free memory (``torch.cuda.mem_get_info``) decides whether anothe
 room: under half the margin free, the session shrinks until the margin is free again, or, if
 even the minimum no longer fits, the step fails with ``AutoBudgetError`` naming the numbers.
 When room comes back (another job ended: twice the margin free) the session grows again, as
-after the first step, if that gains at least one group or a margin's worth (``GROW_BACK``):
-each reopen copies the resident groups again, so small gains are not worth one.
+after the first step, if that gains at least one group or a margin's worth
+(``AutoBudget.grow_back``): each reopen copies the resident groups again, so small gains are
+not worth one.
 
 ``AutoBudget`` is the policy, pure: it takes numbers (free and total device bytes, the
 trainer's memory, the session's budget, the group sizes) and returns a ``Decision`` or raises.
@@ -204,6 +205,16 @@ class AutoBudget:
     def _round(self, n: int) -> int:
         return n - n % self.alignment
 
+    def _need(self, trainer: TrainerMemory) -> int:
+        """What the trainer will still take beyond what its allocator holds now."""
+        return max(0, self.expected_peak - trainer.reserved)
+
+    def _target(self, current: int, free: int, need: int, margin: int) -> int:
+        """What the session may hold: its ``current`` budget (given back when it reopens)
+        plus the device's ``free`` bytes, less the trainer's ``need`` and the margin, rounded
+        to the alignment, at most the ceiling."""
+        return min(self.ceiling, self._round(current + free - need - margin))
+
     # --- decisions ----------------------------------------------------------------------
 
     def grow(
@@ -216,10 +227,9 @@ class AutoBudget:
         step ran with it."""
         current = self.budget if current is None else current
         self.expected_peak = trainer.expected_peak()
-        need = max(0, self.expected_peak - trainer.reserved)
+        need = self._need(trainer)
         margin = self._margin(total)
-        target = self._round(current + free - need - margin)
-        budget = max(current, min(self.ceiling, target))
+        budget = max(current, self._target(current, free, need, margin))
         why = (
             f"free {free} + current {current} - trainer's need {need} - margin {margin} "
             f"= {current + free - need - margin}; ceiling {self.ceiling}"
@@ -241,7 +251,7 @@ class AutoBudget:
         margin = self._margin(total)
         self.checks += 1
         self.free_seen, self.margin_used = free, margin
-        need = max(0, self.expected_peak - trainer.reserved)
+        need = self._need(trainer)
         if free >= 2 * margin:
             return self.grow_back(free, need, margin, current)
         if free >= margin // 2:
@@ -267,7 +277,7 @@ class AutoBudget:
         """Room came back: the budget ``grow`` would choose now, if it passes ``current`` by
         at least one of the largest group or a margin (a reopen copies the resident groups
         again); else None."""
-        target = min(self.ceiling, self._round(current + free - need - margin))
+        target = self._target(current, free, need, margin)
         if target - current < max(self.largest, margin):
             return None
         why = (
