@@ -166,16 +166,18 @@ pub fn pair(
             index.get(weight_name.as_str()),
             index.get(scale_name.as_str()),
         ) else {
-            let (named, missing) = match kind {
-                Kind::Legacy => (scale_name.clone(), weight_name),
-                Kind::Mixed if !index.contains_key(weight_name.as_str()) => {
-                    (format!("{layer}{COMFY_QUANT_SUFFIX}"), weight_name)
-                }
-                Kind::Mixed => (format!("{layer}{COMFY_QUANT_SUFFIX}"), scale_name),
-            };
-            let what = match kind {
-                Kind::Legacy => "to scale",
-                Kind::Mixed => "for this quantized layer",
+            // A legacy scale is a tensor of the file, so its weight is what is missing; a
+            // mixed layer is named by its marker and lacks its weight or its scale.
+            let missing = [&weight_name, &scale_name]
+                .into_iter()
+                .find(|name| !index.contains_key(name.as_str()))
+                .expect("one of them is missing");
+            let (named, what) = match kind {
+                Kind::Legacy => (scale_name.clone(), "to scale"),
+                Kind::Mixed => (
+                    format!("{layer}{COMFY_QUANT_SUFFIX}"),
+                    "for this quantized layer",
+                ),
             };
             return Err(rule(&named, format!("no '{missing}' {what} ({format})")));
         };
