@@ -7,16 +7,6 @@ mod common;
 use common::*;
 use weightstream_client::Client;
 
-/// Kills its child process when dropped (the test failed or ended).
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A client that truncates the region of a model it uploaded must not be able to kill the
 /// daemon (the next copy from the truncated mapping would be a SIGBUS): the daemon sealed the
 /// region against resizing when it made it, so the truncation is refused (EPERM). The daemon
@@ -25,7 +15,7 @@ impl Drop for Child {
 async fn truncating_an_uploaded_model_does_not_kill_the_daemon() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("ws.sock");
-    let mut daemon = Child(
+    let mut daemon = Reaped(
         std::process::Command::new(env!("CARGO_BIN_EXE_weightstream"))
             .arg("--socket")
             .arg(&socket)

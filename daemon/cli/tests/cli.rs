@@ -2,18 +2,13 @@
 
 use std::process::Command;
 
+#[path = "../../tests/common/mod.rs"]
+mod common;
+
+use common::Reaped;
+
 fn weightstream() -> Command {
     Command::new(env!("CARGO_BIN_EXE_weightstream"))
-}
-
-/// A child process that is killed and reaped when dropped (after it exited: nothing to do).
-struct Reaped(std::process::Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]
@@ -128,8 +123,6 @@ fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
     let model = dir.path().join("m.safetensors");
     safetensors::serialize_to_file(vec![("w", view)], None, &model).unwrap();
 
-    // Killed if an assertion fails first: a daemon left running would hold the test's output
-    // open, and the test run would never end.
     let mut daemon = Reaped(
         weightstream()
             .args(["serve", "--backend", "host", "--socket"])

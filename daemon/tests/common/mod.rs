@@ -57,6 +57,17 @@ where
 // ---------------------------------------------------------------------------------------------
 // The daemon
 
+/// A child process killed and reaped when dropped: a test that fails early leaves no daemon
+/// running (one left behind holds the test's output open, and the run never ends).
+pub struct Reaped(pub std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// An in-process daemon (host backend) on its own socket.
 pub struct TestDaemon {
     handle: Option<ServerHandle>,
