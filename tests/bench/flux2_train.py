@@ -8,6 +8,8 @@ budget also records `nvidia_smi_used_gib`:
     python3 tests/bench/flux2_train.py --bin target/release/weightstream --out $OUT \\
         --modes resident weightstream --budgets 24 16 --trainer-gib 7 --min-blocks 0
 A PCIe Gen4 x16 link, emulated: add `--copy-bandwidth-limit 25GB/s`; 8 bits: `--quantize fp8`.
+LoRA rank: `--rank R`; where its AdamW state outgrows `--trainer-gib`, `--optimizer adamw8bit`
+(torchao's AdamW8bit; its wheel in .whl/, see tests/gpu/README.md).
 ai-toolkit's MemoryManager at 100 % offload (its code in .aitk/, tests/bench/ai_toolkit_prepare.sh;
 it pins ~94 GiB of host memory for FLUX.2's 60 GiB of weights): add `aitk` to `--modes`.
 """
