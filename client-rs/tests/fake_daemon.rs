@@ -1,5 +1,5 @@
 //! The client against a fake daemon in this process: a tonic servicer, and a handoff listener
-//! built from `handoff`'s daemon-side primitives that keeps fds as issue 17 says. Loads pass the
+//! built from `handoff`'s daemon-side primitives that keeps fds as the daemon does. Loads pass the
 //! opened files with a token and their display paths, uploads write through the fd and unmap
 //! before the commit (the fake seals the memfd against writes there, as the daemon will), host
 //! regions are mapped read-only from the fd, lists are read page by page, and paths that do not

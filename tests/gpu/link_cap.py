@@ -1,4 +1,4 @@
-"""GPU check of the copy bandwidth limit (issue 15, a PCIe Gen4 link emulated on the H200's Gen5):
+"""GPU check of the copy bandwidth limit (a PCIe Gen4 link emulated on the H200's Gen5):
 runs the daemon with ``--copy-bandwidth-limit`` on the CUDA backend and streams a synthetic model
 to CUDA IPC consumers for a few seconds.
 

@@ -1,6 +1,6 @@
 """``weightstream.Client`` (the native client) over the handoff socket, against a fake daemon in
-this process (a grpcio servicer and a handoff listener that keep fds as the spec of issue 17
-says): loads pass the opened files with a token, uploads write through the fd and unmap before
+this process (a grpcio servicer and a handoff listener that keep fds as the daemon
+does): loads pass the opened files with a token, uploads write through the fd and unmap before
 the commit (the fake seals the memfd against writes there, as the daemon does), host regions map
 the fd read-only, lists are paged, and paths that do not resolve are refused before anything is
 sent. Needs no daemon binary. (The handoff wire and the path rules themselves: client-rs's

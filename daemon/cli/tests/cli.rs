@@ -50,7 +50,7 @@ fn status_against_a_missing_daemon_fails_fast_with_a_clear_error() {
     );
 }
 
-/// A bad value, and `shm_dir` (gone with issue 17: shared memory is memfds), are refused at
+/// A bad value, and `shm_dir` (no longer a key: shared memory is memfds), are refused at
 /// start with the key named; so is the old `--shm-dir` flag.
 #[test]
 fn serve_refuses_a_bad_config_with_the_key_named() {
