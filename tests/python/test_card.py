@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -360,3 +361,42 @@ def test_a_process_the_command_leaves_running_is_ended(tmp_path, monkeypatch):
     while not exited() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert exited()
+
+
+def test_ai_toolkits_first_train_loop_step_marks_training(tmp_path):
+    """The bench shim (tests/bench/aitk_shim, first on ai-toolkit's PYTHONPATH) appends the
+    training marker at the first ``Timer.start('train_loop')``, once, with the run's label; a
+    toolkit/timer.py shaped like ai-toolkit's stands in for it."""
+    timer = tmp_path / "toolkit" / "timer.py"
+    timer.parent.mkdir()
+    (timer.parent / "__init__.py").write_text("")
+    timer.write_text(
+        "class Timer:\n"
+        "    def __init__(self):\n"
+        "        self.started = []\n"
+        "    def start(self, name):\n"
+        "        self.started.append(name)\n"
+    )
+    trainer = (
+        "from toolkit.timer import Timer\n"
+        "t = Timer()\n"
+        "for name in ('load', 'train_loop', 'train_loop'):\n"
+        "    t.start(name)\n"
+        "print(t.started)\n"
+    )
+    phases = tmp_path / "phases"
+    shim = Path(card.__file__).parent / "aitk_shim"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(shim), str(tmp_path)]),
+        card.PHASE_ENV: str(phases),
+        "WS_PHASE_LABEL": "weightstream",
+    }
+    before = time.time()
+    out = subprocess.run(
+        [sys.executable, "-c", trainer], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out == "['load', 'train_loop', 'train_loop']\n"
+    marks = [card.parse_marker(x, 0.0) for x in phases.read_text().splitlines()]
+    assert [(m.phase, m.label) for m in marks] == [("training", "weightstream")]
+    assert before <= marks[0].t <= time.time()
