@@ -234,13 +234,11 @@ def split_phases(
         stop = bounds[i + 1].t if i + 1 < len(bounds) else end
         segments.append(Segment(b.phase, b.label, b.t, stop))
     for s in samples:
-        # The segment whose [start, end) holds the sample; the last one holds `end` as well.
-        seg = next(
-            (g for g in reversed(segments) if g.start <= s.t and (s.t < g.end or g.end == end)),
-            None,
-        )
-        if seg is None:
+        if not start <= s.t <= end:
             continue
+        # The last segment that starts by the sample's time (a sample at a marker's time is the
+        # new phase's).
+        seg = next(g for g in reversed(segments) if g.start <= s.t)
         card = max(0, free_at_hold - s.free)
         seg.peak_card = card if seg.peak_card is None else max(seg.peak_card, card)
         seg.peak_device = s.used if seg.peak_device is None else max(seg.peak_device, s.used)
@@ -399,8 +397,11 @@ class SmiDevice:
 
 
 def open_device(index: int):
+    """NVML where nvidia-ml-py is installed and answers, else nvidia-smi."""
     try:
-        return NvmlDevice(index)
+        device = NvmlDevice(index)
+        device.info(), device.sample()
+        return device
     except Exception:  # noqa: BLE001 - no nvidia-ml-py, or NVML unusable: nvidia-smi then
         return SmiDevice(index)
 

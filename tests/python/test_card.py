@@ -4,6 +4,7 @@ protocol, and a whole run with the device and the helper faked (the GPU runs the
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -144,6 +145,7 @@ def test_samples_split_at_markers_into_phases_with_their_peaks():
         (12.0, 121, 19),  # the loading marker of the second mode is at 12.0: this is its sample
         (13.0, 131, 9),  # training: 15 GiB
         (14.0, 135, 5),  # training: 19 GiB (at the end time: in the last segment)
+        (14.1, 139, 1),  # after the end (the sampler's last): not the command's
     )
     markers = [
         Marker(11.5, "training", "a"),
@@ -166,7 +168,7 @@ def test_samples_split_at_markers_into_phases_with_their_peaks():
 
 
 def test_a_marker_at_the_start_or_before_it_leaves_no_empty_loading_segment():
-    rows = samples((10.0, 120, 20), (10.5, 121, 19))
+    rows = samples((9.9, 139, 1), (10.0, 120, 20), (10.5, 121, 19))  # the first: before it
     markers = [Marker(9.0, "training", "early")]  # a clock a little behind: counted at start
     segs = card.split_phases(rows, markers, start=10.0, end=11.0, free_at_hold=24 * GiB)
     assert [(g.phase, g.label, g.start, g.peak_card) for g in segs] == [
@@ -400,3 +402,72 @@ def test_ai_toolkits_first_train_loop_step_marks_training(tmp_path):
     marks = [card.parse_marker(x, 0.0) for x in phases.read_text().splitlines()]
     assert [(m.phase, m.label) for m in marks] == [("training", "weightstream")]
     assert before <= marks[0].t <= time.time()
+
+
+class FakeTorch:
+    """torch as the helper uses it, over a device of `free` bytes whose driver takes
+    `overhead` more per allocation and makes none larger than `largest`."""
+
+    uint8 = "uint8"
+
+    class OutOfMemoryError(RuntimeError):
+        pass
+
+    def __init__(self, free: int, largest: int, overhead: int):
+        self.free, self.largest, self.overhead = free, largest, overhead
+        self.allocations: list[int] = []
+        self.cuda = self
+
+    def mem_get_info(self):
+        return self.free, 140 * GiB
+
+    def zeros(self, n, device):
+        assert device == "cuda"
+
+    def empty(self, n, dtype, device):
+        assert (dtype, device) == ("uint8", "cuda") and n % (2 * MiB) == 0
+        if n > self.largest or n + self.overhead > self.free:
+            raise self.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {n} bytes")
+        self.free -= n + self.overhead
+        self.allocations.append(n)
+
+
+def test_the_helper_leaves_the_cards_memory_free(monkeypatch, capsys):
+    """It allocates what is free but the card, in 2 MiB units, halving what it asks for when
+    the driver refuses (fragmentation), and says what it did; it holds until stdin closes."""
+    cases = [
+        # (free before, largest allocation, the driver's overhead per allocation)
+        (100 * GiB + 3 * MiB, 200 * GiB, 0),
+        (100 * GiB, 30 * GiB, 0),
+        (100 * GiB, 200 * GiB, MiB),
+    ]
+    failures = []
+    for free, largest, overhead in cases:
+        fake = FakeTorch(free, largest, overhead)
+        monkeypatch.setitem(sys.modules, "torch", fake)
+        monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+        assert card.hold(24) == 0
+        line = capsys.readouterr().out.strip()
+        said = json.loads(line.removeprefix("CARD-HOLD "))
+        want = {
+            "free_before": free,
+            "total": 140 * GiB,
+            "held": sum(fake.allocations),
+            "free": fake.free,
+        }
+        # Within the 2 MiB unit above the card, or the driver's overhead below it.
+        over = fake.free - 24 * GiB
+        if said != want or not -len(fake.allocations) * overhead <= over < 2 * MiB:
+            failures.append(f"{(free, largest, overhead)}: {said}, {fake.allocations}")
+    assert not failures, failures
+
+
+def test_the_helper_refuses_a_card_larger_than_the_device(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", FakeTorch(20 * GiB, 200 * GiB, 0))
+    assert card.hold(24) == 2
+    line = capsys.readouterr().out.strip()
+    assert json.loads(line.removeprefix("CARD-HOLD-ERROR ")) == {
+        "message": "cannot emulate a 24 GiB card: the device has 20.00 GiB free (of 140.00 "
+        "GiB) besides the helper's own CUDA context; give a smaller --gib or stop what else "
+        "uses the device"
+    }
