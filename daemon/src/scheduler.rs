@@ -15,6 +15,8 @@
 //! trail issues by that much and the completed rate over any window of seconds is the limit's
 //! within (burst + piece) / window. The pieces keep the emulation honest at a group's scale: a
 //! 150 MB group completes after 150 MB / limit, as on the slower link, not in one burst.
+//! The limit is on what crosses the link: a session's `bytes_copied` follows it, while the
+//! bytes its client uses run ahead of it by what the staging arena serves again without a copy.
 //! A session's share is a policy, not a link: a session in debt with its own bucket is passed
 //! over (as a copy waiting on its events is) so that the others use the link meanwhile; it is
 //! charged a whole copy when the copy starts.
