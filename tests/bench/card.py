@@ -316,7 +316,11 @@ def summary(rep: dict) -> list[str]:
     """The report's lines for a person."""
     card = f"{rep['card_gib']:g} GiB"
     h = rep["hold"]
-    link = f"link {rep['link']}" if rep["link"] else "the device's own link"
+    link = (
+        f"the daemons' link {rep['link']} (in-process offloaders copy at the device's own)"
+        if rep["link"]
+        else "the device's own link"
+    )
     lines = [
         f"card: emulated {card} card on {rep['device']['name']}: {h['free_cuda_gib']} GiB free "
         f"(cudaMemGetInfo), {h['free_sampled_gib']} GiB ({rep['sampler']}) with "
@@ -453,7 +457,8 @@ def hold(card_gib: float) -> int:
             blocks.append(torch.empty(ask, dtype=torch.uint8, device="cuda"))
             held += ask
         except torch.OutOfMemoryError:
-            # The driver's own bookkeeping for what is held takes a little of the free memory.
+            # Refused (no range that large, or the driver's bookkeeping for what is held
+            # took some of it): ask in halves from here.
             step = max(2 * MiB, ask // 2 // (2 * MiB) * (2 * MiB))
     free, _ = torch.cuda.mem_get_info()
     out = {"free_before": free0, "total": total, "held": held, "free": free}
