@@ -7,7 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ws-gpu-out}
 mkdir -p "$OUT"
-# The Python package: the abi3 wheel built where Rust is installed (`maturin build --release
+# The Python package: the abi3 wheel built on the build machine (`maturin build --release
 # --manifest-path client-py/Cargo.toml`, carried along; this machine has no Rust), installed
 # into a private directory. Without one: client-py/src with its extension built in place.
 wheel=${WEIGHTSTREAM_WHEEL:-$(ls target/wheels/weightstream-*-cp310-abi3-linux_x86_64.whl 2>/dev/null | head -1)}
@@ -26,7 +26,8 @@ python3 tests/gpu/suite.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/suite.log"
 python3 tests/gpu/torch_suite.py "$BIN" 2>&1 | tee "$OUT/torch_suite.log" || status=1
 # What the daemon assumes of CUDA interprocess events (query and stream-wait across processes).
 python3 tests/gpu/ipc_event_probe.py --out "$OUT" 2>&1 | tee "$OUT/ipc_event_probe.log" || status=1
-# The copy bandwidth limit: 25 GB/s, a Gen4 link emulated, within 5 %.
+# The copy bandwidth limit: 25 GB/s (a Gen4 link emulated) and 12 GB/s, one and two sessions,
+# the bytes the daemon copied within 5 % of the limit.
 python3 tests/gpu/link_cap.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/link_cap.log" || status=1
 # The README's first command, on this machine's backend (CUDA here).
 "$BIN" demo --size 4GiB --steps 4 2>&1 | tee "$OUT/demo.log" || status=1
