@@ -167,7 +167,7 @@ pub async fn run(args: DemoArgs) -> CliResult {
     spinner.finish_and_clear();
 
     let config = ConfigFile {
-        socket: dir.path().join("weightstream.sock"),
+        socket: Some(dir.path().join("weightstream.sock")),
         backend: args.backend.into(),
         ..ConfigFile::default()
     }
