@@ -134,3 +134,42 @@ pub(crate) fn source_chain(e: &dyn std::error::Error) -> String {
     }
     text
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An error that says its source's text itself, as transport errors do, or not.
+    #[derive(Debug)]
+    struct Wrapping {
+        says_source: bool,
+        source: std::io::Error,
+    }
+
+    impl std::fmt::Display for Wrapping {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            match self.says_source {
+                true => write!(f, "connect: {}", self.source),
+                false => write!(f, "connect"),
+            }
+        }
+    }
+
+    impl std::error::Error for Wrapping {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.source)
+        }
+    }
+
+    #[test]
+    fn a_source_the_error_already_says_is_not_said_again() {
+        let chain = |says_source| {
+            source_chain(&Wrapping {
+                says_source,
+                source: std::io::Error::other("broken pipe"),
+            })
+        };
+        assert_eq!(chain(true), "connect: broken pipe");
+        assert_eq!(chain(false), "connect: broken pipe");
+    }
+}
