@@ -117,7 +117,7 @@ def commands(where: str, line: str) -> list[Command]:
         args = words[1:]
         sub = subcommand(args)
         if sub is not None and not SUBCOMMAND.fullmatch(sub):
-            sub = None  # a placeholder (`…`, `<command>`), not a subcommand
+            continue  # a placeholder (`…`, `<command>`, `SUB`): nothing to check
         flags = tuple(a.split("=", 1)[0] for a in args if a.startswith("--") and len(a) > 2)
         text = " ".join(words)
         found.append(Command(where, text, sub, flags))
@@ -203,7 +203,8 @@ def self_test(binary: str) -> int:
             "`weightstream --socket /x status && weightstream release m-1`",
             [("status", ("--socket",)), ("release", ())],
         ),
-        ("`weightstream <command> --help`", [(None, ("--help",))]),
+        ("`weightstream <command> --help` or `weightstream SUB --flag`", []),
+        ("`weightstream --version`", [(None, ("--version",))]),
     ]
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
