@@ -26,7 +26,8 @@ struct Cli {
     /// The daemon's Unix socket. Default: a client uses /run/weightstream/weightstream.sock if
     /// it exists (the service's), else the user's socket; `serve` listens on the former as
     /// root, else on the user's: $XDG_RUNTIME_DIR/weightstream.sock, or
-    /// /tmp/weightstream-<uid>/weightstream.sock without XDG_RUNTIME_DIR.
+    /// /tmp/weightstream-<uid>/weightstream.sock without XDG_RUNTIME_DIR. (`demo` runs its own
+    /// daemon on a private socket.)
     #[arg(long, global = true, env = "WEIGHTSTREAM_SOCKET")]
     socket: Option<PathBuf>,
     /// Log line format (the filter is WEIGHTSTREAM_LOG, e.g. `info,weightstream_daemon=debug`).
