@@ -162,6 +162,77 @@ fn a_client_finds_the_daemon_in_xdg_runtime_dir() {
     assert_eq!(status["backend"], "host");
 }
 
+/// `serve` run by a user other than root, with no socket named, listens on that user's socket
+/// in XDG_RUNTIME_DIR, where the user's clients look; told to listen where the user may not
+/// write, it says what to do. Needs root, to run as another uid (`nobody`); skipped without
+/// it unless WEIGHTSTREAM_REQUIRE_ROOT=1 (tests/run.sh), which fails the test instead.
+#[test]
+fn serve_as_a_user_listens_on_the_user_s_own_socket() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    if !rustix::process::geteuid().is_root() {
+        let required = std::env::var("WEIGHTSTREAM_REQUIRE_ROOT").is_ok_and(|v| v == "1");
+        assert!(
+            !required,
+            "WEIGHTSTREAM_REQUIRE_ROOT=1: run the tests as root"
+        );
+        eprintln!("skipped: running as another uid needs root");
+        return;
+    }
+    let nobody = 65534;
+    // The binary and the user's runtime directory, where that user may reach them.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = dir.path().join("weightstream");
+    std::fs::copy(env!("CARGO_BIN_EXE_weightstream"), &exe).unwrap();
+    let runtime = dir.path().join("run-user");
+    std::fs::create_dir(&runtime).unwrap();
+    std::os::unix::fs::chown(&runtime, Some(nobody), Some(nobody)).unwrap();
+    let as_nobody = |args: &[&str]| {
+        let mut command = Command::new(&exe);
+        command
+            .args(args)
+            .uid(nobody)
+            .gid(nobody)
+            .current_dir("/")
+            .env_remove("WEIGHTSTREAM_SOCKET")
+            .env("XDG_RUNTIME_DIR", &runtime);
+        command
+    };
+    let _daemon = Reaped(
+        as_nobody(&["serve", "--backend", "host"])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let socket = runtime.join("weightstream.sock");
+    wait_until("the user's socket", || socket.exists());
+    if !std::path::Path::new(weightstream_client::SYSTEM_SOCKET).exists() {
+        let out = as_nobody(&["status", "--json"]).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+    }
+    // A directory only root may write to.
+    let closed = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(closed.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let refused = closed.path().join("ws.sock");
+    let out = as_nobody(&["serve", "--backend", "host", "--socket"])
+        .arg(&refused)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        format!(
+            "error: {}.lock: Permission denied (os error 13) (this user may not write there: \
+             name a socket in a directory you may write to, or leave --socket out to listen on \
+             your own, $XDG_RUNTIME_DIR/weightstream.sock or \
+             /tmp/weightstream-<uid>/weightstream.sock)\n",
+            refused.display()
+        )
+    );
+}
+
 /// A bad value, and `shm_dir` (gone with issue 17: shared memory is memfds), are refused at
 /// start with the key named; so is the old `--shm-dir` flag.
 #[test]

@@ -37,8 +37,9 @@ pub enum ServeError {
 fn socket_hint(e: &std::io::Error) -> &'static str {
     match e.kind() {
         std::io::ErrorKind::PermissionDenied => {
-            " (the system socket's directory is root's or the service's: run as that user, or \
-             leave --socket out to listen on your own socket, $XDG_RUNTIME_DIR/weightstream.sock)"
+            " (this user may not write there: name a socket in a directory you may write to, \
+             or leave --socket out to listen on your own, $XDG_RUNTIME_DIR/weightstream.sock \
+             or /tmp/weightstream-<uid>/weightstream.sock)"
         }
         _ => "",
     }
