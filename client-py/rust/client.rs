@@ -61,7 +61,7 @@ impl Drop for Conn {
 /// while it waits and fails fast with `DaemonUnavailable` when the daemon is not there.
 #[pyclass(module = "weightstream._native", frozen)]
 pub struct Client {
-    socket: PathBuf,
+    socket: ws::ResolvedSocket,
     conn: Mutex<Conn>,
 }
 
@@ -76,7 +76,7 @@ impl Client {
         }
         let fresh = {
             let _entered = rt.enter();
-            ws::Client::connect_lazy(Some(&self.socket))
+            ws::Client::connect_lazy_to(self.socket.clone())
         };
         fresh.remember_loaded(std::mem::take(&mut conn.carried));
         conn.client = Some(fresh.clone());
@@ -111,7 +111,7 @@ impl Client {
     #[pyo3(signature = (socket=None))]
     fn new(socket: Option<PathBuf>) -> Self {
         Client {
-            socket: ws::Client::socket_path(socket.as_deref()),
+            socket: ws::ResolvedSocket::from_env(socket.as_deref()),
             conn: Mutex::new(Conn {
                 generation: generation(),
                 client: None,
@@ -122,13 +122,13 @@ impl Client {
 
     #[getter]
     fn socket(&self) -> PathBuf {
-        self.socket.clone()
+        self.socket.path.clone()
     }
 
     /// The daemon's handoff socket, where file descriptors pass (next to its socket).
     #[getter]
     fn handoff_socket(&self) -> PathBuf {
-        ws::handoff::handoff_path(&self.socket)
+        ws::handoff::handoff_path(&self.socket.path)
     }
 
     /// The files each model this client loaded was named by, by model id.
@@ -351,7 +351,10 @@ impl Client {
     }
 
     fn __repr__(&self) -> String {
-        format!("Client(socket={:?})", self.socket.display().to_string())
+        format!(
+            "Client(socket={:?})",
+            self.socket.path.display().to_string()
+        )
     }
 }
 

@@ -345,12 +345,12 @@ async fn paths_that_do_not_resolve_are_refused_before_sending() {
         (
             PathBuf::from("model.safetensors"),
             Code::InvalidArgument,
-            "paths: model.safetensors: the daemon needs an absolute path".to_string(),
+            "paths: model.safetensors: a relative path (give an absolute one: the model records where its files are)".to_string(),
         ),
         (
             missing.clone(),
             Code::NotFound,
-            format!("paths: {}: not found", missing.display()),
+            format!("paths: no such file: {}", missing.display()),
         ),
     ];
     let mut failures = Vec::new();

@@ -239,7 +239,7 @@ def test_paths_that_do_not_resolve_are_refused_before_sending(fake, tmp_path):
     with pytest.raises(weightstream.RequestRejected) as e:
         fake.client.load_model([str(tmp_path / "nope.safetensors")])
     assert e.value.code == "NOT_FOUND"
-    assert e.value.message == f"paths: {tmp_path / 'nope.safetensors'}: not found"
+    assert e.value.message == f"paths: no such file: {tmp_path / 'nope.safetensors'}"
     assert fake.loads == []
 
 

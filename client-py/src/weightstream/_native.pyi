@@ -4,7 +4,7 @@ from collections.abc import Callable
 from os import PathLike
 from typing import Any
 
-DEFAULT_SOCKET: str
+SYSTEM_SOCKET: str
 SOCKET_ENV: str
 DTYPES: dict[str, int]
 BACKENDS: dict[str, int]

@@ -29,19 +29,22 @@ if TYPE_CHECKING:
 
     from weightstream.session import Session
 
-DEFAULT_SOCKET = _native.DEFAULT_SOCKET
+SYSTEM_SOCKET = _native.SYSTEM_SOCKET
 SOCKET_ENV = _native.SOCKET_ENV
 
 
-def socket_path(socket: str | None = None) -> str:
-    """``socket``, else ``$WEIGHTSTREAM_SOCKET``, else the default."""
-    return socket or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+def socket_path(socket: str | os.PathLike[str] | None = None) -> str:
+    """The daemon's socket, as every weightstream program finds it: ``socket``, else
+    ``$WEIGHTSTREAM_SOCKET``, else the system socket (``SYSTEM_SOCKET``, the service's) if it
+    exists, else the user's own: ``$XDG_RUNTIME_DIR/weightstream.sock``, or
+    ``/tmp/weightstream-<uid>/weightstream.sock`` without ``XDG_RUNTIME_DIR``."""
+    return os.fspath(_native.socket_path(socket or None))
 
 
 class Client:
     def __init__(self, socket: str | None = None):
-        self.socket = socket_path(socket)
-        self._native = _native.Client(self.socket)
+        self._native = _native.Client(socket or None)
+        self.socket = os.fspath(self._native.socket)
 
     @property
     def _loaded(self) -> dict[str, list[str]]:
@@ -253,7 +256,7 @@ def daemon_phases(p) -> dict:
 
 
 def connect(socket: str | None = None) -> Client:
-    """A client of the daemon at ``socket`` (default: ``$WEIGHTSTREAM_SOCKET`` or
-    ``/run/weightstream/weightstream.sock``). Connects lazily; a call to a daemon that is not
-    there raises ``DaemonUnavailable`` at once."""
+    """A client of the daemon at ``socket`` (default: ``socket_path()``'s rules). Connects
+    lazily; a call to a daemon that is not there raises ``DaemonUnavailable`` at once, naming
+    the places it looked."""
     return Client(socket)
