@@ -283,6 +283,22 @@ def test_attach_equals_the_same_torchao_layers_in_place(
     assert daemon.client.list_models().models == []
 
 
+def test_quantize_fp8_applies_to_the_other_layers(daemon):
+    """With ``quantize="fp8"`` the daemon quantizes the plain weights (fp8_e4m3_block64) and
+    keeps torchao's as torchao made them: the result is the torchao model with each plain
+    streamed weight replaced by its w_hat."""
+    ref, streamed = torchao_model(INT8, torch.bfloat16), torchao_model(INT8, torch.bfloat16)
+    handle = wst.attach(streamed, "cpu", client=daemon.client, min_bytes=0, quantize="fp8")
+    placed = {p.name: p.quantization for g in handle.session.groups for p in g.tensors}
+    plain = sorted(set(handle.streamed) - set(torchao_layers(ref)))
+    assert plain == ["conv_in", "proj_out"]
+    assert {placed[f"{n}.weight"] for n in plain} == {quantize.FP8_E4M3_BLOCK64}
+    assert {placed[f"{n}.weight"] for n in torchao_layers(ref)} == {INT8}
+    quantize.to_fp8_resident(ref, plain)
+    assert_equal_runs(run(ref, 2, torch.bfloat16), run(streamed, 2, torch.bfloat16))
+    handle.detach(release=True)
+
+
 def test_attach_to_a_model_uploaded_with_torchao_weights(daemon):
     """``attach(model=id)`` of a model uploaded with the torchao weights checks each one's
     format and streams it as the upload wrote it."""
