@@ -67,6 +67,9 @@ cargo test --workspace --locked
 step "python: .venv with the pinned test requirements (torch, peft, grpcio-tools, pytest, maturin)"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+# torchao's quantized weights stream pre-quantized (test_torchao.py). Its wheel pins a torch of
+# its own that the tests do not want: installed without dependencies, next to the torch above.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "torchao==0.18.0"
 
 step "python: pip install -e client-py (maturin builds weightstream._native, dev profile, in target/)"
 # The extension is a workspace member: maturin builds it into the workspace's target/ with the

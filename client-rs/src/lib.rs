@@ -60,7 +60,9 @@ pub mod proto {
 ///
 /// `quantization` FP8_E4M3_BLOCK64 with a float dtype: the daemon quantizes `bytes` at commit;
 /// with [`proto::Dtype::F8E4m3`]: `bytes` are already data, padding and scales (the store's
-/// layout, see [`fp8_layout`]) and `scale_shape` says the scales' shape.
+/// layout, see [`fp8_layout`]) and `scale_shape` says the scales' shape. TORCHAO_FLOAT8_ROWWISE
+/// (F8E4m3) and TORCHAO_INT8_ROWWISE (I8): `bytes` are a torchao weight's data, padding and
+/// fp32 scales laid out the same way, `scale_shape` [out, 1].
 pub struct TensorData<'a> {
     pub name: &'a str,
     pub dtype: proto::Dtype,
@@ -102,6 +104,18 @@ pub fn parse_quantization(value: &str) -> Option<proto::Quantization> {
     }
 }
 
+/// The formats a client may write pre-quantized into an upload, by the names
+/// [`quantization_name`] gives them: "fp8_e4m3_block64", "torchao_float8_rowwise",
+/// "torchao_int8_rowwise".
+pub fn prequantized_format(name: &str) -> Option<proto::Quantization> {
+    match name {
+        "fp8_e4m3_block64" => Some(proto::Quantization::Fp8E4m3Block64),
+        "torchao_float8_rowwise" => Some(proto::Quantization::TorchaoFloat8Rowwise),
+        "torchao_int8_rowwise" => Some(proto::Quantization::TorchaoInt8Rowwise),
+        _ => None,
+    }
+}
+
 /// The lowercase name of a quantization ("none", "fp8_e4m3_block64"); values this client does
 /// not know as "unknown(N)".
 pub fn quantization_name(value: i32) -> String {
@@ -110,6 +124,8 @@ pub fn quantization_name(value: i32) -> String {
         Ok(proto::Quantization::Fp8E4m3Block64) => "fp8_e4m3_block64".into(),
         Ok(proto::Quantization::Fp8ScaledMusubi) => "fp8_scaled_musubi".into(),
         Ok(proto::Quantization::Fp8ScaledComfy) => "fp8_scaled_comfy".into(),
+        Ok(proto::Quantization::TorchaoFloat8Rowwise) => "torchao_float8_rowwise".into(),
+        Ok(proto::Quantization::TorchaoInt8Rowwise) => "torchao_int8_rowwise".into(),
         Err(_) => format!("unknown({value})"),
     }
 }
