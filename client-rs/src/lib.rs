@@ -30,6 +30,7 @@ mod error;
 pub mod handoff;
 mod session;
 mod sources;
+pub mod waits;
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -44,6 +45,7 @@ pub use crate::error::ClientError;
 pub use crate::handoff::HandoffError;
 use crate::proto::weight_stream_client::WeightStreamClient;
 pub use crate::session::{Acquired, QuantizedView, Session, SessionOptions, Submitted};
+pub use crate::waits::WaitTotals;
 /// The gRPC status code of a [`ClientError::Rejected`].
 pub use tonic::Code;
 
