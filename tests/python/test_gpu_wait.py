@@ -170,12 +170,12 @@ def test_acquires_staged_before_the_wait_cost_the_trainer_nothing(daemon):
 
 
 def test_a_wait_for_a_slow_copy_is_the_trainers_wait_in_every_view(daemon):
-    """Copies capped at 100 MB/s: after the first 4 MiB group the session's share is in debt
-    for 42 ms, so the next acquires block. ListSessions, `status --json` and the client's own
-    totals agree exactly, per group too."""
+    """Copies capped at 100 MB/s: the share's 16 MiB burst lets two 12 MiB copies go at once,
+    the third waits ~84 ms for the debt; every acquire blocks at least for its reply.
+    ListSessions, `status --json` and the client's own totals agree exactly, per group too."""
     client = daemon.client
-    model_id, groups = model(client, 3, 1 << 20)
-    budget = 3 * (4 << 20)
+    model_id, groups = model(client, 3, 3 << 20)
+    budget = 3 * (12 << 20)
     session = client.open_session(
         model_id, groups, budget, staging_bytes=budget, copy_bandwidth_limit=100_000_000
     )
