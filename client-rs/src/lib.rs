@@ -31,6 +31,7 @@ pub mod handoff;
 mod session;
 pub mod socket;
 mod sources;
+pub mod waits;
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -47,6 +48,7 @@ use crate::proto::weight_stream_client::WeightStreamClient;
 pub use crate::session::{Acquired, QuantizedView, Session, SessionOptions, Submitted};
 pub use crate::socket::{ResolvedSocket, SOCKET_ENV, SYSTEM_SOCKET, SocketCandidates};
 pub use crate::sources::{SourceError, resolve_sources};
+pub use crate::waits::WaitTotals;
 /// The gRPC status code of a [`ClientError::Rejected`].
 pub use tonic::Code;
 

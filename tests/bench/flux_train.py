@@ -383,7 +383,16 @@ def measure_budget(args, handle, client, model, r):
         (after["hits"] - before["hits"]) / max(1, after["acquires"] - before["acquires"]), 4
     )
     r["acquires_per_step"] = round((after["acquires"] - before["acquires"]) / n, 1)
-    r["stall_s_per_step"] = round((after["stall_ns"] - before["stall_ns"]) / n / 1e9, 4)
+    per_step = lambda key: (after[key] - before[key]) / n / 1e9  # noqa: E731
+    # The trainer's own wait for weights (the compute stream's, timed by the client), and the
+    # daemon's time with some acquire pending (look-ahead ones included: not a wait).
+    r["gpu_wait_s_per_step"] = round(per_step("gpu_wait_ns"), 4)
+    r["acquire_pending_s_per_step"] = round(per_step("acquire_pending_ns"), 4)
+    # Where the waits were: per group, ms per step (the groups in the plan's order).
+    r["gpu_wait_ms_per_step_by_group"] = {
+        name: round((ns - before["gpu_wait_by_group"][name]) / n / 1e6, 3)
+        for name, ns in after["gpu_wait_by_group"].items()
+    }
     sess = [s for s in client.list_sessions() if s.session_id == handle.session.id][0]
     r["daemon_staging_gib"] = round(sess.staging_bytes / GiB, 2)
     r["daemon_resident_gib"] = round(sess.resident_bytes / GiB, 2)

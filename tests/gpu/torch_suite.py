@@ -1,7 +1,8 @@
 """weightstream.torch.attach on the H200: the CPU tests' equality checks on CUDA (bf16, with
 gradient checkpointing, deterministic algorithms on both sides; 8-bit streaming; torchao's
 weights streamed as they are, against the same torchao layers in place) and the prefetch hit
-rate.
+rate, and the
+trainer's wait for weights as the compute stream measures it (``gpu_wait_ns``).
 Prints PASS/FAIL per check and "N passed, M failed"; exits non-zero on any failure."""
 
 from __future__ import annotations
@@ -248,6 +249,85 @@ def hit_rate(client):
     return f"{hits}/{acquires} hits after the first step, {after['reuses']} reuses"
 
 
+def reported(client, session):
+    """The daemon's listing of ``session`` once it has every report of waits the client sent."""
+    sent = session._native.gpu_wait_reports
+    deadline = time.monotonic() + 30
+    while True:
+        [info] = [s for s in client.list_sessions() if s.session_id == session.id]
+        if info.stats.gpu_wait_reports == sent:
+            return info
+        assert time.monotonic() < deadline, "the report of waits never arrived"
+        time.sleep(0.01)
+
+
+def gpu_wait(client):
+    """The compute stream's wait, timed with CUDA events: a copy held back by the session's
+    bandwidth share (100 MB/s with a 16 MiB burst: a first copy of 48 MiB keeps the next one
+    waiting ~335 ms) while the stream
+    still has ~120 ms of matmuls to run waits for the rest only, so the measured wait is the
+    host's blocked time less the compute (an acquire-pending or host-side figure would count it
+    all); acquires whose bytes are staged and whose copies are done add no wait; ListSessions
+    shows what the client measured."""
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"w{i}": torch.randn(12 << 20, generator=g) for i in range(3)}  # 48 MiB each
+    manifest, _ = client.upload_model("gpu-wait", tensors)
+    groups = [(name, [name]) for name in tensors]
+    budget = 3 * (48 << 20)
+    session = client.open_session(
+        manifest.model_id,
+        groups,
+        budget,
+        staging_bytes=budget,
+        device="cuda",
+        copy_bandwidth_limit=100_000_000,
+    )
+    try:
+        session.release(session.acquire(0))  # charges the share: the next copy waits
+        x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        for _ in range(600):
+            x = torch.tanh(x @ x)
+        end.record()
+        blocked_from = time.perf_counter()
+        ticket = session.acquire(1)
+        blocked = time.perf_counter() - blocked_from
+        session.release(ticket)
+        torch.cuda.synchronize()
+        compute = start.elapsed_time(end) / 1e3
+        waits = session.gpu_wait()
+        waited = waits.by_group[1] / 1e9
+        assert 0 < waited < blocked - compute / 2, (waited, blocked, compute)
+
+        # Staged again without a copy, the copies long done: polled, never waited for.
+        before = session.gpu_wait()
+        for group in (0, 1):
+            number = session.submit(group)
+            deadline = time.monotonic() + 30
+            while (t2 := session.poll(number)) is None:
+                assert time.monotonic() < deadline, "never staged"
+                time.sleep(0.001)
+            session.release(t2)
+        torch.cuda.synchronize()
+        after = session.gpu_wait()
+        assert (after.total_ns, after.waits) == (before.total_ns, before.waits), (before, after)
+
+        session.report_gpu_wait()
+        info = reported(client, session)
+        assert info.stats.gpu_wait_ns == after.total_ns, (info.stats, after)
+        assert info.group_gpu_wait_ns == list(after.by_group), (info, after)
+        pending = info.stats.acquire_pending_ns / 1e9
+    finally:
+        session.close()
+        client.release_model(manifest.model_id)
+    return (
+        f"GPU waited {waited * 1e3:.1f} ms for group 1 while the host blocked "
+        f"{blocked * 1e3:.1f} ms with {compute * 1e3:.1f} ms of compute queued; "
+        f"daemon's acquire pending {pending * 1e3:.1f} ms"
+    )
+
+
 def main():
     binary = sys.argv[1] if len(sys.argv) > 1 else "target/release/weightstream"
     out = Path(os.environ.get("OUT", "/tmp/ws-gpu-out"))
@@ -307,6 +387,10 @@ def main():
             ),
         ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
+        (
+            "GPU wait: the compute stream's own wait, reported as gpu_wait_ns",
+            lambda: gpu_wait(client),
+        ),
     ]
     passed = failed = 0
     for name, fn in checks:

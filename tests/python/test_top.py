@@ -88,20 +88,24 @@ def test_top_once_prints_plain_lines_without_a_terminal(daemon):
             "name",
             "sessions",
             "GB/s",
-            "stall",
+            "GPU",
+            "wait",
+            "pending",
             "hit",
             "rate",
             "budget",
         ]
-        # Nothing moved during the interval: no rate, no hit rate; the budget of 1 MiB.
+        # Nothing moved during the interval: no rate, no wait (the client's first report
+        # is 0), no hit rate; the budget of 1 MiB.
         assert lines[3].split()[:1] == ["host-0"]
-        assert " 1 " in lines[3] and "0.00  0.0 %  -" in lines[3], lines[3]
+        assert " 1 " in lines[3] and "0.00  0.0 %     0.0 %    -" in lines[3], lines[3]
         assert lines[4] == "sessions"
-        columns = "session label pid GB/s stall hit rate budget staging resident acquires copied"
+        columns = "session label pid GB/s GPU wait pending hit rate budget staging resident acquires copied"
         assert lines[5].split() == columns.split()
         row = lines[6].split()
-        assert row[:7] == [session.id, "once", str(os.getpid()), "0.00", "0.0", "%", "-"], row
-        assert row[7:9] == ["1.0", "MiB"] and row[-3:] == ["1", "64.0", "KiB"], row
+        pid = str(os.getpid())
+        assert row[:9] == [session.id, "once", pid, "0.00", "0.0", "%", "0.0", "%", "-"], row
+        assert row[9:11] == ["1.0", "MiB"] and row[-3:] == ["1", "64.0", "KiB"], row
         assert len(lines) == 7, out.stdout
     finally:
         session.close()

@@ -1,6 +1,6 @@
 //! `weightstream top`: a live view of the daemon's devices and sessions, refreshed from
-//! `ListSessions`. Rates (GB/s, stall %, hit rate) are over the last refresh interval, so they
-//! show what is happening now rather than since the session opened.
+//! `ListSessions`. Rates (GB/s, GPU wait %, acquire pending %, hit rate) are over the last
+//! refresh interval, so they show what is happening now rather than since the session opened.
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
@@ -44,8 +44,12 @@ pub const NEEDS_TERMINAL: &str =
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Rates {
     pub bytes_per_s: f64,
-    /// Fraction of the interval the client spent waiting for Staged.
-    pub stall: f64,
+    /// Fraction of the interval the client's compute waited for weights, as the client
+    /// reports it; None from a client that does not report it.
+    pub gpu_wait: Option<f64>,
+    /// Fraction of the interval with an acquire (look-ahead ones included) pending in the
+    /// daemon.
+    pub acquire_pending: f64,
     /// Hits over acquires in the interval; None when it made no acquire.
     pub hit_rate: Option<f64>,
 }
@@ -54,9 +58,11 @@ pub struct Rates {
 pub fn rates(before: &proto::SessionStats, now: &proto::SessionStats, secs: f64) -> Rates {
     let d = |a: u64, b: u64| b.saturating_sub(a) as f64;
     let acquires = d(before.acquires, now.acquires);
+    let fraction = |a: u64, b: u64| (d(a, b) / 1e9 / secs).min(1.0);
     Rates {
         bytes_per_s: d(before.bytes_copied, now.bytes_copied) / secs,
-        stall: (d(before.stall_ns, now.stall_ns) / 1e9 / secs).min(1.0),
+        gpu_wait: (now.gpu_wait_reports > 0).then(|| fraction(before.gpu_wait_ns, now.gpu_wait_ns)),
+        acquire_pending: fraction(before.acquire_pending_ns, now.acquire_pending_ns),
         hit_rate: (acquires > 0.0).then(|| d(before.hits, now.hits) / acquires),
     }
 }
@@ -158,6 +164,16 @@ fn pct(x: f64) -> String {
     format!("{:.1} %", 100.0 * x)
 }
 
+/// The mean of the fractions given, or "-" when there is none.
+fn mean_pct(xs: impl Iterator<Item = f64>) -> String {
+    let xs: Vec<f64> = xs.collect();
+    if xs.is_empty() {
+        "-".into()
+    } else {
+        pct(xs.iter().sum::<f64>() / xs.len() as f64)
+    }
+}
+
 fn gbps(bytes_per_s: f64) -> String {
     format!("{:.2}", bytes_per_s / 1e9)
 }
@@ -172,8 +188,8 @@ fn title(view: &View) -> String {
     )
 }
 
-const DEVICE_COLUMNS: [&str; 7] = [
-    "device", "name", "sessions", "GB/s", "stall", "hit rate", "budget",
+const DEVICE_COLUMNS: [&str; 8] = [
+    "device", "name", "sessions", "GB/s", "GPU wait", "pending", "hit rate", "budget",
 ];
 
 /// One row per device: its sessions' rates together, and their budgets against its memory.
@@ -187,17 +203,6 @@ fn device_rows(view: &View) -> Vec<Vec<String>> {
                 .filter(|(s, _)| s.device_uuid == d.uuid)
                 .collect();
             let bytes: f64 = mine.iter().map(|(_, r)| r.bytes_per_s).sum();
-            let stall = if mine.is_empty() {
-                0.0
-            } else {
-                mine.iter().map(|(_, r)| r.stall).sum::<f64>() / mine.len() as f64
-            };
-            let hit: Vec<f64> = mine.iter().filter_map(|(_, r)| r.hit_rate).collect();
-            let hit = if hit.is_empty() {
-                "-".to_string()
-            } else {
-                pct(hit.iter().sum::<f64>() / hit.len() as f64)
-            };
             let budget: u64 = mine.iter().map(|(s, _)| s.vram_budget).sum();
             let use_ = if d.total_memory > 0 {
                 pct(budget as f64 / d.total_memory as f64)
@@ -209,17 +214,18 @@ fn device_rows(view: &View) -> Vec<Vec<String>> {
                 d.name.clone(),
                 mine.len().to_string(),
                 gbps(bytes),
-                pct(stall),
-                hit,
+                mean_pct(mine.iter().filter_map(|(_, r)| r.gpu_wait)),
+                mean_pct(mine.iter().map(|(_, r)| r.acquire_pending)),
+                mean_pct(mine.iter().filter_map(|(_, r)| r.hit_rate)),
                 format!("{} / {} ({use_})", human(budget), human(d.total_memory)),
             ]
         })
         .collect()
 }
 
-const SESSION_COLUMNS: [&str; 11] = [
-    "session", "label", "pid", "GB/s", "stall", "hit rate", "budget", "staging", "resident",
-    "acquires", "copied",
+const SESSION_COLUMNS: [&str; 12] = [
+    "session", "label", "pid", "GB/s", "GPU wait", "pending", "hit rate", "budget", "staging",
+    "resident", "acquires", "copied",
 ];
 
 /// One row per session.
@@ -233,7 +239,8 @@ fn session_rows(view: &View) -> Vec<Vec<String>> {
                 s.label.clone(),
                 s.peer_pid.to_string(),
                 gbps(r.bytes_per_s),
-                pct(r.stall),
+                r.gpu_wait.map_or_else(|| "-".into(), pct),
+                pct(r.acquire_pending),
                 r.hit_rate.map_or_else(|| "-".into(), pct),
                 human(s.vram_budget),
                 human(s.staging_bytes),
@@ -287,7 +294,8 @@ pub fn draw(frame: &mut Frame, view: &View) {
                 Constraint::Length(20),
                 Constraint::Length(8),
                 Constraint::Length(8),
-                Constraint::Length(8),
+                Constraint::Length(9),
+                Constraint::Length(9),
                 Constraint::Length(9),
                 Constraint::Min(20),
             ],
@@ -326,7 +334,8 @@ pub fn draw(frame: &mut Frame, view: &View) {
                 Constraint::Min(16),
                 Constraint::Length(8),
                 Constraint::Length(7),
-                Constraint::Length(8),
+                Constraint::Length(9),
+                Constraint::Length(9),
                 Constraint::Length(9),
                 Constraint::Length(11),
                 Constraint::Length(11),
@@ -425,30 +434,35 @@ mod tests {
     use ratatui::Terminal;
     use ratatui::backend::TestBackend;
 
-    fn stats(acquires: u64, hits: u64, bytes: u64, stall_ns: u64) -> proto::SessionStats {
+    fn stats(acquires: u64, hits: u64, bytes: u64, pending_ns: u64) -> proto::SessionStats {
         proto::SessionStats {
             acquires,
             hits,
             bytes_copied: bytes,
-            stall_ns,
+            acquire_pending_ns: pending_ns,
             ..Default::default()
         }
     }
 
     #[test]
     fn rates_are_over_the_interval() {
+        let reported = |s: proto::SessionStats, gpu_wait_ns| proto::SessionStats {
+            gpu_wait_ns,
+            gpu_wait_reports: 1,
+            ..s
+        };
         let r = rates(
-            &stats(10, 5, 1_000, 0),
-            &stats(30, 20, 2_001_000, 250_000_000),
+            &reported(stats(10, 5, 1_000, 0), 100_000_000),
+            &reported(stats(30, 20, 2_001_000, 250_000_000), 200_000_000),
             2.0,
         );
         assert_eq!(r.bytes_per_s, 1_000_000.0);
-        assert_eq!(r.stall, 0.125);
+        assert_eq!(r.acquire_pending, 0.125);
+        assert_eq!(r.gpu_wait, Some(0.05));
         assert_eq!(r.hit_rate, Some(0.75));
-        assert_eq!(
-            rates(&stats(3, 3, 0, 0), &stats(3, 3, 0, 0), 1.0).hit_rate,
-            None
-        );
+        let quiet = rates(&stats(3, 3, 0, 0), &stats(3, 3, 0, 0), 1.0);
+        assert_eq!(quiet.hit_rate, None);
+        assert_eq!(quiet.gpu_wait, None, "a client that never reported");
     }
 
     /// A device with one session, as the tests show it.
@@ -472,7 +486,8 @@ mod tests {
                 },
                 Rates {
                     bytes_per_s: 3.5e9,
-                    stall: 0.02,
+                    gpu_wait: Some(0.02),
+                    acquire_pending: 0.375,
                     hit_rate: Some(0.5),
                 },
             )],
@@ -497,7 +512,10 @@ mod tests {
             "flux-lora",
             "3.50",
             "2.0 %",
+            "37.5 %",
             "50.0 %",
+            "GPU wait",
+            "pending",
             "2.0 GiB / 8.0 GiB (25.0 %)",
         ] {
             assert!(screen.contains(want), "{want} not on screen:\n{screen}");
@@ -510,11 +528,11 @@ mod tests {
             plain(&one_session()),
             "weightstream top — /run/x.sock — backend host — 1 sessions\n\
              devices\n\
-             device  name         sessions  GB/s  stall  hit rate  budget\n\
-             host-0  host memory  1         3.50  2.0 %  50.0 %    2.0 GiB / 8.0 GiB (25.0 %)\n\
+             device  name         sessions  GB/s  GPU wait  pending  hit rate  budget\n\
+             host-0  host memory  1         3.50  2.0 %     37.5 %   50.0 %    2.0 GiB / 8.0 GiB (25.0 %)\n\
              sessions\n\
-             session  label      pid  GB/s  stall  hit rate  budget   staging  resident  acquires  copied\n\
-             s-7      flux-lora  0    3.50  2.0 %  50.0 %    2.0 GiB  0 B      0 B       0         0 B\n"
+             session  label      pid  GB/s  GPU wait  pending  hit rate  budget   staging  resident  acquires  copied\n\
+             s-7      flux-lora  0    3.50  2.0 %     37.5 %   50.0 %    2.0 GiB  0 B      0 B       0         0 B\n"
         );
     }
 }

@@ -562,7 +562,8 @@ pub struct SessionTotals {
     pub prefetches: u64,
     pub copies: u64,
     pub bytes_copied: u64,
-    pub stall_ns: u64,
+    pub acquire_pending_ns: u64,
+    pub gpu_wait_ns: u64,
 }
 
 impl SessionTotals {
@@ -577,7 +578,8 @@ impl SessionTotals {
             prefetches: s.prefetches,
             copies: s.copies,
             bytes_copied: s.bytes_copied,
-            stall_ns: s.stall_ns,
+            acquire_pending_ns: s.acquire_pending_ns,
+            gpu_wait_ns: s.gpu_wait_ns,
         }
     }
 }
@@ -591,6 +593,7 @@ impl std::ops::AddAssign for SessionTotals {
         self.prefetches += o.prefetches;
         self.copies += o.copies;
         self.bytes_copied += o.bytes_copied;
-        self.stall_ns += o.stall_ns;
+        self.acquire_pending_ns += o.acquire_pending_ns;
+        self.gpu_wait_ns += o.gpu_wait_ns;
     }
 }

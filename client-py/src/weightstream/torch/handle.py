@@ -83,6 +83,9 @@ class Handle:
     #: The first step's acquisitions while it runs; None once the plan is sent.
     _recording: policy.PlanRecorder | None = field(default_factory=policy.PlanRecorder)
     _lookahead: policy.Lookahead | None = None
+    #: The plan's first group: acquiring it outside a backward pass starts a step (for the
+    #: per-step waits); None until the plan is sent.
+    _step_start: int | None = None
     _held: _Held | None = None
     _pinned: list = field(default_factory=list)
     _hooks: HookRegistry = field(default_factory=HookRegistry)
@@ -142,6 +145,8 @@ class Handle:
         if training and self._recording is not None:
             if self._recording.add(layer.group, backward):
                 self.end_step()
+        elif training and backward is False and layer.group == self._step_start:
+            self.session.mark_step()
         with self._lock:
             ahead = self._lookahead
             number = ahead.take(layer.group) if ahead else self.session.submit(layer.group)
@@ -228,6 +233,8 @@ class Handle:
             plan = self._recording.groups
             self.session.plan(plan)
             self._start_lookahead(plan)
+            self._step_start = plan[0]
+            self.session.mark_step()
             self._recording = None
             if self._auto is not None:
                 self._auto_grow()
@@ -258,6 +265,7 @@ class Handle:
             self._recording = None
         else:
             self._recording = policy.PlanRecorder()
+            self._step_start = None
         if self._auto is not None:
             self._auto.budget = vram_budget
             self._auto.staging = self.session.opened.staging_bytes
@@ -283,18 +291,35 @@ class Handle:
             self._recording = policy.PlanRecorder()
 
     def stats(self) -> dict:
-        """The daemon's counters of the session (none when it does not list it), the
-        trainer's side of 8-bit streaming: ``dequant_peak_bytes``, the largest dequantized
-        weight so far, and ``dequant_scratch_peak_bytes``, the most device memory one
-        dequantization held at once (that weight and, below float32, its float32 product);
-        with ``vram_budget="auto"`` the policy's decisions (``auto_*``: ``AutoBudget.stats``);
-        where ``attach`` spent its time (``attach_*``: ``attach_phases``)."""
+        """The daemon's counters of the session (none when it does not list it); the time the
+        trainer's compute waited for weights, as this client measures it (on CUDA, on the
+        compute stream): ``gpu_wait_ns`` (more current than the daemon's copy, which follows
+        within 250 ms of a release), ``gpu_waits`` (the waits it sums),
+        ``gpu_wait_by_group`` (group name -> ns), ``gpu_wait_ns_per_step`` (each completed
+        step's, oldest first, the last 1024; a step starts when the plan's first group is
+        acquired outside a backward pass) and ``gpu_wait_ns_this_step``, all since the session
+        was opened (``set_budget`` and ``reconnect`` open it again); ``acquire_pending_ns`` is
+        the daemon's time with an acquire pending, look-ahead ones included, which is not a
+        wait of the trainer. The trainer's side of 8-bit streaming: ``dequant_peak_bytes``, the
+        largest dequantized weight so far, and ``dequant_scratch_peak_bytes``, the most device
+        memory one dequantization held at once (that weight and, below float32, its float32
+        product); with ``vram_budget="auto"`` the policy's decisions (``auto_*``:
+        ``AutoBudget.stats``); where ``attach`` spent its time (``attach_*``:
+        ``attach_phases``)."""
         out = {} if self._auto is None else self._auto.stats()
         out.update({f"attach_{k}": v for k, v in self.attach_phases.items()})
         s = self.session.stats()
         if s is not None:
             out.update({f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields})
             out["hit_rate"] = s.hits / s.acquires if s.acquires else 0.0
+        waits = self.session.gpu_wait()
+        out["gpu_wait_ns"] = waits.total_ns
+        out["gpu_waits"] = waits.waits
+        out["gpu_wait_by_group"] = {
+            g.name: ns for g, ns in zip(self.session.groups, waits.by_group, strict=True)
+        }
+        out["gpu_wait_ns_per_step"] = list(waits.per_step)
+        out["gpu_wait_ns_this_step"] = waits.this_step
         out["dequant_peak_bytes"] = self._dequant_peak
         out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
         return out
