@@ -360,9 +360,9 @@ def _streamed_count(module: nn.Module) -> int:
     return len(handle.streamed) if handle is not None else 0
 
 
-def run_load_model(sd, load_model, manager_cls):
-    """``sd.load_model()`` with ``layer_offloading`` as the module docstring says; as it is
-    without it."""
+def run_load_model(sd, load_model, manager_cls, is_accelerator=_is_accelerator):
+    """``sd.load_model()`` with ``layer_offloading`` as the module docstring says, attaching
+    with ``manager_cls`` (``MemoryManager``); as it is without it."""
     global ACTIVE
     config = getattr(sd, "model_config", None)
     if not getattr(config, "layer_offloading", False) or ACTIVE is not None:
@@ -370,7 +370,7 @@ def run_load_model(sd, load_model, manager_cls):
     device = torch.device(sd.device_torch)
     report = LoadingReport(model=type(sd).__name__)
     peak = DevicePeak(device)
-    guard = PlacementGuard()
+    guard = PlacementGuard(is_accelerator)
     started = time.monotonic()
     peak.start()
     guard.install()
