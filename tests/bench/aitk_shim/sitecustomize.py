@@ -109,6 +109,9 @@ class _StubDistribution(importlib.metadata.Distribution):
 def _dump():
     path = os.environ.get("WS_AITK_STUB_LOG")
     if path:
+        loading = sys.modules.get("weightstream.integrations.ai_toolkit.loading")
+        if loading is not None:  # weightstream-aitk's loading phases (layer_offloading)
+            _MM["loading"] = [vars(r) for r in loading.REPORTS]
         with open(path, "w") as f:
             touched = {k: sorted(v) for k, v in sorted(_TOUCHED.items())}
             json.dump({"touched": touched, "calls": _CALLS, "memory_manager": _MM}, f, indent=1)
@@ -135,24 +138,60 @@ if os.environ.get("WS_AITK_DETERMINISTIC") == "1":
     torch.backends.cudnn.benchmark = False
 
 
+_PHASES: dict = {}
+
+
+def _peaks(torch) -> dict:
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "max_memory_reserved": torch.cuda.max_memory_reserved(),
+    }
+
+
 def _stats():
     path = os.environ.get("WS_AITK_STATS")
     torch = sys.modules.get("torch")
     if not path or torch is None:
         return
-    stats = {}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    stats = _peaks(torch)
+    if _PHASES:  # the peaks since training began; the whole run's is the larger of the two
         stats = {
-            "max_memory_allocated": torch.cuda.max_memory_allocated(),
-            "max_memory_reserved": torch.cuda.max_memory_reserved(),
+            "loading": _PHASES,
+            "training": stats,
+            **{k: max(v, _PHASES.get(k, 0)) for k, v in stats.items()},
         }
     with open(path, "w") as f:
         json.dump(stats, f)
 
 
-# WS_AITK_STATS: the trainer's peak device memory as torch counts it, written at exit.
+def _phase_marker():
+    """``WS-PHASE training`` on stdout when the first step begins: the first call, with
+    gradients enabled, of a layer whose forward a LoRA replaced (ai-toolkit's ``apply_to`` puts
+    the LoRA module's forward on the layer; caching latents runs the VAE with gradients enabled
+    but no LoRA), for tests/bench/card.py's split of the device's peak into loading and
+    training; torch's peaks until then are kept as the loading phase's, then counted again."""
+    import torch
+
+    def first(module, args):
+        lora = getattr(vars(module).get("forward"), "__self__", None)
+        if not (torch.is_grad_enabled() and lora is not None and hasattr(lora, "lora_down")):
+            return
+        handle.remove()
+        _PHASES.update(_peaks(torch))
+        if _PHASES:
+            torch.cuda.reset_peak_memory_stats()
+        print("WS-PHASE training", flush=True)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(first)
+
+
+# WS_AITK_STATS: the trainer's peak device memory as torch counts it, while loading and while
+# training (split at the phase marker), written at exit.
 if os.environ.get("WS_AITK_STATS"):
     atexit.register(_stats)
+    _phase_marker()
 
 
 # Which MemoryManager served the run, and what ai-toolkit asked of it: once
@@ -295,15 +334,20 @@ if os.environ.get("WS_AITK_STUB_LOG"):
 # (extensions_built_in/diffusion_models/flux2/flux2_klein_model.py, `get_flux2_params`):
 # once that module is imported, the name is rebound to `Klein4BParams(**fields)`. Nothing
 # else of ai-toolkit is changed; both runs get the same fields.
-_PATCHED = "extensions_built_in.diffusion_models.flux2.flux2_klein_model"
+# WS_AITK_FLUX2_CLASS ("module:Name") names another such class: FLUX.2-dev's loader builds
+# `Flux2Params()` in flux2_model.py (its `get_flux2_params`).
+_PATCHED, _, _PARAMS = os.environ.get(
+    "WS_AITK_FLUX2_CLASS",
+    "extensions_built_in.diffusion_models.flux2.flux2_klein_model:Klein4BParams",
+).partition(":")
 
 
 def _patch_klein(module):
     import functools
 
     fields = json.loads(os.environ["WS_AITK_FLUX2_PARAMS"])
-    module.Klein4BParams = functools.partial(module.Klein4BParams, **fields)
-    _MM["patched"] = {f"{_PATCHED}.Klein4BParams": fields}
+    setattr(module, _PARAMS, functools.partial(getattr(module, _PARAMS), **fields))
+    _MM["patched"] = {f"{_PATCHED}.{_PARAMS}": fields}
 
 
 class _PatchFinder(importlib.abc.MetaPathFinder):
