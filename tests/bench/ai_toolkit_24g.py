@@ -623,6 +623,11 @@ def main(argv=None) -> int:
     (out / f"{STEM}.md").write_text(markdown(report))
     print(markdown(report), flush=True)
     ok = all(r["rc"] in (0, "not run") or r["summary"].get("oom") for r in results)
+    # weightstream's runs must have streamed: the transformer attached, layers streamed
+    for r in results:
+        if r["mode"] == "weightstream" and r["rc"] == 0:
+            attached = [a for rep in r["summary"]["launcher_loading"] for a in rep["attached"]]
+            ok = ok and any(a["role"] == "transformer" and a["streamed"] for a in attached)
     return 0 if ok and not any(call["stubs_called_outside_imports"].values()) else 1
 
 
