@@ -485,6 +485,9 @@ def summarize(result: dict) -> dict:
     for line in tail.splitlines():
         if "out of memory" in line.lower() or "OutOfMemoryError" in line:
             out["oom"] = line.strip()[:400]
+    card_oom = ((result.get("card") or {}).get("oom") or {}).get("lines")
+    if card_oom and "oom" not in out:
+        out["oom"] = str(card_oom[-1])[:400]
     return out
 
 
@@ -653,17 +656,11 @@ def _gib(n) -> str:
 
 
 def _card_phases(card: dict | None) -> tuple[str, str]:
-    """card.py's peak device use while loading and while training (GiB), as its JSON gives
-    them: ``phases: {loading: {peak_gib}, training: {peak_gib}}`` or flat
-    ``{loading,training}_peak_gib``."""
-    if not card:
-        return "-", "-"
-    phases = card.get("phases") or {}
-    got = []
-    for phase in ("loading", "training"):
-        value = (phases.get(phase) or {}).get("peak_gib", card.get(f"{phase}_peak_gib"))
-        got.append("-" if value is None else f"{float(value):.2f}")
-    return got[0], got[1]
+    """card.py's peak use of the card (what the run's processes took of the memory its helper
+    left) while loading and while training, GiB (``phases.<phase>.peak_card_gib``)."""
+    phases = (card or {}).get("phases") or {}
+    got = [(phases.get(p) or {}).get("peak_card_gib") for p in ("loading", "training")]
+    return tuple("-" if v is None else f"{float(v):.2f}" for v in got)
 
 
 def _model_lines(call: dict) -> list[str]:
@@ -726,7 +723,7 @@ def markdown(report: dict) -> str:
             " s/step is the median of the logged steps' gaps after the first",
             *_model_lines(call),
             "",
-            "| run | rc | s/step | first step | device peak GiB loading / training (card)"
+            "| run | rc | s/step | first step | card GiB in use loading / training (card.py)"
             " | torch peak GiB loading / training | host GiB trainer / daemon |",
             "| --- | --- | --- | --- | --- | --- | --- |",
         ]

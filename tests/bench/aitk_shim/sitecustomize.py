@@ -22,6 +22,7 @@ import importlib.metadata
 import json
 import os
 import sys
+import time
 import types
 
 _NAMES = {n.strip() for n in os.environ.get("WS_AITK_STUBS", "").split(",") if n.strip()}
@@ -167,7 +168,8 @@ def _stats():
 
 
 def _phase_marker():
-    """``WS-PHASE training`` on stdout when the first step begins: the first call, with
+    """``WS-PHASE training`` (to $WS_PHASE_FILE when tests/bench/card.py set it, else on
+    stdout) when the first step begins: the first call, with
     gradients enabled, of a layer whose forward a LoRA replaced (ai-toolkit's ``apply_to`` puts
     the LoRA module's forward on the layer; caching latents runs the VAE with gradients enabled
     but no LoRA), for tests/bench/card.py's split of the device's peak into loading and
@@ -182,7 +184,13 @@ def _phase_marker():
         _PHASES.update(_peaks(torch))
         if _PHASES:
             torch.cuda.reset_peak_memory_stats()
-        print("WS-PHASE training", flush=True)
+        line = f"WS-PHASE training t={time.time():.6f} first step"
+        path = os.environ.get("WS_PHASE_FILE")  # card.py's, when it runs this job
+        if path:
+            with open(path, "a") as f:
+                f.write(line + "\n")
+        else:
+            print(line, flush=True)
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(first)
 
