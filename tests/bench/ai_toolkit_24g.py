@@ -62,8 +62,10 @@ MISTRAL_REPO = "mistralai/Mistral-Small-3.1-24B-Instruct-2503"  # flux2_model.MI
 MISTRAL_LAYERS = 30  # pipeline.OUTPUT_LAYERS_MISTRAL reads hidden states 10, 20 and 30
 FLUX2_FILE = "flux2-dev.safetensors"  # flux2_model.FLUX2_TRANSFORMER_FILENAME
 FLUX2_CLASS = "extensions_built_in.diffusion_models.flux2.flux2_model:Flux2Params"
+#: In the order they are worth the device time: the comparison at rank 32 first (ai-toolkit's
+#: run is the shorter: it quantizes on the device), then the full link, then rank 128.
 DEFAULT_RUNS = (
-    "weightstream:r32:25GB/s,aitk:r32,weightstream:r128:25GB/s,weightstream:r32:full,"
+    "aitk:r32,weightstream:r32:25GB/s,weightstream:r32:full,weightstream:r128:25GB/s,"
     "aitk:r128,weightstream:r128:full"
 )
 CARD_CMD = "{python} tests/bench/card.py --gib {gib}{link} --json {json}"
@@ -449,13 +451,16 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
         cmd = [*card, "--", sys.executable, str(Path(__file__).resolve()), "--one", str(spec_path)]
         print(f"[{run['label']}] {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
-        done = subprocess.run(cmd, cwd=real.REPO, timeout=args.timeout + 120)
+        try:  # the run inside has its own --timeout; this one is for card.py itself
+            rc = subprocess.run(cmd, cwd=real.REPO, timeout=args.timeout + 120).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
         result_path = Path(spec["result"])
         if result_path.exists():
             result = json.loads(result_path.read_text())
         else:
-            result = {"mode": name, "rc": done.returncode, "wall_s": time.monotonic() - t0}
-        result["card_rc"] = done.returncode
+            result = {"mode": name, "rc": rc, "wall_s": time.monotonic() - t0}
+        result["card_rc"] = rc
         result["card_command"] = cmd
         if card_json.exists():
             result["card"] = json.loads(card_json.read_text())
@@ -688,7 +693,7 @@ def _model_lines(call: dict) -> list[str]:
             " cast to bf16 by the loader); its `AutoEncoder` at the real size;",
             f"- reduced: the text encoder, Mistral3ForConditionalGeneration with"
             f" {te['layers']} layers (Mistral Small 3.1: 40; the pipeline reads hidden states"
-            f" 10, 20, 30) of width {te['hidden_size']} (the real one) but attention"
+            f" 10, 20, 30) of width {te['hidden_size']} (5120 in the real one), attention"
             f" {te['num_attention_heads']} x {te['head_dim']} / {te['num_key_value_heads']} kv"
             f" heads (32 / 8) and MLP {te['intermediate_size']} (32768), a byte-level vocabulary"
             f" of {te['vocab']} and a one-layer vision tower: {te['params'] / 1e9:.2f} B"
@@ -751,12 +756,19 @@ def markdown(report: dict) -> str:
                 lines.append(
                     f"- {r['label']}: weightstream-aitk loaded {rep['model']} in"
                     f" {rep['seconds']:.0f} s, attached"
-                    f" {', '.join(a['role'] + ' (' + a['by'] + ')' for a in rep['attached'])},"
+                    " "
+                    + ", ".join(
+                        f"{a['role']} ({a['by']}, {a['streamed']} layers streamed)"
+                        for a in rep["attached"]
+                    )
+                    + ","
                     f" held up to {rep['held_bytes'] / 1e9:.1f} GB on the CPU; peak while"
                     f" loading: torch {_gib(peak.get('torch_max_allocated'))} GiB, NVML"
                     f" {_gib(peak.get('nvml_used_peak'))} GiB (device, from"
                     f" {_gib(peak.get('nvml_used_at_start'))})"
                 )
+        lines += ["", "Losses (ai-toolkit's UILogger, the logged steps):", ""]
+        lines += [f"- {r['label']}: {r.get('losses')}" for r in call["runs"] if r.get("losses")]
         lines += ["", "job.yaml (every run; rank and optimizer as the run says):", "", "```yaml"]
         lines += [next((r["yaml"] for r in call["runs"] if "yaml" in r), "").rstrip(), "```", ""]
     return "\n".join(lines)

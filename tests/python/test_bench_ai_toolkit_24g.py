@@ -43,7 +43,7 @@ def test_runs(text, want):
 
 def test_every_default_run_parses():
     labels = [r["label"] for r in bench.parse_runs(bench.DEFAULT_RUNS)]
-    assert labels[:2] == ["weightstream r32 25GB/s", "aitk r32"]
+    assert labels[:2] == ["aitk r32", "weightstream r32 25GB/s"]
     assert len(labels) == len(set(labels)) == 6
 
 
