@@ -7,7 +7,10 @@ toolkit.memory_management import MemoryManager`` in the loaders, the trainer and
 ``toolkit/unloader.py``; ``... import sync_grad_transfers`` in ``SDTrainer``; ``from
 toolkit.memory_management.manager import MemoryManager`` in the FLUX.2 and Wan loaders); the
 real ``toolkit`` package is imported as usual around it. The manager itself is loaded when
-ai-toolkit first imports it.
+ai-toolkit first imports it. A second finder hooks ai-toolkit's model base classes
+(``toolkit.models.base_model.BaseModel``, ``toolkit.stable_diffusion_model.StableDiffusion``)
+once they are imported: with ``layer_offloading`` their ``load_model`` keeps the streamable
+weights off the device and attaches what the loader left unattached (``loading``).
 
 Settings: a top-level ``weightstream:`` section of the job's YAML (ai-toolkit reads only
 ``job``, ``config`` and ``meta``) and ``WEIGHTSTREAM_*`` variables, which win (``settings``).
@@ -37,7 +40,9 @@ CONFIG_EXTENSIONS = (".json", ".jsonc", ".yaml", ".yml")  # ai-toolkit's toolkit
 USAGE = f"""usage: weightstream-aitk RUN_PY CONFIG [CONFIG ...] [-r] [-n NAME] [-l LOG]
 
 Runs ai-toolkit's RUN_PY (its run.py) with layer offloading served by weightstream: keep
-`model.layer_offloading: true` (and the *_percent settings) in the job's YAML. Optional settings
+`model.layer_offloading: true` (and the *_percent settings) in the job's YAML. While the model
+loads, Linear/Conv2d weights stay on the CPU (quantized there with quantize: true) and are
+uploaded at attach; models the loader does not attach are attached after it. Optional settings
 in a top-level `weightstream:` section of the YAML, or in the environment (which wins):
 {chr(10).join(f"  {var:28} weightstream.{key}" for key, var in ENV.items())}
 """
