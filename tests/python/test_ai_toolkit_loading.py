@@ -556,3 +556,24 @@ def toolkit(tmp_path, daemon):
         for name in [n for n in sys.modules if n == "toolkit" or n.startswith("toolkit.")]:
             del sys.modules[name]
         sys.path.remove(str(root))
+
+
+def test_the_real_manager_under_the_guard_places_what_it_attaches(daemon, aitk_models):
+    """The guard holding every move, the CPU's included (the host backend's device), around
+    weightstream's own MemoryManager: attach takes the layers over (streamed, or moved with the
+    rest), nothing it attached is placed again afterwards, and training equals the job without
+    offloading bit for bit."""
+    Flux1 = flux1_on(aitk_models.StableDiffusion)
+    ref = Flux1("cpu", config(layer_offloading=False))
+    ref.load_model()
+    sd = Flux1("cpu", config())
+    manager = aitk_models.tk.package.MemoryManager
+    loading.run_load_model(
+        sd, type(sd).load_model.__get__(sd), manager, is_accelerator=lambda d: d.type == "cpu"
+    )
+    report = loading.REPORTS[-1]
+    assert [a["role"] for a in report.attached] == ["transformer", "text encoder", "text encoder"]
+    assert report.placed_after == 0 and report.held_bytes > 0
+    assert_equal_runs(train_flux1(ref), train_flux1(sd))
+    for module in (sd.unet, *sd.text_encoder):
+        manager.free(module)
