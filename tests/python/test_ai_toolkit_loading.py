@@ -577,3 +577,73 @@ def test_the_real_manager_under_the_guard_places_what_it_attaches(daemon, aitk_m
     assert_equal_runs(train_flux1(ref), train_flux1(sd))
     for module in (sd.unet, *sd.text_encoder):
         manager.free(module)
+
+
+def make_unet():
+    """A tiny SDXL-shaped diffusers UNet: Conv2d layers beside the attention's Linear ones."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=8,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(16, 32),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
+
+
+def test_an_sdxl_shaped_unet_is_attached_after_loading_and_trains_bit_exact(daemon, aitk_models):
+    """StableDiffusion's SDXL branch attaches nothing either: the launcher streams the UNet,
+    Conv2d layers included, and the text encoder."""
+
+    class Sdxl(aitk_models.StableDiffusion):
+        def load_model(self):
+            unet, te = make_unet(), TextEncoder()
+            te.to(self.device_torch, dtype=DTYPE)
+            unet.to(self.device_torch, dtype=DTYPE)
+            unet.requires_grad_(False)
+            te.requires_grad_(False)
+            self.unet, self.text_encoder = unet, [te]
+
+    def train(sd, steps=2):
+        run, unet = Run(), sd.unet
+        network = LoRANetwork(unet)
+        network.force_to("cpu", torch.float32)
+        network.apply_to()
+        network.requires_grad_(True)
+        params = list(network.parameters())
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        g = torch.Generator().manual_seed(5)
+        for ids in prompts(steps):
+            with torch.no_grad():
+                embeds, _ = sd.text_encoder[0](ids)
+            x = torch.randn(1, 4, 8, 8, generator=g).to(DTYPE)
+            out = unet(x, torch.tensor([10]), encoder_hidden_states=embeds).sample
+            loss = out.float().pow(2).mean()
+            loss.backward()
+            run.losses.append(loss.detach())
+            run.grads.append([p.grad.clone() for p in params])
+            optimizer.step()
+            optimizer.zero_grad()
+        run.lora = [p.detach().clone() for p in params]
+        return run
+
+    ref = Sdxl("cpu", config(layer_offloading=False))
+    ref.load_model()
+    sd = Sdxl("cpu", config())
+    sd.load_model()
+    streamed = sd.unet._memory_manager.handle.streamed
+    kinds = {type(layer.module).__name__ for layer in streamed.values()}
+    assert kinds == {"Conv2d", "Linear"}, kinds
+    assert sd.text_encoder[0]._memory_manager.handle.streamed
+    got = train(sd)
+    assert len(got.grads[0]) > 0
+    assert_equal_runs(train(ref), got)
+    for module in (sd.unet, *sd.text_encoder):
+        aitk_models.tk.package.MemoryManager.free(module)
