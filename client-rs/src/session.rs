@@ -174,7 +174,7 @@ impl Session {
             label: options.label.clone(),
             copy_bandwidth_limit: options.copy_bandwidth_limit,
         };
-        let status = |s| ClientError::from_status(client.socket(), s);
+        let status = |s| client.status(s);
         let opened = rpc
             .open_session(request)
             .await
@@ -459,7 +459,7 @@ impl Session {
         };
         rpc.close_session(request)
             .await
-            .map_err(|s| ClientError::from_status(self.client.socket(), s))?;
+            .map_err(|s| self.client.status(s))?;
         Ok(())
     }
 }

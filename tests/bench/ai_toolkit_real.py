@@ -69,6 +69,8 @@ import threading
 import time
 from pathlib import Path
 
+from card import phase
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SHIM = HERE / "aitk_shim"
@@ -619,6 +621,7 @@ def run_one(
         }
     )
     env.update(extra_env)
+    env["WS_PHASE_LABEL"] = mode  # the shim marks the training phase for tests/bench/card.py
     if not cuda:
         env["WS_AITK_HIDE"] = "triton"
     daemon = None
@@ -635,6 +638,7 @@ def run_one(
             "job.yaml",
         ]
     print(f"[{mode}] {' '.join(cmd)}  (cwd {folder})", flush=True)
+    phase("loading", mode)
     t0, started = time.monotonic(), time.time()
     with open(folder / "trainer.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)

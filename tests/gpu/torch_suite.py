@@ -1,5 +1,7 @@
 """weightstream.torch.attach on the H200: the CPU tests' equality checks on CUDA (bf16, with
-gradient checkpointing, deterministic algorithms on both sides) and the prefetch hit rate.
+gradient checkpointing, deterministic algorithms on both sides; 8-bit streaming; torchao's
+weights streamed as they are, against the same torchao layers in place) and the prefetch hit
+rate.
 Prints PASS/FAIL per check and "N passed, M failed"; exits non-zero on any failure."""
 
 from __future__ import annotations
@@ -126,6 +128,108 @@ def comfy_mixed_on_cuda():
     return "3 dtypes x 3 scales bit for bit"
 
 
+TORCHAO_WHEEL = "torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+
+
+def torchao():
+    """torchao's quantization module (its wheel carried in .whl/, installed by run.sh)."""
+    try:
+        import torchao.quantization as tq
+    except ImportError as e:
+        raise RuntimeError(f"torchao is not installed: carry .whl/{TORCHAO_WHEEL}") from e
+    return tq
+
+
+def torchao_configs():
+    tq = torchao()
+    return {
+        quantize.TORCHAO_FLOAT8_ROWWISE: tq.Float8WeightOnlyConfig,
+        quantize.TORCHAO_INT8_ROWWISE: tq.Int8WeightOnlyConfig,
+    }
+
+
+def torchao_formulas():
+    """On CUDA, where FLUX trains: ``dequantize_as`` (the fused kernel for float8) equals
+    torchao's ``dequantize()``, and ``linear_as`` equals torchao's own ``F.linear`` (output and
+    input gradient), for FLUX's shapes, in bf16 and fp32."""
+    from weightstream.torch import torchao_weights
+
+    tq = torchao()
+    bad, n = [], 0
+    g = torch.Generator().manual_seed(11)
+    for fmt, config in torchao_configs().items():
+        for (out, inputs), dtype in [
+            ((3072, 3072), torch.bfloat16),
+            ((12288, 3072), torch.bfloat16),
+            ((3072, 12288), torch.bfloat16),
+            ((1000, 333), torch.float32),
+        ]:
+            layer = torch.nn.Linear(inputs, out, device="cuda", dtype=dtype)
+            tq.quantize_(layer, config())
+            w = layer.weight
+            form = torchao_weights.upload_form(w)
+            if fmt == quantize.TORCHAO_FLOAT8_ROWWISE:
+                assert _fused_dequant.applies(w.qdata, w.scale, dtype), "no fused kernel"
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
+            got = quantize.dequantize_weight(form, dtype)
+            if not torch.equal(got.view(bits), w.dequantize().view(bits)):
+                bad.append(f"{fmt} {out}x{inputs} {dtype}: dequantize")
+            x = torch.randn(2, 512, inputs, generator=g).to("cuda", dtype)
+            want, want_grad = _output_and_input_grad(torch.nn.functional.linear, x, w, layer.bias)
+            form = form._replace(dtype=dtype)
+            y, grad = _output_and_input_grad(_linear_as, x, form, layer.bias)
+            if not torch.equal(y, want) or not torch.equal(grad, want_grad):
+                bad.append(f"{fmt} {out}x{inputs} {dtype}: linear")
+            n += 1
+    assert not bad, f"differ from torchao on CUDA: {bad}"
+    return f"{n} layers: dequantize, linear and its input gradient bit for bit"
+
+
+def _output_and_input_grad(linear, x, weight, bias):
+    """``linear(x, weight, bias)`` and the gradient of ``x`` for an upstream gradient made
+    from the output."""
+    x = x.clone().requires_grad_(True)
+    y = linear(x, weight, bias)
+    y.backward(torch.ones_like(y).mul_(0.5).add_(y.detach().sin()))
+    return y.detach(), x.grad
+
+
+def _linear_as(x, weight: quantize.Fp8Weight, bias):
+    return quantize.linear_as(weight, x, bias)
+
+
+def torchao_equality(client, fmt, dtype, ckpt, autocast=False, group_by="layer", steps=4):
+    """The LoRA model with its base layers quantized by torchao on the GPU, streamed (each
+    torchao weight uploaded as torchao holds it) against the same quantized model in place."""
+    ref = t.make_model(dtype).cuda()
+    torchao().quantize_(
+        ref, torchao_configs()[fmt](), filter_fn=lambda m, fqn: fqn.endswith("base_layer")
+    )
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = ckpt
+    budget, staging = t.BUDGETS[group_by, dtype]
+    handle = wst.attach(
+        streamed,
+        "cuda",
+        client=client,
+        min_bytes=0,
+        vram_budget=budget,
+        staging_bytes=staging,
+        group_by=group_by,
+    )
+    placed = {p.name: p.quantization for g in handle.session.groups for p in g.tensors}
+    as_is = [n for n, q in placed.items() if q == fmt]
+    assert len(as_is) == 18, f"{len(as_is)} weights streamed as {fmt}"
+    xs = t.inputs(steps, dtype, device="cuda")
+    t.assert_equal_runs(
+        t.train(ref, xs, sample_between=True, autocast=autocast),
+        t.train(streamed, xs, sample_between=True, autocast=autocast),
+    )
+    stats = handle.stats()
+    handle.detach(release=True)
+    return f"{len(as_is)} torchao weights streamed, {stats['acquires']} acquires"
+
+
 def hit_rate(client):
     model = t.make_model(torch.bfloat16).cuda()
     model.ckpt = "non-reentrant"
@@ -183,6 +287,25 @@ def main():
             lambda: equality(client, torch.float32, None, group_by="block", fp8=True),
         ),
         ("ComfyUI mixed-precision fp8 == ComfyUI's own expression on CUDA", comfy_mixed_on_cuda),
+        ("torchao float8/int8: dequantize and linear == torchao's own on CUDA", torchao_formulas),
+        (
+            "equal: torchao float8 weights, bf16, non-reentrant checkpointing",
+            lambda: torchao_equality(
+                client, quantize.TORCHAO_FLOAT8_ROWWISE, torch.bfloat16, "non-reentrant"
+            ),
+        ),
+        (
+            "equal: torchao float8 weights, fp32 under bf16 autocast, by block",
+            lambda: torchao_equality(
+                client, quantize.TORCHAO_FLOAT8_ROWWISE, torch.float32, None, True, "block"
+            ),
+        ),
+        (
+            "equal: torchao int8 weights, bf16, reentrant checkpointing, by block",
+            lambda: torchao_equality(
+                client, quantize.TORCHAO_INT8_ROWWISE, torch.bfloat16, "reentrant", False, "block"
+            ),
+        ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
     ]
     passed = failed = 0

@@ -4,7 +4,7 @@ from collections.abc import Callable
 from os import PathLike
 from typing import Any
 
-DEFAULT_SOCKET: str
+SYSTEM_SOCKET: str
 SOCKET_ENV: str
 DTYPES: dict[str, int]
 BACKENDS: dict[str, int]
@@ -67,6 +67,7 @@ class Client:
         name: str,
         tensors: list[tuple[str, int, list[int]]],
         quantize: list[str] = ...,
+        prequantized: dict[str, tuple[str, list[int]]] = ...,
     ) -> BeginUploadResponse: ...
     def commit_upload(self, upload_id: str) -> tuple[ModelManifest, bool]: ...
     def release_model(self, model_id: str) -> int: ...

@@ -38,12 +38,12 @@ def device_uuid(device: torch.device) -> str:
 def tensor_view(base: torch.Tensor, start: int, t) -> torch.Tensor | Fp8Weight:
     """The view of placement ``t`` at byte ``start`` of a region's bytes: a tensor of its dtype
     and shape, or for an 8-bit tensor (``quantize.FORMATS``) an ``Fp8Weight`` of its data
-    (e4m3fn, its shape), scales (f32, ``scale_shape``, ``scale_offset`` bytes further) and
-    format."""
+    (its dtype, e4m3fn or int8, and shape), scales (f32, ``scale_shape``, ``scale_offset``
+    bytes further) and format."""
     shape = tuple(t.shape)
     if t.quantization in FORMATS:
         numel = math.prod(shape)
-        data = base[start : start + numel].view(torch.float8_e4m3fn).view(shape)
+        data = base[start : start + numel].view(_dtypes.TO_TORCH[t.dtype]).view(shape)
         scales = start + t.scale_offset
         count = math.prod(t.scale_shape)
         scale = base[scales : scales + 4 * count].view(torch.float32).view(tuple(t.scale_shape))

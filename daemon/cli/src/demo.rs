@@ -24,15 +24,18 @@ pub struct DemoArgs {
     /// Size of the synthetic model (default: an eighth of available memory, 64 MiB to 2 GiB).
     #[arg(long, env = "WEIGHTSTREAM_DEMO_SIZE")]
     size: Option<ByteSize>,
-    /// Training steps to run (the first records the plan).
+    /// Training steps to run, 2 to 1000 (the first records the plan).
     #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(2..=1000))]
     steps: u32,
-    /// Size of each weight tensor, one group each (default: the model size / 48).
+    /// Size of each weight tensor, one group each (default: the model size / 48; kept within
+    /// 4 KiB to 256 MiB and the model size).
     #[arg(long)]
     group_size: Option<ByteSize>,
-    /// Device budget of the session (default: a quarter of the model).
+    /// Device budget of the session (default: a quarter of the model; at least one group).
     #[arg(long)]
     budget: Option<ByteSize>,
+    /// Which backend the embedded daemon runs: auto picks CUDA when a driver and a device are
+    /// present, else host.
     #[arg(long, env = "WEIGHTSTREAM_BACKEND", default_value = "auto")]
     backend: Backend,
     /// Stream the model quantized by the daemon at load: none, fp8 (= fp8_e4m3_block64). The
@@ -167,7 +170,7 @@ pub async fn run(args: DemoArgs) -> CliResult {
     spinner.finish_and_clear();
 
     let config = ConfigFile {
-        socket: dir.path().join("weightstream.sock"),
+        socket: Some(dir.path().join("weightstream.sock")),
         backend: args.backend.into(),
         ..ConfigFile::default()
     }

@@ -148,9 +148,9 @@ impl Daemon {
             .collect();
         let ledger = SessionLedger::new(&config.quotas, config.limits.max_sessions, &devices);
         tracing::info!(
-            max_host_bytes = host.max_bytes,
-            max_device_bytes = ?ledger.device_limits(),
-            per_uid = ?config.quotas,
+            configured = %config.quotas,
+            host_total_bytes = host.max_bytes,
+            device_total_bytes = ?ledger.device_limits(),
             "quotas (0: no limit)"
         );
         let limits = StoreLimits {

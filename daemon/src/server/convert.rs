@@ -36,6 +36,8 @@ pub fn quantization_to_pb(q: Quantization) -> pb::Quantization {
         Quantization::Fp8E4m3Block64 => pb::Quantization::Fp8E4m3Block64,
         Quantization::Fp8ScaledMusubi => pb::Quantization::Fp8ScaledMusubi,
         Quantization::Fp8ScaledComfy => pb::Quantization::Fp8ScaledComfy,
+        Quantization::TorchaoFloat8Rowwise => pb::Quantization::TorchaoFloat8Rowwise,
+        Quantization::TorchaoInt8Rowwise => pb::Quantization::TorchaoInt8Rowwise,
     }
 }
 
@@ -45,6 +47,8 @@ pub fn quantization_from_pb(value: i32) -> Option<Quantization> {
         pb::Quantization::Fp8E4m3Block64 => Some(Quantization::Fp8E4m3Block64),
         pb::Quantization::Fp8ScaledMusubi => Some(Quantization::Fp8ScaledMusubi),
         pb::Quantization::Fp8ScaledComfy => Some(Quantization::Fp8ScaledComfy),
+        pb::Quantization::TorchaoFloat8Rowwise => Some(Quantization::TorchaoFloat8Rowwise),
+        pb::Quantization::TorchaoInt8Rowwise => Some(Quantization::TorchaoInt8Rowwise),
     }
 }
 

@@ -19,10 +19,10 @@ import atexit
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
-import time
 import types
 
 _NAMES = {n.strip() for n in os.environ.get("WS_AITK_STUBS", "").split(",") if n.strip()}
@@ -167,39 +167,10 @@ def _stats():
         json.dump(stats, f)
 
 
-def _phase_marker():
-    """``WS-PHASE training`` (to $WS_PHASE_FILE when tests/bench/card.py set it, else on
-    stdout) when the first step begins: the first call, with
-    gradients enabled, of a layer whose forward a LoRA replaced (ai-toolkit's ``apply_to`` puts
-    the LoRA module's forward on the layer; caching latents runs the VAE with gradients enabled
-    but no LoRA), for tests/bench/card.py's split of the device's peak into loading and
-    training; torch's peaks until then are kept as the loading phase's, then counted again."""
-    import torch
-
-    def first(module, args):
-        lora = getattr(vars(module).get("forward"), "__self__", None)
-        if not (torch.is_grad_enabled() and lora is not None and hasattr(lora, "lora_down")):
-            return
-        handle.remove()
-        _PHASES.update(_peaks(torch))
-        if _PHASES:
-            torch.cuda.reset_peak_memory_stats()
-        line = f"WS-PHASE training t={time.time():.6f} first step"
-        path = os.environ.get("WS_PHASE_FILE")  # card.py's, when it runs this job
-        if path:
-            with open(path, "a") as f:
-                f.write(line + "\n")
-        else:
-            print(line, flush=True)
-
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(first)
-
-
 # WS_AITK_STATS: the trainer's peak device memory as torch counts it, while loading and while
-# training (split at the phase marker), written at exit.
+# training (split where the training phase starts: `_mark_training` below), written at exit.
 if os.environ.get("WS_AITK_STATS"):
     atexit.register(_stats)
-    _phase_marker()
 
 
 # Which MemoryManager served the run, and what ai-toolkit asked of it: once
@@ -359,11 +330,14 @@ def _patch_klein(module):
 
 
 class _PatchFinder(importlib.abc.MetaPathFinder):
-    """Finds `_PATCHED` with the finders after it, then runs `_patch_klein` once the module
+    """Finds module `name` with the finders after it, then runs `patch` on the module once it
     has executed."""
 
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _PATCHED:
+        if fullname != self.name:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -377,16 +351,48 @@ class _PatchFinder(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch_klein(module)
+            self.patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
 if os.environ.get("WS_AITK_FLUX2_PARAMS"):
-    sys.meta_path.insert(0, _PatchFinder())
+    sys.meta_path.insert(0, _PatchFinder(_PATCHED, _patch_klein))
     if not (_NAMES or _HIDE or os.environ.get("WS_AITK_STUB_LOG")):
         atexit.register(_dump)
+
+
+# WS_PHASE_FILE (tests/bench/card.py, the emulated card): the training phase starts at the
+# first step of ai-toolkit's train loop, which opens with `self.timer.start('train_loop')`
+# (jobs/process/BaseSDTrainProcess.py, `run`; the Timer of toolkit/timer.py): the first such
+# call appends card.py's marker, labelled with WS_PHASE_LABEL. With WS_AITK_STATS, torch's
+# peaks until then are kept as the loading phase's, and counted again from there.
+def _mark_training(module):
+    start = module.Timer.start
+
+    def timed_start(self, timer_name):
+        if timer_name == "train_loop" and not _MM.get("training_marked"):
+            _MM["training_marked"] = True
+            torch = sys.modules.get("torch")
+            if os.environ.get("WS_AITK_STATS") and torch is not None:
+                _PHASES.update(_peaks(torch))
+                if _PHASES:
+                    torch.cuda.reset_peak_memory_stats()
+            if os.environ.get("WS_PHASE_FILE"):
+                spec = importlib.util.spec_from_file_location(
+                    "ws_card", os.path.join(os.path.dirname(os.path.dirname(__file__)), "card.py")
+                )
+                card = sys.modules["ws_card"] = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(card)
+                card.phase("training", os.environ.get("WS_PHASE_LABEL", ""))
+        return start(self, timer_name)
+
+    module.Timer.start = timed_start
+
+
+if os.environ.get("WS_PHASE_FILE") or os.environ.get("WS_AITK_STATS"):
+    sys.meta_path.insert(0, _PatchFinder("toolkit.timer", _mark_training))
 
 
 # WS_AITK_PROBE: where two runs part. Every nn.Linear call (in call order, the first

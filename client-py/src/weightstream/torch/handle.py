@@ -19,6 +19,7 @@ from weightstream.session import Session
 from weightstream.torch import budget, ops, policy
 from weightstream.torch.hooks import HookRegistry
 from weightstream.torch.options import StreamOptions
+from weightstream.torch.torchao_weights import Rebuild
 
 
 @dataclass(eq=False)
@@ -39,6 +40,8 @@ class StreamedLayer:
     #: ``pinned`` when the op may run on it and autograd may keep it (not an 8-bit weight,
     #: which is dequantized per call); else None.
     fixed: tuple | None = None
+    #: A torchao weight streamed as it is: what makes it again (``detach``); else None.
+    rebuild: Rebuild | None = None
 
     @property
     def input_grad(self) -> str:
@@ -102,18 +105,28 @@ class Handle:
     # --- used by the streamed layers ----------------------------------------------------
 
     def _dequantized(self, layer: StreamedLayer, views: tuple) -> tuple:
+        """The (weight, bias) the layer's op takes: the views; an 8-bit weight dequantized to
+        the layer's dtype; or, in a format of ``quantize.OWN_LINEAR``, the 8-bit weight with
+        that dtype, for the op to compute its library's linear (``quantize.linear_as``)."""
         weight, bias = views
         if not isinstance(weight, Fp8Weight):
             return views
-        fused = weight.format == quantize.FP8_E4M3_BLOCK64 and _fused_dequant.applies(
-            weight.data, weight.scale, layer.dtype
-        )
-        w = quantize.dequantize_weight(weight, layer.dtype)
-        # The torch path forms the product in a float32 copy; the fused kernel writes w only.
-        product = 0 if fused or w.dtype == torch.float32 else w.numel() * 4
-        self._dequant_peak = max(self._dequant_peak, w.nbytes)
-        self._dequant_scratch_peak = max(self._dequant_scratch_peak, w.nbytes + product)
-        return w, bias
+        # What the dequantization holds (the int8 linear's cast of q is counted alike).
+        numel = weight.data.numel()
+        size = numel * layer.dtype.itemsize
+        # The torch path forms the product in a float32 copy; the fused kernel writes w only,
+        # and the int8 linear forms no product.
+        fused = weight.format in (
+            quantize.FP8_E4M3_BLOCK64,
+            quantize.TORCHAO_FLOAT8_ROWWISE,
+        ) and _fused_dequant.applies(weight.data, weight.scale, layer.dtype)
+        int8 = weight.format == quantize.TORCHAO_INT8_ROWWISE
+        product = 0 if fused or int8 or layer.dtype == torch.float32 else numel * 4
+        self._dequant_peak = max(self._dequant_peak, size)
+        self._dequant_scratch_peak = max(self._dequant_scratch_peak, size + product)
+        if weight.format in quantize.OWN_LINEAR:
+            return weight._replace(dtype=layer.dtype), bias
+        return quantize.dequantize_weight(weight, layer.dtype), bias
 
     def _acquire(self, layer: StreamedLayer, training: bool) -> tuple:
         """The layer's (weight, bias) views, from the group's held ticket when it serves this
@@ -350,7 +363,8 @@ class Handle:
 
     def detach(self, release: bool = False, device: torch.device | str | None = None):
         """Puts the weights back into the layers (on ``device``, by default the session's;
-        an 8-bit weight comes back dequantized, as the layer computed with it),
+        an 8-bit weight comes back dequantized, as the layer computed with it, and a torchao
+        weight as torchao's tensor again),
         removes weightstream's forwards (what other libraries installed stays) and closes the
         session; with ``release``, also drops this handle's reference to the daemon's copy (it
         goes when no other session uses it)."""
@@ -360,8 +374,14 @@ class Handle:
         self._unpin()
         for name, layer in self.streamed.items():
             ticket = self.session.acquire(layer.group)
-            weight, bias = self._dequantized(layer, layer.views(ticket))
-            weight = weight.to(device, copy=True)
+            weight, bias = layer.views(ticket)
+            if layer.rebuild is not None:  # torchao's tensor again, as it was attached
+                weight = layer.rebuild(
+                    weight.data.to(device, copy=True), weight.scale.to(device, copy=True)
+                )
+            else:
+                weight, _ = self._dequantized(layer, (weight, bias))
+                weight = weight.to(device, copy=True)
             bias = bias.to(device, copy=True) if bias is not None else None
             self.session.release(ticket)
             self._hooks.remove(name)
