@@ -19,7 +19,8 @@ with its own streams: the link cap does not reach it (it always has the H200's f
 
 With `--card GIB` each run is wrapped in tests/bench/card.py (`--card-cmd`), which holds all but
 GIB of the device for the run's whole life, daemon included, and reports the device's peak use
-while loading and while training (the shim prints `WS-PHASE training` at the first step). Runs
+while loading and while training (the shim marks the training phase at ai-toolkit's first
+train loop step, and splits torch's peaks in the trainer there). Runs
 are started in order while `--budget-s` allows (a run is expected to take as long as the longest
 so far, `--first-run-s` before any); the rest are recorded as not run.
 
