@@ -530,6 +530,14 @@ def read_log(db: Path) -> dict:
     }
 
 
+def read_log_times(db: Path) -> list[float]:
+    con = sqlite3.connect(db)
+    try:
+        return [t for (t,) in con.execute("SELECT wall_time FROM steps ORDER BY step")]
+    finally:
+        con.close()
+
+
 def lora_tensors(output: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -538,11 +546,13 @@ def lora_tensors(output: Path) -> dict:
     return load_file(files[-1])
 
 
-def start_daemon(binary: str, folder: Path, backend: str):
+def start_daemon(binary: str, folder: Path, backend: str, link: str | None = None):
+    """The daemon on ``folder/ws.sock``; ``link`` (e.g. ``25GB/s``) caps its copies."""
     sock = folder / "ws.sock"
     log = open(folder / "daemon.log", "wb")
+    cap = ["--copy-bandwidth-limit", link] if link else []
     proc = subprocess.Popen(
-        [binary, "serve", "--backend", backend, "--socket", str(sock)],
+        [binary, "serve", "--backend", backend, "--socket", str(sock), *cap],
         stderr=log,
         stdout=log,
         env={**os.environ, "WEIGHTSTREAM_LOG": os.environ.get("WEIGHTSTREAM_LOG", "warn")},
@@ -566,10 +576,13 @@ def run_one(
     yaml_text: str,
     cuda: bool,
     extra_env: dict,
+    kind: str | None = None,
+    link: str | None = None,
 ):
     # "MODE#N": MODE once more (its own folder and result), e.g. resident#2 to see whether a
-    # run repeats itself bit for bit on this machine.
-    kind = mode.partition("#")[0]
+    # run repeats itself bit for bit on this machine. ``kind`` (aitk, weightstream, resident)
+    # when the mode is a longer label; ``link`` caps weightstream's daemon.
+    kind = kind or mode.partition("#")[0]
     folder = work / mode.replace("#", "-")
     folder.mkdir()
     (folder / "model").symlink_to(model)
@@ -615,7 +628,7 @@ def run_one(
     if kind in ("aitk", "resident"):
         cmd = [sys.executable, str(aitk / "run.py"), "job.yaml"]
     else:
-        daemon, sock = start_daemon(args.bin, folder, "cuda" if cuda else "host")
+        daemon, sock = start_daemon(args.bin, folder, "cuda" if cuda else "host", link)
         env["WEIGHTSTREAM_SOCKET"] = str(sock)
         cmd = [
             sys.executable,
@@ -626,7 +639,7 @@ def run_one(
         ]
     print(f"[{mode}] {' '.join(cmd)}  (cwd {folder})", flush=True)
     phase("loading", mode)
-    t0 = time.monotonic()
+    t0, started = time.monotonic(), time.time()
     with open(folder / "trainer.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT)
         sampler = Sampler(proc.pid, cuda)
@@ -673,6 +686,10 @@ def run_one(
         return result, None
     db = next(folder.glob("output/*/loss_log.db"))
     result.update(read_log(db))
+    # UILogger's wall times are time.time() when each step was logged: the first one's, from
+    # the launch, is the time to the first step done.
+    times = read_log_times(db)
+    result["first_step_s"] = times[0] - started if times else None
     return result, lora_tensors(folder / "output")
 
 

@@ -110,6 +110,9 @@ class _StubDistribution(importlib.metadata.Distribution):
 def _dump():
     path = os.environ.get("WS_AITK_STUB_LOG")
     if path:
+        loading = sys.modules.get("weightstream.integrations.ai_toolkit.loading")
+        if loading is not None:  # weightstream-aitk's loading phases (layer_offloading)
+            _MM["loading"] = [vars(r) for r in loading.REPORTS]
         with open(path, "w") as f:
             touched = {k: sorted(v) for k, v in sorted(_TOUCHED.items())}
             json.dump({"touched": touched, "calls": _CALLS, "memory_manager": _MM}, f, indent=1)
@@ -136,22 +139,36 @@ if os.environ.get("WS_AITK_DETERMINISTIC") == "1":
     torch.backends.cudnn.benchmark = False
 
 
+_PHASES: dict = {}
+
+
+def _peaks(torch) -> dict:
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    return {
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "max_memory_reserved": torch.cuda.max_memory_reserved(),
+    }
+
+
 def _stats():
     path = os.environ.get("WS_AITK_STATS")
     torch = sys.modules.get("torch")
     if not path or torch is None:
         return
-    stats = {}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    stats = _peaks(torch)
+    if _PHASES:  # the peaks since training began; the whole run's is the larger of the two
         stats = {
-            "max_memory_allocated": torch.cuda.max_memory_allocated(),
-            "max_memory_reserved": torch.cuda.max_memory_reserved(),
+            "loading": _PHASES,
+            "training": stats,
+            **{k: max(v, _PHASES.get(k, 0)) for k, v in stats.items()},
         }
     with open(path, "w") as f:
         json.dump(stats, f)
 
 
-# WS_AITK_STATS: the trainer's peak device memory as torch counts it, written at exit.
+# WS_AITK_STATS: the trainer's peak device memory as torch counts it, while loading and while
+# training (split where the training phase starts: `_mark_training` below), written at exit.
 if os.environ.get("WS_AITK_STATS"):
     atexit.register(_stats)
 
@@ -296,15 +313,20 @@ if os.environ.get("WS_AITK_STUB_LOG"):
 # (extensions_built_in/diffusion_models/flux2/flux2_klein_model.py, `get_flux2_params`):
 # once that module is imported, the name is rebound to `Klein4BParams(**fields)`. Nothing
 # else of ai-toolkit is changed; both runs get the same fields.
-_PATCHED = "extensions_built_in.diffusion_models.flux2.flux2_klein_model"
+# WS_AITK_FLUX2_CLASS ("module:Name") names another such class: FLUX.2-dev's loader builds
+# `Flux2Params()` in flux2_model.py (its `get_flux2_params`).
+_PATCHED, _, _PARAMS = os.environ.get(
+    "WS_AITK_FLUX2_CLASS",
+    "extensions_built_in.diffusion_models.flux2.flux2_klein_model:Klein4BParams",
+).partition(":")
 
 
 def _patch_klein(module):
     import functools
 
     fields = json.loads(os.environ["WS_AITK_FLUX2_PARAMS"])
-    module.Klein4BParams = functools.partial(module.Klein4BParams, **fields)
-    _MM["patched"] = {f"{_PATCHED}.Klein4BParams": fields}
+    setattr(module, _PARAMS, functools.partial(getattr(module, _PARAMS), **fields))
+    _MM["patched"] = {f"{_PATCHED}.{_PARAMS}": fields}
 
 
 class _PatchFinder(importlib.abc.MetaPathFinder):
@@ -344,25 +366,32 @@ if os.environ.get("WS_AITK_FLUX2_PARAMS"):
 # WS_PHASE_FILE (tests/bench/card.py, the emulated card): the training phase starts at the
 # first step of ai-toolkit's train loop, which opens with `self.timer.start('train_loop')`
 # (jobs/process/BaseSDTrainProcess.py, `run`; the Timer of toolkit/timer.py): the first such
-# call appends card.py's marker, labelled with WS_PHASE_LABEL.
+# call appends card.py's marker, labelled with WS_PHASE_LABEL. With WS_AITK_STATS, torch's
+# peaks until then are kept as the loading phase's, and counted again from there.
 def _mark_training(module):
     start = module.Timer.start
 
     def timed_start(self, timer_name):
         if timer_name == "train_loop" and not _MM.get("training_marked"):
             _MM["training_marked"] = True
-            spec = importlib.util.spec_from_file_location(
-                "ws_card", os.path.join(os.path.dirname(os.path.dirname(__file__)), "card.py")
-            )
-            card = sys.modules["ws_card"] = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(card)
-            card.phase("training", os.environ.get("WS_PHASE_LABEL", ""))
+            torch = sys.modules.get("torch")
+            if os.environ.get("WS_AITK_STATS") and torch is not None:
+                _PHASES.update(_peaks(torch))
+                if _PHASES:
+                    torch.cuda.reset_peak_memory_stats()
+            if os.environ.get("WS_PHASE_FILE"):
+                spec = importlib.util.spec_from_file_location(
+                    "ws_card", os.path.join(os.path.dirname(os.path.dirname(__file__)), "card.py")
+                )
+                card = sys.modules["ws_card"] = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(card)
+                card.phase("training", os.environ.get("WS_PHASE_LABEL", ""))
         return start(self, timer_name)
 
     module.Timer.start = timed_start
 
 
-if os.environ.get("WS_PHASE_FILE"):
+if os.environ.get("WS_PHASE_FILE") or os.environ.get("WS_AITK_STATS"):
     sys.meta_path.insert(0, _PatchFinder("toolkit.timer", _mark_training))
 
 

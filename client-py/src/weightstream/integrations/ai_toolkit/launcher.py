@@ -7,7 +7,10 @@ toolkit.memory_management import MemoryManager`` in the loaders, the trainer and
 ``toolkit/unloader.py``; ``... import sync_grad_transfers`` in ``SDTrainer``; ``from
 toolkit.memory_management.manager import MemoryManager`` in the FLUX.2 and Wan loaders); the
 real ``toolkit`` package is imported as usual around it. The manager itself is loaded when
-ai-toolkit first imports it.
+ai-toolkit first imports it. A second finder hooks ai-toolkit's model base classes
+(``toolkit.models.base_model.BaseModel``, ``toolkit.stable_diffusion_model.StableDiffusion``)
+once they are imported: with ``layer_offloading`` their ``load_model`` keeps the streamable
+weights off the device and attaches what the loader left unattached (``loading``).
 
 Settings: a top-level ``weightstream:`` section of the job's YAML (ai-toolkit reads only
 ``job``, ``config`` and ``meta``) and ``WEIGHTSTREAM_*`` variables, which win (``settings``).
@@ -37,7 +40,9 @@ CONFIG_EXTENSIONS = (".json", ".jsonc", ".yaml", ".yml")  # ai-toolkit's toolkit
 USAGE = f"""usage: weightstream-aitk RUN_PY CONFIG [CONFIG ...] [-r] [-n NAME] [-l LOG]
 
 Runs ai-toolkit's RUN_PY (its run.py) with layer offloading served by weightstream: keep
-`model.layer_offloading: true` (and the *_percent settings) in the job's YAML. Optional settings
+`model.layer_offloading: true` (and the *_percent settings) in the job's YAML. While the model
+loads, Linear/Conv2d weights stay on the CPU (quantized there with quantize: true) and are
+uploaded at attach; models the loader does not attach are attached after it. Optional settings
 in a top-level `weightstream:` section of the YAML, or in the environment (which wins):
 {chr(10).join(f"  {var:28} weightstream.{key}" for key, var in ENV.items())}
 """
@@ -74,19 +79,78 @@ class ToolkitMemoryFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 FINDER = ToolkitMemoryFinder()
 
 
+class ModelClassHook(importlib.abc.MetaPathFinder):
+    """Finds the modules of ai-toolkit's model base classes (``MODEL_BASES``) with the finders
+    after it, and hooks the classes once the module has run (``loading.hook_model_class``:
+    ``load_model`` with ``layer_offloading`` keeps the streamable weights off the device and
+    attaches what the loader left unattached)."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in MODEL_BASES:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        exec_module = getattr(spec.loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_and_hook(module):
+            exec_module(module)
+            hook_classes(module)
+
+        spec.loader.exec_module = exec_and_hook
+        return spec
+
+
+#: ai-toolkit's model base classes, by module: every architecture's class derives from one, and
+#: the trainer loads it with ``load_model()`` (``jobs/process/BaseSDTrainProcess.py``).
+MODEL_BASES = {
+    "toolkit.models.base_model": ("BaseModel",),
+    "toolkit.stable_diffusion_model": ("StableDiffusion",),
+}
+MODEL_HOOK = ModelClassHook()
+
+
+def hook_classes(module):
+    from weightstream.integrations.ai_toolkit import loading
+
+    for name in MODEL_BASES[module.__name__]:
+        cls = getattr(module, name, None)
+        if cls is None:
+            raise ImportError(
+                f"{module.__name__} has no {name}: weightstream-aitk knows ai-toolkit's model "
+                "classes as of ostris/ai-toolkit 27a03a91",
+                name=module.__name__,
+            )
+        loading.hook_model_class(cls)
+
+
 def install():
-    """Puts the finder first on ``sys.meta_path``. Refuses when ai-toolkit's own package was
-    imported already (its classes would be in use)."""
+    """Puts the finders first on ``sys.meta_path``. Refuses when ai-toolkit's own memory
+    manager was imported already (its classes would be in use); model base classes imported
+    already are hooked at once."""
     loaded = sys.modules.get(PACKAGE)
     if loaded is not None and not isinstance(getattr(loaded, "__loader__", None), type(FINDER)):
         raise RuntimeError(f"{PACKAGE} was imported before weightstream's launcher installed it")
-    if FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, FINDER)
+    for finder in (MODEL_HOOK, FINDER):
+        if finder not in sys.meta_path:
+            sys.meta_path.insert(0, finder)
+    for name in MODEL_BASES:
+        if name in sys.modules:
+            hook_classes(sys.modules[name])
 
 
 def uninstall():
-    if FINDER in sys.meta_path:
-        sys.meta_path.remove(FINDER)
+    for finder in (FINDER, MODEL_HOOK):
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
     for name in [n for n in sys.modules if n == PACKAGE or n.startswith(f"{PACKAGE}.")]:
         del sys.modules[name]
 

@@ -32,6 +32,7 @@ from torch import nn
 
 import weightstream
 import weightstream.torch as wst
+from weightstream.integrations.ai_toolkit import loading
 from weightstream.integrations.ai_toolkit.settings import Settings, current
 from weightstream.torch import policy
 from weightstream.torch.placeholder import is_placeholder
@@ -71,7 +72,11 @@ class MemoryManager:
             return None
         if not 0.0 <= offload_percent <= 1.0:
             raise ValueError(f"offload_percent={offload_percent} is not between 0 and 1")
-        device = torch.device(device)
+        with loading.attaching(module):  # while loading: placed here, not by the guard
+            return cls._attach(module, torch.device(device), offload_percent, ignore_modules)
+
+    @classmethod
+    def _attach(cls, module, device, offload_percent, ignore_modules):
         ignore = _ignored_names(module, ignore_modules)
         _refuse_ostris_quantized(module, ignore)
         settings = current()
