@@ -168,6 +168,60 @@ async fn what_is_not_a_regular_file_is_refused_and_stalls_nobody() {
     assert_still_serves(&daemon, 75).await;
 }
 
+/// One uid's idle connections to the handoff socket keep no other uid out: past
+/// `limits.max_connections_per_uid` they are refused at accept (the peer is told why, and the
+/// log names its uid), so another uid's load and upload, which pass fds through that socket,
+/// go through while they are held; and each one that never sends a request is cut and logged
+/// with its uid and pid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_uids_idle_handoff_connections_keep_no_other_uid_out() {
+    let Some(ids) = attacker() else { return };
+    logs();
+    let daemon = daemon_for(ids.1, |_| {}).await;
+    let refused = format!(
+        "uid {} already holds 64 connections to the handoff socket, the limit is \
+         limits.max_connections_per_uid = 64: connection closed",
+        ids.0
+    );
+    // More than the 512 connections all uids once shared.
+    let mut child = spawn_attacker(ids, &daemon.socket, "hold-handoff", &["600"]);
+    let pid = child.id();
+    assert_eq!(
+        result_of(&mut child).await,
+        format!("holding 600 connections; the last was told: ERR {refused}")
+    );
+
+    // This uid's load (a PUT) and upload (a GET) while the attacker holds its connections.
+    let dir = tempfile::tempdir().unwrap();
+    let model = write_model(dir.path(), "m.safetensors", &mixed_model(85));
+    let expected = read_model(std::slice::from_ref(&model));
+    let mut client = daemon.client().await;
+    load(&mut client, std::slice::from_ref(&model), &expected).await;
+    let tensors = uniform_model(86, 2, 4096);
+    let data: Vec<_> = tensors.iter().map(Tensor::as_upload).collect();
+    client.upload_model("meanwhile", &data).await.unwrap();
+
+    let uid = format!("uid={}", ids.0);
+    assert!(
+        !log_lines_with(&[&refused, &uid]).is_empty(),
+        "no warning for uid {}",
+        ids.0
+    );
+    let stalled = format!(
+        "handoff: uid {} (pid {pid}) sent no complete request within 5s of connecting: \
+         connection closed",
+        ids.0
+    );
+    eventually("the idle connections are cut and logged", || {
+        let found = !log_lines_with(&[&stalled]).is_empty();
+        async move { found }
+    })
+    .await;
+    drop(child.stdin.take());
+    let status = tokio::task::spawn_blocking(move || child.wait()).await;
+    assert!(status.unwrap().unwrap().success());
+}
+
 // ---------------------------------------------------------------------------------------------
 // (c) uploads sealed by the daemon
 

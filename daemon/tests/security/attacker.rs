@@ -245,6 +245,30 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
             session.close().await.unwrap();
             "closed".into()
         }
+        // Open args[0] connections to the handoff socket and send nothing on them; say what
+        // the last one was told (within the test's deadline); keep them until stdin closes.
+        "hold-handoff" => {
+            use std::io::Read;
+            let n: usize = args[0].parse().unwrap();
+            let path = weightstream_client::handoff::handoff_path(socket);
+            let held: Vec<std::os::unix::net::UnixStream> = (0..n)
+                .map(|_| std::os::unix::net::UnixStream::connect(&path).unwrap())
+                .collect();
+            let last = held.last().unwrap();
+            last.set_read_timeout(Some(DEADLINE)).unwrap();
+            let mut told = String::new();
+            let told = match (&*last).read_to_string(&mut told) {
+                Ok(_) => told.trim_end().to_string(),
+                Err(e) => format!("nothing ({e})"),
+            };
+            println!("RESULT holding {n} connections; the last was told: {told}");
+            std::io::stdout().flush().unwrap();
+            tokio::task::spawn_blocking(|| std::io::stdin().lines().count())
+                .await
+                .unwrap();
+            drop(held);
+            "closed".into()
+        }
         other => panic!("unknown attack {other}"),
     }
 }
