@@ -662,6 +662,63 @@ async fn lists_come_in_pages() {
     );
 }
 
+/// A BeginUpload declaring 200 000 tensors (3.4 MB; the daemon takes up to 16 MiB) is checked on a blocking thread, not on
+/// the async threads that serve every peer: with one async thread, and the one blocking thread
+/// held, another connection's GetInfo is answered while the big request waits its turn; then
+/// the big one is refused, naming the field.
+#[test]
+fn a_large_begin_upload_is_checked_off_the_async_threads() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let daemon = start_daemon().await;
+        let uid = rustix::process::getuid().as_raw();
+        let mut big_rpc = raw_client(&daemon.socket).await;
+        let mut other = raw_client(&daemon.socket).await;
+        let (open, gate) = std::sync::mpsc::channel::<()>();
+        let held = tokio::task::spawn_blocking(move || gate.recv());
+        let n = 200_000;
+        let mut tensors: Vec<proto::TensorInfo> = (0..n)
+            .map(|i| proto::TensorInfo {
+                name: format!("t{i}"),
+                dtype: proto::Dtype::U8 as i32,
+                shape: vec![1],
+                ..Default::default()
+            })
+            .collect();
+        tensors[n - 1].name = "t0".into();
+        let request = proto::BeginUploadRequest {
+            name: "big".into(),
+            tensors,
+        };
+        let big = tokio::spawn(async move { big_rpc.begin_upload(request).await });
+        let listed = format!("BeginUpload of {n} tensors for uid {uid}");
+        eventually("the big request waits for a blocking thread", || {
+            let waiting = daemon.blocking_running().contains(&listed);
+            async move { waiting }
+        })
+        .await;
+        let info = within("GetInfo", other.get_info(proto::GetInfoRequest {})).await;
+        assert_eq!(info.unwrap().into_inner().usage.unwrap().uid, uid);
+        assert!(!big.is_finished(), "answered without its blocking thread");
+        open.send(()).unwrap();
+        held.await.unwrap().unwrap();
+        let status = within("the big request", big).await.unwrap().unwrap_err();
+        assert_eq!(
+            (status.code(), status.message()),
+            (
+                Code::InvalidArgument,
+                "tensors[199999].name: 't0' is declared twice"
+            )
+        );
+        assert!(daemon.blocking_running().is_empty());
+    });
+}
+
 // ---------------------------------------------------------------------------------------------
 // (g) a file rewritten in place
 

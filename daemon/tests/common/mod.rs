@@ -131,6 +131,11 @@ impl TestDaemon {
         self.core.store.upload_count()
     }
 
+    /// The server's blocking tasks (loads, commits, uploads) listed now, oldest first.
+    pub fn blocking_running(&self) -> Vec<String> {
+        (self.handle.as_ref()).map_or_else(Vec::new, |h| h.blocking.running())
+    }
+
     /// The handoff socket, next to the gRPC socket.
     pub fn handoff(&self) -> PathBuf {
         handoff::handoff_path(&self.socket)
