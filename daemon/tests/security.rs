@@ -719,6 +719,80 @@ fn a_large_begin_upload_is_checked_off_the_async_threads() {
     });
 }
 
+/// Memory handed out as fds stays charged while the fds live (issue 27's hoard, as another
+/// uid): an upload region and a session's staging region, each fetched and kept while its
+/// connection is dropped, still count against the uid's host and device quotas, so the second
+/// round is refused, naming the held bytes and the process that holds them. The charge ends
+/// when the memory is freed, not when that process exits: a child it passed the fds to keeps
+/// them charged until it too is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_reachable_through_fds_stays_charged_until_freed() {
+    let Some(ids) = attacker() else { return };
+    let daemon = daemon_for(ids.1, |c| {
+        c.quotas.per_uid_host_bytes = 256 << 10;
+        c.quotas.per_uid_device_bytes = 256 << 10;
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path(), "m.safetensors", &uniform_model(87, 1, LAYER));
+    let expected = read_model(std::slice::from_ref(&path));
+    let mut client = daemon.client().await;
+    let manifest = load(&mut client, &[path], &expected).await;
+    let size = 160 << 10;
+    let (pid, got) = attack_in(
+        ids,
+        &[],
+        &daemon.socket,
+        "hoard",
+        &[&manifest.model_id, &size.to_string()],
+    )
+    .await;
+    let uid = ids.0;
+    let held = |kind: &str| {
+        format!(
+            "quotas.per_uid_{kind}_bytes = 262144 exceeded: uid {uid} holds {size} {kind} \
+             bytes and this {item} needs {need} more; {size} of them are shared memory the \
+             daemon has let go of and pid {pid} still holds (an fd or a mapping of it, passed \
+             on or inherited included): they are freed once those are closed, when the process \
+             exits at the latest",
+            item = if kind == "host" { "upload" } else { "session" },
+            // The region and its description: "w", one dimension, and the name "hoard".
+            need = if kind == "host" {
+                size + 1 + 8 + 64 + 5
+            } else {
+                size
+            },
+        )
+    };
+    let (said, child) = got.rsplit_once(" | passed to pid ").unwrap();
+    assert_eq!(
+        said,
+        [
+            format!("after round 1: host {size}, device {size}"),
+            format!("ResourceExhausted: {}", held("host")),
+            format!("ResourceExhausted: {}", held("device")),
+            format!("after round 2: host {size}, device {size}"),
+        ]
+        .join(" | ")
+    );
+    // The attacker has exited; its child holds the fds.
+    let charged = || {
+        let host = daemon.core.store.host_use(uid).uid_bytes;
+        let device = daemon.core.held_device(uid, 0).uid.bytes;
+        (host, device)
+    };
+    assert_eq!(charged(), (size, size));
+    let child = rustix::process::Pid::from_raw(child.parse().unwrap()).unwrap();
+    rustix::process::kill_process(child, rustix::process::Signal::KILL).unwrap();
+    eventually("the memory is freed and its charge ends", || {
+        let freed = charged() == (0, 0);
+        async move { freed }
+    })
+    .await;
+    assert_eq!(daemon.core.shm.held().count(), 0);
+    assert_still_serves(&daemon, 88).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // (g) a file rewritten in place
 

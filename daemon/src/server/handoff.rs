@@ -268,7 +268,7 @@ fn serve_exchange(
             Ok(token) => exchange.reply_token(&token),
             Err(refused) => exchange.reply_error(&refused.to_string()),
         },
-        Ok(Request::Get(secret)) => match daemon.secrets.fetch(&secret, peer.uid) {
+        Ok(Request::Get(secret)) => match daemon.secrets.fetch(&secret, peer.uid, peer.pid) {
             Ok((fd, size)) => exchange.reply_fd(fd.as_fd(), size),
             Err(refused) => {
                 if matches!(refused, SecretError::Unknown { .. }) {
