@@ -89,6 +89,12 @@ impl HeldMemory {
         made.as_ref()
     }
 
+    /// Makes the inotify instance now rather than at the first region to watch (a daemon
+    /// calls it at start: its fd count is then the same before and after any work).
+    pub fn start(&self) {
+        self.inotify();
+    }
+
     /// The daemon lets go of a memfd (`fd`, `size` bytes) that was handed to `holders`: keeps
     /// it charged to them until the kernel frees it. Call it while `fd` is still open.
     pub(super) fn keep(&self, fd: BorrowedFd<'_>, size: u64, holders: Vec<FdHolder>) {
