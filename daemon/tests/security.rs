@@ -675,13 +675,13 @@ fn a_large_begin_upload_is_checked_off_the_async_threads() {
         .build()
         .unwrap();
     rt.block_on(async {
-        let daemon = start_daemon().await;
+        let n = 200_000;
+        let daemon = start_daemon_with(|c| c.limits.max_tensors_per_model = n as u32).await;
         let uid = rustix::process::getuid().as_raw();
         let mut big_rpc = raw_client(&daemon.socket).await;
         let mut other = raw_client(&daemon.socket).await;
         let (open, gate) = std::sync::mpsc::channel::<()>();
         let held = tokio::task::spawn_blocking(move || gate.recv());
-        let n = 200_000;
         let mut tensors: Vec<proto::TensorInfo> = (0..n)
             .map(|i| proto::TensorInfo {
                 name: format!("t{i}"),
