@@ -1,8 +1,23 @@
 #!/usr/bin/env bash
-# Every test that runs without a GPU: formatting, lints, the Rust unit and integration tests
-# (the daemon end to end on its host backend, the CLI and `weightstream demo`), the Python client
-# (built by maturin: editable, and its abi3 wheel in a fresh venv) against the daemon, and the
-# Python linter. Installs what it needs from the package registries. GPU suites live in tests/gpu/.
+# Every test that runs without a GPU: formatting, lints, the module layering, the Rust unit and
+# integration tests (the daemon end to end on its host backend, the CLI and `weightstream demo`),
+# the install commands (`cargo install` into a temporary root, the abi3 wheel into a fresh venv),
+# the documents' commands against `--help`, the Python client against the daemon, ruff,
+# `systemd-analyze verify` of the unit, and bounded fuzzing. GPU suites live in tests/gpu/.
+#
+# Time: ~12 min on 2 cores with a warm target/ (a first build adds several minutes); of it, the
+# fuzzing step runs 2 targets x 60 s (FUZZ_SECONDS=10 shortens it).
+# Disk: ~6 GB in target/ (debug, the fuzz targets, the wheel), ~5 GB in .venv/ (torch).
+# What it installs and changes:
+# - as root, when missing: `apt-get install systemd tmux` (systemd-analyze, and a terminal for
+#   `weightstream top`); as a user without them it stops and says so;
+# - as root: `useradd ws-attacker` (no home, group nogroup, no login shell), the second uid the
+#   security tests attack the daemon from (WEIGHTSTREAM_REQUIRE_ROOT=0 skips those tests instead);
+# - .venv/: the pinned test requirements (tests/python/requirements.txt: torch for the CPU,
+#   peft, pytest, maturin, ruff, ...) from PyPI, and client-py installed editable into it;
+# - rustup components rustfmt and clippy; crates from crates.io into ~/.cargo;
+# - target/install-root and target/wheel-venv (the install checks). Nothing else outside the
+#   repository.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,6 +67,9 @@ cargo test --workspace --locked
 step "python: .venv with the pinned test requirements (torch, peft, grpcio-tools, pytest, maturin)"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -r tests/python/requirements.txt
+# torchao's quantized weights stream pre-quantized (test_torchao.py). Its wheel pins a torch of
+# its own that the tests do not want: installed without dependencies, next to the torch above.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "torchao==0.18.0"
 
 step "python: pip install -e client-py (maturin builds weightstream._native, dev profile, in target/)"
 # The extension is a workspace member: maturin builds it into the workspace's target/ with the
@@ -71,6 +89,7 @@ python3 -m venv target/wheel-venv
 target/wheel-venv/bin/python -m pip install --quiet --disable-pip-version-check \
     target/wheels/weightstream-0.1.0-cp310-abi3-linux_x86_64.whl
 wheel_python="$PWD/target/wheel-venv/bin/python"
+# `pip install ./client-py` builds this same wheel (release profile) and installs it.
 (cd /tmp && "$wheel_python" -c '
 import weightstream, weightstream._native as native
 assert native.__file__.endswith("_native.abi3.so"), native.__file__
@@ -83,8 +102,23 @@ else:
     raise SystemExit("a missing daemon answered")
 ')
 
-step "pytest (the Python client and weightstream.torch against the daemon's host backend)"
+step "install: cargo install --path daemon/cli into a temporary root; weightstream --version"
+# What a user runs is `cargo install --locked --path daemon/cli` (release); the debug profile
+# here reuses this run's build in target/ instead of building everything again.
 cargo build --locked --bin weightstream
+rm -rf target/install-root
+CARGO_TARGET_DIR="$PWD/target" cargo install --quiet --debug --locked --path daemon/cli \
+    --root target/install-root
+version=$(target/install-root/bin/weightstream --version)
+[ "$version" = "weightstream 0.1.0" ] || { echo "installed: $version" >&2; exit 1; }
+echo "installed: $version"
+rm -rf target/install-root
+
+step "the documents' commands exist: every weightstream subcommand and --flag in */README.md, DESIGN.md"
+python3 tests/check_doc_commands.py --self-test
+python3 tests/check_doc_commands.py --bin target/debug/weightstream
+
+step "pytest (the Python client and weightstream.torch against the daemon's host backend)"
 WEIGHTSTREAM_BIN="$PWD/target/debug/weightstream" WEIGHTSTREAM_REQUIRE_TMUX=1 \
     .venv/bin/python -m pytest -q tests/python
 
@@ -100,12 +134,11 @@ rm -r "$unit_dir"
 if [ -n "$verify_out" ]; then echo "$verify_out"; exit 1; fi
 bash -n deploy/install.sh
 
-step "ruff (client-py/, tests/)"
-python3 -m pip install --quiet --disable-pip-version-check "ruff==0.17.6"
+step "ruff (client-py/, tests/; installed into .venv with the test requirements)"
 py_dirs=()
 for d in client-py tests; do [ -d "$d" ] && py_dirs+=("$d"); done
-python3 -m ruff check --config client-py/pyproject.toml "${py_dirs[@]}"
-python3 -m ruff format --config client-py/pyproject.toml --check "${py_dirs[@]}"
+.venv/bin/python -m ruff check --config client-py/pyproject.toml "${py_dirs[@]}"
+.venv/bin/python -m ruff format --config client-py/pyproject.toml --check "${py_dirs[@]}"
 
 step "fuzzing: safetensors header parser and request validation (bounded)"
 FUZZ_SECONDS="${FUZZ_SECONDS:-60}" daemon/fuzz/run.sh

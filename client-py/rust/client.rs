@@ -61,7 +61,7 @@ impl Drop for Conn {
 /// while it waits and fails fast with `DaemonUnavailable` when the daemon is not there.
 #[pyclass(module = "weightstream._native", frozen)]
 pub struct Client {
-    socket: PathBuf,
+    socket: ws::ResolvedSocket,
     conn: Mutex<Conn>,
 }
 
@@ -76,7 +76,7 @@ impl Client {
         }
         let fresh = {
             let _entered = rt.enter();
-            ws::Client::connect_lazy(Some(&self.socket))
+            ws::Client::connect_lazy_to(self.socket.clone())
         };
         fresh.remember_loaded(std::mem::take(&mut conn.carried));
         conn.client = Some(fresh.clone());
@@ -111,7 +111,7 @@ impl Client {
     #[pyo3(signature = (socket=None))]
     fn new(socket: Option<PathBuf>) -> Self {
         Client {
-            socket: ws::Client::socket_path(socket.as_deref()),
+            socket: ws::ResolvedSocket::from_env(socket.as_deref()),
             conn: Mutex::new(Conn {
                 generation: generation(),
                 client: None,
@@ -122,13 +122,13 @@ impl Client {
 
     #[getter]
     fn socket(&self) -> PathBuf {
-        self.socket.clone()
+        self.socket.path.clone()
     }
 
     /// The daemon's handoff socket, where file descriptors pass (next to its socket).
     #[getter]
     fn handoff_socket(&self) -> PathBuf {
-        ws::handoff::handoff_path(&self.socket)
+        ws::handoff::handoff_path(&self.socket.path)
     }
 
     /// The files each model this client loaded was named by, by model id.
@@ -251,28 +251,51 @@ impl Client {
     /// Begins an upload of tensors `(name, dtype, shape)` without writing or committing it:
     /// the region to write (its fd from `fetch_fd(fd_secret)`; unmap it before the commit).
     /// The daemon drops an upload never committed when this process's connection goes.
-    /// Tensors named in `quantize` are written as declared and quantized at commit.
-    #[pyo3(signature = (name, tensors, quantize=Vec::new()))]
+    /// Tensors named in `quantize` are written as declared and quantized at commit; those in
+    /// `prequantized` (name -> (format, scale_shape)) are written pre-quantized in that format
+    /// (data, zero padding to 16, fp32 scales; dtype: the data's).
+    #[pyo3(signature = (name, tensors, quantize=Vec::new(), prequantized=HashMap::new()))]
     fn begin_upload(
         &self,
         py: Python<'_>,
         name: String,
         tensors: Vec<(String, i32, Vec<u64>)>,
         quantize: Vec<String>,
+        mut prequantized: HashMap<String, (String, Vec<u64>)>,
     ) -> PyResult<records::BeginUploadResponse> {
         let quantize = quantize_set(quantize, tensors.iter().map(|t| t.0.as_str()))?;
+        if let Some(unknown) = (prequantized.keys())
+            .find(|n| !tensors.iter().any(|t| &t.0 == *n) || quantize.contains(n.as_str()))
+        {
+            return Err(PyValueError::new_err(format!(
+                "prequantized: {unknown:?} is not one of the uploaded tensors, or is also in \
+                 quantize"
+            )));
+        }
         let mut infos = Vec::with_capacity(tensors.len());
         for (tname, dt, shape) in tensors {
-            let quantization = if quantize.contains(tname.as_str()) {
-                proto::Quantization::Fp8E4m3Block64
-            } else {
-                proto::Quantization::None
+            let (quantization, scale_shape) = match prequantized.remove(&tname) {
+                Some((format, scale_shape)) => {
+                    let q = ws::prequantized_format(&format).ok_or_else(|| {
+                        PyValueError::new_err(format!(
+                            "prequantized: tensor {tname:?}: {format:?} is not a format written \
+                             pre-quantized (fp8_e4m3_block64, torchao_float8_rowwise, \
+                             torchao_int8_rowwise)"
+                        ))
+                    })?;
+                    (q, scale_shape)
+                }
+                None if quantize.contains(tname.as_str()) => {
+                    (proto::Quantization::Fp8E4m3Block64, Vec::new())
+                }
+                None => (proto::Quantization::None, Vec::new()),
             };
             infos.push(proto::TensorInfo {
                 name: tname,
                 dtype: dtype(dt)? as i32,
                 shape,
                 quantization: quantization as i32,
+                scale_shape,
                 ..Default::default()
             });
         }
@@ -351,7 +374,10 @@ impl Client {
     }
 
     fn __repr__(&self) -> String {
-        format!("Client(socket={:?})", self.socket.display().to_string())
+        format!(
+            "Client(socket={:?})",
+            self.socket.path.display().to_string()
+        )
     }
 }
 

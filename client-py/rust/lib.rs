@@ -19,7 +19,8 @@ mod session;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-/// `socket`, else `$WEIGHTSTREAM_SOCKET`, else the default socket.
+/// `socket`, else `$WEIGHTSTREAM_SOCKET`, else the system socket if it exists, else the user's
+/// (`$XDG_RUNTIME_DIR/weightstream.sock` or `/tmp/weightstream-<uid>/weightstream.sock`).
 #[pyfunction]
 #[pyo3(signature = (socket=None))]
 fn socket_path(socket: Option<std::path::PathBuf>) -> std::path::PathBuf {
@@ -33,7 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::Session>()?;
     records::register(m)?;
     m.add_function(wrap_pyfunction!(socket_path, m)?)?;
-    m.add("DEFAULT_SOCKET", weightstream_client::DEFAULT_SOCKET)?;
+    m.add("SYSTEM_SOCKET", weightstream_client::SYSTEM_SOCKET)?;
     m.add("SOCKET_ENV", weightstream_client::SOCKET_ENV)?;
     let hook = wrap_pyfunction!(runtime::_after_fork_in_child, m)?;
     m.add_function(hook.clone())?;

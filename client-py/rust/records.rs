@@ -273,6 +273,7 @@ record! {
         staging_bytes: u64,
         resident_bytes: u64,
         event_handles: Py<PyList>,
+        accepts_gpu_wait: bool,
     }
 }
 
@@ -290,6 +291,10 @@ record! {
         resyncs: u64,
         releases: u64,
         evictions: u64,
+        acquire_pending_ns: u64,
+        gpu_wait_ns: u64,
+        gpu_waits: u64,
+        gpu_wait_reports: u64,
     }
 }
 
@@ -311,6 +316,22 @@ record! {
         stats: Option<Py<SessionStats>>,
         age_ms: u64,
         group_stall_ns: Vec<u64>,
+        group_acquire_pending_ns: Vec<u64>,
+        group_gpu_wait_ns: Vec<u64>,
+    }
+}
+
+record! {
+    /// The session's waits for weights as this client measured them (since it was opened or
+    /// reopened): in total, by group (index = group id), and per step (`per_step`: the last
+    /// completed steps, oldest first; `this_step`: the step in progress, number `step`).
+    WaitTotals {
+        total_ns: u64,
+        waits: u64,
+        by_group: Vec<u64>,
+        per_step: Vec<u64>,
+        this_step: u64,
+        step: u64,
     }
 }
 
@@ -463,6 +484,19 @@ pub(crate) fn models(py: Python<'_>, m: proto::ListModelsResponse) -> PyResult<L
     })
 }
 
+pub(crate) fn wait_totals(t: weightstream_client::WaitTotals) -> WaitTotals {
+    WaitTotals {
+        total_ns: t.total_ns,
+        waits: t.waits,
+        by_group: t.by_group,
+        per_step: t.per_step,
+        this_step: t.this_step,
+        step: t.step,
+    }
+}
+
+// The deprecated aliases are passed on for code that still reads them.
+#[allow(deprecated)]
 pub(crate) fn session_info(py: Python<'_>, s: proto::SessionInfo) -> PyResult<SessionInfo> {
     Ok(SessionInfo {
         session_id: s.session_id,
@@ -481,9 +515,12 @@ pub(crate) fn session_info(py: Python<'_>, s: proto::SessionInfo) -> PyResult<Se
         stats: s.stats.map(|st| Py::new(py, stats(st))).transpose()?,
         age_ms: s.age_ms,
         group_stall_ns: s.group_stall_ns,
+        group_acquire_pending_ns: s.group_acquire_pending_ns,
+        group_gpu_wait_ns: s.group_gpu_wait_ns,
     })
 }
 
+#[allow(deprecated)]
 fn stats(s: proto::SessionStats) -> SessionStats {
     SessionStats {
         acquires: s.acquires,
@@ -498,6 +535,10 @@ fn stats(s: proto::SessionStats) -> SessionStats {
         resyncs: s.resyncs,
         releases: s.releases,
         evictions: s.evictions,
+        acquire_pending_ns: s.acquire_pending_ns,
+        gpu_wait_ns: s.gpu_wait_ns,
+        gpu_waits: s.gpu_waits,
+        gpu_wait_reports: s.gpu_wait_reports,
     }
 }
 
@@ -553,6 +594,7 @@ pub(crate) fn layout(
         staging_bytes: m.staging_bytes,
         resident_bytes: m.resident_bytes,
         event_handles: list(py, &m.event_handles, |py, h| Ok(bytes(py, h).into_any()))?,
+        accepts_gpu_wait: m.accepts_gpu_wait,
     })
 }
 
@@ -607,6 +649,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<OpenSessionResponse>()?;
     m.add_class::<SessionStats>()?;
     m.add_class::<SessionInfo>()?;
+    m.add_class::<WaitTotals>()?;
     m.add_class::<Staged>()?;
     m.add_class::<UploadTensor>()?;
     m.add_class::<BeginUploadResponse>()?;

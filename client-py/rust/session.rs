@@ -1,11 +1,14 @@
 //! `weightstream._native.Session`: the hot path. `submit` and `release` put one message on the
 //! session's stream and return (no round trip); the runtime's reader task routes each `Staged`
 //! or `Fault` to its ticket; `wait` blocks in Rust with the GIL released. No Python thread is
-//! involved.
+//! involved. On the host backend `wait` counts the time it blocks for a ticket not yet staged
+//! as the client's wait for weights; on CUDA the Python side times its stream and adds what it
+//! measures (`add_gpu_wait`). The native session reports the totals to the daemon.
 
 use std::collections::HashMap;
 use std::os::fd::IntoRawFd;
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
@@ -99,12 +102,32 @@ impl Session {
             .remove(&ticket)
             .ok_or_else(|| PyKeyError::new_err(ticket))?;
         let group = submitted.group();
-        let reply = match submitted.try_staged() {
-            Some(reply) => reply,
-            None => park_on(py, &mut submitted)?,
+        let (reply, blocked) = match submitted.try_staged() {
+            Some(reply) => (reply, None),
+            None => {
+                let started = Instant::now();
+                (park_on(py, &mut submitted)?, Some(started.elapsed()))
+            }
         };
         let staged = reply.py_err()?;
+        self.staged(ticket, group, staged, blocked)
+    }
+
+    /// The placement of `ticket`'s reply, checked; `blocked`: how long the caller's thread
+    /// waited for it, a wait for weights where the client computes on the host.
+    fn staged(
+        &self,
+        ticket: u64,
+        group: u32,
+        staged: ws::proto::Staged,
+        blocked: Option<Duration>,
+    ) -> PyResult<records::Staged> {
         self.with(|s| {
+            if let Some(blocked) = blocked
+                && !s.on_device()
+            {
+                s.add_wait(group, blocked, None);
+            }
             if s.is_stale(ticket) {
                 return Err(DaemonUnavailable::new_err(format!(
                     "ticket {ticket} was staged by a session since reconnected"
@@ -174,6 +197,65 @@ impl Session {
     /// Waits (GIL released) until `ticket` is staged; its placement.
     fn wait(&self, py: Python<'_>, ticket: u64) -> PyResult<records::Staged> {
         self.wait_inner(py, ticket)
+    }
+
+    /// `ticket`'s placement if its reply has come (then the same as `wait`), else None: never
+    /// blocks, and the ticket stays for a later `wait`.
+    fn try_wait(&self, ticket: u64) -> PyResult<Option<records::Staged>> {
+        let (group, reply) = {
+            let mut state = self.state()?;
+            let submitted = state
+                .pending
+                .get_mut(&ticket)
+                .ok_or_else(|| PyKeyError::new_err(ticket))?;
+            let group = submitted.group();
+            match submitted.try_staged() {
+                None => return Ok(None),
+                Some(reply) => {
+                    state.pending.remove(&ticket);
+                    (group, reply)
+                }
+            }
+        };
+        self.staged(ticket, group, reply.py_err()?, None).map(Some)
+    }
+
+    /// Adds a wait of `ns` nanoseconds for `group` that the caller measured (on CUDA: on its
+    /// compute stream), to step `step` (None: the step in progress).
+    #[pyo3(signature = (group, ns, step=None))]
+    fn add_gpu_wait(&self, group: u32, ns: u64, step: Option<u64>) -> PyResult<()> {
+        self.with(|s| {
+            let groups = s.group_count();
+            if group >= groups {
+                return Err(PyValueError::new_err(format!(
+                    "group {group} is out of range: the session has {groups} groups"
+                )));
+            }
+            s.add_wait(group, Duration::from_nanos(ns), step);
+            Ok(())
+        })
+    }
+
+    /// Ends a step for the session's waits; the number of the step that starts.
+    fn mark_step(&self) -> PyResult<u64> {
+        self.with(|s| Ok(s.mark_step()))
+    }
+
+    /// The session's waits for weights so far, as this client measured them.
+    fn gpu_wait(&self) -> PyResult<records::WaitTotals> {
+        self.with(|s| Ok(records::wait_totals(s.waits())))
+    }
+
+    /// Sends the daemon the session's waits now (it has them otherwise within 250 ms of a
+    /// release), unless it has these totals already.
+    fn report_gpu_wait(&self) -> PyResult<()> {
+        self.with(|s| s.report_waits().py_err())
+    }
+
+    /// Reports of the waits sent to the daemon (of the current opening).
+    #[getter]
+    fn gpu_wait_reports(&self) -> PyResult<u64> {
+        self.with(|s| Ok(s.wait_reports()))
     }
 
     /// `submit` then `wait`, in one call.

@@ -29,7 +29,9 @@
 mod error;
 pub mod handoff;
 mod session;
+pub mod socket;
 mod sources;
+pub mod waits;
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -44,6 +46,9 @@ pub use crate::error::ClientError;
 pub use crate::handoff::HandoffError;
 use crate::proto::weight_stream_client::WeightStreamClient;
 pub use crate::session::{Acquired, QuantizedView, Session, SessionOptions, Submitted};
+pub use crate::socket::{ResolvedSocket, SOCKET_ENV, SYSTEM_SOCKET, SocketCandidates};
+pub use crate::sources::{SourceError, resolve_sources};
+pub use crate::waits::WaitTotals;
 /// The gRPC status code of a [`ClientError::Rejected`].
 pub use tonic::Code;
 
@@ -53,16 +58,13 @@ pub mod proto {
         tonic::include_file_descriptor_set!("weightstream_descriptor");
 }
 
-/// Where the daemon listens unless told otherwise.
-pub const DEFAULT_SOCKET: &str = "/run/weightstream/weightstream.sock";
-/// The environment variable that names the socket.
-pub const SOCKET_ENV: &str = "WEIGHTSTREAM_SOCKET";
-
 /// A tensor to upload: its name, dtype, shape and bytes, and whether it is quantized.
 ///
 /// `quantization` FP8_E4M3_BLOCK64 with a float dtype: the daemon quantizes `bytes` at commit;
 /// with [`proto::Dtype::F8E4m3`]: `bytes` are already data, padding and scales (the store's
-/// layout, see [`fp8_layout`]) and `scale_shape` says the scales' shape.
+/// layout, see [`fp8_layout`]) and `scale_shape` says the scales' shape. TORCHAO_FLOAT8_ROWWISE
+/// (F8E4m3) and TORCHAO_INT8_ROWWISE (I8): `bytes` are a torchao weight's data, padding and
+/// fp32 scales laid out the same way, `scale_shape` [out, 1].
 pub struct TensorData<'a> {
     pub name: &'a str,
     pub dtype: proto::Dtype,
@@ -104,6 +106,18 @@ pub fn parse_quantization(value: &str) -> Option<proto::Quantization> {
     }
 }
 
+/// The formats a client may write pre-quantized into an upload, by the names
+/// [`quantization_name`] gives them: "fp8_e4m3_block64", "torchao_float8_rowwise",
+/// "torchao_int8_rowwise".
+pub fn prequantized_format(name: &str) -> Option<proto::Quantization> {
+    match name {
+        "fp8_e4m3_block64" => Some(proto::Quantization::Fp8E4m3Block64),
+        "torchao_float8_rowwise" => Some(proto::Quantization::TorchaoFloat8Rowwise),
+        "torchao_int8_rowwise" => Some(proto::Quantization::TorchaoInt8Rowwise),
+        _ => None,
+    }
+}
+
 /// The lowercase name of a quantization ("none", "fp8_e4m3_block64"); values this client does
 /// not know as "unknown(N)".
 pub fn quantization_name(value: i32) -> String {
@@ -112,6 +126,8 @@ pub fn quantization_name(value: i32) -> String {
         Ok(proto::Quantization::Fp8E4m3Block64) => "fp8_e4m3_block64".into(),
         Ok(proto::Quantization::Fp8ScaledMusubi) => "fp8_scaled_musubi".into(),
         Ok(proto::Quantization::Fp8ScaledComfy) => "fp8_scaled_comfy".into(),
+        Ok(proto::Quantization::TorchaoFloat8Rowwise) => "torchao_float8_rowwise".into(),
+        Ok(proto::Quantization::TorchaoInt8Rowwise) => "torchao_int8_rowwise".into(),
         Err(_) => format!("unknown({value})"),
     }
 }
@@ -150,41 +166,43 @@ const RECONNECT_INTERVAL: Duration = Duration::from_millis(50);
 #[derive(Clone)]
 pub struct Client {
     rpc: WeightStreamClient<Channel>,
-    socket: PathBuf,
+    socket: ResolvedSocket,
     /// The paths each model this client (or a clone) loaded was named by, so that a session
     /// can open and load them again into a restarted daemon (same files, same model id).
     loaded: Arc<Mutex<HashMap<String, LoadedFrom>>>,
 }
 
 impl Client {
-    /// The socket to use: `explicit`, else `$WEIGHTSTREAM_SOCKET`, else [`DEFAULT_SOCKET`].
+    /// The socket to use: `explicit`, else `$WEIGHTSTREAM_SOCKET`, else the system socket if
+    /// it exists, else the user's (see [`socket`]).
     pub fn socket_path(explicit: Option<&Path>) -> PathBuf {
-        match explicit {
-            Some(p) => p.to_path_buf(),
-            None => std::env::var_os(SOCKET_ENV)
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(DEFAULT_SOCKET)),
-        }
+        ResolvedSocket::from_env(explicit).path
     }
 
     /// Connects now, so that a missing daemon is an error here rather than a hang later.
+    /// `socket`: as [`Client::socket_path`] says.
     pub async fn connect(socket: Option<&Path>) -> Result<Client, ClientError> {
-        let socket = Client::socket_path(socket);
+        Client::connect_to(ResolvedSocket::from_env(socket)).await
+    }
+
+    /// [`Client::connect`] to a socket already resolved.
+    pub async fn connect_to(socket: ResolvedSocket) -> Result<Client, ClientError> {
         let channel = Client::endpoint()
-            .connect_with_connector(Client::dialer(&socket))
+            .connect_with_connector(Client::dialer(&socket.path))
             .await
-            .map_err(|e| ClientError::Unavailable {
-                socket: socket.clone(),
-                reason: error::source_chain(&e),
-            })?;
+            .map_err(|e| error::unreachable(&socket, &e))?;
         Ok(Client::with_channel(channel, socket))
     }
 
     /// A client that connects on its first call (a missing daemon is an error there, at once)
     /// and again after the connection is lost. Must be called within a tokio runtime.
     pub fn connect_lazy(socket: Option<&Path>) -> Client {
-        let socket = Client::socket_path(socket);
-        let channel = Client::endpoint().connect_with_connector_lazy(Client::dialer(&socket));
+        Client::connect_lazy_to(ResolvedSocket::from_env(socket))
+    }
+
+    /// [`Client::connect_lazy`] to a socket already resolved.
+    pub fn connect_lazy_to(socket: ResolvedSocket) -> Client {
+        let channel = Client::endpoint().connect_with_connector_lazy(Client::dialer(&socket.path));
         Client::with_channel(channel, socket)
     }
 
@@ -213,7 +231,7 @@ impl Client {
         })
     }
 
-    fn with_channel(channel: Channel, socket: PathBuf) -> Client {
+    fn with_channel(channel: Channel, socket: ResolvedSocket) -> Client {
         Client {
             rpc: WeightStreamClient::new(channel)
                 .max_decoding_message_size(1 << 30)
@@ -231,7 +249,7 @@ impl Client {
         let deadline = Instant::now() + timeout;
         loop {
             let attempt = async {
-                let mut fresh = Client::connect(Some(&self.socket)).await?;
+                let mut fresh = Client::connect_to(self.socket.clone()).await?;
                 fresh.info().await?;
                 Ok::<_, ClientError>(fresh.rpc)
             };
@@ -242,7 +260,7 @@ impl Client {
                 }
                 Ok(Err(e)) => e,
                 Err(_) => ClientError::Unavailable {
-                    socket: self.socket.clone(),
+                    socket: self.socket.path.clone(),
                     reason: format!("no answer within {timeout:?}"),
                 },
             };
@@ -266,7 +284,7 @@ impl Client {
     }
 
     pub fn socket(&self) -> &Path {
-        &self.socket
+        &self.socket.path
     }
 
     pub(crate) fn rpc(&self) -> WeightStreamClient<Channel> {
@@ -280,7 +298,7 @@ impl Client {
         &self,
         f: impl FnOnce(&Path) -> Result<T, ClientError> + Send + 'static,
     ) -> Result<T, ClientError> {
-        let path = handoff::handoff_path(&self.socket);
+        let path = handoff::handoff_path(&self.socket.path);
         let socket = path.clone();
         let result = tokio::task::spawn_blocking(move || f(&path))
             .await
@@ -311,7 +329,8 @@ impl Client {
             .await
     }
 
-    fn status(&self, status: tonic::Status) -> ClientError {
+    /// The error of a call that ended with `status`.
+    pub(crate) fn status(&self, status: tonic::Status) -> ClientError {
         ClientError::from_status(&self.socket, status)
     }
 
@@ -555,4 +574,40 @@ fn repeated_token(asked: &str, next: &str, call: &str) -> Result<(), ClientError
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The error names each place the search looked, once, with what to do (not the OS error
+    /// repeated by each layer of the transport).
+    #[tokio::test]
+    async fn connecting_where_no_socket_is_names_every_place_tried() {
+        let dir = tempfile::tempdir().unwrap();
+        let runtime = dir.path().join("run-user");
+        let candidates =
+            SocketCandidates::new(None, &dir.path().join("system.sock"), Some(&runtime), 1);
+        let err = Client::connect_to(candidates.for_client())
+            .await
+            .err()
+            .unwrap();
+        let (system, user) = (
+            dir.path().join("system.sock"),
+            runtime.join("weightstream.sock"),
+        );
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "cannot reach the weightstream daemon at {user}: no such socket (tried {system}, \
+                 {user}). Start the daemon with `weightstream serve`, or pass --socket (or set \
+                 WEIGHTSTREAM_SOCKET) to name another socket",
+                user = user.display(),
+                system = system.display(),
+            )
+        );
+        // A lazy client says the same at its first call.
+        let mut lazy = Client::connect_lazy_to(candidates.for_client());
+        assert_eq!(lazy.info().await.unwrap_err().to_string(), err.to_string());
+    }
 }

@@ -7,13 +7,16 @@
 //! When the daemon stops or dies the reader ends every acquire in flight and later ones fail
 //! at once; [`Session::reconnect`] re-opens the session (same groups, budget, staging, device,
 //! label and plan) against the daemon that comes back on the same socket.
+//!
+//! The session keeps a [`WaitLedger`] of the time its caller waited for weights (see
+//! `waits.rs`) and reports it to the daemon with its releases.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use memmap2::{Mmap, MmapMut, MmapOptions};
 use tokio::sync::{mpsc, oneshot};
@@ -21,6 +24,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::error::ClientError;
 use crate::proto::{self, client_message::Msg, server_message::Msg as Reply};
+use crate::waits::{WaitLedger, WaitTotals};
 use crate::{Client, TensorData, handoff};
 
 /// What `OpenSession` asks for.
@@ -109,6 +113,8 @@ pub struct Session {
     recorder: Mutex<Recorder>,
     /// The last plan sent, sent again by `reconnect`.
     plan: Mutex<Option<Vec<u32>>>,
+    /// The caller's waits for weights in this opening.
+    waits: Mutex<WaitLedger>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -174,7 +180,7 @@ impl Session {
             label: options.label.clone(),
             copy_bandwidth_limit: options.copy_bandwidth_limit,
         };
-        let status = |s| ClientError::from_status(client.socket(), s);
+        let status = |s| client.status(s);
         let opened = rpc
             .open_session(request)
             .await
@@ -207,6 +213,7 @@ impl Session {
         }
         let routes = Arc::new(Mutex::new(Routes::default()));
         tokio::spawn(read_replies(inbound, routes.clone()));
+        let waits = Mutex::new(WaitLedger::new(opened.groups.len()));
         Ok(Session {
             id: opened.session_id.clone(),
             client,
@@ -222,6 +229,7 @@ impl Session {
             next_ticket: AtomicU64::new(1),
             first_ticket: 1,
             plan: Mutex::new(None),
+            waits,
         })
     }
 
@@ -316,11 +324,12 @@ impl Session {
             .map_err(|_| ClientError::SessionEnded("the stream is closed".into()))
     }
 
-    /// Acquires a group; the returned view releases it when dropped.
+    /// Acquires a group; the returned view releases it when dropped. The time it blocks for a
+    /// group not yet staged counts as a wait ([`Session::wait`]).
     pub async fn acquire(&self, group: u32) -> Result<Acquired<'_>, ClientError> {
         let submitted = self.submit(group)?;
         let ticket = submitted.ticket;
-        let staged = submitted.staged().await?;
+        let staged = self.wait(submitted).await?;
         let bytes = self.check_staged(group, &staged)?;
         Ok(Acquired {
             session: self,
@@ -363,13 +372,80 @@ impl Session {
         })
     }
 
+    /// Waits for the daemon's reply to an acquire (from [`Session::submit`]). If the reply had
+    /// not come, the time this blocks is the caller's wait for weights: added to the session's
+    /// waits ([`Session::waits`]) and reported to the daemon as its `gpu_wait_ns` (this client
+    /// computes on the host). A ticket already staged costs no wait.
+    pub async fn wait(&self, mut submitted: Submitted) -> Result<proto::Staged, ClientError> {
+        if let Some(reply) = submitted.try_staged() {
+            return reply;
+        }
+        let group = submitted.group;
+        let blocked = Instant::now();
+        let reply = (&mut submitted).await;
+        self.add_wait(group, blocked.elapsed(), None);
+        reply
+    }
+
     /// Gives a ticket back (from [`Session::submit`]): one message, no round trip. A ticket of
-    /// an opening before [`Session::reopen`] is dropped: that session is gone.
+    /// an opening before [`Session::reopen`] is dropped: that session is gone. A report of the
+    /// session's waits goes with it when one is due.
     pub fn release(&self, ticket: u64) -> Result<(), ClientError> {
         if ticket < self.first_ticket {
             return Ok(());
         }
-        self.send(Msg::Release(proto::Release { ticket }))
+        self.send(Msg::Release(proto::Release { ticket }))?;
+        self.send_waits(|ledger, now| ledger.report_due(now))
+    }
+
+    /// Adds a wait of `elapsed` for `group`, measured by the caller (the Python client times
+    /// its CUDA stream), to step `step` (None: the step in progress).
+    pub fn add_wait(&self, group: u32, elapsed: Duration, step: Option<u64>) {
+        let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
+        lock(&self.waits).add(group, ns, step);
+    }
+
+    /// Ends a step for the session's waits (the step boundary is the caller's: the Python
+    /// client's is its plan's first group); returns the number of the step that starts.
+    pub fn mark_step(&self) -> u64 {
+        lock(&self.waits).mark_step()
+    }
+
+    /// The session's waits so far (since it was opened or reopened).
+    pub fn waits(&self) -> WaitTotals {
+        lock(&self.waits).totals()
+    }
+
+    /// Reports sent to the daemon so far (of this opening).
+    pub fn wait_reports(&self) -> u64 {
+        lock(&self.waits).reports()
+    }
+
+    /// Sends the daemon the session's waits now, unless it has these totals already.
+    pub fn report_waits(&self) -> Result<(), ClientError> {
+        self.send_waits(|ledger, now| ledger.report_now(now))
+    }
+
+    fn send_waits(
+        &self,
+        take: impl FnOnce(&mut WaitLedger, Instant) -> Option<proto::GpuWait>,
+    ) -> Result<(), ClientError> {
+        if !self.opened.accepts_gpu_wait {
+            return Ok(()); // a daemon that predates the reports
+        }
+        let report = take(&mut lock(&self.waits), Instant::now());
+        match report {
+            Some(report) => self.send(Msg::GpuWait(report)),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the session's regions are device memory (the CUDA backend), where the time a
+    /// thread blocks is not the time the device waits.
+    pub fn on_device(&self) -> bool {
+        self.regions
+            .iter()
+            .any(|r| matches!(r, MappedRegion::Device { .. }))
     }
 
     /// Whether `ticket` was numbered by an opening of this session before the current one.
@@ -459,7 +535,7 @@ impl Session {
         };
         rpc.close_session(request)
             .await
-            .map_err(|s| ClientError::from_status(self.client.socket(), s))?;
+            .map_err(|s| self.client.status(s))?;
         Ok(())
     }
 }
@@ -631,9 +707,7 @@ pub struct QuantizedView<'a> {
 
 impl Drop for Acquired<'_> {
     fn drop(&mut self) {
-        let _ = self.session.send(Msg::Release(proto::Release {
-            ticket: self.ticket,
-        }));
+        let _ = self.session.release(self.ticket);
     }
 }
 

@@ -18,9 +18,9 @@ const MAX_INDEX_BYTES: u64 = 64 << 20;
 pub enum SourceError {
     #[error("paths: no file given")]
     Empty,
-    #[error("{0}: not found")]
+    #[error("no such file: {0}")]
     NotFound(PathBuf),
-    #[error("{0}: the daemon needs an absolute path")]
+    #[error("{0}: a relative path (give an absolute one: the model records where its files are)")]
     Relative(PathBuf),
     #[error("{0}: not a .safetensors file, a *.safetensors.index.json or a directory")]
     Unsupported(PathBuf),
@@ -251,12 +251,15 @@ mod tests {
         .unwrap();
         let err = |p: PathBuf| resolve_sources(&[p]).unwrap_err().to_string();
         assert!(matches!(resolve_sources(&[]), Err(SourceError::Empty)));
-        assert!(err(PathBuf::from("rel.safetensors")).contains("absolute path"));
-        assert!(err(d.join("nope.safetensors")).ends_with("not found"));
+        assert!(err(PathBuf::from("rel.safetensors")).contains("a relative path"));
+        assert_eq!(
+            err(d.join("nope.safetensors")),
+            format!("no such file: {}", d.join("nope.safetensors").display())
+        );
         assert!(err(d.join("notes.txt")).contains("not a .safetensors file"));
         let missing = err(d.join("bad.safetensors.index.json"));
         assert!(
-            missing.contains("missing.safetensors: not found"),
+            missing.starts_with("no such file: ") && missing.ends_with("missing.safetensors"),
             "{missing}"
         );
         let evil = err(d.join("evil.safetensors.index.json"));

@@ -1,5 +1,5 @@
 //! The client against a fake daemon in this process: a tonic servicer, and a handoff listener
-//! built from `handoff`'s daemon-side primitives that keeps fds as issue 17 says. Loads pass the
+//! built from `handoff`'s daemon-side primitives that keeps fds as the daemon does. Loads pass the
 //! opened files with a token and their display paths, uploads write through the fd and unmap
 //! before the commit (the fake seals the memfd against writes there, as the daemon will), host
 //! regions are mapped read-only from the fd, lists are read page by page, and paths that do not
@@ -345,12 +345,12 @@ async fn paths_that_do_not_resolve_are_refused_before_sending() {
         (
             PathBuf::from("model.safetensors"),
             Code::InvalidArgument,
-            "paths: model.safetensors: the daemon needs an absolute path".to_string(),
+            "paths: model.safetensors: a relative path (give an absolute one: the model records where its files are)".to_string(),
         ),
         (
             missing.clone(),
             Code::NotFound,
-            format!("paths: {}: not found", missing.display()),
+            format!("paths: no such file: {}", missing.display()),
         ),
     ];
     let mut failures = Vec::new();

@@ -12,8 +12,8 @@ use std::time::Duration;
 use bytesize::ByteSize;
 use serde::{Deserialize, Deserializer};
 
-/// The clients' default (one constant for both sides).
-pub use weightstream_client::DEFAULT_SOCKET;
+use weightstream_client::SocketCandidates;
+
 /// Loopback by default: the numbers name models and trainers' labels, which are not for the
 /// network unless the operator says so.
 pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9464";
@@ -74,23 +74,33 @@ impl TryFrom<RawSize> for Rate {
 impl std::fmt::Display for Rate {
     /// In the largest unit that divides it exactly ("25GB/s", "24GiB/s"), else in bytes.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        const UNITS: [(u64, &str); 6] = [
-            (1 << 30, "GiB"),
-            (1_000_000_000, "GB"),
-            (1 << 20, "MiB"),
-            (1_000_000, "MB"),
-            (1 << 10, "KiB"),
-            (1000, "kB"),
-        ];
-        let n = self.0;
-        match UNITS
-            .iter()
-            .find(|(unit, _)| n != 0 && n.is_multiple_of(*unit))
-        {
-            Some((unit, name)) => write!(f, "{}{name}/s", n / unit),
-            None => write!(f, "{n}B/s"),
+        match exact_units(self.0) {
+            Some(text) => write!(f, "{text}/s"),
+            None => write!(f, "{}B/s", self.0),
         }
     }
+}
+
+/// `n` bytes in the largest unit that divides it exactly ("25GB", "24GiB"); None for 0 and for
+/// sizes no unit divides.
+fn exact_units(n: u64) -> Option<String> {
+    const UNITS: [(u64, &str); 6] = [
+        (1 << 30, "GiB"),
+        (1_000_000_000, "GB"),
+        (1 << 20, "MiB"),
+        (1_000_000, "MB"),
+        (1 << 10, "KiB"),
+        (1000, "kB"),
+    ];
+    UNITS
+        .iter()
+        .find(|(unit, _)| n != 0 && n.is_multiple_of(*unit))
+        .map(|(unit, name)| format!("{}{name}", n / unit))
+}
+
+/// A size as a TOML value of the config file: `"64GiB"`, or a plain number of bytes.
+fn size_value(n: u64) -> String {
+    exact_units(n).map_or_else(|| n.to_string(), |text| format!("{text:?}"))
 }
 
 /// Limits the daemon enforces on every request (see the README's configuration reference).
@@ -262,6 +272,34 @@ pub struct Quotas {
     pub max_device_bytes: SizeOrShare,
 }
 
+impl SizeOrShare {
+    /// As a TOML value of the config file: `"80%"`, `"64GiB"`, or a number of bytes.
+    pub fn config_value(self) -> String {
+        match self {
+            SizeOrShare::Bytes(b) => size_value(b),
+            SizeOrShare::Percent(p) => format!("\"{p}%\""),
+        }
+    }
+}
+
+impl std::fmt::Display for Quotas {
+    /// The `[quotas]` keys as the config file writes them, on one line (for the log):
+    /// `per_uid_host_bytes = "1GiB", …, max_host_bytes = "80%"`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "per_uid_host_bytes = {}, per_uid_device_bytes = {}, per_uid_sessions = {}, \
+             per_uid_uploads = {}, max_host_bytes = {}, max_device_bytes = {}",
+            size_value(self.per_uid_host_bytes),
+            size_value(self.per_uid_device_bytes),
+            self.per_uid_sessions,
+            self.per_uid_uploads,
+            self.max_host_bytes.config_value(),
+            self.max_device_bytes.config_value(),
+        )
+    }
+}
+
 impl Default for Quotas {
     fn default() -> Self {
         Quotas {
@@ -279,7 +317,8 @@ impl Default for Quotas {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ConfigFile {
-    pub socket: PathBuf,
+    /// Left out: [`default_socket`].
+    pub socket: Option<PathBuf>,
     /// Group that owns the socket (a name or a numeric gid): its members may connect.
     pub socket_group: Option<String>,
     pub backend: BackendChoice,
@@ -299,7 +338,7 @@ pub struct ConfigFile {
 impl Default for ConfigFile {
     fn default() -> Self {
         ConfigFile {
-            socket: PathBuf::from(DEFAULT_SOCKET),
+            socket: None,
             socket_group: None,
             backend: BackendChoice::Auto,
             prefetch_depth: 16,
@@ -406,10 +445,11 @@ impl ConfigFile {
                 })
             }
         };
-        if !self.socket.is_absolute() {
+        let socket = self.socket.unwrap_or_else(default_socket);
+        if !socket.is_absolute() {
             return Err(ConfigError::Invalid {
                 key: "socket",
-                value: self.socket.display().to_string(),
+                value: socket.display().to_string(),
                 why: "must be an absolute path",
             });
         }
@@ -549,7 +589,7 @@ impl ConfigFile {
             .map(resolve_group)
             .transpose()?;
         Ok(Config {
-            socket: self.socket,
+            socket,
             socket_gid,
             backend: self.backend,
             prefetch_depth: self.prefetch_depth,
@@ -561,6 +601,14 @@ impl ConfigFile {
             quotas: self.quotas,
         })
     }
+}
+
+/// The socket of a daemon whose configuration names none: `$WEIGHTSTREAM_SOCKET`; else, run as
+/// root, the system socket (the service's); else the user's own (`$XDG_RUNTIME_DIR/
+/// weightstream.sock`, or `/tmp/weightstream-<uid>/weightstream.sock`). The clients look in
+/// the same places (`weightstream_client::socket`).
+pub fn default_socket() -> PathBuf {
+    SocketCandidates::from_env(None).for_daemon(rustix::process::geteuid().is_root())
 }
 
 /// The gid of `group`: a numeric gid, or a name looked up in /etc/group (the daemon forbids
@@ -630,10 +678,10 @@ mod tests {
         let example = ConfigFile::from_toml(text).unwrap();
         assert_eq!(example, ConfigFile::default());
         assert!(example.validate().is_ok());
-        // Every key the daemon knows is in the example (socket_group commented out, as its
-        // default is "none").
+        // Every key the daemon knows is in the example (socket and socket_group commented out:
+        // the socket's default depends on who runs the daemon, the group's is "none").
         let keys = [
-            "socket =",
+            "# socket =",
             "# socket_group =",
             "backend =",
             "prefetch_depth =",
@@ -674,6 +722,29 @@ mod tests {
         }
         let on = config("[metrics]\nenabled = true\n").unwrap();
         assert_eq!(on.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+    }
+
+    #[test]
+    fn quotas_are_shown_in_the_config_file_s_syntax() {
+        assert_eq!(
+            Quotas::default().to_string(),
+            "per_uid_host_bytes = 0, per_uid_device_bytes = 0, per_uid_sessions = 32, \
+             per_uid_uploads = 16, max_host_bytes = \"80%\", max_device_bytes = \"100%\""
+        );
+        let text = "[quotas]\nper_uid_host_bytes = \"64GiB\"\nper_uid_device_bytes = 123456789\n\
+                    per_uid_sessions = 2\nper_uid_uploads = 1\nmax_host_bytes = \"500GB\"\n\
+                    max_device_bytes = \"90%\"\n";
+        let quotas = config(text).unwrap().quotas;
+        let shown = quotas.to_string();
+        assert_eq!(
+            shown,
+            "per_uid_host_bytes = \"64GiB\", per_uid_device_bytes = 123456789, \
+             per_uid_sessions = 2, per_uid_uploads = 1, max_host_bytes = \"500GB\", \
+             max_device_bytes = \"90%\""
+        );
+        // What the log shows reads back as the same quotas.
+        let again = config(&format!("[quotas]\n{}\n", shown.replace(", ", "\n")));
+        assert_eq!(again.unwrap().quotas, quotas);
     }
 
     #[test]

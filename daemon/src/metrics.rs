@@ -115,7 +115,7 @@ impl Collector for DaemonCollector {
                 .map(|(i, dev)| (vec![("device", dev.uuid.as_str())], f(i)))
                 .collect()
         };
-        let device_counters: [Series; 10] = [
+        let device_counters: [Series; 12] = [
             (
                 "weightstream_device_streamed_bytes",
                 "Bytes copied host to device (staging and resident copies).",
@@ -163,9 +163,21 @@ impl Collector for DaemonCollector {
                 &|i| totals[i].prefetches as f64,
             ),
             (
+                "weightstream_device_gpu_wait_seconds",
+                "Sum over the device's sessions of the time each client's compute waited for \
+                 weights, as the clients measure and report it.",
+                &|i| totals[i].gpu_wait_ns as f64 * NS,
+            ),
+            (
+                "weightstream_device_acquire_pending_seconds",
+                "Sum over the device's sessions of each one's time with an Acquire (look-ahead \
+                 ones included) waiting for its Staged in the daemon.",
+                &|i| totals[i].acquire_pending_ns as f64 * NS,
+            ),
+            (
                 "weightstream_device_stall_seconds",
-                "Sum over the device's sessions of each one's stall (time with an Acquire waiting).",
-                &|i| totals[i].stall_ns as f64 * NS,
+                "Deprecated: the same as weightstream_device_acquire_pending_seconds.",
+                &|i| totals[i].acquire_pending_ns as f64 * NS,
             ),
         ];
         for (name, help, f) in device_counters {
@@ -227,7 +239,7 @@ impl Collector for DaemonCollector {
         let per_session = |f: &dyn Fn(usize) -> f64| -> Vec<([(&str, &str); 4], f64)> {
             labels.iter().enumerate().map(|(i, l)| (*l, f(i))).collect()
         };
-        let session_counters: [Series; 7] = [
+        let session_counters: [Series; 9] = [
             (
                 "weightstream_session_streamed_bytes",
                 "Bytes copied to the device for the session.",
@@ -259,9 +271,21 @@ impl Collector for DaemonCollector {
                 &|i| stats[i].prefetches as f64,
             ),
             (
+                "weightstream_session_gpu_wait_seconds",
+                "Time the client's compute waited for weights, as the client measures and \
+                 reports it (0 from a client that does not report).",
+                &|i| stats[i].gpu_wait_ns as f64 * NS,
+            ),
+            (
+                "weightstream_session_acquire_pending_seconds",
+                "Wall-clock time with at least one Acquire (look-ahead ones included) waiting \
+                 for its Staged in the daemon.",
+                &|i| stats[i].acquire_pending_ns as f64 * NS,
+            ),
+            (
                 "weightstream_session_stall_seconds",
-                "Wall-clock time with at least one Acquire waiting for its Staged.",
-                &|i| stats[i].stall_ns as f64 * NS,
+                "Deprecated: the same as weightstream_session_acquire_pending_seconds.",
+                &|i| stats[i].acquire_pending_ns as f64 * NS,
             ),
         ];
         for (name, help, f) in session_counters {

@@ -163,6 +163,38 @@ mod tests {
         assert_eq!(b.delay(ms(40)), Duration::ZERO);
     }
 
+    /// The credit to the byte at the copy limits tests/gpu/link_cap.py checks, with the
+    /// scheduler's burst: a full bucket charged its burst and a second of the rate at once
+    /// waits exactly that second; then one byte more waits 1 ns (a byte takes under a ns at
+    /// these rates, and waits round up), and a ms of the rate in all waits exactly a ms.
+    #[test]
+    fn the_credit_is_exact_to_the_byte_at_25_and_12_gb_per_s() {
+        let burst = 16 << 20;
+        let mut failures = Vec::new();
+        for r in [25 * GB, 12 * GB] {
+            let mut b = TokenBucket::new(rate(r), burst, ms(0));
+            let second = ms(1000);
+            let waits = [
+                b.reserve(ms(0), burst + r),
+                b.delay(second),
+                b.reserve(second, 1),
+                b.reserve(second, r / 1000 - 1),
+                b.delay(second + ms(1)),
+            ];
+            let want = [
+                second,
+                Duration::ZERO,
+                Duration::from_nanos(1),
+                ms(1),
+                Duration::ZERO,
+            ];
+            if waits != want {
+                failures.push(format!("{r} B/s: {waits:?}, want {want:?}"));
+            }
+        }
+        assert!(failures.is_empty(), "{failures:#?}");
+    }
+
     #[test]
     fn credit_never_grows_past_the_burst() {
         let mut b = TokenBucket::new(rate(GB), 1_000_000, ms(0));

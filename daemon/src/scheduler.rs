@@ -15,6 +15,8 @@
 //! trail issues by that much and the completed rate over any window of seconds is the limit's
 //! within (burst + piece) / window. The pieces keep the emulation honest at a group's scale: a
 //! 150 MB group completes after 150 MB / limit, as on the slower link, not in one burst.
+//! The limit is on what crosses the link: a session's `bytes_copied` follows it, while the
+//! bytes its client uses run ahead of it by what the staging arena serves again without a copy.
 //! A session's share is a policy, not a link: a session in debt with its own bucket is passed
 //! over (as a copy waiting on its events is) so that the others use the link meanwhile; it is
 //! charged a whole copy when the copy starts.
@@ -1042,6 +1044,53 @@ mod pacing_tests {
         assert_eq!(clock.now(), debt);
         assert_eq!(Duration::from_nanos(stats.share_throttled_ns), debt);
         assert_eq!(stats.throttled_ns, 0);
+    }
+
+    /// tests/gpu/link_cap.py's limits, with two sessions taking turns at its group sizes (a
+    /// 32nd of them, to fit the test's region): whenever a copy is done at a fake time t > 0,
+    /// the bytes of both sessions copied by then are the burst plus rate × t, to within what a
+    /// wait rounded up to a whole ns lets through (rate × 1 ns: 25 and 12 bytes). The long-run
+    /// rate is the device's limit, whichever session copies.
+    #[test]
+    fn two_sessions_together_copy_at_exactly_the_device_limit() {
+        let sizes_mib = [1, 2, 4, 8, 16, 32];
+        let jobs: Vec<(u64, u64)> = (0..2)
+            .flat_map(|_| sizes_mib.iter().flat_map(|&m| [(1, m), (2, m)]))
+            .collect();
+        let mut failures = Vec::new();
+        for limit in [25_000_000_000u64, 12_000_000_000] {
+            let (done, stats, _) = run_on_fake_clock(rate(limit), &[], &jobs);
+            let mut order: Vec<usize> = (0..jobs.len()).collect();
+            order.sort_by_key(|&i| done[i].1);
+            let (burst, r) = (u128::from(PACING_BURST), u128::from(limit));
+            let mut copied = 0u128;
+            for i in order {
+                copied += u128::from(jobs[i].1 * MIB);
+                let t = done[i].1.as_nanos();
+                // In nano-bytes: the credit left when the copy's last piece went out.
+                let credit =
+                    (burst * 1_000_000_000 + r * t) as i128 - (copied * 1_000_000_000) as i128;
+                let ok = if t == 0 {
+                    credit >= 0
+                } else {
+                    (0..r as i128).contains(&credit)
+                };
+                if !ok {
+                    failures.push(format!(
+                        "{limit} B/s: job {i} done at {t} ns with {copied} bytes copied: \
+                         credit {credit} nano-bytes"
+                    ));
+                }
+            }
+            let total: u64 = jobs.iter().map(|j| j.1 * MIB).sum();
+            if stats.bytes != total {
+                failures.push(format!(
+                    "{limit} B/s: {} bytes copied of {total}",
+                    stats.bytes
+                ));
+            }
+        }
+        assert!(failures.is_empty(), "{failures:#?}");
     }
 
     #[test]

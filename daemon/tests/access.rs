@@ -1,7 +1,7 @@
-//! Access control and quotas end to end (issue 7, parts 1 and 2): the `[access]` allow-lists
+//! Access control and quotas end to end: the `[access]` allow-lists
 //! refuse a peer on every call of the service and on the handoff socket, and log it; each
 //! `[quotas]` limit is refused with its own message and given back when what it counts is
-//! released. (What issue 17 closed, with a second uid: `security.rs`.)
+//! released. (Attacks from a second uid: `security.rs`.)
 //!
 //! The tests run as one uid, so the allow-lists are tested by listing another uid (refused) or
 //! the test's own uid or gid (admitted).

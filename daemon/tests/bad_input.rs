@@ -275,12 +275,12 @@ async fn bad_paths_are_refused_precisely() {
         (
             PathBuf::from("model.safetensors"),
             Code::InvalidArgument,
-            "paths: model.safetensors: the daemon needs an absolute path".into(),
+            "paths: model.safetensors: a relative path (give an absolute one: the model records where its files are)".into(),
         ),
         (
             d.join("nope.safetensors"),
             Code::NotFound,
-            format!("paths: {}: not found", show(&d.join("nope.safetensors"))),
+            format!("paths: no such file: {}", show(&d.join("nope.safetensors"))),
         ),
         (
             d.to_path_buf(),
@@ -298,7 +298,7 @@ async fn bad_paths_are_refused_precisely() {
         (
             d.join("missing.safetensors.index.json"),
             Code::NotFound,
-            format!("paths: {}: not found", show(&d.join("gone.safetensors"))),
+            format!("paths: no such file: {}", show(&d.join("gone.safetensors"))),
         ),
         (
             d.join("evil.safetensors.index.json"),

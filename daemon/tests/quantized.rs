@@ -424,7 +424,7 @@ async fn what_cannot_be_quantized_is_refused_by_name_and_leaves_nothing() {
         (
             "an infinite scale",
             vec![pre(&[4, 2])],
-            "tensor 'w': scale +inf at index 1: the scales of fp8 data must be finite".into(),
+            "tensor 'w': scale +inf at index 1: the scales of 8-bit data must be finite".into(),
         ),
         (
             "scales without quantization",
@@ -467,7 +467,8 @@ async fn what_cannot_be_quantized_is_refused_by_name_and_leaves_nothing() {
         (
             Code::InvalidArgument,
             "tensors[0].quantization: 7 is not a known quantization (QUANTIZATION_NONE = 0, \
-             QUANTIZATION_FP8_E4M3_BLOCK64 = 1)"
+             QUANTIZATION_FP8_E4M3_BLOCK64 = 1; in BeginUpload also \
+             QUANTIZATION_TORCHAO_FLOAT8_ROWWISE = 4, QUANTIZATION_TORCHAO_INT8_ROWWISE = 5)"
         )
     );
     let dir = tempfile::tempdir().unwrap();
@@ -486,7 +487,8 @@ async fn what_cannot_be_quantized_is_refused_by_name_and_leaves_nothing() {
         (
             Code::InvalidArgument,
             "quantization: 9 is not a known quantization (QUANTIZATION_NONE = 0, \
-             QUANTIZATION_FP8_E4M3_BLOCK64 = 1)"
+             QUANTIZATION_FP8_E4M3_BLOCK64 = 1; in BeginUpload also \
+             QUANTIZATION_TORCHAO_FLOAT8_ROWWISE = 4, QUANTIZATION_TORCHAO_INT8_ROWWISE = 5)"
         )
     );
     assert_nothing_left(&daemon, &mut client, "unknown quantization").await;

@@ -1,4 +1,4 @@
-//! What issue 17 closed, end to end, with the attacker as another uid where it takes one: the
+//! The daemon's defences, end to end, with the attacker as another uid where it takes one: the
 //! daemon reads no file for a peer that cannot (the confused deputy), files that are not
 //! regular never reach it and stall nobody, an uploader can neither truncate its region nor
 //! change it after commit, shared memory has no name, a peer gets no other uid's fds,

@@ -89,10 +89,14 @@ fn delta(after: &proto::SessionStats, before: &proto::SessionStats) -> proto::Se
         bytes_copied: after.bytes_copied - before.bytes_copied,
         copies: after.copies - before.copies,
         prefetches: after.prefetches - before.prefetches,
-        stall_ns: after.stall_ns - before.stall_ns,
+        acquire_pending_ns: after.acquire_pending_ns - before.acquire_pending_ns,
         resyncs: after.resyncs - before.resyncs,
         releases: after.releases - before.releases,
         evictions: after.evictions - before.evictions,
+        gpu_wait_ns: after.gpu_wait_ns - before.gpu_wait_ns,
+        gpu_waits: after.gpu_waits - before.gpu_waits,
+        gpu_wait_reports: after.gpu_wait_reports - before.gpu_wait_reports,
+        ..Default::default()
     }
 }
 
@@ -626,4 +630,39 @@ async fn max_sessions_holds_for_sessions_opening_at_once() {
         .await
         .expect("closed sessions free their places");
     again.close().await.unwrap();
+}
+
+/// The client's own waits (here: its thread blocked for groups not yet staged) reach the daemon
+/// as `gpu_wait_ns`, in total and per group exactly as the client summed them; the daemon's own
+/// figure, time with an acquire pending, keeps its old name as an alias.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(deprecated)]
+async fn the_clients_waits_are_what_the_daemon_shows() {
+    let mut f = fixture(12, 4).await;
+    let session = f.client.open_session(f.options(4, 4)).await.unwrap();
+    assert!(session.layout().accepts_gpu_wait);
+    run_step(&session, &forward_backward(4), &f.expected).await;
+    let waits = session.waits();
+    // Each acquire waits at least for the daemon's reply.
+    assert!(waits.waits > 0 && waits.total_ns > 0, "{waits:?}");
+    assert_eq!(waits.by_group.iter().sum::<u64>(), waits.total_ns);
+    session.report_waits().unwrap();
+    let reports = session.wait_reports();
+    // The report travels on the Run stream, ListSessions on another call.
+    eventually("the report is taken", || {
+        let mut client = f.client.clone();
+        let id = session.id().to_string();
+        async move { stats(&mut client, &id).await.gpu_wait_reports == reports }
+    })
+    .await;
+    let info = session_info(&mut f.client, session.id()).await.unwrap();
+    let st = info.stats.unwrap();
+    assert_eq!(
+        (st.gpu_wait_ns, st.gpu_waits),
+        (waits.total_ns, waits.waits)
+    );
+    assert_eq!(info.group_gpu_wait_ns, waits.by_group);
+    assert!(st.acquire_pending_ns > 0, "{st:?}");
+    assert_eq!(st.stall_ns, st.acquire_pending_ns);
+    assert_eq!(info.group_stall_ns, info.group_acquire_pending_ns);
 }

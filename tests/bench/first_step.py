@@ -1,4 +1,4 @@
-"""Benchmark: time to first step (issue 15) — loading FLUX.2 from safetensors in memory, a second
+"""Benchmark: time to first step — loading FLUX.2 from safetensors in memory, a second
 job attaching to the model the daemon holds, and attaching by upload from the GPU — each split
 into its phases.
 

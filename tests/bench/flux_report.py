@@ -36,7 +36,9 @@ def weightstream_rows(run: dict) -> list[dict]:
                 "daemon": round(r["daemon_staging_gib"] + r["daemon_resident_gib"], 2),
                 "total": r["gpu_total_gib"],
                 "bytes": r["bytes_per_step_gib"],
-                "stall": r["stall_s_per_step"],
+                "gpu_wait": r.get("gpu_wait_s_per_step"),
+                # Results before the rename call it stall.
+                "pending": r.get("acquire_pending_s_per_step", r.get("stall_s_per_step")),
                 "acquires": r["acquires_per_step"],
                 "bound": round(bound, 3),
                 "ratio_bound": round(r["s_per_step"] / bound, 2),
@@ -49,22 +51,25 @@ def weightstream_rows(run: dict) -> list[dict]:
 def table(run: dict) -> str:
     lines = [
         "| budget GiB | s/step | GPU GiB trainer + daemon = total | GiB H2D/step | "
-        "acquires/step | daemon stall s/step | lower bound s | × bound | × resident |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "acquires/step | GPU wait s/step | acquire pending s/step | lower bound s | × bound | "
+        "× resident |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     res = modes(run)["resident"]
     lines.append(
         f"| resident (none) | {res['s_per_step']:.3f} | {res['trainer_reserved_gib']:.1f} "
-        f"(peak allocated {res['trainer_peak_gib']:.1f}) | 0 | – | – | "
+        f"(peak allocated {res['trainer_peak_gib']:.1f}) | 0 | – | – | – | "
         f"{res['s_per_step']:.3f} | 1.00 | 1.00 |"
     )
     for r in weightstream_rows(run):
         if "error" in r:
-            lines.append(f"| {r['budget']:g} | error: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['budget']:g} | error: {r['error']} | | | | | | | | |")
             continue
         lines.append(
             f"| {r['budget']:g} | {r['s']:.3f} | {r['trainer']:.2f} + {r['daemon']:.2f} = "
-            f"{r['total']:.2f} | {r['bytes']:.1f} | {r['acquires']:.0f} | {r['stall']:.3f} | "
+            f"{r['total']:.2f} | {r['bytes']:.1f} | {r['acquires']:.0f} | "
+            f"{'–' if r['gpu_wait'] is None else format(r['gpu_wait'], '.3f')} | "
+            f"{r['pending']:.3f} | "
             f"{r['bound']:.3f} | {r['ratio_bound']:.2f} | {r['ratio_resident']:.2f} |"
         )
     return "\n".join(lines)

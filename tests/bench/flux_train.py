@@ -37,6 +37,8 @@ import time
 import traceback
 from pathlib import Path
 
+from card import LINK_ENV, phase
+
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -206,6 +208,7 @@ def steps(model, n, lora_state=None):
     inputs = batch()
     times, losses = [], []
     forward_s.clear()
+    phase("training", training_label)
     for _ in range(n):
         torch.cuda.synchronize()
         t = time.monotonic()
@@ -240,6 +243,9 @@ def optimizer(params):
 
 #: Seconds of each step of the last ``steps`` call spent in the forward pass (and the loss).
 forward_s: list[float] = []
+#: What ``steps`` calls its training phase for tests/bench/card.py (the mode, and the budget
+#: where a mode has several).
+training_label = ""
 
 
 def lora_state(model):
@@ -377,7 +383,16 @@ def measure_budget(args, handle, client, model, r):
         (after["hits"] - before["hits"]) / max(1, after["acquires"] - before["acquires"]), 4
     )
     r["acquires_per_step"] = round((after["acquires"] - before["acquires"]) / n, 1)
-    r["stall_s_per_step"] = round((after["stall_ns"] - before["stall_ns"]) / n / 1e9, 4)
+    per_step = lambda key: (after[key] - before[key]) / n / 1e9  # noqa: E731
+    # The trainer's own wait for weights (the compute stream's, timed by the client), and the
+    # daemon's time with some acquire pending (look-ahead ones included: not a wait).
+    r["gpu_wait_s_per_step"] = round(per_step("gpu_wait_ns"), 4)
+    r["acquire_pending_s_per_step"] = round(per_step("acquire_pending_ns"), 4)
+    # Where the waits were: per group, ms per step (the groups in the plan's order).
+    r["gpu_wait_ms_per_step_by_group"] = {
+        name: round((ns - before["gpu_wait_by_group"][name]) / n / 1e6, 3)
+        for name, ns in after["gpu_wait_by_group"].items()
+    }
     sess = [s for s in client.list_sessions() if s.session_id == handle.session.id][0]
     r["daemon_staging_gib"] = round(sess.staging_bytes / GiB, 2)
     r["daemon_resident_gib"] = round(sess.resident_bytes / GiB, 2)
@@ -403,6 +418,7 @@ def nvidia_smi_used_gib(index: int = 0) -> float | None:
 
 
 def mode_weightstream(args, record):
+    global training_label
     import torch
     import weightstream
     import weightstream.torch as wst
@@ -436,6 +452,7 @@ def mode_weightstream(args, record):
     record["budgets"] = {}
     for budget in [*args.budgets, smallest] if args.min_blocks > 0 else args.budgets:
         key = f"{budget:g}"
+        training_label = f"{args.mode} {key} GiB"
         r = record["budgets"][key] = {"daemon_budget_gib": daemon_part(args, budget) / GiB}
         try:
             if budget == smallest:
@@ -451,6 +468,7 @@ def mode_weightstream(args, record):
             traceback.print_exc()
     torch.cuda.set_per_process_memory_fraction(1.0)
     handle.set_budget(daemon_part(args, args.det_budget))
+    training_label = f"{args.mode} deterministic, {args.det_budget:g} GiB"
     if args.quantize:
         dequant_probe(model, record)
         record["dequant_peak_gib"] = round(handle.stats()["dequant_scratch_peak_bytes"] / GiB, 3)
@@ -756,8 +774,12 @@ MODES = {
 
 
 def child(args):
+    global training_label
     import torch
 
+    label = args.mode if args.mode != "job" else f"job {args.job}"
+    phase("loading", label)
+    training_label = label
     torch.backends.cuda.enable_cudnn_sdp(False)
     record = {"mode": args.mode}
     try:
@@ -768,11 +790,18 @@ def child(args):
     print("RESULT " + json.dumps(record), flush=True)
 
 
-def pinned_bandwidth() -> float:
-    sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-    import wsgpu
-
-    return wsgpu.pinned_h2d_gbps(reps=6)
+def device_and_pinned_bandwidth() -> tuple[str, float]:
+    """The device's name and its pinned host-to-device GB/s, measured in a process of their own:
+    the parent holds no CUDA context (on an emulated card it would take the children's room)."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(ROOT / 'tests' / 'gpu')!r}); import torch, wsgpu; "
+        "print(torch.cuda.get_device_name(0)); print(wsgpu.pinned_h2d_gbps(reps=6))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    name, gbps = out.strip().splitlines()[-2:]
+    return name, float(gbps)
 
 
 def child_cmd(args, mode: str, socket: str) -> list[str]:
@@ -853,10 +882,12 @@ def parent(args):
         + cap,
         stderr=open(out / "flux-daemon.log", "ab"),
     )
+    device, pinned = device_and_pinned_bandwidth()
     results = {
         "command": "python3 " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d"),
-        "pinned_h2d_gbps": round(pinned_bandwidth(), 2),
+        "device": device,
+        "pinned_h2d_gbps": round(pinned, 2),
         "trainer_gib": args.trainer_gib,
         "model": args.model,
         "rank": args.rank,
@@ -864,9 +895,8 @@ def parent(args):
         "copy_bandwidth_limit": args.copy_bandwidth_limit,
         "modes": [],
     }
-    import torch
-
-    results["device"] = torch.cuda.get_device_name(0)
+    if os.environ.get("WS_CARD_GIB"):
+        results["card_gib"] = float(os.environ["WS_CARD_GIB"])
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     for mode in args.modes:
         started = time.monotonic()
@@ -926,8 +956,9 @@ def main(model: str = "flux1"):
     )
     parser.add_argument(
         "--copy-bandwidth-limit",
-        default=None,
-        help="the daemon's copy_bandwidth_limit (e.g. 25GB/s: a PCIe Gen4 x16 link, emulated)",
+        default=os.environ.get(LINK_ENV),
+        help="the daemon's copy_bandwidth_limit (e.g. 25GB/s: a PCIe Gen4 x16 link, emulated; "
+        f"default: ${LINK_ENV}, which tests/bench/card.py --link sets)",
     )
     parser.add_argument("--bin", default="target/release/weightstream")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-flux-out"))

@@ -1,4 +1,4 @@
-"""Several GPUs, one host copy (issue 16): the box's topology, host->device bandwidth with one
+"""Several GPUs, one host copy: the box's topology, host->device bandwidth with one
 shared host copy against one local copy per socket, and DDP LoRA training (ddp_train.py under
 torchrun) against one GPU alone and against every rank resident. One invocation per model:
 

@@ -230,7 +230,8 @@ def main():
             "misses": stats.misses,
             "reuses": stats.reuses,
             "resyncs": stats.resyncs,
-            "stall_ms": round(stats.stall_ns / 1e6, 1),
+            # This consumer times no wait of its own (no gpu_wait_ns): the daemon's figure.
+            "acquire_pending_ms": round(stats.acquire_pending_ns / 1e6, 1),
         },
         "command": "PYTHONPATH=$PWD/client-py/src python3 " + " ".join(sys.argv),
     }

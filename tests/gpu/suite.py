@@ -1,6 +1,6 @@
 """GPU suite of the CUDA backend: run by tests/gpu/run.sh on the GPU machine.
 
-Starts a real daemon (the release binary built on the build machine) and checks, with plain
+Starts a real daemon (the release binary, built where Rust is installed) and checks, with plain
 torch + CUDA IPC consumers: every byte of every group under a plan; ordering by the ready
 event (with a negative control that must see stale bytes); two consumer processes with one host
 copy; a consumer killed mid-step (its device memory comes back, the others go on); and the

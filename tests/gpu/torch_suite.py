@@ -1,5 +1,8 @@
 """weightstream.torch.attach on the H200: the CPU tests' equality checks on CUDA (bf16, with
-gradient checkpointing, deterministic algorithms on both sides) and the prefetch hit rate.
+gradient checkpointing, deterministic algorithms on both sides; 8-bit streaming; torchao's
+weights streamed as they are, against the same torchao layers in place) and the prefetch hit
+rate, and the
+trainer's wait for weights as the compute stream measures it (``gpu_wait_ns``).
 Prints PASS/FAIL per check and "N passed, M failed"; exits non-zero on any failure."""
 
 from __future__ import annotations
@@ -126,6 +129,108 @@ def comfy_mixed_on_cuda():
     return "3 dtypes x 3 scales bit for bit"
 
 
+TORCHAO_WHEEL = "torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl"
+
+
+def torchao():
+    """torchao's quantization module (its wheel carried in .whl/, installed by run.sh)."""
+    try:
+        import torchao.quantization as tq
+    except ImportError as e:
+        raise RuntimeError(f"torchao is not installed: carry .whl/{TORCHAO_WHEEL}") from e
+    return tq
+
+
+def torchao_configs():
+    tq = torchao()
+    return {
+        quantize.TORCHAO_FLOAT8_ROWWISE: tq.Float8WeightOnlyConfig,
+        quantize.TORCHAO_INT8_ROWWISE: tq.Int8WeightOnlyConfig,
+    }
+
+
+def torchao_formulas():
+    """On CUDA, where FLUX trains: ``dequantize_as`` (the fused kernel for float8) equals
+    torchao's ``dequantize()``, and ``linear_as`` equals torchao's own ``F.linear`` (output and
+    input gradient), for FLUX's shapes, in bf16 and fp32."""
+    from weightstream.torch import torchao_weights
+
+    tq = torchao()
+    bad, n = [], 0
+    g = torch.Generator().manual_seed(11)
+    for fmt, config in torchao_configs().items():
+        for (out, inputs), dtype in [
+            ((3072, 3072), torch.bfloat16),
+            ((12288, 3072), torch.bfloat16),
+            ((3072, 12288), torch.bfloat16),
+            ((1000, 333), torch.float32),
+        ]:
+            layer = torch.nn.Linear(inputs, out, device="cuda", dtype=dtype)
+            tq.quantize_(layer, config())
+            w = layer.weight
+            form = torchao_weights.upload_form(w)
+            if fmt == quantize.TORCHAO_FLOAT8_ROWWISE:
+                assert _fused_dequant.applies(w.qdata, w.scale, dtype), "no fused kernel"
+            bits = torch.int32 if dtype == torch.float32 else torch.int16
+            got = quantize.dequantize_weight(form, dtype)
+            if not torch.equal(got.view(bits), w.dequantize().view(bits)):
+                bad.append(f"{fmt} {out}x{inputs} {dtype}: dequantize")
+            x = torch.randn(2, 512, inputs, generator=g).to("cuda", dtype)
+            want, want_grad = _output_and_input_grad(torch.nn.functional.linear, x, w, layer.bias)
+            form = form._replace(dtype=dtype)
+            y, grad = _output_and_input_grad(_linear_as, x, form, layer.bias)
+            if not torch.equal(y, want) or not torch.equal(grad, want_grad):
+                bad.append(f"{fmt} {out}x{inputs} {dtype}: linear")
+            n += 1
+    assert not bad, f"differ from torchao on CUDA: {bad}"
+    return f"{n} layers: dequantize, linear and its input gradient bit for bit"
+
+
+def _output_and_input_grad(linear, x, weight, bias):
+    """``linear(x, weight, bias)`` and the gradient of ``x`` for an upstream gradient made
+    from the output."""
+    x = x.clone().requires_grad_(True)
+    y = linear(x, weight, bias)
+    y.backward(torch.ones_like(y).mul_(0.5).add_(y.detach().sin()))
+    return y.detach(), x.grad
+
+
+def _linear_as(x, weight: quantize.Fp8Weight, bias):
+    return quantize.linear_as(weight, x, bias)
+
+
+def torchao_equality(client, fmt, dtype, ckpt, autocast=False, group_by="layer", steps=4):
+    """The LoRA model with its base layers quantized by torchao on the GPU, streamed (each
+    torchao weight uploaded as torchao holds it) against the same quantized model in place."""
+    ref = t.make_model(dtype).cuda()
+    torchao().quantize_(
+        ref, torchao_configs()[fmt](), filter_fn=lambda m, fqn: fqn.endswith("base_layer")
+    )
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = ckpt
+    budget, staging = t.BUDGETS[group_by, dtype]
+    handle = wst.attach(
+        streamed,
+        "cuda",
+        client=client,
+        min_bytes=0,
+        vram_budget=budget,
+        staging_bytes=staging,
+        group_by=group_by,
+    )
+    placed = {p.name: p.quantization for g in handle.session.groups for p in g.tensors}
+    as_is = [n for n, q in placed.items() if q == fmt]
+    assert len(as_is) == 18, f"{len(as_is)} weights streamed as {fmt}"
+    xs = t.inputs(steps, dtype, device="cuda")
+    t.assert_equal_runs(
+        t.train(ref, xs, sample_between=True, autocast=autocast),
+        t.train(streamed, xs, sample_between=True, autocast=autocast),
+    )
+    stats = handle.stats()
+    handle.detach(release=True)
+    return f"{len(as_is)} torchao weights streamed, {stats['acquires']} acquires"
+
+
 def hit_rate(client):
     model = t.make_model(torch.bfloat16).cuda()
     model.ckpt = "non-reentrant"
@@ -142,6 +247,85 @@ def hit_rate(client):
     acquires = after["acquires"] - first["acquires"]
     assert after["misses"] > 0 and hits / acquires >= 0.95, (hits, acquires)
     return f"{hits}/{acquires} hits after the first step, {after['reuses']} reuses"
+
+
+def reported(client, session):
+    """The daemon's listing of ``session`` once it has every report of waits the client sent."""
+    sent = session._native.gpu_wait_reports
+    deadline = time.monotonic() + 30
+    while True:
+        [info] = [s for s in client.list_sessions() if s.session_id == session.id]
+        if info.stats.gpu_wait_reports == sent:
+            return info
+        assert time.monotonic() < deadline, "the report of waits never arrived"
+        time.sleep(0.01)
+
+
+def gpu_wait(client):
+    """The compute stream's wait, timed with CUDA events: a copy held back by the session's
+    bandwidth share (100 MB/s with a 16 MiB burst: a first copy of 48 MiB keeps the next one
+    waiting ~335 ms) while the stream
+    still has ~120 ms of matmuls to run waits for the rest only, so the measured wait is the
+    host's blocked time less the compute (an acquire-pending or host-side figure would count it
+    all); acquires whose bytes are staged and whose copies are done add no wait; ListSessions
+    shows what the client measured."""
+    g = torch.Generator().manual_seed(5)
+    tensors = {f"w{i}": torch.randn(12 << 20, generator=g) for i in range(3)}  # 48 MiB each
+    manifest, _ = client.upload_model("gpu-wait", tensors)
+    groups = [(name, [name]) for name in tensors]
+    budget = 3 * (48 << 20)
+    session = client.open_session(
+        manifest.model_id,
+        groups,
+        budget,
+        staging_bytes=budget,
+        device="cuda",
+        copy_bandwidth_limit=100_000_000,
+    )
+    try:
+        session.release(session.acquire(0))  # charges the share: the next copy waits
+        x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        for _ in range(600):
+            x = torch.tanh(x @ x)
+        end.record()
+        blocked_from = time.perf_counter()
+        ticket = session.acquire(1)
+        blocked = time.perf_counter() - blocked_from
+        session.release(ticket)
+        torch.cuda.synchronize()
+        compute = start.elapsed_time(end) / 1e3
+        waits = session.gpu_wait()
+        waited = waits.by_group[1] / 1e9
+        assert 0 < waited < blocked - compute / 2, (waited, blocked, compute)
+
+        # Staged again without a copy, the copies long done: polled, never waited for.
+        before = session.gpu_wait()
+        for group in (0, 1):
+            number = session.submit(group)
+            deadline = time.monotonic() + 30
+            while (t2 := session.poll(number)) is None:
+                assert time.monotonic() < deadline, "never staged"
+                time.sleep(0.001)
+            session.release(t2)
+        torch.cuda.synchronize()
+        after = session.gpu_wait()
+        assert (after.total_ns, after.waits) == (before.total_ns, before.waits), (before, after)
+
+        session.report_gpu_wait()
+        info = reported(client, session)
+        assert info.stats.gpu_wait_ns == after.total_ns, (info.stats, after)
+        assert info.group_gpu_wait_ns == list(after.by_group), (info, after)
+        pending = info.stats.acquire_pending_ns / 1e9
+    finally:
+        session.close()
+        client.release_model(manifest.model_id)
+    return (
+        f"GPU waited {waited * 1e3:.1f} ms for group 1 while the host blocked "
+        f"{blocked * 1e3:.1f} ms with {compute * 1e3:.1f} ms of compute queued; "
+        f"daemon's acquire pending {pending * 1e3:.1f} ms"
+    )
 
 
 def main():
@@ -183,7 +367,30 @@ def main():
             lambda: equality(client, torch.float32, None, group_by="block", fp8=True),
         ),
         ("ComfyUI mixed-precision fp8 == ComfyUI's own expression on CUDA", comfy_mixed_on_cuda),
+        ("torchao float8/int8: dequantize and linear == torchao's own on CUDA", torchao_formulas),
+        (
+            "equal: torchao float8 weights, bf16, non-reentrant checkpointing",
+            lambda: torchao_equality(
+                client, quantize.TORCHAO_FLOAT8_ROWWISE, torch.bfloat16, "non-reentrant"
+            ),
+        ),
+        (
+            "equal: torchao float8 weights, fp32 under bf16 autocast, by block",
+            lambda: torchao_equality(
+                client, quantize.TORCHAO_FLOAT8_ROWWISE, torch.float32, None, True, "block"
+            ),
+        ),
+        (
+            "equal: torchao int8 weights, bf16, reentrant checkpointing, by block",
+            lambda: torchao_equality(
+                client, quantize.TORCHAO_INT8_ROWWISE, torch.bfloat16, "reentrant", False, "block"
+            ),
+        ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
+        (
+            "GPU wait: the compute stream's own wait, reported as gpu_wait_ns",
+            lambda: gpu_wait(client),
+        ),
     ]
     passed = failed = 0
     for name, fn in checks:

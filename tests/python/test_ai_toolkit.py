@@ -40,9 +40,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import weightstream
 import weightstream.torch as wst
 from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
+from weightstream.client import socket_path
 from weightstream.integrations import ai_toolkit
 from weightstream.integrations.ai_toolkit import launcher
 from weightstream.integrations.ai_toolkit.settings import Settings
@@ -567,6 +569,18 @@ def test_settings(section, env, want):
         with pytest.raises(ValueError) as e:
             Settings.load(section, env)
         assert str(e.value).startswith(want), str(e.value)
+
+
+def test_the_settings_default_socket_is_the_client_s(monkeypatch, tmp_path):
+    """No socket in the job's section or the environment: the manager connects where every
+    weightstream client looks (``weightstream.client.socket_path``)."""
+    monkeypatch.delenv("WEIGHTSTREAM_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    settings = Settings.load({})
+    assert settings.socket is None
+    assert weightstream.connect(settings.socket).socket == socket_path()
+    named = Settings.load({"socket": "/srv/ws.sock"}, {})
+    assert weightstream.connect(named.socket).socket == "/srv/ws.sock"
 
 
 RUN_PY = '''\

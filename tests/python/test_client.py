@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -10,16 +11,64 @@ import torch
 import weightstream
 from safetensors.torch import save_file
 from weightstream import protocol as pb
+from weightstream.client import SYSTEM_SOCKET, socket_path
 
 
 def test_a_missing_daemon_fails_fast_with_a_clear_error(tmp_path):
-    client = weightstream.connect(str(tmp_path / "none.sock"))
+    socket = tmp_path / "none.sock"
+    client = weightstream.connect(str(socket))
     started = time.monotonic()
-    with pytest.raises(
-        weightstream.DaemonUnavailable, match="cannot reach the weightstream daemon"
-    ):
+    with pytest.raises(weightstream.DaemonUnavailable) as e:
         client.info()
     assert time.monotonic() - started < 5
+    assert str(e.value) == (
+        f"cannot reach the weightstream daemon at {socket}: no such socket (named by --socket or "
+        f"WEIGHTSTREAM_SOCKET). Start the daemon there with `weightstream serve --socket {socket}`"
+    )
+
+
+@pytest.mark.no_daemon
+def test_with_no_socket_named_the_client_says_every_place_it_looked(monkeypatch, tmp_path):
+    if os.path.exists(SYSTEM_SOCKET):
+        pytest.skip(f"{SYSTEM_SOCKET} exists: the client would reach that daemon")
+    monkeypatch.delenv("WEIGHTSTREAM_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    user = tmp_path / "weightstream.sock"
+    with pytest.raises(weightstream.DaemonUnavailable) as e:
+        weightstream.connect().info()
+    assert str(e.value) == (
+        f"cannot reach the weightstream daemon at {user}: no such socket (tried {SYSTEM_SOCKET}, "
+        f"{user}). Start the daemon with `weightstream serve`, or pass --socket (or set "
+        "WEIGHTSTREAM_SOCKET) to name another socket"
+    )
+
+
+@pytest.mark.no_daemon
+def test_the_socket_is_found_by_the_same_rules_as_the_cli(monkeypatch, tmp_path):
+    """A socket given, else $WEIGHTSTREAM_SOCKET, else the system socket if it exists, else
+    $XDG_RUNTIME_DIR/weightstream.sock, else /tmp/weightstream-<uid>/weightstream.sock. (That
+    the system socket wins when it exists is checked in client-rs, on a stand-in path.)"""
+    system = os.path.exists(SYSTEM_SOCKET)
+    cases = [
+        ("/given.sock", "/env.sock", str(tmp_path), "/given.sock"),
+        (None, "/env.sock", str(tmp_path), "/env.sock"),
+        (None, "", str(tmp_path), str(tmp_path / "weightstream.sock")),
+        (None, None, None, f"/tmp/weightstream-{os.getuid()}/weightstream.sock"),
+        (None, None, "relative", f"/tmp/weightstream-{os.getuid()}/weightstream.sock"),
+    ]
+    failures = []
+    for given, env, runtime_dir, want in cases:
+        for name, value in (("WEIGHTSTREAM_SOCKET", env), ("XDG_RUNTIME_DIR", runtime_dir)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        if system and given is None and not env:
+            want = SYSTEM_SOCKET
+        got = (socket_path(given), weightstream.Client(given).socket)
+        if got != (want, want):
+            failures.append(f"{given=} {env=} {runtime_dir=}: {got}, want {want}")
+    assert not failures, failures
 
 
 def test_upload_then_acquire_gives_the_same_tensors(daemon):

@@ -1,6 +1,6 @@
 """``weightstream.Client`` (the native client) over the handoff socket, against a fake daemon in
-this process (a grpcio servicer and a handoff listener that keep fds as the spec of issue 17
-says): loads pass the opened files with a token, uploads write through the fd and unmap before
+this process (a grpcio servicer and a handoff listener that keep fds as the daemon
+does): loads pass the opened files with a token, uploads write through the fd and unmap before
 the commit (the fake seals the memfd against writes there, as the daemon does), host regions map
 the fd read-only, lists are paged, and paths that do not resolve are refused before anything is
 sent. Needs no daemon binary. (The handoff wire and the path rules themselves: client-rs's
@@ -239,7 +239,7 @@ def test_paths_that_do_not_resolve_are_refused_before_sending(fake, tmp_path):
     with pytest.raises(weightstream.RequestRejected) as e:
         fake.client.load_model([str(tmp_path / "nope.safetensors")])
     assert e.value.code == "NOT_FOUND"
-    assert e.value.message == f"paths: {tmp_path / 'nope.safetensors'}: not found"
+    assert e.value.message == f"paths: no such file: {tmp_path / 'nope.safetensors'}"
     assert fake.loads == []
 
 

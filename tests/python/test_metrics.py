@@ -74,10 +74,20 @@ def test_counters_match_list_sessions_after_a_known_workload(served):
     for _ in range(2):
         for i in range(LAYERS):
             session.release(session.acquire(i))
+    # The client's measured waits, reported now; the report travels on the session's stream.
+    session.report_gpu_wait()
+    sent = session._native.gpu_wait_reports
+    deadline = time.monotonic() + 30
+    while True:
+        [info] = [s for s in client.list_sessions() if s.session_id == session.id]
+        if info.stats.gpu_wait_reports == sent:
+            break
+        assert time.monotonic() < deadline, "the client's report never arrived"
+        time.sleep(0.01)
 
     m = scrape(served.metrics_url)
-    [info] = [s for s in client.list_sessions() if s.session_id == session.id]
     st = info.stats
+    assert st.gpu_wait_ns == session.gpu_wait().total_ns > 0
     assert (st.acquires, st.hits, st.misses, st.copies) == (8, 4, 4, 4)
     assert st.bytes_copied == LAYERS * LAYER_BYTES
     who = {"session": session.id, "label": "metrics-probe", "device": info.device_uuid}
@@ -86,8 +96,15 @@ def test_counters_match_list_sessions_after_a_known_workload(served):
     assert only(m, "weightstream_session_prefetch_misses_total", **who) == st.misses
     assert only(m, "weightstream_session_copies_total", **who) == st.copies
     assert only(m, "weightstream_session_streamed_bytes_total", **who) == st.bytes_copied
+    assert only(m, "weightstream_session_gpu_wait_seconds_total", **who) == pytest.approx(
+        st.gpu_wait_ns / 1e9, rel=1e-9
+    )
+    assert only(m, "weightstream_session_acquire_pending_seconds_total", **who) == pytest.approx(
+        st.acquire_pending_ns / 1e9, rel=1e-9
+    )
+    # The old name, an alias of acquire pending.
     assert only(m, "weightstream_session_stall_seconds_total", **who) == pytest.approx(
-        st.stall_ns / 1e9, rel=1e-9
+        st.acquire_pending_ns / 1e9, rel=1e-9
     )
     assert only(m, "weightstream_session_staging_bytes", **who) == info.staging_bytes == budget
     assert only(m, "weightstream_session_budget_bytes", **who) == budget
@@ -130,7 +147,13 @@ def test_counters_match_list_sessions_after_a_known_workload(served):
     assert only(m, "weightstream_device_prefetch_hits_total", **dev) == 4
     assert only(m, "weightstream_device_prefetch_misses_total", **dev) == 4
     assert only(m, "weightstream_device_streamed_bytes_total", **dev) == LAYERS * LAYER_BYTES
+    assert only(m, "weightstream_device_gpu_wait_seconds_total", **dev) == pytest.approx(
+        st.gpu_wait_ns / 1e9, rel=1e-9
+    )
+    assert only(m, "weightstream_device_acquire_pending_seconds_total", **dev) == pytest.approx(
+        st.acquire_pending_ns / 1e9, rel=1e-9
+    )
     assert only(m, "weightstream_device_stall_seconds_total", **dev) == pytest.approx(
-        st.stall_ns / 1e9, rel=1e-9
+        st.acquire_pending_ns / 1e9, rel=1e-9
     )
     assert only(m, "weightstream_device_staging_bytes", **dev) == 0

@@ -1,5 +1,5 @@
-"""Issue 17 from the Python client's side, with a second uid (user ``ws-attacker``, made by
-tests/run.sh when it runs as root) where it takes one: another uid gets neither a session's
+"""The daemon's defences from the Python client's side, with a second uid (user ``ws-attacker``,
+made by tests/run.sh when it runs as root) where it takes one: another uid gets neither a session's
 regions nor an upload's region through the handoff socket, even holding their secrets; and
 an uploader cannot truncate its region, nor commit it while mapped, nor write it once
 committed. Without root or that user the attacker tests are skipped, and fail when

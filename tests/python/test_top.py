@@ -65,3 +65,60 @@ def test_top_shows_the_session_in_a_real_terminal(daemon):
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
         session.close()
+
+
+def test_top_once_prints_plain_lines_without_a_terminal(daemon):
+    manifest, _ = daemon.client.upload_model("top", {"w": torch.zeros(16384)})
+    session = daemon.client.open_session(manifest.model_id, [("w", ["w"])], 1 << 20, label="once")
+    try:
+        session.release(session.acquire(0))
+        out = subprocess.run(
+            [BIN, "top", "--socket", daemon.socket, "--once", "--interval-ms", "100"],
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stderr == ""
+        lines = out.stdout.splitlines()
+        assert lines[0] == f"weightstream top — {daemon.socket} — backend host — 1 sessions"
+        assert lines[1] == "devices"
+        assert lines[2].split() == [
+            "device",
+            "name",
+            "sessions",
+            "GB/s",
+            "GPU",
+            "wait",
+            "pending",
+            "hit",
+            "rate",
+            "budget",
+        ]
+        # Nothing moved during the interval: no rate, no wait (the client's first report
+        # is 0), no hit rate; the budget of 1 MiB.
+        assert lines[3].split()[:1] == ["host-0"]
+        assert " 1 " in lines[3] and "0.00  0.0 %     0.0 %    -" in lines[3], lines[3]
+        assert lines[4] == "sessions"
+        columns = "session label pid GB/s GPU wait pending hit rate budget staging resident acquires copied"
+        assert lines[5].split() == columns.split()
+        row = lines[6].split()
+        pid = str(os.getpid())
+        assert row[:9] == [session.id, "once", pid, "0.00", "0.0", "%", "0.0", "%", "-"], row
+        assert row[9:11] == ["1.0", "MiB"] and row[-3:] == ["1", "64.0", "KiB"], row
+        assert len(lines) == 7, out.stdout
+    finally:
+        session.close()
+
+
+def test_top_without_a_terminal_says_to_use_once_and_exits_2(daemon):
+    out = subprocess.run(
+        [BIN, "top", "--socket", daemon.socket],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == (
+        "error: weightstream top needs a terminal; use `weightstream top --once` for plain output\n"
+    )

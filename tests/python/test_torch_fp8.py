@@ -41,6 +41,7 @@ class FakeSession:
         self.numbers = itertools.count(1)
         self.submitted: dict[int, int] = {}
         self.held = 0
+        self.step = 0
 
     def group_index(self, name):
         return [g.name for g in self.groups].index(name)
@@ -69,6 +70,21 @@ class FakeSession:
 
     def plan(self, groups):
         pass
+
+    def mark_step(self):
+        self.step += 1
+        return self.step
+
+    def gpu_wait(self):
+        """No daemon, no copy: nothing is ever waited for."""
+        return SimpleNamespace(
+            total_ns=0,
+            waits=0,
+            by_group=[0] * len(self.groups),
+            per_step=[0] * self.step,
+            this_step=0,
+            step=self.step,
+        )
 
     def stats(self):
         return None

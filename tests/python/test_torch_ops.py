@@ -36,6 +36,8 @@ def layers():
     return {
         "linear": (nn.Linear(16, 8), (2, 5, 16)),
         "linear, no bias": (nn.Linear(16, 8, bias=False), (3, 16)),
+        # Transposed to [2, 3, 13] below: not one matrix, so matmul runs bmm on it.
+        "linear, input not one matrix": (nn.Linear(13, 7), (3, 2, 13)),
         "conv": (nn.Conv2d(4, 6, 3, padding=1, stride=2), (2, 4, 9, 9)),
         "conv, grouped, dilated": (
             nn.Conv2d(4, 8, 3, groups=2, dilation=2),
@@ -60,6 +62,8 @@ def test_the_streamed_op_equals_the_layer(input_grad, dtype, autocast):
         layer = FakeLayer(module, input_grad)
         g = torch.Generator().manual_seed(5)
         x = torch.randn(*shape, generator=g).to(dtype)
+        if "not one matrix" in name:
+            x = x.transpose(0, 1)
         grad = None
         results = []
         for run in (module, functools.partial(ops.forward, layer)):

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from weightstream.quantize import Fp8Weight, scale_offset
+
 #: Bytes page-locked at once by one registration: large enough that registering costs little per
 #: call, small enough that the windows in flight stay a few GB.
 WINDOW = 1 << 30
@@ -125,7 +127,8 @@ def write_by_copy(
     Returns where the time went."""
     started = time.monotonic()
     timings = WriteTimings(bytes=sum(p.nbytes for p in placements))
-    devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+    located = [t.data if isinstance(t, Fp8Weight) else t for t in tensors]
+    devices = sorted({t.device for t in located if t.device.type == "cuda"}, key=str)
     try:
         mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -160,16 +163,33 @@ class _Copier:
 
     def run(self, run: list[int]):
         for i in run:
-            p, t = self.placements[i], self.tensors[i]
-            src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            if src.numel() != p.nbytes:
-                raise ValueError(
-                    f"tensor {p.name!r}: {src.numel()} bytes, the upload declared {p.nbytes}"
-                )
-            self.region[p.offset : p.offset + p.nbytes].copy_(src, non_blocking=self.non_blocking)
+            p = self.placements[i]
+            pieces = _pieces(self.tensors[i])
+            end = pieces[-1][0] + pieces[-1][1].numel()
+            if end != p.nbytes:
+                raise ValueError(f"tensor {p.name!r}: {end} bytes, the upload declared {p.nbytes}")
+            for at, src in pieces:
+                start = p.offset + at
+                self.region[start : start + src.numel()].copy_(src, non_blocking=self.non_blocking)
             self.done += p.nbytes
         if self.progress is not None:
             self.progress(self.done, self.total)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _pieces(t) -> list[tuple[int, torch.Tensor]]:
+    """(offset in the tensor's slice, bytes) of what an upload writes for ``t``: its bytes; for
+    a pre-quantized weight (``quantize.Fp8Weight``), its data, zeros up to the scales' offset
+    (16-byte aligned) and its scales, the store's layout."""
+    if not isinstance(t, Fp8Weight):
+        return [(0, _bytes(t))]
+    data, scales = _bytes(t.data), _bytes(t.scale)
+    offset = scale_offset(t.data.shape)
+    zeros = torch.zeros(offset - data.numel(), dtype=torch.uint8, device=data.device)
+    return [(0, data), (data.numel(), zeros), (offset, scales)]
 
 
 def _copy_pinned(copy: _Copier, runs, size: int, devices, threads: int, timings: WriteTimings):

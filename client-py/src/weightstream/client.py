@@ -27,21 +27,25 @@ from weightstream.protocol import (
 if TYPE_CHECKING:
     import torch
 
+    from weightstream.quantize import Fp8Weight
     from weightstream.session import Session
 
-DEFAULT_SOCKET = _native.DEFAULT_SOCKET
+SYSTEM_SOCKET = _native.SYSTEM_SOCKET
 SOCKET_ENV = _native.SOCKET_ENV
 
 
-def socket_path(socket: str | None = None) -> str:
-    """``socket``, else ``$WEIGHTSTREAM_SOCKET``, else the default."""
-    return socket or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+def socket_path(socket: str | os.PathLike[str] | None = None) -> str:
+    """The daemon's socket, as every weightstream program finds it: ``socket``, else
+    ``$WEIGHTSTREAM_SOCKET``, else the system socket (``SYSTEM_SOCKET``, the service's) if it
+    exists, else the user's own: ``$XDG_RUNTIME_DIR/weightstream.sock``, or
+    ``/tmp/weightstream-<uid>/weightstream.sock`` without ``XDG_RUNTIME_DIR``."""
+    return os.fspath(_native.socket_path(socket or None))
 
 
 class Client:
     def __init__(self, socket: str | None = None):
-        self.socket = socket_path(socket)
-        self._native = _native.Client(self.socket)
+        self._native = _native.Client(socket or None)
+        self.socket = os.fspath(self._native.socket)
 
     @property
     def _loaded(self) -> dict[str, list[str]]:
@@ -92,7 +96,7 @@ class Client:
     def upload_model(
         self,
         name: str,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | Fp8Weight],
         quantize: Iterable[str] = (),
         *,
         phases: dict | None = None,
@@ -101,7 +105,9 @@ class Client:
         fetches its fd from the handoff socket, copies each tensor's bytes in with the GIL
         released, and unmaps it before the commit), then commits them. The daemon quantizes
         the tensors named in ``quantize`` (fp8_e4m3_block64) at commit and keeps only that
-        copy. Returns the manifest and whether an identical model was already stored.
+        copy. An ``Fp8Weight`` is written pre-quantized in its format (data, zero padding to
+        16 bytes, scales: torchao's weights, ``weightstream.torch.torchao_weights``). Returns
+        the manifest and whether an identical model was already stored.
 
         ``phases``: a dict this fills with where the time went, in seconds: ``total_s`` (the
         call) and the daemon's side of the commit, ``daemon_seal_s``, ``daemon_quantize_s``,
@@ -113,9 +119,12 @@ class Client:
         ``write_wait_register_s`` (the copies waiting for a window) and ``write_copy_s``
         (issuing the copies), ``write_bytes``, ``write_windows``, ``write_threads``, and
         ``commit_s`` (CommitUpload as this process waits for it)."""
+        from weightstream.quantize import Fp8Weight
+
         started = time.monotonic()
-        if any(t.device.type == "cuda" for t in tensors.values()):
-            out = self._upload_by_copy(name, tensors, quantize, pin=True, phases=phases)
+        on_cuda = any(_data(t).device.type == "cuda" for t in tensors.values())
+        if on_cuda or any(isinstance(t, Fp8Weight) for t in tensors.values()):
+            out = self._upload_by_copy(name, tensors, quantize, pin=on_cuda, phases=phases)
         else:
             out = self._upload_native(name, tensors, quantize)
         if phases is not None:
@@ -145,15 +154,16 @@ class Client:
     def _upload_by_copy(
         self,
         name: str,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | Fp8Weight],
         quantize: Iterable[str] = (),
         *,
         pin: bool,
         phases: dict | None = None,
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` by tensor copies into the mapped region (``_upload``): for tensors on
-        a CUDA device, page-locked a window at a time so that each copy is one DMA at link
-        speed. A progress line goes to stderr when it takes more than 2 s."""
+        a CUDA device, page-locked a window at a time (``pin``) so that each copy is one DMA at
+        link speed; pre-quantized weights from anywhere. A progress line goes to stderr when it
+        takes more than 2 s."""
         from weightstream import _upload
 
         t = time.monotonic()
@@ -180,7 +190,7 @@ class Client:
     def begin_upload(
         self,
         name: str,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | Fp8Weight],
         quantize: Iterable[str] = (),
     ) -> BeginUploadResponse:
         """The first step of ``upload_model`` alone: declares ``tensors``' names, dtypes and
@@ -188,11 +198,20 @@ class Client:
         ``fetch_fd(begun.fd_secret)``, each tensor at ``begun.tensors[i].offset``). Unmap it
         before ``commit_upload``; the daemon drops an upload never committed when this
         process's connection goes. Those named in ``quantize`` are written as they are and
-        quantized (fp8_e4m3_block64) at commit."""
+        quantized (fp8_e4m3_block64) at commit; an ``Fp8Weight`` is declared pre-quantized in
+        its format (its data's dtype and shape, its scales' shape)."""
         from weightstream import _dtypes
+        from weightstream.quantize import Fp8Weight
 
-        specs = [(n, _dtypes.to_wire(t.dtype), list(t.shape)) for n, t in tensors.items()]
-        return self._native.begin_upload(name, specs, list(quantize))
+        specs = [
+            (n, _dtypes.to_wire(_data(t).dtype), list(_data(t).shape)) for n, t in tensors.items()
+        ]
+        prequantized = {
+            n: (t.format, list(t.scale.shape))
+            for n, t in tensors.items()
+            if isinstance(t, Fp8Weight)
+        }
+        return self._native.begin_upload(name, specs, list(quantize), prequantized)
 
     def commit_upload(self, upload_id: str) -> tuple[ModelManifest, bool]:
         """The last step of ``upload_model``: the manifest of a filled upload, and whether an
@@ -241,6 +260,12 @@ class Client:
         return f"Client(socket={self.socket!r})"
 
 
+def _data(t: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """The tensor an upload entry's dtype, shape and device are read from (an ``Fp8Weight``'s
+    data; a NamedTuple, told from a tensor without importing torch here)."""
+    return t.data if isinstance(t, tuple) else t
+
+
 def daemon_phases(p) -> dict:
     """A manifest's ``StorePhases`` (None: no phases) as ``{"daemon_<phase>_s": seconds}`` and
     ``daemon_input_bytes``."""
@@ -253,7 +278,7 @@ def daemon_phases(p) -> dict:
 
 
 def connect(socket: str | None = None) -> Client:
-    """A client of the daemon at ``socket`` (default: ``$WEIGHTSTREAM_SOCKET`` or
-    ``/run/weightstream/weightstream.sock``). Connects lazily; a call to a daemon that is not
-    there raises ``DaemonUnavailable`` at once."""
+    """A client of the daemon at ``socket`` (default: ``socket_path()``'s rules). Connects
+    lazily; a call to a daemon that is not there raises ``DaemonUnavailable`` at once, naming
+    the places it looked."""
     return Client(socket)

@@ -6,7 +6,8 @@
   ``BACKENDS``, ``FAULT_CODES``.
 - The records the client returns (read-only, with the protobuf field names):
   ``GetInfoResponse``, ``ModelManifest`` (with ``StorePhases``), ``TensorInfo``, ``LoadProgress``,
-  ``ListModelsResponse``, ``SessionInfo``, ``SessionStats``, ``OpenSessionResponse``,
+  ``ListModelsResponse``, ``SessionInfo``, ``SessionStats``, ``WaitTotals`` (a session's waits
+  for weights as its client measured them), ``OpenSessionResponse``,
   ``Region``, ``GroupLayout``, ``TensorPlacement``, ``Staged``, ``Device``, ``Limits``,
   ``Quotas``, ``QuotaUse``, ``BeginUploadResponse``, ``UploadTensor``.
 """
@@ -35,6 +36,7 @@ LoadProgress = _native.LoadProgress
 ListModelsResponse = _native.ListModelsResponse
 SessionInfo = _native.SessionInfo
 SessionStats = _native.SessionStats
+WaitTotals = _native.WaitTotals
 OpenSessionResponse = _native.OpenSessionResponse
 Region = _native.Region
 GroupLayout = _native.GroupLayout

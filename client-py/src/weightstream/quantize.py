@@ -6,8 +6,11 @@ when cols is not a multiple of 64 (one per row). scale = amax / 448 of its block
 0), q = e4m3(clamp(w / scale, -448, 448)); the weight a layer computes with is
 ``w_hat = (q.float() * scale).to(compute dtype)``.
 
-Pre-quantized files read as published (``fp8_scaled_musubi``, ``fp8_scaled_comfy``) share the
-slice layout but keep their own scale shapes and formulas: ``dequantize_as``.
+Pre-quantized files read as published (``fp8_scaled_musubi``, ``fp8_scaled_comfy``) and torchao's
+weights uploaded as torchao holds them (``torchao_float8_rowwise``, ``torchao_int8_rowwise``:
+``weightstream.torch.torchao_weights``) share the slice layout but keep their own scale shapes
+and formulas: ``dequantize_as``, and for the formats whose library does not compute its linear
+layer from the dequantized weight, ``linear_as``.
 
 The daemon quantizes in Rust (``daemon/src/store/quantize.rs``), byte for byte as
 ``quantize_fp8_block64`` here (``daemon/tests/data/fp8_vectors.safetensors``, written by
@@ -41,18 +44,31 @@ QUANTIZABLE = (torch.bfloat16, torch.float16, torch.float32)
 #: dequantization formulas are in ``dequantize_as``.
 FP8_SCALED_MUSUBI = "fp8_scaled_musubi"
 FP8_SCALED_COMFY = "fp8_scaled_comfy"
+#: torchao's weights, uploaded as torchao holds them (never made by the daemon): a
+#: ``Float8Tensor`` (``Float8WeightOnlyConfig()``) and an ``Int8Tensor``
+#: (``Int8WeightOnlyConfig()``), both quantized per row: ``qdata`` [out, in] (float8_e4m3fn,
+#: int8) and a float32 ``scale`` [out, 1].
+TORCHAO_FLOAT8_ROWWISE = "torchao_float8_rowwise"
+TORCHAO_INT8_ROWWISE = "torchao_int8_rowwise"
+#: The formats whose library's linear layer is not ``F.linear`` of the dequantized weight: a
+#: layer streaming one computes ``linear_as``.
+OWN_LINEAR = (TORCHAO_FLOAT8_ROWWISE, TORCHAO_INT8_ROWWISE)
 #: Every 8-bit format a placement may name.
-FORMATS = (FP8_E4M3_BLOCK64, FP8_SCALED_MUSUBI, FP8_SCALED_COMFY)
+FORMATS = (FP8_E4M3_BLOCK64, FP8_SCALED_MUSUBI, FP8_SCALED_COMFY, *OWN_LINEAR)
 
 
 class Fp8Weight(NamedTuple):
-    """An 8-bit weight: ``data`` float8_e4m3fn in the weight's shape, ``scale`` float32 (of
-    ``fp8_e4m3_block64``: [rows, blocks per row]; of a pre-quantized format: the file's scale
-    shape), ``format`` one of ``FORMATS``."""
+    """An 8-bit weight: ``data`` in the weight's shape (float8_e4m3fn; int8 for
+    ``torchao_int8_rowwise``), ``scale`` float32 (of ``fp8_e4m3_block64``: [rows, blocks per
+    row]; of a pre-quantized format: the file's scale shape; of torchao's: [out, 1]),
+    ``format`` one of ``FORMATS``; ``dtype``: for a format of ``OWN_LINEAR``, the dtype its
+    library dequantizes it to (the torchao tensor's ``dtype``), set by the layer that streams
+    it."""
 
     data: torch.Tensor
     scale: torch.Tensor
     format: str = FP8_E4M3_BLOCK64
+    dtype: torch.dtype | None = None
 
 
 def format_name(quantize: str | None) -> str | None:
@@ -79,10 +95,22 @@ def scale_shape(shape) -> tuple[int, int]:
 def fp8_nbytes(shape) -> int:
     """Bytes of a quantized tensor in the daemon's store: data, zeros up to 16 bytes, scales."""
     rows, blocks = scale_shape(shape)
-    data = rows
-    for n in shape[1:]:
+    return scale_offset(shape) + 4 * rows * blocks
+
+
+def scale_offset(shape) -> int:
+    """Where the scales of an 8-bit weight of ``shape`` start in its slice of the store: after
+    its data (one byte per element), rounded up to 16 bytes."""
+    data = 1
+    for n in shape:
         data *= n
-    return -(-data // 16) * 16 + 4 * rows * blocks
+    return -(-data // 16) * 16
+
+
+def rowwise_nbytes(shape) -> int:
+    """Bytes of a weight of ``shape`` [out, in] held in a format with one float32 scale per row
+    (torchao's): data, zeros up to 16 bytes, scales."""
+    return scale_offset(shape) + 4 * shape[0]
 
 
 def check_quantizable(name: str, w: torch.Tensor):
@@ -146,8 +174,16 @@ def dequantize_as(
       the compute dtype; the scale is rounded to D before the product. The same is ComfyUI's
       mixed-precision ``TensorCoreFP8Layout.dequantize`` (``comfy/quant_ops.py``) as it runs
       on the GPU, where the 0-d fp32 ``weight_scale`` is cast to D (on the CPU torch would keep
-      a 0-d CPU tensor in fp32: see the README's pre-quantized files)."""
-    if fmt == FP8_E4M3_BLOCK64:
+      a 0-d CPU tensor in fp32: see the README's pre-quantized files).
+    - ``torchao_float8_rowwise``: torchao's ``Float8Tensor.dequantize()``
+      (``_dequantize_affine_float8`` in ``torchao/quantization/quant_primitives.py``, 0.18):
+      ``(q.to(float32) * scale).to(dtype)``, ``dtype`` the tensor's: ``dequantize``'s formula.
+    - ``torchao_int8_rowwise``: torchao's ``Int8Tensor.dequantize()``
+      (``_dequantize_affine_no_dtype_check``): ``q.to(dtype)``, less its zero points (all 0:
+      torchao's symmetric quantization; ``torchao_weights`` refuses others), times the float32
+      scale, which promotes the product to float32, then ``.to(dtype)``: int8 values are exact
+      in every float dtype, so this too is ``(q.to(float32) * scale).to(dtype)``."""
+    if fmt in (FP8_E4M3_BLOCK64, TORCHAO_FLOAT8_ROWWISE, TORCHAO_INT8_ROWWISE):
         return dequantize(q, scale, dtype)
     if fmt == FP8_SCALED_MUSUBI:
         s = scale.to(dtype)
@@ -164,6 +200,37 @@ def dequantize_as(
 
 def dequantize_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_as(w.format, w.data, w.scale, dtype)
+
+
+def linear_as(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The linear layer of ``x`` with weight ``w`` (a format of ``OWN_LINEAR``) and ``bias``,
+    op for op as the format's library computes it (torchao 0.18's weight-only branches; the
+    streamed layer computes this in place of ``F.linear``):
+
+    - ``torchao_float8_rowwise``: ``Float8Tensor``'s ``F.linear`` is ``_float8_addmm_impl(x,
+      w.t(), bias)``, which for an unquantized input runs ``torch.matmul(x,
+      w.t().dequantize())`` and then ``+ bias``: the dequantized weight (``dequantize_as``, in
+      ``w.dtype``) transposed, a matmul, and the bias added after it, where ``F.linear`` would
+      fuse it into ``addmm`` (another rounding).
+    - ``torchao_int8_rowwise``: ``Int8Tensor``'s ``F.linear`` (per-row weight-only branch)
+      never dequantizes: ``torch.mm`` of ``x`` flattened to 2-D and ``q.t()`` cast to
+      ``x.dtype``, then times ``scale`` cast to that dtype (rounded first), reshaped, ``+=
+      bias``, ``.to(x.dtype)``."""
+    if w.format == TORCHAO_FLOAT8_ROWWISE:
+        out = torch.matmul(x, dequantize(w.data, w.scale, w.dtype).t())
+        return out + bias if bias is not None else out
+    if w.format == TORCHAO_INT8_ROWWISE:
+        out_dtype = x.dtype
+        m = torch.mm(x.reshape(-1, x.shape[-1]), w.data.t().to(out_dtype))
+        y = m * w.scale.to(m.dtype).flatten()
+        y = y.reshape(*x.shape[:-1], w.data.shape[0])
+        if bias is not None:
+            y += bias
+        return y.to(out_dtype)
+    raise ValueError(
+        f"linear_as: {w.format!r} computes F.linear of its dequantization; the formats with a "
+        f"linear of their own are {', '.join(OWN_LINEAR)}"
+    )
 
 
 def w_hat(w: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,12 @@ handles through ``_ipc``), the tensor views of a staged group, and the CUDA even
 ordered by. A daemon that stops or dies fails every waiting ticket and the next ``submit`` at
 once with ``DaemonUnavailable``; ``Session.reconnect`` re-opens the session against the daemon
 that comes back on the socket.
+
+The session measures how long the trainer's compute waited for weights: on the host backend the
+native ``wait`` counts the time it blocked for a ticket not yet staged; on CUDA the compute
+stream is timed around each wait for a ticket that was not ready (``_wait_timer``). The native
+session sums the waits per group and per step and reports them to the daemon (its
+``gpu_wait_ns``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import torch
 
 from weightstream import _dtypes
 from weightstream._ipc import CudaRegion, HostRegion
+from weightstream._wait_timer import WaitTimer
 from weightstream.client import Client
 from weightstream.protocol import OpenSessionResponse, SessionStats, Staged
 from weightstream.quantize import FORMATS, Fp8Weight
@@ -35,15 +42,19 @@ def device_uuid(device: torch.device) -> str:
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
+
+
 def tensor_view(base: torch.Tensor, start: int, t) -> torch.Tensor | Fp8Weight:
     """The view of placement ``t`` at byte ``start`` of a region's bytes: a tensor of its dtype
     and shape, or for an 8-bit tensor (``quantize.FORMATS``) an ``Fp8Weight`` of its data
-    (e4m3fn, its shape), scales (f32, ``scale_shape``, ``scale_offset`` bytes further) and
-    format."""
+    (its dtype, e4m3fn or int8, and shape), scales (f32, ``scale_shape``, ``scale_offset``
+    bytes further) and format."""
     shape = tuple(t.shape)
     if t.quantization in FORMATS:
         numel = math.prod(shape)
-        data = base[start : start + numel].view(torch.float8_e4m3fn).view(shape)
+        data = base[start : start + numel].view(_dtypes.TO_TORCH[t.dtype]).view(shape)
         scales = start + t.scale_offset
         count = math.prod(t.scale_shape)
         scale = base[scales : scales + 4 * count].view(torch.float32).view(tuple(t.scale_shape))
@@ -119,6 +130,15 @@ class Session:
         self._events: dict[int, torch.cuda.Event] = {}
         self._regions = [self._map(r) for r in self.opened.regions]
         self._generation += 1
+        # The step in progress for the waits (``mark_step``); a new opening starts at 0.
+        self._step = 0
+        # CUDA (the daemon hands out events): the compute stream is timed; host: the native
+        # wait counts its own blocked time.
+        self._timer = (
+            WaitTimer(self._native.add_gpu_wait, _timing_event)
+            if self.opened.event_handles
+            else None
+        )
 
     def _map(self, region):
         if region.kind == "host":
@@ -136,19 +156,55 @@ class Session:
     def wait(self, number: int, stream: torch.cuda.Stream | None = None) -> Ticket:
         """Waits until ticket ``number`` is staged; on CUDA, orders ``stream`` (default: the
         current one) after the copy. Returns the views of the group's tensors."""
-        return self._ticket(self._native.wait(number), stream)
+        if self._timer is None:
+            return self._ticket(self._native.wait(number), stream)
+        return self._timed(number, stream, block=True)
+
+    def poll(self, number: int, stream: torch.cuda.Stream | None = None) -> Ticket | None:
+        """``wait(number)`` if the ticket's reply has come, else None at once (the ticket is
+        still to be waited for)."""
+        if self._timer is None:
+            staged = self._native.try_wait(number)
+            return None if staged is None else self._ticket(staged, stream)
+        return self._timed(number, stream, block=False)
 
     def acquire(self, group: int, stream: torch.cuda.Stream | None = None) -> Ticket:
-        return self._ticket(self._native.acquire(group), stream)
+        if self._timer is None:
+            return self._ticket(self._native.acquire(group), stream)
+        return self._timed(self._native.submit(group), stream, block=True)
 
     def release_and_acquire(
         self, ticket: Ticket, group: int, stream: torch.cuda.Stream | None = None
     ) -> Ticket:
         """``release(ticket)`` then ``acquire(group)``, with one call into the native client
-        (still two messages on the wire: Release, then Acquire)."""
+        on the host backend (still two messages on the wire: Release, then Acquire)."""
         if not self._drop(ticket, stream):
             return self.acquire(group, stream)
-        return self._ticket(self._native.release_and_acquire(ticket.number, group), stream)
+        if self._timer is None:
+            return self._ticket(self._native.release_and_acquire(ticket.number, group), stream)
+        self._native.release(ticket.number)
+        return self.acquire(group, stream)
+
+    def _timed(self, number: int, stream, block: bool) -> Ticket | None:
+        """The CUDA wait, timed on ``stream`` when the ticket is not ready (see
+        ``_wait_timer``): the first event goes before blocking for the reply, so that the
+        time the stream ran dry while the host waited counts too."""
+        s = stream if stream is not None else torch.cuda.current_stream(self.device)
+        timer = self._timer
+        timer.harvest()
+        before = None
+        staged = self._native.try_wait(number)
+        if staged is None:
+            if not block:
+                return None
+            before = timer.start(s)
+            staged = self._native.wait(number)
+        elif staged.ready_event and not self._event(staged.ready_event).query():
+            before = timer.start(s)
+        ticket = self._ticket(staged, s)
+        if before is not None:
+            timer.finish(before, s, staged.group, self._step)
+        return ticket
 
     def _ticket(self, staged: Staged, stream) -> Ticket:
         if staged.ready_event:
@@ -196,6 +252,27 @@ class Session:
     def plan(self, groups: list[int]):
         """Sends the access plan of one step (the daemon prefetches along it)."""
         self._native.plan(list(groups))
+
+    # --- the trainer's waits for weights ----------------------------------------------
+
+    def mark_step(self) -> int:
+        """Ends a training step for the waits' per-step figures; the step that starts."""
+        self._step = self._native.mark_step()
+        return self._step
+
+    def gpu_wait(self):
+        """The waits for weights measured so far in this opening (``protocol.WaitTotals``:
+        ``total_ns``, ``waits``, ``by_group``, ``per_step``, ``this_step``, ``step``), with
+        every timed CUDA wait that is done by now."""
+        if self._timer is not None:
+            self._timer.harvest()
+        return self._native.gpu_wait()
+
+    def report_gpu_wait(self):
+        """Sends the daemon the waits now (else it has them within 250 ms of a release)."""
+        if self._timer is not None:
+            self._timer.harvest()
+        self._native.report_gpu_wait()
 
     @property
     def submitted(self) -> int:

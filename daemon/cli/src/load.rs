@@ -7,19 +7,21 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use weightstream_client::{Client, proto, quantization_name};
+use weightstream_client::{Client, proto, quantization_name, resolve_sources};
 
 use super::{CliResult, human, parse_quantize, saved};
 
 #[derive(Debug, clap::Args)]
 pub struct LoadArgs {
-    /// Files: one .safetensors, a *.safetensors.index.json, or a directory (relative paths are
-    /// made absolute here, since the daemon resolves them).
+    /// Files: one .safetensors, a *.safetensors.index.json (its shards), or a directory (its
+    /// *.safetensors). This command opens each file itself, with your rights, and passes the
+    /// open files to the daemon, which never opens a path a client names; the model records
+    /// the absolute paths (relative ones are taken from the current directory).
     #[arg(required = true)]
     files: Vec<PathBuf>,
-    /// The model's name (default: the file or directory name).
-    #[arg(long, default_value = "")]
-    name: String,
+    /// The model's name. Default: the file or directory name.
+    #[arg(long)]
+    name: Option<String>,
     /// Quantize the weights (".weight" tensors of rank >= 2 in BF16/F16/F32) while loading:
     /// none, fp8 (= fp8_e4m3_block64: e4m3fn data, one fp32 scale per 64 inputs of a row).
     /// The store keeps only the quantized copy; the other tensors keep their dtype.
@@ -32,12 +34,15 @@ pub struct LoadArgs {
 }
 
 pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
-    let mut client = Client::connect(socket.as_deref()).await?;
     let paths = args
         .files
         .iter()
         .map(std::path::absolute)
         .collect::<Result<Vec<_>, _>>()?;
+    // A missing or unusable file is said as such, before the daemon is asked.
+    resolve_sources(&paths)?;
+    let mut client = Client::connect(socket.as_deref()).await?;
+    let name = args.name.as_deref().unwrap_or_default();
     let started = Instant::now();
     let bar = if args.json {
         ProgressBar::hidden()
@@ -59,7 +64,7 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
     bar.set_message(verb);
     let mut file_bytes = 0;
     let manifest = client
-        .load_model(&paths, &args.name, args.quantize, |p| {
+        .load_model(&paths, name, args.quantize, |p| {
             file_bytes = p.bytes_total;
             bar.set_length(p.bytes_total);
             bar.set_position(p.bytes_done);

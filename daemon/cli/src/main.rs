@@ -13,7 +13,7 @@ mod top;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use weightstream_daemon::config::BackendChoice;
 
 #[derive(Debug, Parser)]
@@ -23,7 +23,11 @@ use weightstream_daemon::config::BackendChoice;
     about = "Streams frozen model weights from pinned host memory to the GPU for trainers"
 )]
 struct Cli {
-    /// The daemon's Unix socket.
+    /// The daemon's Unix socket. Default: a client uses /run/weightstream/weightstream.sock if
+    /// it exists (the service's), else the user's socket; `serve` listens on the former as
+    /// root, else on the user's: $XDG_RUNTIME_DIR/weightstream.sock, or
+    /// /tmp/weightstream-<uid>/weightstream.sock without XDG_RUNTIME_DIR. (`demo` runs its own
+    /// daemon on a private socket.)
     #[arg(long, global = true, env = "WEIGHTSTREAM_SOCKET")]
     socket: Option<PathBuf>,
     /// Log line format (the filter is WEIGHTSTREAM_LOG, e.g. `info,weightstream_daemon=debug`).
@@ -102,7 +106,10 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // The matches say where each value came from: `serve` lets only the flags and variables
+    // the user set override its config file, not clap's defaults.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     // The daemon logs at info; the interactive commands only warn, so their output stays clean.
     let default = match cli.command {
         Command::Serve(_) => "info",
@@ -119,7 +126,10 @@ fn main() -> ExitCode {
     let socket = cli.socket;
     let result = rt.block_on(async move {
         match cli.command {
-            Command::Serve(args) => serve::run(socket, args).await,
+            Command::Serve(args) => {
+                let given = serve::Given::new(matches.subcommand_matches("serve"));
+                serve::run(socket, args, given).await
+            }
             Command::Status(args) => status::run(socket, args).await,
             Command::Top(args) => top::run(socket, args).await,
             Command::Load(args) => load::run(socket, args).await,
@@ -134,19 +144,34 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::FAILURE
+            if e.is::<UsageError>() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }
+
+/// A command used where it cannot work: exits 2, as clap's usage errors do.
+#[derive(Debug)]
+struct UsageError(String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
 
 /// How long the runtime waits, at exit, for tasks still running (see `main`).
 const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// The CLI's error: a message for the user.
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-type CliResult = Result<(), BoxError>;
+type CliResult<T = ()> = Result<T, BoxError>;
 
-/// Bytes as people read them.
 /// `--quantize`: none, fp8_e4m3_block64, or fp8 (its alias).
 fn parse_quantize(value: &str) -> Result<weightstream_client::proto::Quantization, String> {
     weightstream_client::parse_quantization(value).ok_or_else(|| {
@@ -164,6 +189,7 @@ fn saved(before: u64, after: u64) -> String {
     format!("{} -> {} ({pct:.1} % saved)", human(before), human(after))
 }
 
+/// Bytes as people read them.
 fn human(bytes: u64) -> String {
     bytesize::ByteSize::b(bytes).display().iec().to_string()
 }

@@ -51,6 +51,17 @@ pub fn hit_rate(s: &proto::SessionStats) -> f64 {
     }
 }
 
+/// The client's measured wait for weights, or "-" from a client that does not report it.
+pub fn gpu_wait_text(s: &proto::SessionStats) -> String {
+    if s.gpu_wait_reports == 0 {
+        "-".into()
+    } else {
+        format!("{:.3} s", s.gpu_wait_ns as f64 / 1e9)
+    }
+}
+
+// The JSON keeps `stall_ns` (= acquire_pending_ns) for scripts that read it.
+#[allow(deprecated)]
 fn to_json(
     info: &proto::GetInfoResponse,
     models: &proto::ListModelsResponse,
@@ -93,10 +104,15 @@ fn to_json(
                     "acquires": st.acquires, "hits": st.hits, "reuses": st.reuses,
                     "misses": st.misses, "resident_hits": st.resident_hits,
                     "bytes_copied": st.bytes_copied, "copies": st.copies,
-                    "prefetches": st.prefetches, "stall_ns": st.stall_ns, "resyncs": st.resyncs,
+                    "prefetches": st.prefetches, "resyncs": st.resyncs,
                     "releases": st.releases, "evictions": st.evictions,
                     "hit_rate": hit_rate(&st),
+                    "gpu_wait_ns": st.gpu_wait_ns, "gpu_waits": st.gpu_waits,
+                    "gpu_wait_reports": st.gpu_wait_reports,
+                    "acquire_pending_ns": st.acquire_pending_ns, "stall_ns": st.stall_ns,
                 },
+                "group_gpu_wait_ns": s.group_gpu_wait_ns,
+                "group_acquire_pending_ns": s.group_acquire_pending_ns,
             })
         }).collect::<Vec<_>>(),
     })
@@ -154,8 +170,18 @@ fn print_tables(
     }
     println!("models (store: {})\n{m}", human(models.store_bytes));
     let mut s = table(&[
-        "session", "label", "model", "pid", "budget", "staging", "resident", "acquires",
-        "hit rate", "copied", "stall",
+        "session",
+        "label",
+        "model",
+        "pid",
+        "budget",
+        "staging",
+        "resident",
+        "acquires",
+        "hit rate",
+        "copied",
+        "GPU wait",
+        "acquire pending",
     ]);
     for x in sessions {
         let st = x.stats.unwrap_or_default();
@@ -170,7 +196,8 @@ fn print_tables(
             st.acquires.to_string(),
             format!("{:.1} %", 100.0 * hit_rate(&st)),
             human(st.bytes_copied),
-            format!("{:.3} s", st.stall_ns as f64 / 1e9),
+            gpu_wait_text(&st),
+            format!("{:.3} s", st.acquire_pending_ns as f64 / 1e9),
         ]);
     }
     println!("sessions\n{s}");

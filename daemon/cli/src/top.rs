@@ -1,9 +1,10 @@
 //! `weightstream top`: a live view of the daemon's devices and sessions, refreshed from
-//! `ListSessions`. Rates (GB/s, stall %, hit rate) are over the last refresh interval, so they
-//! show what is happening now rather than since the session opened.
+//! `ListSessions`. Rates (GB/s, GPU wait %, acquire pending %, hit rate) are over the last
+//! refresh interval, so they show what is happening now rather than since the session opened.
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -14,28 +15,41 @@ use ratatui::style::{Modifier, Style};
 use ratatui::text::Line;
 use ratatui::widgets::{Block, Borders, Paragraph, Row, Sparkline, Table};
 use tokio::sync::mpsc;
-use weightstream_client::{Client, proto};
+use weightstream_client::{Client, ResolvedSocket, proto};
 
-use super::{CliResult, human};
+use super::{CliResult, UsageError, human};
 
 #[derive(Debug, clap::Args)]
 pub struct TopArgs {
-    /// Refresh interval in milliseconds.
+    /// Refresh interval in milliseconds (100 to 60000); with --once, how long the rates are
+    /// measured over.
     #[arg(long, env = "WEIGHTSTREAM_TOP_INTERVAL_MS", default_value_t = 1000,
           value_parser = clap::value_parser!(u64).range(100..=60_000))]
     interval_ms: u64,
-    /// Samples of history kept per device (the sparkline's width).
+    /// Samples of history kept per device (the sparkline's width; 2 to 10000).
     #[arg(long, env = "WEIGHTSTREAM_TOP_HISTORY", default_value_t = 120,
           value_parser = clap::value_parser!(u64).range(2..=10_000))]
     history: u64,
+    /// Print the devices and sessions once as plain lines (the same figures, rates over one
+    /// --interval-ms) and exit: for scripts, logs and pipes; needs no terminal.
+    #[arg(long)]
+    once: bool,
 }
+
+/// What `top` without --once says when its output is not a terminal.
+pub const NEEDS_TERMINAL: &str =
+    "weightstream top needs a terminal; use `weightstream top --once` for plain output";
 
 /// Rates of one session over the last interval.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Rates {
     pub bytes_per_s: f64,
-    /// Fraction of the interval the client spent waiting for Staged.
-    pub stall: f64,
+    /// Fraction of the interval the client's compute waited for weights, as the client
+    /// reports it; None from a client that does not report it.
+    pub gpu_wait: Option<f64>,
+    /// Fraction of the interval with an acquire (look-ahead ones included) pending in the
+    /// daemon.
+    pub acquire_pending: f64,
     /// Hits over acquires in the interval; None when it made no acquire.
     pub hit_rate: Option<f64>,
 }
@@ -44,9 +58,11 @@ pub struct Rates {
 pub fn rates(before: &proto::SessionStats, now: &proto::SessionStats, secs: f64) -> Rates {
     let d = |a: u64, b: u64| b.saturating_sub(a) as f64;
     let acquires = d(before.acquires, now.acquires);
+    let fraction = |a: u64, b: u64| (d(a, b) / 1e9 / secs).min(1.0);
     Rates {
         bytes_per_s: d(before.bytes_copied, now.bytes_copied) / secs,
-        stall: (d(before.stall_ns, now.stall_ns) / 1e9 / secs).min(1.0),
+        gpu_wait: (now.gpu_wait_reports > 0).then(|| fraction(before.gpu_wait_ns, now.gpu_wait_ns)),
+        acquire_pending: fraction(before.acquire_pending_ns, now.acquire_pending_ns),
         hit_rate: (acquires > 0.0).then(|| d(before.hits, now.hits) / acquires),
     }
 }
@@ -66,7 +82,7 @@ pub struct View {
 /// Polls the daemon and keeps the previous sample for rates.
 struct Poller {
     client: Option<Client>,
-    socket: Option<PathBuf>,
+    socket: ResolvedSocket,
     previous: HashMap<String, proto::SessionStats>,
     at: Instant,
     history: usize,
@@ -75,7 +91,7 @@ struct Poller {
 impl Poller {
     async fn refresh(&mut self, view: &mut View) {
         if self.client.is_none() {
-            match Client::connect(self.socket.as_deref()).await {
+            match Client::connect_to(self.socket.clone()).await {
                 Ok(c) => self.client = Some(c),
                 Err(e) => {
                     view.error = Some(e.to_string());
@@ -148,14 +164,117 @@ fn pct(x: f64) -> String {
     format!("{:.1} %", 100.0 * x)
 }
 
+/// The mean of the fractions given, or "-" when there is none.
+fn mean_pct(xs: impl Iterator<Item = f64>) -> String {
+    let xs: Vec<f64> = xs.collect();
+    if xs.is_empty() {
+        "-".into()
+    } else {
+        pct(xs.iter().sum::<f64>() / xs.len() as f64)
+    }
+}
+
 fn gbps(bytes_per_s: f64) -> String {
     format!("{:.2}", bytes_per_s / 1e9)
+}
+
+/// The title line: the socket, the backend, how many sessions.
+fn title(view: &View) -> String {
+    format!(
+        "weightstream top — {} — backend {} — {} sessions",
+        view.socket,
+        view.backend,
+        view.sessions.len()
+    )
+}
+
+const DEVICE_COLUMNS: [&str; 8] = [
+    "device", "name", "sessions", "GB/s", "GPU wait", "pending", "hit rate", "budget",
+];
+
+/// One row per device: its sessions' rates together, and their budgets against its memory.
+fn device_rows(view: &View) -> Vec<Vec<String>> {
+    view.devices
+        .iter()
+        .map(|d| {
+            let mine: Vec<_> = view
+                .sessions
+                .iter()
+                .filter(|(s, _)| s.device_uuid == d.uuid)
+                .collect();
+            let bytes: f64 = mine.iter().map(|(_, r)| r.bytes_per_s).sum();
+            let budget: u64 = mine.iter().map(|(s, _)| s.vram_budget).sum();
+            let use_ = if d.total_memory > 0 {
+                pct(budget as f64 / d.total_memory as f64)
+            } else {
+                "-".into()
+            };
+            vec![
+                d.uuid.clone(),
+                d.name.clone(),
+                mine.len().to_string(),
+                gbps(bytes),
+                mean_pct(mine.iter().filter_map(|(_, r)| r.gpu_wait)),
+                mean_pct(mine.iter().map(|(_, r)| r.acquire_pending)),
+                mean_pct(mine.iter().filter_map(|(_, r)| r.hit_rate)),
+                format!("{} / {} ({use_})", human(budget), human(d.total_memory)),
+            ]
+        })
+        .collect()
+}
+
+const SESSION_COLUMNS: [&str; 12] = [
+    "session", "label", "pid", "GB/s", "GPU wait", "pending", "hit rate", "budget", "staging",
+    "resident", "acquires", "copied",
+];
+
+/// One row per session.
+fn session_rows(view: &View) -> Vec<Vec<String>> {
+    view.sessions
+        .iter()
+        .map(|(s, r)| {
+            let st = s.stats.unwrap_or_default();
+            vec![
+                s.session_id.clone(),
+                s.label.clone(),
+                s.peer_pid.to_string(),
+                gbps(r.bytes_per_s),
+                r.gpu_wait.map_or_else(|| "-".into(), pct),
+                pct(r.acquire_pending),
+                r.hit_rate.map_or_else(|| "-".into(), pct),
+                human(s.vram_budget),
+                human(s.staging_bytes),
+                human(s.resident_bytes),
+                st.acquires.to_string(),
+                human(st.bytes_copied),
+            ]
+        })
+        .collect()
+}
+
+/// The view as plain text, what `top --once` prints: the title, then the devices and the
+/// sessions as columns.
+pub fn plain(view: &View) -> String {
+    let table = |columns: &[&str], rows: Vec<Vec<String>>| {
+        let mut t = comfy_table::Table::new();
+        t.load_style(comfy_table::presets::NOTHING)
+            .set_header(columns.to_vec())
+            .add_rows(rows);
+        let lines: Vec<String> = t.lines().map(|l| l.trim().to_string()).collect();
+        lines.join("\n")
+    };
+    format!(
+        "{}\ndevices\n{}\nsessions\n{}\n",
+        title(view),
+        table(&DEVICE_COLUMNS, device_rows(view)),
+        table(&SESSION_COLUMNS, session_rows(view)),
+    )
 }
 
 /// Draws the whole screen (a pure function of the view, so tests can render it).
 pub fn draw(frame: &mut Frame, view: &View) {
     let devices = view.devices.len().max(1) as u16;
-    let [title, devs, spark, sess, footer] = Layout::vertical([
+    let [title_area, devs, spark, sess, footer] = Layout::vertical([
         Constraint::Length(1),
         Constraint::Length(devices + 3),
         Constraint::Length(devices * 3),
@@ -164,53 +283,9 @@ pub fn draw(frame: &mut Frame, view: &View) {
     ])
     .areas(frame.area());
     let bold = Style::default().add_modifier(Modifier::BOLD);
-    frame.render_widget(
-        Paragraph::new(Line::styled(
-            format!(
-                "weightstream top — {} — backend {} — {} sessions",
-                view.socket,
-                view.backend,
-                view.sessions.len()
-            ),
-            bold,
-        )),
-        title,
-    );
+    frame.render_widget(Paragraph::new(Line::styled(title(view), bold)), title_area);
 
-    let rows = view.devices.iter().map(|d| {
-        let mine: Vec<_> = view
-            .sessions
-            .iter()
-            .filter(|(s, _)| s.device_uuid == d.uuid)
-            .collect();
-        let bytes: f64 = mine.iter().map(|(_, r)| r.bytes_per_s).sum();
-        let stall = if mine.is_empty() {
-            0.0
-        } else {
-            mine.iter().map(|(_, r)| r.stall).sum::<f64>() / mine.len() as f64
-        };
-        let hit: Vec<f64> = mine.iter().filter_map(|(_, r)| r.hit_rate).collect();
-        let hit = if hit.is_empty() {
-            "-".to_string()
-        } else {
-            pct(hit.iter().sum::<f64>() / hit.len() as f64)
-        };
-        let budget: u64 = mine.iter().map(|(s, _)| s.vram_budget).sum();
-        let use_ = if d.total_memory > 0 {
-            pct(budget as f64 / d.total_memory as f64)
-        } else {
-            "-".into()
-        };
-        Row::new(vec![
-            d.uuid.clone(),
-            d.name.clone(),
-            mine.len().to_string(),
-            gbps(bytes),
-            pct(stall),
-            hit,
-            format!("{} / {} ({use_})", human(budget), human(d.total_memory)),
-        ])
-    });
+    let rows = device_rows(view).into_iter().map(Row::new);
     frame.render_widget(
         Table::new(
             rows,
@@ -219,17 +294,13 @@ pub fn draw(frame: &mut Frame, view: &View) {
                 Constraint::Length(20),
                 Constraint::Length(8),
                 Constraint::Length(8),
-                Constraint::Length(8),
+                Constraint::Length(9),
+                Constraint::Length(9),
                 Constraint::Length(9),
                 Constraint::Min(20),
             ],
         )
-        .header(
-            Row::new(vec![
-                "device", "name", "sessions", "GB/s", "stall", "hit rate", "budget",
-            ])
-            .style(bold),
-        )
+        .header(Row::new(DEVICE_COLUMNS.to_vec()).style(bold))
         .block(Block::default().borders(Borders::ALL).title(" devices ")),
         devs,
     );
@@ -254,22 +325,7 @@ pub fn draw(frame: &mut Frame, view: &View) {
         );
     }
 
-    let rows = view.sessions.iter().map(|(s, r)| {
-        let st = s.stats.unwrap_or_default();
-        Row::new(vec![
-            s.session_id.clone(),
-            s.label.clone(),
-            s.peer_pid.to_string(),
-            gbps(r.bytes_per_s),
-            pct(r.stall),
-            r.hit_rate.map_or_else(|| "-".into(), pct),
-            human(s.vram_budget),
-            human(s.staging_bytes),
-            human(s.resident_bytes),
-            st.acquires.to_string(),
-            human(st.bytes_copied),
-        ])
-    });
+    let rows = session_rows(view).into_iter().map(Row::new);
     frame.render_widget(
         Table::new(
             rows,
@@ -278,7 +334,8 @@ pub fn draw(frame: &mut Frame, view: &View) {
                 Constraint::Min(16),
                 Constraint::Length(8),
                 Constraint::Length(7),
-                Constraint::Length(8),
+                Constraint::Length(9),
+                Constraint::Length(9),
                 Constraint::Length(9),
                 Constraint::Length(11),
                 Constraint::Length(11),
@@ -287,13 +344,7 @@ pub fn draw(frame: &mut Frame, view: &View) {
                 Constraint::Length(11),
             ],
         )
-        .header(
-            Row::new(vec![
-                "session", "label", "pid", "GB/s", "stall", "hit rate", "budget", "staging",
-                "resident", "acquires", "copied",
-            ])
-            .style(bold),
-        )
+        .header(Row::new(SESSION_COLUMNS.to_vec()).style(bold))
         .block(Block::default().borders(Borders::ALL).title(" sessions ")),
         sess,
     );
@@ -328,21 +379,40 @@ fn spawn_keys() -> mpsc::UnboundedReceiver<()> {
 }
 
 pub async fn run(socket: Option<PathBuf>, args: TopArgs) -> CliResult {
-    let shown = Client::socket_path(socket.as_deref());
+    let resolved = ResolvedSocket::from_env(socket.as_deref());
     let mut poller = Poller {
         client: None,
-        socket,
+        socket: resolved.clone(),
         previous: HashMap::new(),
         at: Instant::now(),
         history: args.history as usize,
     };
     let mut view = View {
-        socket: shown.display().to_string(),
+        socket: resolved.path.display().to_string(),
         ..View::default()
     };
-    let mut terminal = ratatui::init();
+    let interval = Duration::from_millis(args.interval_ms);
+    if args.once {
+        // Two samples, one interval apart: the rates are over that interval.
+        for sample in [0, 1] {
+            if sample == 1 {
+                tokio::time::sleep(interval).await;
+            }
+            poller.refresh(&mut view).await;
+            if let Some(error) = view.error.take() {
+                return Err(error.into());
+            }
+        }
+        print!("{}", plain(&view));
+        return Ok(());
+    }
+    if !std::io::stdout().is_terminal() {
+        return Err(UsageError(NEEDS_TERMINAL.into()).into());
+    }
+    let mut terminal =
+        ratatui::try_init().map_err(|e| UsageError(format!("{NEEDS_TERMINAL} ({e})")))?;
     let mut quit = spawn_keys();
-    let mut tick = tokio::time::interval(Duration::from_millis(args.interval_ms));
+    let mut tick = tokio::time::interval(interval);
     let result = loop {
         tokio::select! {
             _ = quit.recv() => break Ok(()),
@@ -364,35 +434,40 @@ mod tests {
     use ratatui::Terminal;
     use ratatui::backend::TestBackend;
 
-    fn stats(acquires: u64, hits: u64, bytes: u64, stall_ns: u64) -> proto::SessionStats {
+    fn stats(acquires: u64, hits: u64, bytes: u64, pending_ns: u64) -> proto::SessionStats {
         proto::SessionStats {
             acquires,
             hits,
             bytes_copied: bytes,
-            stall_ns,
+            acquire_pending_ns: pending_ns,
             ..Default::default()
         }
     }
 
     #[test]
     fn rates_are_over_the_interval() {
+        let reported = |s: proto::SessionStats, gpu_wait_ns| proto::SessionStats {
+            gpu_wait_ns,
+            gpu_wait_reports: 1,
+            ..s
+        };
         let r = rates(
-            &stats(10, 5, 1_000, 0),
-            &stats(30, 20, 2_001_000, 250_000_000),
+            &reported(stats(10, 5, 1_000, 0), 100_000_000),
+            &reported(stats(30, 20, 2_001_000, 250_000_000), 200_000_000),
             2.0,
         );
         assert_eq!(r.bytes_per_s, 1_000_000.0);
-        assert_eq!(r.stall, 0.125);
+        assert_eq!(r.acquire_pending, 0.125);
+        assert_eq!(r.gpu_wait, Some(0.05));
         assert_eq!(r.hit_rate, Some(0.75));
-        assert_eq!(
-            rates(&stats(3, 3, 0, 0), &stats(3, 3, 0, 0), 1.0).hit_rate,
-            None
-        );
+        let quiet = rates(&stats(3, 3, 0, 0), &stats(3, 3, 0, 0), 1.0);
+        assert_eq!(quiet.hit_rate, None);
+        assert_eq!(quiet.gpu_wait, None, "a client that never reported");
     }
 
-    #[test]
-    fn the_screen_shows_devices_and_sessions() {
-        let view = View {
+    /// A device with one session, as the tests show it.
+    fn one_session() -> View {
+        View {
             socket: "/run/x.sock".into(),
             backend: "host".into(),
             devices: vec![proto::Device {
@@ -411,12 +486,18 @@ mod tests {
                 },
                 Rates {
                     bytes_per_s: 3.5e9,
-                    stall: 0.02,
+                    gpu_wait: Some(0.02),
+                    acquire_pending: 0.375,
                     hit_rate: Some(0.5),
                 },
             )],
             ..View::default()
-        };
+        }
+    }
+
+    #[test]
+    fn the_screen_shows_devices_and_sessions() {
+        let view = one_session();
         let mut t = Terminal::new(TestBackend::new(140, 30)).unwrap();
         t.draw(|f| draw(f, &view)).unwrap();
         let screen: String = t
@@ -431,10 +512,27 @@ mod tests {
             "flux-lora",
             "3.50",
             "2.0 %",
+            "37.5 %",
             "50.0 %",
+            "GPU wait",
+            "pending",
             "2.0 GiB / 8.0 GiB (25.0 %)",
         ] {
             assert!(screen.contains(want), "{want} not on screen:\n{screen}");
         }
+    }
+
+    #[test]
+    fn once_prints_the_screen_s_figures_as_plain_lines() {
+        assert_eq!(
+            plain(&one_session()),
+            "weightstream top — /run/x.sock — backend host — 1 sessions\n\
+             devices\n\
+             device  name         sessions  GB/s  GPU wait  pending  hit rate  budget\n\
+             host-0  host memory  1         3.50  2.0 %     37.5 %   50.0 %    2.0 GiB / 8.0 GiB (25.0 %)\n\
+             sessions\n\
+             session  label      pid  GB/s  GPU wait  pending  hit rate  budget   staging  resident  acquires  copied\n\
+             s-7      flux-lora  0    3.50  2.0 %     37.5 %   50.0 %    2.0 GiB  0 B      0 B       0         0 B\n"
+        );
     }
 }

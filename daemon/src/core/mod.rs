@@ -150,9 +150,9 @@ impl Daemon {
             .collect();
         let ledger = SessionLedger::new(&config.quotas, config.limits.max_sessions, &devices);
         tracing::info!(
-            max_host_bytes = host.max_bytes,
-            max_device_bytes = ?ledger.device_limits(),
-            per_uid = ?config.quotas,
+            configured = %config.quotas,
+            host_total_bytes = host.max_bytes,
+            device_total_bytes = ?ledger.device_limits(),
             "quotas (0: no limit)"
         );
         let limits = StoreLimits {
@@ -575,7 +575,8 @@ pub struct SessionTotals {
     pub prefetches: u64,
     pub copies: u64,
     pub bytes_copied: u64,
-    pub stall_ns: u64,
+    pub acquire_pending_ns: u64,
+    pub gpu_wait_ns: u64,
 }
 
 impl SessionTotals {
@@ -590,7 +591,8 @@ impl SessionTotals {
             prefetches: s.prefetches,
             copies: s.copies,
             bytes_copied: s.bytes_copied,
-            stall_ns: s.stall_ns,
+            acquire_pending_ns: s.acquire_pending_ns,
+            gpu_wait_ns: s.gpu_wait_ns,
         }
     }
 }
@@ -604,6 +606,7 @@ impl std::ops::AddAssign for SessionTotals {
         self.prefetches += o.prefetches;
         self.copies += o.copies;
         self.bytes_copied += o.bytes_copied;
-        self.stall_ns += o.stall_ns;
+        self.acquire_pending_ns += o.acquire_pending_ns;
+        self.gpu_wait_ns += o.gpu_wait_ns;
     }
 }

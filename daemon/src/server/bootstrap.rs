@@ -5,12 +5,13 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, Write};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustix::fs::FlockOperation;
 use tokio::net::UnixListener;
+use weightstream_client::socket::fallback_dir;
 
 use super::error::ServeError;
 use super::handoff;
@@ -68,8 +69,11 @@ pub fn lock_path(socket: &Path) -> PathBuf {
 /// left (no live daemon can own it any more).
 fn claim_socket(path: &Path) -> Result<File, ServeError> {
     let io = socket_error(path);
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(&io)?;
+    let uid = rustix::process::getuid().as_raw();
+    match path.parent() {
+        Some(dir) if dir == fallback_dir(uid) => private_dir(dir, uid)?,
+        Some(dir) => std::fs::create_dir_all(dir).map_err(&io)?,
+        None => {}
     }
     let lock_path = lock_path(path);
     let lock_io = socket_error(&lock_path);
@@ -107,6 +111,39 @@ fn claim_socket(path: &Path) -> Result<File, ServeError> {
         Err(_) => {}
     }
     Ok(lock)
+}
+
+/// Makes `dir` (a user's socket directory in /tmp, where anyone may create it first) mode 0700,
+/// or checks the one there: a directory `uid` owns that no one else may write to. Another
+/// user's directory, or one others may write to, could let them replace the socket.
+fn private_dir(dir: &Path, uid: u32) -> Result<(), ServeError> {
+    let refuse = |why: String| ServeError::SocketDir {
+        dir: dir.to_path_buf(),
+        why,
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(refuse(e.to_string())),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| refuse(e.to_string()))?;
+    if !meta.file_type().is_dir() {
+        return Err(refuse("not a directory".into()));
+    }
+    if meta.uid() != uid {
+        return Err(refuse(format!(
+            "owned by uid {}, not by this user (uid {uid})",
+            meta.uid()
+        )));
+    }
+    let mode = meta.mode() & 0o777;
+    if mode & 0o022 != 0 {
+        return Err(refuse(format!(
+            "mode {mode:04o} lets others write to it (`chmod 700 {}`)",
+            dir.display()
+        )));
+    }
+    Ok(())
 }
 
 /// The socket file this daemon bound, and the lock that makes it this daemon's.
@@ -185,6 +222,51 @@ fn select_backend(choice: BackendChoice, shm: &Arc<Shm>) -> Result<Arc<dyn Backe
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_private_socket_directory_is_made_0700_and_one_others_could_write_to_is_refused() {
+        let parent = tempfile::tempdir().unwrap();
+        let dir = parent.path().join("weightstream-1234");
+        let uid = rustix::process::getuid().as_raw();
+        private_dir(&dir, uid).unwrap();
+        let meta = std::fs::symlink_metadata(&dir).unwrap();
+        assert!(meta.is_dir());
+        assert_eq!(meta.mode() & 0o777, 0o700);
+        private_dir(&dir, uid).expect("this user's own 0700 directory is taken again");
+        let refused = |dir: &Path, uid: u32| private_dir(dir, uid).unwrap_err().to_string();
+        let tail = "refusing it as the socket's directory (remove it, or pass --socket)";
+        // Another user's (as this process sees a directory it does not own).
+        assert_eq!(
+            refused(&dir, uid + 1),
+            format!(
+                "{}: owned by uid {uid}, not by this user (uid {}): {tail}",
+                dir.display(),
+                uid + 1
+            )
+        );
+        for mode in [0o777, 0o720, 0o702] {
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(mode)).unwrap();
+            assert_eq!(
+                refused(&dir, uid),
+                format!(
+                    "{0}: mode {mode:04o} lets others write to it (`chmod 700 {0}`): {tail}",
+                    dir.display()
+                )
+            );
+        }
+        let file = parent.path().join("weightstream-file");
+        std::fs::write(&file, "").unwrap();
+        assert_eq!(
+            refused(&file, uid),
+            format!("{}: not a directory: {tail}", file.display())
+        );
+        let link = parent.path().join("weightstream-link");
+        std::os::unix::fs::symlink(parent.path(), &link).unwrap();
+        assert_eq!(
+            refused(&link, uid),
+            format!("{}: not a directory: {tail}", link.display())
+        );
+    }
 
     #[test]
     fn a_second_claim_fails_naming_the_holders_pid_and_a_release_frees_it() {

@@ -36,6 +36,8 @@ pub fn quantization_to_pb(q: Quantization) -> pb::Quantization {
         Quantization::Fp8E4m3Block64 => pb::Quantization::Fp8E4m3Block64,
         Quantization::Fp8ScaledMusubi => pb::Quantization::Fp8ScaledMusubi,
         Quantization::Fp8ScaledComfy => pb::Quantization::Fp8ScaledComfy,
+        Quantization::TorchaoFloat8Rowwise => pb::Quantization::TorchaoFloat8Rowwise,
+        Quantization::TorchaoInt8Rowwise => pb::Quantization::TorchaoInt8Rowwise,
     }
 }
 
@@ -45,6 +47,8 @@ pub fn quantization_from_pb(value: i32) -> Option<Quantization> {
         pb::Quantization::Fp8E4m3Block64 => Some(Quantization::Fp8E4m3Block64),
         pb::Quantization::Fp8ScaledMusubi => Some(Quantization::Fp8ScaledMusubi),
         pb::Quantization::Fp8ScaledComfy => Some(Quantization::Fp8ScaledComfy),
+        pb::Quantization::TorchaoFloat8Rowwise => Some(Quantization::TorchaoFloat8Rowwise),
+        pb::Quantization::TorchaoInt8Rowwise => Some(Quantization::TorchaoInt8Rowwise),
     }
 }
 
@@ -260,9 +264,13 @@ pub fn opened(o: &OpenedSession) -> pb::OpenSessionResponse {
         staging_bytes: o.shared.staging_bytes,
         resident_bytes: o.shared.resident_bytes,
         event_handles: o.event_handles.clone(),
+        accepts_gpu_wait: true,
     }
 }
 
+// `stall_ns` is filled for clients that still read it: the deprecated alias of
+// `acquire_pending_ns`.
+#[allow(deprecated)]
 pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
     pb::SessionStats {
         acquires: s.acquires,
@@ -273,13 +281,19 @@ pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
         bytes_copied: s.bytes_copied,
         copies: s.copies,
         prefetches: s.prefetches,
-        stall_ns: s.stall_ns,
+        stall_ns: s.acquire_pending_ns,
+        acquire_pending_ns: s.acquire_pending_ns,
         resyncs: s.resyncs,
         releases: s.releases,
         evictions: s.evictions,
+        gpu_wait_ns: s.gpu_wait_ns,
+        gpu_waits: s.gpu_waits,
+        gpu_wait_reports: s.gpu_wait_reports,
     }
 }
 
+// `group_stall_ns`: the deprecated alias of `group_acquire_pending_ns`, as in `session_stats`.
+#[allow(deprecated)]
 pub fn session_info(owner: &Peer, s: &SessionShared) -> pb::SessionInfo {
     use std::sync::atomic::Ordering::Relaxed;
     pb::SessionInfo {
@@ -298,7 +312,9 @@ pub fn session_info(owner: &Peer, s: &SessionShared) -> pb::SessionInfo {
         live_tickets: s.live_tickets.load(Relaxed),
         stats: Some(session_stats(&s.stats.snapshot())),
         age_ms: s.created.elapsed().as_millis() as u64,
-        group_stall_ns: s.stats.group_stall_ns(),
+        group_stall_ns: s.stats.group_acquire_pending_ns(),
+        group_acquire_pending_ns: s.stats.group_acquire_pending_ns(),
+        group_gpu_wait_ns: s.stats.group_gpu_wait_ns(),
     }
 }
 
@@ -308,11 +324,13 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::session::SessionStats;
-    use crate::session::stall::Stall;
+    use crate::session::pending::Pending;
+    use crate::session::{GpuWaitReport, SessionStats};
 
+    /// The old names carry the new figures for clients that read them.
     #[test]
-    fn session_info_lists_stall_per_group() {
+    #[allow(deprecated)]
+    fn session_info_lists_pending_and_gpu_wait_per_group() {
         let (control, _control_rx) = tokio::sync::mpsc::unbounded_channel();
         let (_finished_tx, finished) = tokio::sync::watch::channel(false);
         let shared = SessionShared {
@@ -333,8 +351,13 @@ mod tests {
             control,
             finished,
         };
-        shared.stats.add_stall(Stall { group: 2, ns: 70 });
-        shared.stats.add_stall(Stall { group: 0, ns: 5 });
+        shared.stats.add_pending(Pending { group: 2, ns: 70 });
+        shared.stats.add_pending(Pending { group: 0, ns: 5 });
+        shared.stats.record_gpu_wait(&GpuWaitReport {
+            total_ns: 9,
+            waits: 2,
+            group_ns: vec![0, 9],
+        });
         shared.live_tickets.store(4, Ordering::Relaxed);
         let owner = Peer {
             conn: 1,
@@ -343,8 +366,15 @@ mod tests {
             pid: 4,
         };
         let info = session_info(&owner, &shared);
-        assert_eq!(info.group_stall_ns, vec![5, 0, 70]);
-        assert_eq!(info.stats.map(|s| s.stall_ns), Some(75));
+        assert_eq!(info.group_acquire_pending_ns, vec![5, 0, 70]);
+        assert_eq!(info.group_stall_ns, info.group_acquire_pending_ns);
+        assert_eq!(info.group_gpu_wait_ns, vec![0, 9, 0]);
+        let stats = info.stats.unwrap();
+        assert_eq!((stats.acquire_pending_ns, stats.stall_ns), (75, 75));
+        assert_eq!(
+            (stats.gpu_wait_ns, stats.gpu_waits, stats.gpu_wait_reports),
+            (9, 2, 1)
+        );
         assert_eq!(
             (
                 info.peer_uid,

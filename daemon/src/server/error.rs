@@ -13,11 +13,14 @@ pub enum ServeError {
         pid.map(|p| format!(" (pid {p})")).unwrap_or_default()
     )]
     Locked { lock: PathBuf, pid: Option<u32> },
-    #[error("{path}: {source}")]
+    #[error("{path}: {source}{}", socket_hint(source))]
     Socket {
         path: PathBuf,
         source: std::io::Error,
     },
+    /// The user's socket directory in /tmp is not this user's alone.
+    #[error("{dir}: {why}: refusing it as the socket's directory (remove it, or pass --socket)")]
+    SocketDir { dir: PathBuf, why: String },
     #[error("backend: {0}")]
     Backend(String),
     #[error("cannot start: {0}")]
@@ -28,6 +31,18 @@ pub enum ServeError {
     Reflection(#[from] tonic_reflection::server::Error),
     #[error(transparent)]
     Metrics(#[from] crate::metrics::MetricsError),
+}
+
+/// What to do about a socket the daemon cannot make.
+fn socket_hint(e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::PermissionDenied => {
+            " (this user may not write there: name a socket in a directory you may write to, \
+             or leave --socket out to listen on your own, $XDG_RUNTIME_DIR/weightstream.sock \
+             or /tmp/weightstream-<uid>/weightstream.sock)"
+        }
+        _ => "",
+    }
 }
 
 /// Faults of the edge itself, not of the request.

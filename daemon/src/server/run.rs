@@ -16,7 +16,7 @@ use weightstream_client::proto::server_message::Msg as Out;
 use super::error::EdgeError;
 use super::status::{attach_status, status_of};
 use crate::core::{Daemon, Peer};
-use crate::session::{Command, Control, Event, FaultKind};
+use crate::session::{Command, Control, Event, FaultKind, GpuWaitReport};
 
 /// What the client reads from its `Run` call.
 pub type ServerStream = Pin<Box<dyn Stream<Item = Result<pb::ServerMessage, Status>> + Send>>;
@@ -121,6 +121,12 @@ fn command(message: pb::ClientMessage) -> Result<Command, Event> {
         Some(Msg::Plan(plan)) => Ok(Command::Plan {
             groups: plan.groups,
         }),
+        // Checked against the session's groups by the session, which knows them.
+        Some(Msg::GpuWait(w)) => Ok(Command::GpuWait(GpuWaitReport {
+            total_ns: w.total_ns,
+            waits: w.waits,
+            group_ns: w.group_ns,
+        })),
         Some(Msg::Attach(_)) => Err(Event::fault(
             0,
             FaultKind::FailedPrecondition,

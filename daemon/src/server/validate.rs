@@ -11,9 +11,10 @@ use weightstream_client::proto as pb;
 use super::convert::{dtype_from_pb, quantization_from_pb};
 use crate::config::{Limits, MIN_COPY_BANDWIDTH, Rate};
 use crate::core::OpenRequest;
+use crate::store::prequantized::torchao_layout;
 use crate::store::quantize::{Quantization, QuantizeError, StoredLayout};
 use crate::store::safetensors::{DType, tensor_nbytes};
-use crate::store::{DeclQuant, TensorDecl};
+use crate::store::{DeclQuant, QuantizedLayout, TensorDecl};
 
 /// Most dimensions a tensor may have.
 pub const MAX_RANK: usize = 16;
@@ -58,9 +59,18 @@ pub enum ValidationError {
     UnknownDtype { field: String, value: i32 },
     #[error(
         "{field}: {value} is not a known quantization (QUANTIZATION_NONE = 0, \
-         QUANTIZATION_FP8_E4M3_BLOCK64 = 1)"
+         QUANTIZATION_FP8_E4M3_BLOCK64 = 1; in BeginUpload also \
+         QUANTIZATION_TORCHAO_FLOAT8_ROWWISE = 4, QUANTIZATION_TORCHAO_INT8_ROWWISE = 5)"
     )]
     UnknownQuantization { field: String, value: i32 },
+    /// A torchao format is written pre-quantized by the client (BeginUpload), never made by
+    /// the daemon from a file.
+    #[error(
+        "{field}: {name} is uploaded pre-quantized (BeginUpload with the weight's data and \
+         scales), not made by a load: load with QUANTIZATION_NONE or \
+         QUANTIZATION_FP8_E4M3_BLOCK64"
+    )]
+    UploadOnlyQuantization { field: String, name: &'static str },
     /// A pre-quantized format is read from files as published (a LoadModel with quantization
     /// none of such a file), never asked for.
     #[error(
@@ -94,12 +104,11 @@ pub enum ValidationError {
         expected: [u64; 2],
         shape: Vec<u64>,
     },
-    #[error(
-        "{field}: {given} disagrees with the fp8_e4m3_block64 layout of tensor '{name}' ({expected})"
-    )]
+    #[error("{field}: {given} disagrees with the {format} layout of tensor '{name}' ({expected})")]
     ScaleOffset {
         field: String,
         name: String,
+        format: &'static str,
         given: u64,
         expected: u64,
     },
@@ -237,6 +246,12 @@ impl Validation {
             return Err(ValidationError::BadFdToken);
         }
         let quantization = quantization("quantization", req.quantization)?;
+        if quantization.upload_only() {
+            return Err(ValidationError::UploadOnlyQuantization {
+                field: "quantization".into(),
+                name: quantization.name(),
+            });
+        }
         Ok(ValidLoadModel {
             paths: req.paths,
             name: req.name,
@@ -375,9 +390,10 @@ impl Validation {
                     shape: t.shape.clone(),
                 })?;
             let quant = upload_quantization(&field, &t, dtype)?;
-            let nbytes = match quant {
-                DeclQuant::Prequantized(layout) => layout.nbytes,
-                DeclQuant::None | DeclQuant::AtCommit(_) => nbytes,
+            let (nbytes, quant) = match quant {
+                Declared::Plain => (nbytes, DeclQuant::None),
+                Declared::AtCommit(layout) => (nbytes, DeclQuant::AtCommit(layout)),
+                Declared::Prequantized(layout, nbytes) => (nbytes, DeclQuant::Prequantized(layout)),
             };
             if t.nbytes != 0 && t.nbytes != nbytes {
                 return Err(ValidationError::Nbytes {
@@ -414,10 +430,7 @@ fn quantization(field: &str, value: i32) -> Result<Quantization> {
         field: field.to_string(),
         value,
     })?;
-    if matches!(
-        q,
-        Quantization::Fp8ScaledMusubi | Quantization::Fp8ScaledComfy
-    ) {
+    if !q.requestable() {
         return Err(ValidationError::ReadOnlyQuantization {
             field: field.to_string(),
             name: q.name(),
@@ -426,9 +439,17 @@ fn quantization(field: &str, value: i32) -> Result<Quantization> {
     Ok(q)
 }
 
+/// An upload tensor's quantization as validated, with a pre-quantized one's slice bytes.
+enum Declared {
+    Plain,
+    AtCommit(StoredLayout),
+    Prequantized(QuantizedLayout, u64),
+}
+
 /// How an upload tensor (`field`, of known `dtype`) is quantized: not; at commit (a float
-/// weight of rank >= 2); or already (F8_E4M3 data with the scales its shape needs).
-fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<DeclQuant> {
+/// weight of rank >= 2); or already (fp8_e4m3_block64's F8_E4M3 data with the scales its shape
+/// needs, or a torchao format's data and scales, `prequantized::torchao_layout`).
+fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<Declared> {
     let q_field = format!("{field}.quantization");
     let scales_field = format!("{field}.scale_shape");
     let not_expected = |why| ValidationError::ScalesNotExpected {
@@ -436,16 +457,36 @@ fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<
         name: t.name.clone(),
         why,
     };
-    if quantization(&q_field, t.quantization)? == Quantization::None {
+    let q = quantization(&q_field, t.quantization)?;
+    if q == Quantization::None {
         if !t.scale_shape.is_empty() || t.scale_offset != 0 {
             return Err(not_expected("is not quantized"));
         }
-        return Ok(DeclQuant::None);
+        return Ok(Declared::Plain);
     }
     let quantize_error = |source| ValidationError::Quantize {
         field: q_field.clone(),
         source,
     };
+    if q.upload_only() {
+        let layout =
+            torchao_layout(q, &t.name, dtype, &t.shape, &t.scale_shape).map_err(quantize_error)?;
+        if t.scale_offset != 0 && t.scale_offset != layout.scale_offset {
+            return Err(ValidationError::ScaleOffset {
+                field: format!("{field}.scale_offset"),
+                name: t.name.clone(),
+                format: q.name(),
+                given: t.scale_offset,
+                expected: layout.scale_offset,
+            });
+        }
+        let stored = QuantizedLayout {
+            quantization: q,
+            scale_shape: layout.scale_shape,
+            scale_offset: layout.scale_offset,
+        };
+        return Ok(Declared::Prequantized(stored, layout.nbytes));
+    }
     if !matches!(dtype, DType::F8E4M3 | DType::BF16 | DType::F16 | DType::F32) {
         return Err(quantize_error(QuantizeError::DType {
             name: t.name.clone(),
@@ -457,7 +498,7 @@ fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<
         if !t.scale_shape.is_empty() || t.scale_offset != 0 {
             return Err(not_expected("the daemon quantizes at commit"));
         }
-        return Ok(DeclQuant::AtCommit(layout));
+        return Ok(Declared::AtCommit(layout));
     }
     let expected = layout.block.scale_shape();
     if t.scale_shape.is_empty() {
@@ -480,11 +521,15 @@ fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<
         return Err(ValidationError::ScaleOffset {
             field: format!("{field}.scale_offset"),
             name: t.name.clone(),
+            format: q.name(),
             given: t.scale_offset,
             expected: layout.scale_offset,
         });
     }
-    Ok(DeclQuant::Prequantized(layout))
+    Ok(Declared::Prequantized(
+        QuantizedLayout::fp8(&layout),
+        layout.nbytes,
+    ))
 }
 
 fn page_size(given: u32) -> Result<usize> {

@@ -19,11 +19,11 @@ use tokio::sync::{mpsc, watch};
 use super::arena::StagingArena;
 use super::events::EventBook;
 use super::layout::GroupPlacement;
+use super::pending::{Pending, PendingClock};
 use super::plan::{GroupId, Plan};
-use super::stall::{Stall, StallClock};
 use super::{
-    AttachError, CloseReason, Command, Control, DrainDeadline, Event, FaultKind, SessionShared,
-    SessionStats,
+    AttachError, CloseReason, Command, Control, DrainDeadline, Event, FaultKind, GpuWaitReport,
+    SessionShared, SessionStats,
 };
 use crate::backend::{DeviceRegion, EventPool};
 use crate::residency::ResidentLease;
@@ -90,7 +90,7 @@ struct Actor {
     done_tx: mpsc::UnboundedSender<CopyDone>,
     outbox: Vec<Event>,
     events: Option<EventBook>,
-    stall: StallClock,
+    pending_clock: PendingClock,
 }
 
 /// The client's stream, once one is attached.
@@ -122,7 +122,7 @@ pub fn spawn(
         done_tx,
         outbox: Vec::new(),
         events,
-        stall: StallClock::new(Instant::now()),
+        pending_clock: PendingClock::new(Instant::now()),
     };
     let span = tracing::info_span!("session", id = %actor.p.shared.id);
     tokio::spawn(tracing::Instrument::instrument(
@@ -213,8 +213,8 @@ impl Actor {
     /// Queued copies are dropped, running ones finish; only then is memory given back (by
     /// dropping the parts), so no copy ever writes into freed memory.
     async fn teardown(mut self, mut done_rx: mpsc::UnboundedReceiver<CopyDone>) {
-        if let Some(stall) = self.stall.stop_all(Instant::now()) {
-            self.stats().add_stall(stall);
+        if let Some(pending) = self.pending_clock.stop_all(Instant::now()) {
+            self.stats().add_pending(pending);
         }
         let number = self.p.shared.number;
         self.p
@@ -234,6 +234,7 @@ impl Actor {
             Command::Acquire { group, ticket } => self.on_acquire(group, ticket),
             Command::Release { ticket } => self.on_release(ticket),
             Command::Plan { groups } => self.on_plan(groups),
+            Command::GpuWait(report) => self.on_gpu_wait(&report),
         }
         self.publish_counts();
     }
@@ -258,20 +259,34 @@ impl Actor {
         self.fault(ticket, kind, message);
     }
 
+    /// The client's report of its own waits; one that names more groups than the session has
+    /// is refused whole.
+    fn on_gpu_wait(&mut self, report: &GpuWaitReport) {
+        let groups = self.stats().groups();
+        if report.group_ns.len() > groups {
+            let named = report.group_ns.len();
+            let msg = format!(
+                "gpu_wait.group_ns: {named} entries, more than the session's {groups} groups"
+            );
+            return self.fault(0, FaultKind::InvalidArgument, msg);
+        }
+        self.stats().record_gpu_wait(report);
+    }
+
     /// `ticket` waits for its Staged from now on.
     fn start_waiting(&mut self, ticket: u64, group: GroupId) {
-        let charged = self.stall.start(ticket, group, Instant::now());
+        let charged = self.pending_clock.start(ticket, group, Instant::now());
         self.charge(charged);
     }
 
     fn stop_waiting(&mut self, ticket: u64) {
-        let charged = self.stall.stop(ticket, Instant::now());
+        let charged = self.pending_clock.stop(ticket, Instant::now());
         self.charge(charged);
     }
 
-    fn charge(&self, stall: Option<Stall>) {
-        if let Some(stall) = stall {
-            self.stats().add_stall(stall);
+    fn charge(&self, pending: Option<Pending>) {
+        if let Some(pending) = pending {
+            self.stats().add_pending(pending);
         }
     }
 }

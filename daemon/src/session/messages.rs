@@ -2,6 +2,7 @@
 //! wire's messages into these and back; the session knows nothing of the wire.
 
 use super::plan::GroupId;
+use super::stats::GpuWaitReport;
 
 /// A request of the session's client, in the order the client sent it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -12,6 +13,8 @@ pub enum Command {
     Release { ticket: u64 },
     /// The group acquisitions of one training step, in order.
     Plan { groups: Vec<GroupId> },
+    /// The client's own measure of its waits for weights (totals since the session opened).
+    GpuWait(GpuWaitReport),
 }
 
 /// What the session tells its client.

@@ -11,8 +11,8 @@ pub mod arena;
 pub mod events;
 pub mod layout;
 mod messages;
+pub mod pending;
 pub mod plan;
-pub mod stall;
 mod stats;
 
 use std::sync::atomic::{AtomicBool, AtomicU32};
@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 pub use self::actor::{ActorParts, spawn};
 pub use self::messages::{AttachError, Command, Event, FaultKind};
-pub use self::stats::{SessionStats, StatsSnapshot};
+pub use self::stats::{GpuWaitReport, SessionStats, StatsSnapshot};
 
 /// Why a session ends, as its client is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::stall::Stall;
+use super::pending::Pending;
 
 /// Counters of one session, readable while the actor runs.
 #[derive(Debug)]
@@ -15,16 +15,22 @@ pub struct SessionStats {
     pub bytes_copied: AtomicU64,
     pub copies: AtomicU64,
     pub prefetches: AtomicU64,
-    /// Wall-clock time with at least one acquire waiting for its Staged (see `stall`).
-    pub stall_ns: AtomicU64,
+    /// Wall-clock time with at least one acquire waiting for its Staged (see `pending`).
+    pub acquire_pending_ns: AtomicU64,
     pub resyncs: AtomicU64,
     pub releases: AtomicU64,
     pub evictions: AtomicU64,
     /// Plan entries the actor has looked at (cursor moves, look-ahead), a measure of the work
     /// per message that must not grow with the plan's length (see `plan.rs`).
     pub plan_entries_visited: AtomicU64,
-    /// `stall_ns` split by group (index = group id); the parts sum to `stall_ns`.
-    group_stall_ns: Box<[AtomicU64]>,
+    /// The client's own measure of its waits for weights, as it last reported them.
+    pub gpu_wait_ns: AtomicU64,
+    pub gpu_waits: AtomicU64,
+    pub gpu_wait_reports: AtomicU64,
+    /// `acquire_pending_ns` split by group (index = group id); the parts sum to it.
+    group_acquire_pending_ns: Box<[AtomicU64]>,
+    /// `gpu_wait_ns` split by group, as reported.
+    group_gpu_wait_ns: Box<[AtomicU64]>,
 }
 
 /// The counters at one instant, as plain numbers.
@@ -38,10 +44,22 @@ pub struct StatsSnapshot {
     pub bytes_copied: u64,
     pub copies: u64,
     pub prefetches: u64,
-    pub stall_ns: u64,
+    pub acquire_pending_ns: u64,
     pub resyncs: u64,
     pub releases: u64,
     pub evictions: u64,
+    pub gpu_wait_ns: u64,
+    pub gpu_waits: u64,
+    pub gpu_wait_reports: u64,
+}
+
+/// A client's report of its waits for weights: totals since the session opened.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GpuWaitReport {
+    pub total_ns: u64,
+    pub waits: u64,
+    /// By group (index = group id); at most the session's groups (checked by the actor).
+    pub group_ns: Vec<u64>,
 }
 
 impl SessionStats {
@@ -57,12 +75,16 @@ impl SessionStats {
             bytes_copied: zero(),
             copies: zero(),
             prefetches: zero(),
-            stall_ns: zero(),
+            acquire_pending_ns: zero(),
             resyncs: zero(),
             releases: zero(),
             evictions: zero(),
             plan_entries_visited: zero(),
-            group_stall_ns: (0..groups).map(|_| zero()).collect(),
+            gpu_wait_ns: zero(),
+            gpu_waits: zero(),
+            gpu_wait_reports: zero(),
+            group_acquire_pending_ns: (0..groups).map(|_| zero()).collect(),
+            group_gpu_wait_ns: (0..groups).map(|_| zero()).collect(),
         }
     }
 
@@ -70,12 +92,29 @@ impl SessionStats {
         counter.fetch_add(by, Ordering::Relaxed);
     }
 
-    /// Adds a stretch of stall to the session's total and to its group's.
-    pub fn add_stall(&self, stall: Stall) {
-        Self::bump(&self.stall_ns, stall.ns);
-        if let Some(group) = self.group_stall_ns.get(stall.group as usize) {
-            Self::bump(group, stall.ns);
+    /// Adds a stretch of pending time to the session's total and to its group's.
+    pub fn add_pending(&self, pending: Pending) {
+        Self::bump(&self.acquire_pending_ns, pending.ns);
+        if let Some(group) = self.group_acquire_pending_ns.get(pending.group as usize) {
+            Self::bump(group, pending.ns);
         }
+    }
+
+    /// Takes a client's report. Its totals replace the earlier ones, but a counter never goes
+    /// back (Prometheus counters must not): each figure keeps the largest value reported.
+    pub fn record_gpu_wait(&self, report: &GpuWaitReport) {
+        self.gpu_wait_ns
+            .fetch_max(report.total_ns, Ordering::Relaxed);
+        self.gpu_waits.fetch_max(report.waits, Ordering::Relaxed);
+        for (counter, &ns) in self.group_gpu_wait_ns.iter().zip(&report.group_ns) {
+            counter.fetch_max(ns, Ordering::Relaxed);
+        }
+        Self::bump(&self.gpu_wait_reports, 1);
+    }
+
+    /// The groups a report may name.
+    pub fn groups(&self) -> usize {
+        self.group_gpu_wait_ns.len()
     }
 
     pub fn snapshot(&self) -> StatsSnapshot {
@@ -89,18 +128,55 @@ impl SessionStats {
             bytes_copied: get(&self.bytes_copied),
             copies: get(&self.copies),
             prefetches: get(&self.prefetches),
-            stall_ns: get(&self.stall_ns),
+            acquire_pending_ns: get(&self.acquire_pending_ns),
             resyncs: get(&self.resyncs),
             releases: get(&self.releases),
             evictions: get(&self.evictions),
+            gpu_wait_ns: get(&self.gpu_wait_ns),
+            gpu_waits: get(&self.gpu_waits),
+            gpu_wait_reports: get(&self.gpu_wait_reports),
         }
     }
 
-    /// Stall per group, by group index.
-    pub fn group_stall_ns(&self) -> Vec<u64> {
-        self.group_stall_ns
-            .iter()
-            .map(|c| c.load(Ordering::Relaxed))
-            .collect()
+    /// Acquire pending time per group, by group index.
+    pub fn group_acquire_pending_ns(&self) -> Vec<u64> {
+        load_all(&self.group_acquire_pending_ns)
+    }
+
+    /// The client's reported waits per group, by group index.
+    pub fn group_gpu_wait_ns(&self) -> Vec<u64> {
+        load_all(&self.group_gpu_wait_ns)
+    }
+}
+
+fn load_all(counters: &[AtomicU64]) -> Vec<u64> {
+    counters.iter().map(|c| c.load(Ordering::Relaxed)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_report_replaces_the_totals_but_no_counter_goes_back() {
+        let stats = SessionStats::new(3);
+        stats.record_gpu_wait(&GpuWaitReport {
+            total_ns: 50,
+            waits: 4,
+            group_ns: vec![10, 0, 40],
+        });
+        stats.record_gpu_wait(&GpuWaitReport {
+            total_ns: 70,
+            waits: 5,
+            group_ns: vec![30],
+        });
+        let s = stats.snapshot();
+        assert_eq!((s.gpu_wait_ns, s.gpu_waits, s.gpu_wait_reports), (70, 5, 2));
+        assert_eq!(stats.group_gpu_wait_ns(), vec![30, 0, 40]);
+        // A report with smaller totals (a confused client) moves nothing back.
+        stats.record_gpu_wait(&GpuWaitReport::default());
+        let s = stats.snapshot();
+        assert_eq!((s.gpu_wait_ns, s.gpu_waits, s.gpu_wait_reports), (70, 5, 3));
+        assert_eq!(stats.group_gpu_wait_ns(), vec![30, 0, 40]);
     }
 }

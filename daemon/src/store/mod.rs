@@ -115,7 +115,7 @@ pub enum StoreError {
     #[error(transparent)]
     Quantize(#[from] QuantizeError),
     #[error(
-        "tensor '{name}': scale {value} at index {index}: the scales of fp8 data must be finite"
+        "tensor '{name}': scale {value} at index {index}: the scales of 8-bit data must be finite"
     )]
     Scale {
         name: String,

@@ -25,6 +25,10 @@
 //!   nvfp4, mxfp8 and int8, are not read) and a `.weight_scale` of shape [] or [1] (one scale
 //!   per tensor); a `.comfy_quant` marker is U8 of rank 1; `_quantization_metadata` is JSON
 //!   whose `layers` each name the format `float8_e4m3fn`.
+//!
+//! torchao's weights are not read from files: a client uploads them as torchao holds them
+//! (`qdata` and `scale` of a `Float8Tensor` or `Int8Tensor` quantized per row) in the same slice
+//! layout, and [`torchao_layout`] checks each declaration against its format's rules.
 
 use super::quantize::{
     NonFinite, Quantization, QuantizeError, SCALE_ALIGN, bf16_to_f32, f16_to_f32,
@@ -319,4 +323,162 @@ pub fn scales_to_f32(
         o.copy_from_slice(&v.to_le_bytes());
     }
     Ok(())
+}
+
+/// The layout of a torchao weight declared for upload (`format` one of the `Torchao*`
+/// quantizations): data of the format's dtype (F8_E4M3 for `torchao_float8_rowwise`, I8 for
+/// `torchao_int8_rowwise`), one byte per element, of rank 2 ([out, in]: torchao quantizes
+/// linear weights), and one fp32 scale per row (`scale_shape` [out, 1]: granularity PerRow()).
+/// The slice is laid out as every pre-quantized weight's: data, zero padding to 16, scales.
+pub fn torchao_layout(
+    format: Quantization,
+    name: &str,
+    dtype: DType,
+    shape: &[u64],
+    scale_shape: &[u64],
+) -> Result<PreLayout, QuantizeError> {
+    let (data_dtype, tensor) = match format {
+        Quantization::TorchaoFloat8Rowwise => (DType::F8E4M3, "Float8Tensor"),
+        Quantization::TorchaoInt8Rowwise => (DType::I8, "Int8Tensor"),
+        other => unreachable!("{other} is not a torchao format"),
+    };
+    if dtype != data_dtype {
+        return Err(rule(
+            name,
+            format!("dtype {dtype}: {format} data (a torchao {tensor}'s qdata) is {data_dtype}"),
+        ));
+    }
+    let &[out, inputs] = shape else {
+        return Err(rule(
+            name,
+            format!(
+                "shape {shape:?}: {format} holds 2-D weights [out_features, in_features] (a \
+                 torchao {tensor} of a Linear layer)"
+            ),
+        ));
+    };
+    if scale_shape != [out, 1] {
+        return Err(rule(
+            name,
+            format!(
+                "scale shape {scale_shape:?} does not fit shape {shape:?}: {format} has one \
+                 scale per row, [{out}, 1] (granularity PerRow())"
+            ),
+        ));
+    }
+    let overflow = || QuantizeError::ShapeOverflow {
+        name: name.to_owned(),
+        shape: shape.to_vec(),
+    };
+    let data_bytes = out.checked_mul(inputs).ok_or_else(overflow)?;
+    let scale_offset = data_bytes
+        .checked_next_multiple_of(SCALE_ALIGN)
+        .ok_or_else(overflow)?;
+    let nbytes = (out.checked_mul(4))
+        .and_then(|scales| scale_offset.checked_add(scales))
+        .ok_or_else(overflow)?;
+    Ok(PreLayout {
+        quantization: format,
+        scale_shape: scale_shape.to_vec(),
+        scale_dtype: DType::F32,
+        data_bytes,
+        scale_offset,
+        nbytes,
+    })
+}
+
+#[cfg(test)]
+mod torchao_tests {
+    use super::*;
+
+    const F8: Quantization = Quantization::TorchaoFloat8Rowwise;
+    const I8: Quantization = Quantization::TorchaoInt8Rowwise;
+
+    /// Data, padding to 16 and one fp32 scale per row, for both formats.
+    #[test]
+    fn a_torchao_weight_is_data_padding_and_a_scale_per_row() {
+        for (format, dtype) in [(F8, DType::F8E4M3), (I8, DType::I8)] {
+            let l = torchao_layout(format, "w", dtype, &[3, 7], &[3, 1]).unwrap();
+            assert_eq!(
+                (l.data_bytes, l.scale_offset, l.nbytes, l.scale_shape),
+                (21, 32, 32 + 12, vec![3, 1]),
+                "{format}"
+            );
+            assert_eq!((l.quantization, l.scale_dtype), (format, DType::F32));
+        }
+    }
+
+    /// Each broken rule is refused naming the tensor, what was given and what the format needs.
+    #[test]
+    fn each_broken_torchao_rule_names_the_tensor_and_the_rule() {
+        /// (format, data dtype, shape, scale shape, the refusal).
+        type Case<'a> = (Quantization, DType, &'a [u64], &'a [u64], &'a str);
+        let cases: Vec<Case<'_>> = vec![
+            (
+                F8,
+                DType::I8,
+                &[4, 8],
+                &[4, 1],
+                "tensor 'w': dtype I8: torchao_float8_rowwise data (a torchao Float8Tensor's \
+                 qdata) is F8_E4M3",
+            ),
+            (
+                I8,
+                DType::F8E4M3,
+                &[4, 8],
+                &[4, 1],
+                "tensor 'w': dtype F8_E4M3: torchao_int8_rowwise data (a torchao Int8Tensor's \
+                 qdata) is I8",
+            ),
+            (
+                F8,
+                DType::F8E4M3,
+                &[2, 4, 8],
+                &[2, 4, 1],
+                "tensor 'w': shape [2, 4, 8]: torchao_float8_rowwise holds 2-D weights \
+                 [out_features, in_features] (a torchao Float8Tensor of a Linear layer)",
+            ),
+            (
+                F8,
+                DType::F8E4M3,
+                &[4, 8],
+                &[1, 1],
+                "tensor 'w': scale shape [1, 1] does not fit shape [4, 8]: \
+                 torchao_float8_rowwise has one scale per row, [4, 1] (granularity PerRow())",
+            ),
+            (
+                I8,
+                DType::I8,
+                &[4, 128],
+                &[4, 2],
+                "tensor 'w': scale shape [4, 2] does not fit shape [4, 128]: \
+                 torchao_int8_rowwise has one scale per row, [4, 1] (granularity PerRow())",
+            ),
+            (
+                I8,
+                DType::I8,
+                &[4, 8],
+                &[4],
+                "tensor 'w': scale shape [4] does not fit shape [4, 8]: torchao_int8_rowwise \
+                 has one scale per row, [4, 1] (granularity PerRow())",
+            ),
+            (
+                F8,
+                DType::F8E4M3,
+                &[u64::MAX, 2],
+                &[u64::MAX, 1],
+                "tensor 'w': shape [18446744073709551615, 2] has more elements than this \
+                 machine can address",
+            ),
+        ];
+        let failed: Vec<String> = (cases.iter())
+            .filter_map(|(format, dtype, shape, scales, want)| {
+                let got = torchao_layout(*format, "w", *dtype, shape, scales)
+                    .map(|l| format!("{l:?}"))
+                    .unwrap_or_else(|e| e.to_string());
+                (got != *want).then(|| format!("{format} {shape:?}: want {want}, got {got}"))
+            })
+            .collect();
+        assert!(failed.is_empty(), "{failed:#?}");
+    }
 }

@@ -44,6 +44,12 @@ pub enum Quantization {
     Fp8ScaledMusubi,
     /// Read as published: ComfyUI scaled-fp8 weights (see [`super::prequantized`]).
     Fp8ScaledComfy,
+    /// Uploaded as torchao made it: a `Float8Tensor` quantized per row, e4m3fn data with one
+    /// fp32 scale per row (see [`super::prequantized::torchao_layout`]).
+    TorchaoFloat8Rowwise,
+    /// Uploaded as torchao made it: an `Int8Tensor` quantized per row (symmetric), int8 data
+    /// with one fp32 scale per row.
+    TorchaoInt8Rowwise,
 }
 
 impl Quantization {
@@ -68,7 +74,28 @@ impl Quantization {
             Quantization::Fp8E4m3Block64 => "fp8_e4m3_block64",
             Quantization::Fp8ScaledMusubi => "fp8_scaled_musubi",
             Quantization::Fp8ScaledComfy => "fp8_scaled_comfy",
+            Quantization::TorchaoFloat8Rowwise => "torchao_float8_rowwise",
+            Quantization::TorchaoInt8Rowwise => "torchao_int8_rowwise",
         }
+    }
+
+    /// Whether a client may ask for it: in LoadModel (the daemon quantizes), or per tensor in
+    /// BeginUpload (quantized at commit, or written pre-quantized). The others describe files
+    /// read as published.
+    pub fn requestable(self) -> bool {
+        !matches!(
+            self,
+            Quantization::Fp8ScaledMusubi | Quantization::Fp8ScaledComfy
+        )
+    }
+
+    /// Whether it is only ever written by its client, pre-quantized (never made by the daemon,
+    /// never read from files).
+    pub fn upload_only(self) -> bool {
+        matches!(
+            self,
+            Quantization::TorchaoFloat8Rowwise | Quantization::TorchaoInt8Rowwise
+        )
     }
 }
 

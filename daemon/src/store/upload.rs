@@ -42,13 +42,14 @@ pub struct TensorDecl {
 }
 
 /// How an uploaded tensor is quantized (layouts checked by the edge).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeclQuant {
     None,
     /// Written as its (float) dtype; quantized at commit into this layout.
     AtCommit(StoredLayout),
-    /// Written as data, padding and scales in this layout (its dtype is F8_E4M3).
-    Prequantized(StoredLayout),
+    /// Written as data, padding and scales in this layout (its dtype is the data's: F8_E4M3,
+    /// or I8 for torchao_int8_rowwise).
+    Prequantized(QuantizedLayout),
 }
 
 impl TensorDecl {
@@ -116,7 +117,7 @@ impl Store {
             let (quantized, later) = match t.quant {
                 DeclQuant::None => (None, None),
                 DeclQuant::AtCommit(layout) => (None, Some(layout)),
-                DeclQuant::Prequantized(layout) => (Some(QuantizedLayout::fp8(&layout)), None),
+                DeclQuant::Prequantized(layout) => (Some(layout), None),
             };
             placed.push(StoredTensor {
                 name: t.name,

@@ -87,7 +87,7 @@ pub async fn start_daemon_with(adjust: impl FnOnce(&mut ConfigFile)) -> TestDaem
     let socket_tmp = tempfile::tempdir().expect("socket tempdir");
     let socket = socket_tmp.path().join("ws.sock");
     let mut config = ConfigFile {
-        socket: socket.clone(),
+        socket: Some(socket.clone()),
         backend: BackendChoice::Host,
         ..Default::default()
     };

@@ -19,6 +19,7 @@ import atexit
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
@@ -307,11 +308,14 @@ def _patch_klein(module):
 
 
 class _PatchFinder(importlib.abc.MetaPathFinder):
-    """Finds `_PATCHED` with the finders after it, then runs `_patch_klein` once the module
+    """Finds module `name` with the finders after it, then runs `patch` on the module once it
     has executed."""
 
+    def __init__(self, name, patch):
+        self.name, self.patch = name, patch
+
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != _PATCHED:
+        if fullname != self.name:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -325,16 +329,41 @@ class _PatchFinder(importlib.abc.MetaPathFinder):
 
         def exec_and_patch(module):
             exec_module(module)
-            _patch_klein(module)
+            self.patch(module)
 
         spec.loader.exec_module = exec_and_patch
         return spec
 
 
 if os.environ.get("WS_AITK_FLUX2_PARAMS"):
-    sys.meta_path.insert(0, _PatchFinder())
+    sys.meta_path.insert(0, _PatchFinder(_PATCHED, _patch_klein))
     if not (_NAMES or _HIDE or os.environ.get("WS_AITK_STUB_LOG")):
         atexit.register(_dump)
+
+
+# WS_PHASE_FILE (tests/bench/card.py, the emulated card): the training phase starts at the
+# first step of ai-toolkit's train loop, which opens with `self.timer.start('train_loop')`
+# (jobs/process/BaseSDTrainProcess.py, `run`; the Timer of toolkit/timer.py): the first such
+# call appends card.py's marker, labelled with WS_PHASE_LABEL.
+def _mark_training(module):
+    start = module.Timer.start
+
+    def timed_start(self, timer_name):
+        if timer_name == "train_loop" and not _MM.get("training_marked"):
+            _MM["training_marked"] = True
+            spec = importlib.util.spec_from_file_location(
+                "ws_card", os.path.join(os.path.dirname(os.path.dirname(__file__)), "card.py")
+            )
+            card = sys.modules["ws_card"] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(card)
+            card.phase("training", os.environ.get("WS_PHASE_LABEL", ""))
+        return start(self, timer_name)
+
+    module.Timer.start = timed_start
+
+
+if os.environ.get("WS_PHASE_FILE"):
+    sys.meta_path.insert(0, _PatchFinder("toolkit.timer", _mark_training))
 
 
 # WS_AITK_PROBE: where two runs part. Every nn.Linear call (in call order, the first

@@ -40,7 +40,7 @@ from torch import nn
 import weightstream
 from weightstream import quantize
 from weightstream.client import Client
-from weightstream.torch import budget, ops, placeholder, policy
+from weightstream.torch import budget, ops, placeholder, policy, torchao_weights
 from weightstream.torch.budget import AutoBudget, AutoBudgetError
 from weightstream.torch.handle import Handle, StreamedLayer
 from weightstream.torch.hooks import HookConflict, HookRegistry
@@ -140,13 +140,19 @@ def attach(
       equal the model with each streamed weight replaced by its dequantization
       (``weightstream.quantize.to_fp8_resident``). A weight that is not bf16/f16/f32 raises
       ``ValueError`` naming the layer, before anything is uploaded.
+    - A layer whose weight torchao quantized per row (``Float8WeightOnlyConfig()``,
+      ``Int8WeightOnlyConfig()``: ``torchao_weights``) streams that weight as it is, its
+      ``qdata`` and ``scale`` uploaded without a float round trip, and computes what torchao's
+      own linear computes with it (``quantize.linear_as``): outputs and gradients equal those of
+      the quantized layer in place (``quantize`` applies to the other layers). Other quantized
+      weights are refused (``policy.QuantizedWeight``) before anything is uploaded.
     ``Handle.stats()`` says where the attach's time went (``attach_*``: ``Handle.attach_phases``).
     The trainer's own copies of the streamed weights are freed, those already on ``device``
     before the session opens (so that the daemon can allocate the budget where they were),
     the others once it is open; their parameters become ``Placeholder``s on ``device``. A
     failed attach releases what it uploaded. Layers whose forward another library replaced
     stream inside its wrapper, or are refused (``hooks``); quantized weights are refused
-    (``policy.QuantizedWeight``).
+    (``policy.QuantizedWeight``) but torchao's above.
     """
     started = time.monotonic()
     options = _options(options, overrides)
@@ -160,9 +166,16 @@ def attach(
     for name, m in selection.streamed:
         hooks.check(name, m)  # refuse before uploading anything
     fmt = quantize.format_name(options.quantize)
+    # torchao's weights stream in their own format (read before any weight is freed).
+    rebuilds = {
+        name: torchao_weights.Rebuild.of(m.weight)
+        for name, m in selection.streamed
+        if torchao_weights.format_of(m.weight) is not None
+    }
     if fmt is not None:
         for name, m in selection.streamed:
-            quantize.check_quantizable(name, m.weight)
+            if name not in rebuilds:
+                quantize.check_quantizable(name, m.weight)
     client = client or weightstream.connect()
     alignment = client.info().alignment or 1
     label = label or type(module).__name__
@@ -173,7 +186,9 @@ def attach(
         vram_budget = None  # the groups are chosen as for a budget that fits blocks
     upload_phases: dict = {}
     t = time.monotonic()
-    manifest, uploaded = _model_of(client, selection.streamed, model, label, fmt, upload_phases)
+    manifest, uploaded = _model_of(
+        client, selection.streamed, model, label, fmt, set(rebuilds), upload_phases
+    )
     phases = {"model_s": time.monotonic() - t}
     phases.update({f"upload_{k}": v for k, v in upload_phases.items()})
     session, freed = None, []
@@ -223,7 +238,14 @@ def attach(
             group, slot = session.group_index(gname), 0
             for name, m in members:
                 layer = StreamedLayer(
-                    handle, m, name, group, m.bias is not None, slot, dtype=m.weight.dtype
+                    handle,
+                    m,
+                    name,
+                    group,
+                    m.bias is not None,
+                    slot,
+                    dtype=m.weight.dtype,
+                    rebuild=rebuilds.get(name),
                 )
                 slot += 2 if m.bias is not None else 1
                 handle.streamed[name] = layer
@@ -244,15 +266,24 @@ def attach(
 
 
 def _model_of(
-    client: Client, streamed, model: str | None, label: str, fmt: str | None, phases: dict
+    client: Client,
+    streamed,
+    model: str | None,
+    label: str,
+    fmt: str | None,
+    torchao: set[str],
+    phases: dict,
 ):
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
     release if attach fails; ``phases`` filled as ``Client.upload_model`` says), with the
-    weights quantized to ``fmt`` by the daemon, or ``model``, checked against them."""
-    tensors = {
-        tname: t.detach() for name, m in streamed for tname, t in policy.layer_tensors(name, m)
-    }
-    weights = [f"{name}.weight" for name, _ in streamed]
+    weights quantized to ``fmt`` by the daemon and those of the layers in ``torchao`` written
+    in their torchao format, or ``model``, checked against them."""
+    tensors = {}
+    for name, m in streamed:
+        for tname, t in policy.layer_tensors(name, m):
+            as_is = name in torchao and t is m.weight
+            tensors[tname] = torchao_weights.upload_form(t) if as_is else t.detach()
+    weights = [f"{name}.weight" for name, _ in streamed if name not in torchao]
     if model is not None:
         return _match(client, model, tensors, weights if fmt else ()), None
     manifest, _ = client.upload_model(
@@ -321,10 +352,16 @@ def _match(client: Client, model_id: str, tensors: dict[str, torch.Tensor], quan
         info = have.get(name)
         if info is None:
             raise ValueError(f"model={model_id!r} has no tensor {name!r}")
-        if list(info.shape) != list(t.shape):
+        shape = list((t.data if isinstance(t, quantize.Fp8Weight) else t).shape)
+        if list(info.shape) != shape:
             raise ValueError(
                 f"model={model_id!r}: tensor {name!r} has shape {list(info.shape)}, "
-                f"the module's is {list(t.shape)}"
+                f"the module's is {shape}"
+            )
+        if isinstance(t, quantize.Fp8Weight) and info.quantization != t.format:
+            raise ValueError(
+                f"model={model_id!r}: tensor {name!r} is held as {info.quantization}, the "
+                f"module's weight is torchao's {t.format}"
             )
     for name in quantized:
         if have[name].quantization != quantize.FP8_E4M3_BLOCK64:

@@ -19,6 +19,7 @@ from weightstream.session import Session
 from weightstream.torch import budget, ops, policy
 from weightstream.torch.hooks import HookRegistry
 from weightstream.torch.options import StreamOptions
+from weightstream.torch.torchao_weights import Rebuild
 
 
 @dataclass(eq=False)
@@ -39,6 +40,8 @@ class StreamedLayer:
     #: ``pinned`` when the op may run on it and autograd may keep it (not an 8-bit weight,
     #: which is dequantized per call); else None.
     fixed: tuple | None = None
+    #: A torchao weight streamed as it is: what makes it again (``detach``); else None.
+    rebuild: Rebuild | None = None
 
     @property
     def input_grad(self) -> str:
@@ -80,6 +83,9 @@ class Handle:
     #: The first step's acquisitions while it runs; None once the plan is sent.
     _recording: policy.PlanRecorder | None = field(default_factory=policy.PlanRecorder)
     _lookahead: policy.Lookahead | None = None
+    #: The plan's first group: acquiring it outside a backward pass starts a step (for the
+    #: per-step waits); None until the plan is sent.
+    _step_start: int | None = None
     _held: _Held | None = None
     _pinned: list = field(default_factory=list)
     _hooks: HookRegistry = field(default_factory=HookRegistry)
@@ -102,18 +108,28 @@ class Handle:
     # --- used by the streamed layers ----------------------------------------------------
 
     def _dequantized(self, layer: StreamedLayer, views: tuple) -> tuple:
+        """The (weight, bias) the layer's op takes: the views; an 8-bit weight dequantized to
+        the layer's dtype; or, in a format of ``quantize.OWN_LINEAR``, the 8-bit weight with
+        that dtype, for the op to compute its library's linear (``quantize.linear_as``)."""
         weight, bias = views
         if not isinstance(weight, Fp8Weight):
             return views
-        fused = weight.format == quantize.FP8_E4M3_BLOCK64 and _fused_dequant.applies(
-            weight.data, weight.scale, layer.dtype
-        )
-        w = quantize.dequantize_weight(weight, layer.dtype)
-        # The torch path forms the product in a float32 copy; the fused kernel writes w only.
-        product = 0 if fused or w.dtype == torch.float32 else w.numel() * 4
-        self._dequant_peak = max(self._dequant_peak, w.nbytes)
-        self._dequant_scratch_peak = max(self._dequant_scratch_peak, w.nbytes + product)
-        return w, bias
+        # What the dequantization holds (the int8 linear's cast of q is counted alike).
+        numel = weight.data.numel()
+        size = numel * layer.dtype.itemsize
+        # The torch path forms the product in a float32 copy; the fused kernel writes w only,
+        # and the int8 linear forms no product.
+        fused = weight.format in (
+            quantize.FP8_E4M3_BLOCK64,
+            quantize.TORCHAO_FLOAT8_ROWWISE,
+        ) and _fused_dequant.applies(weight.data, weight.scale, layer.dtype)
+        int8 = weight.format == quantize.TORCHAO_INT8_ROWWISE
+        product = 0 if fused or int8 or layer.dtype == torch.float32 else numel * 4
+        self._dequant_peak = max(self._dequant_peak, size)
+        self._dequant_scratch_peak = max(self._dequant_scratch_peak, size + product)
+        if weight.format in quantize.OWN_LINEAR:
+            return weight._replace(dtype=layer.dtype), bias
+        return quantize.dequantize_weight(weight, layer.dtype), bias
 
     def _acquire(self, layer: StreamedLayer, training: bool) -> tuple:
         """The layer's (weight, bias) views, from the group's held ticket when it serves this
@@ -129,6 +145,8 @@ class Handle:
         if training and self._recording is not None:
             if self._recording.add(layer.group, backward):
                 self.end_step()
+        elif training and backward is False and layer.group == self._step_start:
+            self.session.mark_step()
         with self._lock:
             ahead = self._lookahead
             number = ahead.take(layer.group) if ahead else self.session.submit(layer.group)
@@ -215,6 +233,8 @@ class Handle:
             plan = self._recording.groups
             self.session.plan(plan)
             self._start_lookahead(plan)
+            self._step_start = plan[0]
+            self.session.mark_step()
             self._recording = None
             if self._auto is not None:
                 self._auto_grow()
@@ -245,6 +265,7 @@ class Handle:
             self._recording = None
         else:
             self._recording = policy.PlanRecorder()
+            self._step_start = None
         if self._auto is not None:
             self._auto.budget = vram_budget
             self._auto.staging = self.session.opened.staging_bytes
@@ -270,18 +291,35 @@ class Handle:
             self._recording = policy.PlanRecorder()
 
     def stats(self) -> dict:
-        """The daemon's counters of the session (none when it does not list it), the
-        trainer's side of 8-bit streaming: ``dequant_peak_bytes``, the largest dequantized
-        weight so far, and ``dequant_scratch_peak_bytes``, the most device memory one
-        dequantization held at once (that weight and, below float32, its float32 product);
-        with ``vram_budget="auto"`` the policy's decisions (``auto_*``: ``AutoBudget.stats``);
-        where ``attach`` spent its time (``attach_*``: ``attach_phases``)."""
+        """The daemon's counters of the session (none when it does not list it); the time the
+        trainer's compute waited for weights, as this client measures it (on CUDA, on the
+        compute stream): ``gpu_wait_ns`` (more current than the daemon's copy, which follows
+        within 250 ms of a release), ``gpu_waits`` (the waits it sums),
+        ``gpu_wait_by_group`` (group name -> ns), ``gpu_wait_ns_per_step`` (each completed
+        step's, oldest first, the last 1024; a step starts when the plan's first group is
+        acquired outside a backward pass) and ``gpu_wait_ns_this_step``, all since the session
+        was opened (``set_budget`` and ``reconnect`` open it again); ``acquire_pending_ns`` is
+        the daemon's time with an acquire pending, look-ahead ones included, which is not a
+        wait of the trainer. The trainer's side of 8-bit streaming: ``dequant_peak_bytes``, the
+        largest dequantized weight so far, and ``dequant_scratch_peak_bytes``, the most device
+        memory one dequantization held at once (that weight and, below float32, its float32
+        product); with ``vram_budget="auto"`` the policy's decisions (``auto_*``:
+        ``AutoBudget.stats``); where ``attach`` spent its time (``attach_*``:
+        ``attach_phases``)."""
         out = {} if self._auto is None else self._auto.stats()
         out.update({f"attach_{k}": v for k, v in self.attach_phases.items()})
         s = self.session.stats()
         if s is not None:
             out.update({f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields})
             out["hit_rate"] = s.hits / s.acquires if s.acquires else 0.0
+        waits = self.session.gpu_wait()
+        out["gpu_wait_ns"] = waits.total_ns
+        out["gpu_waits"] = waits.waits
+        out["gpu_wait_by_group"] = {
+            g.name: ns for g, ns in zip(self.session.groups, waits.by_group, strict=True)
+        }
+        out["gpu_wait_ns_per_step"] = list(waits.per_step)
+        out["gpu_wait_ns_this_step"] = waits.this_step
         out["dequant_peak_bytes"] = self._dequant_peak
         out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
         return out
@@ -350,7 +388,8 @@ class Handle:
 
     def detach(self, release: bool = False, device: torch.device | str | None = None):
         """Puts the weights back into the layers (on ``device``, by default the session's;
-        an 8-bit weight comes back dequantized, as the layer computed with it),
+        an 8-bit weight comes back dequantized, as the layer computed with it, and a torchao
+        weight as torchao's tensor again),
         removes weightstream's forwards (what other libraries installed stays) and closes the
         session; with ``release``, also drops this handle's reference to the daemon's copy (it
         goes when no other session uses it)."""
@@ -360,8 +399,14 @@ class Handle:
         self._unpin()
         for name, layer in self.streamed.items():
             ticket = self.session.acquire(layer.group)
-            weight, bias = self._dequantized(layer, layer.views(ticket))
-            weight = weight.to(device, copy=True)
+            weight, bias = layer.views(ticket)
+            if layer.rebuild is not None:  # torchao's tensor again, as it was attached
+                weight = layer.rebuild(
+                    weight.data.to(device, copy=True), weight.scale.to(device, copy=True)
+                )
+            else:
+                weight, _ = self._dequantized(layer, (weight, bias))
+                weight = weight.to(device, copy=True)
             bias = bias.to(device, copy=True) if bias is not None else None
             self.session.release(ticket)
             self._hooks.remove(name)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weightstream import quantize
+
 
 class Layer(Protocol):
     module: nn.Module
@@ -44,7 +46,11 @@ def in_backward() -> bool | None:
 
 
 def op(module: nn.Module, x, weight, bias):
-    """The module's own operation with the given weight and bias."""
+    """The module's own operation with the given weight and bias; for an 8-bit weight whose
+    library computes its own linear (a torchao weight: ``quantize.OWN_LINEAR``), that
+    library's operation (``quantize.linear_as``)."""
+    if isinstance(weight, quantize.Fp8Weight):
+        return quantize.linear_as(weight, x, bias)
     if isinstance(module, nn.Linear):
         return F.linear(x, weight, bias)
     if isinstance(module, nn.Conv2d):
@@ -81,10 +87,26 @@ class StreamedOp(torch.autograd.Function):
 def input_grad(module, x, grad_out, weight, autocast: bool, dtype):
     """The input gradient by the formula autograd applies to the module's op (the same kernel
     on the same operands, so the same bits), without running the op again. None where this
-    module's op has no such formula here (then the op is recomputed and differentiated)."""
+    module's op has no such formula here (then the op is recomputed and differentiated).
+    torchao's float8 linear is a matmul of the input and the transposed dequantized weight,
+    then the bias: its input gradient is the same ``mm`` of the gradient and that weight; the
+    int8 one scales the product afterwards, so it is recomputed."""
+    matmul_then_bias = isinstance(weight, quantize.Fp8Weight)
+    if matmul_then_bias:
+        if weight.format != quantize.TORCHAO_FLOAT8_ROWWISE:
+            return None
+        weight = quantize.dequantize_weight(weight, weight.dtype)
     if autocast and weight.is_floating_point() and weight.dtype != dtype:
         weight = weight.to(dtype)  # what autocast fed the op
+    if matmul_then_bias and grad_out.dtype != weight.dtype:
+        # The bias was added to the matmul's output in a wider dtype (autocast's matmul gives
+        # its dtype, the bias is not cast): autograd hands the matmul its gradient cast back.
+        grad_out = grad_out.to(weight.dtype)
     if isinstance(module, nn.Linear):
+        if not x.is_contiguous():
+            # Not one row-major matrix: matmul runs bmm on an input it cannot flatten, and
+            # mm_mat1_backward transposes its product for a column-major one.
+            return None
         # aten::linear runs addmm/mm on the input flattened to 2-D; the gradient of that
         # operand is grad @ weight (mm_mat1_backward), reshaped back.
         g = grad_out.reshape(-1, grad_out.shape[-1]).mm(weight)

@@ -2,7 +2,9 @@
 
 - ``select``: which Linear/Conv2d layers stream, and why each other one stays on the device;
   ``nothing_to_stream`` turns the reasons into the error ``attach`` raises; quantized weights
-  (``quantizer_of``) are refused with ``QuantizedWeight``, never uploaded as plain tensors.
+  (``quantizer_of``) are refused with ``QuantizedWeight``, never uploaded as plain tensors,
+  but for torchao's per-row ``Float8Tensor`` and ``Int8Tensor``, which stream as they are
+  (``torchao_weights``).
 - ``block_of``, ``choose_groups``: the unit of transfer (a repeated block, or one layer) and
   each group's size as the daemon lays it out. Which groups stay resident within the budget is
   the daemon's choice (``split_budget`` in ``daemon/src/session/layout.rs``); the client only
@@ -23,6 +25,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from weightstream import quantize as fp8
+from weightstream.torch import torchao_weights
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.placeholder import is_placeholder
 
@@ -84,17 +87,29 @@ def quantizer_of(t) -> str | None:
 
 
 def refuse_quantized(name: str, m: nn.Module):
+    """Raises ``QuantizedWeight`` naming layer ``name`` when its weight or bias is a quantizer's
+    tensor that does not stream: any but a torchao weight that ``torchao_weights`` streams as
+    it is."""
     for pname in ("weight", "bias"):
         t = m._parameters.get(pname)
         quantizer = quantizer_of(t)
-        if quantizer is not None:
+        if quantizer is None:
+            continue
+        kind = type(t).__qualname__
+        if pname == "weight" and quantizer == "torchao":
+            why = torchao_weights.refusal(name, m, t)
+            if why is None:
+                continue
             raise QuantizedWeight(
-                f"cannot stream {name!r}: its {pname} is a {type(t).__qualname__} made by "
-                f"{quantizer}, whose bytes are not the {pname}'s (streaming another library's "
-                f"quantized weights is not supported). Keep the layer on the device "
-                f"(ignore=[{name!r}]), or load the model unquantized (quantize='fp8' streams "
-                "it in 8 bits)."
+                f"cannot stream {name!r}: its weight is a {kind} made by torchao, {why}"
             )
+        raise QuantizedWeight(
+            f"cannot stream {name!r}: its {pname} is a {kind} made by {quantizer}, whose bytes "
+            f"are not the {pname}'s (of other libraries' quantized weights, weightstream streams "
+            "torchao's Float8Tensor and Int8Tensor quantized per row, as they are). Keep the "
+            f"layer on the device (ignore=[{name!r}]), or load the model unquantized "
+            "(quantize='fp8' streams it in 8 bits)."
+        )
 
 
 def _why_resident(name, m, shared, read_directly, options: StreamOptions) -> str | None:
@@ -214,9 +229,14 @@ def layer_tensors(name: str, m: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def tensor_nbytes(name: str, t: torch.Tensor, quantized: frozenset[str] = frozenset()) -> int:
-    """Bytes of a streamed tensor in the daemon's store: its own, or those of its 8-bit form
-    when the daemon keeps it quantized (``name`` in ``quantized``)."""
-    return fp8.fp8_nbytes(t.shape) if name in quantized else t.nbytes
+    """Bytes of a streamed tensor in the daemon's store: its own, those of its 8-bit form
+    when the daemon keeps it quantized (``name`` in ``quantized``), or a torchao weight's data
+    and scales."""
+    if torchao_weights.format_of(t) is not None:
+        return fp8.rowwise_nbytes(t.shape)
+    if name in quantized:
+        return fp8.fp8_nbytes(t.shape)
+    return t.nbytes
 
 
 def group_nbytes(tensor_bytes: list[int], alignment: int) -> int:

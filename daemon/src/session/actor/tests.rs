@@ -24,8 +24,8 @@ use crate::residency::ResidentLease;
 use crate::scheduler::CopyScheduler;
 use crate::session::layout::layout_groups;
 use crate::session::{
-    CloseReason, Command, Control, DrainDeadline, Event, FaultKind, SessionShared, SessionStats,
-    StatsSnapshot,
+    CloseReason, Command, Control, DrainDeadline, Event, FaultKind, GpuWaitReport, SessionShared,
+    SessionStats, StatsSnapshot,
 };
 use crate::store::{Store, test_support};
 
@@ -368,6 +368,18 @@ async fn bad_requests_get_exact_faults() {
                 "release.ticket 5 was not staged yet: wait for its Staged",
             ),
         ),
+        (
+            Command::GpuWait(GpuWaitReport {
+                total_ns: 5,
+                waits: 1,
+                group_ns: vec![1, 1, 1, 1, 1],
+            }),
+            Event::fault(
+                0,
+                InvalidArgument,
+                "gpu_wait.group_ns: 5 entries, more than the session's 4 groups",
+            ),
+        ),
     ];
     let mut failures = Vec::new();
     for (command, want) in cases {
@@ -379,6 +391,30 @@ async fn bad_requests_get_exact_faults() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
     assert_eq!(h.stats().acquires, 2, "faulted acquires are not counted");
+    assert_eq!(
+        h.stats().gpu_wait_reports,
+        0,
+        "a refused report is not taken"
+    );
+}
+
+#[tokio::test]
+async fn the_clients_wait_report_is_what_the_session_shows() {
+    let mut h = Harness::start(Setup::default()).await;
+    let report = GpuWaitReport {
+        total_ns: 9_000,
+        waits: 3,
+        group_ns: vec![0, 2_000, 7_000],
+    };
+    h.send(Command::GpuWait(report)).await;
+    assert_eq!(h.settle().await, [], "a report gets no answer");
+    let s = h.stats();
+    assert_eq!(
+        (s.gpu_wait_ns, s.gpu_waits, s.gpu_wait_reports),
+        (9_000, 3, 1)
+    );
+    assert_eq!(h.shared.stats.group_gpu_wait_ns(), vec![0, 2_000, 7_000, 0]);
+    assert_eq!(s.acquire_pending_ns, 0, "the daemon's own figure is apart");
 }
 
 #[tokio::test]
@@ -564,7 +600,7 @@ async fn teardown_waits_for_the_copy_in_flight_and_cancels_queued_ones() {
 }
 
 #[tokio::test]
-async fn overlapping_waits_stall_once_and_the_oldest_group_is_charged() {
+async fn overlapping_waits_are_pending_once_and_the_oldest_group_is_charged() {
     let mut h = Harness::start(Setup {
         hold_copies: true,
         ..Setup::default()
@@ -580,17 +616,17 @@ async fn overlapping_waits_stall_once_and_the_oldest_group_is_charged() {
     assert_eq!(h.next().await, staged(1, 0));
     assert_eq!(h.next().await, staged(2, BLOCK));
     let wall = started.elapsed().as_nanos() as u64;
-    let stall = h.stats().stall_ns;
-    let per_group = h.shared.stats.group_stall_ns();
+    let pending = h.stats().acquire_pending_ns;
+    let per_group = h.shared.stats.group_acquire_pending_ns();
     assert!(
-        stall >= 50_000_000,
-        "stall {stall} ns covers the 50 ms wait"
+        pending >= 50_000_000,
+        "pending {pending} ns covers the 50 ms wait"
     );
     assert!(
-        stall <= wall,
-        "stall {stall} ns exceeds the wall time {wall} ns"
+        pending <= wall,
+        "pending {pending} ns exceeds the wall time {wall} ns"
     );
-    assert_eq!(per_group.iter().sum::<u64>(), stall);
+    assert_eq!(per_group.iter().sum::<u64>(), pending);
     assert!(per_group[0] >= 50_000_000, "{per_group:?}");
     assert_eq!(per_group[2..], [0, 0]);
 }

@@ -62,7 +62,10 @@ def parse_size(what: str, value) -> int:
 
 @dataclass(frozen=True)
 class Settings:
-    """- ``socket``: the daemon's socket (default: weightstream's default).
+    """- ``socket``: the daemon's socket. Default: where every weightstream client looks
+      (``weightstream.client.socket_path``): ``$WEIGHTSTREAM_SOCKET``, else the system socket
+      if it exists, else ``$XDG_RUNTIME_DIR/weightstream.sock`` (or
+      ``/tmp/weightstream-<uid>/weightstream.sock``).
     - ``vram_budget``: device bytes of each attached module's session, or ``auto``
       (``weightstream.torch.budget``: grown after the first step to what the device has left
       less a margin). Default: ``auto`` where ai-toolkit's ``offload_percent`` is 1 (its
