@@ -178,9 +178,15 @@ pub struct Exchange<'a> {
 impl<'a> Exchange<'a> {
     /// The exchange on an accepted `stream` begins: its [`TIMEOUT`] runs from now.
     pub fn begin(stream: &'a UnixStream) -> Exchange<'a> {
+        Exchange::since(stream, Instant::now())
+    }
+
+    /// The exchange on `stream`, accepted at `accepted`: its [`TIMEOUT`] runs from then, so
+    /// that a connection that waited for its turn gets no fresh 5 s of its own.
+    pub fn since(stream: &'a UnixStream, accepted: Instant) -> Exchange<'a> {
         Exchange {
             stream,
-            deadline: Instant::now() + TIMEOUT,
+            deadline: accepted + TIMEOUT,
         }
     }
 
@@ -694,6 +700,24 @@ mod tests {
             "{err:?}"
         );
         assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    /// An exchange's 5 s run from the accept it is given, not from when it is read: a
+    /// connection that waited for its turn that long gets no request read, even one waiting.
+    #[test]
+    fn an_exchange_runs_from_its_accept() {
+        let (client, server) = UnixStream::pair().unwrap();
+        let deadline = Instant::now() + TIMEOUT;
+        send_line(&client, format!("GET {SECRET}\n").as_bytes(), &[], deadline).unwrap();
+        let accepted = Instant::now() - TIMEOUT;
+        match Exchange::since(&server, accepted).read_request() {
+            Err(HandoffError::Io(e)) if e.kind() == io::ErrorKind::TimedOut => {}
+            other => panic!("expected the exchange's timeout, got {other:?}"),
+        }
+        assert!(matches!(
+            Exchange::since(&server, Instant::now()).read_request(),
+            Ok(Request::Get(secret)) if secret == SECRET
+        ));
     }
 
     #[test]

@@ -124,7 +124,7 @@ pub struct Limits {
     pub client_send_timeout_secs: u64,
     /// Seconds a `Run` stream may take to send its first message (attach).
     pub attach_timeout_secs: u64,
-    /// Connections one uid may hold open at once.
+    /// Connections one uid may hold open at once, on each socket (gRPC, handoff) apart.
     pub max_connections_per_uid: u32,
 }
 

@@ -25,7 +25,7 @@ pub enum QuotaError {
     },
     #[error(
         "quotas.{key} = {limit} exceeded: {holder} holds {used} {what} and this {item} needs \
-         {need} more"
+         {need} more{held}"
     )]
     Bytes {
         key: &'static str,
@@ -35,14 +35,62 @@ pub enum QuotaError {
         what: String,
         item: &'static str,
         need: u64,
+        /// What of `used` the daemon let go of and clients still hold (boxed: errors stay
+        /// small).
+        held: Box<HeldByClients>,
     },
 }
 
-/// Refuses `need` more bytes when `used + need` would pass `limit` (0: no limit).
+/// Bytes of shared memory the daemon has let go of (an upload, a session's regions) that
+/// clients it handed fds to still hold, and those processes: they stay charged until the
+/// kernel frees them. Said after a refusal, since the daemon itself cannot free them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeldByClients {
+    pub bytes: u64,
+    /// Sorted.
+    pub pids: Vec<i32>,
+}
+
+/// Processes a refusal names, at most.
+const PIDS_NAMED: usize = 8;
+
+impl std::fmt::Display for HeldByClients {
+    /// Nothing when nothing is held; else "; N of them …".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.bytes == 0 {
+            return Ok(());
+        }
+        let named: Vec<String> = (self.pids.iter().take(PIDS_NAMED))
+            .map(i32::to_string)
+            .collect();
+        let more = self.pids.len().saturating_sub(PIDS_NAMED);
+        let (noun, verb) = if self.pids.len() == 1 {
+            ("pid", "holds")
+        } else {
+            ("pids", "hold")
+        };
+        write!(
+            f,
+            "; {} of them are shared memory the daemon has let go of and {noun} {}{} still \
+             {verb} (an fd or a mapping of it, passed on or inherited included): they are \
+             freed once those are closed, when the process exits at the latest",
+            self.bytes,
+            named.join(", "),
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            }
+        )
+    }
+}
+
+/// Refuses `need` more bytes when `used + need` would pass `limit` (0: no limit); `held` is
+/// what of `used` clients hold after the daemon let go of it.
 pub fn check_bytes(
     key: &'static str,
     limit: u64,
-    used: u64,
+    (used, held): (u64, &HeldByClients),
     need: u64,
     holder: impl FnOnce() -> (String, String),
     item: &'static str,
@@ -59,7 +107,15 @@ pub fn check_bytes(
         what,
         item,
         need,
+        held: Box::new(held.clone()),
     })
+}
+
+/// What clients hold of a quota's bytes after the daemon let go of it: of one uid, and in all.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Held {
+    pub uid: HeldByClients,
+    pub total: HeldByClients,
 }
 
 /// Refuses one more when `used` has reached `limit` (0: no limit).
@@ -101,19 +157,20 @@ impl HostQuota {
         }
     }
 
-    /// Whether `uid` (holding `uid_used`) may add `need` host bytes to the daemon's `total`.
+    /// Whether `uid` (holding `uid_used`) may add `need` host bytes to the daemon's `total`;
+    /// both include what clients `held` after the daemon let go of it.
     pub fn check(
         &self,
         uid: u32,
-        uid_used: u64,
-        total: u64,
+        (uid_used, total): (u64, u64),
+        held: &Held,
         need: u64,
         item: &'static str,
     ) -> Result<(), QuotaError> {
         check_bytes(
             "per_uid_host_bytes",
             self.per_uid_bytes,
-            uid_used,
+            (uid_used, &held.uid),
             need,
             || (format!("uid {uid}"), "host bytes".into()),
             item,
@@ -121,7 +178,7 @@ impl HostQuota {
         check_bytes(
             "max_host_bytes",
             self.max_bytes,
-            total,
+            (total, &held.total),
             need,
             || ("the daemon".into(), "host bytes".into()),
             item,
@@ -204,11 +261,13 @@ impl SessionLedger {
     }
 
     /// Charges one session of `bytes` on `device` to `uid`, or says which limit it passes.
+    /// `held`: device memory of sessions that ended that clients still hold, which counts too
+    /// (of `uid` on every device, and of every uid on `device`).
     pub fn charge(
         self: &Arc<Self>,
         uid: u32,
-        device: usize,
-        bytes: u64,
+        (device, bytes): (usize, u64),
+        held: &Held,
     ) -> Result<SessionCharge, QuotaError> {
         let mut inner = self.inner();
         let open = inner.sessions();
@@ -229,7 +288,7 @@ impl SessionLedger {
         check_bytes(
             "per_uid_device_bytes",
             self.per_uid_device_bytes,
-            mine.device_bytes,
+            (mine.device_bytes + held.uid.bytes, &held.uid),
             bytes,
             || (format!("uid {uid}"), "device bytes".into()),
             "session",
@@ -238,7 +297,7 @@ impl SessionLedger {
         check_bytes(
             "max_device_bytes",
             *max,
-            inner.by_device[device],
+            (inner.by_device[device] + held.total.bytes, &held.total),
             bytes,
             || ("the daemon".into(), format!("device bytes on {uuid}")),
             "session",
@@ -300,20 +359,29 @@ mod tests {
         };
         let ledger = SessionLedger::new(&quotas, 4, &[("gpu-a".into(), 3000)]);
         assert_eq!(ledger.device_limits(), vec![1500]);
-        let a = ledger.charge(7, 0, 600).unwrap();
+        let a = ledger.charge(7, (0, 600), &Held::default()).unwrap();
         assert_eq!(
-            ledger.charge(7, 0, 500).unwrap_err().to_string(),
+            ledger
+                .charge(7, (0, 500), &Held::default())
+                .unwrap_err()
+                .to_string(),
             "quotas.per_uid_device_bytes = 1000 exceeded: uid 7 holds 600 device bytes and \
              this session needs 500 more"
         );
-        let b = ledger.charge(7, 0, 400).unwrap();
+        let b = ledger.charge(7, (0, 400), &Held::default()).unwrap();
         assert_eq!(
-            ledger.charge(7, 0, 1).unwrap_err().to_string(),
+            ledger
+                .charge(7, (0, 1), &Held::default())
+                .unwrap_err()
+                .to_string(),
             "quotas.per_uid_sessions = 2 reached: uid 7 has 2 open sessions"
         );
-        let c = ledger.charge(8, 0, 500).unwrap();
+        let c = ledger.charge(8, (0, 500), &Held::default()).unwrap();
         assert_eq!(
-            ledger.charge(9, 0, 1).unwrap_err().to_string(),
+            ledger
+                .charge(9, (0, 1), &Held::default())
+                .unwrap_err()
+                .to_string(),
             "quotas.max_device_bytes = 1500 exceeded: the daemon holds 1500 device bytes on \
              gpu-a and this session needs 1 more"
         );
@@ -323,22 +391,25 @@ mod tests {
         drop((b, c));
         assert_eq!(ledger.usage(7), (0, 0));
         // The whole device total is free again (two uids: each may hold 1000).
-        let _d = ledger.charge(9, 0, 1000).unwrap();
-        let _e = ledger.charge(10, 0, 500).unwrap();
+        let _d = ledger.charge(9, (0, 1000), &Held::default()).unwrap();
+        let _e = ledger.charge(10, (0, 500), &Held::default()).unwrap();
     }
 
     #[test]
     fn max_sessions_counts_every_uid_and_a_dropped_charge_frees_a_place() {
         let ledger = SessionLedger::new(&Quotas::default(), 2, &[("gpu-a".into(), 3000)]);
-        let a = ledger.charge(7, 0, 1).unwrap();
-        let _b = ledger.charge(8, 0, 1).unwrap();
+        let a = ledger.charge(7, (0, 1), &Held::default()).unwrap();
+        let _b = ledger.charge(8, (0, 1), &Held::default()).unwrap();
         assert_eq!(
-            ledger.charge(9, 0, 1).unwrap_err().to_string(),
+            ledger
+                .charge(9, (0, 1), &Held::default())
+                .unwrap_err()
+                .to_string(),
             "limits.max_sessions = 2 reached: the daemon has 2 sessions open or opening"
         );
         drop(a);
         let _c = ledger
-            .charge(9, 0, 1)
+            .charge(9, (0, 1), &Held::default())
             .expect("a closed session frees its place");
     }
 

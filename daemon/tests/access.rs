@@ -7,52 +7,12 @@
 //! the test's own uid or gid (admitted).
 mod common;
 
-use std::io::Write;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
 
 use common::*;
 use tonic::Code;
 use weightstream_client::{ClientError, HandoffError, proto};
 use weightstream_daemon::config::{Rate, SizeOrShare};
-
-/// Everything the daemons of this test binary log (a global subscriber: the server's tasks run
-/// on other threads than the test).
-fn logs() -> Arc<Mutex<Vec<u8>>> {
-    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let sink = buf.clone();
-        tracing_subscriber::fmt()
-            .with_ansi(false)
-            .with_max_level(tracing::Level::INFO)
-            .with_writer(move || LogSink(sink.clone()))
-            .init();
-        buf
-    })
-    .clone()
-}
-
-struct LogSink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for LogSink {
-    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(bytes);
-        Ok(bytes.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-fn log_lines_with(parts: &[&str]) -> Vec<String> {
-    let text = String::from_utf8_lossy(&logs().lock().unwrap()).into_owned();
-    text.lines()
-        .filter(|l| parts.iter().all(|p| l.contains(p)))
-        .map(str::to_string)
-        .collect()
-}
 
 fn me() -> (u32, u32, u32) {
     (

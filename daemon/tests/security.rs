@@ -168,6 +168,60 @@ async fn what_is_not_a_regular_file_is_refused_and_stalls_nobody() {
     assert_still_serves(&daemon, 75).await;
 }
 
+/// One uid's idle connections to the handoff socket keep no other uid out: past
+/// `limits.max_connections_per_uid` they are refused at accept (the peer is told why, and the
+/// log names its uid), so another uid's load and upload, which pass fds through that socket,
+/// go through while they are held; and each one that never sends a request is cut and logged
+/// with its uid and pid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_uids_idle_handoff_connections_keep_no_other_uid_out() {
+    let Some(ids) = attacker() else { return };
+    logs();
+    let daemon = daemon_for(ids.1, |_| {}).await;
+    let refused = format!(
+        "uid {} already holds 64 connections to the handoff socket, the limit is \
+         limits.max_connections_per_uid = 64: connection closed",
+        ids.0
+    );
+    // More than the 512 connections all uids once shared.
+    let mut child = spawn_attacker(ids, &daemon.socket, "hold-handoff", &["600"]);
+    let pid = child.id();
+    assert_eq!(
+        result_of(&mut child).await,
+        format!("holding 600 connections; the last was told: ERR {refused}")
+    );
+
+    // This uid's load (a PUT) and upload (a GET) while the attacker holds its connections.
+    let dir = tempfile::tempdir().unwrap();
+    let model = write_model(dir.path(), "m.safetensors", &mixed_model(85));
+    let expected = read_model(std::slice::from_ref(&model));
+    let mut client = daemon.client().await;
+    load(&mut client, std::slice::from_ref(&model), &expected).await;
+    let tensors = uniform_model(86, 2, 4096);
+    let data: Vec<_> = tensors.iter().map(Tensor::as_upload).collect();
+    client.upload_model("meanwhile", &data).await.unwrap();
+
+    let uid = format!("uid={}", ids.0);
+    assert!(
+        !log_lines_with(&[&refused, &uid]).is_empty(),
+        "no warning for uid {}",
+        ids.0
+    );
+    let stalled = format!(
+        "handoff: uid {} (pid {pid}) sent no complete request within 5s of connecting: \
+         connection closed",
+        ids.0
+    );
+    eventually("the idle connections are cut and logged", || {
+        let found = !log_lines_with(&[&stalled]).is_empty();
+        async move { found }
+    })
+    .await;
+    drop(child.stdin.take());
+    let status = tokio::task::spawn_blocking(move || child.wait()).await;
+    assert!(status.unwrap().unwrap().success());
+}
+
 // ---------------------------------------------------------------------------------------------
 // (c) uploads sealed by the daemon
 
@@ -606,6 +660,137 @@ async fn lists_come_in_pages() {
             "page_token: 'm-123' is not a token this list gave"
         )
     );
+}
+
+/// A BeginUpload declaring 200 000 tensors (3.4 MB; the daemon takes up to 16 MiB) is checked on a blocking thread, not on
+/// the async threads that serve every peer: with one async thread, and the one blocking thread
+/// held, another connection's GetInfo is answered while the big request waits its turn; then
+/// the big one is refused, naming the field.
+#[test]
+fn a_large_begin_upload_is_checked_off_the_async_threads() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .max_blocking_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let n = 200_000;
+        let daemon = start_daemon_with(|c| c.limits.max_tensors_per_model = n as u32).await;
+        let uid = rustix::process::getuid().as_raw();
+        let mut big_rpc = raw_client(&daemon.socket).await;
+        let mut other = raw_client(&daemon.socket).await;
+        let (open, gate) = std::sync::mpsc::channel::<()>();
+        let held = tokio::task::spawn_blocking(move || gate.recv());
+        let mut tensors: Vec<proto::TensorInfo> = (0..n)
+            .map(|i| proto::TensorInfo {
+                name: format!("t{i}"),
+                dtype: proto::Dtype::U8 as i32,
+                shape: vec![1],
+                ..Default::default()
+            })
+            .collect();
+        tensors[n - 1].name = "t0".into();
+        let request = proto::BeginUploadRequest {
+            name: "big".into(),
+            tensors,
+        };
+        let big = tokio::spawn(async move { big_rpc.begin_upload(request).await });
+        let listed = format!("BeginUpload of {n} tensors for uid {uid}");
+        eventually("the big request waits for a blocking thread", || {
+            let waiting = daemon.blocking_running().contains(&listed);
+            async move { waiting }
+        })
+        .await;
+        let info = within("GetInfo", other.get_info(proto::GetInfoRequest {})).await;
+        assert_eq!(info.unwrap().into_inner().usage.unwrap().uid, uid);
+        assert!(!big.is_finished(), "answered without its blocking thread");
+        open.send(()).unwrap();
+        held.await.unwrap().unwrap();
+        let status = within("the big request", big).await.unwrap().unwrap_err();
+        assert_eq!(
+            (status.code(), status.message()),
+            (
+                Code::InvalidArgument,
+                "tensors[199999].name: 't0' is declared twice"
+            )
+        );
+        assert!(daemon.blocking_running().is_empty());
+    });
+}
+
+/// Memory handed out as fds stays charged while the fds live (issue 27's hoard, as another
+/// uid): an upload region and a session's staging region, each fetched and kept while its
+/// connection is dropped, still count against the uid's host and device quotas, so the second
+/// round is refused, naming the held bytes and the process that holds them. The charge ends
+/// when the memory is freed, not when that process exits: a child it passed the fds to keeps
+/// them charged until it too is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_reachable_through_fds_stays_charged_until_freed() {
+    let Some(ids) = attacker() else { return };
+    let daemon = daemon_for(ids.1, |c| {
+        c.quotas.per_uid_host_bytes = 256 << 10;
+        c.quotas.per_uid_device_bytes = 256 << 10;
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path(), "m.safetensors", &uniform_model(87, 1, LAYER));
+    let expected = read_model(std::slice::from_ref(&path));
+    let mut client = daemon.client().await;
+    let manifest = load(&mut client, &[path], &expected).await;
+    let size = 160 << 10;
+    let (pid, got) = attack_in(
+        ids,
+        &[],
+        &daemon.socket,
+        "hoard",
+        &[&manifest.model_id, &size.to_string()],
+    )
+    .await;
+    let uid = ids.0;
+    let held = |kind: &str| {
+        format!(
+            "quotas.per_uid_{kind}_bytes = 262144 exceeded: uid {uid} holds {size} {kind} \
+             bytes and this {item} needs {need} more; {size} of them are shared memory the \
+             daemon has let go of and pid {pid} still holds (an fd or a mapping of it, passed \
+             on or inherited included): they are freed once those are closed, when the process \
+             exits at the latest",
+            item = if kind == "host" { "upload" } else { "session" },
+            // The region and its description: "w", one dimension, and the name "hoard".
+            need = if kind == "host" {
+                size + 1 + 8 + 64 + 5
+            } else {
+                size
+            },
+        )
+    };
+    let (said, child) = got.rsplit_once(" | passed to pid ").unwrap();
+    assert_eq!(
+        said,
+        [
+            format!("after round 1: host {size}, device {size}"),
+            format!("ResourceExhausted: {}", held("host")),
+            format!("ResourceExhausted: {}", held("device")),
+            format!("after round 2: host {size}, device {size}"),
+        ]
+        .join(" | ")
+    );
+    // The attacker has exited; its child holds the fds.
+    let charged = || {
+        let host = daemon.core.store.host_use(uid).uid_bytes;
+        let device = daemon.core.held_device(uid, 0).uid.bytes;
+        (host, device)
+    };
+    assert_eq!(charged(), (size, size));
+    let child = rustix::process::Pid::from_raw(child.parse().unwrap()).unwrap();
+    rustix::process::kill_process(child, rustix::process::Signal::KILL).unwrap();
+    eventually("the memory is freed and its charge ends", || {
+        let freed = charged() == (0, 0);
+        async move { freed }
+    })
+    .await;
+    assert_eq!(daemon.core.shm.held().count(), 0);
+    assert_still_serves(&daemon, 88).await;
 }
 
 // ---------------------------------------------------------------------------------------------

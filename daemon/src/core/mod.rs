@@ -17,14 +17,16 @@ pub use self::drops::{DropError, FdDrops, FdTokenError, MAX_DROPS_PER_UID, TOKEN
 pub use self::secrets::{FdSecrets, SecretError, SecretOwner};
 use crate::backend::{Backend, BackendError, RegionExport, RegionHandle};
 use crate::config::Config;
+use crate::mem::held::Charge;
 use crate::mem::shm::{Access, Shm};
-use crate::quota::{HostQuota, QuotaError, SessionLedger};
+use crate::quota::{Held, HostQuota, QuotaError, SessionLedger};
 use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
 use crate::scheduler::{CopyScheduler, Pacing};
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
 use crate::session::{ActorParts, CloseReason, DrainDeadline, SessionShared, SessionStats};
 use crate::store::{
     LoadSource, Model, Owner, Store, StoreError, StoreLimits, Stored, TensorDecl, UploadTicket,
+    held_by_clients,
 };
 
 /// The identity of the process at the other end of a connection: what sessions and uploads
@@ -236,7 +238,8 @@ impl Daemon {
     ) -> Result<(UploadTicket, String), CoreError> {
         let ticket = self.store.begin_upload(owner(peer), name, tensors)?;
         let upload = SecretOwner::Upload(ticket.upload_id.clone());
-        let secret = (self.secrets).mint(peer.uid, &ticket.memfd, Access::ReadWrite, upload);
+        let access = (Access::ReadWrite, Charge::Host);
+        let secret = (self.secrets).mint(peer.uid, &ticket.memfd, access, upload);
         Ok((ticket, secret))
     }
 
@@ -293,10 +296,11 @@ impl Daemon {
         let split = split_budget(&groups, req.vram_budget, req.staging_bytes, align)?;
         // Charged before anything is allocated; given back when the session ends (the charge
         // moves into its teardown) or when opening fails below (the charge drops).
-        let charge = self.ledger.charge(
+        let bytes = split.staging_bytes + split.resident_bytes;
+        let charge = (self.ledger).charge(
             owner.uid,
-            device,
-            split.staging_bytes + split.resident_bytes,
+            (device, bytes),
+            &self.held_device(owner.uid, device),
         )?;
         let number = self.next_session.fetch_add(1, Ordering::Relaxed);
         // Before the resident copies, which are the session's too.
@@ -348,7 +352,7 @@ impl Daemon {
         let events = self.backend.event_pool(device, EVENTS_PER_SESSION)?;
         let event_handles = events.as_ref().map_or_else(Vec::new, |p| p.handles());
         let id = format!("s-{number}");
-        let regions = self.region_handles(owner.uid, &id, exported);
+        let regions = self.region_handles(owner.uid, &id, device, exported);
         let (control_tx, control_rx) = mpsc::unbounded_channel();
         let (finished_tx, finished_rx) = watch::channel(false);
         let shared = Arc::new(SessionShared {
@@ -432,19 +436,28 @@ impl Daemon {
         })
     }
 
+    /// Device memory of ended sessions that clients still hold (host-backend regions): of
+    /// `uid` on every device, and of every uid on `device`.
+    pub fn held_device(&self, uid: u32, device: usize) -> Held {
+        let any_device = |c| matches!(c, Charge::Device(_));
+        held_by_clients(&self.shm, uid, any_device, |c| c == Charge::Device(device))
+    }
+
     /// How the session's owner reaches each region: a secret for its uid (a read-only fd of
-    /// the memfd) or the CUDA IPC handle.
+    /// the memfd, which stands for memory of `device`) or the CUDA IPC handle.
     fn region_handles(
         &self,
         uid: u32,
         session: &str,
+        device: usize,
         exported: Vec<(u64, RegionExport)>,
     ) -> Vec<(u64, RegionHandle)> {
         let owner = SecretOwner::Session(session.to_string());
+        let access = (Access::ReadOnly, Charge::Device(device));
         (exported.into_iter())
             .map(|(size, export)| match export {
                 RegionExport::Memfd(memfd) => {
-                    let secret = (self.secrets).mint(uid, &memfd, Access::ReadOnly, owner.clone());
+                    let secret = (self.secrets).mint(uid, &memfd, access, owner.clone());
                     (size, RegionHandle::FdSecret(secret))
                 }
                 RegionExport::CudaIpc(handle) => (size, RegionHandle::CudaIpc(handle)),

@@ -9,6 +9,7 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, Weak};
 
 use super::drops::random_secret;
+use crate::mem::held::{Charge, FdHolder};
 use crate::mem::shm::{Access, Memfd};
 
 /// What a secret belongs to: it is revoked with it.
@@ -35,6 +36,9 @@ struct Entry {
     memfd: Weak<Memfd>,
     access: Access,
     owner: SecretOwner,
+    /// What the memory counts against for `uid` once the daemon lets go of it while `uid`
+    /// still holds it.
+    charge: Charge,
 }
 
 #[derive(Default)]
@@ -48,8 +52,15 @@ impl FdSecrets {
     }
 
     /// A new secret that gives `uid` an fd of `memfd` with `access`, until `owner` is revoked
-    /// or the memfd is gone.
-    pub fn mint(&self, uid: u32, memfd: &Arc<Memfd>, access: Access, owner: SecretOwner) -> String {
+    /// or the memfd is gone; what the fd holds stays charged to `uid` as `charge` until the
+    /// kernel frees it.
+    pub fn mint(
+        &self,
+        uid: u32,
+        memfd: &Arc<Memfd>,
+        (access, charge): (Access, Charge),
+        owner: SecretOwner,
+    ) -> String {
         let secret = random_secret();
         let mut entries = self.entries();
         // Those of memfds gone without a revoke (a failed open) go here.
@@ -62,23 +73,26 @@ impl FdSecrets {
                 memfd,
                 access,
                 owner,
+                charge,
             },
         );
         secret
     }
 
-    /// The fd `secret` names and its size, for `uid`.
-    pub fn fetch(&self, secret: &str, uid: u32) -> Result<(OwnedFd, u64), SecretError> {
-        let (memfd, access) = {
+    /// The fd `secret` names and its size, for `uid`'s process `pid` (named when what it holds
+    /// refuses a request of `uid`).
+    pub fn fetch(&self, secret: &str, uid: u32, pid: i32) -> Result<(OwnedFd, u64), SecretError> {
+        let (memfd, access, charge) = {
             let entries = self.entries();
             let entry = entries
                 .get(secret)
                 .filter(|e| e.uid == uid)
                 .ok_or(SecretError::Unknown { uid })?;
             let memfd = entry.memfd.upgrade().ok_or(SecretError::Unknown { uid })?;
-            (memfd, entry.access)
+            (memfd, entry.access, entry.charge)
         };
-        Ok((memfd.share(access)?, memfd.size()))
+        let holder = FdHolder { uid, pid, charge };
+        Ok((memfd.hand_out(access, holder)?, memfd.size()))
     }
 
     /// Ends every secret of `owner`.
@@ -113,11 +127,16 @@ mod tests {
         let up = secrets.mint(
             7,
             &upload,
-            Access::ReadWrite,
+            (Access::ReadWrite, Charge::Host),
             SecretOwner::Upload("up-1".into()),
         );
         let region = SecretOwner::Session("s-1".into());
-        let st = secrets.mint(7, staging.memfd(), Access::ReadOnly, region.clone());
+        let st = secrets.mint(
+            7,
+            staging.memfd(),
+            (Access::ReadOnly, Charge::Device(0)),
+            region.clone(),
+        );
         let unknown = |r: Result<(OwnedFd, u64), SecretError>| {
             r.map(|(_, size)| size).map_err(|e| e.to_string())
         };
@@ -126,18 +145,23 @@ mod tests {
                            given to, and ends with its upload or session"
                 .to_string(),
         );
-        assert_eq!(unknown(secrets.fetch(&up, 8)), refused);
-        assert_eq!(unknown(secrets.fetch(&st, 8)), refused);
-        let (fd, size) = secrets.fetch(&up, 7).unwrap();
+        assert_eq!(unknown(secrets.fetch(&up, 8, 80)), refused);
+        assert_eq!(unknown(secrets.fetch(&st, 8, 80)), refused);
+        let (fd, size) = secrets.fetch(&up, 7, 70).unwrap();
         assert_eq!(size, 4096);
         std::fs::File::from(fd).write_all_at(b"w", 0).unwrap();
-        let (fd, _) = secrets.fetch(&st, 7).unwrap();
+        let (fd, _) = secrets.fetch(&st, 7, 70).unwrap();
         assert!(std::fs::File::from(fd).write_all_at(b"w", 0).is_err());
         secrets.revoke(&region);
-        assert!(secrets.fetch(&st, 7).is_err());
+        assert!(secrets.fetch(&st, 7, 70).is_err());
         drop(upload);
-        assert!(secrets.fetch(&up, 7).is_err(), "its upload is gone");
-        secrets.mint(1, staging.memfd(), Access::ReadOnly, region);
+        assert!(secrets.fetch(&up, 7, 70).is_err(), "its upload is gone");
+        secrets.mint(
+            1,
+            staging.memfd(),
+            (Access::ReadOnly, Charge::Device(0)),
+            region,
+        );
         assert_eq!(secrets.len(), 1, "the dead one was pruned");
     }
 }

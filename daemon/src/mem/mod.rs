@@ -3,6 +3,7 @@
 //! is page-locked. It sits below both `store` and `backend` and imports nothing from the daemon.
 
 mod arena;
+pub mod held;
 pub mod parallel;
 mod pin;
 pub mod shm;

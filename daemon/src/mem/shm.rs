@@ -29,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use memmap2::{Advice, Mmap, MmapMut};
 use rustix::fs::{FallocateFlags, MemfdFlags, Mode, OFlags, SealFlags, SeekFrom};
 
+use super::held::{FdHolder, HeldMemory};
 use super::parallel;
 
 /// Bytes one thread faults in at a time when a segment is reserved.
@@ -36,10 +37,12 @@ const POPULATE_PIECE: usize = 64 << 20;
 /// Threads that fault a segment in, at most (memory bandwidth is spent long before).
 const POPULATE_THREADS: usize = 16;
 
-/// The daemon's shared memory: makes segments and counts the live ones by kind.
+/// The daemon's shared memory: makes segments, counts the live ones by kind, and keeps
+/// those it let go of charged while clients still hold them.
 #[derive(Debug, Default)]
 pub struct Shm {
     live: Mutex<BTreeMap<&'static str, usize>>,
+    held: HeldMemory,
 }
 
 impl Shm {
@@ -55,6 +58,11 @@ impl Shm {
     /// Live segments of every kind.
     pub fn total(&self) -> usize {
         self.counts().values().sum()
+    }
+
+    /// Segments the daemon has let go of that clients still hold.
+    pub fn held(&self) -> &HeldMemory {
+        &self.held
     }
 
     fn counts(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, usize>> {
@@ -74,6 +82,7 @@ impl Shm {
             size,
             kind,
             shm: Arc::clone(self),
+            holders: Mutex::new(Vec::new()),
         };
         rustix::fs::ftruncate(&memfd.fd, size)?;
         memfd.seal(SealFlags::SHRINK | SealFlags::GROW)?;
@@ -159,13 +168,16 @@ pub enum SealError {
 }
 
 /// A memfd, counted as a live segment of its kind until dropped (the memory goes once every fd
-/// and mapping of it, the clients' included, is gone).
+/// and mapping of it, the clients' included, is gone: until then it stays charged to those it
+/// was handed to, see [`HeldMemory`]).
 #[derive(Debug)]
 pub struct Memfd {
     fd: OwnedFd,
     size: u64,
     kind: &'static str,
     shm: Arc<Shm>,
+    /// The processes it was handed to ([`Memfd::hand_out`]).
+    holders: Mutex<Vec<FdHolder>>,
 }
 
 impl Memfd {
@@ -184,6 +196,17 @@ impl Memfd {
     /// An fd to pass to a client (see [`Access`]).
     pub fn share(&self, access: Access) -> io::Result<OwnedFd> {
         self.reopen(access)
+    }
+
+    /// An fd to pass to `holder`: the memory stays charged to it, once the daemon lets go of
+    /// the memfd, until the kernel frees it.
+    pub fn hand_out(&self, access: Access, holder: FdHolder) -> io::Result<OwnedFd> {
+        let fd = self.share(access)?;
+        let mut holders = self.holders.lock().unwrap_or_else(|p| p.into_inner());
+        if !holders.contains(&holder) {
+            holders.push(holder);
+        }
+        Ok(fd)
     }
 
     /// A new open file description of this memfd (through /proc/self/fd: a memfd has no other
@@ -273,6 +296,11 @@ impl Memfd {
 
 impl Drop for Memfd {
     fn drop(&mut self) {
+        let holders = std::mem::take(self.holders.get_mut().unwrap_or_else(|p| p.into_inner()));
+        if !holders.is_empty() {
+            // Before the daemon's fd closes: the watch is added through it.
+            self.shm.held.keep(self.fd.as_fd(), self.size, holders);
+        }
         let mut counts = self.shm.counts();
         if let Some(n) = counts.get_mut(self.kind) {
             *n -= 1;
@@ -457,6 +485,28 @@ mod tests {
         let seg = ShmSegment::sealed(memfd).unwrap();
         assert!(seg.is_read_only());
         assert_eq!(&seg.bytes()[..7], b"weights");
+    }
+
+    /// A memfd handed out stays charged to its holder after the daemon drops it, until the
+    /// holder's fd closes; one never handed out is not charged at all.
+    #[test]
+    fn a_memfd_handed_out_is_held_after_its_drop_until_the_client_lets_go() {
+        use crate::mem::held::{Charge, FdHolder};
+        let shm = Shm::new();
+        let memfd = shm.create_upload(8192).unwrap();
+        let holder = FdHolder {
+            uid: 7,
+            pid: 70,
+            charge: Charge::Host,
+        };
+        let client = memfd.hand_out(Access::ReadWrite, holder).unwrap();
+        let never_shared = shm.create_upload(4096).unwrap();
+        drop((memfd, never_shared));
+        assert_eq!(shm.total(), 0, "the daemon holds none");
+        let host = || shm.held().usage(7, |c| c == Charge::Host);
+        assert_eq!((host().uid_bytes, host().total_bytes), (8192, 8192));
+        drop(client);
+        assert_eq!((host().uid_bytes, shm.held().count()), (0, 0));
     }
 
     /// A writable shared mapping, as a client makes one (memmap2's raw map needs no unsafe).

@@ -34,6 +34,8 @@ pub(super) async fn bootstrap(config: &Config) -> Result<Bootstrap, ServeError> 
     let socket = &config.socket;
     let lock = claim_socket(socket)?;
     let shm = Shm::new();
+    // Its one fd, now: the daemon's fds then stay as many as at start once its work is done.
+    shm.held().start();
     let backend = select_backend(config.backend, &shm)?;
     let (listener, bound) = bind(socket, config.socket_gid, lock)?;
     let handoff = handoff::bind(socket, config.socket_gid)?;

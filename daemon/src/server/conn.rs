@@ -69,8 +69,9 @@ pub fn identify(stream: &UnixStream, conn: u64) -> io::Result<Caller> {
 const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
-/// The open connections: per uid (for `limits.max_connections_per_uid`) and in all (for the
-/// drain), and the switch that cuts them all when the drain's deadline passes.
+/// The open connections of one socket: per uid (for `limits.max_connections_per_uid`, which
+/// each socket, gRPC and handoff, applies on its own) and in all (for the drain), and the
+/// switch that cuts them all when the drain's deadline passes.
 pub struct Connections {
     per_uid: Mutex<HashMap<u32, u32>>,
     limit_per_uid: u32,
@@ -93,7 +94,7 @@ impl Connections {
     }
 
     /// A place for one more connection of `uid`, or how many it already holds (the limit).
-    fn admit(self: &Arc<Self>, uid: u32) -> Result<Slot, u32> {
+    pub(super) fn admit(self: &Arc<Self>, uid: u32) -> Result<Slot, u32> {
         let mut per_uid = self.per_uid();
         let held = per_uid.entry(uid).or_default();
         if *held >= self.limit_per_uid {
@@ -128,7 +129,7 @@ impl Connections {
 }
 
 /// One admitted connection's place in [`Connections`].
-struct Slot {
+pub(super) struct Slot {
     table: Arc<Connections>,
     uid: u32,
 }
@@ -344,14 +345,14 @@ fn out_of_resources(e: &io::Error) -> bool {
 
 /// A warning logged at most once a second; how many were held back in between.
 #[derive(Default)]
-struct Warning {
+pub(super) struct Warning {
     last: Option<Instant>,
     suppressed: u64,
 }
 
 impl Warning {
     /// Some(held back since the last one) when the warning may be logged now.
-    fn due(&mut self) -> Option<u64> {
+    pub(super) fn due(&mut self) -> Option<u64> {
         let now = Instant::now();
         if self
             .last

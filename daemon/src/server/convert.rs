@@ -76,8 +76,16 @@ pub fn info(d: &Daemon, uid: u32) -> pb::GetInfoResponse {
     let l = &d.config.limits;
     let (q, host) = (&d.config.quotas, d.store.host_quota());
     let host_use = d.store.host_use(uid);
-    let (sessions, device_bytes) = d.ledger.usage(uid);
-    let (daemon_sessions, daemon_device_bytes) = d.ledger.totals();
+    let (sessions, mut device_bytes) = d.ledger.usage(uid);
+    let (daemon_sessions, mut daemon_device_bytes) = d.ledger.totals();
+    // Ended sessions' memory that clients still hold is charged too.
+    for (device, total) in daemon_device_bytes.iter_mut().enumerate() {
+        let held = d.held_device(uid, device);
+        *total += held.total.bytes;
+        if device == 0 {
+            device_bytes += held.uid.bytes;
+        }
+    }
     pb::GetInfoResponse {
         version: env!("CARGO_PKG_VERSION").to_string(),
         backend: match d.backend.kind() {

@@ -1,33 +1,38 @@
 //! The handoff socket, next to the gRPC socket (its path + `.fd`): file descriptors passed
 //! with `SCM_RIGHTS`. The wire format is `weightstream_client::handoff`'s, whose daemon half
 //! this listener is built from: one request per connection, read and answered on a blocking
-//! thread within one 5 s `Exchange`, so a peer that stalls holds nothing else. The peer (its
-//! uid and groups, SO_PEERCRED and SO_PEERGROUPS) must pass the same `[access]` allow-lists as
-//! the gRPC service; `PUT` keeps the
-//! files in the core's `FdDrops` under a token, `GET` hands out what the core's `FdSecrets`
-//! gives that uid.
+//! thread within 5 s of the accept (an `Exchange`), so a peer that stalls holds nothing else.
+//!
+//! Fairness between uids: a uid holds at most `limits.max_connections_per_uid` connections
+//! here (counted apart from its gRPC ones); one more is answered `ERR` and closed at accept,
+//! with a warning naming the uid, so that a uid's idle connections take no place another uid
+//! needs. At most [`MAX_EXCHANGES_PER_UID`] of a uid's connections are read at once, and a
+//! peer that sends no complete request within the 5 s is cut and logged with its uid and pid.
+//!
+//! The peer (its uid and groups, SO_PEERCRED and SO_PEERGROUPS) must pass the same `[access]`
+//! allow-lists as the gRPC service; `PUT` keeps the files in the core's `FdDrops` under a
+//! token, `GET` hands out what the core's `FdSecrets` gives that uid.
 
 use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
-use weightstream_client::handoff::{Exchange, HandoffError, Request, handoff_path};
+use weightstream_client::handoff::{Exchange, HandoffError, Request, TIMEOUT, handoff_path};
 
 use super::access::AccessCheck;
-use super::conn::{Caller, identify};
+use super::conn::{Caller, Connections, Warning, identify};
 use super::error::ServeError;
 use crate::core::{Daemon, SecretError};
 
-/// Connections accepted and not yet answered, all peers together (each holds an fd).
-const MAX_CONNECTIONS: usize = 512;
-/// Exchanges one uid may have in progress at once; its further connections wait their turn. A
-/// peer that connects and stalls for the whole 5 s each time holds up only its own uid.
+/// Exchanges one uid may have in progress at once; its further connections wait their turn
+/// (their 5 s running from the accept). A peer that connects and stalls holds up only its
+/// own uid.
 const MAX_EXCHANGES_PER_UID: usize = 16;
 
 /// The socket file this daemon bound, removed when dropped if it is still the one it bound
@@ -126,14 +131,19 @@ pub(super) fn serve(bound: Bound, daemon: Arc<Daemon>) -> Result<HandoffServer, 
 }
 
 async fn accept(listener: tokio::net::UnixListener, daemon: Arc<Daemon>, access: AccessCheck) {
-    let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let table = Connections::new(daemon.config.limits.max_connections_per_uid);
     let per_uid = UidTurns::default();
+    let stalled = Arc::new(Mutex::new(Warning::default()));
+    let mut refused = Warning::default();
     loop {
-        let Ok(connection) = connections.clone().acquire_owned().await else {
-            return;
-        };
-        let (stream, caller) = match listener.accept().await.and_then(|(s, _)| peer_of(s)) {
-            Ok(accepted) => accepted,
+        let (stream, caller) = match listener.accept().await {
+            Ok((stream, _)) => match identify(&stream, 0) {
+                Ok(caller) => (stream, caller),
+                Err(e) => {
+                    tracing::debug!(error = %e, "handoff socket: no peer credentials");
+                    continue;
+                }
+            },
             Err(e) => {
                 // EMFILE and the like: wait rather than spin; the peer retries.
                 tracing::warn!(error = %e, "handoff socket: accept failed");
@@ -141,27 +151,80 @@ async fn accept(listener: tokio::net::UnixListener, daemon: Arc<Daemon>, access:
                 continue;
             }
         };
-        let turn = per_uid.of(caller.peer.uid);
-        let (daemon, access) = (daemon.clone(), access.clone());
+        let accepted = Instant::now();
+        let peer = caller.peer;
+        let slot = match table.admit(peer.uid) {
+            Ok(slot) => slot,
+            Err(held) => {
+                let limit = daemon.config.limits.max_connections_per_uid;
+                let message = format!(
+                    "uid {} already holds {held} connections to the handoff socket, the limit \
+                     is limits.max_connections_per_uid = {limit}: connection closed",
+                    peer.uid
+                );
+                if let Some(suppressed) = refused.due() {
+                    tracing::warn!(
+                        uid = peer.uid,
+                        pid = peer.pid,
+                        held,
+                        suppressed,
+                        "{message}"
+                    );
+                }
+                // Best effort, without waiting: a fresh socket's buffer has room for one line.
+                let _ = stream.try_write(format!("ERR {message}\n").as_bytes());
+                continue;
+            }
+        };
+        let stream = match stream.into_std().and_then(|s| {
+            s.set_nonblocking(false)?;
+            Ok(s)
+        }) {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::debug!(error = %e, "handoff socket: cannot serve the connection");
+                continue;
+            }
+        };
+        let turn = per_uid.of(peer.uid);
+        let (daemon, access, stalled) = (daemon.clone(), access.clone(), stalled.clone());
         tokio::spawn(async move {
             let Ok(turn) = turn.acquire_owned().await else {
                 return;
             };
             let exchanged = tokio::task::spawn_blocking(move || {
-                exchange(&stream, &caller, &daemon, &access);
+                let exchange = Exchange::since(&stream, accepted);
+                if let Err(cut) = serve_exchange(&exchange, &caller, &daemon, &access) {
+                    log_cut(&caller, &cut, &stalled);
+                }
             });
             let _ = exchanged.await;
-            drop((turn, connection));
+            drop((turn, slot));
         });
     }
 }
 
-/// The accepted stream as a blocking one, and who is at the other end.
-fn peer_of(stream: tokio::net::UnixStream) -> std::io::Result<(UnixStream, Caller)> {
-    let caller = identify(&stream, 0)?;
-    let stream = stream.into_std()?;
-    stream.set_nonblocking(false)?;
-    Ok((stream, caller))
+/// Says why an exchange ended with nobody to answer: a peer that sent no complete request in
+/// time at `warn` (at most once a second, with a count of those held back, so that one uid's
+/// stalls cannot flood the log), a peer that went away at `debug`.
+fn log_cut(caller: &Caller, cut: &std::io::Error, stalled: &Mutex<Warning>) {
+    let peer = &caller.peer;
+    if cut.kind() != std::io::ErrorKind::TimedOut {
+        tracing::debug!(uid = peer.uid, pid = peer.pid, error = %cut, "handoff: exchange cut");
+        return;
+    }
+    let due = stalled.lock().unwrap_or_else(|p| p.into_inner()).due();
+    if let Some(suppressed) = due {
+        tracing::warn!(
+            uid = peer.uid,
+            pid = peer.pid,
+            suppressed,
+            "handoff: uid {} (pid {}) sent no complete request within {TIMEOUT:?} of \
+             connecting: connection closed",
+            peer.uid,
+            peer.pid
+        );
+    }
 }
 
 /// Each uid's turns at exchanging.
@@ -180,30 +243,32 @@ impl UidTurns {
     }
 }
 
-/// Reads the connection's one request and answers it. A peer the allow-lists refuse is told
-/// so after its request is read (answering before would cut its sending short), and whatever
-/// fds it passed are closed unused.
-fn exchange(stream: &UnixStream, caller: &Caller, daemon: &Daemon, access: &AccessCheck) {
-    let exchange = Exchange::begin(stream);
+/// Reads the connection's one request and answers it; the error that cut the exchange short
+/// with nobody to answer. A peer the allow-lists refuse is told so after its request is read
+/// (answering before would cut its sending short), and whatever fds it passed are closed
+/// unused.
+fn serve_exchange(
+    exchange: &Exchange<'_>,
+    caller: &Caller,
+    daemon: &Daemon,
+    access: &AccessCheck,
+) -> Result<(), std::io::Error> {
     let request = exchange.read_request();
     let peer = &caller.peer;
     if let Err(denied) = access.admit(caller) {
         drop(request);
         let _ = exchange.reply_error(&denied.to_string());
-        return;
+        return Ok(());
     }
     let replied = match request {
-        // Cut, reset or silent for 5 s: nobody to answer.
-        Err(HandoffError::Io(e)) => {
-            tracing::debug!(uid = peer.uid, error = %e, "handoff: exchange cut");
-            return;
-        }
+        // Cut, reset or silent until the deadline: nobody to answer.
+        Err(HandoffError::Io(e)) => return Err(e),
         Err(refused) => exchange.reply_error(&refused.to_string()),
         Ok(Request::Put(fds)) => match daemon.fd_drops.put(peer.uid, fds) {
             Ok(token) => exchange.reply_token(&token),
             Err(refused) => exchange.reply_error(&refused.to_string()),
         },
-        Ok(Request::Get(secret)) => match daemon.secrets.fetch(&secret, peer.uid) {
+        Ok(Request::Get(secret)) => match daemon.secrets.fetch(&secret, peer.uid, peer.pid) {
             Ok((fd, size)) => exchange.reply_fd(fd.as_fd(), size),
             Err(refused) => {
                 if matches!(refused, SecretError::Unknown { .. }) {
@@ -220,4 +285,5 @@ fn exchange(stream: &UnixStream, caller: &Caller, daemon: &Daemon, access: &Acce
     if let Err(e) = replied {
         tracing::debug!(uid = peer.uid, error = %e, "handoff: the reply did not get through");
     }
+    Ok(())
 }

@@ -11,6 +11,9 @@ mod convert;
 mod drain;
 mod error;
 mod handoff;
+// Gives freed heap memory back to the kernel: a libc call, so unsafe is allowed there.
+#[allow(unsafe_code)]
+mod heap;
 mod run;
 mod serve;
 mod service;

@@ -15,6 +15,7 @@ use super::blocking::BlockingTasks;
 use super::conn::Caller;
 use super::convert::{self, manifest, session_info, stored_manifest};
 use super::error::EdgeError;
+use super::heap;
 use super::validate::Validation;
 use crate::core::Daemon;
 use crate::core::Peer;
@@ -136,14 +137,32 @@ impl WeightStream for Service {
         req: Request<pb::BeginUploadRequest>,
     ) -> Result<Response<pb::BeginUploadResponse>, Status> {
         let peer = peer(&req)?;
-        let req = self.validation.begin_upload(req.into_inner())?;
-        let daemon = self.daemon.clone();
-        let what = format!("BeginUpload '{}' for uid {}", req.name, peer.uid);
-        // Blocking: the region's pages are reserved here (seconds for tens of GB).
+        let req = req.into_inner();
+        self.validation.begin_upload_bounds(&req)?;
+        let (daemon, validation) = (self.daemon.clone(), self.validation);
+        let what = format!(
+            "BeginUpload of {} tensors for uid {}",
+            req.tensors.len(),
+            peer.uid
+        );
+        // Blocking: a request may declare a million tensors, checked one by one (other peers'
+        // requests must not queue behind that on the async threads), and the region's pages
+        // are reserved here (seconds for tens of GB).
         let (ticket, secret) = self
             .blocking
             .spawn(what, move || {
-                daemon.begin_upload(&peer, &req.name, req.tensors)
+                let tensors = req.tensors.len();
+                let begun = validation
+                    .begin_upload(req)
+                    .map_err(Status::from)
+                    .and_then(|req| {
+                        (daemon.begin_upload(&peer, &req.name, req.tensors)).map_err(Status::from)
+                    });
+                if tensors >= heap::LARGE_REQUEST_TENSORS {
+                    // The request and its checked copy are freed by now.
+                    heap::give_back_free_memory();
+                }
+                begun
             })
             .await
             .map_err(|source| EdgeError::Task {

@@ -284,9 +284,19 @@ impl Validation {
         })
     }
 
-    pub fn begin_upload(&self, req: pb::BeginUploadRequest) -> Result<ValidBeginUpload> {
+    /// BeginUpload's checks that take no time, whatever the request's size: what the
+    /// async handler may run before handing the request to [`Validation::begin_upload`] on a
+    /// blocking thread.
+    pub fn begin_upload_bounds(&self, req: &pb::BeginUploadRequest) -> Result<()> {
         self.name("name", &req.name)?;
-        let tensors = self.upload_tensors(&req.tensors)?;
+        count("tensors", req.tensors.len(), 1, self.max_tensors)
+    }
+
+    /// BeginUpload: every tensor checked (time and memory in proportion to their number: run
+    /// it off the async threads), its names and shapes moved, not copied, into the result.
+    pub fn begin_upload(&self, req: pb::BeginUploadRequest) -> Result<ValidBeginUpload> {
+        self.begin_upload_bounds(&req)?;
+        let tensors = self.upload_tensors(req.tensors)?;
         Ok(ValidBeginUpload {
             name: req.name,
             tensors,
@@ -359,19 +369,11 @@ impl Validation {
 
     /// Upload tensors: names unique, nbytes from the shape (and the fp8 layout), quantized ones
     /// quantizable, pre-quantized ones with the scales their shape needs.
-    fn upload_tensors(&self, tensors: &[pb::TensorInfo]) -> Result<Vec<TensorDecl>> {
-        count("tensors", tensors.len(), 1, usize::MAX)?;
-        let mut names = HashSet::new();
+    fn upload_tensors(&self, tensors: Vec<pb::TensorInfo>) -> Result<Vec<TensorDecl>> {
         let mut out = Vec::with_capacity(tensors.len());
-        for (i, t) in tensors.iter().enumerate() {
+        for (i, t) in tensors.into_iter().enumerate() {
             let field = format!("tensors[{i}]");
             text(&format!("{field}.name"), &t.name, self.max_name)?;
-            if !names.insert(t.name.as_str()) {
-                return Err(ValidationError::Duplicate {
-                    field: format!("{field}.name"),
-                    name: t.name.clone(),
-                });
-            }
             let dtype = dtype_from_pb(t.dtype).ok_or_else(|| ValidationError::UnknownDtype {
                 field: format!("{field}.dtype"),
                 value: t.dtype,
@@ -387,7 +389,7 @@ impl Validation {
                     field: format!("{field}.shape"),
                     shape: t.shape.clone(),
                 })?;
-            let quant = upload_quantization(&field, t, dtype)?;
+            let quant = upload_quantization(&field, &t, dtype)?;
             let (nbytes, quant) = match quant {
                 Declared::Plain => (nbytes, DeclQuant::None),
                 Declared::AtCommit(layout) => (nbytes, DeclQuant::AtCommit(layout)),
@@ -397,18 +399,27 @@ impl Validation {
                 return Err(ValidationError::Nbytes {
                     field: format!("{field}.nbytes"),
                     given: t.nbytes,
-                    shape: t.shape.clone(),
+                    shape: t.shape,
                     dtype,
                     nbytes,
                 });
             }
             out.push(TensorDecl {
-                name: t.name.clone(),
+                name: t.name,
                 dtype,
-                shape: t.shape.clone(),
+                shape: t.shape,
                 nbytes,
                 quant,
             });
+        }
+        let mut names = HashSet::with_capacity(out.len());
+        for (i, t) in out.iter().enumerate() {
+            if !names.insert(t.name.as_str()) {
+                return Err(ValidationError::Duplicate {
+                    field: format!("tensors[{i}].name"),
+                    name: t.name.clone(),
+                });
+            }
         }
         Ok(out)
     }

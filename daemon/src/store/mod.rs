@@ -35,9 +35,10 @@ use self::registry::Inner;
 pub use self::registry::{Holder, HostUse, ModelEntry};
 use self::safetensors::{DType, HeaderError};
 pub use self::upload::{DeclQuant, TensorDecl, UploadTicket};
+use crate::mem::held::Charge;
 use crate::mem::shm::Shm;
 use crate::mem::{HostArena, HostPinner, HostSlice, PinError};
-use crate::quota::{HostQuota, QuotaError};
+use crate::quota::{Held, HeldByClients, HostQuota, QuotaError};
 
 /// Alignment of each tensor in an arena: a page, so that the arena can be page-locked in
 /// chunks that end on tensor boundaries (a copy never spans two registrations).
@@ -281,5 +282,35 @@ impl Store {
     fn inner(&self) -> MutexGuard<'_, Inner> {
         // A panic while holding the lock leaves plain maps behind; their content stays usable.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// What clients hold, after the daemon let go of it, of memory charged as `of_uid` says (for
+/// `uid`) and as `in_all` says (for every uid), as quotas count it.
+pub fn held_by_clients(
+    shm: &Shm,
+    uid: u32,
+    of_uid: impl Fn(Charge) -> bool,
+    in_all: impl Fn(Charge) -> bool,
+) -> Held {
+    let mine = shm.held().usage(uid, of_uid);
+    let all = shm.held().usage(uid, in_all);
+    Held {
+        uid: HeldByClients {
+            bytes: mine.uid_bytes,
+            pids: mine.uid_pids,
+        },
+        total: HeldByClients {
+            bytes: all.total_bytes,
+            pids: all.pids,
+        },
+    }
+}
+
+impl Store {
+    /// Host memory clients hold after the store let go of it (uploads, models' arenas).
+    fn held_host(&self, uid: u32) -> Held {
+        let host = |c| c == Charge::Host;
+        held_by_clients(&self.shm, uid, host, host)
     }
 }

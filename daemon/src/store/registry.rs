@@ -91,10 +91,10 @@ pub(super) struct Inner {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostUse {
     /// Bytes charged to the uid: models it is charged for, its uploads (descriptions
-    /// included).
+    /// included), and the upload regions and arenas the store let go of that it still holds.
     pub uid_bytes: u64,
     pub uid_uploads: u32,
-    /// Bytes of every model and upload.
+    /// Bytes of every model and upload, and of what clients hold.
     pub total_bytes: u64,
     /// Uploads in progress, all uids.
     pub total_uploads: u32,
@@ -170,6 +170,7 @@ impl Store {
         item: &'static str,
     ) -> Result<Reservation<'_>, StoreError> {
         let quota = &self.limits.host;
+        let held = self.held_host(uid);
         let mut inner = self.inner();
         let used = inner.host_use(uid);
         if upload {
@@ -188,14 +189,22 @@ impl Store {
                 });
             }
         }
-        quota.check(uid, used.uid_bytes, used.total_bytes, bytes, item)?;
+        let used = (
+            used.uid_bytes + held.uid.bytes,
+            used.total_bytes + held.total.bytes,
+        );
+        quota.check(uid, used, &held, bytes, item)?;
         let id = inner.add_pending(Pending { uid, bytes, upload });
         Ok(Reservation { store: self, id })
     }
 
     /// Host use as the quotas see it, for `uid` and in total.
     pub fn host_use(&self, uid: u32) -> HostUse {
-        self.inner().host_use(uid)
+        let held = self.held_host(uid);
+        let mut used = self.inner().host_use(uid);
+        used.uid_bytes += held.uid.bytes;
+        used.total_bytes += held.total.bytes;
+        used
     }
 
     /// The host quotas the store enforces, as resolved at start.

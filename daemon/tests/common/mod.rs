@@ -6,9 +6,10 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::io::Write;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use rand::{RngCore, SeedableRng};
@@ -130,6 +131,11 @@ impl TestDaemon {
         self.core.store.upload_count()
     }
 
+    /// The server's blocking tasks (loads, commits, uploads) listed now, oldest first.
+    pub fn blocking_running(&self) -> Vec<String> {
+        (self.handle.as_ref()).map_or_else(Vec::new, |h| h.blocking.running())
+    }
+
     /// The handoff socket, next to the gRPC socket.
     pub fn handoff(&self) -> PathBuf {
         handoff::handoff_path(&self.socket)
@@ -141,6 +147,50 @@ impl TestDaemon {
         let handle = self.handle.take().expect("daemon already stopped");
         within("daemon stop", handle.stop()).await
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The daemons' log
+
+/// Everything the daemons of this test binary log at `info` and above (a global subscriber:
+/// the server's tasks run on other threads than the test). Call it before starting the daemon
+/// whose lines a test looks for.
+pub fn logs() -> Arc<Mutex<Vec<u8>>> {
+    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let sink = buf.clone();
+        tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .with_writer(move || LogSink(sink.clone()))
+            .init();
+        buf
+    })
+    .clone()
+}
+
+/// Where [`logs`] collects the lines.
+pub struct LogSink(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogSink {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The lines logged so far that contain every one of `parts`.
+pub fn log_lines_with(parts: &[&str]) -> Vec<String> {
+    let text = String::from_utf8_lossy(&logs().lock().unwrap()).into_owned();
+    text.lines()
+        .filter(|l| parts.iter().all(|p| l.contains(p)))
+        .map(str::to_string)
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------

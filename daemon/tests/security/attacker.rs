@@ -245,6 +245,103 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
             session.close().await.unwrap();
             "closed".into()
         }
+        // Open args[0] connections to the handoff socket and send nothing on them; say what
+        // the last one was told (within the test's deadline); keep them until stdin closes.
+        "hold-handoff" => {
+            use std::io::Read;
+            let n: usize = args[0].parse().unwrap();
+            let path = weightstream_client::handoff::handoff_path(socket);
+            let held: Vec<std::os::unix::net::UnixStream> = (0..n)
+                .map(|_| std::os::unix::net::UnixStream::connect(&path).unwrap())
+                .collect();
+            let last = held.last().unwrap();
+            last.set_read_timeout(Some(DEADLINE)).unwrap();
+            let mut told = String::new();
+            let told = match (&*last).read_to_string(&mut told) {
+                Ok(_) => told.trim_end().to_string(),
+                Err(e) => format!("nothing ({e})"),
+            };
+            println!("RESULT holding {n} connections; the last was told: {told}");
+            std::io::stdout().flush().unwrap();
+            tokio::task::spawn_blocking(|| std::io::stdin().lines().count())
+                .await
+                .unwrap();
+            drop(held);
+            "closed".into()
+        }
+        // Issue 27's hoard, twice: BeginUpload of args[1] bytes and OpenSession on model
+        // args[0] with args[1] bytes of staging, each region's fd fetched and kept, each
+        // connection dropped; then the fds go to a child (`sleep`) that outlives this process.
+        "hoard" => {
+            let size: u64 = args[1].parse().unwrap();
+            let mut kept = Vec::new();
+            let mut said = Vec::new();
+            for round in 1..=2 {
+                let mut rpc = raw_client(socket).await;
+                let request = proto::BeginUploadRequest {
+                    name: "hoard".into(),
+                    tensors: vec![proto::TensorInfo {
+                        name: "w".into(),
+                        dtype: proto::Dtype::U8 as i32,
+                        shape: vec![size],
+                        ..Default::default()
+                    }],
+                };
+                match rpc.begin_upload(request).await {
+                    Ok(begun) => {
+                        let secret = begun.into_inner().fd_secret;
+                        kept.push(fetch_fd(socket, &secret).await.unwrap().0);
+                    }
+                    Err(status) => said.push(status_line(&status)),
+                }
+                let request = proto::OpenSessionRequest {
+                    model_id: args[0].clone(),
+                    vram_budget: size,
+                    staging_bytes: size,
+                    groups: vec![group("g", &["layers.0.weight"])],
+                    ..Default::default()
+                };
+                match rpc.open_session(request).await {
+                    Ok(opened) => {
+                        let regions = opened.into_inner().regions;
+                        kept.push(fetch_fd(socket, fd_secret(&regions[0])).await.unwrap().0);
+                    }
+                    Err(status) => said.push(status_line(&status)),
+                }
+                drop(rpc);
+                // The daemon has dropped this connection's upload and session.
+                let mut info = raw_client(socket).await;
+                let usage = within("the connection's upload and session go", async {
+                    loop {
+                        let asked = info.get_info(proto::GetInfoRequest {}).await;
+                        let usage = asked.unwrap().into_inner().usage.unwrap();
+                        if usage.uploads == 0 && usage.sessions == 0 {
+                            break usage;
+                        }
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    }
+                })
+                .await;
+                said.push(format!(
+                    "after round {round}: host {}, device {}",
+                    usage.host_bytes, usage.device_bytes
+                ));
+            }
+            // Copies without close-on-exec, for the child to inherit.
+            let passed: Vec<_> = kept.iter().map(|fd| rustix::io::dup(fd).unwrap()).collect();
+            // Left running on purpose: it outlives this process, and the test kills it.
+            #[allow(clippy::zombie_processes)]
+            let child = Command::new("sleep")
+                .arg("60")
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+            drop(passed);
+            said.push(format!("passed to pid {}", child.id()));
+            said.join(" | ")
+        }
         other => panic!("unknown attack {other}"),
     }
 }
