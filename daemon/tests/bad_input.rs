@@ -955,12 +955,15 @@ async fn limits_are_enforced() {
         )
     );
     let mixed = write_model(dir.path(), "mixed.safetensors", &mixed_model(32));
-    let got = load_error(&mut client, &[mixed]).await;
+    let got = load_error(&mut client, std::slice::from_ref(&mixed)).await;
     assert_eq!(
         got,
         (
             Code::InvalidArgument,
-            "the model has 11 tensors, more than the limit of 8".into()
+            format!(
+                "{}: the header lists more than 8 tensors: limits.max_tensors_per_model = 8",
+                mixed.display()
+            )
         )
     );
 

@@ -12,7 +12,7 @@ mod common;
 
 use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use attacker::{attack, attack_in, attacker, daemon_for, result_of, spawn_attacker};
@@ -25,29 +25,6 @@ const LAYER: usize = 64 << 10;
 
 #[path = "security/attacker.rs"]
 mod attacker;
-
-/// The attacker's side: what `WS_ATTACK` says, printing one `RESULT` line. Runs only as the
-/// child of the tests above.
-#[test]
-#[ignore = "the attacker of the tests in this file; runs only as their child"]
-fn attacker_acts() {
-    let Ok(action) = std::env::var("WS_ATTACK") else {
-        return;
-    };
-    let socket = PathBuf::from(std::env::var("WS_SOCKET").unwrap());
-    let args: Vec<String> = std::env::var("WS_ARGS")
-        .unwrap()
-        .lines()
-        .map(str::to_string)
-        .collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let result = rt.block_on(attacker::act(&action, &socket, &args));
-    println!("RESULT {result}");
-}
 
 // ---------------------------------------------------------------------------------------------
 // (a) the confused deputy

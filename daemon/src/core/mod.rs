@@ -157,6 +157,7 @@ impl Daemon {
             max_tensors: config.limits.max_tensors_per_model,
             max_upload_bytes: config.limits.max_upload_bytes,
             max_name_bytes: config.limits.max_name_bytes,
+            max_message_bytes: config.limits.max_message_bytes,
             max_uploads: config.limits.max_uploads,
             host,
         };

@@ -68,6 +68,28 @@ fn log_stored(what: &'static str, stored: &crate::store::Stored) {
     );
 }
 
+/// The manifests that fit in `room` bytes, in order, and whether some were left for the next
+/// page. The first always goes in: the store admits no model whose manifest could not.
+fn fill_page(
+    manifests: impl Iterator<Item = pb::ModelManifest>,
+    room: u64,
+) -> (Vec<pb::ModelManifest>, bool) {
+    use prost::Message;
+    let mut page = Vec::new();
+    let mut used = 0u64;
+    for m in manifests {
+        // As a repeated field: a tag byte, the length's varint, the message.
+        let len = m.encoded_len() as u64;
+        let size = 1 + prost::length_delimiter_len(len as usize) as u64 + len;
+        if !page.is_empty() && used + size > room {
+            return (page, true);
+        }
+        used += size;
+        page.push(m);
+    }
+    (page, false)
+}
+
 #[tonic::async_trait]
 impl WeightStream for Service {
     async fn get_info(
@@ -193,13 +215,16 @@ impl WeightStream for Service {
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
         let page = self.validation.list_models(req.into_inner())?;
         let store = &self.daemon.store;
-        let (models, more) = store.models_page(&page.after, page.size);
+        let (entries, more) = store.models_page(&page.after, page.size);
+        let room = (self.daemon.config.limits.max_message_bytes)
+            .saturating_sub(crate::store::MESSAGE_ENVELOPE);
+        let (models, cut) = fill_page(entries.iter().map(|e| manifest(&e.model, Some(e))), room);
         let next_page_token = match models.last() {
-            Some(last) if more => last.model.id.clone(),
+            Some(last) if more || cut => last.model_id.clone(),
             _ => String::new(),
         };
         Ok(Response::new(pb::ListModelsResponse {
-            models: models.iter().map(|e| manifest(&e.model, Some(e))).collect(),
+            models,
             store_bytes: store.bytes(),
             next_page_token,
         }))

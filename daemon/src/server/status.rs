@@ -53,6 +53,7 @@ pub fn status_of(e: &CoreError) -> Status {
             | StoreError::NotAFile { .. }
             | StoreError::DuplicateTensor { .. }
             | StoreError::TooManyTensors { .. }
+            | StoreError::DescriptionTooLarge { .. }
             | StoreError::Quantize(_)
             | StoreError::Scale { .. } => Status::invalid_argument(msg),
             StoreError::Io { .. } | StoreError::UploadMapped(_) => Status::failed_precondition(msg),

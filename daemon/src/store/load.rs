@@ -139,10 +139,9 @@ impl Store {
         } else {
             name.to_string()
         };
-        let metadata = metadata_bytes(
-            &name,
-            plan.iter().map(|p| (&*p.entry.name, p.entry.shape.len())),
-        );
+        let described = || plan.iter().map(|p| (&*p.entry.name, p.entry.shape.len()));
+        self.check_description(&name, described())?;
+        let metadata = metadata_bytes(&name, described());
         let reserved = self.reserve(uid, arena_len + metadata, false, "model")?;
         progress(0, total, Path::new("allocating host memory"));
         let mut segment = phases
@@ -209,12 +208,17 @@ impl Store {
                 file: &opened.source.file,
                 at: 0,
             };
-            let header = safetensors::read_header(&mut reader, opened.len).map_err(|source| {
-                StoreError::Header {
-                    path: path.to_string(),
-                    source,
-                }
-            })?;
+            let limits = safetensors::HeaderLimits {
+                max_tensors: self.limits.max_tensors as usize,
+                max_name_bytes: self.limits.max_name_bytes as usize,
+            };
+            let header =
+                safetensors::read_header(&mut reader, opened.len, limits).map_err(|source| {
+                    StoreError::Header {
+                        path: path.to_string(),
+                        source,
+                    }
+                })?;
             let count = (seen.len() + header.tensors.len()) as u64;
             if count > u64::from(self.limits.max_tensors) {
                 return Err(StoreError::TooManyTensors {

@@ -27,6 +27,7 @@ pub fn limits(host: HostQuota) -> StoreLimits {
         max_tensors: 100,
         max_upload_bytes: 1 << 30,
         max_name_bytes: 1024,
+        max_message_bytes: 16 << 20,
         max_uploads: 1024,
         host,
     }

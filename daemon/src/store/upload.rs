@@ -136,7 +136,9 @@ impl Store {
             });
         }
         let size = align_up(offset, TENSOR_ALIGN);
-        let metadata = metadata_bytes(name, placed.iter().map(|t| (&*t.name, t.shape.len())));
+        let described = || placed.iter().map(|t| (&*t.name, t.shape.len()));
+        self.check_description(name, described())?;
+        let metadata = metadata_bytes(name, described());
         let reserved = self.reserve(owner.uid, size + metadata, true, "upload")?;
         let memfd = self
             .shm

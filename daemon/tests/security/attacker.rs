@@ -1,6 +1,7 @@
-//! The attacker of `security.rs`: user `ws-attacker` (tests/run.sh creates it when run as
-//! root), running that test binary's `attacker_acts` to do one thing to the daemon and print
-//! what it got (`RESULT …`).
+//! The attacker of `security.rs` and `security_store.rs`: user `ws-attacker` (tests/run.sh
+//! creates it when run as root), running the test binary that includes this module again, as
+//! its `attacker::attacker_acts`, to do one thing to the daemon and print what it got
+//! (`RESULT …`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -12,6 +13,32 @@ use weightstream_client::{HandoffError, proto};
 use weightstream_daemon::config::ConfigFile;
 
 use super::common::*;
+
+/// The name of the attacker's test, as the test harness spells it.
+const ATTACKER_TEST: &str = "attacker::attacker_acts";
+
+/// The attacker's side: what `WS_ATTACK` says, printing one `RESULT` line. Runs only as the
+/// child of a test in the binary that includes this module.
+#[test]
+#[ignore = "the attacker of the tests in this binary; runs only as their child"]
+fn attacker_acts() {
+    let Ok(action) = std::env::var("WS_ATTACK") else {
+        return;
+    };
+    let socket = PathBuf::from(std::env::var("WS_SOCKET").unwrap());
+    let args: Vec<String> = std::env::var("WS_ARGS")
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let result = rt.block_on(act(&action, &socket, &args));
+    println!("RESULT {result}");
+}
 
 /// User `ws-attacker`'s uid and gid; `None` (the test is skipped) when this is not root or
 /// the user does not exist, unless WEIGHTSTREAM_REQUIRE_ROOT=1, which fails the test instead.
@@ -59,7 +86,7 @@ fn attacker_exe((uid, gid): (u32, u32)) -> &'static Path {
     EXE.get_or_init(|| {
         let exe = std::env::current_exe().unwrap();
         let runs = Command::new(&exe)
-            .args(["--list", "--exact", "attacker_acts"])
+            .args(["--list", "--exact", ATTACKER_TEST])
             .current_dir("/")
             .uid(uid)
             .gid(gid)
@@ -114,7 +141,7 @@ pub fn spawn_attacker_in(
         setpriv
     };
     command
-        .args(["--exact", "attacker_acts", "--ignored", "--nocapture"])
+        .args(["--exact", ATTACKER_TEST, "--ignored", "--nocapture"])
         .current_dir("/")
         .env("WS_ATTACK", action)
         .env("WS_SOCKET", socket)
@@ -214,6 +241,19 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
             Ok(_) => "served".into(),
             Err(s) => status_line(&s),
         },
+        // ListModels through the client (every page): the ids, in order.
+        "list" => {
+            let mut client = weightstream_client::Client::connect(Some(socket))
+                .await
+                .unwrap();
+            match client.list_models().await {
+                Ok(listed) => (listed.models.iter())
+                    .map(|m| m.model_id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(","),
+                Err(e) => format!("failed: {e}"),
+            }
+        }
         // GET each secret.
         "get" => {
             let mut got = Vec::new();

@@ -1,0 +1,196 @@
+//! The store against another uid, end to end: files are held to the limits uploads are and no
+//! listing outgrows a message; a model is what the daemon read, not what a file's metadata
+//! says; the store is a cache that gives memory back when it is needed; names reach no
+//! terminal raw; ids say nothing about other uids' things.
+//!
+//! The attacker is this test binary again (`attacker::attacker_acts`), run as user
+//! `ws-attacker` (tests/run.sh creates it when run as root). Without root or that user the
+//! tests that need it are skipped, and fail when WEIGHTSTREAM_REQUIRE_ROOT=1 (tests/run.sh
+//! sets it).
+mod common;
+
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use attacker::{attack, attacker, daemon_for};
+use common::*;
+use tonic::Code;
+use weightstream_client::proto;
+
+#[path = "security/attacker.rs"]
+mod attacker;
+
+/// A directory the attacker can read, and write when `writable`.
+fn shared_dir(writable: bool) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mode = if writable { 0o777 } else { 0o755 };
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(mode)).unwrap();
+    dir
+}
+
+/// A safetensors file of empty U8 tensors with these names (no data section), readable by all.
+fn empty_tensors_file(dir: &Path, file: &str, names: impl Iterator<Item = String>) -> PathBuf {
+    let mut header = Vec::from(b"{".as_slice());
+    for (i, name) in names.enumerate() {
+        if i > 0 {
+            header.push(b',');
+        }
+        write!(
+            header,
+            r#""{name}":{{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}"#
+        )
+        .unwrap();
+    }
+    header.push(b'}');
+    let path = dir.join(file);
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+    out.write_all(&(header.len() as u64).to_le_bytes()).unwrap();
+    out.write_all(&header).unwrap();
+    out.flush().unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    path
+}
+
+// ---------------------------------------------------------------------------------------------
+// Limits while a header is parsed; listings that fit a message
+
+/// A file is held to the limits an upload is, while its header is parsed: a tensor name of
+/// 20 MiB (`limits.max_name_bytes`) or a million empty tensors
+/// (`limits.max_tensors_per_model`) loaded by another uid is refused naming the limit, before
+/// anything is stored or charged, and listing goes on working for every uid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_are_held_to_the_limits_of_uploads_and_every_uid_can_still_list() {
+    let Some(ids) = attacker() else { return };
+    let daemon = daemon_for(ids.1, |_| {}).await;
+    let socket = &daemon.socket;
+    let dir = shared_dir(false);
+    let long = empty_tensors_file(
+        dir.path(),
+        "long.safetensors",
+        std::iter::once("n".repeat(20 << 20)),
+    );
+    let many = empty_tensors_file(
+        dir.path(),
+        "many.safetensors",
+        (0..1_000_000).map(|i| i.to_string()),
+    );
+    let (long, many) = (long.to_str().unwrap(), many.to_str().unwrap());
+    assert_eq!(
+        attack(ids, socket, "load-own", &[long, long]).await,
+        format!(
+            "InvalidArgument: {long}: tensor 0 of the header has a name of 20971520 bytes: \
+             limits.max_name_bytes = 1024"
+        )
+    );
+    assert_eq!(
+        attack(ids, socket, "load-own", &[many, many]).await,
+        format!(
+            "InvalidArgument: {many}: the header lists more than 100000 tensors: \
+             limits.max_tensors_per_model = 100000"
+        )
+    );
+    let store = &daemon.core.store;
+    assert_eq!(
+        (daemon.shm_total(), store.host_use(ids.0)),
+        (0, Default::default())
+    );
+
+    let path = write_model(dir.path(), "fine.safetensors", &mixed_model(90));
+    let expected = read_model(std::slice::from_ref(&path));
+    let mut client = daemon.client().await;
+    let fine = load(&mut client, &[path], &expected).await;
+    let listed = client.list_models().await.unwrap().models;
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].model_id, fine.model_id);
+    assert_eq!(attack(ids, socket, "list", &[]).await, fine.model_id);
+}
+
+/// A model whose manifest could not be sent in one message is refused before it is stored,
+/// loaded or uploaded; a page of ListModels holds the manifests that fit in a message (fewer
+/// than `page_size` when they are large), and the client reads every page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_model_and_no_page_of_models_outgrows_a_message() {
+    let daemon = start_daemon_with(|c| c.limits.max_message_bytes = 64 << 10).await;
+    let dir = tempfile::tempdir().unwrap();
+    // A tensor's manifest entry here is about 110 bytes: 250 make ~27 KB (two to a page of
+    // 64 KiB), 400 more than a message may describe.
+    let model = |seed: u64, n: usize| -> Vec<Tensor> {
+        (0..n)
+            .map(|i| {
+                let name = format!("{seed}.{i:0>96}");
+                Tensor::new(&name, safetensors::Dtype::U8, &[4], vec![seed as u8; 4])
+            })
+            .collect()
+    };
+    let mut client = daemon.client().await;
+    let mut ids = Vec::new();
+    for seed in 0..5 {
+        let path = write_model(
+            dir.path(),
+            &format!("{seed}.safetensors"),
+            &model(seed, 250),
+        );
+        let expected = read_model(std::slice::from_ref(&path));
+        ids.push(load(&mut client, &[path], &expected).await.model_id);
+    }
+    ids.sort();
+
+    let refused = format!(
+        "the model's description (its tensors' names and shapes) takes up to 69059 bytes, more \
+         than one message holds with the rest of an answer: limits.max_message_bytes = 65536"
+    );
+    let big = write_model(dir.path(), "big.safetensors", &model(9, 400));
+    let mut raw = raw_client(&daemon.socket).await;
+    let status = raw_load(
+        &mut raw,
+        &daemon.socket,
+        &[big.clone()],
+        &[big.to_str().unwrap()],
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::InvalidArgument, refused.as_str())
+    );
+    let status = raw
+        .begin_upload(upload_request("big", &model(9, 400)))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::InvalidArgument, refused.as_str())
+    );
+    assert_eq!((daemon.uploads(), daemon.shm_count("model")), (0, 5));
+
+    let mut pages = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = raw
+            .list_models(proto::ListModelsRequest {
+                page_size: 100,
+                page_token: token.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        pages.push(
+            page.models
+                .iter()
+                .map(|m| m.model_id.clone())
+                .collect::<Vec<_>>(),
+        );
+        if page.next_page_token.is_empty() {
+            break;
+        }
+        token = page.next_page_token;
+    }
+    assert_eq!(
+        pages,
+        vec![ids[..2].to_vec(), ids[2..4].to_vec(), ids[4..].to_vec()]
+    );
+    let all = client.list_models().await.unwrap().models;
+    let all: Vec<String> = all.into_iter().map(|m| m.model_id).collect();
+    assert_eq!(all, ids, "the client reads every page");
+}
