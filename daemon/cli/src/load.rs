@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use weightstream_client::{Client, proto, quantization_name};
 
-use super::{CliResult, human, parse_quantize, saved};
+use super::{CliResult, human, parse_quantize, saved, shown};
 
 #[derive(Debug, clap::Args)]
 pub struct LoadArgs {
@@ -66,7 +66,7 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
             // The daemon names its phases where it names the file it reads.
             let phase = !p.current_file.starts_with('/');
             bar.set_message(if phase {
-                p.current_file.clone()
+                shown(&p.current_file)
             } else {
                 verb.into()
             });
@@ -81,8 +81,8 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
     }
     println!(
         "{}  {}  {} tensors  {}  (references: {})",
-        manifest.model_id,
-        manifest.name,
+        shown(&manifest.model_id),
+        shown(&manifest.name),
         manifest.tensors.len(),
         human(manifest.total_bytes),
         manifest.refcount

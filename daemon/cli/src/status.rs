@@ -9,7 +9,7 @@ use weightstream_client::Client;
 use weightstream_client::proto;
 use weightstream_client::quantization_name;
 
-use super::{CliResult, human};
+use super::{CliResult, human, shown};
 
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
@@ -116,17 +116,17 @@ fn print_tables(
 ) {
     println!(
         "weightstream {} — backend {}",
-        info.version,
+        shown(&info.version),
         backend_name(info)
     );
     let mut devices = table(&["device", "name", "memory", "free", "pci", "copy limit"]);
     for d in &info.devices {
         devices.add_row(vec![
-            d.uuid.clone(),
-            d.name.clone(),
+            shown(&d.uuid),
+            shown(&d.name),
             human(d.total_memory),
             human(d.free_memory),
-            d.pci_bus_id.clone(),
+            shown(&d.pci_bus_id),
             match d.copy_bandwidth_limit {
                 0 => "none".to_string(),
                 rate => format!("{:.1} GB/s", rate as f64 / 1e9),
@@ -142,13 +142,13 @@ fn print_tables(
     ]);
     for x in &models.models {
         m.add_row(vec![
-            x.model_id.clone(),
-            x.name.clone(),
+            shown(&x.model_id),
+            shown(&x.name),
             x.tensors.len().to_string(),
             human(x.total_bytes),
             x.refcount.to_string(),
             x.sessions.to_string(),
-            x.source.clone(),
+            shown(&x.source),
             model_format(x),
         ]);
     }
@@ -160,9 +160,9 @@ fn print_tables(
     for x in sessions {
         let st = x.stats.unwrap_or_default();
         s.add_row(vec![
-            x.session_id.clone(),
-            x.label.clone(),
-            x.model_id.clone(),
+            shown(&x.session_id),
+            shown(&x.label),
+            shown(&x.model_id),
             x.peer_pid.to_string(),
             human(x.vram_budget),
             human(x.staging_bytes),
@@ -222,7 +222,7 @@ fn quota_table(info: &proto::GetInfoResponse) -> Option<String> {
     ]);
     for (i, d) in info.devices.iter().enumerate() {
         t.add_row(vec![
-            format!("  on {}", d.uuid),
+            format!("  on {}", shown(&d.uuid)),
             String::new(),
             String::new(),
             human(u.daemon_device_bytes.get(i).copied().unwrap_or(0)),

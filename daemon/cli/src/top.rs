@@ -16,7 +16,7 @@ use ratatui::widgets::{Block, Borders, Paragraph, Row, Sparkline, Table};
 use tokio::sync::mpsc;
 use weightstream_client::{Client, proto};
 
-use super::{CliResult, human};
+use super::{CliResult, human, shown};
 
 #[derive(Debug, clap::Args)]
 pub struct TopArgs {
@@ -202,8 +202,8 @@ pub fn draw(frame: &mut Frame, view: &View) {
             "-".into()
         };
         Row::new(vec![
-            d.uuid.clone(),
-            d.name.clone(),
+            shown(&d.uuid),
+            shown(&d.name),
             mine.len().to_string(),
             gbps(bytes),
             pct(stall),
@@ -247,7 +247,7 @@ pub fn draw(frame: &mut Frame, view: &View) {
                 .data(&data)
                 .block(Block::default().borders(Borders::ALL).title(format!(
                     " {} GB/s history (peak {:.2}) ",
-                    d.uuid,
+                    shown(&d.uuid),
                     peak as f64 / 1e3
                 ))),
             *area,
@@ -257,8 +257,8 @@ pub fn draw(frame: &mut Frame, view: &View) {
     let rows = view.sessions.iter().map(|(s, r)| {
         let st = s.stats.unwrap_or_default();
         Row::new(vec![
-            s.session_id.clone(),
-            s.label.clone(),
+            shown(&s.session_id),
+            shown(&s.label),
             s.peer_pid.to_string(),
             gbps(r.bytes_per_s),
             pct(r.stall),

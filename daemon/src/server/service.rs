@@ -52,6 +52,7 @@ fn log_stored(what: &'static str, stored: &crate::store::Stored) {
     let (m, p) = (&stored.model, &stored.phases);
     tracing::info!(
         model = %m.id,
+        name = %m.name,
         existed = stored.existed,
         bytes = m.total_bytes,
         quantization = %m.quantization(),
