@@ -954,6 +954,19 @@ async fn limits_are_enforced() {
             "name: 17 bytes, the limit is 16".into()
         )
     );
+    // Files are held to the limits uploads are, while their header is parsed.
+    let many = write_model(dir.path(), "many.safetensors", &uniform_model(32, 9, 256));
+    let got = load_error(&mut client, std::slice::from_ref(&many)).await;
+    assert_eq!(
+        got,
+        (
+            Code::InvalidArgument,
+            format!(
+                "{}: the header lists more than 8 tensors: limits.max_tensors_per_model = 8",
+                many.display()
+            )
+        )
+    );
     let mixed = write_model(dir.path(), "mixed.safetensors", &mixed_model(32));
     let got = load_error(&mut client, std::slice::from_ref(&mixed)).await;
     assert_eq!(
@@ -961,7 +974,7 @@ async fn limits_are_enforced() {
         (
             Code::InvalidArgument,
             format!(
-                "{}: the header lists more than 8 tensors: limits.max_tensors_per_model = 8",
+                "{}: tensor 1 of the header has a name of 22 bytes: limits.max_name_bytes = 16",
                 mixed.display()
             )
         )

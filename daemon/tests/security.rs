@@ -32,7 +32,8 @@ mod attacker;
 /// The attacker cannot get the daemon to read a file it may not read itself: it cannot open
 /// the file to pass it; LoadModel without a token is refused, and so is the token the owner
 /// got for the file (which stays good for its owner); and what the attacker names a load is a
-/// name only: the daemon reads the fd it passed, never the path.
+/// name only: the daemon reads the fd it passed, never the path, and shows the file by its own
+/// path when the name given is not that file's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daemon_reads_no_file_for_a_peer_that_cannot() {
     let Some(ids) = attacker() else { return };
@@ -71,8 +72,8 @@ async fn the_daemon_reads_no_file_for_a_peer_that_cannot() {
     let mixed: Vec<String> = read_model(std::slice::from_ref(&own)).into_keys().collect();
     assert!(got.starts_with("loaded m-"), "{got}");
     assert!(
-        got.ends_with(&format!("named secret with {}", mixed.join(","))),
-        "the attacker's own bytes, under the name it gave: {got}"
+        got.ends_with(&format!("named own with {}", mixed.join(","))),
+        "the attacker's own bytes, named by its own file (not the path it claimed): {got}"
     );
     assert_still_serves(&daemon, 72).await;
 }
@@ -179,13 +180,14 @@ async fn an_upload_is_sealed_by_the_daemon() {
         upload_id: begun.upload_id.clone(),
     };
     let status = raw.commit_upload(commit()).await.unwrap_err();
+    let mapped_writable = format!(
+        "upload_id '{}': the upload region is still mapped writable by the client: unmap it \
+         before CommitUpload",
+        begun.upload_id
+    );
     assert_eq!(
         (status.code(), status.message()),
-        (
-            Code::FailedPrecondition,
-            "upload_id 'up-1': the upload region is still mapped writable by the client: \
-             unmap it before CommitUpload"
-        )
+        (Code::FailedPrecondition, mapped_writable.as_str())
     );
     assert_eq!(daemon.uploads(), 1, "the refused upload stays");
     drop(mapped);

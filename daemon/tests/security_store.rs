@@ -194,3 +194,81 @@ async fn no_model_and_no_page_of_models_outgrows_a_message() {
     let all: Vec<String> = all.into_iter().map(|m| m.model_id).collect();
     assert_eq!(all, ids, "the client reads every page");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Ids
+
+/// Another uid's upload, session and model answer NOT_FOUND exactly as ids that do not exist:
+/// same code, same message. Upload ids are 64 random bits, not a count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_uids_ids_answer_as_ids_that_do_not_exist() {
+    let Some(ids) = attacker() else { return };
+    let daemon = daemon_for(ids.1, |_| {}).await;
+    let mut raw = raw_client(&daemon.socket).await;
+    let mut uploads = Vec::new();
+    for _ in 0..2 {
+        let begun = raw
+            .begin_upload(upload_request("mine", &uniform_model(91, 1, 4096)))
+            .await
+            .unwrap()
+            .into_inner();
+        uploads.push(begun.upload_id);
+    }
+    for id in &uploads {
+        let hex = id.strip_prefix("up-").unwrap();
+        assert!(
+            hex.len() == 16 && hex.chars().all(|c| c.is_ascii_hexdigit()),
+            "{id}"
+        );
+    }
+    assert_ne!(uploads[0], uploads[1]);
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_model(dir.path(), "m.safetensors", &mixed_model(92));
+    let expected = read_model(std::slice::from_ref(&path));
+    let mut client = daemon.client().await;
+    let manifest = load(&mut client, &[path], &expected).await;
+    let session = client
+        .open_session(options(
+            &manifest.model_id,
+            per_tensor_groups(&manifest),
+            0,
+            1 << 20,
+        ))
+        .await
+        .unwrap();
+    let (model, missing_model) = (&manifest.model_id, "m-0123456789abcdef");
+    let asks = [
+        format!("commit {}", uploads[0]),
+        "commit up-0123456789abcdef".to_string(),
+        format!("close {}", session.id()),
+        "close s-999".to_string(),
+        format!("release {model}"),
+        format!("release {missing_model}"),
+    ];
+    let asks: Vec<&str> = asks.iter().map(String::as_str).collect();
+    let got = attack(ids, &daemon.socket, "touch", &asks).await;
+    let uid = ids.0;
+    let no_ref = |id: &str| {
+        format!(
+            "NotFound: uid {uid} holds no reference to model_id '{id}': only a uid that loaded \
+             or uploaded it may release it"
+        )
+    };
+    let want = [
+        format!("NotFound: unknown upload_id '{}'", uploads[0]),
+        "NotFound: unknown upload_id 'up-0123456789abcdef'".to_string(),
+        format!("NotFound: unknown session_id '{}'", session.id()),
+        "NotFound: unknown session_id 's-999'".to_string(),
+        no_ref(model),
+        no_ref(missing_model),
+    ];
+    assert_eq!(got, want.join(" | "));
+    // All of it still the owner's.
+    assert_eq!(daemon.uploads(), 2);
+    raw.commit_upload(proto::CommitUploadRequest {
+        upload_id: uploads[0].clone(),
+    })
+    .await
+    .unwrap();
+    session.close().await.unwrap();
+}

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, watch};
 
-pub use self::drops::{DropError, FdDrops, FdTokenError, MAX_DROPS_PER_UID, TOKEN_TTL};
+pub use self::drops::{DropError, FdDrops, FdTokenError, MAX_DROPS_PER_UID, TOKEN_TTL, shown_name};
 pub use self::secrets::{FdSecrets, SecretError, SecretOwner};
 use crate::backend::{Backend, BackendError, RegionExport, RegionHandle};
 use crate::config::Config;
@@ -208,8 +208,8 @@ impl Daemon {
         (page, more)
     }
 
-    /// The files `peer` passed under `token`, named by `paths` (one per fd, in order), ready
-    /// for the store to load.
+    /// The files `peer` passed under `token`, named by `paths` (one per fd, in order; each
+    /// name is checked by [`shown_name`] before the load, off the runtime).
     pub fn load_sources(
         &self,
         peer: &Peer,
@@ -235,7 +235,9 @@ impl Daemon {
         name: &str,
         tensors: Vec<TensorDecl>,
     ) -> Result<(UploadTicket, String), CoreError> {
-        let ticket = self.store.begin_upload(owner(peer), name, tensors)?;
+        // 64 random bits: another uid learns nothing from an id, not even that it exists.
+        let upload_id = format!("up-{}", &drops::random_secret()[..16]);
+        let ticket = (self.store).begin_upload(owner(peer), upload_id, name, tensors)?;
         let upload = SecretOwner::Upload(ticket.upload_id.clone());
         let secret = (self.secrets).mint(peer.uid, &ticket.memfd, Access::ReadWrite, upload);
         Ok((ticket, secret))
@@ -468,12 +470,11 @@ impl Daemon {
         (live, totals)
     }
 
-    /// The session, if `peer` may drive it.
+    /// The session, if `peer` may drive it. Another uid's session is unknown to `peer`,
+    /// exactly as one that does not exist.
     pub fn owned_session(&self, peer: &Peer, id: &str) -> Result<Arc<SessionShared>, CoreError> {
-        let session = self
-            .sessions()
-            .get(id)
-            .cloned()
+        let session = (self.sessions().get(id).cloned())
+            .filter(|s| s.owner.uid == peer.uid)
             .ok_or_else(|| CoreError::UnknownSession(id.to_string()))?;
         if session.owner.conn != peer.conn {
             return Err(CoreError::NotOwner(id.to_string()));

@@ -16,9 +16,9 @@ use super::conn::Caller;
 use super::convert::{self, manifest, session_info, stored_manifest};
 use super::error::EdgeError;
 use super::validate::Validation;
-use crate::core::Daemon;
-use crate::core::Peer;
+use crate::core::{Daemon, Peer, shown_name};
 use crate::session::CloseReason;
+use crate::store::LoadSource;
 
 pub struct Service {
     daemon: Arc<Daemon>,
@@ -122,6 +122,12 @@ impl WeightStream for Service {
         let daemon = self.daemon.clone();
         let (tx, rx) = mpsc::channel(16);
         self.blocking.spawn(what, move || {
+            let sources: Vec<_> = (sources.into_iter())
+                .map(|s| LoadSource {
+                    name: shown_name(&s.name, &s.file),
+                    file: s.file,
+                })
+                .collect();
             let progress_tx = tx.clone();
             let mut progress = |done: u64, total: u64, file: &std::path::Path| {
                 let event = pb::load_model_event::Event::Progress(pb::LoadProgress {

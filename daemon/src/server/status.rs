@@ -61,10 +61,10 @@ pub fn status_of(e: &CoreError) -> Status {
             StoreError::Arena { .. }
             | StoreError::UploadTooLarge { .. }
             | StoreError::TooManyUploads { .. } => Status::resource_exhausted(msg),
-            StoreError::UnknownModel(_) | StoreError::UnknownUpload(_) => Status::not_found(msg),
-            StoreError::NotOwner(_) | StoreError::NotHolder { .. } => {
-                Status::permission_denied(msg)
-            }
+            StoreError::UnknownModel(_)
+            | StoreError::UnknownUpload(_)
+            | StoreError::NotHolder { .. } => Status::not_found(msg),
+            StoreError::NotOwner(_) => Status::permission_denied(msg),
             StoreError::Quota(_) => Status::resource_exhausted(msg),
             StoreError::Pin(_) => Status::resource_exhausted(msg),
         },

@@ -233,7 +233,9 @@ mod tests {
         let me = Owner { conn: 1, uid: 7 };
         let upload = |store: &Store| {
             let decl = crate::store::TensorDecl::plain("w", DType::U8, vec![100], 100);
-            let ticket = store.begin_upload(me, "m", vec![decl]).unwrap();
+            let ticket = store
+                .begin_upload(me, "up-1".into(), "m", vec![decl])
+                .unwrap();
             let fd = ticket
                 .memfd
                 .share(crate::mem::shm::Access::ReadWrite)

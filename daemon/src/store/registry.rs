@@ -82,7 +82,6 @@ pub(super) struct Pending {
 pub(super) struct Inner {
     models: HashMap<String, ModelEntry>,
     pub(super) uploads: HashMap<String, Upload>,
-    pub(super) next_upload: u64,
     pending: HashMap<u64, Pending>,
     next_pending: u64,
 }
@@ -244,19 +243,14 @@ impl Store {
     /// Drops one of `uid`'s load references; returns the load references left (all uids').
     pub fn release(&self, id: &str, uid: u32) -> Result<u32, StoreError> {
         let mut inner = self.inner();
-        let entry = inner
-            .models
-            .get_mut(id)
-            .ok_or_else(|| StoreError::UnknownModel(id.to_string()))?;
-        if entry.refs == 0 {
-            return Err(StoreError::UnknownModel(id.to_string()));
-        }
-        let holds = entry.holders.iter().any(|h| h.uid == uid && h.loads > 0);
-        if !holds {
-            return Err(StoreError::NotHolder {
-                id: id.to_string(),
-                uid,
-            });
+        // A model `uid` holds no reference to, and one that does not exist, answer alike.
+        let not_held = || StoreError::NotHolder {
+            id: id.to_string(),
+            uid,
+        };
+        let entry = inner.models.get_mut(id).ok_or_else(not_held)?;
+        if !entry.holders.iter().any(|h| h.uid == uid && h.loads > 0) {
+            return Err(not_held());
         }
         entry.refs -= 1;
         entry.holder(uid).loads -= 1;

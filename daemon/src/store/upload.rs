@@ -95,10 +95,12 @@ pub struct UploadTicket {
 }
 
 impl Store {
-    /// Creates an upload region for the declared tensors, owned by `owner`'s connection.
+    /// Creates an upload region for the declared tensors, owned by `owner`'s connection, under
+    /// `upload_id` (chosen by the caller: random, so that another uid cannot guess it).
     pub fn begin_upload(
         &self,
         owner: Owner,
+        upload_id: String,
         name: &str,
         tensors: Vec<TensorDecl>,
     ) -> Result<UploadTicket, StoreError> {
@@ -148,8 +150,6 @@ impl Store {
                 source,
             })?;
         let mut inner = self.inner();
-        inner.next_upload += 1;
-        let upload_id = format!("up-{}", inner.next_upload);
         let ticket = UploadTicket {
             upload_id: upload_id.clone(),
             memfd: memfd.clone(),
@@ -280,9 +280,13 @@ impl Store {
         })
     }
 
-    /// The region of `upload_id`, if `owner`'s connection began it.
+    /// The region of `upload_id`, if `owner`'s connection began it. Another uid's upload is
+    /// unknown to `owner`, exactly as one that does not exist: its id tells nothing.
     fn owned_upload(&self, owner: Owner, upload_id: &str) -> Result<Arc<Memfd>, StoreError> {
         match self.inner().uploads.get(upload_id) {
+            Some(u) if u.owner.uid != owner.uid => {
+                Err(StoreError::UnknownUpload(upload_id.to_string()))
+            }
             None => Err(StoreError::UnknownUpload(upload_id.to_string())),
             Some(u) if u.owner.conn != owner.conn => {
                 Err(StoreError::NotOwner(upload_id.to_string()))
@@ -474,7 +478,9 @@ mod tests {
     #[test]
     fn an_upload_is_sealed_by_the_daemon_and_becomes_the_arena() {
         let store = store_with(HostQuota::default());
-        let ticket = store.begin_upload(ME, "m", vec![u8s("w", 5000)]).unwrap();
+        let ticket = store
+            .begin_upload(ME, "up-1".into(), "m", vec![u8s("w", 5000)])
+            .unwrap();
         let fd = ticket.memfd.share(Access::ReadWrite).unwrap();
         let client = File::from(fd);
         assert_eq!(
@@ -514,7 +520,9 @@ mod tests {
             ..HostQuota::default()
         });
         let tensors: Vec<TensorDecl> = (0..100).map(|i| u8s(&format!("{i:0>1000}"), 0)).collect();
-        let err = store.begin_upload(ME, "empty", tensors).unwrap_err();
+        let err = store
+            .begin_upload(ME, "up-1".into(), "empty", tensors)
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             "quotas.per_uid_host_bytes = 65536 exceeded: uid 7 holds 0 host bytes and this \
@@ -527,7 +535,9 @@ mod tests {
     #[test]
     fn an_upload_of_empty_tensors_commits() {
         let store = store_with(HostQuota::default());
-        let ticket = store.begin_upload(ME, "", vec![u8s("e", 0)]).unwrap();
+        let ticket = store
+            .begin_upload(ME, "up-1".into(), "", vec![u8s("e", 0)])
+            .unwrap();
         assert_eq!(ticket.size, 0);
         let model = store.commit_upload(ME, &ticket.upload_id).unwrap().model;
         assert_eq!((model.total_bytes, model.slice(0).bytes()), (0, &[][..]));
@@ -548,15 +558,21 @@ mod tests {
                 conn: uid.into(),
                 uid,
             };
-            store.begin_upload(owner, "", vec![u8s("w", 1)]).unwrap();
+            store
+                .begin_upload(owner, format!("up-{uid}"), "", vec![u8s("w", 1)])
+                .unwrap();
         }
-        let err = store.begin_upload(ME, "", vec![u8s("w", 1)]).unwrap_err();
+        let err = store
+            .begin_upload(ME, "up-3".into(), "", vec![u8s("w", 1)])
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             "limits.max_uploads = 2 reached: the daemon has 2 uploads in progress"
         );
         assert_eq!(store.drop_uploads_of(1), vec!["up-1".to_string()]);
-        store.begin_upload(ME, "", vec![u8s("w", 1)]).unwrap();
+        store
+            .begin_upload(ME, "up-4".into(), "", vec![u8s("w", 1)])
+            .unwrap();
     }
 
     /// The id covers every byte of every piece a tensor is hashed in, in order, and each
@@ -593,7 +609,9 @@ mod tests {
     #[test]
     fn a_commit_is_timed() {
         let store = store_with(HostQuota::default());
-        let ticket = store.begin_upload(ME, "m", vec![u8s("w", 5000)]).unwrap();
+        let ticket = store
+            .begin_upload(ME, "up-1".into(), "m", vec![u8s("w", 5000)])
+            .unwrap();
         let client = File::from(ticket.memfd.share(Access::ReadWrite).unwrap());
         client.write_all_at(&[3u8; 5000], 0).unwrap();
         let stored = store.commit_upload(ME, &ticket.upload_id).unwrap();

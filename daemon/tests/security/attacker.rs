@@ -254,6 +254,35 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                 Err(e) => format!("failed: {e}"),
             }
         }
+        // Each arg is "commit ID", "close ID" or "release ID": what the daemon answers each.
+        "touch" => {
+            let mut rpc = raw_client(socket).await;
+            let mut got = Vec::new();
+            for arg in args {
+                let (what, id) = arg.split_once(' ').unwrap();
+                let id = id.to_string();
+                let answer = match what {
+                    "commit" => (rpc.commit_upload(proto::CommitUploadRequest { upload_id: id }))
+                        .await
+                        .map(|_| ()),
+                    "close" => (rpc.close_session(proto::CloseSessionRequest { session_id: id }))
+                        .await
+                        .map(|_| ()),
+                    "release" => (rpc.release_model(proto::ReleaseModelRequest {
+                        model_id: id,
+                        ..Default::default()
+                    }))
+                    .await
+                    .map(|_| ()),
+                    other => panic!("unknown touch {other}"),
+                };
+                got.push(match answer {
+                    Ok(()) => "done".to_string(),
+                    Err(s) => status_line(&s),
+                });
+            }
+            got.join(" | ")
+        }
         // GET each secret.
         "get" => {
             let mut got = Vec::new();
