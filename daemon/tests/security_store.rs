@@ -196,6 +196,75 @@ async fn no_model_and_no_page_of_models_outgrows_a_message() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Identity from the bytes read
+
+/// A model is the bytes the daemon read, not what a file's stat says: the attacker loads its
+/// world-readable file, then rewrites it through a shared writable mapping (the file's inode,
+/// size, mtime and ctime stay as they were); another uid loading the file gets another model,
+/// with the new bytes, and the attacker's model keeps the bytes it was loaded with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_changed_under_its_stat_is_a_new_model_with_the_new_bytes() {
+    let Some(ids) = attacker() else { return };
+    let daemon = daemon_for(ids.1, |_| {}).await;
+    let dir = shared_dir(true);
+    let (old, new) = (uniform_model(93, 2, 4096), uniform_model(94, 2, 4096));
+    let path = write_model(dir.path(), "m.safetensors", &old);
+    let replacement = write_model(dir.path(), "new.safetensors", &new);
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        std::fs::metadata(&replacement).unwrap().len()
+    );
+    std::os::unix::fs::chown(&path, Some(ids.0), Some(ids.1)).unwrap();
+    for file in [&path, &replacement] {
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+    let expected_old = read_model(std::slice::from_ref(&path));
+
+    let args = [path.to_str().unwrap(), replacement.to_str().unwrap()];
+    let mut child = attacker::spawn_attacker(ids, &daemon.socket, "rewrite-mapped", &args);
+    let got = attacker::result_of(&mut child).await;
+    let theirs = (got
+        .strip_prefix("loaded ")
+        .and_then(|s| s.strip_suffix(" (same stat)")))
+    .unwrap_or_else(|| panic!("loaded, then rewritten under the same stat: {got}"));
+    let expected_new = read_model(std::slice::from_ref(&path));
+    assert_ne!(expected_new, expected_old, "the file's bytes changed");
+
+    let mut client = daemon.client().await;
+    let mine = load(&mut client, std::slice::from_ref(&path), &expected_new).await;
+    assert_ne!(mine.model_id, theirs);
+    assert_eq!(mine.refcount, 1);
+    let groups = per_tensor_groups(&mine);
+    let session = client
+        .open_session(options(&mine.model_id, groups, 0, 1 << 20))
+        .await
+        .unwrap();
+    assert_eq!(
+        run_step(&session, &[0, 1], &expected_new).await,
+        model_bytes(&expected_new)
+    );
+    session.close().await.unwrap();
+    let stored = daemon.core.store.get(theirs).unwrap().model;
+    for (i, t) in stored.tensors.iter().enumerate() {
+        assert!(
+            stored.slice(i).bytes() == &expected_old[&t.name].bytes[..],
+            "{}",
+            t.name
+        );
+    }
+    // Loaded again unchanged, the file is found by its bytes: the same model, read, not copied.
+    let again = load(&mut client, std::slice::from_ref(&path), &expected_new).await;
+    assert_eq!(
+        (again.model_id.as_str(), again.refcount),
+        (mine.model_id.as_str(), 2)
+    );
+    assert_eq!(daemon.shm_count("model"), 2);
+    drop(child.stdin.take());
+    let status = tokio::task::spawn_blocking(move || child.wait()).await;
+    assert!(status.unwrap().unwrap().success());
+}
+
+// ---------------------------------------------------------------------------------------------
 // Ids
 
 /// Another uid's upload, session and model answer NOT_FOUND exactly as ids that do not exist:

@@ -129,6 +129,12 @@ fn phases_line(p: &proto::StorePhases, wall: f64, quantized: bool) -> String {
         secs(p.read_ns),
         gb_per_s(p.input_bytes, p.read_ns),
     );
+    if p.hash_ns > 0 {
+        line += &format!(
+            ", checked against the stored copy in {:.1} s",
+            secs(p.hash_ns)
+        );
+    }
     if p.pin_ns > 0 {
         line += &format!(
             ", page-locked in {:.1} s ({:.1} GB/s)",
@@ -159,6 +165,7 @@ fn to_json(
         "phases": {
             "alloc_s": secs(p.alloc_ns),
             "read_s": secs(p.read_ns),
+            "hash_s": secs(p.hash_ns),
             "pin_s": secs(p.pin_ns),
             "total_s": secs(p.total_ns),
             "input_bytes": p.input_bytes,

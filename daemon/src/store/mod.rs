@@ -223,6 +223,9 @@ pub struct Model {
     pub total_bytes: u64,
     /// What its description takes ([`metadata_bytes`]).
     pub metadata_bytes: u64,
+    /// Of a model loaded from files: what the files looked like from outside (their stat),
+    /// which says when a load of them is worth checking against this model's bytes.
+    pub file_key: Option<String>,
 }
 
 impl Model {
@@ -260,6 +263,7 @@ impl Model {
             arena: Arc::new(arena),
             total_bytes,
             metadata_bytes,
+            file_key: None,
         }
     }
 

@@ -211,6 +211,12 @@ impl Store {
         Some(entry.model.clone())
     }
 
+    /// Whether a model loaded from files with this key ([`Model::file_key`]) is stored.
+    pub(super) fn has_file_key(&self, key: &str) -> bool {
+        let inner = self.inner();
+        (inner.models.values()).any(|e| e.model.file_key.as_deref() == Some(key))
+    }
+
     /// Inserts a model just made, charged to `uid`; if an identical one got in first (a
     /// concurrent load of the same files), takes a reference to that one instead and drops
     /// this one (outside the lock: an arena may take a while to unpin). Returns the model in
@@ -422,7 +428,8 @@ mod tests {
         };
         let store = store_with(quota);
         let a = model_file(dir.path(), "a.safetensors", 8192);
-        let b = model_file(dir.path(), "b.safetensors", 8192);
+        // Other bytes (the same bytes would be the same model), the same charge.
+        let b = model_file(dir.path(), "b.safetensors", 8000);
         load_paths(&store, &[a], 1).unwrap();
         let err = load_paths(&store, std::slice::from_ref(&b), 1).unwrap_err();
         assert_eq!(

@@ -447,7 +447,7 @@ fn content_identity(tensors: &[StoredTensor], arena: &[u8]) -> String {
             next += 1;
         }
     }
-    format!("u-{}", &hasher.finalize().to_hex()[..16])
+    format!("u-{}", &hasher.finalize().to_hex()[..32])
 }
 
 #[cfg(test)]

@@ -194,6 +194,12 @@ pub async fn attack_in(
     (pid, result)
 }
 
+/// A shared writable mapping of `len` bytes of `file`.
+fn shared_map(file: &std::fs::File, len: usize) -> memmap2::MmapMut {
+    // SAFETY: the file is the attacker's own and nothing else truncates it while mapped.
+    unsafe { memmap2::MmapOptions::new().len(len).map_mut(file).unwrap() }
+}
+
 fn status_line(status: &tonic::Status) -> String {
     format!("{:?}: {}", status.code(), status.message())
 }
@@ -282,6 +288,50 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                 });
             }
             got.join(" | ")
+        }
+        // Map its file args[0] shared and writable (its pages written once, so that later
+        // writes fault nothing), load it, then write args[1]'s bytes through the mapping:
+        // the file changes and its stat does not. Prints the model, keeps the mapping until
+        // stdin closes.
+        "rewrite-mapped" => {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&args[0])
+                .unwrap();
+            let len = file.metadata().unwrap().len() as usize;
+            let mut map = shared_map(&file, len);
+            let original = map.to_vec();
+            map.copy_from_slice(&original);
+            let stat = || {
+                use std::os::unix::fs::MetadataExt;
+                let m = file.metadata().unwrap();
+                (
+                    m.ino(),
+                    m.size(),
+                    m.mtime(),
+                    m.mtime_nsec(),
+                    m.ctime(),
+                    m.ctime_nsec(),
+                )
+            };
+            let mut rpc = raw_client(socket).await;
+            let path = PathBuf::from(&args[0]);
+            let at_load = stat();
+            let loaded = raw_load(&mut rpc, socket, &[path], &[&args[0]]).await;
+            let replacement = std::fs::read(&args[1]).unwrap();
+            map.copy_from_slice(&replacement);
+            let same = if stat() == at_load { "same" } else { "another" };
+            match loaded {
+                Ok(m) => println!("RESULT loaded {} ({same} stat)", m.model_id),
+                Err(s) => println!("RESULT {}", status_line(&s)),
+            }
+            std::io::stdout().flush().unwrap();
+            tokio::task::spawn_blocking(|| std::io::stdin().lines().count())
+                .await
+                .unwrap();
+            drop(map);
+            "unmapped".into()
         }
         // GET each secret.
         "get" => {
