@@ -874,6 +874,7 @@ async fn bad_uploads_are_refused_precisely() {
     assert_eq!(daemon.shm_count("upload"), 1);
     let mut stranger = raw_client(&daemon.socket).await;
     let commit = |id: &str| proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
         upload_id: id.to_string(),
     };
     let status = stranger

@@ -177,6 +177,7 @@ async fn an_upload_is_sealed_by_the_daemon() {
     // SAFETY: the mapping is ours and `size` long; nothing else writes it meanwhile.
     unsafe { std::ptr::copy_nonoverlapping(tensors[0].bytes.as_ptr(), mapped.as_mut_ptr(), 4096) };
     let commit = || proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id.clone(),
     };
     let status = raw.commit_upload(commit()).await.unwrap_err();
@@ -268,6 +269,7 @@ async fn shared_memory_has_no_name_and_reaches_clients_as_fds_only() {
     assert_eq!(size, 4096);
     std::fs::File::from(fd).write_all_at(b"mine", 0).unwrap();
     raw.commit_upload(proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id,
     })
     .await

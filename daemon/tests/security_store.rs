@@ -17,6 +17,7 @@ use attacker::{attack, attacker, daemon_for};
 use common::*;
 use tonic::Code;
 use weightstream_client::proto;
+use weightstream_daemon::config::SizeOrShare;
 
 #[path = "security/attacker.rs"]
 mod attacker;
@@ -136,23 +137,22 @@ async fn no_model_and_no_page_of_models_outgrows_a_message() {
     }
     ids.sort();
 
-    let refused = format!(
-        "the model's description (its tensors' names and shapes) takes up to 69059 bytes, more \
-         than one message holds with the rest of an answer: limits.max_message_bytes = 65536"
-    );
+    let refused = "the model's description (its tensors' names and shapes) takes up to 69059 \
+                   bytes, more than one message holds with the rest of an answer: \
+                   limits.max_message_bytes = 65536";
     let big = write_model(dir.path(), "big.safetensors", &model(9, 400));
     let mut raw = raw_client(&daemon.socket).await;
     let status = raw_load(
         &mut raw,
         &daemon.socket,
-        &[big.clone()],
+        std::slice::from_ref(&big),
         &[big.to_str().unwrap()],
     )
     .await
     .unwrap_err();
     assert_eq!(
         (status.code(), status.message()),
-        (Code::InvalidArgument, refused.as_str())
+        (Code::InvalidArgument, refused)
     );
     let status = raw
         .begin_upload(upload_request("big", &model(9, 400)))
@@ -160,7 +160,7 @@ async fn no_model_and_no_page_of_models_outgrows_a_message() {
         .unwrap_err();
     assert_eq!(
         (status.code(), status.message()),
-        (Code::InvalidArgument, refused.as_str())
+        (Code::InvalidArgument, refused)
     );
     assert_eq!((daemon.uploads(), daemon.shm_count("model")), (0, 5));
 
@@ -265,6 +265,126 @@ async fn a_file_changed_under_its_stat_is_a_new_model_with_the_new_bytes() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The store as a cache
+
+const MIB: usize = 1 << 20;
+
+/// A daemon of 3 MiB of host memory (and more than one model of 2 MiB does not fit).
+async fn small_daemon(attacker_gid: u32) -> TestDaemon {
+    daemon_for(attacker_gid, |c| {
+        c.quotas.max_host_bytes = SizeOrShare::Bytes(3 * MIB as u64);
+    })
+    .await
+}
+
+/// Uploads a model of one 2 MiB tensor as this process (seed `seed`).
+async fn upload_2mib(
+    client: &mut weightstream_client::Client,
+    seed: u64,
+) -> Result<proto::ModelManifest, weightstream_client::ClientError> {
+    let tensors = uniform_model(seed, 1, 2 * MIB);
+    let data: Vec<_> = tensors.iter().map(Tensor::as_upload).collect();
+    client.upload_model("mine", &data).await.map(|(m, _)| m)
+}
+
+/// A job of another uid uploads and exits: its model stays as a cache entry, and the next
+/// upload that needs the memory, by this uid, evicts it and succeeds. An upload whose
+/// reference lasts as long as its connection goes when the job exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_of_a_job_that_exited_makes_room_for_the_next() {
+    let Some(ids) = attacker() else { return };
+    let daemon = small_daemon(ids.1).await;
+    let socket = &daemon.socket;
+    let size = (2 * MIB).to_string();
+    let got = attack(ids, socket, "upload", &["cached", &size, "95"]).await;
+    let theirs = got
+        .strip_prefix("uploaded ")
+        .unwrap_or_else(|| panic!("{got}"));
+    let mut client = daemon.client().await;
+    eventually(
+        "the job's connection is gone: its model is a cache entry",
+        || {
+            let (mut client, id) = (client.clone(), theirs.to_string());
+            async move { model_listed(&mut client, &id).await.unwrap().cached }
+        },
+    )
+    .await;
+    assert_eq!(
+        model_listed(&mut client, theirs).await.unwrap().refcount,
+        1,
+        "kept"
+    );
+
+    let mine = upload_2mib(&mut client, 96).await.unwrap();
+    assert!(model_listed(&mut client, theirs).await.is_none(), "evicted");
+    let listed = model_listed(&mut client, &mine.model_id).await.unwrap();
+    assert_eq!(
+        (listed.refcount, listed.cached),
+        (1, false),
+        "this connection holds it"
+    );
+
+    // A job whose upload lasts as long as its connection leaves nothing behind.
+    assert_eq!(client.release_model(&mine.model_id).await.unwrap(), 0);
+    let got = attack(ids, socket, "upload", &["connection", &size, "97"]).await;
+    let theirs = got
+        .strip_prefix("uploaded ")
+        .unwrap_or_else(|| panic!("{got}"));
+    eventually("the exited job's upload is released", || {
+        let (mut client, id) = (client.clone(), theirs.to_string());
+        async move { model_listed(&mut client, &id).await.is_none() }
+    })
+    .await;
+    assert_eq!(daemon.shm_total(), 0);
+}
+
+/// A pinned model is not evicted: the upload that needs its memory is refused with a message
+/// that names the model, whose it is and the commands that free it; the attacker cannot give
+/// back other uids' references, root can, and the upload then succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_model_stays_and_the_refusal_says_who_holds_the_memory() {
+    let Some(ids) = attacker() else { return };
+    let daemon = small_daemon(ids.1).await;
+    let socket = &daemon.socket;
+    let size = (2 * MIB).to_string();
+    let got = attack(ids, socket, "upload", &["pinned", &size, "98"]).await;
+    let theirs = got
+        .strip_prefix("uploaded ")
+        .unwrap_or_else(|| panic!("{got}"));
+    let mut client = daemon.client().await;
+    let err = upload_2mib(&mut client, 99).await.unwrap_err();
+    let uid = ids.0;
+    let held = daemon.core.store.get(theirs).unwrap().model.host_bytes();
+    let need = held - "job".len() as u64 + "mine".len() as u64;
+    assert_eq!(err.code(), Some(Code::ResourceExhausted), "{err}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "ResourceExhausted: quotas.max_host_bytes = 3145728 exceeded: the daemon holds \
+             {held} host bytes and this upload needs {need} more; held by: {theirs} 'job' \
+             (2.0 MiB; uid {uid}: pinned). `weightstream release MODEL_ID` gives back a \
+             reference of the uid that runs it; `weightstream release --all MODEL_ID`, run as \
+             root or as the daemon's user, gives back every uid's (the model goes once its \
+             sessions end)"
+        )
+    );
+    assert_eq!(
+        attack(ids, socket, "release-all", &[theirs]).await,
+        format!(
+            "failed: PermissionDenied: all_references: uid {uid} may not give back other uids' \
+             references to a model: only root and the daemon's user (uid 0) may"
+        )
+    );
+    assert!(
+        model_listed(&mut client, theirs).await.is_some(),
+        "pinned, kept"
+    );
+    assert_eq!(client.release_model_for_all(theirs).await.unwrap(), 0);
+    assert!(model_listed(&mut client, theirs).await.is_none());
+    upload_2mib(&mut client, 99).await.unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Ids
 
 /// Another uid's upload, session and model answer NOT_FOUND exactly as ids that do not exist:
@@ -335,6 +455,7 @@ async fn another_uids_ids_answer_as_ids_that_do_not_exist() {
     // All of it still the owner's.
     assert_eq!(daemon.uploads(), 2);
     raw.commit_upload(proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
         upload_id: uploads[0].clone(),
     })
     .await

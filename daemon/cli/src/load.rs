@@ -29,10 +29,22 @@ pub struct LoadArgs {
     /// the command's own wall time) instead of text; no progress bar.
     #[arg(long)]
     json: bool,
+    /// Pin the model: the daemon never evicts it to make room, until `weightstream release`
+    /// gives the reference back. Without it the model stays after this command exits, as a
+    /// cache entry the daemon evicts (least recently used first) when a load or an upload
+    /// needs the memory and no session uses it.
+    #[arg(long)]
+    pin: bool,
 }
 
 pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
-    let mut client = Client::connect(socket.as_deref()).await?;
+    let retention = if args.pin {
+        proto::Retention::Pinned
+    } else {
+        proto::Retention::Cached
+    };
+    let client = Client::connect(socket.as_deref()).await?;
+    let mut client = client.with_retention(retention);
     let paths = args
         .files
         .iter()
@@ -80,12 +92,13 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
         return Ok(());
     }
     println!(
-        "{}  {}  {} tensors  {}  (references: {})",
+        "{}  {}  {} tensors  {}  (references: {}{})",
         shown(&manifest.model_id),
         shown(&manifest.name),
         manifest.tensors.len(),
         human(manifest.total_bytes),
-        manifest.refcount
+        manifest.refcount,
+        if manifest.pinned > 0 { ", pinned" } else { "" }
     );
     if quantized {
         let count = (manifest.tensors.iter())

@@ -55,7 +55,7 @@ enum Command {
     Top(top::TopArgs),
     /// Load safetensors files (a file, a *.safetensors.index.json, or a directory) into the store.
     Load(load::LoadArgs),
-    /// Give back this uid's reference to a model (models outlive the command that loaded them).
+    /// Give back this uid's reference to a model, or (`--all`, as root or the daemon's user) every uid's.
     Release(release::ReleaseArgs),
     /// Run an embedded daemon and a training-like client on a synthetic model, then report.
     Demo(demo::DemoArgs),

@@ -79,6 +79,7 @@ fn to_json(
         "models": models.models.iter().map(|m| json!({
             "model_id": m.model_id, "name": m.name, "tensors": m.tensors.len(),
             "total_bytes": m.total_bytes, "refcount": m.refcount, "sessions": m.sessions,
+            "pinned": m.pinned, "cached": m.cached,
             "source": m.source, "format": model_format(m),
         })).collect::<Vec<_>>(),
         "sessions": sessions.iter().map(|s| {
@@ -138,7 +139,7 @@ fn print_tables(
         println!("{q}");
     }
     let mut m = table(&[
-        "model", "name", "tensors", "bytes", "refs", "sessions", "source", "format",
+        "model", "name", "tensors", "bytes", "refs", "sessions", "kept", "source", "format",
     ]);
     for x in &models.models {
         m.add_row(vec![
@@ -148,6 +149,7 @@ fn print_tables(
             human(x.total_bytes),
             x.refcount.to_string(),
             x.sessions.to_string(),
+            kept(x).to_string(),
             shown(&x.source),
             model_format(x),
         ]);
@@ -230,6 +232,19 @@ fn quota_table(info: &proto::GetInfoResponse) -> Option<String> {
         ]);
     }
     Some(format!("quotas (uid {})\n{t}", u.uid))
+}
+
+/// Whether the daemon may evict a model to make room: "pinned" (never), "cached" (only closed
+/// connections' references hold it: evicted first when room is needed), "in use" (a session
+/// or an open connection holds it).
+fn kept(m: &proto::ModelManifest) -> &'static str {
+    if m.pinned > 0 {
+        "pinned"
+    } else if m.cached {
+        "cached"
+    } else {
+        "in use"
+    }
 }
 
 /// A model's format: the quantization of its quantized tensors ("fp8_e4m3_block64"), or "none".

@@ -141,7 +141,7 @@ impl WeightStream for Service {
                 &sources,
                 &req.name,
                 req.quantization,
-                peer.uid,
+                (peer.owner(), req.retention),
                 &mut progress,
             );
             let msg = result
@@ -192,7 +192,9 @@ impl WeightStream for Service {
         let what = format!("CommitUpload '{}' for uid {}", req.upload_id, peer.uid);
         let stored = self
             .blocking
-            .spawn(what, move || daemon.commit_upload(&peer, &req.upload_id))
+            .spawn(what, move || {
+                daemon.commit_upload(&peer, &req.upload_id, req.retention)
+            })
             .await
             .map_err(|source| EdgeError::Task {
                 what: "commit",
@@ -210,9 +212,9 @@ impl WeightStream for Service {
         &self,
         req: Request<pb::ReleaseModelRequest>,
     ) -> Result<Response<pb::ReleaseModelResponse>, Status> {
-        let uid = peer(&req)?.uid;
+        let peer = peer(&req)?;
         let req = self.validation.release_model(req.into_inner())?;
-        let refcount = self.daemon.store.release(&req.model_id, uid)?;
+        let refcount = (self.daemon).release_model(&peer, &req.model_id, req.all_references)?;
         Ok(Response::new(pb::ReleaseModelResponse { refcount }))
     }
 

@@ -28,8 +28,8 @@ use super::quantize::{
 };
 use super::safetensors::{self, TensorEntry};
 use super::{
-    Model, ModelSource, QuantizedLayout, Store, StoreError, StoredTensor, TENSOR_ALIGN,
-    metadata_bytes,
+    Model, ModelSource, Owner, QuantizedLayout, Retention, Store, StoreError, StoredTensor,
+    TENSOR_ALIGN, metadata_bytes,
 };
 use crate::mem::{align_up, parallel};
 
@@ -105,13 +105,14 @@ impl Store {
     /// Loads safetensors from `sources` (blocking; run it off the async runtime), quantizing
     /// its weights as `quantization` says ([`quantizes_on_load`]). Returns the model, whether it
     /// was already in the store, and where the time went: the arena's allocation, reading (and
-    /// quantizing), page-locking. Progress counts the files' bytes.
+    /// quantizing), page-locking. The reference is `owner`'s (its uid's, taken by its
+    /// connection) and lasts as `retention` says. Progress counts the files' bytes.
     pub fn load(
         &self,
         sources: &[LoadSource],
         name: &str,
         quantization: Quantization,
-        uid: u32,
+        (owner, retention): (Owner, Retention),
         progress: Progress<'_>,
     ) -> Result<Stored, StoreError> {
         let started = Instant::now();
@@ -125,7 +126,7 @@ impl Store {
         if self.has_file_key(&key) {
             let digests = phases.time(|p| &mut p.hash, || digest_files(&plan))?;
             let id = model_id(&headers, &digests, quantization);
-            if let Some(model) = self.add_ref(&id, uid) {
+            if let Some(model) = self.add_ref(&id, owner, retention) {
                 progress(total, total, last);
                 phases.total = started.elapsed();
                 return Ok(Stored {
@@ -147,7 +148,7 @@ impl Store {
             plan.last().map_or(0, |p| p.offset + p.nbytes()),
             TENSOR_ALIGN,
         );
-        let reserved = self.reserve(uid, arena_len + metadata, false, "model")?;
+        let reserved = self.reserve(owner.uid, arena_len + metadata, false, "model")?;
         progress(0, total, Path::new("allocating host memory"));
         let mut segment = phases
             .time(|p| &mut p.alloc, || self.shm.create("model", arena_len))
@@ -163,7 +164,7 @@ impl Store {
         phases.input_bytes = total;
         // The model is what was read: its id is the digest of those bytes.
         let id = model_id(&headers, &digests, quantization);
-        if let Some(model) = self.add_ref(&id, uid) {
+        if let Some(model) = self.add_ref(&id, owner, retention) {
             // The same bytes are stored already (other files, or the same ones changed back):
             // the copy just made goes, unpinned.
             drop((segment, reserved));
@@ -180,7 +181,7 @@ impl Store {
         phases.nothing_pinned_unless(arena.is_pinned());
         let mut model = Model::new(id, name, ModelSource::File, tensors, arena);
         model.file_key = Some(key);
-        let (model, existed) = self.insert_or_ref(Arc::new(model), uid);
+        let (model, existed) = self.insert_or_ref(Arc::new(model), owner, retention);
         drop(reserved);
         phases.total = started.elapsed();
         Ok(Stored {
@@ -861,7 +862,7 @@ mod tests {
 
     use super::*;
     use crate::quota::HostQuota;
-    use crate::store::test_support::{load_paths, model_file, sources, store_with};
+    use crate::store::test_support::{load_paths, me, model_file, sources, store_with};
 
     /// A load holds no lock while it reads: a second load of the same files runs to the end
     /// while the first is stopped in the middle of its reads (its progress callback), and the
@@ -884,8 +885,13 @@ mod tests {
                         waited = Some(second_done_rx.recv_timeout(Duration::from_secs(10)));
                     }
                 };
-                let loaded =
-                    store.load(&sources(&[path]), "", Quantization::None, 1, &mut progress);
+                let loaded = store.load(
+                    &sources(&[path]),
+                    "",
+                    Quantization::None,
+                    me(1),
+                    &mut progress,
+                );
                 (loaded.map(|s| (s.model, s.existed)), waited)
             })
         };
@@ -944,7 +950,7 @@ mod tests {
             file: File::open(dir.path()).unwrap(),
         };
         let err = store
-            .load(&[source], "", Quantization::None, 1, &mut |_, _, _| {})
+            .load(&[source], "", Quantization::None, me(1), &mut |_, _, _| {})
             .unwrap_err();
         assert_eq!(
             err.to_string(),
@@ -1025,7 +1031,7 @@ mod tests {
                 &sources(&[path]),
                 "",
                 Quantization::None,
-                1,
+                me(1),
                 &mut |_, _, _| events += 1,
             )
             .unwrap();

@@ -7,12 +7,15 @@
 //! serves every job on the box.
 //!
 //! One job per module: `registry` (models by id, references, dedup, host charges, sessions),
+//! `cache` (evicting models only closed connections hold, to make room; refusals that say
+//! what holds the memory),
 //! `load` (safetensors files into an arena), `upload` (client-written regions, sealed into
 //! arenas), `pin` (page-locking an arena through a `HostPinner`); `safetensors` parses headers;
 //! `parallel` spreads reading and hashing over threads, `phases` times them.
 //! This file holds the types they share. Memory itself (memfds, arenas, slices) lives in
 //! `crate::mem`.
 
+mod cache;
 mod load;
 mod phases;
 mod pin;
@@ -32,7 +35,7 @@ pub use self::load::{LoadSource, Progress};
 pub use self::phases::{Phases, Stored};
 use self::quantize::{NonFinite, Quantization, QuantizeError, StoredLayout};
 use self::registry::Inner;
-pub use self::registry::{Holder, HostUse, ModelEntry};
+pub use self::registry::{Holder, HostUse, ModelEntry, Retention};
 use self::safetensors::{DType, HeaderError};
 pub use self::upload::{DeclQuant, TensorDecl, UploadTicket};
 use crate::mem::shm::Shm;
@@ -133,6 +136,10 @@ pub enum StoreError {
     },
     #[error(transparent)]
     Quota(#[from] QuotaError),
+    /// A host quota that evicting cached models would not satisfy: the quota's refusal, then
+    /// what holds the memory.
+    #[error("{0}")]
+    HostFull(String),
     #[error(transparent)]
     Pin(#[from] PinError),
 }

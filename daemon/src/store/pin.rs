@@ -242,7 +242,8 @@ mod tests {
                 .unwrap();
             std::os::unix::fs::FileExt::write_all_at(&std::fs::File::from(fd), &[5; 100], 0)
                 .unwrap();
-            let committed = store.commit_upload(me, &ticket.upload_id);
+            let committed =
+                store.commit_upload(me, &ticket.upload_id, crate::store::Retention::Cached);
             (ticket, committed)
         };
         let in_place = Arc::new(Recorder::default());

@@ -24,8 +24,8 @@ use super::quantize::{
 use super::registry::{Pending, Reservation};
 use super::safetensors::DType;
 use super::{
-    Model, ModelSource, Owner, QuantizedLayout, Store, StoreError, StoredTensor, TENSOR_ALIGN,
-    metadata_bytes,
+    Model, ModelSource, Owner, QuantizedLayout, Retention, Store, StoreError, StoredTensor,
+    TENSOR_ALIGN, metadata_bytes,
 };
 use crate::mem::shm::{Memfd, SealError, ShmSegment};
 use crate::mem::{align_up, parallel};
@@ -177,7 +177,12 @@ impl Store {
     /// Refused, with the upload left as it was, while its client still maps it writable.
     /// Returns the model, whether it was already in the store, and where the time went:
     /// sealing, quantizing, hashing and page-locking (the last two at once).
-    pub fn commit_upload(&self, owner: Owner, upload_id: &str) -> Result<Stored, StoreError> {
+    pub fn commit_upload(
+        &self,
+        owner: Owner,
+        upload_id: &str,
+        retention: Retention,
+    ) -> Result<Stored, StoreError> {
         let started = Instant::now();
         let mut phases = Phases::default();
         let memfd = self.owned_upload(owner, upload_id)?;
@@ -249,7 +254,7 @@ impl Store {
             phases.pin += took;
             (id, in_place)
         });
-        if let Some(model) = self.add_ref(&id, owner.uid) {
+        if let Some(model) = self.add_ref(&id, owner, retention) {
             phases.nothing_pinned_unless(matches!(in_place, Ok(Some(_))));
             drop(in_place); // unlocked before the segment is unmapped
             phases.total = started.elapsed();
@@ -270,7 +275,7 @@ impl Store {
         )?;
         phases.nothing_pinned_unless(arena.is_pinned());
         let model = Model::new(id, name, ModelSource::Upload, tensors, arena);
-        let (model, existed) = self.insert_or_ref(Arc::new(model), owner.uid);
+        let (model, existed) = self.insert_or_ref(Arc::new(model), owner, retention);
         drop(reserved);
         phases.total = started.elapsed();
         Ok(Stored {
@@ -489,7 +494,9 @@ mod tests {
         );
         let map = client_map(&client, 8192);
         client.write_all_at(&[3u8; 5000], 0).unwrap();
-        let err = store.commit_upload(ME, &ticket.upload_id).unwrap_err();
+        let err = store
+            .commit_upload(ME, &ticket.upload_id, Retention::Cached)
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             "upload_id 'up-1': the upload region is still mapped writable by the client: unmap \
@@ -497,7 +504,9 @@ mod tests {
         );
         assert_eq!(store.upload_count(), 1, "the upload is left as it was");
         drop(map);
-        let Stored { model, existed, .. } = store.commit_upload(ME, &ticket.upload_id).unwrap();
+        let Stored { model, existed, .. } = store
+            .commit_upload(ME, &ticket.upload_id, Retention::Cached)
+            .unwrap();
         assert!(!existed);
         assert_eq!(
             client.write_at(b"x", 0).unwrap_err().raw_os_error(),
@@ -539,7 +548,10 @@ mod tests {
             .begin_upload(ME, "up-1".into(), "", vec![u8s("e", 0)])
             .unwrap();
         assert_eq!(ticket.size, 0);
-        let model = store.commit_upload(ME, &ticket.upload_id).unwrap().model;
+        let model = store
+            .commit_upload(ME, &ticket.upload_id, Retention::Cached)
+            .unwrap()
+            .model;
         assert_eq!((model.total_bytes, model.slice(0).bytes()), (0, &[][..]));
     }
 
@@ -614,7 +626,9 @@ mod tests {
             .unwrap();
         let client = File::from(ticket.memfd.share(Access::ReadWrite).unwrap());
         client.write_all_at(&[3u8; 5000], 0).unwrap();
-        let stored = store.commit_upload(ME, &ticket.upload_id).unwrap();
+        let stored = store
+            .commit_upload(ME, &ticket.upload_id, Retention::Cached)
+            .unwrap();
         let p = stored.phases;
         assert!(!stored.existed);
         assert_eq!(p.input_bytes, 5000);

@@ -268,9 +268,12 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                 let (what, id) = arg.split_once(' ').unwrap();
                 let id = id.to_string();
                 let answer = match what {
-                    "commit" => (rpc.commit_upload(proto::CommitUploadRequest { upload_id: id }))
-                        .await
-                        .map(|_| ()),
+                    "commit" => (rpc.commit_upload(proto::CommitUploadRequest {
+                        retention: proto::Retention::Cached as i32,
+                        upload_id: id,
+                    }))
+                    .await
+                    .map(|_| ()),
                     "close" => (rpc.close_session(proto::CloseSessionRequest { session_id: id }))
                         .await
                         .map(|_| ()),
@@ -332,6 +335,36 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                 .unwrap();
             drop(map);
             "unmapped".into()
+        }
+        // Upload a model of one tensor of args[1] bytes (seed args[2]) whose reference lasts
+        // as args[0] says (cached, connection, pinned); print its id, exit.
+        "upload" => {
+            let retention = match args[0].as_str() {
+                "cached" => proto::Retention::Cached,
+                "connection" => proto::Retention::Connection,
+                "pinned" => proto::Retention::Pinned,
+                other => panic!("unknown retention {other}"),
+            };
+            let client = weightstream_client::Client::connect(Some(socket))
+                .await
+                .unwrap();
+            let mut client = client.with_retention(retention);
+            let tensors = uniform_model(args[2].parse().unwrap(), 1, args[1].parse().unwrap());
+            let data: Vec<_> = tensors.iter().map(Tensor::as_upload).collect();
+            match client.upload_model("job", &data).await {
+                Ok((m, _)) => format!("uploaded {}", m.model_id),
+                Err(e) => format!("failed: {e}"),
+            }
+        }
+        // ReleaseModel of args[0] for every uid.
+        "release-all" => {
+            let mut client = weightstream_client::Client::connect(Some(socket))
+                .await
+                .unwrap();
+            match client.release_model_for_all(&args[0]).await {
+                Ok(_) => "released".into(),
+                Err(e) => format!("failed: {e}"),
+            }
         }
         // GET each secret.
         "get" => {
