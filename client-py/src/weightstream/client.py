@@ -32,6 +32,13 @@ if TYPE_CHECKING:
 DEFAULT_SOCKET = _native.DEFAULT_SOCKET
 SOCKET_ENV = _native.SOCKET_ENV
 
+#: How long a model reference (``load_model``, ``upload_model``, ``commit_upload``) lasts:
+#: ``"cached"`` (the default) stays after this process exits, as a cache entry the daemon evicts
+#: (least recently used first) when a load or upload needs the memory and no session, pin or
+#: live process holds the model; ``"connection"`` is given back when this process's connection
+#: closes (it exits); ``"pinned"`` stays, never evicted, until ``release_model``.
+RETENTIONS = ("cached", "connection", "pinned")
+
 
 def socket_path(socket: str | None = None) -> str:
     """``socket``, else ``$WEIGHTSTREAM_SOCKET``, else the default."""
@@ -78,6 +85,8 @@ class Client:
         name: str = "",
         progress: Callable[[LoadProgress], None] | None = None,
         quantize: str | None = None,
+        *,
+        retention: str = "cached",
     ) -> ModelManifest:
         """Loads safetensors into the store: files, ``*.safetensors.index.json`` files (their
         shards) or directories (their ``*.safetensors``). This process opens the files, with
@@ -85,9 +94,11 @@ class Client:
 
         ``quantize="fp8"`` (or ``"fp8_e4m3_block64"``): the daemon quantizes each ``.weight``
         of rank >= 2 in BF16/F16/F32 while loading and keeps only that copy; the manifest's
-        tensors say ``quantization``, ``scale_shape`` and ``scale_offset``."""
+        tensors say ``quantization``, ``scale_shape`` and ``scale_offset``.
+
+        ``retention``: how long the reference this load takes lasts (see ``RETENTIONS``)."""
         paths = [os.path.abspath(p) for p in paths]
-        return self._native.load_model(paths, name, progress, quantize)
+        return self._native.load_model(paths, name, progress, quantize, retention)
 
     def upload_model(
         self,
@@ -96,12 +107,15 @@ class Client:
         quantize: Iterable[str] = (),
         *,
         phases: dict | None = None,
+        retention: str = "cached",
     ) -> tuple[ModelManifest, bool]:
         """Writes tensors into a shared-memory region the daemon makes (the native client
         fetches its fd from the handoff socket, copies each tensor's bytes in with the GIL
         released, and unmaps it before the commit), then commits them. The daemon quantizes
         the tensors named in ``quantize`` (fp8_e4m3_block64) at commit and keeps only that
         copy. Returns the manifest and whether an identical model was already stored.
+
+        ``retention``: how long the reference this upload takes lasts (see ``RETENTIONS``).
 
         ``phases``: a dict this fills with where the time went, in seconds: ``total_s`` (the
         call) and the daemon's side of the commit, ``daemon_seal_s``, ``daemon_quantize_s``,
@@ -115,16 +129,22 @@ class Client:
         ``commit_s`` (CommitUpload as this process waits for it)."""
         started = time.monotonic()
         if any(t.device.type == "cuda" for t in tensors.values()):
-            out = self._upload_by_copy(name, tensors, quantize, pin=True, phases=phases)
+            out = self._upload_by_copy(
+                name, tensors, quantize, pin=True, phases=phases, retention=retention
+            )
         else:
-            out = self._upload_native(name, tensors, quantize)
+            out = self._upload_native(name, tensors, quantize, retention)
         if phases is not None:
             phases.update(daemon_phases(out[0].phases))
             phases["total_s"] = round(time.monotonic() - started, 4)
         return out
 
     def _upload_native(
-        self, name: str, tensors: Mapping[str, torch.Tensor], quantize: Iterable[str]
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        quantize: Iterable[str],
+        retention: str,
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` through the native client's memcpy path (tensors in host memory)."""
         from weightstream import _dtypes
@@ -138,7 +158,7 @@ class Client:
             held.append(src)  # alive, and unchanged by us, until the call returns
             data = (src.data_ptr(), src.nbytes)
             payload.append((n, _dtypes.to_wire(t.dtype), list(t.shape), data))
-        result = self._native.upload_model(name, payload, list(quantize))
+        result = self._native.upload_model(name, payload, list(quantize), retention)
         del held
         return result
 
@@ -150,6 +170,7 @@ class Client:
         *,
         pin: bool,
         phases: dict | None = None,
+        retention: str = "cached",
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` by tensor copies into the mapped region (``_upload``): for tensors on
         a CUDA device, page-locked a window at a time so that each copy is one DMA at link
@@ -170,7 +191,7 @@ class Client:
             progress=_upload.ProgressLine(f"weightstream: uploading {name!r}"),
         )
         t = time.monotonic()
-        out = self.commit_upload(begun.upload_id)
+        out = self.commit_upload(begun.upload_id, retention=retention)
         if phases is not None:
             phases["begin_s"] = round(begin_s, 4)
             phases.update({f"write_{k}": v for k, v in written.as_dict().items()})
@@ -194,13 +215,18 @@ class Client:
         specs = [(n, _dtypes.to_wire(t.dtype), list(t.shape)) for n, t in tensors.items()]
         return self._native.begin_upload(name, specs, list(quantize))
 
-    def commit_upload(self, upload_id: str) -> tuple[ModelManifest, bool]:
+    def commit_upload(
+        self, upload_id: str, *, retention: str = "cached"
+    ) -> tuple[ModelManifest, bool]:
         """The last step of ``upload_model``: the manifest of a filled upload, and whether an
-        identical model was already stored."""
-        return self._native.commit_upload(upload_id)
+        identical model was already stored. ``retention``: see ``RETENTIONS``."""
+        return self._native.commit_upload(upload_id, retention)
 
-    def release_model(self, model_id: str) -> int:
-        return self._native.release_model(model_id)
+    def release_model(self, model_id: str, *, all_references: bool = False) -> int:
+        """Gives back one of this uid's references to the model; returns the references left.
+        ``all_references=True`` (root and the daemon's user only) gives back every uid's, pins
+        included: the model goes once its sessions end."""
+        return self._native.release_model(model_id, all_references)
 
     def list_models(self) -> ListModelsResponse:
         """Every model in the store (all pages)."""

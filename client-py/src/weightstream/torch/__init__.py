@@ -116,6 +116,7 @@ def attach(
     model: str | None = None,
     client: Client | None = None,
     label: str = "",
+    pin: bool = False,
     **overrides,
 ) -> Handle:
     """Streams the frozen weights (and biases) of ``module``'s Linear and Conv2d layers
@@ -129,6 +130,10 @@ def attach(
       measures the trainer through its first step, then grows to what the device has left
       less a margin, and shrinks when another job needs room (``budget``).
     - ``staging_bytes``: the part of it for streaming (default: the daemon's choice).
+    - ``pin``: the upload (when there is one) stays in the daemon after this process exits,
+      never evicted, until ``Client.release_model`` (``weightstream release``) gives it back.
+      By default the upload is released once this process's connection and the session are
+      gone: the next job uploads again.
     - ``model``: the id of a model the daemon already loaded from safetensors whose tensor
       names match the module's parameter names; otherwise the weights are uploaded. A model
       loaded with ``quantize="fp8"`` streams its weights in 8 bits, as below.
@@ -173,7 +178,9 @@ def attach(
         vram_budget = None  # the groups are chosen as for a budget that fits blocks
     upload_phases: dict = {}
     t = time.monotonic()
-    manifest, uploaded = _model_of(client, selection.streamed, model, label, fmt, upload_phases)
+    manifest, uploaded = _model_of(
+        client, selection.streamed, model, label, fmt, upload_phases, pin
+    )
     phases = {"model_s": time.monotonic() - t}
     phases.update({f"upload_{k}": v for k, v in upload_phases.items()})
     session, freed = None, []
@@ -244,11 +251,18 @@ def attach(
 
 
 def _model_of(
-    client: Client, streamed, model: str | None, label: str, fmt: str | None, phases: dict
+    client: Client,
+    streamed,
+    model: str | None,
+    label: str,
+    fmt: str | None,
+    phases: dict,
+    pin: bool,
 ):
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
-    release if attach fails; ``phases`` filled as ``Client.upload_model`` says), with the
-    weights quantized to ``fmt`` by the daemon, or ``model``, checked against them."""
+    release if attach fails; ``phases`` filled as ``Client.upload_model`` says; kept as long
+    as this process's connection, or pinned), with the weights quantized to ``fmt`` by the
+    daemon, or ``model``, checked against them."""
     tensors = {
         tname: t.detach() for name, m in streamed for tname, t in policy.layer_tensors(name, m)
     }
@@ -256,7 +270,11 @@ def _model_of(
     if model is not None:
         return _match(client, model, tensors, weights if fmt else ()), None
     manifest, _ = client.upload_model(
-        label, tensors, quantize=weights if fmt else (), phases=phases
+        label,
+        tensors,
+        quantize=weights if fmt else (),
+        phases=phases,
+        retention="pinned" if pin else "connection",
     )
     return manifest, manifest.model_id
 
