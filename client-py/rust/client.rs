@@ -304,7 +304,12 @@ impl Client {
     /// Gives back one of this uid's references to the model, or with `all_references` (root
     /// and the daemon's user only) every uid's. Returns the references left.
     #[pyo3(signature = (model_id, all_references=false))]
-    fn release_model(&self, py: Python<'_>, model_id: String, all_references: bool) -> PyResult<u32> {
+    fn release_model(
+        &self,
+        py: Python<'_>,
+        model_id: String,
+        all_references: bool,
+    ) -> PyResult<u32> {
         let mut c = self.client(py)?;
         block_on(py, async move {
             if all_references {
