@@ -180,8 +180,9 @@ impl Client {
 
     /// Loads safetensors files (absolute paths of files, index files or directories), which
     /// this process opens and passes to the daemon; `progress(LoadProgress)` sees each update
-    /// (an exception it raises is raised once the load is done).
-    #[pyo3(signature = (paths, name="", progress=None, quantize=None))]
+    /// (an exception it raises is raised once the load is done). The reference lasts as
+    /// `retention` says ("cached", "connection", "pinned").
+    #[pyo3(signature = (paths, name="", progress=None, quantize=None, retention="cached"))]
     fn load_model(
         &self,
         py: Python<'_>,
@@ -189,9 +190,10 @@ impl Client {
         name: &str,
         progress: Option<Py<PyAny>>,
         quantize: Option<&str>,
+        retention: &str,
     ) -> PyResult<records::ModelManifest> {
         let quantization = quantization(quantize.unwrap_or("none"))?;
-        let mut c = self.client(py)?;
+        let mut c = self.client(py)?.with_retention(parse_retention(retention)?);
         let name = name.to_string();
         let (loaded, failed) = block_on(py, async move {
             let mut failed: Option<PyErr> = None;
@@ -216,15 +218,18 @@ impl Client {
     /// Uploads tensors: `(name, dtype, shape, data)` each, `data` being `bytes` or the
     /// `(data_ptr, nbytes)` of a contiguous CPU tensor the caller keeps alive and unchanged
     /// during the call; the daemon quantizes those named in `quantize` (fp8_e4m3_block64) at
-    /// commit. Returns the manifest and whether an identical model was stored.
-    #[pyo3(signature = (name, tensors, quantize=Vec::new()))]
+    /// commit. Returns the manifest and whether an identical model was stored. The reference
+    /// lasts as `retention` says ("cached", "connection", "pinned").
+    #[pyo3(signature = (name, tensors, quantize=Vec::new(), retention="cached"))]
     fn upload_model(
         &self,
         py: Python<'_>,
         name: String,
         tensors: Vec<(String, i32, Vec<u64>, Payload<'_>)>,
         quantize: Vec<String>,
+        retention: &str,
     ) -> PyResult<(records::ModelManifest, bool)> {
+        let retention = parse_retention(retention)?;
         let quantize = quantize_set(quantize, tensors.iter().map(|t| t.0.as_str()))?;
         let mut data = Vec::with_capacity(tensors.len());
         for (tname, dt, shape, payload) in &tensors {
@@ -242,7 +247,7 @@ impl Client {
                 tensor
             });
         }
-        let mut c = self.client(py)?;
+        let mut c = self.client(py)?.with_retention(retention);
         let (manifest, dedup) =
             block_on(py, async move { c.upload_model(&name, &data).await })?.py_err()?;
         Ok((records::manifest(py, manifest)?, dedup))
@@ -305,21 +310,38 @@ impl Client {
     }
 
     /// Commits a begun (filled, unmapped) upload: the manifest, and whether an identical model
-    /// was already stored.
+    /// was already stored. The reference lasts as `retention` says.
+    #[pyo3(signature = (upload_id, retention="cached"))]
     fn commit_upload(
         &self,
         py: Python<'_>,
         upload_id: String,
+        retention: &str,
     ) -> PyResult<(records::ModelManifest, bool)> {
-        let mut c = self.client(py)?;
+        let mut c = self.client(py)?.with_retention(parse_retention(retention)?);
         let (manifest, dedup) =
             block_on(py, async move { c.commit_upload(&upload_id).await })?.py_err()?;
         Ok((records::manifest(py, manifest)?, dedup))
     }
 
-    fn release_model(&self, py: Python<'_>, model_id: String) -> PyResult<u32> {
+    /// Gives back one of this uid's references to the model, or with `all_references` (root
+    /// and the daemon's user only) every uid's. Returns the references left.
+    #[pyo3(signature = (model_id, all_references=false))]
+    fn release_model(
+        &self,
+        py: Python<'_>,
+        model_id: String,
+        all_references: bool,
+    ) -> PyResult<u32> {
         let mut c = self.client(py)?;
-        block_on(py, async move { c.release_model(&model_id).await })?.py_err()
+        block_on(py, async move {
+            if all_references {
+                c.release_model_for_all(&model_id).await
+            } else {
+                c.release_model(&model_id).await
+            }
+        })?
+        .py_err()
     }
 
     /// Every model in the store (all pages).
@@ -389,6 +411,18 @@ fn quantization(value: &str) -> PyResult<proto::Quantization> {
              \"fp8_e4m3_block64\", \"fp8\" (its alias)"
         ))
     })
+}
+
+/// `retention=`: how long a model reference lasts.
+fn parse_retention(value: &str) -> PyResult<proto::Retention> {
+    match value {
+        "cached" => Ok(proto::Retention::Cached),
+        "connection" => Ok(proto::Retention::Connection),
+        "pinned" => Ok(proto::Retention::Pinned),
+        other => Err(PyValueError::new_err(format!(
+            "retention: {other:?} is not one of \"cached\", \"connection\", \"pinned\""
+        ))),
+    }
 }
 
 /// `quantize=` of the uploads: names of declared tensors, each once.

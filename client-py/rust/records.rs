@@ -161,7 +161,9 @@ record! {
 
 record! {
     /// A model; `phases` says where the daemon's time went in the `load_model` or
-    /// `commit_upload` that returned it (None in `list_models`).
+    /// `commit_upload` that returned it (None in `list_models`). `pinned`: pinned references
+    /// (all uids); `cached`: only references of closed connections hold it, and the daemon
+    /// evicts it when a load or upload needs the memory.
     ModelManifest {
         model_id: String,
         name: String,
@@ -171,6 +173,8 @@ record! {
         sessions: u32,
         source: String,
         phases: Option<Py<StorePhases>>,
+        pinned: u32,
+        cached: bool,
     }
 }
 
@@ -449,6 +453,8 @@ pub(crate) fn manifest(py: Python<'_>, m: proto::ModelManifest) -> PyResult<Mode
         total_bytes: m.total_bytes,
         refcount: m.refcount,
         sessions: m.sessions,
+        pinned: m.pinned,
+        cached: m.cached,
         source: m.source,
         phases: (m.phases)
             .map(|p| {

@@ -170,6 +170,8 @@ pub struct Client {
     /// The paths each model this client (or a clone) loaded was named by, so that a session
     /// can open and load them again into a restarted daemon (same files, same model id).
     loaded: Arc<Mutex<HashMap<String, LoadedFrom>>>,
+    /// How long the model references this client takes (LoadModel, CommitUpload) last.
+    retention: proto::Retention,
 }
 
 impl Client {
@@ -238,7 +240,18 @@ impl Client {
                 .max_encoding_message_size(1 << 30),
             socket,
             loaded: Arc::default(),
+            retention: proto::Retention::Cached,
         }
+    }
+
+    /// This client, taking model references (LoadModel, CommitUpload) that last as
+    /// `retention` says: `Cached` (the default: kept after this connection closes, as a cache
+    /// entry the daemon may evict when it needs the memory), `Connection` (given back when
+    /// this connection closes: this process's exit), `Pinned` (kept until released). Clones
+    /// share the connection.
+    pub fn with_retention(mut self, retention: proto::Retention) -> Client {
+        self.retention = retention;
+        self
     }
 
     /// Dials the socket again until a daemon answers `GetInfo` there (a restarted one), or
@@ -368,6 +381,7 @@ impl Client {
             name: name.to_string(),
             fd_token,
             quantization: quantization as i32,
+            retention: self.retention as i32,
         };
         let mut events = self
             .rpc
@@ -449,6 +463,7 @@ impl Client {
     ) -> Result<(proto::ModelManifest, bool), ClientError> {
         let request = proto::CommitUploadRequest {
             upload_id: upload_id.to_string(),
+            retention: self.retention as i32,
         };
         let r = self.rpc.commit_upload(request).await;
         let committed = r.map_err(|s| self.status(s))?.into_inner();
@@ -459,8 +474,19 @@ impl Client {
     }
 
     pub async fn release_model(&mut self, model_id: &str) -> Result<u32, ClientError> {
+        self.release(model_id, false).await
+    }
+
+    /// Gives back every uid's references to the model (pins included): for root and the
+    /// daemon's own user. The model goes once its sessions end.
+    pub async fn release_model_for_all(&mut self, model_id: &str) -> Result<u32, ClientError> {
+        self.release(model_id, true).await
+    }
+
+    async fn release(&mut self, model_id: &str, all_references: bool) -> Result<u32, ClientError> {
         let request = proto::ReleaseModelRequest {
             model_id: model_id.to_string(),
+            all_references,
         };
         let r = self.rpc.release_model(request).await;
         let refcount = r.map_err(|s| self.status(s))?.into_inner().refcount;

@@ -7,7 +7,8 @@
 //! fds clients pass and fetch) → `session` (actors, staging arenas, plans) → `residency` /
 //! `scheduler` → `store` (registry, load, upload, pin) → `mem` (memfd mappings, host arenas and
 //! slices); `backend` (host, CUDA: the only FFI) → `mem`; `pacing` (the copy token bucket and its
-//! clock) is a leaf the scheduler reads. The store pins through `mem::HostPinner`, which every
+//! clock) is a leaf the scheduler reads; `terminal` (escaping names for people's terminals) is a
+//! leaf any module may use. The store pins through `mem::HostPinner`, which every
 //! backend implements.
 // Unsafe code lives in three places that allow it explicitly: the CUDA driver layer
 // (`backend::cuda::{ffi, safe}`, on their `mod` lines), the shared-memory mapping
@@ -26,3 +27,4 @@ pub mod scheduler;
 pub mod server;
 pub mod session;
 pub mod store;
+pub mod terminal;

@@ -109,6 +109,7 @@ async fn a_peer_outside_the_allow_lists_is_refused_on_every_call_and_logged() {
     let got = raw
         .release_model(proto::ReleaseModelRequest {
             model_id: "m-0".into(),
+            all_references: false,
         })
         .await
         .err()
@@ -494,12 +495,21 @@ async fn host_bytes_are_limited_per_uid_and_in_total_and_shared_copies_count_onc
             )
             .await
             .unwrap();
+        // The refusal says what holds the memory, and how to free it.
+        let held = format!(
+            "held by: {} 'm6' ({}; uid {uid}: a reference of an open connection). \
+             `weightstream release MODEL_ID` gives back a reference of the uid that runs it; \
+             `weightstream release --all MODEL_ID`, run as root or as the daemon's user, gives \
+             back every uid's (the model goes once its sessions end)",
+            first.model_id,
+            bytesize::ByteSize::b(model).display().iec()
+        );
         let message = |used: u64, item: &str, need: u64| {
             (
                 Code::ResourceExhausted,
                 format!(
                     "quotas.{key} = {limit} exceeded: {holder} holds {used} host bytes and \
-                     this {item} needs {need} more"
+                     this {item} needs {need} more; {held}"
                 ),
             )
         };
@@ -583,6 +593,7 @@ async fn uploads_in_progress_are_limited_per_uid_and_a_commit_frees_the_place() 
     assert_eq!(code_message(got.err().unwrap()), want);
     assert_eq!(daemon.shm_count("upload"), 1);
     raw.commit_upload(proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id,
     })
     .await

@@ -874,6 +874,7 @@ async fn bad_uploads_are_refused_precisely() {
     assert_eq!(daemon.shm_count("upload"), 1);
     let mut stranger = raw_client(&daemon.socket).await;
     let commit = |id: &str| proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
         upload_id: id.to_string(),
     };
     let status = stranger
@@ -954,13 +955,29 @@ async fn limits_are_enforced() {
             "name: 17 bytes, the limit is 16".into()
         )
     );
-    let mixed = write_model(dir.path(), "mixed.safetensors", &mixed_model(32));
-    let got = load_error(&mut client, &[mixed]).await;
+    // Files are held to the limits uploads are, while their header is parsed.
+    let many = write_model(dir.path(), "many.safetensors", &uniform_model(32, 9, 256));
+    let got = load_error(&mut client, std::slice::from_ref(&many)).await;
     assert_eq!(
         got,
         (
             Code::InvalidArgument,
-            "the model has 11 tensors, more than the limit of 8".into()
+            format!(
+                "{}: the header lists more than 8 tensors: limits.max_tensors_per_model = 8",
+                many.display()
+            )
+        )
+    );
+    let mixed = write_model(dir.path(), "mixed.safetensors", &mixed_model(32));
+    let got = load_error(&mut client, std::slice::from_ref(&mixed)).await;
+    assert_eq!(
+        got,
+        (
+            Code::InvalidArgument,
+            format!(
+                "{}: tensor 1 of the header has a name of 22 bytes: limits.max_name_bytes = 16",
+                mixed.display()
+            )
         )
     );
 

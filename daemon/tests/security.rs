@@ -12,7 +12,7 @@ mod common;
 
 use std::io::Write;
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use attacker::{attack, attack_in, attacker, daemon_for, result_of, spawn_attacker};
@@ -26,36 +26,14 @@ const LAYER: usize = 64 << 10;
 #[path = "security/attacker.rs"]
 mod attacker;
 
-/// The attacker's side: what `WS_ATTACK` says, printing one `RESULT` line. Runs only as the
-/// child of the tests above.
-#[test]
-#[ignore = "the attacker of the tests in this file; runs only as their child"]
-fn attacker_acts() {
-    let Ok(action) = std::env::var("WS_ATTACK") else {
-        return;
-    };
-    let socket = PathBuf::from(std::env::var("WS_SOCKET").unwrap());
-    let args: Vec<String> = std::env::var("WS_ARGS")
-        .unwrap()
-        .lines()
-        .map(str::to_string)
-        .collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let result = rt.block_on(attacker::act(&action, &socket, &args));
-    println!("RESULT {result}");
-}
-
 // ---------------------------------------------------------------------------------------------
 // (a) the confused deputy
 
 /// The attacker cannot get the daemon to read a file it may not read itself: it cannot open
 /// the file to pass it; LoadModel without a token is refused, and so is the token the owner
 /// got for the file (which stays good for its owner); and what the attacker names a load is a
-/// name only: the daemon reads the fd it passed, never the path.
+/// name only: the daemon reads the fd it passed, never the path, and shows the file by its own
+/// path when the name given is not that file's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_daemon_reads_no_file_for_a_peer_that_cannot() {
     let Some(ids) = attacker() else { return };
@@ -94,8 +72,8 @@ async fn the_daemon_reads_no_file_for_a_peer_that_cannot() {
     let mixed: Vec<String> = read_model(std::slice::from_ref(&own)).into_keys().collect();
     assert!(got.starts_with("loaded m-"), "{got}");
     assert!(
-        got.ends_with(&format!("named secret with {}", mixed.join(","))),
-        "the attacker's own bytes, under the name it gave: {got}"
+        got.ends_with(&format!("named own with {}", mixed.join(","))),
+        "the attacker's own bytes, named by its own file (not the path it claimed): {got}"
     );
     assert_still_serves(&daemon, 72).await;
 }
@@ -253,16 +231,18 @@ async fn an_upload_is_sealed_by_the_daemon() {
     // SAFETY: the mapping is ours and `size` long; nothing else writes it meanwhile.
     unsafe { std::ptr::copy_nonoverlapping(tensors[0].bytes.as_ptr(), mapped.as_mut_ptr(), 4096) };
     let commit = || proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id.clone(),
     };
     let status = raw.commit_upload(commit()).await.unwrap_err();
+    let mapped_writable = format!(
+        "upload_id '{}': the upload region is still mapped writable by the client: unmap it \
+         before CommitUpload",
+        begun.upload_id
+    );
     assert_eq!(
         (status.code(), status.message()),
-        (
-            Code::FailedPrecondition,
-            "upload_id 'up-1': the upload region is still mapped writable by the client: \
-             unmap it before CommitUpload"
-        )
+        (Code::FailedPrecondition, mapped_writable.as_str())
     );
     assert_eq!(daemon.uploads(), 1, "the refused upload stays");
     drop(mapped);
@@ -343,6 +323,7 @@ async fn shared_memory_has_no_name_and_reaches_clients_as_fds_only() {
     assert_eq!(size, 4096);
     std::fs::File::from(fd).write_all_at(b"mine", 0).unwrap();
     raw.commit_upload(proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id,
     })
     .await

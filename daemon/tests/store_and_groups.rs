@@ -253,14 +253,19 @@ async fn load_is_idempotent_and_release_frees_the_copy() {
     assert_eq!(listed.store_bytes, 0);
     assert_eq!(daemon.shm_total(), 0, "the arena is gone");
 
-    // A third release names a model that is gone.
+    // A third release names a model that is gone: the uid holds no reference to it.
     let err = client.release_model(&first.model_id).await.unwrap_err();
     assert_eq!(err.code(), Some(tonic::Code::NotFound), "{err}");
+    let uid = rustix::process::getuid().as_raw();
     assert_eq!(
         err.to_string(),
-        format!("NotFound: unknown model_id '{}'", first.model_id)
+        format!(
+            "NotFound: uid {uid} holds no reference to model_id '{}': only a uid that loaded \
+             or uploaded it may release it",
+            first.model_id
+        )
     );
-    // Loading it again makes a fresh copy under the same id (same file identity).
+    // Loading it again makes a fresh copy under the same id (the same bytes).
     let again = load(&mut client, &[path], &expected).await;
     assert_eq!(
         (again.model_id.as_str(), again.refcount),

@@ -245,6 +245,27 @@ def test_load_model_from_safetensors_and_idempotence(daemon, tmp_path):
     assert daemon.client.list_models().store_bytes == 48
 
 
+def test_list_models_reads_pages_that_fit_a_message(tmp_path):
+    """Manifests too large for more than two in one message: the daemon cuts its pages to fit,
+    and ``list_models`` reads every page."""
+    from conftest import Daemon
+
+    d = Daemon(tmp_path, "--max-message-bytes", "64KiB")
+    try:
+        ids = []
+        for seed in range(5):
+            # 250 tensors with names of ~100 bytes: a manifest of ~27 KB.
+            tensors = {f"{seed}.{i:0>96}": torch.full((1,), float(seed)) for i in range(250)}
+            manifest, _ = d.client.upload_model(f"m{seed}", tensors)
+            ids.append(manifest.model_id)
+        listed = d.client.list_models()
+        assert sorted(m.model_id for m in listed.models) == sorted(ids)
+        assert all(len(m.tensors) == 250 for m in listed.models)
+        assert listed.next_page_token == ""
+    finally:
+        d.stop()
+
+
 def test_bad_requests_are_refused_with_the_field_named(daemon):
     manifest, _ = daemon.client.upload_model("x", {"w": torch.zeros(1024)})
     with pytest.raises(weightstream.RequestRejected) as e:

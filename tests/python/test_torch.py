@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import weakref
 from pathlib import Path
 
@@ -384,6 +385,37 @@ def test_two_processes_share_one_copy(daemon, tmp_path):
     assert len(sessions) == 2
     assert len(listed.models) == 1
     assert listed.store_bytes == listed.models[0].total_bytes
+
+
+@pytest.mark.parametrize("pin", [False, True])
+def test_an_attached_upload_goes_with_its_process_unless_pinned(daemon, tmp_path, pin):
+    """The upload ``attach`` makes is released once its session and its process are gone (the
+    next job uploads again); with ``pin=True`` it stays, pinned, until released."""
+    worker = Path(__file__).with_name("attach_worker.py")
+    env = {**os.environ, "WEIGHTSTREAM_SOCKET": daemon.socket}
+    args = [sys.executable, str(worker), str(tmp_path), "0", *(["pin"] if pin else [])]
+    proc = subprocess.Popen(args, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    model_id = proc.stdout.readline().strip()
+    (listed,) = daemon.client.list_models().models
+    assert (listed.model_id, listed.refcount, listed.sessions) == (model_id, 1, 1)
+    assert (listed.pinned, listed.cached) == (int(pin), False)
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 10  # a bound on the daemon's teardown, not a delay
+    while True:
+        models = daemon.client.list_models().models
+        gone = not models
+        settled = models and models[0].sessions == 0
+        if (gone and not pin) or (settled and pin):
+            break
+        assert time.monotonic() < deadline, models
+        time.sleep(0.02)
+    if pin:
+        (kept,) = models
+        assert (kept.model_id, kept.refcount, kept.pinned, kept.cached) == (model_id, 1, 1, False)
+        assert daemon.client.release_model(model_id) == 0
+        assert daemon.client.list_models().models == []
+    assert daemon.memfds() == []
 
 
 def test_a_killed_daemon_fails_the_trainer_fast(daemon):

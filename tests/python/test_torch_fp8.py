@@ -103,7 +103,7 @@ class FakeClient:
     def info(self):
         return SimpleNamespace(alignment=512)
 
-    def upload_model(self, name, tensors, quantize=(), phases=None):
+    def upload_model(self, name, tensors, quantize=(), phases=None, retention="cached"):
         names = set(quantize)
         for n, t in tensors.items():
             self.store[n] = quantize_fp8_block64(t) if n in names else t.clone()

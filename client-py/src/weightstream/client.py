@@ -33,6 +33,13 @@ if TYPE_CHECKING:
 SYSTEM_SOCKET = _native.SYSTEM_SOCKET
 SOCKET_ENV = _native.SOCKET_ENV
 
+#: How long a model reference (``load_model``, ``upload_model``, ``commit_upload``) lasts:
+#: ``"cached"`` (the default) stays after this process exits, as a cache entry the daemon evicts
+#: (least recently used first) when a load or upload needs the memory and no session, pin or
+#: live process holds the model; ``"connection"`` is given back when this process's connection
+#: closes (it exits); ``"pinned"`` stays, never evicted, until ``release_model``.
+RETENTIONS = ("cached", "connection", "pinned")
+
 
 def socket_path(socket: str | os.PathLike[str] | None = None) -> str:
     """The daemon's socket, as every weightstream program finds it: ``socket``, else
@@ -82,6 +89,8 @@ class Client:
         name: str = "",
         progress: Callable[[LoadProgress], None] | None = None,
         quantize: str | None = None,
+        *,
+        retention: str = "cached",
     ) -> ModelManifest:
         """Loads safetensors into the store: files, ``*.safetensors.index.json`` files (their
         shards) or directories (their ``*.safetensors``). This process opens the files, with
@@ -89,9 +98,11 @@ class Client:
 
         ``quantize="fp8"`` (or ``"fp8_e4m3_block64"``): the daemon quantizes each ``.weight``
         of rank >= 2 in BF16/F16/F32 while loading and keeps only that copy; the manifest's
-        tensors say ``quantization``, ``scale_shape`` and ``scale_offset``."""
+        tensors say ``quantization``, ``scale_shape`` and ``scale_offset``.
+
+        ``retention``: how long the reference this load takes lasts (see ``RETENTIONS``)."""
         paths = [os.path.abspath(p) for p in paths]
-        return self._native.load_model(paths, name, progress, quantize)
+        return self._native.load_model(paths, name, progress, quantize, retention)
 
     def upload_model(
         self,
@@ -100,6 +111,7 @@ class Client:
         quantize: Iterable[str] = (),
         *,
         phases: dict | None = None,
+        retention: str = "cached",
     ) -> tuple[ModelManifest, bool]:
         """Writes tensors into a shared-memory region the daemon makes (the native client
         fetches its fd from the handoff socket, copies each tensor's bytes in with the GIL
@@ -108,6 +120,8 @@ class Client:
         copy. An ``Fp8Weight`` is written pre-quantized in its format (data, zero padding to
         16 bytes, scales: torchao's weights, ``weightstream.torch.torchao_weights``). Returns
         the manifest and whether an identical model was already stored.
+
+        ``retention``: how long the reference this upload takes lasts (see ``RETENTIONS``).
 
         ``phases``: a dict this fills with where the time went, in seconds: ``total_s`` (the
         call) and the daemon's side of the commit, ``daemon_seal_s``, ``daemon_quantize_s``,
@@ -124,16 +138,22 @@ class Client:
         started = time.monotonic()
         on_cuda = any(_data(t).device.type == "cuda" for t in tensors.values())
         if on_cuda or any(isinstance(t, Fp8Weight) for t in tensors.values()):
-            out = self._upload_by_copy(name, tensors, quantize, pin=on_cuda, phases=phases)
+            out = self._upload_by_copy(
+                name, tensors, quantize, pin=on_cuda, phases=phases, retention=retention
+            )
         else:
-            out = self._upload_native(name, tensors, quantize)
+            out = self._upload_native(name, tensors, quantize, retention)
         if phases is not None:
             phases.update(daemon_phases(out[0].phases))
             phases["total_s"] = round(time.monotonic() - started, 4)
         return out
 
     def _upload_native(
-        self, name: str, tensors: Mapping[str, torch.Tensor], quantize: Iterable[str]
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        quantize: Iterable[str],
+        retention: str,
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` through the native client's memcpy path (tensors in host memory)."""
         from weightstream import _dtypes
@@ -147,7 +167,7 @@ class Client:
             held.append(src)  # alive, and unchanged by us, until the call returns
             data = (src.data_ptr(), src.nbytes)
             payload.append((n, _dtypes.to_wire(t.dtype), list(t.shape), data))
-        result = self._native.upload_model(name, payload, list(quantize))
+        result = self._native.upload_model(name, payload, list(quantize), retention)
         del held
         return result
 
@@ -159,6 +179,7 @@ class Client:
         *,
         pin: bool,
         phases: dict | None = None,
+        retention: str = "cached",
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` by tensor copies into the mapped region (``_upload``): for tensors on
         a CUDA device, page-locked a window at a time (``pin``) so that each copy is one DMA at
@@ -180,7 +201,7 @@ class Client:
             progress=_upload.ProgressLine(f"weightstream: uploading {name!r}"),
         )
         t = time.monotonic()
-        out = self.commit_upload(begun.upload_id)
+        out = self.commit_upload(begun.upload_id, retention=retention)
         if phases is not None:
             phases["begin_s"] = round(begin_s, 4)
             phases.update({f"write_{k}": v for k, v in written.as_dict().items()})
@@ -213,13 +234,18 @@ class Client:
         }
         return self._native.begin_upload(name, specs, list(quantize), prequantized)
 
-    def commit_upload(self, upload_id: str) -> tuple[ModelManifest, bool]:
+    def commit_upload(
+        self, upload_id: str, *, retention: str = "cached"
+    ) -> tuple[ModelManifest, bool]:
         """The last step of ``upload_model``: the manifest of a filled upload, and whether an
-        identical model was already stored."""
-        return self._native.commit_upload(upload_id)
+        identical model was already stored. ``retention``: see ``RETENTIONS``."""
+        return self._native.commit_upload(upload_id, retention)
 
-    def release_model(self, model_id: str) -> int:
-        return self._native.release_model(model_id)
+    def release_model(self, model_id: str, *, all_references: bool = False) -> int:
+        """Gives back one of this uid's references to the model; returns the references left.
+        ``all_references=True`` (root and the daemon's user only) gives back every uid's, pins
+        included: the model goes once its sessions end."""
+        return self._native.release_model(model_id, all_references)
 
     def list_models(self) -> ListModelsResponse:
         """Every model in the store (all pages)."""

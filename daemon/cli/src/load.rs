@@ -9,7 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use weightstream_client::{Client, proto, quantization_name, resolve_sources};
 
-use super::{CliResult, human, parse_quantize, saved};
+use super::{CliResult, human, parse_quantize, saved, shown};
 
 #[derive(Debug, clap::Args)]
 pub struct LoadArgs {
@@ -31,6 +31,12 @@ pub struct LoadArgs {
     /// the command's own wall time) instead of text; no progress bar.
     #[arg(long)]
     json: bool,
+    /// Pin the model: the daemon never evicts it to make room, until `weightstream release`
+    /// gives the reference back. Without it the model stays after this command exits, as a
+    /// cache entry the daemon evicts (least recently used first) when a load or an upload
+    /// needs the memory and no session uses it.
+    #[arg(long)]
+    pin: bool,
 }
 
 pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
@@ -41,7 +47,13 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
         .collect::<Result<Vec<_>, _>>()?;
     // A missing or unusable file is said as such, before the daemon is asked.
     resolve_sources(&paths)?;
-    let mut client = Client::connect(socket.as_deref()).await?;
+    let retention = if args.pin {
+        proto::Retention::Pinned
+    } else {
+        proto::Retention::Cached
+    };
+    let client = Client::connect(socket.as_deref()).await?;
+    let mut client = client.with_retention(retention);
     let name = args.name.as_deref().unwrap_or_default();
     let started = Instant::now();
     let bar = if args.json {
@@ -71,7 +83,7 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
             // The daemon names its phases where it names the file it reads.
             let phase = !p.current_file.starts_with('/');
             bar.set_message(if phase {
-                p.current_file.clone()
+                shown(&p.current_file)
             } else {
                 verb.into()
             });
@@ -85,12 +97,13 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
         return Ok(());
     }
     println!(
-        "{}  {}  {} tensors  {}  (references: {})",
-        manifest.model_id,
-        manifest.name,
+        "{}  {}  {} tensors  {}  (references: {}{})",
+        shown(&manifest.model_id),
+        shown(&manifest.name),
         manifest.tensors.len(),
         human(manifest.total_bytes),
-        manifest.refcount
+        manifest.refcount,
+        if manifest.pinned > 0 { ", pinned" } else { "" }
     );
     if quantized {
         let count = (manifest.tensors.iter())
@@ -134,6 +147,12 @@ fn phases_line(p: &proto::StorePhases, wall: f64, quantized: bool) -> String {
         secs(p.read_ns),
         gb_per_s(p.input_bytes, p.read_ns),
     );
+    if p.hash_ns > 0 {
+        line += &format!(
+            ", checked against the stored copy in {:.1} s",
+            secs(p.hash_ns)
+        );
+    }
     if p.pin_ns > 0 {
         line += &format!(
             ", page-locked in {:.1} s ({:.1} GB/s)",
@@ -164,6 +183,7 @@ fn to_json(
         "phases": {
             "alloc_s": secs(p.alloc_ns),
             "read_s": secs(p.read_ns),
+            "hash_s": secs(p.hash_ns),
             "pin_s": secs(p.pin_ns),
             "total_s": secs(p.total_ns),
             "input_bytes": p.input_bytes,

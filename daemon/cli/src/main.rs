@@ -15,6 +15,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use weightstream_daemon::config::BackendChoice;
+use weightstream_daemon::terminal::escape_controls;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -58,7 +59,7 @@ enum Command {
     Top(top::TopArgs),
     /// Load safetensors files (a file, a *.safetensors.index.json, or a directory) into the store.
     Load(load::LoadArgs),
-    /// Give back this uid's reference to a model (models outlive the command that loaded them).
+    /// Give back this uid's reference to a model, or (`--all`, as root or the daemon's user) every uid's.
     Release(release::ReleaseArgs),
     /// Run an embedded daemon and a training-like client on a synthetic model, then report.
     Demo(demo::DemoArgs),
@@ -94,9 +95,25 @@ fn init_logging(format: LogFormat, default: &str) {
         // Colour codes only for a terminal: journald and log files get plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
-        LogFormat::Text => builder.init(),
+        LogFormat::Text => builder.fmt_fields(escaped_fields()).init(),
         LogFormat::Json => builder.json().init(),
     }
+}
+
+/// Text log fields as the default format writes them (`name=value`, the message bare), each
+/// value escaped for the terminal: names from other users (models, files, labels) reach log
+/// lines, and journald or a tail prints them as they are. JSON lines stay exact.
+fn escaped_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + 'static {
+    use tracing_subscriber::field::MakeExt;
+    tracing_subscriber::fmt::format::debug_fn(|writer, field, value| {
+        let text = format!("{value:?}");
+        let text = escape_controls(&text);
+        match field.name() {
+            "message" => write!(writer, "{text}"),
+            name => write!(writer, "{name}={text}"),
+        }
+    })
+    .delimited(" ")
 }
 
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
@@ -143,7 +160,8 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            // A daemon's message may name another user's model.
+            eprintln!("error: {}", escape_controls(&e.to_string()));
             if e.is::<UsageError>() {
                 ExitCode::from(2)
             } else {
@@ -187,6 +205,12 @@ fn saved(before: u64, after: u64) -> String {
         100.0 * before.saturating_sub(after) as f64 / before as f64
     };
     format!("{} -> {} ({pct:.1} % saved)", human(before), human(after))
+}
+
+/// A string from the daemon (a name another user chose, often) as a table or line shows it:
+/// escaped for the terminal ([`escape_controls`]).
+fn shown(text: &str) -> String {
+    escape_controls(text).into_owned()
 }
 
 /// Bytes as people read them.

@@ -9,7 +9,7 @@ use weightstream_client::Client;
 use weightstream_client::proto;
 use weightstream_client::quantization_name;
 
-use super::{CliResult, human};
+use super::{CliResult, human, shown};
 
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
@@ -90,6 +90,7 @@ fn to_json(
         "models": models.models.iter().map(|m| json!({
             "model_id": m.model_id, "name": m.name, "tensors": m.tensors.len(),
             "total_bytes": m.total_bytes, "refcount": m.refcount, "sessions": m.sessions,
+            "pinned": m.pinned, "cached": m.cached,
             "source": m.source, "format": model_format(m),
         })).collect::<Vec<_>>(),
         "sessions": sessions.iter().map(|s| {
@@ -132,17 +133,17 @@ fn print_tables(
 ) {
     println!(
         "weightstream {} — backend {}",
-        info.version,
+        shown(&info.version),
         backend_name(info)
     );
     let mut devices = table(&["device", "name", "memory", "free", "pci", "copy limit"]);
     for d in &info.devices {
         devices.add_row(vec![
-            d.uuid.clone(),
-            d.name.clone(),
+            shown(&d.uuid),
+            shown(&d.name),
             human(d.total_memory),
             human(d.free_memory),
-            d.pci_bus_id.clone(),
+            shown(&d.pci_bus_id),
             match d.copy_bandwidth_limit {
                 0 => "none".to_string(),
                 rate => format!("{:.1} GB/s", rate as f64 / 1e9),
@@ -154,17 +155,18 @@ fn print_tables(
         println!("{q}");
     }
     let mut m = table(&[
-        "model", "name", "tensors", "bytes", "refs", "sessions", "source", "format",
+        "model", "name", "tensors", "bytes", "refs", "sessions", "kept", "source", "format",
     ]);
     for x in &models.models {
         m.add_row(vec![
-            x.model_id.clone(),
-            x.name.clone(),
+            shown(&x.model_id),
+            shown(&x.name),
             x.tensors.len().to_string(),
             human(x.total_bytes),
             x.refcount.to_string(),
             x.sessions.to_string(),
-            x.source.clone(),
+            kept(x).to_string(),
+            shown(&x.source),
             model_format(x),
         ]);
     }
@@ -186,9 +188,9 @@ fn print_tables(
     for x in sessions {
         let st = x.stats.unwrap_or_default();
         s.add_row(vec![
-            x.session_id.clone(),
-            x.label.clone(),
-            x.model_id.clone(),
+            shown(&x.session_id),
+            shown(&x.label),
+            shown(&x.model_id),
             x.peer_pid.to_string(),
             human(x.vram_budget),
             human(x.staging_bytes),
@@ -249,7 +251,7 @@ fn quota_table(info: &proto::GetInfoResponse) -> Option<String> {
     ]);
     for (i, d) in info.devices.iter().enumerate() {
         t.add_row(vec![
-            format!("  on {}", d.uuid),
+            format!("  on {}", shown(&d.uuid)),
             String::new(),
             String::new(),
             human(u.daemon_device_bytes.get(i).copied().unwrap_or(0)),
@@ -257,6 +259,19 @@ fn quota_table(info: &proto::GetInfoResponse) -> Option<String> {
         ]);
     }
     Some(format!("quotas (uid {})\n{t}", u.uid))
+}
+
+/// Whether the daemon may evict a model to make room: "pinned" (never), "cached" (only closed
+/// connections' references hold it: evicted first when room is needed), "in use" (a session
+/// or an open connection holds it).
+fn kept(m: &proto::ModelManifest) -> &'static str {
+    if m.pinned > 0 {
+        "pinned"
+    } else if m.cached {
+        "cached"
+    } else {
+        "in use"
+    }
 }
 
 /// A model's format: the quantization of its quantized tensors ("fp8_e4m3_block64"), or "none".

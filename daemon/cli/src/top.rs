@@ -17,7 +17,7 @@ use ratatui::widgets::{Block, Borders, Paragraph, Row, Sparkline, Table};
 use tokio::sync::mpsc;
 use weightstream_client::{Client, ResolvedSocket, proto};
 
-use super::{CliResult, UsageError, human};
+use super::{CliResult, UsageError, human, shown};
 
 #[derive(Debug, clap::Args)]
 pub struct TopArgs {
@@ -210,8 +210,8 @@ fn device_rows(view: &View) -> Vec<Vec<String>> {
                 "-".into()
             };
             vec![
-                d.uuid.clone(),
-                d.name.clone(),
+                shown(&d.uuid),
+                shown(&d.name),
                 mine.len().to_string(),
                 gbps(bytes),
                 mean_pct(mine.iter().filter_map(|(_, r)| r.gpu_wait)),
@@ -235,8 +235,8 @@ fn session_rows(view: &View) -> Vec<Vec<String>> {
         .map(|(s, r)| {
             let st = s.stats.unwrap_or_default();
             vec![
-                s.session_id.clone(),
-                s.label.clone(),
+                shown(&s.session_id),
+                shown(&s.label),
                 s.peer_pid.to_string(),
                 gbps(r.bytes_per_s),
                 r.gpu_wait.map_or_else(|| "-".into(), pct),
@@ -318,7 +318,7 @@ pub fn draw(frame: &mut Frame, view: &View) {
                 .data(&data)
                 .block(Block::default().borders(Borders::ALL).title(format!(
                     " {} GB/s history (peak {:.2}) ",
-                    d.uuid,
+                    shown(&d.uuid),
                     peak as f64 / 1e3
                 ))),
             *area,

@@ -392,3 +392,60 @@ fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
     assert!(!socket.exists(), "socket left behind");
     assert!(!handoff.exists(), "handoff socket left behind");
 }
+
+/// Names reach no terminal raw: a model named with an escape sequence (a window title, then a
+/// bell) shows escaped in `load`, in `status`'s table and in the daemon's log lines, and as it
+/// is in `status --json`.
+#[test]
+fn names_reach_no_terminal_raw() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ws.sock");
+    let data = vec![1u8; 64];
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![64], &data).unwrap();
+    let model = dir.path().join("m.safetensors");
+    safetensors::serialize_to_file(vec![("w", view)], None, &model).unwrap();
+    let mut daemon = Reaped(
+        weightstream()
+            .args(["serve", "--backend", "host", "--socket"])
+            .arg(&socket)
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the sockets", || {
+        socket.exists() && dir.path().join("ws.sock.fd").exists()
+    });
+    let name = "\x1b]0;PWNED\x07";
+    let shown = "\\u{1b}]0;PWNED\\u{7}";
+    let run = |args: &[&str]| {
+        let out = weightstream()
+            .args(args)
+            .arg("--socket")
+            .arg(&socket)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let loaded = run(&["load", "--name", name, model.to_str().unwrap()]);
+    let table = run(&["status"]);
+    let json = run(&["status", "--json"]);
+    let kill = Command::new("kill")
+        .args(["-TERM", &daemon.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let mut log = String::new();
+    std::io::Read::read_to_string(daemon.0.stderr.as_mut().unwrap(), &mut log).unwrap();
+    assert!(daemon.0.wait().unwrap().success());
+    for (what, text) in [("load", &loaded), ("status", &table), ("the log", &log)] {
+        assert!(
+            !text.contains('\x1b') && !text.contains('\x07'),
+            "{what}: {text:?}"
+        );
+        assert!(text.contains(shown), "{what}: {text}");
+    }
+    let json: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(json["models"][0]["name"], name, "JSON keeps the name exact");
+}

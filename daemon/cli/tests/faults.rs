@@ -169,6 +169,7 @@ async fn child_trainer() {
         CHILD_LAYERS / 2..CHILD_LAYERS,
     );
     let commit = proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id.clone(),
     };
     let committed = raw.commit_upload(commit).await.unwrap().into_inner();

@@ -481,7 +481,7 @@ async fn a_loaded_model_outlives_the_load_command_until_weightstream_release() {
     assert_eq!(again.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&again.stderr);
     assert!(
-        stderr.contains(&format!("unknown model_id '{model_id}'")),
+        stderr.contains(&format!("holds no reference to model_id '{model_id}'")),
         "{stderr}"
     );
 }

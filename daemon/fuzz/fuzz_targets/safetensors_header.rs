@@ -3,11 +3,11 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use weightstream_daemon::store::safetensors::{parse_header, read_header};
+use weightstream_daemon::store::safetensors::{HeaderLimits, parse_header, read_header};
 
 fuzz_target!(|data: &[u8]| {
-    let parsed = parse_header(data);
-    let read = read_header(&mut &data[..], data.len() as u64);
+    let parsed = parse_header(data, HeaderLimits::NONE);
+    let read = read_header(&mut &data[..], data.len() as u64, HeaderLimits::NONE);
     assert_eq!(
         parsed.is_ok(),
         read.is_ok(),

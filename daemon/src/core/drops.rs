@@ -7,6 +7,29 @@ use std::os::fd::OwnedFd;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+/// The name a passed file is shown by (in status, progress and errors): the path its client
+/// gave, when that path names this very file (same device and inode: the daemon stats the
+/// path, it never opens it); otherwise the file's own path as the kernel keeps it for the fd
+/// (`/proc/self/fd`), so that a client cannot show its file as `/etc/shadow`; and when neither
+/// is known, the client's path marked as its claim. Blocking (a stat): run it off the runtime.
+pub fn shown_name(claimed: &str, file: &std::fs::File) -> String {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::MetadataExt;
+    let same = |path: &str| {
+        let (Ok(named), Ok(passed)) = (std::fs::metadata(path), file.metadata()) else {
+            return false;
+        };
+        (named.dev(), named.ino()) == (passed.dev(), passed.ino())
+    };
+    if claimed.starts_with('/') && same(claimed) {
+        return claimed.to_string();
+    }
+    match std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())) {
+        Ok(real) => real.display().to_string(),
+        Err(_) => format!("{claimed} (as its client named it)"),
+    }
+}
+
 /// How long passed files wait for their LoadModel.
 pub const TOKEN_TTL: Duration = Duration::from_secs(60);
 /// Tokens one uid may have waiting at once.
@@ -154,6 +177,35 @@ impl FdDrops {
 
 #[cfg(test)]
 mod tests {
+    /// A path that names the passed file (directly or through a link) is shown as given; one
+    /// that names another file, or nothing, gives way to the file's own path.
+    #[test]
+    fn a_file_is_shown_by_a_path_that_names_it_or_by_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("own.safetensors");
+        std::fs::write(&real, b"x").unwrap();
+        let link = dir.path().join("link.safetensors");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let other = dir.path().join("other.safetensors");
+        std::fs::write(&other, b"y").unwrap();
+        let file = std::fs::File::open(&real).unwrap();
+        let own = real.display().to_string();
+        let shown = |claimed: &std::path::Path| super::shown_name(claimed.to_str().unwrap(), &file);
+        let cases = [
+            (real.clone(), own.clone()),
+            (link.clone(), link.display().to_string()),
+            (other, own.clone()),
+            ("/etc/shadow".into(), own.clone()),
+            ("relative/own.safetensors".into(), own.clone()),
+            (dir.path().join("missing"), own.clone()),
+        ];
+        let failed: Vec<String> = (cases.iter())
+            .filter(|(claimed, want)| shown(claimed) != *want)
+            .map(|(claimed, want)| format!("{claimed:?}: want {want}, got {}", shown(claimed)))
+            .collect();
+        assert!(failed.is_empty(), "{failed:#?}");
+    }
+
     use super::*;
 
     fn fds(n: usize) -> Vec<OwnedFd> {

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, watch};
 
-pub use self::drops::{DropError, FdDrops, FdTokenError, MAX_DROPS_PER_UID, TOKEN_TTL};
+pub use self::drops::{DropError, FdDrops, FdTokenError, MAX_DROPS_PER_UID, TOKEN_TTL, shown_name};
 pub use self::secrets::{FdSecrets, SecretError, SecretOwner};
 use crate::backend::{Backend, BackendError, RegionExport, RegionHandle};
 use crate::config::Config;
@@ -25,8 +25,8 @@ use crate::scheduler::{CopyScheduler, Pacing};
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
 use crate::session::{ActorParts, CloseReason, DrainDeadline, SessionShared, SessionStats};
 use crate::store::{
-    LoadSource, Model, Owner, Store, StoreError, StoreLimits, Stored, TensorDecl, UploadTicket,
-    held_by_clients,
+    LoadSource, Model, Owner, Retention, Store, StoreError, StoreLimits, Stored, TensorDecl,
+    UploadTicket, held_by_clients,
 };
 
 /// The identity of the process at the other end of a connection: what sessions and uploads
@@ -61,6 +61,11 @@ pub enum CoreError {
     NotOwner(String),
     #[error("device_uuid '{0}' is not a device of this daemon")]
     UnknownDevice(String),
+    #[error(
+        "all_references: uid {uid} may not give back other uids' references to a model: only \
+         root and the daemon's user (uid {daemon_uid}) may"
+    )]
+    NotAdministrator { uid: u32, daemon_uid: u32 },
     #[error("the daemon is stopping")]
     ShuttingDown,
 }
@@ -123,6 +128,8 @@ pub struct Daemon {
     drain: watch::Sender<Option<tokio::time::Instant>>,
     drain_deadline: DrainDeadline,
     pub started: Instant,
+    /// The daemon's own (effective) uid: it and root administer the daemon.
+    pub uid: u32,
 }
 
 impl Daemon {
@@ -159,6 +166,7 @@ impl Daemon {
             max_tensors: config.limits.max_tensors_per_model,
             max_upload_bytes: config.limits.max_upload_bytes,
             max_name_bytes: config.limits.max_name_bytes,
+            max_message_bytes: config.limits.max_message_bytes,
             max_uploads: config.limits.max_uploads,
             host,
         };
@@ -181,6 +189,7 @@ impl Daemon {
             drain,
             drain_deadline,
             started: Instant::now(),
+            uid: rustix::process::geteuid().as_raw(),
         }))
     }
 
@@ -209,8 +218,8 @@ impl Daemon {
         (page, more)
     }
 
-    /// The files `peer` passed under `token`, named by `paths` (one per fd, in order), ready
-    /// for the store to load.
+    /// The files `peer` passed under `token`, named by `paths` (one per fd, in order; each
+    /// name is checked by [`shown_name`] before the load, off the runtime).
     pub fn load_sources(
         &self,
         peer: &Peer,
@@ -236,16 +245,26 @@ impl Daemon {
         name: &str,
         tensors: Vec<TensorDecl>,
     ) -> Result<(UploadTicket, String), CoreError> {
-        let ticket = self.store.begin_upload(owner(peer), name, tensors)?;
+        // 64 random bits: another uid learns nothing from an id, not even that it exists.
+        let upload_id = format!("up-{}", &drops::random_secret()[..16]);
+        let ticket = (self.store).begin_upload(peer.owner(), upload_id, name, tensors)?;
         let upload = SecretOwner::Upload(ticket.upload_id.clone());
         let access = (Access::ReadWrite, Charge::Host);
         let secret = (self.secrets).mint(peer.uid, &ticket.memfd, access, upload);
         Ok((ticket, secret))
     }
 
-    /// Commits `peer`'s upload (blocking: it hashes the bytes); its secret ends.
-    pub fn commit_upload(&self, peer: &Peer, upload_id: &str) -> Result<Stored, CoreError> {
-        let committed = self.store.commit_upload(owner(peer), upload_id)?;
+    /// Commits `peer`'s upload (blocking: it hashes the bytes); its secret ends. The
+    /// reference it takes lasts as `retention` says.
+    pub fn commit_upload(
+        &self,
+        peer: &Peer,
+        upload_id: &str,
+        retention: Retention,
+    ) -> Result<Stored, CoreError> {
+        let committed = self
+            .store
+            .commit_upload(peer.owner(), upload_id, retention)?;
         (self.secrets).revoke(&SecretOwner::Upload(upload_id.to_string()));
         Ok(committed)
     }
@@ -480,12 +499,11 @@ impl Daemon {
         (live, totals)
     }
 
-    /// The session, if `peer` may drive it.
+    /// The session, if `peer` may drive it. Another uid's session is unknown to `peer`,
+    /// exactly as one that does not exist.
     pub fn owned_session(&self, peer: &Peer, id: &str) -> Result<Arc<SessionShared>, CoreError> {
-        let session = self
-            .sessions()
-            .get(id)
-            .cloned()
+        let session = (self.sessions().get(id).cloned())
+            .filter(|s| s.owner.uid == peer.uid)
             .ok_or_else(|| CoreError::UnknownSession(id.to_string()))?;
         if session.owner.conn != peer.conn {
             return Err(CoreError::NotOwner(id.to_string()));
@@ -493,8 +511,35 @@ impl Daemon {
         Ok(session.shared)
     }
 
-    /// A connection closed: its sessions and uncommitted uploads go.
+    /// Gives back one of `peer`'s references to model `id`, or, with `all`, every uid's (for
+    /// root and the daemon's user). Returns the references left.
+    pub fn release_model(&self, peer: &Peer, id: &str, all: bool) -> Result<u32, CoreError> {
+        if !all {
+            return Ok(self.store.release(id, peer.owner())?);
+        }
+        let daemon_uid = self.uid;
+        if !peer.administers(daemon_uid) {
+            return Err(CoreError::NotAdministrator {
+                uid: peer.uid,
+                daemon_uid,
+            });
+        }
+        self.store.release_all(id)?;
+        tracing::info!(model = %id, uid = peer.uid, pid = peer.pid, "released for every uid");
+        Ok(0)
+    }
+
+    /// A connection closed: its sessions and uncommitted uploads go, and so do the model
+    /// references it took to last as long as it does.
     pub async fn connection_closed(&self, conn: u64) {
+        let released = self.store.connection_closed(conn);
+        if released > 0 {
+            tracing::info!(
+                conn,
+                references = released,
+                "connection's model references released"
+            );
+        }
         let dropped = self.store.drop_uploads_of(conn);
         for id in &dropped {
             self.secrets.revoke(&SecretOwner::Upload(id.clone()));
@@ -557,11 +602,19 @@ impl Daemon {
     }
 }
 
-/// What a peer owns in the store: uploads by its connection, references by its uid.
-fn owner(peer: &Peer) -> Owner {
-    Owner {
-        conn: peer.conn,
-        uid: peer.uid,
+impl Peer {
+    /// What a peer owns in the store: uploads by its connection, references by its uid (each
+    /// taken by its connection).
+    pub fn owner(&self) -> Owner {
+        Owner {
+            conn: self.conn,
+            uid: self.uid,
+        }
+    }
+
+    /// Whether the peer administers the daemon: root, or the daemon's own user.
+    fn administers(&self, daemon_uid: u32) -> bool {
+        self.uid == 0 || self.uid == daemon_uid
     }
 }
 

@@ -7,7 +7,9 @@ use crate::core::{Daemon, OpenedSession, Peer};
 use crate::session::{SessionShared, StatsSnapshot};
 use crate::store::quantize::Quantization;
 use crate::store::safetensors::DType;
-use crate::store::{Model, ModelEntry, ModelSource, Phases, Stored, StoredTensor, UploadTicket};
+use crate::store::{
+    Model, ModelEntry, ModelSource, Phases, Retention, Stored, StoredTensor, UploadTicket,
+};
 
 pub fn dtype_to_pb(d: DType) -> pb::Dtype {
     use pb::Dtype as P;
@@ -62,6 +64,14 @@ fn quantized_fields(t: &StoredTensor) -> (i32, Vec<u64>, u64) {
             q.scale_offset,
         ),
     }
+}
+
+pub fn retention_from_pb(value: i32) -> Option<Retention> {
+    Some(match pb::Retention::try_from(value).ok()? {
+        pb::Retention::Cached => Retention::Cached,
+        pb::Retention::Connection => Retention::Connection,
+        pb::Retention::Pinned => Retention::Pinned,
+    })
 }
 
 pub fn dtype_from_pb(value: i32) -> Option<DType> {
@@ -180,6 +190,8 @@ pub fn manifest(model: &Model, entry: Option<&ModelEntry>) -> pb::ModelManifest 
         total_bytes: model.total_bytes,
         refcount: entry.map_or(0, |e| e.refs),
         sessions: entry.map_or(0, |e| e.sessions),
+        pinned: entry.map_or(0, ModelEntry::pinned),
+        cached: entry.is_some_and(ModelEntry::cached),
         source: match model.source {
             ModelSource::File => "file",
             ModelSource::Upload => "upload",

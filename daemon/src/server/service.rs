@@ -17,9 +17,9 @@ use super::convert::{self, manifest, session_info, stored_manifest};
 use super::error::EdgeError;
 use super::heap;
 use super::validate::Validation;
-use crate::core::Daemon;
-use crate::core::Peer;
+use crate::core::{Daemon, Peer, shown_name};
 use crate::session::CloseReason;
+use crate::store::LoadSource;
 
 pub struct Service {
     daemon: Arc<Daemon>,
@@ -53,6 +53,7 @@ fn log_stored(what: &'static str, stored: &crate::store::Stored) {
     let (m, p) = (&stored.model, &stored.phases);
     tracing::info!(
         model = %m.id,
+        name = %m.name,
         existed = stored.existed,
         bytes = m.total_bytes,
         quantization = %m.quantization(),
@@ -67,6 +68,28 @@ fn log_stored(what: &'static str, stored: &crate::store::Stored) {
         pin_secs = p.pin.as_secs_f64(),
         "{what}"
     );
+}
+
+/// The manifests that fit in `room` bytes, in order, and whether some were left for the next
+/// page. The first always goes in: the store admits no model whose manifest could not.
+fn fill_page(
+    manifests: impl Iterator<Item = pb::ModelManifest>,
+    room: u64,
+) -> (Vec<pb::ModelManifest>, bool) {
+    use prost::Message;
+    let mut page = Vec::new();
+    let mut used = 0u64;
+    for m in manifests {
+        // As a repeated field: a tag byte, the length's varint, the message.
+        let len = m.encoded_len() as u64;
+        let size = 1 + prost::length_delimiter_len(len as usize) as u64 + len;
+        if !page.is_empty() && used + size > room {
+            return (page, true);
+        }
+        used += size;
+        page.push(m);
+    }
+    (page, false)
 }
 
 #[tonic::async_trait]
@@ -100,6 +123,12 @@ impl WeightStream for Service {
         let daemon = self.daemon.clone();
         let (tx, rx) = mpsc::channel(16);
         self.blocking.spawn(what, move || {
+            let sources: Vec<_> = (sources.into_iter())
+                .map(|s| LoadSource {
+                    name: shown_name(&s.name, &s.file),
+                    file: s.file,
+                })
+                .collect();
             let progress_tx = tx.clone();
             let mut progress = |done: u64, total: u64, file: &std::path::Path| {
                 let event = pb::load_model_event::Event::Progress(pb::LoadProgress {
@@ -113,7 +142,7 @@ impl WeightStream for Service {
                 &sources,
                 &req.name,
                 req.quantization,
-                peer.uid,
+                (peer.owner(), req.retention),
                 &mut progress,
             );
             let msg = result
@@ -182,7 +211,9 @@ impl WeightStream for Service {
         let what = format!("CommitUpload '{}' for uid {}", req.upload_id, peer.uid);
         let stored = self
             .blocking
-            .spawn(what, move || daemon.commit_upload(&peer, &req.upload_id))
+            .spawn(what, move || {
+                daemon.commit_upload(&peer, &req.upload_id, req.retention)
+            })
             .await
             .map_err(|source| EdgeError::Task {
                 what: "commit",
@@ -200,9 +231,9 @@ impl WeightStream for Service {
         &self,
         req: Request<pb::ReleaseModelRequest>,
     ) -> Result<Response<pb::ReleaseModelResponse>, Status> {
-        let uid = peer(&req)?.uid;
+        let peer = peer(&req)?;
         let req = self.validation.release_model(req.into_inner())?;
-        let refcount = self.daemon.store.release(&req.model_id, uid)?;
+        let refcount = (self.daemon).release_model(&peer, &req.model_id, req.all_references)?;
         Ok(Response::new(pb::ReleaseModelResponse { refcount }))
     }
 
@@ -212,13 +243,16 @@ impl WeightStream for Service {
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
         let page = self.validation.list_models(req.into_inner())?;
         let store = &self.daemon.store;
-        let (models, more) = store.models_page(&page.after, page.size);
+        let (entries, more) = store.models_page(&page.after, page.size);
+        let room = (self.daemon.config.limits.max_message_bytes)
+            .saturating_sub(crate::store::MESSAGE_ENVELOPE);
+        let (models, cut) = fill_page(entries.iter().map(|e| manifest(&e.model, Some(e))), room);
         let next_page_token = match models.last() {
-            Some(last) if more => last.model.id.clone(),
+            Some(last) if more || cut => last.model_id.clone(),
             _ => String::new(),
         };
         Ok(Response::new(pb::ListModelsResponse {
-            models: models.iter().map(|e| manifest(&e.model, Some(e))).collect(),
+            models,
             store_bytes: store.bytes(),
             next_page_token,
         }))

@@ -53,6 +53,7 @@ pub fn status_of(e: &CoreError) -> Status {
             | StoreError::NotAFile { .. }
             | StoreError::DuplicateTensor { .. }
             | StoreError::TooManyTensors { .. }
+            | StoreError::DescriptionTooLarge { .. }
             | StoreError::Quantize(_)
             | StoreError::Scale { .. } => Status::invalid_argument(msg),
             StoreError::Io { .. } | StoreError::UploadMapped(_) => Status::failed_precondition(msg),
@@ -60,11 +61,11 @@ pub fn status_of(e: &CoreError) -> Status {
             StoreError::Arena { .. }
             | StoreError::UploadTooLarge { .. }
             | StoreError::TooManyUploads { .. } => Status::resource_exhausted(msg),
-            StoreError::UnknownModel(_) | StoreError::UnknownUpload(_) => Status::not_found(msg),
-            StoreError::NotOwner(_) | StoreError::NotHolder { .. } => {
-                Status::permission_denied(msg)
-            }
-            StoreError::Quota(_) => Status::resource_exhausted(msg),
+            StoreError::UnknownModel(_)
+            | StoreError::UnknownUpload(_)
+            | StoreError::NotHolder { .. } => Status::not_found(msg),
+            StoreError::NotOwner(_) => Status::permission_denied(msg),
+            StoreError::Quota(_) | StoreError::HostFull(_) => Status::resource_exhausted(msg),
             StoreError::Pin(_) => Status::resource_exhausted(msg),
         },
         CoreError::Layout(_) | CoreError::Budget(_) | CoreError::FdToken(_) => {
@@ -73,7 +74,9 @@ pub fn status_of(e: &CoreError) -> Status {
         CoreError::Backend(BackendError::Alloc { .. }) => Status::resource_exhausted(msg),
         CoreError::Backend(_) | CoreError::Residency(_) => Status::internal(msg),
         CoreError::UnknownSession(_) | CoreError::UnknownDevice(_) => Status::not_found(msg),
-        CoreError::NotOwner(_) => Status::permission_denied(msg),
+        CoreError::NotOwner(_) | CoreError::NotAdministrator { .. } => {
+            Status::permission_denied(msg)
+        }
         CoreError::Quota(_) => Status::resource_exhausted(msg),
         CoreError::ShuttingDown => Status::unavailable(msg),
     }

@@ -8,13 +8,13 @@ use std::num::NonZeroU64;
 use weightstream_client::handoff;
 use weightstream_client::proto as pb;
 
-use super::convert::{dtype_from_pb, quantization_from_pb};
+use super::convert::{dtype_from_pb, quantization_from_pb, retention_from_pb};
 use crate::config::{Limits, MIN_COPY_BANDWIDTH, Rate};
 use crate::core::OpenRequest;
 use crate::store::prequantized::torchao_layout;
 use crate::store::quantize::{Quantization, QuantizeError, StoredLayout};
 use crate::store::safetensors::{DType, tensor_nbytes};
-use crate::store::{DeclQuant, QuantizedLayout, TensorDecl};
+use crate::store::{DeclQuant, QuantizedLayout, Retention, TensorDecl};
 
 /// Most dimensions a tensor may have.
 pub const MAX_RANK: usize = 16;
@@ -71,6 +71,11 @@ pub enum ValidationError {
          QUANTIZATION_FP8_E4M3_BLOCK64"
     )]
     UploadOnlyQuantization { field: String, name: &'static str },
+    #[error(
+        "retention: {0} is not a known retention (RETENTION_CACHED = 0, RETENTION_CONNECTION = \
+         1, RETENTION_PINNED = 2)"
+    )]
+    UnknownRetention(i32),
     /// A pre-quantized format is read from files as published (a LoadModel with quantization
     /// none of such a file), never asked for.
     #[error(
@@ -156,6 +161,7 @@ pub struct ValidLoadModel {
     pub name: String,
     pub fd_token: String,
     pub quantization: Quantization,
+    pub retention: Retention,
 }
 
 /// A page of a list: how many entries, and after which (`T::default()`: from the start).
@@ -175,11 +181,14 @@ pub struct ValidBeginUpload {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValidCommitUpload {
     pub upload_id: String,
+    pub retention: Retention,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValidReleaseModel {
     pub model_id: String,
+    /// Every uid's references (the daemon's administrators only).
+    pub all_references: bool,
 }
 
 /// OpenSession: groups as (name, tensor names), each with at least one tensor.
@@ -257,6 +266,7 @@ impl Validation {
             name: req.name,
             fd_token: req.fd_token,
             quantization,
+            retention: retention(req.retention)?,
         })
     }
 
@@ -307,6 +317,7 @@ impl Validation {
         text("upload_id", &req.upload_id, MAX_ID_BYTES)?;
         Ok(ValidCommitUpload {
             upload_id: req.upload_id,
+            retention: retention(req.retention)?,
         })
     }
 
@@ -314,6 +325,7 @@ impl Validation {
         text("model_id", &req.model_id, MAX_ID_BYTES)?;
         Ok(ValidReleaseModel {
             model_id: req.model_id,
+            all_references: req.all_references,
         })
     }
 
@@ -423,6 +435,10 @@ impl Validation {
         }
         Ok(out)
     }
+}
+
+fn retention(value: i32) -> Result<Retention> {
+    retention_from_pb(value).ok_or(ValidationError::UnknownRetention(value))
 }
 
 fn quantization(field: &str, value: i32) -> Result<Quantization> {

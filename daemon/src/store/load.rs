@@ -28,8 +28,8 @@ use super::quantize::{
 };
 use super::safetensors::{self, TensorEntry};
 use super::{
-    Model, ModelSource, QuantizedLayout, Store, StoreError, StoredTensor, TENSOR_ALIGN,
-    metadata_bytes,
+    Model, ModelSource, Owner, QuantizedLayout, Retention, Store, StoreError, StoredTensor,
+    TENSOR_ALIGN, metadata_bytes,
 };
 use crate::mem::{align_up, parallel};
 
@@ -105,45 +105,50 @@ impl Store {
     /// Loads safetensors from `sources` (blocking; run it off the async runtime), quantizing
     /// its weights as `quantization` says ([`quantizes_on_load`]). Returns the model, whether it
     /// was already in the store, and where the time went: the arena's allocation, reading (and
-    /// quantizing), page-locking. Progress counts the files' bytes.
+    /// quantizing), page-locking. The reference is `owner`'s (its uid's, taken by its
+    /// connection) and lasts as `retention` says. Progress counts the files' bytes.
     pub fn load(
         &self,
         sources: &[LoadSource],
         name: &str,
         quantization: Quantization,
-        uid: u32,
+        (owner, retention): (Owner, Retention),
         progress: Progress<'_>,
     ) -> Result<Stored, StoreError> {
         let started = Instant::now();
         let mut phases = Phases::default();
-        let (id, opened) = identity(sources, quantization)?;
-        let last = Path::new(sources.last().map_or("", |s| s.name.as_str()));
-        if let Some(model) = self.add_ref(&id, uid) {
-            let total = model.total_bytes;
-            progress(total, total, last);
-            phases.total = started.elapsed();
-            return Ok(Stored {
-                model,
-                existed: true,
-                phases,
-            });
-        }
-        let plan = self.plan_load(&opened, quantization)?;
+        let (key, opened) = file_key(sources, quantization)?;
+        let (plan, headers) = self.plan_load(&opened, quantization)?;
         let total: u64 = plan.iter().map(Planned::input_bytes).sum();
-        let arena_len = align_up(
-            plan.last().map_or(0, |p| p.offset + p.nbytes()),
-            TENSOR_ALIGN,
-        );
+        let last = Path::new(sources.last().map_or("", |s| s.name.as_str()));
+        // Files that look unchanged since a model was loaded from them are read and hashed
+        // (nothing allocated); the model is theirs only if the bytes are still the same.
+        if self.has_file_key(&key) {
+            let digests = phases.time(|p| &mut p.hash, || digest_files(&plan))?;
+            let id = model_id(&headers, &digests, quantization);
+            if let Some(model) = self.add_ref(&id, owner, retention) {
+                progress(total, total, last);
+                phases.total = started.elapsed();
+                return Ok(Stored {
+                    model,
+                    existed: true,
+                    phases,
+                });
+            }
+        }
         let name = if name.is_empty() {
             default_name(sources)
         } else {
             name.to_string()
         };
-        let metadata = metadata_bytes(
-            &name,
-            plan.iter().map(|p| (&*p.entry.name, p.entry.shape.len())),
+        let described = || plan.iter().map(|p| (&*p.entry.name, p.entry.shape.len()));
+        self.check_description(&name, described())?;
+        let metadata = metadata_bytes(&name, described());
+        let arena_len = align_up(
+            plan.last().map_or(0, |p| p.offset + p.nbytes()),
+            TENSOR_ALIGN,
         );
-        let reserved = self.reserve(uid, arena_len + metadata, false, "model")?;
+        let reserved = self.reserve(owner.uid, arena_len + metadata, false, "model")?;
         progress(0, total, Path::new("allocating host memory"));
         let mut segment = phases
             .time(|p| &mut p.alloc, || self.shm.create("model", arena_len))
@@ -152,37 +157,31 @@ impl Store {
                 source,
             })?;
         let arena = segment.bytes_mut().expect("a new segment is writable");
-        phases.time(
+        let digests = phases.time(
             |p| &mut p.read,
             || fill_arena(&plan, arena, total, progress),
         )?;
         phases.input_bytes = total;
-        let tensors: Vec<StoredTensor> = plan
-            .into_iter()
-            .map(|p| StoredTensor {
-                nbytes: p.nbytes(),
-                name: p.entry.name,
-                dtype: match p.quantized {
-                    Some(_) => safetensors::DType::F8E4M3,
-                    None => p.entry.dtype,
-                },
-                shape: p.entry.shape,
-                offset: p.offset,
-                quantized: match p.pre {
-                    Some(pre) => Some(QuantizedLayout {
-                        quantization: pre.layout.quantization,
-                        scale_shape: pre.layout.scale_shape,
-                        scale_offset: pre.layout.scale_offset,
-                    }),
-                    None => p.quantized.as_ref().map(QuantizedLayout::fp8),
-                },
-            })
-            .collect();
+        // The model is what was read: its id is the digest of those bytes.
+        let id = model_id(&headers, &digests, quantization);
+        if let Some(model) = self.add_ref(&id, owner, retention) {
+            // The same bytes are stored already (other files, or the same ones changed back):
+            // the copy just made goes, unpinned.
+            drop((segment, reserved));
+            phases.total = started.elapsed();
+            return Ok(Stored {
+                model,
+                existed: true,
+                phases,
+            });
+        }
+        let tensors = stored_tensors(plan);
         progress(total, total, Path::new("page-locking host memory"));
         let arena = phases.time(|p| &mut p.pin, || self.pin(segment, &tensors))?;
         phases.nothing_pinned_unless(arena.is_pinned());
-        let model = Model::new(id, name, ModelSource::File, tensors, arena);
-        let (model, existed) = self.insert_or_ref(Arc::new(model), uid);
+        let mut model = Model::new(id, name, ModelSource::File, tensors, arena);
+        model.file_key = Some(key);
+        let (model, existed) = self.insert_or_ref(Arc::new(model), owner, retention);
         drop(reserved);
         phases.total = started.elapsed();
         Ok(Stored {
@@ -193,12 +192,14 @@ impl Store {
     }
 
     /// Reads every header, rejects duplicates and places each tensor in the future arena, at
-    /// its quantized size where it is quantized.
+    /// its quantized size where it is quantized. Returns the plan and the digest of the
+    /// headers as parsed (part of the model's id).
     fn plan_load<'a>(
         &self,
         files: &'a [Opened<'a>],
         quantization: Quantization,
-    ) -> Result<Plan<'a>, StoreError> {
+    ) -> Result<(Plan<'a>, blake3::Hash), StoreError> {
+        let mut headers = blake3::Hasher::new();
         let mut seen: HashMap<String, &str> = HashMap::new();
         let mut entries: Vec<(&'a Opened<'a>, TensorEntry)> = Vec::new();
         // Layers a ComfyUI mixed-precision header lists as quantized.
@@ -209,12 +210,17 @@ impl Store {
                 file: &opened.source.file,
                 at: 0,
             };
-            let header = safetensors::read_header(&mut reader, opened.len).map_err(|source| {
-                StoreError::Header {
-                    path: path.to_string(),
-                    source,
-                }
-            })?;
+            let limits = safetensors::HeaderLimits {
+                max_tensors: self.limits.max_tensors as usize,
+                max_name_bytes: self.limits.max_name_bytes as usize,
+            };
+            let header =
+                safetensors::read_header(&mut reader, opened.len, limits).map_err(|source| {
+                    StoreError::Header {
+                        path: path.to_string(),
+                        source,
+                    }
+                })?;
             let count = (seen.len() + header.tensors.len()) as u64;
             if count > u64::from(self.limits.max_tensors) {
                 return Err(StoreError::TooManyTensors {
@@ -223,6 +229,7 @@ impl Store {
                 });
             }
             listed.extend(prequantized::listed_layers(path, &header.metadata)?);
+            hash_header(&mut headers, &header);
             for entry in header.tensors {
                 if let Some(first) = seen.insert(entry.name.clone(), path) {
                     return Err(StoreError::DuplicateTensor {
@@ -275,8 +282,32 @@ impl Store {
             offset += planned.nbytes();
             plan.push(planned);
         }
-        Ok(plan)
+        Ok((plan, headers.finalize()))
     }
+}
+
+/// Where each planned tensor is in the arena, and how it is held there.
+fn stored_tensors(plan: Plan<'_>) -> Vec<StoredTensor> {
+    plan.into_iter()
+        .map(|p| StoredTensor {
+            nbytes: p.nbytes(),
+            name: p.entry.name,
+            dtype: match p.quantized {
+                Some(_) => safetensors::DType::F8E4M3,
+                None => p.entry.dtype,
+            },
+            shape: p.entry.shape,
+            offset: p.offset,
+            quantized: match p.pre {
+                Some(pre) => Some(QuantizedLayout {
+                    quantization: pre.layout.quantization,
+                    scale_shape: pre.layout.scale_shape,
+                    scale_offset: pre.layout.scale_offset,
+                }),
+                None => p.quantized.as_ref().map(QuantizedLayout::fp8),
+            },
+        })
+        .collect()
 }
 
 /// Positioned reads from the start of a file: the client shares the fd's file offset, which
@@ -296,93 +327,190 @@ impl Read for ReadAt<'_> {
 
 /// Copies each tensor that keeps its dtype from its file into the arena with positioned reads
 /// (unlike a mapping of the source, a file truncated under us is an error here, not a
-/// SIGBUS), then quantizes the others into it batch by batch.
+/// SIGBUS), then quantizes the others into it batch by batch. Returns the digest of each
+/// range read ([`ranges_read`]'s order), taken of the bytes as they were read.
 fn fill_arena(
     plan: &Plan<'_>,
     arena: &mut [u8],
     total: u64,
     progress: Progress<'_>,
-) -> Result<(), StoreError> {
+) -> Result<Vec<Digest>, StoreError> {
     let mut done = Done {
         done: 0,
         reported: 0,
         total,
     };
-    read_plain(plan, arena, &mut done, progress)?;
-    quantize_batches(plan, arena, &mut done, progress)?;
+    let mut digests = read_plain(plan, arena, &mut done, progress)?;
+    digests.extend(quantize_batches(plan, arena, &mut done, progress)?);
     if let Some(p) = plan.last() {
         progress(done.done, total, Path::new(&p.opened.source.name));
     }
-    Ok(())
+    Ok(digests)
 }
 
-/// One piece of the copy: bytes of a tensor's data from its file, or a pre-quantized weight's
-/// scales (converted) and padding.
-enum ReadPiece<'p, 'a, 'm> {
+/// A BLAKE3 digest of one range read.
+type Digest = [u8; 32];
+
+/// What a load reads besides the weights it quantizes, in arena order: each tensor's data in
+/// pieces of at most [`PROGRESS_STEP`] bytes, and after a pre-quantized weight its scales.
+enum PlainJob<'p, 'a> {
     Data {
         tensor: &'p Planned<'a>,
         at: u64,
-        dst: &'m mut [u8],
+        len: u64,
     },
     Scales {
+        weight: &'p Planned<'a>,
         pre: &'p PreScale<'a>,
-        /// The weight's slice past its data: padding, then scales.
-        tail: &'m mut [u8],
     },
 }
 
+fn plain_jobs<'p, 'a>(plan: &'p Plan<'a>) -> Vec<PlainJob<'p, 'a>> {
+    let mut jobs = Vec::new();
+    for p in plan.iter().filter(|p| p.quantized.is_none()) {
+        let mut at = 0u64;
+        while at < p.entry.nbytes {
+            let len = (p.entry.nbytes - at).min(PROGRESS_STEP);
+            jobs.push(PlainJob::Data { tensor: p, at, len });
+            at += len;
+        }
+        if let Some(pre) = &p.pre {
+            jobs.push(PlainJob::Scales { weight: p, pre });
+        }
+    }
+    jobs
+}
+
+impl<'a> PlainJob<'_, 'a> {
+    /// Where its bytes go in the arena: (start, len).
+    fn arena_range(&self) -> (usize, usize) {
+        match self {
+            PlainJob::Data { tensor, at, len } => ((tensor.offset + at) as usize, *len as usize),
+            // The weight's slice past its data: padding, then scales.
+            PlainJob::Scales { weight, .. } => (
+                (weight.offset + weight.entry.nbytes) as usize,
+                (weight.nbytes() - weight.entry.nbytes) as usize,
+            ),
+        }
+    }
+
+    /// What it reads from a file.
+    fn file_range(&self) -> FileRange<'a> {
+        match self {
+            PlainJob::Data { tensor, at, len } => FileRange {
+                source: tensor.opened.source,
+                offset: tensor.entry.file_offset + at,
+                len: *len,
+            },
+            PlainJob::Scales { pre, .. } => FileRange {
+                source: pre.opened.source,
+                offset: pre.entry.file_offset,
+                len: pre.entry.nbytes,
+            },
+        }
+    }
+}
+
+/// A range of a file that a load reads.
+struct FileRange<'a> {
+    source: &'a LoadSource,
+    offset: u64,
+    len: u64,
+}
+
+/// Every range a load reads, in the order its digests make the model's id: the plain jobs,
+/// then each batch's chunks of rows to quantize.
+fn ranges_read<'a>(plan: &Plan<'a>) -> Vec<FileRange<'a>> {
+    let mut ranges: Vec<FileRange<'a>> =
+        plain_jobs(plan).iter().map(PlainJob::file_range).collect();
+    for batch in batches(plan) {
+        ranges.extend(
+            batch_chunks(&batch)
+                .into_iter()
+                .map(|(tensor, from, len)| FileRange {
+                    source: tensor.opened.source,
+                    offset: tensor.entry.file_offset + from,
+                    len: len as u64,
+                }),
+        );
+    }
+    ranges
+}
+
+/// Reads the ranges a load of `plan` would read and hashes them, storing nothing: the
+/// digests [`fill_arena`] would give for the files as they are now.
+fn digest_files(plan: &Plan<'_>) -> Result<Vec<Digest>, StoreError> {
+    let ranges = ranges_read(plan);
+    let mut digests = vec![[0u8; 32]; ranges.len()];
+    let threads = parallel::threads_for(ranges.len(), READERS);
+    let work = |(k, r): (usize, FileRange<'_>)| {
+        let mut hasher = blake3::Hasher::new();
+        let mut buf = vec![0u8; (r.len as usize).min(QUANT_READ_PIECE)];
+        let mut at = 0u64;
+        while at < r.len {
+            let n = ((r.len - at) as usize).min(buf.len());
+            (r.source.file)
+                .read_exact_at(&mut buf[..n], r.offset + at)
+                .map_err(|source| StoreError::Io {
+                    path: r.source.name.clone(),
+                    source,
+                })?;
+            hasher.update(&buf[..n]);
+            at += n as u64;
+        }
+        Ok::<_, StoreError>((k, *hasher.finalize().as_bytes()))
+    };
+    let items = ranges.into_iter().enumerate().collect();
+    parallel::for_each(items, threads, work, |(k, d)| digests[k] = d)?;
+    Ok(digests)
+}
+
 /// Copies the tensors that keep their dtype (and pre-quantized weights) into the arena on up
-/// to [`READERS`] threads, in pieces of at most [`PROGRESS_STEP`] bytes taken in arena order.
+/// to [`READERS`] threads, in the pieces [`plain_jobs`] cuts, taken in arena order; returns
+/// each piece's digest.
 fn read_plain(
     plan: &Plan<'_>,
     arena: &mut [u8],
     done: &mut Done,
     progress: Progress<'_>,
-) -> Result<(), StoreError> {
-    let mut pieces = Vec::new();
-    let mut rest: &mut [u8] = arena;
-    let mut consumed = 0u64;
-    for p in plan.iter().filter(|p| p.quantized.is_none()) {
-        let (_, tail) = std::mem::take(&mut rest).split_at_mut((p.offset - consumed) as usize);
-        let (slot, tail) = tail.split_at_mut(p.nbytes() as usize);
-        rest = tail;
-        consumed = p.offset + p.nbytes();
-        let (mut data, scales) = slot.split_at_mut(p.entry.nbytes as usize);
-        let mut at = 0u64;
-        while !data.is_empty() {
-            let n = data.len().min(PROGRESS_STEP as usize);
-            let (dst, more) = std::mem::take(&mut data).split_at_mut(n);
-            data = more;
-            pieces.push(ReadPiece::Data { tensor: p, at, dst });
-            at += n as u64;
-        }
-        if let Some(pre) = &p.pre {
-            pieces.push(ReadPiece::Scales { pre, tail: scales });
-        }
-    }
+) -> Result<Vec<Digest>, StoreError> {
+    let jobs = plain_jobs(plan);
+    let ranges: Vec<(usize, usize)> = jobs.iter().map(PlainJob::arena_range).collect();
+    let pieces: Vec<(usize, PlainJob<'_, '_>, &mut [u8])> = (jobs.into_iter())
+        .zip(disjoint_mut(arena, &ranges))
+        .enumerate()
+        .map(|(k, (job, dst))| (k, job, dst))
+        .collect();
+    let mut digests = vec![[0u8; 32]; pieces.len()];
     let threads = parallel::threads_for(pieces.len(), READERS);
-    parallel::for_each(pieces, threads, read_piece, |(n, path)| {
+    parallel::for_each(pieces, threads, read_piece, |(k, n, path, digest)| {
+        digests[k] = digest;
         done.add(n, path, &mut *progress)
-    })
+    })?;
+    Ok(digests)
 }
 
-/// Reads one piece; returns the bytes of the files it covered and the file's name.
-fn read_piece<'p>(piece: ReadPiece<'p, '_, '_>) -> Result<(u64, &'p str), StoreError> {
-    match piece {
-        ReadPiece::Data { tensor, at, dst } => {
+/// Reads one piece into `dst`; returns its index, the bytes of the files it covered, the
+/// file's name and the digest of the bytes read.
+fn read_piece<'p>(
+    (k, job, dst): (usize, PlainJob<'p, '_>, &mut [u8]),
+) -> Result<(usize, u64, &'p str, Digest), StoreError> {
+    match job {
+        PlainJob::Data { tensor, at, .. } => {
             read_at(tensor, dst, at)?;
-            Ok((dst.len() as u64, &tensor.opened.source.name))
+            let digest = *blake3::hash(dst).as_bytes();
+            Ok((k, dst.len() as u64, &tensor.opened.source.name, digest))
         }
-        ReadPiece::Scales { pre, tail } => {
-            fill_scales(pre, tail)?;
-            Ok((pre.entry.nbytes, &pre.opened.source.name))
+        PlainJob::Scales { pre, .. } => {
+            let digest = fill_scales(pre, dst)?;
+            Ok((k, pre.entry.nbytes, &pre.opened.source.name, digest))
         }
     }
 }
 
 /// A pre-quantized weight's padding (zeros) and scales (its file's, as fp32) after its data:
-/// `tail` is its slice from the end of the data on.
-fn fill_scales(pre: &PreScale<'_>, tail: &mut [u8]) -> Result<(), StoreError> {
+/// `tail` is its slice from the end of the data on. Returns the digest of the scales as read.
+fn fill_scales(pre: &PreScale<'_>, tail: &mut [u8]) -> Result<Digest, StoreError> {
     let l = &pre.layout;
     let mut bytes = vec![0u8; pre.entry.nbytes as usize];
     (pre.opened.source.file)
@@ -394,7 +522,7 @@ fn fill_scales(pre: &PreScale<'_>, tail: &mut [u8]) -> Result<(), StoreError> {
     let (padding, scales) = tail.split_at_mut((l.scale_offset - l.data_bytes) as usize);
     padding.fill(0);
     prequantized::scales_to_f32(&pre.entry.name, l.scale_dtype, &bytes, scales)?;
-    Ok(())
+    Ok(*blake3::hash(&bytes).as_bytes())
 }
 
 /// Bytes read so far, and when they were last reported.
@@ -482,25 +610,44 @@ fn batches<'p, 'a>(plan: &'p Plan<'a>) -> Vec<Vec<Piece<'p, 'a>>> {
     out
 }
 
-/// Reads a batch's rows into `buf`, one piece after the other.
-fn read_batch(batch: &[Piece<'_, '_>], buf: &mut Vec<u8>) -> Result<(), StoreError> {
+/// The chunks a batch is read in: (tensor, offset in the tensor's data, length), each at most
+/// [`QUANT_READ_PIECE`] bytes, its pieces' rows one after the other.
+fn batch_chunks<'p, 'a>(batch: &[Piece<'p, 'a>]) -> Vec<(&'p Planned<'a>, u64, usize)> {
+    let mut chunks = Vec::new();
+    for piece in batch {
+        let from = (piece.first * piece.row_bytes()) as u64;
+        let mut at = 0;
+        while at < piece.input_bytes() {
+            let len = (piece.input_bytes() - at).min(QUANT_READ_PIECE);
+            chunks.push((piece.tensor, from + at as u64, len));
+            at += len;
+        }
+    }
+    chunks
+}
+
+/// Reads a batch's rows into `buf`, one piece after the other; returns each chunk's digest.
+fn read_batch(batch: &[Piece<'_, '_>], buf: &mut Vec<u8>) -> Result<Vec<Digest>, StoreError> {
     buf.clear();
     buf.resize(batch.iter().map(Piece::input_bytes).sum(), 0);
     // One thread reads from the page cache at ~2.5 GB/s (measured on the H200 machine: the
-    // quantizing load ran at that rate with one reader): the batch is read in pieces of
+    // quantizing load ran at that rate with one reader): the batch is read in chunks of
     // [`QUANT_READ_PIECE`] on up to [`READERS`] threads.
     let mut jobs = Vec::new();
     let mut rest = buf.as_mut_slice();
-    for piece in batch {
-        let (mine, tail) = rest.split_at_mut(piece.input_bytes());
+    for (k, (tensor, at, len)) in batch_chunks(batch).into_iter().enumerate() {
+        let (dst, tail) = rest.split_at_mut(len);
         rest = tail;
-        let from = (piece.first * piece.row_bytes()) as u64;
-        for (k, dst) in mine.chunks_mut(QUANT_READ_PIECE).enumerate() {
-            jobs.push((piece.tensor, dst, from + (k * QUANT_READ_PIECE) as u64));
-        }
+        jobs.push((k, tensor, dst, at));
     }
+    let mut digests = vec![[0u8; 32]; jobs.len()];
     let threads = parallel::threads_for(jobs.len(), READERS);
-    parallel::for_each(jobs, threads, |(t, dst, at)| read_at(t, dst, at), |()| {})
+    let read = |(k, t, dst, at): (usize, &Planned<'_>, &mut [u8], u64)| {
+        read_at(t, dst, at)?;
+        Ok::<_, StoreError>((k, *blake3::hash(dst).as_bytes()))
+    };
+    parallel::for_each(jobs, threads, read, |(k, d)| digests[k] = d)?;
+    Ok(digests)
 }
 
 /// Quantizes the batches into the arena on every core, reading the next batch meanwhile.
@@ -509,12 +656,13 @@ fn quantize_batches(
     arena: &mut [u8],
     done: &mut Done,
     progress: Progress<'_>,
-) -> Result<(), StoreError> {
+) -> Result<Vec<Digest>, StoreError> {
     let batches = batches(plan);
     let threads = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
     let (mut current, mut next) = (Vec::new(), Vec::new());
+    let mut digests = Vec::new();
     if let Some(first) = batches.first() {
-        read_batch(first, &mut current)?;
+        digests.extend(read_batch(first, &mut current)?);
     }
     for (i, batch) in batches.iter().enumerate() {
         let (quantized, read) = std::thread::scope(|s| {
@@ -522,11 +670,13 @@ fn quantize_batches(
                 .get(i + 1)
                 .map(|b| s.spawn(|| read_batch(b, &mut next)));
             let quantized = quantize_batch(batch, &current, arena, threads);
-            let read = reader.map_or(Ok(()), |r| r.join().expect("a reader does not panic"));
+            let read = reader.map_or(Ok(Vec::new()), |r| {
+                r.join().expect("a reader does not panic")
+            });
             (quantized, read)
         });
         quantized?;
-        read?;
+        digests.extend(read?);
         std::mem::swap(&mut current, &mut next);
         let path = &batch
             .last()
@@ -541,7 +691,7 @@ fn quantize_batches(
             progress,
         );
     }
-    Ok(())
+    Ok(digests)
 }
 
 /// Quantizes one batch (its input in `input`) into the pieces' places in the arena.
@@ -621,12 +771,11 @@ fn disjoint_mut<'a>(arena: &'a mut [u8], ranges: &[(usize, usize)]) -> Vec<&'a m
     out.into_iter().map(|s| s.expect("every range")).collect()
 }
 
-/// The model id of these files, and their lengths. The same files unchanged give the same id:
-/// (device, inode, size, mtime, ctime) of each. The ctime catches a file rewritten in place
-/// with its mtime set back (anyone who can write a file can set its mtime; only the kernel sets
-/// its ctime). The quantization is part of it: the same files in another format are another
-/// model (without one, the id is what it was before quantization existed).
-fn identity(
+/// What these files look like from outside, and their lengths: (device, inode, size, mtime,
+/// ctime) of each, and the quantization. A model loaded from files with this key is worth
+/// checking against their bytes before reading them into a new arena; the key alone never
+/// decides (a writable shared mapping changes a file and none of these).
+fn file_key(
     sources: &[LoadSource],
     quantization: Quantization,
 ) -> Result<(String, Vec<Opened<'_>>), StoreError> {
@@ -659,10 +808,37 @@ fn identity(
             len: stat.st_size as u64,
         });
     }
-    if quantization != Quantization::None {
-        hasher.update(format!("quantization:{quantization}\n").as_bytes());
+    hasher.update(format!("quantization:{quantization}\n").as_bytes());
+    Ok((hasher.finalize().to_hex().to_string(), opened))
+}
+
+/// Adds a header, as parsed, to the digest of a load's headers: each tensor's name, dtype,
+/// shape and place in its file, and the metadata (which says how pre-quantized layers pair).
+fn hash_header(hasher: &mut blake3::Hasher, header: &safetensors::Header) {
+    hasher.update(format!("file {}\n", header.tensors.len()).as_bytes());
+    for t in &header.tensors {
+        let line = format!(
+            "{}\0{}\0{:?}\0{}\0{}\n",
+            t.name, t.dtype, t.shape, t.file_offset, t.nbytes
+        );
+        hasher.update(line.as_bytes());
     }
-    Ok((format!("m-{}", &hasher.finalize().to_hex()[..16]), opened))
+    for (key, value) in &header.metadata {
+        hasher.update(format!("{}\0{key}\0{}\0{value}\n", key.len(), value.len()).as_bytes());
+    }
+}
+
+/// A file model's id: the digest of what the load read (the headers as parsed, the digest of
+/// each range read, in order) and of the quantization, 128 bits of it. The same bytes give the
+/// same id whichever files they come from; other bytes, another id.
+fn model_id(headers: &blake3::Hash, ranges: &[Digest], quantization: Quantization) -> String {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update(headers.as_bytes());
+    for digest in ranges {
+        hasher.update(digest);
+    }
+    hasher.update(format!("quantization:{quantization}\n").as_bytes());
+    format!("m-{}", &hasher.finalize().to_hex()[..32])
 }
 
 /// The model's name when the client gave none: the file's stem, or the directory of a
@@ -686,7 +862,7 @@ mod tests {
 
     use super::*;
     use crate::quota::HostQuota;
-    use crate::store::test_support::{load_paths, model_file, sources, store_with};
+    use crate::store::test_support::{load_paths, me, model_file, sources, store_with};
 
     /// A load holds no lock while it reads: a second load of the same files runs to the end
     /// while the first is stopped in the middle of its reads (its progress callback), and the
@@ -709,8 +885,13 @@ mod tests {
                         waited = Some(second_done_rx.recv_timeout(Duration::from_secs(10)));
                     }
                 };
-                let loaded =
-                    store.load(&sources(&[path]), "", Quantization::None, 1, &mut progress);
+                let loaded = store.load(
+                    &sources(&[path]),
+                    "",
+                    Quantization::None,
+                    me(1),
+                    &mut progress,
+                );
                 (loaded.map(|s| (s.model, s.existed)), waited)
             })
         };
@@ -769,12 +950,61 @@ mod tests {
             file: File::open(dir.path()).unwrap(),
         };
         let err = store
-            .load(&[source], "", Quantization::None, 1, &mut |_, _, _| {})
+            .load(&[source], "", Quantization::None, me(1), &mut |_, _, _| {})
             .unwrap_err();
         assert_eq!(
             err.to_string(),
             "/models/dir: not a regular file: only regular files can be loaded"
         );
+    }
+
+    /// A check of unchanged files reads and hashes the ranges a load of them reads, in the same
+    /// order, and takes the same digests: plain tensors in pieces, weights quantized while
+    /// loading in chunks of rows. Each range is one digest, so the id covers every byte.
+    #[test]
+    fn a_check_of_unchanged_files_takes_the_digests_their_load_took() {
+        let dir = tempfile::tempdir().unwrap();
+        // A bf16 weight of two read chunks (quantized or not), and a small plain tensor.
+        let (rows, cols) = (2304usize, 2048usize);
+        let weight: Vec<u8> = (0..rows * cols)
+            .flat_map(|i| half_bf16(((i % 97) as f32 - 48.0) / 7.0))
+            .collect();
+        let small = vec![5u8; 5000];
+        let views = [
+            (
+                "a.weight",
+                ::safetensors::Dtype::BF16,
+                vec![rows, cols],
+                &weight[..],
+            ),
+            ("b", ::safetensors::Dtype::U8, vec![5000], &small[..]),
+        ]
+        .map(|(name, dtype, shape, data)| {
+            (
+                name,
+                ::safetensors::tensor::TensorView::new(dtype, shape, data).unwrap(),
+            )
+        });
+        let path = dir.path().join("m.safetensors");
+        ::safetensors::serialize_to_file(views, None, &path).unwrap();
+        let store = store_with(HostQuota::default());
+        let sources = sources(&[path]);
+        // Unquantized, the weight is one piece; quantized, two chunks of rows.
+        for (quantization, ranges) in [(Quantization::None, 2), (Quantization::Fp8E4m3Block64, 3)] {
+            let (_, opened) = file_key(&sources, quantization).unwrap();
+            let (plan, _) = store.plan_load(&opened, quantization).unwrap();
+            let len = plan.last().map_or(0, |p| p.offset + p.nbytes());
+            let mut arena = vec![0u8; len as usize];
+            let total = plan.iter().map(Planned::input_bytes).sum();
+            let read = fill_arena(&plan, &mut arena, total, &mut |_, _, _| {}).unwrap();
+            assert_eq!(read.len(), ranges, "{quantization}");
+            assert_eq!(read, digest_files(&plan).unwrap(), "{quantization}");
+        }
+    }
+
+    fn half_bf16(x: f32) -> [u8; 2] {
+        let bits = (x.to_bits() >> 16) as u16;
+        bits.to_le_bytes()
     }
 
     /// Tensors larger than a reader's piece, and several of them, are read on several threads
@@ -801,7 +1031,7 @@ mod tests {
                 &sources(&[path]),
                 "",
                 Quantization::None,
-                1,
+                me(1),
                 &mut |_, _, _| events += 1,
             )
             .unwrap();

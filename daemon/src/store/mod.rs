@@ -7,12 +7,15 @@
 //! serves every job on the box.
 //!
 //! One job per module: `registry` (models by id, references, dedup, host charges, sessions),
+//! `cache` (evicting models only closed connections hold, to make room; refusals that say
+//! what holds the memory),
 //! `load` (safetensors files into an arena), `upload` (client-written regions, sealed into
 //! arenas), `pin` (page-locking an arena through a `HostPinner`); `safetensors` parses headers;
 //! `parallel` spreads reading and hashing over threads, `phases` times them.
 //! This file holds the types they share. Memory itself (memfds, arenas, slices) lives in
 //! `crate::mem`.
 
+mod cache;
 mod load;
 mod phases;
 mod pin;
@@ -32,7 +35,7 @@ pub use self::load::{LoadSource, Progress};
 pub use self::phases::{Phases, Stored};
 use self::quantize::{NonFinite, Quantization, QuantizeError, StoredLayout};
 use self::registry::Inner;
-pub use self::registry::{Holder, HostUse, ModelEntry};
+pub use self::registry::{Holder, HostUse, ModelEntry, Retention};
 use self::safetensors::{DType, HeaderError};
 pub use self::upload::{DeclQuant, TensorDecl, UploadTicket};
 use crate::mem::held::Charge;
@@ -49,6 +52,10 @@ pub struct StoreLimits {
     pub max_tensors: u32,
     pub max_upload_bytes: u64,
     pub max_name_bytes: u32,
+    /// `limits.max_message_bytes`: a model whose description could not be sent in one
+    /// message (LoadModel's or CommitUpload's answer, a page of ListModels) is refused before
+    /// anything is stored ([`description_bytes`]).
+    pub max_message_bytes: u64,
     /// Uploads in progress, all uids together (`limits.max_uploads`): each holds a memfd.
     pub max_uploads: u32,
     pub host: HostQuota,
@@ -82,8 +89,14 @@ pub enum StoreError {
         first: String,
         second: String,
     },
-    #[error("the model has {count} tensors, more than the limit of {limit}")]
+    #[error("the model has {count} tensors: limits.max_tensors_per_model = {limit}")]
     TooManyTensors { count: u64, limit: u32 },
+    #[error(
+        "the model's description (its tensors' names and shapes) takes up to {bytes} bytes, \
+         more than one message holds with the rest of an answer: limits.max_message_bytes = \
+         {limit}"
+    )]
+    DescriptionTooLarge { bytes: u64, limit: u64 },
     #[error("cannot create a shared-memory arena of {bytes} bytes: {source}")]
     Arena { bytes: u64, source: std::io::Error },
     #[error("unknown model_id '{0}'")]
@@ -124,6 +137,10 @@ pub enum StoreError {
     },
     #[error(transparent)]
     Quota(#[from] QuotaError),
+    /// A host quota that evicting cached models would not satisfy: the quota's refusal, then
+    /// what holds the memory.
+    #[error("{0}")]
+    HostFull(String),
     #[error(transparent)]
     Pin(#[from] PinError),
 }
@@ -185,6 +202,24 @@ pub fn metadata_bytes<'a>(name: &str, tensors: impl IntoIterator<Item = (&'a str
     entries + name.len() as u64
 }
 
+/// Room a message needs besides the models' descriptions it carries (the answer's other
+/// fields, the wrapping of each manifest).
+pub const MESSAGE_ENVELOPE: u64 = 1024;
+
+/// The most bytes a model's manifest takes on the wire (protobuf): per tensor its name, at most
+/// 10 bytes per dimension (a varint) and 64 for its other fields (dtype, size, format, scales,
+/// framing); the model's name and 256 for the manifest's own fields.
+pub fn description_bytes<'a>(
+    name: &str,
+    tensors: impl IntoIterator<Item = (&'a str, usize)>,
+) -> u64 {
+    let entries: u64 = tensors
+        .into_iter()
+        .map(|(name, rank)| name.len() as u64 + 10 * rank as u64 + 64)
+        .sum();
+    entries + name.len() as u64 + 256
+}
+
 #[derive(Debug)]
 pub struct Model {
     pub id: String,
@@ -196,6 +231,9 @@ pub struct Model {
     pub total_bytes: u64,
     /// What its description takes ([`metadata_bytes`]).
     pub metadata_bytes: u64,
+    /// Of a model loaded from files: what the files looked like from outside (their stat),
+    /// which says when a load of them is worth checking against this model's bytes.
+    pub file_key: Option<String>,
 }
 
 impl Model {
@@ -233,6 +271,7 @@ impl Model {
             arena: Arc::new(arena),
             total_bytes,
             metadata_bytes,
+            file_key: None,
         }
     }
 
@@ -277,6 +316,20 @@ impl Store {
             inner: Mutex::new(Inner::default()),
             warned_pin_fallback: AtomicBool::new(false),
         }
+    }
+
+    /// Refuses a model whose description could not be sent in one message.
+    fn check_description<'a>(
+        &self,
+        name: &str,
+        tensors: impl IntoIterator<Item = (&'a str, usize)>,
+    ) -> Result<(), StoreError> {
+        let bytes = description_bytes(name, tensors);
+        let limit = self.limits.max_message_bytes;
+        if bytes.saturating_add(MESSAGE_ENVELOPE) > limit {
+            return Err(StoreError::DescriptionTooLarge { bytes, limit });
+        }
+        Ok(())
     }
 
     fn inner(&self) -> MutexGuard<'_, Inner> {

@@ -233,14 +233,17 @@ mod tests {
         let me = Owner { conn: 1, uid: 7 };
         let upload = |store: &Store| {
             let decl = crate::store::TensorDecl::plain("w", DType::U8, vec![100], 100);
-            let ticket = store.begin_upload(me, "m", vec![decl]).unwrap();
+            let ticket = store
+                .begin_upload(me, "up-1".into(), "m", vec![decl])
+                .unwrap();
             let fd = ticket
                 .memfd
                 .share(crate::mem::shm::Access::ReadWrite)
                 .unwrap();
             std::os::unix::fs::FileExt::write_all_at(&std::fs::File::from(fd), &[5; 100], 0)
                 .unwrap();
-            let committed = store.commit_upload(me, &ticket.upload_id);
+            let committed =
+                store.commit_upload(me, &ticket.upload_id, crate::store::Retention::Cached);
             (ticket, committed)
         };
         let in_place = Arc::new(Recorder::default());

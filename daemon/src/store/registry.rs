@@ -1,13 +1,38 @@
 //! The registry: models by id, the references each uid holds to them (loads, uploads and open
-//! sessions), dedup of identical sources, and the host bytes each uid is charged (models,
-//! uploads, and what is being made), checked against the quotas before anything is allocated.
+//! sessions) and how long each lasts, dedup of identical sources, and the host bytes each uid
+//! is charged (models, uploads, and what is being made), checked against the quotas before
+//! anything is allocated — after evicting, when that makes room, models that only closed
+//! connections' references hold (`cache`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::upload::Upload;
-use super::{Model, Store, StoreError};
+use super::{Model, Owner, Store, StoreError};
 use crate::quota::{HostQuota, check_count};
+
+/// How long a model reference (LoadModel, CommitUpload) lasts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Retention {
+    /// Kept after the connection that took it closes (the command that loaded a model exits,
+    /// the model stays for the next job); from then on it holds the model as a cache entry
+    /// only: one that no session, no pin and no open connection's reference holds is evicted,
+    /// least recently used first, when a load or upload needs its memory.
+    #[default]
+    Cached,
+    /// Given back when the connection that took it closes: when its process is gone.
+    Connection,
+    /// Kept, never evicted, until released.
+    Pinned,
+}
+
+/// One load reference: whose, taken by which connection (while it is open), how long it lasts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Reference {
+    uid: u32,
+    conn: Option<u64>,
+    retention: Retention,
+}
 
 /// What one uid holds of a model: load references (LoadModel, CommitUpload: given back by
 /// ReleaseModel) and open sessions (given back when they close).
@@ -31,9 +56,107 @@ pub struct ModelEntry {
     /// The uid whose host quota the model counts against: the first holder, then (once it
     /// holds nothing) the next one. A copy shared by many uids counts once.
     pub charged_uid: u32,
+    /// The load references one by one (`refs` of them).
+    references: Vec<Reference>,
+    /// When a reference or a session last came or went (the store's clock): the least
+    /// recently used cache entry is evicted first.
+    pub(super) last_used: u64,
 }
 
 impl ModelEntry {
+    fn new(model: Arc<Model>, owner: Owner, retention: Retention, now: u64) -> ModelEntry {
+        let mut entry = ModelEntry {
+            model,
+            refs: 0,
+            sessions: 0,
+            holders: Vec::new(),
+            charged_uid: owner.uid,
+            references: Vec::new(),
+            last_used: now,
+        };
+        entry.take(owner, retention, now);
+        entry
+    }
+
+    /// Pinned references, all uids.
+    pub fn pinned(&self) -> u32 {
+        let pinned = self
+            .references
+            .iter()
+            .filter(|r| r.retention == Retention::Pinned);
+        pinned.count() as u32
+    }
+
+    /// Whether the model is only a cache entry: no session, no pin, no reference of an open
+    /// connection holds it. The store evicts such a model when a load or upload needs room.
+    pub fn cached(&self) -> bool {
+        self.sessions == 0
+            && (self.references.iter())
+                .all(|r| r.conn.is_none() && r.retention == Retention::Cached)
+    }
+
+    /// What holds the model, per uid, for people: `uid 1000: pinned, 1 session`.
+    pub(super) fn held_by(&self) -> String {
+        let per_uid: Vec<String> = (self.holders.iter())
+            .map(|h| {
+                let mine = || self.references.iter().filter(move |r| r.uid == h.uid);
+                let mut what = Vec::new();
+                if mine().any(|r| r.retention == Retention::Pinned) {
+                    what.push("pinned".to_string());
+                }
+                if mine().any(|r| r.conn.is_some()) {
+                    what.push("a reference of an open connection".to_string());
+                }
+                match h.sessions {
+                    0 => {}
+                    1 => what.push("1 session".to_string()),
+                    n => what.push(format!("{n} sessions")),
+                }
+                if what.is_empty() {
+                    what.push("cached".to_string());
+                }
+                format!("uid {}: {}", h.uid, what.join(", "))
+            })
+            .collect();
+        per_uid.join("; ")
+    }
+
+    /// One more load reference, taken by `owner`'s connection.
+    fn take(&mut self, owner: Owner, retention: Retention, now: u64) {
+        self.refs += 1;
+        self.holder(owner.uid).loads += 1;
+        self.references.push(Reference {
+            uid: owner.uid,
+            conn: Some(owner.conn),
+            retention,
+        });
+        self.last_used = now;
+    }
+
+    /// Gives back the reference at `at`.
+    fn give_back(&mut self, at: usize) {
+        let r = self.references.remove(at);
+        self.refs -= 1;
+        self.holder(r.uid).loads -= 1;
+        self.drop_if_empty(r.uid);
+    }
+
+    /// The reference of `owner`'s uid that ReleaseModel gives back: one its connection took
+    /// (the latest), else a cached one, else one of another open connection, else a pin.
+    fn to_release(&self, owner: Owner) -> Option<usize> {
+        let mine = |r: &Reference| r.uid == owner.uid;
+        let rank = |r: &Reference| match (r.conn == Some(owner.conn), r.retention) {
+            (true, _) => 0,
+            (false, Retention::Cached) => 1,
+            (false, Retention::Connection) => 2,
+            (false, Retention::Pinned) => 3,
+        };
+        (self.references.iter().enumerate())
+            .filter(|(_, r)| mine(r))
+            .min_by_key(|(at, r)| (rank(r), usize::MAX - at))
+            .map(|(at, _)| at)
+    }
+
     fn holder(&mut self, uid: u32) -> &mut Holder {
         let at = match self.holders.iter().position(|h| h.uid == uid) {
             Some(at) => at,
@@ -80,11 +203,12 @@ pub(super) struct Pending {
 /// The store's state, behind its one lock.
 #[derive(Default)]
 pub(super) struct Inner {
-    models: HashMap<String, ModelEntry>,
+    pub(super) models: HashMap<String, ModelEntry>,
     pub(super) uploads: HashMap<String, Upload>,
-    pub(super) next_upload: u64,
     pending: HashMap<u64, Pending>,
     next_pending: u64,
+    /// Counts every reference and session that comes or goes: [`ModelEntry::last_used`].
+    clock: u64,
 }
 
 /// Host use as quotas count it.
@@ -101,7 +225,12 @@ pub struct HostUse {
 }
 
 impl Inner {
-    fn host_use(&self, uid: u32) -> HostUse {
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    pub(super) fn host_use(&self, uid: u32) -> HostUse {
         let mut u = HostUse::default();
         for e in self.models.values() {
             let b = e.model.host_bytes();
@@ -136,7 +265,7 @@ impl Inner {
         self.next_pending
     }
 
-    fn collect(&mut self, id: &str) {
+    pub(super) fn collect(&mut self, id: &str) {
         if self
             .models
             .get(id)
@@ -171,6 +300,8 @@ impl Store {
     ) -> Result<Reservation<'_>, StoreError> {
         let quota = &self.limits.host;
         let held = self.held_host(uid);
+        // Declared before the lock's guard, so dropped after it: unpinning takes a while.
+        let mut evicted = Vec::new();
         let mut inner = self.inner();
         let used = inner.host_use(uid);
         if upload {
@@ -189,12 +320,22 @@ impl Store {
                 });
             }
         }
-        let used = (
-            used.uid_bytes + held.uid.bytes,
-            used.total_bytes + held.total.bytes,
-        );
-        quota.check(uid, used, &held, bytes, item)?;
+        let used = HostUse {
+            uid_bytes: used.uid_bytes + held.uid.bytes,
+            total_bytes: used.total_bytes + held.total.bytes,
+            ..used
+        };
+        let both = (used.uid_bytes, used.total_bytes);
+        if let Err(refused) = quota.check(uid, both, &held, bytes, item) {
+            let room = inner.make_room(quota, uid, used, bytes);
+            evicted = room.map_err(|()| match inner.holding(&refused, uid) {
+                Some(holding) => StoreError::HostFull(format!("{refused}; {holding}")),
+                None => StoreError::Quota(refused),
+            })?;
+        }
         let id = inner.add_pending(Pending { uid, bytes, upload });
+        drop(inner);
+        drop(evicted);
         Ok(Reservation { store: self, id })
     }
 
@@ -212,67 +353,112 @@ impl Store {
         self.limits.host
     }
 
-    /// One more load reference for `uid` to a model already in the store (not charged again).
-    pub(super) fn add_ref(&self, id: &str, uid: u32) -> Option<Arc<Model>> {
+    /// One more load reference for `owner` to a model already in the store (not charged
+    /// again).
+    pub(super) fn add_ref(
+        &self,
+        id: &str,
+        owner: Owner,
+        retention: Retention,
+    ) -> Option<Arc<Model>> {
         let mut inner = self.inner();
+        let now = inner.tick();
         let entry = inner.models.get_mut(id)?;
-        entry.refs += 1;
-        entry.holder(uid).loads += 1;
+        entry.take(owner, retention, now);
         Some(entry.model.clone())
     }
 
-    /// Inserts a model just made, charged to `uid`; if an identical one got in first (a
-    /// concurrent load of the same files), takes a reference to that one instead and drops
+    /// Whether a model loaded from files with this key ([`Model::file_key`]) is stored.
+    pub(super) fn has_file_key(&self, key: &str) -> bool {
+        let inner = self.inner();
+        (inner.models.values()).any(|e| e.model.file_key.as_deref() == Some(key))
+    }
+
+    /// Inserts a model just made, charged to `owner`'s uid; if an identical one got in first
+    /// (a concurrent load of the same files), takes a reference to that one instead and drops
     /// this one (outside the lock: an arena may take a while to unpin). Returns the model in
     /// the store and whether it was there already.
-    pub(super) fn insert_or_ref(&self, model: Arc<Model>, uid: u32) -> (Arc<Model>, bool) {
+    pub(super) fn insert_or_ref(
+        &self,
+        model: Arc<Model>,
+        owner: Owner,
+        retention: Retention,
+    ) -> (Arc<Model>, bool) {
         let mut inner = self.inner();
+        let now = inner.tick();
         if let Some(entry) = inner.models.get_mut(&model.id) {
-            entry.refs += 1;
-            entry.holder(uid).loads += 1;
+            entry.take(owner, retention, now);
             let existing = entry.model.clone();
             drop(inner);
             drop(model);
             return (existing, true);
         }
-        let entry = ModelEntry {
-            model: model.clone(),
-            refs: 1,
-            sessions: 0,
-            holders: vec![Holder {
-                uid,
-                loads: 1,
-                sessions: 0,
-            }],
-            charged_uid: uid,
-        };
+        let entry = ModelEntry::new(model.clone(), owner, retention, now);
         inner.models.insert(model.id.clone(), entry);
         (model, false)
     }
 
-    /// Drops one of `uid`'s load references; returns the load references left (all uids').
-    pub fn release(&self, id: &str, uid: u32) -> Result<u32, StoreError> {
+    /// Gives back one of `owner`'s uid's load references ([`ModelEntry::to_release`] says
+    /// which); returns the load references left (all uids').
+    pub fn release(&self, id: &str, owner: Owner) -> Result<u32, StoreError> {
         let mut inner = self.inner();
-        let entry = inner
-            .models
-            .get_mut(id)
-            .ok_or_else(|| StoreError::UnknownModel(id.to_string()))?;
-        if entry.refs == 0 {
-            return Err(StoreError::UnknownModel(id.to_string()));
-        }
-        let holds = entry.holders.iter().any(|h| h.uid == uid && h.loads > 0);
-        if !holds {
-            return Err(StoreError::NotHolder {
-                id: id.to_string(),
-                uid,
-            });
-        }
-        entry.refs -= 1;
-        entry.holder(uid).loads -= 1;
-        entry.drop_if_empty(uid);
+        // A model the uid holds no reference to, and one that does not exist, answer alike.
+        let not_held = || StoreError::NotHolder {
+            id: id.to_string(),
+            uid: owner.uid,
+        };
+        let entry = inner.models.get_mut(id).ok_or_else(not_held)?;
+        let at = entry.to_release(owner).ok_or_else(not_held)?;
+        entry.give_back(at);
         let left = entry.refs;
         inner.collect(id);
         Ok(left)
+    }
+
+    /// Gives back every uid's load references (pins included) to model `id`: the model goes
+    /// once its sessions end. For the daemon's administrators; returns how many there were.
+    pub fn release_all(&self, id: &str) -> Result<u32, StoreError> {
+        let mut inner = self.inner();
+        let entry =
+            (inner.models.get_mut(id)).ok_or_else(|| StoreError::UnknownModel(id.to_string()))?;
+        let dropped = entry.refs;
+        while !entry.references.is_empty() {
+            entry.give_back(entry.references.len() - 1);
+        }
+        inner.collect(id);
+        tracing::info!(model = %id, references = dropped, "every reference released");
+        Ok(dropped)
+    }
+
+    /// A connection closed: the references it took with [`Retention::Connection`] are given
+    /// back, and the others no longer count as held by an open connection (their models may
+    /// be evicted from now on). Returns how many references it gave back.
+    pub fn connection_closed(&self, conn: u64) -> usize {
+        let mut inner = self.inner();
+        let mut given_back = 0;
+        let mut touched = Vec::new();
+        for (id, entry) in inner.models.iter_mut() {
+            let before = given_back;
+            for at in (0..entry.references.len()).rev() {
+                let r = &mut entry.references[at];
+                if r.conn != Some(conn) {
+                    continue;
+                }
+                if r.retention == Retention::Connection {
+                    entry.give_back(at);
+                    given_back += 1;
+                } else {
+                    r.conn = None;
+                }
+            }
+            if given_back > before {
+                touched.push(id.clone());
+            }
+        }
+        for id in &touched {
+            inner.collect(id);
+        }
+        given_back
     }
 
     /// A session of `uid` starts using the model: it holds a reference for `uid` (the model
@@ -280,8 +466,10 @@ impl Store {
     /// model someone holds a load reference to can get new sessions.
     pub fn open_session(&self, id: &str, uid: u32) -> Result<Arc<Model>, StoreError> {
         let mut inner = self.inner();
+        let now = inner.tick();
         match inner.models.get_mut(id) {
             Some(entry) if entry.refs > 0 => {
+                entry.last_used = now;
                 entry.sessions += 1;
                 entry.holder(uid).sessions += 1;
                 Ok(entry.model.clone())
@@ -292,7 +480,9 @@ impl Store {
 
     pub fn close_session(&self, id: &str, uid: u32) {
         let mut inner = self.inner();
+        let now = inner.tick();
         if let Some(entry) = inner.models.get_mut(id) {
+            entry.last_used = now;
             let holder = entry.holder(uid);
             if holder.sessions > 0 {
                 holder.sessions -= 1;
@@ -343,7 +533,7 @@ impl Store {
 mod tests {
     use super::*;
     use crate::quota::HostQuota;
-    use crate::store::test_support::{load_paths, model_file, store_with};
+    use crate::store::test_support::{load_paths, me, model_file, store_with};
 
     /// A one-tensor model file of 8192 bytes named `a` is charged its arena and its
     /// description: "w" + 8 × 1 dimension + 64, and the name "a".
@@ -362,7 +552,7 @@ mod tests {
         let usage = |uid| store.host_use(uid);
         assert_eq!((usage(1).uid_bytes, usage(2).uid_bytes), (CHARGE, 0));
         assert_eq!(usage(2).total_bytes, CHARGE);
-        let err = store.release(&model.id, 3).unwrap_err();
+        let err = store.release(&model.id, me(3).0).unwrap_err();
         assert_eq!(
             err.to_string(),
             format!(
@@ -371,13 +561,13 @@ mod tests {
                 model.id
             )
         );
-        assert_eq!(store.release(&model.id, 1).unwrap(), 1);
+        assert_eq!(store.release(&model.id, me(1).0).unwrap(), 1);
         assert_eq!((usage(1).uid_bytes, usage(2).uid_bytes), (0, CHARGE));
         assert!(matches!(
-            store.release(&model.id, 1),
+            store.release(&model.id, me(1).0),
             Err(StoreError::NotHolder { uid: 1, .. })
         ));
-        assert_eq!(store.release(&model.id, 2).unwrap(), 0);
+        assert_eq!(store.release(&model.id, me(2).0).unwrap(), 0);
         assert_eq!(usage(2), HostUse::default());
     }
 
@@ -409,10 +599,10 @@ mod tests {
         );
         // A session is no load reference: it is given back by closing, not by ReleaseModel.
         assert!(matches!(
-            store.release(&model.id, 2),
+            store.release(&model.id, me(2).0),
             Err(StoreError::NotHolder { uid: 2, .. })
         ));
-        assert_eq!(store.release(&model.id, 1).unwrap(), 0);
+        assert_eq!(store.release(&model.id, me(1).0).unwrap(), 0);
         let usage = |uid| store.host_use(uid).uid_bytes;
         assert_eq!((usage(1), usage(2)), (0, CHARGE), "the charge moved");
         assert!(
@@ -437,14 +627,20 @@ mod tests {
         };
         let store = store_with(quota);
         let a = model_file(dir.path(), "a.safetensors", 8192);
-        let b = model_file(dir.path(), "b.safetensors", 8192);
-        load_paths(&store, &[a], 1).unwrap();
+        // Other bytes (the same bytes would be the same model), the same charge.
+        let b = model_file(dir.path(), "b.safetensors", 8000);
+        let (a, _) = load_paths(&store, &[a], 1).unwrap();
         let err = load_paths(&store, std::slice::from_ref(&b), 1).unwrap_err();
         assert_eq!(
             err.to_string(),
             format!(
                 "quotas.per_uid_host_bytes = 12288 exceeded: uid 1 holds {CHARGE} host bytes \
-                 and this model needs {CHARGE} more"
+                 and this model needs {CHARGE} more; held by: {} 'a' (8.1 KiB; uid 1: a \
+                 reference of an open connection). `weightstream release MODEL_ID` gives back \
+                 a reference of the uid that runs it; `weightstream release --all MODEL_ID`, \
+                 run as root or as the daemon's user, gives back every uid's (the model goes \
+                 once its sessions end)",
+                a.id
             )
         );
         assert_eq!(store.host_use(1).total_bytes, CHARGE, "no reservation left");

@@ -24,8 +24,26 @@ use serde::de::{
 /// accept the same files.
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
 
-/// Most tensors one header may list; bounds the memory a header can make us spend.
+/// Most tensors one header may list when no smaller limit is given; bounds the memory a header
+/// can make us spend.
 pub const MAX_TENSORS: usize = 1_000_000;
+
+/// What one header may hold, checked while it is parsed, before an entry past a limit is
+/// kept: the daemon's `limits.max_tensors_per_model` and `limits.max_name_bytes`, so that a
+/// file is held to the limits an upload is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeaderLimits {
+    pub max_tensors: usize,
+    pub max_name_bytes: usize,
+}
+
+impl HeaderLimits {
+    /// The parser's own bounds alone.
+    pub const NONE: HeaderLimits = HeaderLimits {
+        max_tensors: MAX_TENSORS,
+        max_name_bytes: usize::MAX,
+    };
+}
 
 /// Size of the little-endian header length that starts every file.
 const LEN_PREFIX: u64 = 8;
@@ -144,8 +162,17 @@ pub enum HeaderError {
     Io(#[from] std::io::Error),
     #[error("invalid header: {0}")]
     InvalidHeader(String),
-    #[error("header lists more than {limit} tensors, the limit")]
+    #[error("the header lists more than {limit} tensors: limits.max_tensors_per_model = {limit}")]
     TooManyTensors { limit: usize },
+    /// The name is not quoted: it may be megabytes long.
+    #[error(
+        "tensor {index} of the header has a name of {len} bytes: limits.max_name_bytes = {limit}"
+    )]
+    NameTooLong {
+        index: usize,
+        len: usize,
+        limit: usize,
+    },
     #[error("duplicate tensor name '{name}'")]
     DuplicateTensor { name: String },
     #[error(
@@ -226,10 +253,14 @@ pub fn tensor_nbytes(dtype: DType, shape: &[u64]) -> Option<u64> {
     Some(if empty { 0 } else { bytes })
 }
 
-/// Reads and validates the header of a safetensors file of `file_len` bytes.
+/// Reads and validates the header of a safetensors file of `file_len` bytes, held to `limits`.
 /// Reads the 8-byte length first and checks it against MAX_HEADER_BYTES and the file length
 /// BEFORE allocating a buffer of that size.
-pub fn read_header<R: Read>(reader: &mut R, file_len: u64) -> Result<Header, HeaderError> {
+pub fn read_header<R: Read>(
+    reader: &mut R,
+    file_len: u64,
+    limits: HeaderLimits,
+) -> Result<Header, HeaderError> {
     check_file_len(file_len)?;
     let mut prefix = [0u8; LEN_PREFIX as usize];
     reader.read_exact(&mut prefix)?;
@@ -238,11 +269,11 @@ pub fn read_header<R: Read>(reader: &mut R, file_len: u64) -> Result<Header, Hea
     let buf_len = usize::try_from(header_len).map_err(|_| HeaderError::ImplausibleHeaderLength)?;
     let mut json = vec![0u8; buf_len];
     reader.read_exact(&mut json)?;
-    parse_checked(&json, header_len, file_len)
+    parse_checked(&json, header_len, file_len, limits)
 }
 
 /// Same, on bytes already in memory (e.g. an mmap): `bytes.len()` is the file length.
-pub fn parse_header(bytes: &[u8]) -> Result<Header, HeaderError> {
+pub fn parse_header(bytes: &[u8], limits: HeaderLimits) -> Result<Header, HeaderError> {
     let file_len = bytes.len() as u64;
     let Some(prefix) = bytes.first_chunk::<{ LEN_PREFIX as usize }>() else {
         return Err(HeaderError::FileTooShort { file_len });
@@ -252,7 +283,7 @@ pub fn parse_header(bytes: &[u8]) -> Result<Header, HeaderError> {
         .ok()
         .and_then(|end| bytes.get(LEN_PREFIX as usize..end))
         .ok_or(HeaderError::ImplausibleHeaderLength)?;
-    parse_checked(json, header_len, file_len)
+    parse_checked(json, header_len, file_len, limits)
 }
 
 fn check_file_len(file_len: u64) -> Result<(), HeaderError> {
@@ -273,10 +304,15 @@ fn checked_header_len(prefix: [u8; 8], file_len: u64) -> Result<u64, HeaderError
 }
 
 /// Parses and validates header JSON whose length already passed `checked_header_len`.
-fn parse_checked(json: &[u8], header_len: u64, file_len: u64) -> Result<Header, HeaderError> {
+fn parse_checked(
+    json: &[u8],
+    header_len: u64,
+    file_len: u64,
+    limits: HeaderLimits,
+) -> Result<Header, HeaderError> {
     let text = std::str::from_utf8(json)
         .map_err(|e| HeaderError::InvalidHeader(format!("not valid UTF-8: {e}")))?;
-    let raw = parse_json(text)?;
+    let raw = parse_json(text, limits)?;
     let data_start = LEN_PREFIX + header_len;
     let tensors = validate_tensors(raw.tensors, data_start, file_len - data_start)?;
     Ok(Header {
@@ -299,22 +335,17 @@ struct RawHeader {
     metadata: BTreeMap<String, String>,
 }
 
-fn parse_json(text: &str) -> Result<RawHeader, HeaderError> {
-    let mut too_many = false;
+fn parse_json(text: &str, limits: HeaderLimits) -> Result<RawHeader, HeaderError> {
+    let mut over = None;
     let mut de = serde_json::Deserializer::from_str(text);
     let parsed = HeaderSeed {
-        too_many: &mut too_many,
+        limits,
+        over: &mut over,
     }
     .deserialize(&mut de)
     // Trailing spaces are the writer's alignment padding; anything else is garbage.
     .and_then(|raw| de.end().map(|()| raw));
-    parsed.map_err(|e| {
-        if too_many {
-            HeaderError::TooManyTensors { limit: MAX_TENSORS }
-        } else {
-            HeaderError::InvalidHeader(e.to_string())
-        }
-    })
+    parsed.map_err(|e| over.unwrap_or_else(|| HeaderError::InvalidHeader(e.to_string())))
 }
 
 /// Checks every entry, then how the entries tile the data section; returns them by offset.
@@ -441,8 +472,8 @@ fn uncovered(begin: u64, end: u64, after: Option<&TensorEntry>) -> HeaderError {
 }
 
 // JSON decoding. Hand-written visitors rather than derives or `serde_json::Value` because they
-// catch duplicate keys (a map would silently keep one of them), stop at MAX_TENSORS before
-// storing more, name the tensor and field in every type error, and never quote a value: each
+// catch duplicate keys (a map would silently keep one of them), stop at a limit (tensors, name
+// bytes) before storing more, name the tensor and field in every type error, and never quote a value: each
 // reads with `deserialize_any`, so that a value of the wrong type reaches its `visit_*` (see
 // `refuse!`) instead of serde_json's own message, which quotes it.
 
@@ -482,10 +513,11 @@ macro_rules! refuse {
     };
 }
 
-/// The top-level object; sets `too_many` when it stops at MAX_TENSORS, so that the caller can
+/// The top-level object; sets `over` when it stops at one of `limits`, so that the caller can
 /// tell that abort from a JSON error.
 struct HeaderSeed<'a> {
-    too_many: &'a mut bool,
+    limits: HeaderLimits,
+    over: &'a mut Option<HeaderError>,
 }
 
 impl<'de> DeserializeSeed<'de> for HeaderSeed<'_> {
@@ -514,9 +546,18 @@ impl<'de> Visitor<'de> for HeaderSeed<'_> {
                     return Err(de::Error::custom("duplicate key '__metadata__'"));
                 }
                 metadata = Some(map.next_value_seed(MetadataSeed)?);
-            } else if tensors.len() == MAX_TENSORS {
-                *self.too_many = true;
+            } else if tensors.len() >= self.limits.max_tensors {
+                *self.over = Some(HeaderError::TooManyTensors {
+                    limit: self.limits.max_tensors,
+                });
                 return Err(de::Error::custom("too many tensors"));
+            } else if key.len() > self.limits.max_name_bytes {
+                *self.over = Some(HeaderError::NameTooLong {
+                    index: tensors.len(),
+                    len: key.len(),
+                    limit: self.limits.max_name_bytes,
+                });
+                return Err(de::Error::custom("name too long"));
             } else {
                 tensors.push(map.next_value_seed(TensorSeed { name: key })?);
             }
@@ -861,9 +902,9 @@ mod tests {
 
     /// Parses with both entry points, which must agree.
     fn parse_both(bytes: &[u8]) -> Header {
-        let header = parse_header(bytes).unwrap();
+        let header = parse_header(bytes, HeaderLimits::NONE).unwrap();
         let mut cursor = Cursor::new(bytes);
-        let read = read_header(&mut cursor, bytes.len() as u64).unwrap();
+        let read = read_header(&mut cursor, bytes.len() as u64, HeaderLimits::NONE).unwrap();
         assert_eq!(header, read);
         // read_header consumes the header and nothing after it.
         assert_eq!(cursor.position(), 8 + header.header_len);
@@ -958,8 +999,12 @@ mod tests {
 
     /// The error both entry points give (they must agree), and its message.
     fn fail(bytes: &[u8]) -> (HeaderError, String) {
-        let err = parse_header(bytes).unwrap_err();
-        let read = read_header(&mut Cursor::new(bytes), bytes.len() as u64).unwrap_err();
+        fail_within(bytes, HeaderLimits::NONE)
+    }
+
+    fn fail_within(bytes: &[u8], limits: HeaderLimits) -> (HeaderError, String) {
+        let err = parse_header(bytes, limits).unwrap_err();
+        let read = read_header(&mut Cursor::new(bytes), bytes.len() as u64, limits).unwrap_err();
         assert_eq!(err.to_string(), read.to_string());
         let msg = err.to_string();
         (err, msg)
@@ -1049,7 +1094,7 @@ mod tests {
             }
             // Only the prefix was read: no buffer of that length was filled.
             let mut cursor = Cursor::new(bytes);
-            read_header(&mut cursor, bytes.len() as u64).unwrap_err();
+            read_header(&mut cursor, bytes.len() as u64, HeaderLimits::NONE).unwrap_err();
             if cursor.position() != 8 {
                 failures.push(format!("{prefix}: read {} bytes", cursor.position()));
             }
@@ -1060,7 +1105,12 @@ mod tests {
     #[test]
     fn read_header_reports_a_stream_shorter_than_file_len() {
         let bytes = file("{}", 0);
-        let err = read_header(&mut Cursor::new(&bytes[..6]), bytes.len() as u64).unwrap_err();
+        let err = read_header(
+            &mut Cursor::new(&bytes[..6]),
+            bytes.len() as u64,
+            HeaderLimits::NONE,
+        )
+        .unwrap_err();
         assert!(matches!(err, HeaderError::Io(_)), "{err}");
         assert_contains(&err.to_string(), &["cannot read the header"]);
     }
@@ -1419,22 +1469,60 @@ mod tests {
         assert_eq!(msg, "duplicate tensor name 'x'");
     }
 
+    /// `n` empty tensors named by their index.
+    fn empty_tensors(n: usize) -> String {
+        let entries: Vec<String> = (0..n)
+            .map(|i| format!(r#""{i}":{{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}"#))
+            .collect();
+        format!("{{{}}}", entries.join(","))
+    }
+
     #[test]
     fn too_many_tensors() {
-        let mut json = String::from("{");
-        for i in 0..=MAX_TENSORS {
-            json.push_str(&format!(
-                r#""{i}":{{"dtype":"U8","shape":[0],"data_offsets":[0,0]}},"#
-            ));
-        }
-        json.pop();
-        json.push('}');
-        let (err, msg) = fail_json(&json, 0);
+        let (err, msg) = fail_json(&empty_tensors(MAX_TENSORS + 1), 0);
         assert!(matches!(
             err,
             HeaderError::TooManyTensors { limit: MAX_TENSORS }
         ));
         assert_contains(&msg, &["1000000"]);
+    }
+
+    /// The limits given are the daemon's: a header may list `max_tensors` tensors and no more,
+    /// and a name may be `max_name_bytes` long and no longer; the name is not quoted.
+    #[test]
+    fn the_limits_given_hold_tensor_counts_and_names() {
+        let limits = HeaderLimits {
+            max_tensors: 3,
+            max_name_bytes: 16,
+        };
+        let parse = |json: &str| parse_header(&file(json, 0), limits).map(|h| h.tensors.len());
+        assert_eq!(parse(&empty_tensors(3)).unwrap(), 3);
+        let (_, msg) = fail_within(&file(&empty_tensors(4), 0), limits);
+        assert_eq!(
+            msg,
+            "the header lists more than 3 tensors: limits.max_tensors_per_model = 3"
+        );
+        let name = |n: usize| {
+            format!(
+                r#"{{"a":{{"dtype":"U8","shape":[0],"data_offsets":[0,0]}},"{}":{{"dtype":"U8","shape":[0],"data_offsets":[0,0]}}}}"#,
+                "x".repeat(n)
+            )
+        };
+        assert_eq!(parse(&name(16)).unwrap(), 2);
+        let (err, msg) = fail_within(&file(&name(17), 0), limits);
+        assert!(matches!(
+            err,
+            HeaderError::NameTooLong {
+                index: 1,
+                len: 17,
+                limit: 16
+            }
+        ));
+        assert_eq!(
+            msg,
+            "tensor 1 of the header has a name of 17 bytes: limits.max_name_bytes = 16"
+        );
+        assert!(!msg.contains("xxx"), "the name is not quoted: {msg}");
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::quantize::Quantization;
-use super::{LoadSource, Model, Store, StoreError, StoreLimits};
+use super::{LoadSource, Model, Owner, Retention, Store, StoreError, StoreLimits};
 use crate::mem::shm::Shm;
 use crate::mem::{HostPinner, PinAccess, PinError, PinGuard};
 use crate::quota::HostQuota;
@@ -27,6 +27,7 @@ pub fn limits(host: HostQuota) -> StoreLimits {
         max_tensors: 100,
         max_upload_bytes: 1 << 30,
         max_name_bytes: 1024,
+        max_message_bytes: 16 << 20,
         max_uploads: 1024,
         host,
     }
@@ -52,7 +53,16 @@ pub fn sources(paths: &[PathBuf]) -> Vec<LoadSource> {
         .collect()
 }
 
-/// Loads the files at `paths` for `uid`.
+/// A cached reference for `uid`, taken by a connection of its own (numbered as the uid).
+pub fn me(uid: u32) -> (Owner, Retention) {
+    let owner = Owner {
+        conn: uid.into(),
+        uid,
+    };
+    (owner, Retention::Cached)
+}
+
+/// Loads the files at `paths` for `uid` ([`me`]).
 pub fn load_paths(
     store: &Store,
     paths: &[PathBuf],
@@ -62,7 +72,7 @@ pub fn load_paths(
         &sources(paths),
         "",
         Quantization::None,
-        uid,
+        me(uid),
         &mut |_, _, _| {},
     )?;
     Ok((stored.model, stored.existed))

@@ -24,8 +24,8 @@ use super::quantize::{
 use super::registry::{Pending, Reservation};
 use super::safetensors::DType;
 use super::{
-    Model, ModelSource, Owner, QuantizedLayout, Store, StoreError, StoredTensor, TENSOR_ALIGN,
-    metadata_bytes,
+    Model, ModelSource, Owner, QuantizedLayout, Retention, Store, StoreError, StoredTensor,
+    TENSOR_ALIGN, metadata_bytes,
 };
 use crate::mem::shm::{Memfd, SealError, ShmSegment};
 use crate::mem::{align_up, parallel};
@@ -96,10 +96,12 @@ pub struct UploadTicket {
 }
 
 impl Store {
-    /// Creates an upload region for the declared tensors, owned by `owner`'s connection.
+    /// Creates an upload region for the declared tensors, owned by `owner`'s connection, under
+    /// `upload_id` (chosen by the caller: random, so that another uid cannot guess it).
     pub fn begin_upload(
         &self,
         owner: Owner,
+        upload_id: String,
         name: &str,
         tensors: Vec<TensorDecl>,
     ) -> Result<UploadTicket, StoreError> {
@@ -137,7 +139,9 @@ impl Store {
             });
         }
         let size = align_up(offset, TENSOR_ALIGN);
-        let metadata = metadata_bytes(name, placed.iter().map(|t| (&*t.name, t.shape.len())));
+        let described = || placed.iter().map(|t| (&*t.name, t.shape.len()));
+        self.check_description(name, described())?;
+        let metadata = metadata_bytes(name, described());
         let reserved = self.reserve(owner.uid, size + metadata, true, "upload")?;
         let memfd = self
             .shm
@@ -147,8 +151,6 @@ impl Store {
                 source,
             })?;
         let mut inner = self.inner();
-        inner.next_upload += 1;
-        let upload_id = format!("up-{}", inner.next_upload);
         let ticket = UploadTicket {
             upload_id: upload_id.clone(),
             memfd: memfd.clone(),
@@ -176,7 +178,12 @@ impl Store {
     /// Refused, with the upload left as it was, while its client still maps it writable.
     /// Returns the model, whether it was already in the store, and where the time went:
     /// sealing, quantizing, hashing and page-locking (the last two at once).
-    pub fn commit_upload(&self, owner: Owner, upload_id: &str) -> Result<Stored, StoreError> {
+    pub fn commit_upload(
+        &self,
+        owner: Owner,
+        upload_id: &str,
+        retention: Retention,
+    ) -> Result<Stored, StoreError> {
         let started = Instant::now();
         let mut phases = Phases::default();
         let memfd = self.owned_upload(owner, upload_id)?;
@@ -248,7 +255,7 @@ impl Store {
             phases.pin += took;
             (id, in_place)
         });
-        if let Some(model) = self.add_ref(&id, owner.uid) {
+        if let Some(model) = self.add_ref(&id, owner, retention) {
             phases.nothing_pinned_unless(matches!(in_place, Ok(Some(_))));
             drop(in_place); // unlocked before the segment is unmapped
             phases.total = started.elapsed();
@@ -269,7 +276,7 @@ impl Store {
         )?;
         phases.nothing_pinned_unless(arena.is_pinned());
         let model = Model::new(id, name, ModelSource::Upload, tensors, arena);
-        let (model, existed) = self.insert_or_ref(Arc::new(model), owner.uid);
+        let (model, existed) = self.insert_or_ref(Arc::new(model), owner, retention);
         drop(reserved);
         phases.total = started.elapsed();
         Ok(Stored {
@@ -279,9 +286,13 @@ impl Store {
         })
     }
 
-    /// The region of `upload_id`, if `owner`'s connection began it.
+    /// The region of `upload_id`, if `owner`'s connection began it. Another uid's upload is
+    /// unknown to `owner`, exactly as one that does not exist: its id tells nothing.
     fn owned_upload(&self, owner: Owner, upload_id: &str) -> Result<Arc<Memfd>, StoreError> {
         match self.inner().uploads.get(upload_id) {
+            Some(u) if u.owner.uid != owner.uid => {
+                Err(StoreError::UnknownUpload(upload_id.to_string()))
+            }
             None => Err(StoreError::UnknownUpload(upload_id.to_string())),
             Some(u) if u.owner.conn != owner.conn => {
                 Err(StoreError::NotOwner(upload_id.to_string()))
@@ -442,7 +453,7 @@ fn content_identity(tensors: &[StoredTensor], arena: &[u8]) -> String {
             next += 1;
         }
     }
-    format!("u-{}", &hasher.finalize().to_hex()[..16])
+    format!("u-{}", &hasher.finalize().to_hex()[..32])
 }
 
 #[cfg(test)]
@@ -473,7 +484,9 @@ mod tests {
     #[test]
     fn an_upload_is_sealed_by_the_daemon_and_becomes_the_arena() {
         let store = store_with(HostQuota::default());
-        let ticket = store.begin_upload(ME, "m", vec![u8s("w", 5000)]).unwrap();
+        let ticket = store
+            .begin_upload(ME, "up-1".into(), "m", vec![u8s("w", 5000)])
+            .unwrap();
         let fd = ticket.memfd.share(Access::ReadWrite).unwrap();
         let client = File::from(fd);
         assert_eq!(
@@ -482,7 +495,9 @@ mod tests {
         );
         let map = client_map(&client, 8192);
         client.write_all_at(&[3u8; 5000], 0).unwrap();
-        let err = store.commit_upload(ME, &ticket.upload_id).unwrap_err();
+        let err = store
+            .commit_upload(ME, &ticket.upload_id, Retention::Cached)
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             "upload_id 'up-1': the upload region is still mapped writable by the client: unmap \
@@ -490,7 +505,9 @@ mod tests {
         );
         assert_eq!(store.upload_count(), 1, "the upload is left as it was");
         drop(map);
-        let Stored { model, existed, .. } = store.commit_upload(ME, &ticket.upload_id).unwrap();
+        let Stored { model, existed, .. } = store
+            .commit_upload(ME, &ticket.upload_id, Retention::Cached)
+            .unwrap();
         assert!(!existed);
         assert_eq!(
             client.write_at(b"x", 0).unwrap_err().raw_os_error(),
@@ -513,7 +530,9 @@ mod tests {
             ..HostQuota::default()
         });
         let tensors: Vec<TensorDecl> = (0..100).map(|i| u8s(&format!("{i:0>1000}"), 0)).collect();
-        let err = store.begin_upload(ME, "empty", tensors).unwrap_err();
+        let err = store
+            .begin_upload(ME, "up-1".into(), "empty", tensors)
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             "quotas.per_uid_host_bytes = 65536 exceeded: uid 7 holds 0 host bytes and this \
@@ -526,9 +545,14 @@ mod tests {
     #[test]
     fn an_upload_of_empty_tensors_commits() {
         let store = store_with(HostQuota::default());
-        let ticket = store.begin_upload(ME, "", vec![u8s("e", 0)]).unwrap();
+        let ticket = store
+            .begin_upload(ME, "up-1".into(), "", vec![u8s("e", 0)])
+            .unwrap();
         assert_eq!(ticket.size, 0);
-        let model = store.commit_upload(ME, &ticket.upload_id).unwrap().model;
+        let model = store
+            .commit_upload(ME, &ticket.upload_id, Retention::Cached)
+            .unwrap()
+            .model;
         assert_eq!((model.total_bytes, model.slice(0).bytes()), (0, &[][..]));
     }
 
@@ -547,15 +571,21 @@ mod tests {
                 conn: uid.into(),
                 uid,
             };
-            store.begin_upload(owner, "", vec![u8s("w", 1)]).unwrap();
+            store
+                .begin_upload(owner, format!("up-{uid}"), "", vec![u8s("w", 1)])
+                .unwrap();
         }
-        let err = store.begin_upload(ME, "", vec![u8s("w", 1)]).unwrap_err();
+        let err = store
+            .begin_upload(ME, "up-3".into(), "", vec![u8s("w", 1)])
+            .unwrap_err();
         assert_eq!(
             err.to_string(),
             "limits.max_uploads = 2 reached: the daemon has 2 uploads in progress"
         );
         assert_eq!(store.drop_uploads_of(1), vec!["up-1".to_string()]);
-        store.begin_upload(ME, "", vec![u8s("w", 1)]).unwrap();
+        store
+            .begin_upload(ME, "up-4".into(), "", vec![u8s("w", 1)])
+            .unwrap();
     }
 
     /// The id covers every byte of every piece a tensor is hashed in, in order, and each
@@ -592,10 +622,14 @@ mod tests {
     #[test]
     fn a_commit_is_timed() {
         let store = store_with(HostQuota::default());
-        let ticket = store.begin_upload(ME, "m", vec![u8s("w", 5000)]).unwrap();
+        let ticket = store
+            .begin_upload(ME, "up-1".into(), "m", vec![u8s("w", 5000)])
+            .unwrap();
         let client = File::from(ticket.memfd.share(Access::ReadWrite).unwrap());
         client.write_all_at(&[3u8; 5000], 0).unwrap();
-        let stored = store.commit_upload(ME, &ticket.upload_id).unwrap();
+        let stored = store
+            .commit_upload(ME, &ticket.upload_id, Retention::Cached)
+            .unwrap();
         let p = stored.phases;
         assert!(!stored.existed);
         assert_eq!(p.input_bytes, 5000);

@@ -637,6 +637,7 @@ pub async fn upload_keeping_the_fd(
     }
     let committed = raw
         .commit_upload(proto::CommitUploadRequest {
+            retention: proto::Retention::Cached as i32,
             upload_id: begun.upload_id,
         })
         .await

@@ -1,6 +1,7 @@
-//! The attacker of `security.rs`: user `ws-attacker` (tests/run.sh creates it when run as
-//! root), running that test binary's `attacker_acts` to do one thing to the daemon and print
-//! what it got (`RESULT …`).
+//! The attacker of `security.rs` and `security_store.rs`: user `ws-attacker` (tests/run.sh
+//! creates it when run as root), running the test binary that includes this module again, as
+//! its `attacker::attacker_acts`, to do one thing to the daemon and print what it got
+//! (`RESULT …`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -12,6 +13,32 @@ use weightstream_client::{HandoffError, proto};
 use weightstream_daemon::config::ConfigFile;
 
 use super::common::*;
+
+/// The name of the attacker's test, as the test harness spells it.
+const ATTACKER_TEST: &str = "attacker::attacker_acts";
+
+/// The attacker's side: what `WS_ATTACK` says, printing one `RESULT` line. Runs only as the
+/// child of a test in the binary that includes this module.
+#[test]
+#[ignore = "the attacker of the tests in this binary; runs only as their child"]
+fn attacker_acts() {
+    let Ok(action) = std::env::var("WS_ATTACK") else {
+        return;
+    };
+    let socket = PathBuf::from(std::env::var("WS_SOCKET").unwrap());
+    let args: Vec<String> = std::env::var("WS_ARGS")
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let result = rt.block_on(act(&action, &socket, &args));
+    println!("RESULT {result}");
+}
 
 /// User `ws-attacker`'s uid and gid; `None` (the test is skipped) when this is not root or
 /// the user does not exist, unless WEIGHTSTREAM_REQUIRE_ROOT=1, which fails the test instead.
@@ -59,7 +86,7 @@ fn attacker_exe((uid, gid): (u32, u32)) -> &'static Path {
     EXE.get_or_init(|| {
         let exe = std::env::current_exe().unwrap();
         let runs = Command::new(&exe)
-            .args(["--list", "--exact", "attacker_acts"])
+            .args(["--list", "--exact", ATTACKER_TEST])
             .current_dir("/")
             .uid(uid)
             .gid(gid)
@@ -114,7 +141,7 @@ pub fn spawn_attacker_in(
         setpriv
     };
     command
-        .args(["--exact", "attacker_acts", "--ignored", "--nocapture"])
+        .args(["--exact", ATTACKER_TEST, "--ignored", "--nocapture"])
         .current_dir("/")
         .env("WS_ATTACK", action)
         .env("WS_SOCKET", socket)
@@ -167,6 +194,12 @@ pub async fn attack_in(
     (pid, result)
 }
 
+/// A shared writable mapping of `len` bytes of `file`.
+fn shared_map(file: &std::fs::File, len: usize) -> memmap2::MmapMut {
+    // SAFETY: the file is the attacker's own and nothing else truncates it while mapped.
+    unsafe { memmap2::MmapOptions::new().len(len).map_mut(file).unwrap() }
+}
+
 fn status_line(status: &tonic::Status) -> String {
     format!("{:?}: {}", status.code(), status.message())
 }
@@ -214,6 +247,125 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
             Ok(_) => "served".into(),
             Err(s) => status_line(&s),
         },
+        // ListModels through the client (every page): the ids, in order.
+        "list" => {
+            let mut client = weightstream_client::Client::connect(Some(socket))
+                .await
+                .unwrap();
+            match client.list_models().await {
+                Ok(listed) => (listed.models.iter())
+                    .map(|m| m.model_id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(","),
+                Err(e) => format!("failed: {e}"),
+            }
+        }
+        // Each arg is "commit ID", "close ID" or "release ID": what the daemon answers each.
+        "touch" => {
+            let mut rpc = raw_client(socket).await;
+            let mut got = Vec::new();
+            for arg in args {
+                let (what, id) = arg.split_once(' ').unwrap();
+                let id = id.to_string();
+                let answer = match what {
+                    "commit" => (rpc.commit_upload(proto::CommitUploadRequest {
+                        retention: proto::Retention::Cached as i32,
+                        upload_id: id,
+                    }))
+                    .await
+                    .map(|_| ()),
+                    "close" => (rpc.close_session(proto::CloseSessionRequest { session_id: id }))
+                        .await
+                        .map(|_| ()),
+                    "release" => (rpc.release_model(proto::ReleaseModelRequest {
+                        model_id: id,
+                        ..Default::default()
+                    }))
+                    .await
+                    .map(|_| ()),
+                    other => panic!("unknown touch {other}"),
+                };
+                got.push(match answer {
+                    Ok(()) => "done".to_string(),
+                    Err(s) => status_line(&s),
+                });
+            }
+            got.join(" | ")
+        }
+        // Map its file args[0] shared and writable (its pages written once, so that later
+        // writes fault nothing), load it, then write args[1]'s bytes through the mapping:
+        // the file changes and its stat does not. Prints the model, keeps the mapping until
+        // stdin closes.
+        "rewrite-mapped" => {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&args[0])
+                .unwrap();
+            let len = file.metadata().unwrap().len() as usize;
+            let mut map = shared_map(&file, len);
+            let original = map.to_vec();
+            map.copy_from_slice(&original);
+            let stat = || {
+                use std::os::unix::fs::MetadataExt;
+                let m = file.metadata().unwrap();
+                (
+                    m.ino(),
+                    m.size(),
+                    m.mtime(),
+                    m.mtime_nsec(),
+                    m.ctime(),
+                    m.ctime_nsec(),
+                )
+            };
+            let mut rpc = raw_client(socket).await;
+            let path = PathBuf::from(&args[0]);
+            let at_load = stat();
+            let loaded = raw_load(&mut rpc, socket, &[path], &[&args[0]]).await;
+            let replacement = std::fs::read(&args[1]).unwrap();
+            map.copy_from_slice(&replacement);
+            let same = if stat() == at_load { "same" } else { "another" };
+            match loaded {
+                Ok(m) => println!("RESULT loaded {} ({same} stat)", m.model_id),
+                Err(s) => println!("RESULT {}", status_line(&s)),
+            }
+            std::io::stdout().flush().unwrap();
+            tokio::task::spawn_blocking(|| std::io::stdin().lines().count())
+                .await
+                .unwrap();
+            drop(map);
+            "unmapped".into()
+        }
+        // Upload a model of one tensor of args[1] bytes (seed args[2]) whose reference lasts
+        // as args[0] says (cached, connection, pinned); print its id, exit.
+        "upload" => {
+            let retention = match args[0].as_str() {
+                "cached" => proto::Retention::Cached,
+                "connection" => proto::Retention::Connection,
+                "pinned" => proto::Retention::Pinned,
+                other => panic!("unknown retention {other}"),
+            };
+            let client = weightstream_client::Client::connect(Some(socket))
+                .await
+                .unwrap();
+            let mut client = client.with_retention(retention);
+            let tensors = uniform_model(args[2].parse().unwrap(), 1, args[1].parse().unwrap());
+            let data: Vec<_> = tensors.iter().map(Tensor::as_upload).collect();
+            match client.upload_model("job", &data).await {
+                Ok((m, _)) => format!("uploaded {}", m.model_id),
+                Err(e) => format!("failed: {e}"),
+            }
+        }
+        // ReleaseModel of args[0] for every uid.
+        "release-all" => {
+            let mut client = weightstream_client::Client::connect(Some(socket))
+                .await
+                .unwrap();
+            match client.release_model_for_all(&args[0]).await {
+                Ok(_) => "released".into(),
+                Err(e) => format!("failed: {e}"),
+            }
+        }
         // GET each secret.
         "get" => {
             let mut got = Vec::new();

@@ -139,6 +139,15 @@ if os.environ.get("WS_AITK_DETERMINISTIC") == "1":
     torch.backends.cudnn.benchmark = False
 
 
+# torch's cuDNN attention backend fails in FLUX training on the GPU machine's image (an illegal
+# memory access in backward, ai-toolkit's own MemoryManager and weightstream-aitk alike; see
+# daemon/DESIGN.md): both runs use the other SDPA backends.
+if os.environ.get("WS_AITK_NO_CUDNN_SDP", "1") == "1":
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 _PHASES: dict = {}
 
 

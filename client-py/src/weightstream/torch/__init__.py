@@ -116,6 +116,7 @@ def attach(
     model: str | None = None,
     client: Client | None = None,
     label: str = "",
+    pin: bool = False,
     **overrides,
 ) -> Handle:
     """Streams the frozen weights (and biases) of ``module``'s Linear and Conv2d layers
@@ -129,6 +130,10 @@ def attach(
       measures the trainer through its first step, then grows to what the device has left
       less a margin, and shrinks when another job needs room (``budget``).
     - ``staging_bytes``: the part of it for streaming (default: the daemon's choice).
+    - ``pin``: the upload (when there is one) stays in the daemon after this process exits,
+      never evicted, until ``Client.release_model`` (``weightstream release``) gives it back.
+      By default the upload is released once this process's connection and the session are
+      gone: the next job uploads again.
     - ``model``: the id of a model the daemon already loaded from safetensors whose tensor
       names match the module's parameter names; otherwise the weights are uploaded. A model
       loaded with ``quantize="fp8"`` streams its weights in 8 bits, as below.
@@ -187,7 +192,7 @@ def attach(
     upload_phases: dict = {}
     t = time.monotonic()
     manifest, uploaded = _model_of(
-        client, selection.streamed, model, label, fmt, set(rebuilds), upload_phases
+        client, selection.streamed, model, label, fmt, set(rebuilds), upload_phases, pin
     )
     phases = {"model_s": time.monotonic() - t}
     phases.update({f"upload_{k}": v for k, v in upload_phases.items()})
@@ -273,9 +278,11 @@ def _model_of(
     fmt: str | None,
     torchao: set[str],
     phases: dict,
+    pin: bool,
 ):
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
-    release if attach fails; ``phases`` filled as ``Client.upload_model`` says), with the
+    release if attach fails; ``phases`` filled as ``Client.upload_model`` says; kept as long
+    as this process's connection, or pinned), with the
     weights quantized to ``fmt`` by the daemon and those of the layers in ``torchao`` written
     in their torchao format, or ``model``, checked against them."""
     tensors = {}
@@ -287,7 +294,11 @@ def _model_of(
     if model is not None:
         return _match(client, model, tensors, weights if fmt else ()), None
     manifest, _ = client.upload_model(
-        label, tensors, quantize=weights if fmt else (), phases=phases
+        label,
+        tensors,
+        quantize=weights if fmt else (),
+        phases=phases,
+        retention="pinned" if pin else "connection",
     )
     return manifest, manifest.model_id
 
