@@ -100,7 +100,10 @@ def test_top_once_prints_plain_lines_without_a_terminal(daemon):
         assert lines[3].split()[:1] == ["host-0"]
         assert " 1 " in lines[3] and "0.00  0.0 %     0.0 %    -" in lines[3], lines[3]
         assert lines[4] == "sessions"
-        columns = "session label pid GB/s GPU wait pending hit rate budget staging resident acquires copied"
+        columns = (
+            "session label pid GB/s GPU wait pending hit rate"
+            " budget staging resident acquires copied"
+        )
         assert lines[5].split() == columns.split()
         row = lines[6].split()
         pid = str(os.getpid())
