@@ -74,6 +74,9 @@ pub struct TokenBucket {
     /// In nano-bytes, as of `at`; negative while in debt.
     credit: i128,
     at: Duration,
+    /// Since when the bucket's owner has had a charge ready that waits for something else (a
+    /// link another owner holds), not for this bucket: see [`TokenBucket::waiting_from`].
+    waiting: Option<Duration>,
 }
 
 impl TokenBucket {
@@ -85,6 +88,7 @@ impl TokenBucket {
             burst,
             credit: burst,
             at: now,
+            waiting: None,
         }
     }
 
@@ -110,10 +114,28 @@ impl TokenBucket {
         Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
     }
 
-    /// Takes `bytes` off the credit at `now`, into debt if need be.
+    /// Takes `bytes` off the credit at `now`, into debt if need be. If the owner has been
+    /// waiting (see [`TokenBucket::waiting_from`]), the charge counts from when it could have
+    /// gone on this bucket's credit: the refill since then is not cut at the burst.
     pub fn charge(&mut self, now: Duration, bytes: u64) {
-        self.credit = self.credit_at(now) - i128::from(bytes) * NANO;
-        self.at = self.at.max(now);
+        let at = match self.waiting.take() {
+            Some(since) => since.max(self.at + self.delay(self.at)).min(now),
+            None => now,
+        };
+        self.credit = self.credit_at(at) - i128::from(bytes) * NANO;
+        self.at = self.at.max(at);
+    }
+
+    /// The owner has a charge ready from `now` (unless already from earlier) that waits for
+    /// something other than this bucket: its credit keeps growing past the burst meanwhile,
+    /// for the next charge, since it is not idle but held back by others.
+    pub fn waiting_from(&mut self, now: Duration) {
+        self.waiting.get_or_insert(now);
+    }
+
+    /// The owner no longer has a charge ready: the credit is capped at the burst again.
+    pub fn not_waiting(&mut self) {
+        self.waiting = None;
     }
 
     /// Charges `bytes` and says how long to wait before sending them: sending each charge
@@ -253,6 +275,21 @@ mod tests {
             (achieved / (25 * GB) as f64 - 1.0).abs() < 0.005,
             "{achieved}"
         );
+    }
+
+    /// Credit earned while the owner waits for something else is kept past the burst for
+    /// its next charge; once it stops waiting, the burst caps it again.
+    #[test]
+    fn credit_earned_while_waiting_on_others_is_kept() {
+        let us = Duration::from_micros;
+        let mut b = TokenBucket::new(rate(GB), 1000, ms(0));
+        b.charge(ms(0), 1000);
+        b.waiting_from(ms(0));
+        // 10 µs at 1 GB/s: 10 000 bytes, ten bursts.
+        assert_eq!(b.reserve(us(10), 10_000), Duration::ZERO);
+        b.waiting_from(us(10));
+        b.not_waiting();
+        assert_eq!(b.reserve(us(30), 10_000), us(9));
     }
 
     #[test]

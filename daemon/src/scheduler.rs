@@ -19,9 +19,11 @@
 //! bytes its client uses run ahead of it by what the staging arena serves again without a copy.
 //! A session's share is a policy, not a link: a session in debt with its own bucket is passed
 //! over (as a copy waiting on its events is) so that the others use the link meanwhile; it is
-//! charged a whole copy when the copy starts.
+//! charged a whole copy when the copy starts. A session its share allows goes before those
+//! without a share (its share holds it to its part; the others get the rest), and what its share
+//! earns while it waits for another session's copy is kept past the burst, for its next copy.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::num::NonZeroU64;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -452,13 +454,41 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                     .is_none_or(|b| b.delay(now).is_zero())
             };
             let ready = |r: &CopyRequest| r.job.ready() && allowed(r);
+            // Within a class, a session whose share allows a copy goes before those without a
+            // share: its share already holds it to its part of the link, and taking turns copy
+            // by copy would hold it to the others' copy sizes instead (one 8 MiB copy per
+            // 64 MiB of theirs), whatever its share.
+            let shared = |r: &CopyRequest| shares.contains_key(&r.session) && ready(r);
             let next = demand
-                .pop_ready(ready)
+                .pop_ready(shared)
+                .or_else(|| demand.pop_ready(ready))
+                .or_else(|| prefetch.pop_ready(shared))
                 .or_else(|| prefetch.pop_ready(ready));
             match next {
                 Some(r) => {
                     if let Some(share) = shares.get_mut(&r.session) {
                         share.charge(now, r.job.bytes());
+                    }
+                    // The other sessions with shares and copies ready now wait for the link
+                    // (this copy), not for their shares: what their shares earn meanwhile is
+                    // theirs, not cut at the burst as if they were idle.
+                    if shares.len() > usize::from(shares.contains_key(&r.session)) {
+                        let waiting: HashSet<u64> = demand
+                            .iter()
+                            .chain(prefetch.iter())
+                            .filter(|q| q.job.ready())
+                            .map(|q| q.session)
+                            .collect();
+                        for (session, share) in shares.iter_mut() {
+                            if *session == r.session {
+                                continue;
+                            }
+                            if waiting.contains(session) {
+                                share.waiting_from(now);
+                            } else {
+                                share.not_waiting();
+                            }
+                        }
                     }
                     r
                 }
@@ -1091,6 +1121,35 @@ mod pacing_tests {
             }
         }
         assert!(failures.is_empty(), "{failures:#?}");
+    }
+
+    /// tests/gpu/link_cap.py's share case: session 1 with a 5 GB/s share and session 2 with
+    /// none, both always with copies queued, under a 12 GB/s device limit. Until the first of
+    /// them runs out of copies, session 1 gets its share (within 5 %) and session 2 the rest.
+    /// Session 2's larger copies hold the link for longer than session 1's bucket takes to
+    /// refill past its burst: what session 1 earns while it waits for the link is its own.
+    #[test]
+    fn a_capped_session_gets_its_share_beside_an_uncapped_one() {
+        let (limit, share) = (12_000_000_000u64, 5_000_000_000u64);
+        let jobs: Vec<(u64, u64)> = (0..24)
+            .flat_map(|_| [(1, 8), (2, 64), (1, 16), (2, 32), (1, 32), (2, 64)])
+            .collect();
+        let (done, _, _) = run_on_fake_clock(rate(limit), &[(1, share)], &jobs);
+        let last = |s: u64| done.iter().filter(|d| d.0 == s).map(|d| d.1).max().unwrap();
+        let until = last(1).min(last(2));
+        let rate_of = |s: u64| {
+            let bytes: u64 = (0..jobs.len())
+                .filter(|&i| jobs[i].0 == s && done[i].1 <= until)
+                .map(|i| jobs[i].1 * MIB)
+                .sum();
+            bytes as f64 / until.as_secs_f64()
+        };
+        let (capped, uncapped) = (rate_of(1), rate_of(2));
+        assert!(
+            (capped / share as f64 - 1.0).abs() < 0.05
+                && ((capped + uncapped) / limit as f64 - 1.0).abs() < 0.05,
+            "capped {capped:.3e} B/s, uncapped {uncapped:.3e} B/s until {until:?}"
+        );
     }
 
     #[test]
