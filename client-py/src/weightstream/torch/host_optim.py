@@ -1,0 +1,298 @@
+"""``HostAdamW``: AdamW for the trainable weights ``stream_trainable`` holds in host memory.
+The step runs on the trainer's CPU threads, on the master weights and moments in the daemon's
+shared memory, and writes the working weights the next forward copies to the device.
+
+Two kinds, exact by construction or by test:
+
+- ``"adamw"``: fp32 moments; each weight's step *is* ``torch.optim.AdamW(fused=True)`` (on a
+  torch without the CPU fused kernel, ``foreach=False``) applied to its fp32 master with the
+  gradient converted to fp32, then the working weight rounded from the master (``.copy_``:
+  round to nearest even). ``reference`` says which.
+- ``"adamw8bit"``: block-wise 8-bit moments (``weightstream.torch.adamw8``: the formula, its
+  torch reference, and the native kernel that is ``torch.equal`` to it).
+
+Gradient clipping (``max_grad_norm``) is ``torch.nn.utils.clip_grad_norm_`` over the host
+gradients, in their dtype, before the step. ``delay=True`` is ZeRO-Offload's delayed update:
+``step()`` returns at once and each weight's update runs during the next backward, right after
+that weight's last use in the step (so the trainer never waits for the CPU); step ``k`` then
+computes with the weights updated through step ``k - 2``. The trajectory is exactly that of a
+reference which applies each step's update one step late; ``flush()`` applies the one pending.
+Per-group learning rates and any ``torch.optim.lr_scheduler`` work as usual (``param_groups``);
+gradient accumulation is several backwards before one ``step()``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from weightstream.torch.trainable import Carver, Slot, Trainable, TrainableError
+
+KINDS = ("adamw", "adamw8bit")
+#: The torch optimizer the "adamw" kind matches bit for bit.
+FUSED = "fused" in torch.optim.AdamW.__init__.__code__.co_varnames
+
+
+def reference_adamw(params, **hyper) -> torch.optim.AdamW:
+    """The torch optimizer an ``"adamw"`` step equals, for ``params`` (fp32 masters)."""
+    if FUSED:
+        return torch.optim.AdamW(params, fused=True, **hyper)
+    return torch.optim.AdamW(params, foreach=False, **hyper)
+
+
+class HostAdamW(torch.optim.Optimizer):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        trainable: Trainable,
+        kind: str = "adamw",
+        max_grad_norm: float | None = None,
+        delay: bool = False,
+    ):
+        if kind not in KINDS:
+            raise TrainableError(
+                f"optimizer {kind!r} is not supported for weights in host memory: use one of "
+                f"{', '.join(KINDS)}"
+            )
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.trainable, self.kind, self.delay = trainable, kind, delay
+        self.max_grad_norm = max_grad_norm
+        missing = [
+            tuple(p.shape)
+            for g in self.param_groups
+            for p in g["params"]
+            if id(p) not in trainable.by_param
+        ]
+        if missing:
+            raise TrainableError(
+                f"{len(missing)} of the optimizer's parameters (shapes {missing[:4]}"
+                f"{' …' if len(missing) > 4 else ''}) are not weights stream_trainable holds "
+                "in host memory: give HostAdamW only those (trainable.params()), and another "
+                "optimizer the rest"
+            )
+        #: (slot, group index) in the groups' order.
+        self._slots: list[tuple[Slot, int]] = [
+            (trainable.by_param[id(p)], gi)
+            for gi, g in enumerate(self.param_groups)
+            for p in g["params"]
+        ]
+        self.steps = {s.index: 0 for s, _ in self._slots}
+        self._moments: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._inner: dict[int, torch.optim.AdamW] = {}
+        self._allocate()
+
+    @property
+    def reference(self) -> str:
+        """The exact formula a step applies, in words."""
+        if self.kind == "adamw8bit":
+            return "weightstream.torch.adamw8.reference_step (fp32 master, 8-bit moments)"
+        how = "fused=True" if FUSED else "foreach=False"
+        return f"torch.optim.AdamW({how}) on the fp32 master, gradient cast to fp32"
+
+    def _allocate(self):
+        carver = Carver()
+        plan = {}
+        for s, _ in self._slots:
+            n = s.numel
+            if self.kind == "adamw":
+                plan[s.index] = (
+                    carver.reserve(s.param.shape, torch.float32),
+                    carver.reserve(s.param.shape, torch.float32),
+                )
+            else:
+                blocks = -(-n // 256)
+                plan[s.index] = (
+                    carver.reserve((n,), torch.int8),
+                    carver.reserve((n,), torch.uint8),
+                    carver.reserve((blocks,), torch.float32),
+                    carver.reserve((blocks,), torch.float32),
+                )
+        try:
+            region = self.trainable.storage.alloc(carver.size, f"{self.kind} state")
+        except Exception as e:
+            raise TrainableError(
+                f"{self.kind}'s state needs {carver.size / (1 << 30):.2f} GiB of host memory "
+                f"beside the trainable weights' {self.trainable.host_bytes / (1 << 30):.2f} "
+                f"GiB, and the daemon refused it: {e}"
+            ) from e
+        views = carver.views(region)
+        for s, _ in self._slots:
+            moments = tuple(views[i] for i in plan[s.index])
+            for t in moments:
+                t.zero_()
+            self._moments[s.index] = moments
+            if self.kind == "adamw":
+                inner = reference_adamw([s.master])
+                inner.state[s.master] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": moments[0],
+                    "exp_avg_sq": moments[1],
+                }
+                self._inner[s.index] = inner
+
+    # --- the step -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        tr = self.trainable
+        tr.wait_grads()
+        taken = [(s, gi) for s, gi in self._slots if s.grads > 0]
+        if self.max_grad_norm is not None and taken:
+            torch.nn.utils.clip_grad_norm_([s.grad for s, _ in taken], self.max_grad_norm)
+        for s, gi in taken:
+            g = self.param_groups[gi]
+            hyper = (float(g["lr"]), tuple(map(float, g["betas"])), float(g["eps"]))
+            hyper += (float(g["weight_decay"]),)
+            update = functools.partial(self._update, hyper=hyper)
+            s.grads = 0
+            if self.delay:
+                s.pending = update
+            else:
+                tr.before_write(s)
+                update(s)
+        tr.invalidate()
+        return loss
+
+    def _update(self, s: Slot, hyper):
+        lr, (beta1, beta2), eps, wd = hyper
+        self.steps[s.index] += 1
+        if self.kind == "adamw":
+            inner = self._inner[s.index]
+            inner.param_groups[0].update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
+            s.master.grad = s.grad if s.grad.dtype == torch.float32 else s.grad.float()
+            try:
+                inner.step()
+            finally:
+                s.master.grad = None
+            if s.working is not s.master:
+                s.working.copy_(s.master)
+        else:
+            from weightstream.torch import adamw8
+
+            qm, qv, sm, sv = self._moments[s.index]
+            adamw8.native_step(
+                s.master.view(-1),
+                s.grad.view(-1),
+                qm,
+                qv,
+                sm,
+                sv,
+                None if s.working is s.master else s.working.view(-1),
+                step=self.steps[s.index],
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=wd,
+            )
+
+    def flush(self):
+        """Applies the pending delayed updates now (before saving the final weights)."""
+        tr = self.trainable
+        tr.wait_grads()
+        for s, _ in self._slots:
+            if s.pending is not None:
+                update, s.pending = s.pending, None
+                tr.before_write(s)
+                update(s)
+        tr.invalidate()
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.trainable.wait_grads()
+        for s, _ in self._slots:
+            if s.pending is None:
+                s.grads = 0
+        super().zero_grad(set_to_none)
+
+    # --- resume ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Master weights, moments and step counts per parameter index (views of the live
+        state: save them, do not keep them), the groups' hyper-parameters, and the delayed
+        update still pending (its gradient and hyper-parameters)."""
+        self.trainable.wait_grads()
+        state = {}
+        for i, (s, _) in enumerate(self._slots):
+            entry = {"step": self.steps[s.index], "master": s.master}
+            names = ("exp_avg", "exp_avg_sq") if self.kind == "adamw" else ("qm", "qv", "sm", "sv")
+            entry.update(zip(names, self._moments[s.index], strict=True))
+            if s.pending is not None:
+                entry["pending_grad"] = s.grad
+                entry["pending_hyper"] = s.pending.keywords["hyper"]
+            state[i] = entry
+        groups = []
+        start = 0
+        for g in self.param_groups:
+            n = len(g["params"])
+            groups.append(
+                {
+                    **{k: v for k, v in g.items() if k != "params"},
+                    "params": list(range(start, start + n)),
+                }
+            )
+            start += n
+        return {"kind": self.kind, "delay": self.delay, "state": state, "param_groups": groups}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict):
+        if state_dict.get("kind") != self.kind:
+            raise TrainableError(
+                f"the state dict is of a {state_dict.get('kind')!r} optimizer, this one is "
+                f"{self.kind!r}"
+            )
+        saved = state_dict["state"]
+        if len(saved) != len(self._slots) or len(state_dict["param_groups"]) != len(
+            self.param_groups
+        ):
+            raise TrainableError(
+                f"the state dict has {len(saved)} parameters in "
+                f"{len(state_dict['param_groups'])} groups, this optimizer "
+                f"{len(self._slots)} in {len(self.param_groups)}"
+            )
+        for i, (s, _) in enumerate(self._slots):
+            entry = saved[i]
+            live = (s.master, *self._moments[s.index])
+            names = ("master",) + (
+                ("exp_avg", "exp_avg_sq") if self.kind == "adamw" else ("qm", "qv", "sm", "sv")
+            )
+            for name, t in zip(names, live, strict=True):
+                got = entry[name]
+                if tuple(got.shape) != tuple(t.shape) or got.dtype != t.dtype:
+                    raise TrainableError(
+                        f"parameter {i} ({s.name}): {name} is {list(got.shape)} {got.dtype} in "
+                        f"the state dict, {list(t.shape)} {t.dtype} here"
+                    )
+        self.trainable.wait_grads()
+        for i, (s, _) in enumerate(self._slots):
+            entry = saved[i]
+            self.trainable.before_write(s)
+            s.master.copy_(entry["master"])
+            for t, name in zip(
+                self._moments[s.index],
+                ("exp_avg", "exp_avg_sq") if self.kind == "adamw" else ("qm", "qv", "sm", "sv"),
+                strict=True,
+            ):
+                t.copy_(entry[name])
+            if s.working is not s.master:
+                s.working.copy_(s.master)
+            self.steps[s.index] = int(entry["step"])
+            if self.kind == "adamw":
+                self._inner[s.index].state[s.master]["step"].fill_(float(entry["step"]))
+            s.pending = None
+            s.grads = 0
+            if "pending_grad" in entry:
+                s.grad.copy_(entry["pending_grad"])
+                s.pending = functools.partial(self._update, hyper=entry["pending_hyper"])
+        for g, saved_group in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            g.update({k: v for k, v in saved_group.items() if k != "params"})
+        self.trainable.invalidate()

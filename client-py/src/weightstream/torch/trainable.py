@@ -1,0 +1,539 @@
+"""Trainable weights held in host memory: ``stream_trainable`` moves a LoRA's weights (every
+``nn.Linear`` whose weight requires grad) off the device, and ``HostAdamW`` steps them there.
+
+A streamed trainable layer keeps, in host memory held by the daemon for the session (charged to
+the session's uid, freed with it): its *working* weight (the trainer's dtype, what the layer
+computes with), an fp32 *master* copy where the working dtype is narrower, and its accumulated
+*gradient*. The optimizer adds its state there (``HostAdamW``). The device holds only what is in
+flight: the working weights of the group running and of the next ones (copied host→device on a
+side stream, ahead of use, along the order of the first forward), and each gradient until its
+device→host copy is done.
+
+- The layer's parameter stays the trainer's: an ``nn.Parameter`` on the CPU whose storage is
+  the working weight (``state_dict``, saving and loading see the current weights), ignored by
+  ``module.to(...)``. Its ``.grad`` stays ``None``: gradients go to host memory as backward
+  produces them, and the optimizer reads them there (``clip_grad_norm_`` on these parameters
+  therefore does nothing: give the optimizer ``max_grad_norm``).
+- The layer's operation is an autograd Function that runs ``F.linear`` on the device copy
+  inside its own small graph, and differentiates that graph in backward: outputs and gradients
+  are the bits autograd gives for the layer with its weight on the device.
+- Gradients go device→host on their own stream, directly into the accumulated gradient, or
+  through a pinned bounce buffer when one is already there (gradient accumulation) or the
+  optimizer still has to read the previous step's (the delayed step). One worker thread takes
+  each arrival in order: waits for its copy, runs a pending delayed update of that layer, adds
+  the gradient.
+
+Exactness: the layer's forward and gradients are those of the same weights on the device; the
+accumulation is a bf16 (or the working dtype's) add, as autograd's; the step is ``HostAdamW``'s
+(see there). Tests: ``tests/python/test_trainable.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import queue
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from weightstream.torch import ops, policy
+from weightstream.torch.hooks import HookRegistry
+
+#: Byte alignment of each tensor in a host region (a cache line, and fp32/bf16 vector loads).
+ALIGN = 256
+
+
+class TrainableError(ValueError):
+    """A trainable layer or a request weightstream cannot stream: the message says which and
+    what to do."""
+
+
+# --- host memory --------------------------------------------------------------------------
+
+
+class HostStorage:
+    """Host memory for trainable state: regions handed out by ``alloc`` as uint8 CPU tensors,
+    page-locked for the device's copy engine when the device is CUDA, freed by ``close``."""
+
+    def __init__(self, device: torch.device, session=None):
+        self.device = device
+        self.session = session
+        self._regions: list = []  # (region or None, tensor, registered pointer or None)
+
+    def alloc(self, nbytes: int, label: str) -> torch.Tensor:
+        if nbytes <= 0:
+            return torch.empty(0, dtype=torch.uint8)
+        if self.session is not None:
+            region = self.session.alloc_state_region(nbytes, label)
+            buf = torch.frombuffer(region.buffer, dtype=torch.uint8, count=nbytes)
+        else:
+            region = None
+            buf = torch.zeros(nbytes, dtype=torch.uint8)
+        ptr = None
+        if self.device.type == "cuda":
+            ptr = buf.data_ptr()
+            err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+            if int(err) != 0:
+                if region is not None:
+                    region.close()
+                raise RuntimeError(
+                    f"page-locking {nbytes} bytes of trainable state failed ({err}): raise the "
+                    "memlock limit (ulimit -l) of the trainer"
+                )
+        self._regions.append((region, buf, ptr))
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for _, b, _ in self._regions)
+
+    def close(self):
+        regions, self._regions = self._regions, []
+        for region, buf, ptr in regions:
+            if ptr is not None:
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+            del buf
+            if region is not None:
+                region.close()
+
+
+class Carver:
+    """Lays tensors out in one region: ``reserve`` while counting, then ``take`` the views in
+    the same order once the region exists."""
+
+    def __init__(self):
+        self.size = 0
+        self._specs: list[tuple[int, tuple, torch.dtype]] = []
+
+    def reserve(self, shape, dtype: torch.dtype) -> int:
+        offset = -(-self.size // ALIGN) * ALIGN
+        n = 1
+        for d in shape:
+            n *= d
+        self.size = offset + n * dtype.itemsize
+        self._specs.append((offset, tuple(shape), dtype))
+        return len(self._specs) - 1
+
+    def views(self, region: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for offset, shape, dtype in self._specs:
+            n = 1
+            for d in shape:
+                n *= d
+            out.append(region[offset : offset + n * dtype.itemsize].view(dtype).view(shape))
+        return out
+
+
+def host_bytes(numel: int, dtype: torch.dtype, optimizer: str | None) -> int:
+    """Host bytes a trainable tensor of ``numel`` elements needs: working weight, fp32 master
+    (where the working dtype is narrower) and gradient, plus the optimizer's state ("adamw":
+    two fp32 moments; "adamw8bit": two bytes and two fp32 scales per block of 256)."""
+    master = 0 if dtype == torch.float32 else 4
+    per = dtype.itemsize * 2 + master
+    total = numel * per
+    if optimizer == "adamw":
+        total += numel * 8
+    elif optimizer == "adamw8bit":
+        total += numel * 2 + -(-numel // 256) * 8
+    return total
+
+
+# --- the layers ---------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Slot:
+    """One trainable weight."""
+
+    index: int
+    name: str  # the layer's name
+    module: nn.Linear
+    param: nn.Parameter
+    group: str
+    working: torch.Tensor | None = None
+    master: torch.Tensor | None = None
+    grad: torch.Tensor | None = None
+    #: Gradients added to ``grad`` since the optimizer last took it.
+    grads: int = 0
+    #: The optimizer's delayed update of this weight, to run before the next gradient lands.
+    pending: Callable[[Slot], None] | None = None
+    #: Gradients of this weight queued for the worker (guarded by ``Trainable._cv``).
+    queued: int = 0
+    #: The last host→device copy of ``working`` (CUDA), for writers to wait for.
+    read_done: object = None
+
+    @property
+    def numel(self) -> int:
+        return self.param.numel()
+
+
+@dataclass
+class _Group:
+    name: str
+    slots: list[Slot]
+    copies: list[torch.Tensor] | None = None
+    ready: object = None  # CUDA event after the copies
+
+
+class Trainable:
+    """What ``stream_trainable`` returns: the trainable weights in host memory, their device
+    copies in flight, and the gradient path. ``HostAdamW`` steps them."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        layers: list[tuple[str, nn.Linear]],
+        device: torch.device,
+        storage: HostStorage,
+        *,
+        group_by: str = "block",
+        lookahead: int = 1,
+    ):
+        self.device = device
+        self.storage = storage
+        self.lookahead = lookahead
+        self.slots: list[Slot] = []
+        self.groups: dict[str, _Group] = {}
+        for name, m in layers:
+            key = policy.block_of(root, name) if group_by == "block" else name
+            slot = Slot(len(self.slots), name, m, m.weight, key)
+            self.slots.append(slot)
+            self.groups.setdefault(key, _Group(key, [])).slots.append(slot)
+        self.by_param = {id(s.param): s for s in self.slots}
+        self._order: list[str] = []
+        self._live: collections.OrderedDict[str, _Group] = collections.OrderedDict()
+        self._hooks = HookRegistry()
+        self._queue: queue.Queue = queue.Queue()
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._work, name="weightstream-grads", daemon=True)
+        self._closed = False
+        cuda = device.type == "cuda"
+        self._h2d = torch.cuda.Stream(device) if cuda else None
+        self._d2h = torch.cuda.Stream(device) if cuda else None
+        self._place()
+        for s in self.slots:
+            self._hooks.install(s.name, s.module, functools.partial(_forward, self, s))
+            _keep_on_host(s.module)
+        self._worker.start()
+
+    def _place(self):
+        carver = Carver()
+        plan = []
+        for s in self.slots:
+            dtype = s.param.dtype
+            w = carver.reserve(s.param.shape, dtype)
+            m = carver.reserve(s.param.shape, torch.float32) if dtype != torch.float32 else None
+            g = carver.reserve(s.param.shape, dtype)
+            plan.append((w, m, g))
+        region = self.storage.alloc(carver.size, "trainable weights and gradients")
+        views = carver.views(region)
+        for s, (w, m, g) in zip(self.slots, plan, strict=True):
+            s.working, s.grad = views[w], views[g]
+            with torch.no_grad():
+                s.working.copy_(s.param.detach())
+                if m is not None:
+                    s.master = views[m]
+                    s.master.copy_(s.param.detach())
+                else:
+                    s.master = s.working
+            s.param.data = s.working
+
+    def params(self) -> list[nn.Parameter]:
+        """The trainable parameters, in the model's order: what ``HostAdamW`` takes."""
+        return [s.param for s in self.slots]
+
+    # --- forward: the device copies ---------------------------------------------------
+
+    def device_weight(self, slot: Slot) -> torch.Tensor:
+        """The slot's working weight on the device, for the op on the current stream."""
+        self._raise()
+        group = self.groups[slot.group]
+        backward = ops.in_backward()
+        if not backward and slot.group not in self._order:
+            self._order.append(slot.group)
+        if group.copies is None:
+            self._fetch(group)
+        self._live.move_to_end(group.name)
+        self._prefetch(group.name, backward)
+        if group.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(group.ready)
+        return group.copies[group.slots.index(slot)]
+
+    def _prefetch(self, name: str, backward: bool | None):
+        if name not in self._order:
+            return
+        i = self._order.index(name)
+        step = -1 if backward else 1
+        for k in range(1, self.lookahead + 1):
+            j = i + step * k
+            if 0 <= j < len(self._order):
+                g = self.groups[self._order[j]]
+                if g.copies is None:
+                    self._fetch(g)
+        keep = 2 * self.lookahead + 2
+        while len(self._live) > keep:
+            _, old = self._live.popitem(last=False)
+            old.copies, old.ready = None, None
+
+    def _fetch(self, group: _Group):
+        self._idle(group.slots)  # an update of these weights may still be writing them
+        if self._h2d is None:
+            group.copies = [s.working.clone() for s in group.slots]
+        else:
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self._h2d):
+                group.copies = [
+                    torch.empty(s.working.shape, dtype=s.working.dtype, device=self.device)
+                    for s in group.slots
+                ]
+                for c, s in zip(group.copies, group.slots, strict=True):
+                    c.copy_(s.working, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(self._h2d)
+            for c, s in zip(group.copies, group.slots, strict=True):
+                c.record_stream(compute)
+                s.read_done = ready
+            group.ready = ready
+        self._live[group.name] = group
+
+    # --- backward: the gradients ------------------------------------------------------
+
+    def grad_ready(self, slot: Slot, grad: torch.Tensor):
+        """Takes the gradient backward produced for ``slot`` (on the device)."""
+        self._raise()
+        with self._cv:
+            direct = slot.grads == 0 and slot.pending is None and slot.queued == 0
+            slot.queued += 1
+        done = None
+        if self._d2h is None:
+            src = grad
+        else:
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._d2h):
+                self._d2h.wait_event(produced)
+                if direct:
+                    slot.grad.copy_(grad, non_blocking=True)
+                    src = None
+                else:
+                    src = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
+                    src.copy_(grad, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._d2h)
+            grad.record_stream(self._d2h)
+        self._queue.put((slot, src, done))
+
+    def _work(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            slot, src, done = item
+            try:
+                if done is not None:
+                    done.synchronize()
+                if slot.pending is not None:
+                    update, slot.pending = slot.pending, None
+                    self.before_write(slot)
+                    update(slot)
+                if src is not None:
+                    if slot.grads == 0:
+                        slot.grad.copy_(src)
+                    else:
+                        slot.grad.add_(src)
+                slot.grads += 1
+            except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread
+                self._error = self._error or e
+            finally:
+                with self._cv:
+                    slot.queued -= 1
+                    self._cv.notify_all()
+
+    def wait_grads(self):
+        """Waits until every gradient sent so far is in host memory (and every delayed update
+        they set off is done)."""
+        self._idle(self.slots)
+
+    def _idle(self, slots: list[Slot]):
+        with self._cv:
+            self._cv.wait_for(lambda: all(s.queued == 0 for s in slots))
+        self._raise()
+
+    def _raise(self):
+        if self._error is not None:
+            raise RuntimeError(
+                "weightstream: taking a gradient to host memory failed"
+            ) from self._error
+
+    @staticmethod
+    def before_write(slot: Slot):
+        """Waits until the device copies of ``slot``'s working weight have read it."""
+        if slot.read_done is not None:
+            slot.read_done.synchronize()
+
+    def invalidate(self):
+        """Drops the device copies (the working weights changed)."""
+        for g in self._live.values():
+            g.copies, g.ready = None, None
+        self._live.clear()
+
+    # --- the end ----------------------------------------------------------------------
+
+    @property
+    def host_bytes(self) -> int:
+        return self.storage.nbytes
+
+    def close(self, device: torch.device | str | None = None):
+        """Puts the weights back as ordinary parameters on ``device`` (default: the device the
+        layers computed on), with their current values, and frees the host memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._worker.join()
+        self._hooks.remove_all()
+        target = torch.device(device) if device is not None else self.device
+        for s in self.slots:
+            vars(s.module).pop("_apply", None)
+            s.param.data = s.working.to(target, copy=True)
+            s.working = s.master = s.grad = None
+        self.invalidate()
+        if self._d2h is not None:
+            torch.cuda.synchronize(self.device)
+        self.storage.close()
+
+
+def _keep_on_host(module: nn.Linear):
+    """``module.to(...)``/``.cuda()``/``.half()`` move everything but the streamed weight."""
+
+    def apply(fn, recurse=True):
+        weight = module._parameters.pop("weight")
+        try:
+            return type(module)._apply(module, fn, recurse)
+        finally:
+            module._parameters["weight"] = weight
+
+    module._apply = apply
+
+
+class _TrainableLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, trainable: Trainable, slot: Slot, x: torch.Tensor, param):
+        w = trainable.device_weight(slot)
+        with torch.enable_grad():
+            xx = x.detach().requires_grad_(x.requires_grad)
+            ww = w.detach().requires_grad_(True)
+            out = F.linear(xx, ww, slot.module.bias)
+        ctx.graph = (xx, ww, out)
+        ctx.trainable, ctx.slot = trainable, slot
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xx, ww, out = ctx.graph
+        del ctx.graph
+        if xx.requires_grad:
+            grad_x, grad_w = torch.autograd.grad(out, (xx, ww), grad_out)
+        else:
+            grad_x, (grad_w,) = None, torch.autograd.grad(out, (ww,), grad_out)
+        ctx.trainable.grad_ready(ctx.slot, grad_w)
+        return None, None, grad_x, None
+
+
+def _forward(trainable: Trainable, slot: Slot, x, *args, **kwargs):
+    if args or kwargs:
+        raise TypeError(f"{slot.name}: a streamed trainable layer takes one input")
+    if not torch.is_grad_enabled():
+        return F.linear(x, trainable.device_weight(slot), slot.module.bias)
+    return _TrainableLinear.apply(trainable, slot, x, slot.param)
+
+
+def trainable_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The layers ``stream_trainable`` takes: every ``nn.Linear`` whose weight requires grad.
+    Raises ``TrainableError`` for a trainable layer it cannot take."""
+    out = []
+    for name, m in module.named_modules():
+        weight = getattr(m, "weight", None)
+        if not isinstance(weight, nn.Parameter) or not weight.requires_grad:
+            continue
+        if type(m) is not nn.Linear:
+            raise TrainableError(
+                f"{name!r} ({type(m).__name__}) has a trainable weight, and only nn.Linear "
+                "layers' weights are held in host memory (LoRA's lora_A/lora_B, lora_down/"
+                "lora_up): freeze it, or train it on the device without trainable streaming"
+            )
+        if m.bias is not None and m.bias.requires_grad:
+            raise TrainableError(
+                f"{name!r}: a trainable bias is not held in host memory; create the LoRA "
+                "without biases (peft: lora_bias=False) or freeze it"
+            )
+        if weight.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TrainableError(f"{name!r}: a {weight.dtype} weight cannot be trained here")
+        out.append((name, m))
+    return out
+
+
+def stream_trainable(
+    module: nn.Module,
+    handle=None,
+    *,
+    device: torch.device | str | None = None,
+    group_by: str = "block",
+    lookahead: int = 1,
+    optimizer: str | None = None,
+) -> Trainable:
+    """Moves the trainable weights of ``module`` (a LoRA's ``nn.Linear`` layers) into host
+    memory held by ``handle``'s daemon session, and streams them to the device as the layers
+    run. ``device``: where the layers compute (default: the handle's device). ``optimizer``
+    ("adamw" or "adamw8bit"), when given, is only used to check up front that the trainable
+    state and the optimizer's fit the host memory the daemon allows (``host_bytes``).
+
+    Without ``handle``, the host memory is the trainer's own (for tests and for models not
+    streamed through the daemon)."""
+    layers = trainable_layers(module)
+    if not layers:
+        raise TrainableError(
+            "no trainable nn.Linear in the module: add the LoRA (and freeze the base) before "
+            "stream_trainable"
+        )
+    if optimizer not in (None, "adamw", "adamw8bit"):
+        raise TrainableError(
+            f"optimizer {optimizer!r} is not supported: use 'adamw' or 'adamw8bit'"
+        )
+    dev = torch.device(device) if device is not None else getattr(handle, "device", None)
+    if dev is None:
+        raise TrainableError("pass device= (or a handle) to say where the layers compute")
+    if handle is not None:
+        check_host_fits(handle, [m.weight for _, m in layers], optimizer)
+    storage = HostStorage(dev, handle.session if handle is not None else None)
+    try:
+        return Trainable(module, layers, dev, storage, group_by=group_by, lookahead=lookahead)
+    except BaseException:
+        storage.close()
+        raise
+
+
+def check_host_fits(handle, params: Iterable[torch.Tensor], optimizer: str | None):
+    """Raises ``TrainableError`` naming the numbers when the trainable state (and the optimizer's,
+    if named) cannot fit the host memory the daemon leaves this uid."""
+    need = sum(host_bytes(p.numel(), p.dtype, optimizer) for p in params)
+    free = _host_free(handle)
+    if free is not None and need > free:
+        gib = 1 << 30
+        raise TrainableError(
+            f"the trainable state needs {need / gib:.1f} GiB of host memory"
+            f"{' with ' + optimizer if optimizer else ''}, and the daemon leaves this uid "
+            f"{free / gib:.1f} GiB: use adamw8bit, a lower rank, or raise the daemon's "
+            "max_host_bytes / per_uid_host_bytes"
+        )
+
+
+def _host_free(handle) -> int | None:
+    info = getattr(handle.client, "host_free", None)
+    return info() if callable(info) else None

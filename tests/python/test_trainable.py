@@ -1,0 +1,307 @@
+"""Trainable weights in host memory (``stream_trainable`` + ``HostAdamW``), on the CPU: losses
+and LoRA weights ``torch.equal`` to the same model trained with its LoRA in place and the
+documented optimizer formula applied to fp32 masters; delayed updates equal to a reference that
+applies each update one step late; accumulation, clipping, schedulers and resume."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from weightstream.torch.host_optim import HostAdamW, reference_adamw
+from weightstream.torch.trainable import TrainableError, stream_trainable
+
+DIM, RANK, TOKENS = 48, 8, 6
+
+
+class LoraLinear(nn.Module):
+    """A frozen base with a LoRA branch, shaped like peft's (``lora_A``, ``lora_B``)."""
+
+    def __init__(self, dim: int, rank: int):
+        super().__init__()
+        self.base_layer = nn.Linear(dim, dim)
+        self.lora_A = nn.Linear(dim, rank, bias=False)
+        self.lora_B = nn.Linear(rank, dim, bias=False)
+        nn.init.normal_(self.lora_B.weight, std=0.1)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B(self.lora_A(x)) * 0.5
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = LoraLinear(DIM, RANK)
+        self.mlp = LoraLinear(DIM, RANK)
+
+    def forward(self, x):
+        return x + self.mlp(torch.tanh(self.q(x)))
+
+
+class Model(nn.Module):
+    def __init__(self, blocks: int = 3, ckpt: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.ckpt = ckpt
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
+        return x
+
+
+def make(ckpt=False, seed=0):
+    torch.manual_seed(seed)
+    m = Model(ckpt=ckpt).to(torch.bfloat16)
+    for n, p in m.named_parameters():
+        p.requires_grad_("lora_" in n)
+    return m
+
+
+def lora_params(m):
+    return [p for n, p in m.named_parameters() if "lora_" in n]
+
+
+def batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(2, TOKENS, DIM, generator=g).to(torch.bfloat16) for _ in range(n)
+    ]
+
+
+def loss_of(model, x):
+    return model(x).float().pow(2).mean()
+
+
+class Reference:
+    """The LoRA in place, fp32 masters, the optimizer's formula on the CPU."""
+
+    def __init__(
+        self, model, kind="adamw", lr=1e-2, wd=1e-2, max_norm=None, delay=False
+    ):
+        self.model, self.kind, self.max_norm, self.delay = model, kind, max_norm, delay
+        self.params = lora_params(model)
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.hyper = dict(lr=lr, weight_decay=wd)
+        self.opt = (
+            reference_adamw(self.masters, **self.hyper) if kind == "adamw" else None
+        )
+        self.pending = None
+        self.state8 = None
+        self.steps = 0
+
+    def step(self):
+        grads = [p.grad for p in self.params]
+        if self.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(grads, self.max_norm)
+        grads = [g.clone() for g in grads]
+        for p in self.params:
+            p.grad = None
+        if self.delay:
+            grads, self.pending = self.pending, grads
+            if grads is None:
+                return
+        self.apply(grads)
+
+    def apply(self, grads):
+        self.steps += 1
+        if self.kind == "adamw":
+            for m, g in zip(self.masters, grads, strict=True):
+                m.grad = g.float()
+            self.opt.step()
+        else:
+            from weightstream.torch import adamw8
+
+            if self.state8 is None:
+                self.state8 = [adamw8.new_state(m.numel()) for m in self.masters]
+            for m, g, st in zip(self.masters, grads, self.state8, strict=True):
+                adamw8.reference_step(
+                    m.view(-1),
+                    g.view(-1),
+                    *st,
+                    None,
+                    step=self.steps,
+                    lr=self.hyper["lr"],
+                    beta1=0.9,
+                    beta2=0.999,
+                    eps=1e-8,
+                    weight_decay=self.hyper["weight_decay"],
+                )
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters, strict=True):
+                p.copy_(m)
+
+
+def train_pair(steps=4, ckpt=False, accumulate=1, **kw):
+    ref_model, model = make(ckpt), make(ckpt)
+    ref = Reference(ref_model, **kw)
+    tr = stream_trainable(model, device="cpu")
+    opt = HostAdamW(
+        tr.params(),
+        lr=1e-2,
+        weight_decay=1e-2,
+        trainable=tr,
+        kind=kw.get("kind", "adamw"),
+        max_grad_norm=kw.get("max_norm"),
+        delay=kw.get("delay", False),
+    )
+    data = batches(steps * accumulate)
+    for i in range(steps):
+        for j in range(accumulate):
+            x = data[i * accumulate + j]
+            want, got = loss_of(ref_model, x), loss_of(model, x)
+            assert torch.equal(want, got), (i, j, want, got)
+            want.backward()
+            got.backward()
+        ref.step()
+        opt.step()
+        opt.zero_grad()
+    return ref_model, model, tr, opt, ref
+
+
+def assert_same_lora(ref_model, model):
+    for (n, a), b in zip(
+        ((n, p) for n, p in ref_model.named_parameters() if "lora_" in n),
+        lora_params(model),
+        strict=True,
+    ):
+        assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_adamw_equals_torch_adamw_on_masters(ckpt):
+    ref_model, model, tr, _, _ = train_pair(ckpt=ckpt)
+    assert_same_lora(ref_model, model)
+    assert all(p.grad is None for p in lora_params(model))
+    assert all(p.device.type == "cpu" for p in lora_params(model))
+    tr.close()
+
+
+def test_clipping_and_accumulation():
+    ref_model, model, tr, _, _ = train_pair(accumulate=2, max_norm=0.05)
+    assert_same_lora(ref_model, model)
+    tr.close()
+
+
+def test_delayed_update_is_one_step_late():
+    ref_model, model, tr, opt, ref = train_pair(steps=5, delay=True, ckpt=True)
+    assert_same_lora(ref_model, model)
+    ref.apply(ref.pending)
+    opt.flush()
+    assert_same_lora(ref_model, model)
+    tr.close()
+
+
+def test_weights_change_and_close_puts_them_back():
+    model = make()
+    before = [p.detach().clone() for p in lora_params(model)]
+    tr = stream_trainable(model, device="cpu")
+    opt = HostAdamW(tr.params(), lr=1e-2, trainable=tr)
+    loss_of(model, batches(1)[0]).backward()
+    opt.step()
+    after = [p.detach().clone() for p in lora_params(model)]
+    assert not any(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    tr.close()
+    for p, a in zip(lora_params(model), after, strict=True):
+        assert torch.equal(p.detach(), a)
+        assert p.grad is None
+    loss_of(model, batches(1)[0]).backward()  # the layers' own forward again
+    assert all(p.grad is not None for p in lora_params(model))
+
+
+def test_resume_continues_the_same_trajectory():
+    data = batches(4)
+    whole = make()
+    tr = stream_trainable(whole, device="cpu")
+    opt = HostAdamW(tr.params(), lr=1e-2, trainable=tr, delay=True)
+    for x in data:
+        loss_of(whole, x).backward()
+        opt.step()
+        opt.zero_grad()
+
+    first = make()
+    tr1 = stream_trainable(first, device="cpu")
+    opt1 = HostAdamW(tr1.params(), lr=1e-2, trainable=tr1, delay=True)
+    for x in data[:2]:
+        loss_of(first, x).backward()
+        opt1.step()
+        opt1.zero_grad()
+    saved = copy.deepcopy(opt1.state_dict())
+    lora = {k: v.clone() for k, v in first.state_dict().items() if "lora_" in k}
+    tr1.close()
+
+    second = make()
+    with torch.no_grad():
+        for p in lora_params(second):
+            p.zero_()  # the weights come from the saved LoRA, the masters from the state
+    second.load_state_dict(lora, strict=False)
+    tr2 = stream_trainable(second, device="cpu")
+    opt2 = HostAdamW(tr2.params(), lr=1e-2, trainable=tr2, delay=True)
+    opt2.load_state_dict(saved)
+    for x in data[2:]:
+        loss_of(second, x).backward()
+        opt2.step()
+        opt2.zero_grad()
+    assert_same_lora(whole, second)
+
+
+def test_scheduler_sets_the_learning_rate():
+    ref_model, model = make(), make()
+    ref = Reference(ref_model)
+    tr = stream_trainable(model, device="cpu")
+    opt = HostAdamW(tr.params(), lr=1e-2, weight_decay=1e-2, trainable=tr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for i, x in enumerate(batches(3)):
+        loss_of(ref_model, x).backward()
+        loss_of(model, x).backward()
+        for g in ref.opt.param_groups:
+            g["lr"] = 1e-2 / (i + 1)
+        ref.step()
+        opt.step()
+        sched.step()
+    assert_same_lora(ref_model, model)
+
+
+def test_module_to_keeps_the_weights_in_host_memory():
+    model = make()
+    tr = stream_trainable(model, device="cpu")
+    ptrs = [p.data_ptr() for p in tr.params()]
+    model.to(torch.bfloat16)
+    model.to("cpu")
+    assert [p.data_ptr() for p in tr.params()] == ptrs
+    tr.close()
+
+
+def test_bad_input_is_named():
+    model = make()
+    with pytest.raises(
+        TrainableError, match="'sgd' is not supported.*adamw, adamw8bit"
+    ):
+        tr = stream_trainable(model, device="cpu")
+        HostAdamW(tr.params(), trainable=tr, kind="sgd")
+    tr.close()
+    model = make()
+    tr = stream_trainable(model, device="cpu")
+    stray = nn.Parameter(torch.zeros(3, 4))
+    with pytest.raises(
+        TrainableError, match=r"1 of the optimizer's parameters \(shapes \[\(3, 4\)"
+    ):
+        HostAdamW([*tr.params(), stray], trainable=tr)
+    opt = HostAdamW(tr.params(), trainable=tr)
+    state = opt.state_dict()
+    state["state"][0] = {**state["state"][0], "master": torch.zeros(2, 2)}
+    with pytest.raises(
+        TrainableError, match=r"parameter 0 \(blocks.0.q.lora_A\): master is \[2, 2\]"
+    ):
+        opt.load_state_dict(state)
+    tr.close()
+    frozen = make()
+    frozen.requires_grad_(False)
+    with pytest.raises(TrainableError, match="no trainable nn.Linear"):
+        stream_trainable(frozen, device="cpu")
+    conv = nn.Sequential(nn.Conv2d(3, 3, 1))
+    with pytest.raises(TrainableError, match=r"'0' \(Conv2d\) has a trainable weight"):
+        stream_trainable(conv, device="cpu")
