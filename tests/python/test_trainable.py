@@ -85,7 +85,7 @@ class Reference:
         self.model, self.kind, self.max_norm, self.delay = model, kind, max_norm, delay
         self.params = lora_params(model)
         self.masters = [p.detach().float().clone() for p in self.params]
-        self.hyper = dict(lr=lr, weight_decay=wd)
+        self.hyper = {"lr": lr, "weight_decay": wd}
         self.opt = (
             reference_adamw(self.masters, **self.hyper) if kind == "adamw" else None
         )
