@@ -53,9 +53,9 @@ class Model(nn.Module):
         return x
 
 
-def make(ckpt=False, seed=0):
+def make(ckpt=False, seed=0, device="cpu"):
     torch.manual_seed(seed)
-    m = Model(ckpt=ckpt).to(torch.bfloat16)
+    m = Model(ckpt=ckpt).to(torch.bfloat16).to(device)
     for n, p in m.named_parameters():
         p.requires_grad_("lora_" in n)
     return m
@@ -65,10 +65,11 @@ def lora_params(m):
     return [p for n, p in m.named_parameters() if "lora_" in n]
 
 
-def batches(n, seed=1):
+def batches(n, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     return [
-        torch.randn(2, TOKENS, DIM, generator=g).to(torch.bfloat16) for _ in range(n)
+        torch.randn(2, TOKENS, DIM, generator=g).to(torch.bfloat16).to(device)
+        for _ in range(n)
     ]
 
 
@@ -84,7 +85,7 @@ class Reference:
     ):
         self.model, self.kind, self.max_norm, self.delay = model, kind, max_norm, delay
         self.params = lora_params(model)
-        self.masters = [p.detach().float().clone() for p in self.params]
+        self.masters = [p.detach().float().cpu() for p in self.params]
         self.hyper = {"lr": lr, "weight_decay": wd}
         self.opt = (
             reference_adamw(self.masters, **self.hyper) if kind == "adamw" else None
@@ -94,7 +95,7 @@ class Reference:
         self.steps = 0
 
     def step(self):
-        grads = [p.grad for p in self.params]
+        grads = [p.grad.cpu() for p in self.params]
         if self.max_norm is not None:
             torch.nn.utils.clip_grad_norm_(grads, self.max_norm)
         grads = [g.clone() for g in grads]
@@ -135,10 +136,13 @@ class Reference:
                 p.copy_(m)
 
 
-def train_pair(steps=4, ckpt=False, accumulate=1, **kw):
-    ref_model, model = make(ckpt), make(ckpt)
+def train_pair(steps=4, ckpt=False, accumulate=1, device="cpu", handle=None, **kw):
+    """Trains the LoRA in place (``Reference``) and the same model with ``stream_trainable``
+    side by side, asserting equal losses; returns both models, the Trainable, the optimizer and
+    the reference. ``handle``: the daemon session that holds the host memory."""
+    ref_model, model = make(ckpt, device=device), make(ckpt, device=device)
     ref = Reference(ref_model, **kw)
-    tr = stream_trainable(model, device="cpu")
+    tr = stream_trainable(model, handle, device=device)
     opt = HostAdamW(
         tr.params(),
         lr=1e-2,
@@ -148,7 +152,7 @@ def train_pair(steps=4, ckpt=False, accumulate=1, **kw):
         max_grad_norm=kw.get("max_norm"),
         delay=kw.get("delay", False),
     )
-    data = batches(steps * accumulate)
+    data = batches(steps * accumulate, device=device)
     for i in range(steps):
         for j in range(accumulate):
             x = data[i * accumulate + j]

@@ -14,9 +14,10 @@ device→host copy is done.
   ``module.to(...)``. Its ``.grad`` stays ``None``: gradients go to host memory as backward
   produces them, and the optimizer reads them there (``clip_grad_norm_`` on these parameters
   therefore does nothing: give the optimizer ``max_grad_norm``).
-- The layer's operation is an autograd Function that runs ``F.linear`` on the device copy
-  inside its own small graph, and differentiates that graph in backward: outputs and gradients
-  are the bits autograd gives for the layer with its weight on the device.
+- The layer's operation is an autograd Function that runs ``F.linear`` on the device copy,
+  saves only its input, and in backward takes the weight again and applies autograd's own
+  formulas for ``linear``: outputs and gradients are the bits autograd gives for the layer with
+  its weight on the device.
 - Gradients go device→host on their own stream, directly into the accumulated gradient, or
   through a pinned bounce buffer when one is already there (gradient accumulation) or the
   optimizer still has to read the previous step's (the delayed step). One worker thread takes
@@ -423,26 +424,46 @@ def _keep_on_host(module: nn.Linear):
 
 
 class _TrainableLinear(torch.autograd.Function):
+    """``F.linear`` on the device copy. Saves only the input (a checkpoint's hooks see it) and
+    takes the weight again in backward; the gradients are autograd's formulas for ``linear``
+    (``mm_mat1_backward``: ``grad @ w``; ``mm_mat2_backward`` of the transposed weight, which is
+    column-major: ``grad.t() @ x``), on the input and gradient flattened to 2-D as ``matmul``
+    flattens them. Where that flattening does not hold (a non-contiguous input, autocast),
+    the op is run again on the saved input and differentiated."""
+
     @staticmethod
     def forward(ctx, trainable: Trainable, slot: Slot, x: torch.Tensor, param):
-        w = trainable.device_weight(slot)
-        with torch.enable_grad():
-            xx = x.detach().requires_grad_(x.requires_grad)
-            ww = w.detach().requires_grad_(True)
-            out = F.linear(xx, ww, slot.module.bias)
-        ctx.graph = (xx, ww, out)
+        out = F.linear(x, trainable.device_weight(slot), slot.module.bias)
         ctx.trainable, ctx.slot = trainable, slot
-        return out.detach()
+        ctx.autocast = (
+            torch.is_autocast_enabled(x.device.type),
+            torch.get_autocast_dtype(x.device.type),
+        )
+        ctx.save_for_backward(x)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        xx, ww, out = ctx.graph
-        del ctx.graph
-        if xx.requires_grad:
-            grad_x, grad_w = torch.autograd.grad(out, (xx, ww), grad_out)
+        (x,) = ctx.saved_tensors
+        trainable, slot = ctx.trainable, ctx.slot
+        w = trainable.device_weight(slot)
+        autocast, dtype = ctx.autocast
+        want_x = ctx.needs_input_grad[2]
+        if not autocast and x.is_contiguous() and x.dtype == w.dtype == grad_out.dtype:
+            g2 = grad_out.reshape(-1, grad_out.shape[-1])
+            x2 = x.reshape(-1, x.shape[-1])
+            grad_w = g2.t().mm(x2)
+            grad_x = g2.mm(w).reshape(*x.shape[:-1], w.shape[1]) if want_x else None
         else:
-            grad_x, (grad_w,) = None, torch.autograd.grad(out, (ww,), grad_out)
-        ctx.trainable.grad_ready(ctx.slot, grad_w)
+            with torch.enable_grad(), torch.autocast(x.device.type, dtype, enabled=autocast):
+                xx = x.detach().requires_grad_(want_x)
+                ww = w.detach().requires_grad_(True)
+                out = F.linear(xx, ww, slot.module.bias)
+            if want_x:
+                grad_x, grad_w = torch.autograd.grad(out, (xx, ww), grad_out)
+            else:
+                grad_x, (grad_w,) = None, torch.autograd.grad(out, (ww,), grad_out)
+        trainable.grad_ready(slot, grad_w)
         return None, None, grad_x, None
 
 
