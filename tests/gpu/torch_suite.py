@@ -328,6 +328,21 @@ def gpu_wait(client):
     )
 
 
+def trainable_equality(ckpt: bool, delay: bool, kind: str = "adamw"):
+    """LoRA weights in host memory (``stream_trainable`` + ``HostAdamW``, clipping on) against
+    the LoRA on the device with the same optimizer formula on fp32 masters on the CPU: equal
+    losses every step, equal weights after."""
+    import test_trainable as tt
+
+    ref_model, model, tr, _, _ = tt.train_pair(
+        steps=4, ckpt=ckpt, device="cuda", delay=delay, kind=kind, max_norm=0.05
+    )
+    tt.assert_same_lora(ref_model, model)
+    host = tr.host_bytes
+    tr.close()
+    return f"{len(tr.slots)} LoRA weights, {host} B of host memory, 4 steps"
+
+
 def main():
     binary = sys.argv[1] if len(sys.argv) > 1 else "target/release/weightstream"
     out = Path(os.environ.get("OUT", "/tmp/ws-gpu-out"))
@@ -385,6 +400,18 @@ def main():
             lambda: torchao_equality(
                 client, quantize.TORCHAO_INT8_ROWWISE, torch.bfloat16, "reentrant", False, "block"
             ),
+        ),
+        (
+            "equal: LoRA in host memory, AdamW, non-reentrant checkpointing",
+            lambda: trainable_equality(True, False),
+        ),
+        (
+            "equal: LoRA in host memory, AdamW, delayed update, no checkpointing",
+            lambda: trainable_equality(False, True),
+        ),
+        (
+            "equal: LoRA in host memory, 8-bit AdamW, delayed update, checkpointing",
+            lambda: trainable_equality(True, True, "adamw8bit"),
         ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
         (
