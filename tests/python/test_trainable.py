@@ -53,11 +53,13 @@ class Model(nn.Module):
         return x
 
 
-def make(ckpt=False, seed=0, device="cpu"):
+def make(ckpt=False, seed=0, device="cpu", lora_dtype=torch.bfloat16):
     torch.manual_seed(seed)
     m = Model(ckpt=ckpt).to(torch.bfloat16).to(device)
     for n, p in m.named_parameters():
         p.requires_grad_("lora_" in n)
+        if "lora_" in n:
+            p.data = p.data.to(lora_dtype)
     return m
 
 
@@ -72,8 +74,14 @@ def batches(n, seed=1, device="cpu"):
     ]
 
 
+#: Set by ``train_pair(autocast=True)``: the forward runs under bf16 autocast.
+AUTOCAST = [False]
+
+
 def loss_of(model, x):
-    return model(x).float().pow(2).mean()
+    with torch.autocast(x.device.type, torch.bfloat16, enabled=AUTOCAST[0]):
+        out = model(x)
+    return out.float().pow(2).mean()
 
 
 class Reference:
@@ -131,11 +139,15 @@ class Reference:
                 p.copy_(m)
 
 
-def train_pair(steps=4, ckpt=False, accumulate=1, device="cpu", handle=None, **kw):
+def train_pair(steps=4, ckpt=False, accumulate=1, device="cpu", handle=None, autocast=False, **kw):
     """Trains the LoRA in place (``Reference``) and the same model with ``stream_trainable``
     side by side, asserting equal losses; returns both models, the Trainable, the optimizer and
-    the reference. ``handle``: the daemon session that holds the host memory."""
-    ref_model, model = make(ckpt, device=device), make(ckpt, device=device)
+    the reference. ``handle``: the daemon session that holds the host memory; ``autocast``: an
+    fp32 LoRA under bf16 autocast."""
+    lora = torch.float32 if autocast else torch.bfloat16
+    ref_model = make(ckpt, device=device, lora_dtype=lora)
+    model = make(ckpt, device=device, lora_dtype=lora)
+    AUTOCAST[0] = autocast
     ref = Reference(ref_model, **kw)
     tr = stream_trainable(model, handle, device=device)
     opt = HostAdamW(
@@ -176,6 +188,19 @@ def test_adamw_equals_torch_adamw_on_masters(ckpt):
     assert_same_lora(ref_model, model)
     assert all(p.grad is None for p in lora_params(model))
     assert all(p.device.type == "cpu" for p in lora_params(model))
+    tr.close()
+
+
+def test_fp32_lora_under_autocast():
+    """fp32 working weights are their own masters; autocast's casts are differentiated by
+    running the op again."""
+    try:
+        ref_model, model, tr, _, _ = train_pair(autocast=True, ckpt=True, max_norm=0.05)
+    finally:
+        AUTOCAST[0] = False
+    assert_same_lora(ref_model, model)
+    assert all(s.master is s.working for s in tr.slots)
+    assert all(p.dtype == torch.float32 for p in lora_params(model))
     tr.close()
 
 
