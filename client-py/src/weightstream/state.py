@@ -73,17 +73,15 @@ class StateRegion:
 
     def close(self):
         """Unmaps the region, closes its fd and frees it in the daemon; safe to call twice, and
-        after the session has ended (the daemon freed it then). A mapping that tensors still
-        use goes when the last of them does."""
+        after the session has ended (the daemon freed it then). A mapping that tensors (or other
+        references to ``buffer``) still use goes when the last of them does, and stays charged
+        to this uid until then."""
         if self.closed:
             return
-        buffer, self.buffer = self.buffer, None
-        if buffer is not None:
-            try:
-                buffer.close()
-            except BufferError:
-                # Views are alive (a tensor over the mapping): it goes when they do.
-                pass
+        # Not ``mmap.close()``: a tensor over the mapping (``torch.frombuffer``) holds a
+        # reference to the ``mmap`` but no buffer export, so closing it would unmap the memory
+        # under the tensor. Dropped instead, the mapping goes with its last reference.
+        self.buffer = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
