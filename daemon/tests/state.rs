@@ -47,6 +47,15 @@ fn alloc_request(session_id: &str, bytes: u64) -> proto::AllocStateRegionRequest
     }
 }
 
+/// The values of `weightstream_session_state_bytes`, one per open session.
+fn state_metric(daemon: &TestDaemon) -> Vec<String> {
+    let text = weightstream_daemon::metrics::render(&daemon.core);
+    (text.lines())
+        .filter(|l| l.starts_with("weightstream_session_state_bytes{"))
+        .map(|l| l.rsplit(' ').next().unwrap().to_string())
+        .collect()
+}
+
 fn me() -> u32 {
     rustix::process::geteuid().as_raw()
 }
@@ -113,6 +122,7 @@ async fn a_state_region_is_charged_with_its_session_until_the_client_lets_go() {
     let listed = session_info(&mut client, session.id()).await.unwrap();
     assert_eq!((listed.state_bytes, listed.state_regions), (16384, 2));
     assert_eq!(daemon.shm_count("state"), 2);
+    assert_eq!(state_metric(&daemon), vec!["16384.0".to_string()]);
 
     let (second_id, _, second_fd) = session.alloc_state_region(4096, "").await.unwrap();
     drop(second_fd);
@@ -130,6 +140,7 @@ async fn a_state_region_is_charged_with_its_session_until_the_client_lets_go() {
 
     session.close().await.unwrap();
     assert_eq!(daemon.shm_count("state"), 0, "the daemon holds none");
+    assert!(state_metric(&daemon).is_empty(), "no session, no series");
     let usage = client.info().await.unwrap().usage.unwrap();
     assert_eq!((usage.state_bytes, usage.daemon_state_bytes), (0, 0));
     assert_eq!(
