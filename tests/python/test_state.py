@@ -37,6 +37,7 @@ def test_a_state_region_holds_tensors_written_through_its_mapping(daemon):
     (info,) = [s for s in client.list_sessions() if s.session_id == session.id]
     assert (info.state_bytes, info.state_regions) == (12288, 1)
 
+    assert region.tensor().data_ptr() == region.address != 0, "the mapping's start"
     master = torch.frombuffer(region.buffer, dtype=torch.float32, count=3072)
     assert torch.equal(master, torch.zeros(3072)), "zero-filled"
     values = torch.arange(3072, dtype=torch.float32) / 7

@@ -72,8 +72,9 @@ class StateRegion:
         return self.buffer is None and self.fd < 0
 
     def close(self):
-        """Unmaps the region, closes its fd and frees it in the daemon; safe to call twice, and
-        after the session has ended (the daemon freed it then). A mapping that tensors (or other
+        """Unmaps the region, closes its fd and frees it in the daemon; safe to call twice, after
+        the session has ended (the daemon freed it then) and in a forked child (which only
+        unmaps its copy: the session's own process frees it). A mapping that tensors (or other
         references to ``buffer``) still use goes when the last of them does, and stays charged
         to this uid until then."""
         if self.closed:
@@ -88,7 +89,9 @@ class StateRegion:
         try:
             self._client.free_state_region(self.session_id, self.region_id)
         except RequestRejected as e:
-            if e.code != "NOT_FOUND":
+            # NOT_FOUND: the session (or the region) has ended. PERMISSION_DENIED: another
+            # connection's, as in a forked child: its owner frees it.
+            if e.code not in ("NOT_FOUND", "PERMISSION_DENIED"):
                 raise
         except DaemonUnavailable:
             # No daemon to free it in: it went with the daemon's sessions.
