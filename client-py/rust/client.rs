@@ -395,6 +395,41 @@ impl Client {
         Session::new(py, session)
     }
 
+    /// A state region of `nbytes` (rounded up to whole pages) for session `session_id`, one this
+    /// process's connection opened: host memory the daemon holds for the session and charges
+    /// to this uid. Returns `(region_id, size, fd)`; the fd (read-write, zero-filled, its size
+    /// sealed) is the caller's to map and close.
+    #[pyo3(signature = (session_id, nbytes, label=""))]
+    fn alloc_state_region(
+        &self,
+        py: Python<'_>,
+        session_id: String,
+        nbytes: u64,
+        label: &str,
+    ) -> PyResult<(String, u64, i32)> {
+        let mut c = self.client(py)?;
+        let label = label.to_string();
+        let (id, size, fd) = block_on(py, async move {
+            c.alloc_state_region(&session_id, nbytes, &label).await
+        })?
+        .py_err()?;
+        Ok((id, size, fd.into_raw_fd()))
+    }
+
+    /// Frees state region `region_id` of session `session_id` before the session ends.
+    fn free_state_region(
+        &self,
+        py: Python<'_>,
+        session_id: String,
+        region_id: String,
+    ) -> PyResult<()> {
+        let mut c = self.client(py)?;
+        block_on(py, async move {
+            c.free_state_region(&session_id, &region_id).await
+        })?
+        .py_err()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Client(socket={:?})",

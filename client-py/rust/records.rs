@@ -116,6 +116,8 @@ record! {
         daemon_host_bytes: u64,
         daemon_uploads: u32,
         daemon_device_bytes: Vec<u64>,
+        state_bytes: u64,
+        daemon_state_bytes: u64,
     }
 }
 
@@ -141,6 +143,8 @@ record! {
         max_sessions: u32,
         max_name_bytes: u32,
         max_uploads: u32,
+        max_state_region_bytes: u64,
+        max_state_regions_per_session: u32,
     }
 }
 
@@ -322,6 +326,8 @@ record! {
         group_stall_ns: Vec<u64>,
         group_acquire_pending_ns: Vec<u64>,
         group_gpu_wait_ns: Vec<u64>,
+        state_bytes: u64,
+        state_regions: u32,
     }
 }
 
@@ -391,6 +397,8 @@ pub(crate) fn info(py: Python<'_>, m: proto::GetInfoResponse) -> PyResult<GetInf
                         max_sessions: l.max_sessions,
                         max_name_bytes: l.max_name_bytes,
                         max_uploads: l.max_uploads,
+                        max_state_region_bytes: l.max_state_region_bytes,
+                        max_state_regions_per_session: l.max_state_regions_per_session,
                     },
                 )
             })
@@ -425,6 +433,8 @@ pub(crate) fn info(py: Python<'_>, m: proto::GetInfoResponse) -> PyResult<GetInf
                         daemon_host_bytes: u.daemon_host_bytes,
                         daemon_uploads: u.daemon_uploads,
                         daemon_device_bytes: u.daemon_device_bytes,
+                        state_bytes: u.state_bytes,
+                        daemon_state_bytes: u.daemon_state_bytes,
                     },
                 )
             })
@@ -523,6 +533,8 @@ pub(crate) fn session_info(py: Python<'_>, s: proto::SessionInfo) -> PyResult<Se
         group_stall_ns: s.group_stall_ns,
         group_acquire_pending_ns: s.group_acquire_pending_ns,
         group_gpu_wait_ns: s.group_gpu_wait_ns,
+        state_bytes: s.state_bytes,
+        state_regions: s.state_regions,
     })
 }
 

@@ -34,7 +34,7 @@ mod sources;
 pub mod waits;
 
 use std::collections::HashMap;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -589,6 +589,50 @@ impl Client {
     /// Opens a session and attaches its hot-path stream.
     pub async fn open_session(&mut self, options: SessionOptions) -> Result<Session, ClientError> {
         Session::open(self.clone(), options).await
+    }
+
+    /// Asks the daemon for a state region of `bytes` (rounded up to whole pages) that belongs to
+    /// session `session_id` (one this client's connection opened): host memory charged to this
+    /// uid, freed with the session or by [`Client::free_state_region`]. Returns its id, its size
+    /// and its fd, fetched from the handoff socket (read-write, zero-filled, its size sealed):
+    /// map it shared to use it. `label` names it in the daemon's log.
+    pub async fn alloc_state_region(
+        &mut self,
+        session_id: &str,
+        bytes: u64,
+        label: &str,
+    ) -> Result<(String, u64, OwnedFd), ClientError> {
+        let request = proto::AllocStateRegionRequest {
+            session_id: session_id.to_string(),
+            bytes,
+            label: label.to_string(),
+        };
+        let r = self.rpc.alloc_state_region(request).await;
+        let made = r.map_err(|s| self.status(s))?.into_inner();
+        let (fd, size) = self.fetch_fd(&made.fd_secret).await?;
+        if size != made.size {
+            return Err(ClientError::Protocol(format!(
+                "state region {}: the daemon passed {size} bytes for a region of {}",
+                made.region_id, made.size
+            )));
+        }
+        Ok((made.region_id, made.size, fd))
+    }
+
+    /// Frees state region `region_id` of session `session_id` before the session ends; what
+    /// this process still maps of it stays charged to its uid until unmapped and closed.
+    pub async fn free_state_region(
+        &mut self,
+        session_id: &str,
+        region_id: &str,
+    ) -> Result<(), ClientError> {
+        let request = proto::FreeStateRegionRequest {
+            session_id: session_id.to_string(),
+            region_id: region_id.to_string(),
+        };
+        let r = self.rpc.free_state_region(request).await;
+        r.map_err(|s| self.status(s))?;
+        Ok(())
     }
 }
 

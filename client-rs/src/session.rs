@@ -302,6 +302,19 @@ impl Session {
         &self.id
     }
 
+    /// A state region of this session, on the connection that opened it: its id, size and
+    /// read-write fd ([`Client::alloc_state_region`]). It goes with this opening of the session
+    /// (a [`Session::reconnect`] opens a new one, without it).
+    pub async fn alloc_state_region(
+        &self,
+        bytes: u64,
+        label: &str,
+    ) -> Result<(String, u64, OwnedFd), ClientError> {
+        (self.client.clone())
+            .alloc_state_region(&self.id, bytes, label)
+            .await
+    }
+
     pub fn layout(&self) -> &proto::OpenSessionResponse {
         &self.opened
     }

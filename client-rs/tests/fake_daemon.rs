@@ -34,6 +34,9 @@ struct State {
     loads: Vec<(Vec<String>, Vec<Vec<u8>>)>,
     uploads: HashMap<String, Arc<OwnedFd>>,
     committed: Option<Vec<u8>>,
+    /// State regions by id, and those freed.
+    state: HashMap<String, Arc<OwnedFd>>,
+    freed: Vec<(String, String)>,
 }
 
 impl State {
@@ -263,6 +266,36 @@ impl WeightStream for Fake {
         Err(Status::unimplemented("fake"))
     }
 
+    /// A region of `bytes`; a label "lie" answers a size the fd does not have.
+    async fn alloc_state_region(
+        &self,
+        request: Request<proto::AllocStateRegionRequest>,
+    ) -> Result<Response<proto::AllocStateRegionResponse>, Status> {
+        let request = request.into_inner();
+        let fd = Arc::new(memfd("ws-test-state", &vec![0; request.bytes as usize]));
+        let mut state = self.0.lock().unwrap();
+        let secret = state.mint();
+        let region_id = format!("st-{secret}");
+        state.objects.insert(secret.clone(), fd.clone());
+        state.state.insert(region_id.clone(), fd);
+        let lie = if request.label == "lie" { 4096 } else { 0 };
+        Ok(Response::new(proto::AllocStateRegionResponse {
+            region_id,
+            size: request.bytes + lie,
+            fd_secret: secret,
+        }))
+    }
+
+    async fn free_state_region(
+        &self,
+        request: Request<proto::FreeStateRegionRequest>,
+    ) -> Result<Response<proto::FreeStateRegionResponse>, Status> {
+        let request = request.into_inner();
+        let mut state = self.0.lock().unwrap();
+        state.freed.push((request.session_id, request.region_id));
+        Ok(Response::new(proto::FreeStateRegionResponse {}))
+    }
+
     type RunStream = ReceiverStream<Result<proto::ServerMessage, Status>>;
 
     async fn run(
@@ -401,6 +434,39 @@ async fn upload_writes_through_the_fd_and_unmaps_before_commit() {
     assert_eq!(manifest.model_id, "m-up");
     let committed = state.lock().unwrap().committed.clone();
     assert_eq!(committed.as_deref(), Some(&b"firstsecond"[..]));
+}
+
+/// A state region comes with its fd, read-write and of the size the daemon says (a size that
+/// disagrees is refused); freeing it names the session and the region.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_region_comes_with_its_read_write_fd() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, mut client) = start(dir.path()).await;
+    let (id, size, fd) = client
+        .alloc_state_region("s-1", 8192, "adam")
+        .await
+        .unwrap();
+    assert_eq!(size, 8192);
+    let file = std::fs::File::from(fd);
+    assert_eq!(file.metadata().unwrap().len(), 8192);
+    file.write_all_at(b"moments", 4096).unwrap();
+    let held = state.lock().unwrap().state[&id].clone();
+    let mut read = [0u8; 7];
+    std::fs::File::from(held.try_clone().unwrap())
+        .read_exact_at(&mut read, 4096)
+        .unwrap();
+    assert_eq!(&read, b"moments", "the daemon's memory, not a copy");
+    let err = client
+        .alloc_state_region("s-1", 4096, "lie")
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .ends_with("the daemon passed 4096 bytes for a region of 8192"),
+        "{err}"
+    );
+    client.free_state_region("s-1", &id).await.unwrap();
+    assert_eq!(state.lock().unwrap().freed, vec![("s-1".to_string(), id)]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

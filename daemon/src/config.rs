@@ -39,6 +39,11 @@ fn bytes<'de, D: Deserializer<'de>>(de: D) -> Result<u64, D::Error> {
 /// 24 GiB model would take minutes.
 pub const MIN_COPY_BANDWIDTH: u64 = 100_000_000;
 
+/// Bounds of `limits.max_state_region_bytes`: a page at least (a region is whole pages), and at
+/// most 1 EiB, so that a size rounded up to whole pages never overflows.
+pub const MIN_STATE_REGION_BYTES: u64 = 4096;
+pub const MAX_STATE_REGION_BYTES: u64 = 1 << 60;
+
 /// Bytes per second, as written: "25GB/s", "25 GiB/s", "25GB" or a plain number of bytes per
 /// second. Not yet checked against [`MIN_COPY_BANDWIDTH`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -126,6 +131,11 @@ pub struct Limits {
     pub attach_timeout_secs: u64,
     /// Connections one uid may hold open at once, on each socket (gRPC, handoff) apart.
     pub max_connections_per_uid: u32,
+    /// The largest state region one AllocStateRegion may ask for.
+    #[serde(deserialize_with = "bytes")]
+    pub max_state_region_bytes: u64,
+    /// State regions one session may hold at once: each is a memfd, an fd of the daemon's.
+    pub max_state_regions_per_session: u32,
 }
 
 impl Limits {
@@ -155,6 +165,8 @@ impl Default for Limits {
             client_send_timeout_secs: 10,
             attach_timeout_secs: 10,
             max_connections_per_uid: 64,
+            max_state_region_bytes: 1 << 40,
+            max_state_regions_per_session: 64,
         }
     }
 }
@@ -569,6 +581,18 @@ impl ConfigFile {
             l.max_connections_per_uid >= 1,
             "at least 1",
         )?;
+        range(
+            "limits.max_state_region_bytes",
+            l.max_state_region_bytes,
+            (MIN_STATE_REGION_BYTES..=MAX_STATE_REGION_BYTES).contains(&l.max_state_region_bytes),
+            "4096 bytes (a page) to 1 EiB",
+        )?;
+        range(
+            "limits.max_state_regions_per_session",
+            l.max_state_regions_per_session.into(),
+            (1..=1024).contains(&l.max_state_regions_per_session),
+            "1 to 1024",
+        )?;
         for (key, total) in [
             ("quotas.max_host_bytes", self.quotas.max_host_bytes),
             ("quotas.max_device_bytes", self.quotas.max_device_bytes),
@@ -705,6 +729,8 @@ mod tests {
             "client_send_timeout_secs =",
             "attach_timeout_secs =",
             "max_connections_per_uid =",
+            "max_state_region_bytes =",
+            "max_state_regions_per_session =",
             "[access]",
             "allowed_uids =",
             "allowed_gids =",
@@ -805,7 +831,8 @@ mod tests {
                  `max_tensors_per_model`, `max_groups_per_session`, `max_plan_length`, \
                  `max_live_tickets`, `max_upload_bytes`, `max_sessions`, `max_name_bytes`, \
                  `max_uploads`, `client_send_timeout_secs`, `attach_timeout_secs`, \
-                 `max_connections_per_uid`",
+                 `max_connections_per_uid`, `max_state_region_bytes`, \
+                 `max_state_regions_per_session`",
             ),
             (
                 "[metrics]\nport = 9464",
@@ -866,6 +893,15 @@ mod tests {
             (
                 "[limits]\nmax_connections_per_uid = 0",
                 "limits.max_connections_per_uid = 0 is out of range: at least 1",
+            ),
+            (
+                "[limits]\nmax_state_region_bytes = 4095",
+                "limits.max_state_region_bytes = 4095 is out of range: 4096 bytes (a page) to \
+                 1 EiB",
+            ),
+            (
+                "[limits]\nmax_state_regions_per_session = 1025",
+                "limits.max_state_regions_per_session = 1025 is out of range: 1 to 1024",
             ),
             (
                 "shm_dir = \"/dev/shm\"",

@@ -291,7 +291,9 @@ impl Collector for DaemonCollector {
         for (name, help, f) in session_counters {
             counter(&mut e, name, help, per_session(f))?;
         }
-        let session_gauges: [Series; 4] = [
+        let state = d.store.state_use();
+        let state_bytes = |i: usize| state.get(&sessions[i].id).map_or(0, |u| u.bytes);
+        let session_gauges: [Series; 5] = [
             (
                 "weightstream_session_budget_bytes",
                 "The session's VRAM budget.",
@@ -316,6 +318,11 @@ impl Collector for DaemonCollector {
                 "weightstream_session_resident_bytes",
                 "Groups kept on the device for the session (shared regions count in each).",
                 &|i| sessions[i].resident_bytes as f64,
+            ),
+            (
+                "weightstream_session_state_bytes",
+                "Host memory of the session's state regions (AllocStateRegion).",
+                &|i| state_bytes(i) as f64,
             ),
         ];
         for (name, help, f) in session_gauges {

@@ -397,6 +397,8 @@ async fn get_info_reports_the_quotas_and_the_caller_s_use() {
         daemon_host_bytes: host + upload,
         daemon_uploads: 1,
         daemon_device_bytes: vec![per_session],
+        state_bytes: 0,
+        daemon_state_bytes: 0,
     };
     assert_eq!(client.info().await.unwrap().usage, Some(busy));
 

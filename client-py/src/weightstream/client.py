@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
     from weightstream.quantize import Fp8Weight
     from weightstream.session import Session
+    from weightstream.state import StateRegion
 
 SYSTEM_SOCKET = _native.SYSTEM_SOCKET
 SOCKET_ENV = _native.SOCKET_ENV
@@ -281,6 +282,20 @@ class Client:
             label=label,
             copy_bandwidth_limit=copy_bandwidth_limit,
         )
+
+    def alloc_state_region(self, session_id: str, nbytes: int, label: str = "") -> StateRegion:
+        """A state region of ``nbytes`` (rounded up to whole pages) for session ``session_id``,
+        one this client opened, mapped read-write (``weightstream.state``; usually through
+        ``Session.alloc_state_region``). ``label`` names it in the daemon's log."""
+        from weightstream.state import StateRegion
+
+        region_id, size, fd = self._native.alloc_state_region(session_id, nbytes, label)
+        return StateRegion(self, session_id, region_id, size, fd, label)
+
+    def free_state_region(self, session_id: str, region_id: str):
+        """Frees a state region in the daemon before its session ends (``StateRegion.close``
+        does it, after unmapping)."""
+        self._native.free_state_region(session_id, region_id)
 
     def __repr__(self):
         return f"Client(socket={self.socket!r})"

@@ -31,6 +31,7 @@ from weightstream._wait_timer import WaitTimer
 from weightstream.client import Client
 from weightstream.protocol import OpenSessionResponse, SessionStats, Staged
 from weightstream.quantize import FORMATS, Fp8Weight
+from weightstream.state import StateRegion
 
 
 def device_uuid(device: torch.device) -> str:
@@ -105,6 +106,7 @@ class Session:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._regions = None
         self._generation = 0
+        self._state: list[StateRegion] = []
         self._native = client._native.open_session(
             model_id,
             [(n, list(t)) for n, t in groups],
@@ -349,9 +351,24 @@ class Session:
         self._setup()
         return self
 
+    def alloc_state_region(self, nbytes: int, label: str = "") -> StateRegion:
+        """Host memory for this session's own state (master weights, optimizer moments):
+        ``nbytes`` rounded up to whole pages, zero-filled, mapped read-write here
+        (``StateRegion.buffer``, ``StateRegion.tensor(dtype)``), charged to this uid's host
+        bytes and freed by the daemon with the session (see ``weightstream.state``). Raises
+        ``RequestRejected`` ("RESOURCE_EXHAUSTED") when a host quota would pass. A region of
+        an opening that ``reconnect`` replaced is no longer the daemon's: allocate again."""
+        region = self.client.alloc_state_region(self.id, nbytes, label)
+        self._state = [r for r in self._state if not r.closed]
+        self._state.append(region)
+        return region
+
     def close(self):
-        """Closes the mappings, then the session; safe to call twice."""
+        """Closes the mappings and state regions, then the session; safe to call twice."""
         self._unmap()
+        for region in self._state:
+            region.close()
+        self._state = []
         self._native.close()
 
     def __enter__(self):

@@ -85,6 +85,7 @@ fn to_json(
             "host_bytes": u.host_bytes, "uploads": u.uploads,
             "daemon_sessions": u.daemon_sessions, "daemon_host_bytes": u.daemon_host_bytes,
             "daemon_uploads": u.daemon_uploads, "daemon_device_bytes": u.daemon_device_bytes,
+            "state_bytes": u.state_bytes, "daemon_state_bytes": u.daemon_state_bytes,
         })),
         "store_bytes": models.store_bytes,
         "models": models.models.iter().map(|m| json!({
@@ -101,6 +102,7 @@ fn to_json(
                 "vram_budget": s.vram_budget, "staging_bytes": s.staging_bytes,
                 "resident_bytes": s.resident_bytes, "attached": s.attached,
                 "plan_length": s.plan_length, "live_tickets": s.live_tickets, "age_ms": s.age_ms,
+                "state_bytes": s.state_bytes, "state_regions": s.state_regions,
                 "stats": {
                     "acquires": st.acquires, "hits": st.hits, "reuses": st.reuses,
                     "misses": st.misses, "resident_hits": st.resident_hits,
@@ -179,6 +181,7 @@ fn print_tables(
         "budget",
         "staging",
         "resident",
+        "state",
         "acquires",
         "hit rate",
         "copied",
@@ -195,6 +198,7 @@ fn print_tables(
             human(x.vram_budget),
             human(x.staging_bytes),
             human(x.resident_bytes),
+            human(x.state_bytes),
             st.acquires.to_string(),
             format!("{:.1} %", 100.0 * hit_rate(&st)),
             human(st.bytes_copied),
@@ -234,6 +238,13 @@ fn quota_table(info: &proto::GetInfoResponse) -> Option<String> {
         limit(q.per_uid_host_bytes, human),
         human(u.daemon_host_bytes),
         limit(q.max_host_bytes, human),
+    ]);
+    t.add_row(vec![
+        "  of them state regions".to_string(),
+        human(u.state_bytes),
+        String::new(),
+        human(u.daemon_state_bytes),
+        String::new(),
     ]);
     t.add_row(vec![
         "uploads in progress".to_string(),

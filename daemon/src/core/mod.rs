@@ -1,6 +1,6 @@
 //! The daemon's shared state and the operations the gRPC service and the handoff socket map
-//! onto. `drops` keeps the files clients pass for a LoadModel, `secrets` the fds of uploads and
-//! host regions that their owners fetch.
+//! onto. `drops` keeps the files clients pass for a LoadModel, `secrets` the fds of uploads,
+//! host regions and state regions that their owners fetch.
 
 mod drops;
 mod secrets;
@@ -25,8 +25,8 @@ use crate::scheduler::{CopyScheduler, Pacing};
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
 use crate::session::{ActorParts, CloseReason, DrainDeadline, SessionShared, SessionStats};
 use crate::store::{
-    LoadSource, Model, Owner, Retention, Store, StoreError, StoreLimits, Stored, TensorDecl,
-    UploadTicket, held_by_clients,
+    LoadSource, Model, Owner, Retention, StateTicket, Store, StoreError, StoreLimits, Stored,
+    TensorDecl, UploadTicket, held_by_clients,
 };
 
 /// The identity of the process at the other end of a connection: what sessions and uploads
@@ -168,6 +168,7 @@ impl Daemon {
             max_name_bytes: config.limits.max_name_bytes,
             max_message_bytes: config.limits.max_message_bytes,
             max_uploads: config.limits.max_uploads,
+            max_state_regions: config.limits.max_state_regions_per_session,
             host,
         };
         let (drain, drain_deadline) = DrainDeadline::channel();
@@ -436,6 +437,7 @@ impl Daemon {
             daemon.open_sessions.send_replace(sessions.len());
             drop(sessions);
             (daemon.secrets).revoke(&SecretOwner::Session(ended.id.clone()));
+            daemon.free_state_of(&ended.id);
             daemon.store.close_session(&model_id, owner.uid);
             // Before `finished` is sent: a CloseSession reply means the quota is free again.
             drop(charge);
@@ -453,6 +455,56 @@ impl Daemon {
             resident: split.resident,
             model,
         })
+    }
+
+    /// Makes a state region of `bytes` (rounded up to whole pages) for `peer`'s session
+    /// `session_id`; returns it and the secret that fetches it (read-write, for `peer`'s uid
+    /// only). `label` is for the log. Blocking: making room may evict models.
+    pub fn alloc_state_region(
+        &self,
+        peer: &Peer,
+        session_id: &str,
+        bytes: u64,
+        label: &str,
+    ) -> Result<(StateTicket, String), CoreError> {
+        let session = self.owned_session(peer, session_id)?;
+        // 64 random bits: another uid learns nothing from an id.
+        let region_id = format!("st-{}", &drops::random_secret()[..16]);
+        let ticket = (self.store).alloc_state(peer.uid, &session.id, region_id, bytes)?;
+        // A session whose teardown ran meanwhile took none of its regions with it: it is gone
+        // from the table before its teardown frees them, so this one is freed here.
+        if !self.sessions().contains_key(&session.id) {
+            let _ = self.store.free_state(&session.id, &ticket.region_id);
+            return Err(CoreError::UnknownSession(session.id.clone()));
+        }
+        let owner = SecretOwner::State(ticket.region_id.clone());
+        let access = (Access::ReadWrite, Charge::Host);
+        let secret = (self.secrets).mint(peer.uid, &ticket.memfd, access, owner);
+        tracing::info!(session = %session.id, region = %ticket.region_id, label = %label,
+            bytes = ticket.size, uid = peer.uid, "state region allocated");
+        Ok((ticket, secret))
+    }
+
+    /// Frees state region `region_id` of `peer`'s session `session_id`; its secret ends. What
+    /// the client still maps stays charged to it until it lets go.
+    pub fn free_state_region(
+        &self,
+        peer: &Peer,
+        session_id: &str,
+        region_id: &str,
+    ) -> Result<(), CoreError> {
+        let session = self.owned_session(peer, session_id)?;
+        self.store.free_state(&session.id, region_id)?;
+        (self.secrets).revoke(&SecretOwner::State(region_id.to_string()));
+        tracing::info!(session = %session.id, region = %region_id, "state region freed");
+        Ok(())
+    }
+
+    /// Frees every state region of a session that ended, and ends their secrets.
+    fn free_state_of(&self, session_id: &str) {
+        for id in self.store.drop_state_of(session_id) {
+            (self.secrets).revoke(&SecretOwner::State(id));
+        }
     }
 
     /// Device memory of ended sessions that clients still hold (host-backend regions): of

@@ -1,5 +1,6 @@
 //! Secrets that fetch a memfd's fd from the handoff socket (`GET <secret>`): minted for one
-//! uid, one access and one owner (an upload in progress, or a session's host regions), and
+//! uid, one access and one owner (an upload in progress, a session's host regions, or one of
+//! its state regions), and
 //! good while that object lives, so a client may fetch again (after a fork, say). The gRPC
 //! answer that carries a secret goes only to its owner, and another uid that learns it gets
 //! nothing.
@@ -17,6 +18,8 @@ use crate::mem::shm::{Access, Memfd};
 pub enum SecretOwner {
     Upload(String),
     Session(String),
+    /// A session's state region, by region id.
+    State(String),
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -50,7 +50,7 @@ impl Shm {
         Arc::new(Shm::default())
     }
 
-    /// Segments of `kind` ("model", "upload", "staging", "resident") alive now.
+    /// Segments of `kind` ("model", "upload", "staging", "resident", "state") alive now.
     pub fn live(&self, kind: &str) -> usize {
         self.counts().get(kind).copied().unwrap_or(0)
     }
@@ -103,6 +103,13 @@ impl Shm {
         })
     }
 
+    /// A session's state region of `size` bytes: its client writes and reads it through its
+    /// own fd and mapping; the daemon never maps it, and does not reserve its pages (the
+    /// client's first touch of each allocates it).
+    pub fn create_state(self: &Arc<Self>, size: u64) -> io::Result<Arc<Memfd>> {
+        Ok(Arc::new(self.memfd("state", size)?))
+    }
+
     /// An upload region of `size` bytes, its pages reserved: not mapped by the daemon (its
     /// uploader writes it through its own fd) until [`ShmSegment::sealed`] at commit. (The
     /// daemon maps it writable only to fault its pages in, and unmaps it before anyone else
@@ -150,7 +157,8 @@ fn populate_parallel(
 /// each time (the client shares no file offset or status flags with the daemon).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Access {
-    /// An upload region, for its uploader (the memfd's seals still apply).
+    /// An upload region for its uploader, a state region for its session's owner (the
+    /// memfd's seals still apply).
     ReadWrite,
     /// A region the client only reads: opened read-only, it can neither write nor map the
     /// memory writable.

@@ -8,7 +8,7 @@ use crate::session::{SessionShared, StatsSnapshot};
 use crate::store::quantize::Quantization;
 use crate::store::safetensors::DType;
 use crate::store::{
-    Model, ModelEntry, ModelSource, Phases, Retention, Stored, StoredTensor, UploadTicket,
+    Model, ModelEntry, ModelSource, Phases, Retention, StateUse, Stored, StoredTensor, UploadTicket,
 };
 
 pub fn dtype_to_pb(d: DType) -> pb::Dtype {
@@ -125,6 +125,8 @@ pub fn info(d: &Daemon, uid: u32) -> pb::GetInfoResponse {
             max_sessions: l.max_sessions,
             max_name_bytes: l.max_name_bytes,
             max_uploads: l.max_uploads,
+            max_state_region_bytes: l.max_state_region_bytes,
+            max_state_regions_per_session: l.max_state_regions_per_session,
         }),
         alignment: d.backend.alignment(),
         quotas: Some(pb::Quotas {
@@ -145,6 +147,8 @@ pub fn info(d: &Daemon, uid: u32) -> pb::GetInfoResponse {
             daemon_host_bytes: host_use.total_bytes,
             daemon_uploads: host_use.total_uploads,
             daemon_device_bytes,
+            state_bytes: host_use.uid_state_bytes,
+            daemon_state_bytes: host_use.total_state_bytes,
         }),
     }
 }
@@ -306,7 +310,7 @@ pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
 
 // `group_stall_ns`: the deprecated alias of `group_acquire_pending_ns`, as in `session_stats`.
 #[allow(deprecated)]
-pub fn session_info(owner: &Peer, s: &SessionShared) -> pb::SessionInfo {
+pub fn session_info(owner: &Peer, s: &SessionShared, state: StateUse) -> pb::SessionInfo {
     use std::sync::atomic::Ordering::Relaxed;
     pb::SessionInfo {
         session_id: s.id.clone(),
@@ -327,6 +331,8 @@ pub fn session_info(owner: &Peer, s: &SessionShared) -> pb::SessionInfo {
         group_stall_ns: s.stats.group_acquire_pending_ns(),
         group_acquire_pending_ns: s.stats.group_acquire_pending_ns(),
         group_gpu_wait_ns: s.stats.group_gpu_wait_ns(),
+        state_bytes: state.bytes,
+        state_regions: state.regions,
     }
 }
 
@@ -377,7 +383,12 @@ mod tests {
             gid: 3,
             pid: 4,
         };
-        let info = session_info(&owner, &shared);
+        let state = StateUse {
+            bytes: 8192,
+            regions: 2,
+        };
+        let info = session_info(&owner, &shared, state);
+        assert_eq!((info.state_bytes, info.state_regions), (8192, 2));
         assert_eq!(info.group_acquire_pending_ns, vec![5, 0, 70]);
         assert_eq!(info.group_stall_ns, info.group_acquire_pending_ns);
         assert_eq!(info.group_gpu_wait_ns, vec![0, 9, 0]);

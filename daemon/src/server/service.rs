@@ -289,12 +289,55 @@ impl WeightStream for Service {
             Some(last) if more => last.shared.id.clone(),
             _ => String::new(),
         };
+        let state = self.daemon.store.state_use();
         Ok(Response::new(pb::ListSessionsResponse {
             sessions: (sessions.iter())
-                .map(|s| session_info(&s.owner, &s.shared))
+                .map(|s| {
+                    let used = state.get(&s.shared.id).copied().unwrap_or_default();
+                    session_info(&s.owner, &s.shared, used)
+                })
                 .collect(),
             next_page_token,
         }))
+    }
+
+    async fn alloc_state_region(
+        &self,
+        req: Request<pb::AllocStateRegionRequest>,
+    ) -> Result<Response<pb::AllocStateRegionResponse>, Status> {
+        let peer = peer(&req)?;
+        let req = self.validation.alloc_state_region(req.into_inner())?;
+        let daemon = self.daemon.clone();
+        let what = format!(
+            "AllocStateRegion of {} bytes for session '{}' of uid {}",
+            req.bytes, req.session_id, peer.uid
+        );
+        // Blocking: making room may evict cached models (their arenas unpinned as they go).
+        let (ticket, fd_secret) = self
+            .blocking
+            .spawn(what, move || {
+                daemon.alloc_state_region(&peer, &req.session_id, req.bytes.get(), &req.label)
+            })
+            .await
+            .map_err(|source| EdgeError::Task {
+                what: "allocate state region",
+                source,
+            })??;
+        Ok(Response::new(pb::AllocStateRegionResponse {
+            region_id: ticket.region_id,
+            size: ticket.size,
+            fd_secret,
+        }))
+    }
+
+    async fn free_state_region(
+        &self,
+        req: Request<pb::FreeStateRegionRequest>,
+    ) -> Result<Response<pb::FreeStateRegionResponse>, Status> {
+        let peer = peer(&req)?;
+        let req = self.validation.free_state_region(req.into_inner())?;
+        (self.daemon).free_state_region(&peer, &req.session_id, &req.region_id)?;
+        Ok(Response::new(pb::FreeStateRegionResponse {}))
     }
 
     type RunStream = EventStream<pb::ServerMessage>;

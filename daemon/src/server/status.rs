@@ -60,9 +60,11 @@ pub fn status_of(e: &CoreError) -> Status {
             StoreError::Seal { .. } => Status::internal(msg),
             StoreError::Arena { .. }
             | StoreError::UploadTooLarge { .. }
-            | StoreError::TooManyUploads { .. } => Status::resource_exhausted(msg),
+            | StoreError::TooManyUploads { .. }
+            | StoreError::TooManyStateRegions { .. } => Status::resource_exhausted(msg),
             StoreError::UnknownModel(_)
             | StoreError::UnknownUpload(_)
+            | StoreError::UnknownStateRegion(_)
             | StoreError::NotHolder { .. } => Status::not_found(msg),
             StoreError::NotOwner(_) => Status::permission_denied(msg),
             StoreError::Quota(_) | StoreError::HostFull(_) => Status::resource_exhausted(msg),

@@ -47,6 +47,13 @@ pub enum ValidationError {
     TooMany { field: String, n: usize, max: usize },
     #[error("{field}: must be more than 0")]
     Zero { field: &'static str },
+    #[error("{field}: {value} is more than {key} = {max}")]
+    TooLarge {
+        field: &'static str,
+        value: u64,
+        key: &'static str,
+        max: u64,
+    },
     #[error("{field}: {value} is below the least the daemon accepts, {min} (0: none)")]
     TooSlow {
         field: &'static str,
@@ -225,12 +232,27 @@ pub struct ValidCloseSession {
     pub session_id: String,
 }
 
+/// AllocStateRegion: `bytes` within 1 ..= `limits.max_state_region_bytes`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidAllocStateRegion {
+    pub session_id: String,
+    pub bytes: NonZeroU64,
+    pub label: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidFreeStateRegion {
+    pub session_id: String,
+    pub region_id: String,
+}
+
 /// The checks, with the configured limits.
 #[derive(Debug, Clone, Copy)]
 pub struct Validation {
     max_name: usize,
     max_groups: usize,
     max_tensors: usize,
+    max_state_region_bytes: u64,
 }
 
 impl Validation {
@@ -239,6 +261,7 @@ impl Validation {
             max_name: limits.max_name_bytes as usize,
             max_groups: limits.max_groups_per_session as usize,
             max_tensors: limits.max_tensors_per_model as usize,
+            max_state_region_bytes: limits.max_state_region_bytes,
         }
     }
 
@@ -371,6 +394,40 @@ impl Validation {
         text("session_id", &req.session_id, MAX_ID_BYTES)?;
         Ok(ValidCloseSession {
             session_id: req.session_id,
+        })
+    }
+
+    pub fn alloc_state_region(
+        &self,
+        req: pb::AllocStateRegionRequest,
+    ) -> Result<ValidAllocStateRegion> {
+        text("session_id", &req.session_id, MAX_ID_BYTES)?;
+        self.name("label", &req.label)?;
+        let bytes = NonZeroU64::new(req.bytes).ok_or(ValidationError::Zero { field: "bytes" })?;
+        if bytes.get() > self.max_state_region_bytes {
+            return Err(ValidationError::TooLarge {
+                field: "bytes",
+                value: bytes.get(),
+                key: "limits.max_state_region_bytes",
+                max: self.max_state_region_bytes,
+            });
+        }
+        Ok(ValidAllocStateRegion {
+            session_id: req.session_id,
+            bytes,
+            label: req.label,
+        })
+    }
+
+    pub fn free_state_region(
+        &self,
+        req: pb::FreeStateRegionRequest,
+    ) -> Result<ValidFreeStateRegion> {
+        text("session_id", &req.session_id, MAX_ID_BYTES)?;
+        text("region_id", &req.region_id, MAX_ID_BYTES)?;
+        Ok(ValidFreeStateRegion {
+            session_id: req.session_id,
+            region_id: req.region_id,
         })
     }
 
@@ -662,6 +719,55 @@ mod tests {
             })
             .collect();
         assert!(failed.is_empty(), "{failed:#?}");
+    }
+
+    #[test]
+    fn each_bad_state_region_names_its_field_and_limit() {
+        let limits = Limits {
+            max_state_region_bytes: 8192,
+            ..Limits::default()
+        };
+        let v = Validation::new(&limits);
+        let alloc = |session_id: &str, bytes: u64, label: String| {
+            v.alloc_state_region(pb::AllocStateRegionRequest {
+                session_id: session_id.into(),
+                bytes,
+                label,
+            })
+            .map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            alloc("s-1", 0, String::new()),
+            Err("bytes: must be more than 0".into())
+        );
+        assert_eq!(
+            alloc("s-1", 8193, String::new()),
+            Err("bytes: 8193 is more than limits.max_state_region_bytes = 8192".into())
+        );
+        assert_eq!(
+            alloc("", 1, String::new()),
+            Err("session_id: required".into())
+        );
+        assert_eq!(
+            alloc("s-1", 1, "x".repeat(1025)),
+            Err("label: 1025 bytes, the limit is 1024".into())
+        );
+        assert_eq!(
+            alloc("s-1", 8192, "adam".into()),
+            Ok(ValidAllocStateRegion {
+                session_id: "s-1".into(),
+                bytes: NonZeroU64::new(8192).unwrap(),
+                label: "adam".into(),
+            })
+        );
+        let free = v.free_state_region(pb::FreeStateRegionRequest {
+            session_id: "s-1".into(),
+            region_id: String::new(),
+        });
+        assert_eq!(
+            free.map_err(|e| e.to_string()),
+            Err("region_id: required".into())
+        );
     }
 
     #[test]

@@ -72,7 +72,8 @@ impl Inner {
 
     /// What holds the memory a refusal by `quota` is about, for people: the largest models
     /// that cannot be evicted (charged to `uid`, for its own limit), each with its holders,
-    /// the uploads in progress, and how to free them; `None` when nothing does.
+    /// the uploads in progress, sessions' state regions, and how to free them; `None` when
+    /// nothing does.
     pub(super) fn holding(&self, refused: &QuotaError, uid: u32) -> Option<String> {
         let own = matches!(refused, QuotaError::Bytes { key, .. } if *key == "per_uid_host_bytes");
         let mut held: Vec<&ModelEntry> = (self.models.values())
@@ -105,15 +106,41 @@ impl Inner {
                 human(bytes)
             ));
         }
+        let state: Vec<u64> = (self.state.values())
+            .filter(|r| !own || r.uid == uid)
+            .map(|r| r.memfd.size())
+            .collect();
+        if !state.is_empty() {
+            let noun = if state.len() == 1 {
+                "state region"
+            } else {
+                "state regions"
+            };
+            let bytes = state.iter().sum();
+            parts.push(format!(
+                "{} {noun} of sessions ({})",
+                state.len(),
+                human(bytes)
+            ));
+        }
         if parts.is_empty() {
             return None;
         }
         let what = parts.join(", ");
-        Some(format!(
-            "held by: {what}. `weightstream release MODEL_ID` gives back a reference of the uid \
-             that runs it; `weightstream release --all MODEL_ID`, run as root or as the \
-             daemon's user, gives back every uid's (the model goes once its sessions end)"
-        ))
+        let mut text = format!("held by: {what}");
+        if !held.is_empty() || !uploads.is_empty() {
+            text.push_str(
+                ". `weightstream release MODEL_ID` gives back a reference of the uid that runs \
+                 it; `weightstream release --all MODEL_ID`, run as root or as the daemon's \
+                 user, gives back every uid's (the model goes once its sessions end)",
+            );
+        }
+        if !state.is_empty() {
+            text.push_str(
+                ". State regions go with their sessions (CloseSession), or by FreeStateRegion",
+            );
+        }
+        Some(text)
     }
 }
 

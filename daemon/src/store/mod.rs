@@ -10,7 +10,8 @@
 //! `cache` (evicting models only closed connections hold, to make room; refusals that say
 //! what holds the memory),
 //! `load` (safetensors files into an arena), `upload` (client-written regions, sealed into
-//! arenas), `pin` (page-locking an arena through a `HostPinner`); `safetensors` parses headers;
+//! arenas), `state` (sessions' state regions: host memory charged like the rest, never shared),
+//! `pin` (page-locking an arena through a `HostPinner`); `safetensors` parses headers;
 //! `parallel` spreads reading and hashing over threads, `phases` times them.
 //! This file holds the types they share. Memory itself (memfds, arenas, slices) lives in
 //! `crate::mem`.
@@ -23,6 +24,7 @@ pub mod prequantized;
 pub mod quantize;
 mod registry;
 pub mod safetensors;
+mod state;
 #[cfg(test)]
 pub(crate) mod test_support;
 mod upload;
@@ -37,6 +39,7 @@ use self::quantize::{NonFinite, Quantization, QuantizeError, StoredLayout};
 use self::registry::Inner;
 pub use self::registry::{Holder, HostUse, ModelEntry, Retention};
 use self::safetensors::{DType, HeaderError};
+pub use self::state::{STATE_ALIGN, StateTicket, StateUse};
 pub use self::upload::{DeclQuant, TensorDecl, UploadTicket};
 use crate::mem::held::Charge;
 use crate::mem::shm::Shm;
@@ -58,6 +61,9 @@ pub struct StoreLimits {
     pub max_message_bytes: u64,
     /// Uploads in progress, all uids together (`limits.max_uploads`): each holds a memfd.
     pub max_uploads: u32,
+    /// State regions one session may hold (`limits.max_state_regions_per_session`): each
+    /// holds a memfd.
+    pub max_state_regions: u32,
     pub host: HostQuota,
 }
 
@@ -119,6 +125,13 @@ pub enum StoreError {
     UploadTooLarge { bytes: u64, limit: u64 },
     #[error("limits.max_uploads = {limit} reached: the daemon has {used} uploads in progress")]
     TooManyUploads { limit: u32, used: u32 },
+    #[error(
+        "limits.max_state_regions_per_session = {limit} reached: session '{session}' holds \
+         {limit} state regions"
+    )]
+    TooManyStateRegions { session: String, limit: u32 },
+    #[error("unknown region_id '{0}' (a state region ends with its session)")]
+    UnknownStateRegion(String),
     #[error(
         "uid {uid} holds no reference to model_id '{id}': only a uid that loaded or uploaded \
          it may release it"

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::state::StateRegion;
 use super::upload::Upload;
 use super::{Model, Owner, Store, StoreError};
 use crate::quota::{HostQuota, check_count};
@@ -205,6 +206,8 @@ pub(super) struct Pending {
 pub(super) struct Inner {
     pub(super) models: HashMap<String, ModelEntry>,
     pub(super) uploads: HashMap<String, Upload>,
+    /// Sessions' state regions, by region id.
+    pub(super) state: HashMap<String, StateRegion>,
     pending: HashMap<u64, Pending>,
     next_pending: u64,
     /// Counts every reference and session that comes or goes: [`ModelEntry::last_used`].
@@ -215,13 +218,17 @@ pub(super) struct Inner {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostUse {
     /// Bytes charged to the uid: models it is charged for, its uploads (descriptions
-    /// included), and the upload regions and arenas the store let go of that it still holds.
+    /// included), its sessions' state regions, and the upload regions, arenas and state
+    /// regions the store let go of that it still holds.
     pub uid_bytes: u64,
     pub uid_uploads: u32,
-    /// Bytes of every model and upload, and of what clients hold.
+    /// Bytes of every model, upload and state region, and of what clients hold.
     pub total_bytes: u64,
     /// Uploads in progress, all uids.
     pub total_uploads: u32,
+    /// Of `uid_bytes` and `total_bytes`: the state regions of live sessions.
+    pub uid_state_bytes: u64,
+    pub total_state_bytes: u64,
 }
 
 impl Inner {
@@ -246,6 +253,15 @@ impl Inner {
             if up.owner.uid == uid {
                 u.uid_bytes += b;
                 u.uid_uploads += 1;
+            }
+        }
+        for r in self.state.values() {
+            let b = r.memfd.size();
+            u.total_bytes += b;
+            u.total_state_bytes += b;
+            if r.uid == uid {
+                u.uid_bytes += b;
+                u.uid_state_bytes += b;
             }
         }
         for p in self.pending.values() {
@@ -521,11 +537,12 @@ impl Store {
         models + uploads
     }
 
-    /// Drops every model and upload (at shutdown, once no session is left).
+    /// Drops every model, upload and state region (at shutdown, once no session is left).
     pub fn clear(&self) {
         let mut inner = self.inner();
         inner.models.clear();
         inner.uploads.clear();
+        inner.state.clear();
     }
 }
 

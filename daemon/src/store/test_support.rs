@@ -29,6 +29,7 @@ pub fn limits(host: HostQuota) -> StoreLimits {
         max_name_bytes: 1024,
         max_message_bytes: 16 << 20,
         max_uploads: 1024,
+        max_state_regions: 4,
         host,
     }
 }

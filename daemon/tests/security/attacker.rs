@@ -260,7 +260,8 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                 Err(e) => format!("failed: {e}"),
             }
         }
-        // Each arg is "commit ID", "close ID" or "release ID": what the daemon answers each.
+        // Each arg is "commit ID", "close ID", "release ID", "state SESSION" (a state region of
+        // 4096 bytes for the session) or "free SESSION REGION": what the daemon answers each.
         "touch" => {
             let mut rpc = raw_client(socket).await;
             let mut got = Vec::new();
@@ -283,6 +284,22 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                     }))
                     .await
                     .map(|_| ()),
+                    "state" => (rpc.alloc_state_region(proto::AllocStateRegionRequest {
+                        session_id: id,
+                        bytes: 4096,
+                        label: "theirs".into(),
+                    }))
+                    .await
+                    .map(|_| ()),
+                    "free" => {
+                        let (session_id, region_id) = id.split_once(' ').unwrap();
+                        (rpc.free_state_region(proto::FreeStateRegionRequest {
+                            session_id: session_id.into(),
+                            region_id: region_id.into(),
+                        }))
+                        .await
+                        .map(|_| ())
+                    }
                     other => panic!("unknown touch {other}"),
                 };
                 got.push(match answer {
