@@ -90,10 +90,11 @@ class Reference:
         self.steps = 0
 
     def step(self):
-        grads = [p.grad.cpu() for p in self.params]
         if self.max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(grads, self.max_norm)
-        grads = [g.clone() for g in grads]
+            # torch's clipping reads the parameters' .grad
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+            assert norm > self.max_norm, "the test clips"
+        grads = [p.grad.cpu().clone() for p in self.params]
         for p in self.params:
             p.grad = None
         if self.delay:

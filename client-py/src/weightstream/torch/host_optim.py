@@ -11,10 +11,11 @@ Two kinds, exact by construction or by test:
 - ``"adamw8bit"``: block-wise 8-bit moments (``weightstream.torch.adamw8``: the formula, its
   torch reference, and the native kernel that is ``torch.equal`` to it).
 
-Gradient clipping (``max_grad_norm``) is ``torch.nn.utils.clip_grad_norm_`` over the host
-gradients, in their dtype, before the step. ``delay=True`` is ZeRO-Offload's delayed update:
-``step()`` returns at once and each weight's update runs during the next backward, right after
-that weight's last use in the step (so the trainer never waits for the CPU); step ``k`` then
+Gradient clipping (``max_grad_norm``) is ``torch.nn.utils.clip_grad_norm_``'s over the host
+gradients, in their dtype, before the step (``clip_grads_``). ``delay=True`` is ZeRO-Offload's
+delayed update: ``step()`` returns at once and each weight's update runs during the next
+backward, right after that weight's last use in the step (so the trainer never waits for the
+CPU); step ``k`` then
 computes with the weights updated through step ``k - 2``. The trajectory is exactly that of a
 reference which applies each step's update one step late; ``flush()`` applies the one pending.
 Per-group learning rates and any ``torch.optim.lr_scheduler`` work as usual (``param_groups``);
@@ -32,6 +33,18 @@ from weightstream.torch.trainable import Carver, Slot, Trainable, TrainableError
 KINDS = ("adamw", "adamw8bit")
 #: The torch optimizer the "adamw" kind matches bit for bit.
 FUSED = "fused" in torch.optim.AdamW.__init__.__code__.co_varnames
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` applied to gradient tensors themselves (torch's takes
+    parameters and reads their ``.grad``; given bare gradients it clips nothing): the total
+    2-norm as torch computes it (``get_total_norm``), then each gradient multiplied by
+    ``min(max_norm / (total + 1e-6), 1)``. Returns the total norm."""
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device))
+    return total
 
 
 def reference_adamw(params, **hyper) -> torch.optim.AdamW:
@@ -148,7 +161,7 @@ class HostAdamW(torch.optim.Optimizer):
         tr.wait_grads()
         taken = [(s, gi) for s, gi in self._slots if s.grads > 0]
         if self.max_grad_norm is not None and taken:
-            torch.nn.utils.clip_grad_norm_([s.grad for s, _ in taken], self.max_grad_norm)
+            clip_grads_([s.grad for s, _ in taken], self.max_grad_norm)
         for s, gi in taken:
             g = self.param_groups[gi]
             hyper = (float(g["lr"]), tuple(map(float, g["betas"])), float(g["eps"]))
