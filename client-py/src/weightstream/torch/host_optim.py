@@ -47,6 +47,16 @@ def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     return total
 
 
+def alone(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, on the CPU) over the same memory, in a storage of its own that holds
+    exactly its bytes: ``torch.save`` of a view writes the whole storage it views, and refuses
+    views of one storage in different dtypes."""
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return torch.frombuffer(raw, dtype=t.dtype).view(t.shape)
+
+
 def reference_adamw(params, **hyper) -> torch.optim.AdamW:
     """The torch optimizer an ``"adamw"`` step equals, for ``params`` (fp32 masters)."""
     if FUSED:
@@ -232,15 +242,17 @@ class HostAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Master weights, moments and step counts per parameter index (views of the live
         state: save them, do not keep them), the groups' hyper-parameters, and the delayed
-        update still pending (its gradient and hyper-parameters)."""
+        update still pending (its gradient and hyper-parameters). Each tensor has a storage of
+        its own over its bytes (``alone``): ``torch.save`` writes those bytes only, and takes
+        tensors of several dtypes that share one host region."""
         self.trainable.wait_grads()
         state = {}
         for i, (s, _) in enumerate(self._slots):
-            entry = {"step": self.steps[s.index], "master": s.master}
+            entry = {"step": self.steps[s.index], "master": alone(s.master)}
             names = ("exp_avg", "exp_avg_sq") if self.kind == "adamw" else ("qm", "qv", "sm", "sv")
-            entry.update(zip(names, self._moments[s.index], strict=True))
+            entry.update(zip(names, map(alone, self._moments[s.index]), strict=True))
             if s.pending is not None:
-                entry["pending_grad"] = s.grad
+                entry["pending_grad"] = alone(s.grad)
                 entry["pending_hyper"] = s.pending.keywords["hyper"]
             state[i] = entry
         groups = []
