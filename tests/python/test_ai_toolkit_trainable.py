@@ -689,3 +689,17 @@ def test_adamw8bit_runs_as_host_adamws_8bit_kind_where_this_weightstream_has_it(
         process.run()
         assert process.optimizer.optimizer.kind == "adamw8bit"
         assert len(process.losses) == 1
+
+
+def test_a_job_in_several_processes_is_refused_before_anything_moves(aitk, tmp_path):
+    aitk(trainable="host")
+    process = new_process(tmp_path)
+    process.accelerator = SimpleNamespace(num_processes=2)
+    with pytest.raises(TrainableError) as e:
+        process.run()
+    assert str(e.value) == (
+        "weightstream's trainable: host trains in one process, and this job runs in 2 "
+        "(accelerate's num_processes): the gradients in host memory are not reduced across "
+        "them; use trainable: device"
+    )
+    assert not any("_apply" in vars(m) for m in process.network.modules())

@@ -25,7 +25,9 @@ ostris/ai-toolkit 27a03a91, and what weightstream does at each:
    a pending delayed update). A file from another optimizer is refused and ai-toolkit prints
    the error and starts with fresh moments, as it does for any file it cannot load.
 4. ``accelerator.prepare(optimizer)``: accelerate's device placement would copy the whole
-   state to the GPU and back; the launcher prepares a ``HostAdamW`` without it.
+   state to the GPU and back; the launcher prepares a ``HostAdamW`` without it. One process
+   only: a job that accelerate runs in several is refused at step 2 (the host gradients are
+   not reduced across processes).
    ``accelerator.prepare(network)`` moves the network: ``stream_trainable``'s layers keep
    their weights in host memory through any ``.to()``.
 5. Each step (``SDTrainer.hook_train_loop``): ``zero_grad``, forward and backward (the
@@ -404,6 +406,13 @@ def get_optimizer(
             "BaseSDTrainProcess.run, where the network and the train config are"
         )
     process = RUNNING[-1]
+    processes = getattr(getattr(process, "accelerator", None), "num_processes", 1)
+    if processes != 1:
+        raise TrainableError(
+            f"weightstream's trainable: host trains in one process, and this job runs in "
+            f"{processes} (accelerate's num_processes): the gradients in host memory are not "
+            "reduced across them; use trainable: device"
+        )
     train = getattr(process, "train_config", None)
     opt = host_optimizer(
         params,
