@@ -551,6 +551,27 @@ def test_offload_percent_and_ignore_modules(daemon, toolkit):
             {},
             "weightstream.quantize: 'int4': expected 'fp8' or 'none'",
         ),
+        (
+            {"trainable": "host", "trainable_delay": False},
+            {},
+            Settings(trainable="host", trainable_delay=False),
+        ),
+        (
+            {"trainable": "host"},
+            {"WEIGHTSTREAM_TRAINABLE": "device", "WEIGHTSTREAM_TRAINABLE_DELAY": "0"},
+            Settings(trainable_delay=False),
+        ),
+        ({"trainable_delay": False}, {"WEIGHTSTREAM_TRAINABLE_DELAY": "Yes"}, Settings()),
+        (
+            {"trainable": "gpu"},
+            {},
+            "weightstream.trainable: 'gpu': expected one of device, host",
+        ),
+        (
+            {},
+            {"WEIGHTSTREAM_TRAINABLE_DELAY": "maybe"},
+            "WEIGHTSTREAM_TRAINABLE_DELAY: 'maybe': expected true or false",
+        ),
         ({"budget": 1}, {}, "weightstream.budget: unknown setting"),
         ({"vram_budget": "8 GiBs"}, {}, "weightstream.vram_budget: '8 GiBs' is not a size"),
         (

@@ -11,10 +11,11 @@ Two kinds, exact by construction or by test:
 - ``"adamw8bit"``: block-wise 8-bit moments (``weightstream.torch.adamw8``: the formula, its
   torch reference, and the native kernel that is ``torch.equal`` to it).
 
-Gradient clipping (``max_grad_norm``) is ``torch.nn.utils.clip_grad_norm_`` over the host
-gradients, in their dtype, before the step. ``delay=True`` is ZeRO-Offload's delayed update:
-``step()`` returns at once and each weight's update runs during the next backward, right after
-that weight's last use in the step (so the trainer never waits for the CPU); step ``k`` then
+Gradient clipping (``max_grad_norm``) is ``torch.nn.utils.clip_grad_norm_``'s over the host
+gradients, in their dtype, before the step (``clip_grads_``). ``delay=True`` is ZeRO-Offload's
+delayed update: ``step()`` returns at once and each weight's update runs during the next
+backward, right after that weight's last use in the step (so the trainer never waits for the
+CPU); step ``k`` then
 computes with the weights updated through step ``k - 2``. The trajectory is exactly that of a
 reference which applies each step's update one step late; ``flush()`` applies the one pending.
 Per-group learning rates and any ``torch.optim.lr_scheduler`` work as usual (``param_groups``);
@@ -32,6 +33,28 @@ from weightstream.torch.trainable import Carver, Slot, Trainable, TrainableError
 KINDS = ("adamw", "adamw8bit")
 #: The torch optimizer the "adamw" kind matches bit for bit.
 FUSED = "fused" in torch.optim.AdamW.__init__.__code__.co_varnames
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` applied to gradient tensors themselves (torch's takes
+    parameters and reads their ``.grad``; given bare gradients it clips nothing): the total
+    2-norm as torch computes it (``get_total_norm``), then each gradient multiplied by
+    ``min(max_norm / (total + 1e-6), 1)``. Returns the total norm."""
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device))
+    return total
+
+
+def alone(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, on the CPU) over the same memory, in a storage of its own that holds
+    exactly its bytes: ``torch.save`` of a view writes the whole storage it views, and refuses
+    views of one storage in different dtypes."""
+    if t.numel() == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    raw = t.detach().reshape(-1).view(torch.uint8).numpy()
+    return torch.frombuffer(raw, dtype=t.dtype).view(t.shape)
 
 
 def reference_adamw(params, **hyper) -> torch.optim.AdamW:
@@ -148,7 +171,7 @@ class HostAdamW(torch.optim.Optimizer):
         tr.wait_grads()
         taken = [(s, gi) for s, gi in self._slots if s.grads > 0]
         if self.max_grad_norm is not None and taken:
-            torch.nn.utils.clip_grad_norm_([s.grad for s, _ in taken], self.max_grad_norm)
+            clip_grads_([s.grad for s, _ in taken], self.max_grad_norm)
         for s, gi in taken:
             g = self.param_groups[gi]
             hyper = (float(g["lr"]), tuple(map(float, g["betas"])), float(g["eps"]))
@@ -219,15 +242,17 @@ class HostAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Master weights, moments and step counts per parameter index (views of the live
         state: save them, do not keep them), the groups' hyper-parameters, and the delayed
-        update still pending (its gradient and hyper-parameters)."""
+        update still pending (its gradient and hyper-parameters). Each tensor has a storage of
+        its own over its bytes (``alone``): ``torch.save`` writes those bytes only, and takes
+        tensors of several dtypes that share one host region."""
         self.trainable.wait_grads()
         state = {}
         for i, (s, _) in enumerate(self._slots):
-            entry = {"step": self.steps[s.index], "master": s.master}
+            entry = {"step": self.steps[s.index], "master": alone(s.master)}
             names = ("exp_avg", "exp_avg_sq") if self.kind == "adamw" else ("qm", "qv", "sm", "sv")
-            entry.update(zip(names, self._moments[s.index], strict=True))
+            entry.update(zip(names, map(alone, self._moments[s.index]), strict=True))
             if s.pending is not None:
-                entry["pending_grad"] = s.grad
+                entry["pending_grad"] = alone(s.grad)
                 entry["pending_hyper"] = s.pending.keywords["hyper"]
             state[i] = entry
         groups = []

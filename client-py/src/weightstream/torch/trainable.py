@@ -195,7 +195,7 @@ class Trainable:
         device: torch.device,
         storage: HostStorage,
         *,
-        group_by: str = "block",
+        group_by: str | Callable[[str], str] = "block",
         lookahead: int = 1,
     ):
         self.device = device
@@ -204,7 +204,10 @@ class Trainable:
         self.slots: list[Slot] = []
         self.groups: dict[str, _Group] = {}
         for name, m in layers:
-            key = policy.block_of(root, name) if group_by == "block" else name
+            if callable(group_by):
+                key = str(group_by(name))
+            else:
+                key = policy.block_of(root, name) if group_by == "block" else name
             slot = Slot(len(self.slots), name, m, m.weight, key)
             self.slots.append(slot)
             self.groups.setdefault(key, _Group(key, [])).slots.append(slot)
@@ -508,13 +511,16 @@ def stream_trainable(
     handle=None,
     *,
     device: torch.device | str | None = None,
-    group_by: str = "block",
+    group_by: str | Callable[[str], str] = "block",
     lookahead: int = 1,
     optimizer: str | None = None,
 ) -> Trainable:
     """Moves the trainable weights of ``module`` (a LoRA's ``nn.Linear`` layers) into host
     memory held by ``handle``'s daemon session, and streams them to the device as the layers
-    run. ``device``: where the layers compute (default: the handle's device). ``optimizer``
+    run. ``device``: where the layers compute (default: the handle's device). ``group_by``:
+    which weights are copied to the device together: ``"block"`` (the model's repeated block,
+    ``policy.block_of``), ``"layer"``, or a function of the layer's name giving its group's
+    name. ``optimizer``
     ("adamw" or "adamw8bit"), when given, is only used to check up front that the trainable
     state and the optimizer's fit the host memory the daemon allows (``host_bytes``).
 

@@ -8,6 +8,8 @@
   MemoryManager`` for ``from weightstream.integrations.ai_toolkit import MemoryManager``.
 - ``Settings`` (``settings``): socket, budget, staging, from a ``weightstream:`` YAML section
   or ``WEIGHTSTREAM_*`` variables.
+- ``trainable: host`` (``trainable``): the LoRA's weights and optimizer state in host memory,
+  the optimizer ai-toolkit asks for run there as ``HostAdamW``.
 
 The manager is loaded when first used (by ai-toolkit's first import of
 ``toolkit.memory_management``).

@@ -10,7 +10,10 @@ real ``toolkit`` package is imported as usual around it. The manager itself is l
 ai-toolkit first imports it. A second finder hooks ai-toolkit's model base classes
 (``toolkit.models.base_model.BaseModel``, ``toolkit.stable_diffusion_model.StableDiffusion``)
 once they are imported: with ``layer_offloading`` their ``load_model`` keeps the streamable
-weights off the device and attaches what the loader left unattached (``loading``).
+weights off the device and attaches what the loader left unattached (``loading``). It also
+hooks ai-toolkit's trainer (``jobs.process.BaseSDTrainProcess``) once imported: with
+``trainable: host`` the LoRA's weights and optimizer state live in host memory
+(``trainable``).
 
 Settings: a top-level ``weightstream:`` section of the job's YAML (ai-toolkit reads only
 ``job``, ``config`` and ``meta``) and ``WEIGHTSTREAM_*`` variables, which win (``settings``).
@@ -80,13 +83,14 @@ FINDER = ToolkitMemoryFinder()
 
 
 class ModelClassHook(importlib.abc.MetaPathFinder):
-    """Finds the modules of ai-toolkit's model base classes (``MODEL_BASES``) with the finders
-    after it, and hooks the classes once the module has run (``loading.hook_model_class``:
+    """Finds the ai-toolkit modules of ``HOOKS`` with the finders after it, and hooks them once
+    the module has run: the model base classes (``MODEL_BASES``, ``loading.hook_model_class``:
     ``load_model`` with ``layer_offloading`` keeps the streamable weights off the device and
-    attaches what the loader left unattached)."""
+    attaches what the loader left unattached) and the trainer
+    (``trainable.hook_trainer_module``: ``trainable: host``)."""
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in MODEL_BASES:
+        if fullname not in HOOKS:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
@@ -103,7 +107,7 @@ class ModelClassHook(importlib.abc.MetaPathFinder):
 
         def exec_and_hook(module):
             exec_module(module)
-            hook_classes(module)
+            HOOKS[fullname](module)
 
         spec.loader.exec_module = exec_and_hook
         return spec
@@ -116,6 +120,14 @@ MODEL_BASES = {
     "toolkit.stable_diffusion_model": ("StableDiffusion",),
 }
 MODEL_HOOK = ModelClassHook()
+#: ai-toolkit's trainer, which asks for the optimizer, saves and samples.
+TRAINER = "jobs.process.BaseSDTrainProcess"
+
+
+def hook_trainer(module):
+    from weightstream.integrations.ai_toolkit import trainable
+
+    trainable.hook_trainer_module(module)
 
 
 def hook_classes(module):
@@ -132,6 +144,10 @@ def hook_classes(module):
         loading.hook_model_class(cls)
 
 
+#: The hook of each ai-toolkit module, run once the module has run.
+HOOKS = {**dict.fromkeys(MODEL_BASES, hook_classes), TRAINER: hook_trainer}
+
+
 def install():
     """Puts the finders first on ``sys.meta_path``. Refuses when ai-toolkit's own memory
     manager was imported already (its classes would be in use); model base classes imported
@@ -142,9 +158,9 @@ def install():
     for finder in (MODEL_HOOK, FINDER):
         if finder not in sys.meta_path:
             sys.meta_path.insert(0, finder)
-    for name in MODEL_BASES:
+    for name, hook in HOOKS.items():
         if name in sys.modules:
-            hook_classes(sys.modules[name])
+            hook(sys.modules[name])
 
 
 def uninstall():

@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import weakref
 
 import torch
 from torch import nn
@@ -40,6 +41,10 @@ from weightstream.torch.placeholder import is_placeholder
 
 def sync_grad_transfers():
     """Nothing to wait for: streamed weights are frozen and gradients never leave the device."""
+
+
+#: The managers of the modules attached and not yet detached or freed, in attach order.
+_ATTACHED: list[weakref.ref] = []
 
 
 class MemoryManager:
@@ -107,7 +112,16 @@ class MemoryManager:
         manager = cls(module, device, handle)
         module._memory_manager = manager
         module.to = manager.memory_managed_to
+        _ATTACHED.append(weakref.ref(manager))
         return manager
+
+    @classmethod
+    def attached(cls) -> list[MemoryManager]:
+        """The managers of the modules attached now (not detached or freed), in attach order:
+        ``trainable: host`` finds among them the session of the model a LoRA trains on."""
+        live = [m for m in (ref() for ref in _ATTACHED) if m is not None]
+        _ATTACHED[:] = [weakref.ref(m) for m in live]
+        return live
 
     @classmethod
     def detach(cls, module: nn.Module, release: bool = True):
@@ -200,6 +214,7 @@ class MemoryManager:
                 )
 
     def _uninstall(self):
+        _ATTACHED[:] = [ref for ref in _ATTACHED if ref() not in (None, self)]
         self._check.remove()
         if self._own_to is not None:
             self.module.to = self._own_to

@@ -19,7 +19,12 @@ ENV = {
     "group_by": "WEIGHTSTREAM_GROUP_BY",
     "lookahead": "WEIGHTSTREAM_LOOKAHEAD",
     "quantize": "WEIGHTSTREAM_QUANTIZE",
+    "trainable": "WEIGHTSTREAM_TRAINABLE",
+    "trainable_delay": "WEIGHTSTREAM_TRAINABLE_DELAY",
 }
+
+#: The values of ``trainable``.
+TRAINABLE = ("device", "host")
 
 _UNITS = {
     "": 1,
@@ -60,6 +65,19 @@ def parse_size(what: str, value) -> int:
     return n
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_bool(what: str, value) -> bool:
+    """A YAML boolean, or ``true``/``false``/``1``/``0``/``yes``/``no`` (any case)."""
+    if isinstance(value, bool):
+        return value
+    flag = _BOOLS.get(str(value).strip().lower())
+    if flag is None:
+        raise ValueError(f"{what}: {value!r}: expected true or false")
+    return flag
+
+
 @dataclass(frozen=True)
 class Settings:
     """- ``socket``: the daemon's socket. Default: where every weightstream client looks
@@ -80,6 +98,14 @@ class Settings:
     - ``lookahead``: ``StreamOptions.lookahead`` (``none``: as many as staging holds).
     - ``quantize``: ``fp8`` streams the weights in 8 bits (``StreamOptions.quantize``);
       ``none`` (the default): as they are.
+    - ``trainable``: where the LoRA's weights and optimizer state live. ``device`` (the
+      default): where ai-toolkit puts them. ``host``: in host memory
+      (``weightstream.torch.stream_trainable``), the optimizer ai-toolkit asks for (``adamw``,
+      ``adamw8bit`` and their aliases) run there as ``HostAdamW``
+      (``weightstream.integrations.ai_toolkit.trainable``).
+    - ``trainable_delay``: with ``trainable: host``, ``HostAdamW``'s delayed update (each step's
+      update applied during the next backward, so the GPU never waits for the CPU; the weights
+      are one step behind). Default ``true``.
     """
 
     socket: str | None = None
@@ -89,6 +115,8 @@ class Settings:
     group_by: str = "block"
     lookahead: int | None = None
     quantize: str | None = None
+    trainable: str = "device"
+    trainable_delay: bool = True
 
     @classmethod
     def load(cls, section: Mapping | None = None, env: Mapping[str, str] | None = None):
@@ -133,6 +161,12 @@ def _convert(key: str, what: str, value):
         if value not in ("fp8", "fp8_e4m3_block64"):
             raise ValueError(f"{what}: {value!r}: expected 'fp8' or 'none'")
         return "fp8"
+    if key == "trainable":
+        if value not in TRAINABLE:
+            raise ValueError(f"{what}: {value!r}: expected one of {', '.join(TRAINABLE)}")
+        return value
+    if key == "trainable_delay":
+        return parse_bool(what, value)
     if value is None or str(value).lower() == "none":
         return None
     try:
