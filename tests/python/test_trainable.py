@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import weightstream.torch as wst
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from weightstream.torch.host_optim import HostAdamW, reference_adamw
@@ -140,17 +141,22 @@ class Reference:
                 p.copy_(m)
 
 
-def train_pair(steps=4, ckpt=False, accumulate=1, device="cpu", handle=None, autocast=False, **kw):
+def train_pair(steps=4, ckpt=False, accumulate=1, device="cpu", client=None, autocast=False, **kw):
     """Trains the LoRA in place (``Reference``) and the same model with ``stream_trainable``
     side by side, asserting equal losses; returns both models, the Trainable, the optimizer and
-    the reference. ``handle``: the daemon session that holds the host memory; ``autocast``: an
-    fp32 LoRA under bf16 autocast."""
+    the reference. ``client``: a daemon's client: the base streams through it (``attach``) and
+    its session holds the host memory (``tr.handle``); ``autocast``: an fp32 LoRA under bf16
+    autocast."""
     lora = torch.float32 if autocast else torch.bfloat16
     ref_model = make(ckpt, device=device, lora_dtype=lora)
     model = make(ckpt, device=device, lora_dtype=lora)
     AUTOCAST[0] = autocast
     ref = Reference(ref_model, **kw)
+    handle = None
+    if client is not None:
+        handle = wst.attach(model, device, client=client, min_bytes=0)
     tr = stream_trainable(model, handle, device=device)
+    tr.handle = handle
     opt = HostAdamW(
         tr.params(),
         lr=1e-2,
@@ -203,6 +209,26 @@ def test_fp32_lora_under_autocast():
     assert all(s.master is s.working for s in tr.slots)
     assert all(p.dtype == torch.float32 for p in lora_params(model))
     tr.close()
+
+
+def test_the_daemon_holds_the_host_memory_and_frees_it_with_the_session(daemon):
+    """Base streamed from the daemon, LoRA state in the session's state regions: the same
+    bits, the bytes charged to the uid, nothing left after close."""
+    import gc
+
+    client = daemon.client
+    ref_model, model, tr, opt, _ = train_pair(client=client, ckpt=True, delay=True, max_norm=0.05)
+    assert_same_lora(ref_model, model)
+    assert tr.handle.streamed, "the base streams"
+    usage = client.info().usage
+    assert usage.state_bytes == tr.host_bytes > 0
+    assert daemon.memfds().count("state") == 2, "weights and gradients; the optimizer's moments"
+    tr.close()
+    del opt
+    gc.collect()
+    tr.handle.close(release=True)
+    assert client.info().usage.state_bytes == 0
+    assert daemon.memfds().count("state") == 0
 
 
 def test_clipping_and_accumulation():
