@@ -201,23 +201,33 @@ def streamed(args, model, handle, rank: int, link: str, baseline_used: int, emit
         rec["host_gib"] = round((tr.host_bytes + model_bytes(handle)) / GiB, 2)
         torch.cuda.empty_cache()
         device = card.open_device(0)
-        used = device.sample().used - baseline_used
+        before = device.sample()
+        used = before.used - baseline_used
         rec["job_gib_before_training"] = round(used / GiB, 2)
+        held = context = 0
         if args.card:
             left = args.card - used / GiB
             if left <= 0.5:
                 raise RuntimeError(f"the job already uses {used / GiB:.2f} GiB of the card")
             holder = card.Holder(left, dict(os.environ))
+            held = holder.report["held"]
+            # The helper's own CUDA context is on the device too, and not the job's.
+            context = max(0, before.free - holder.report["free_before"])
             rec["card_gib"] = args.card
         sampler = card.Sampler(device, 0.05)
         sampler.start()
-        times, losses = timed_steps(model, opt, args.warmup + args.measured)
+        times, losses = timed_steps(model, opt, args.warmup)
+        start_times = dict(tr.times)
+        more, more_losses = timed_steps(model, opt, args.measured)
+        times, losses = times + more, losses + more_losses
         sampler.stop.set()
         sampler.join()
-        held = holder.report["held"] if holder else 0
-        peak = max(s.used for s in sampler.samples) - held - baseline_used
+        peak = max(s.used for s in sampler.samples) - held - context - baseline_used
         rec["job_gib"] = round(peak / GiB, 2)
         record_steps(rec, times, losses, args.warmup)
+        rec["per_step_s"] = {
+            k: round((tr.times[k] - start_times[k]) / args.measured, 4) for k in tr.times
+        }
         rec["reference"] = opt.reference
     except Exception as e:  # noqa: BLE001 - reported per rank
         oom = isinstance(e, torch.OutOfMemoryError)

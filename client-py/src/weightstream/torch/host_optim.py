@@ -25,6 +25,7 @@ gradient accumulation is several backwards before one ``step()``.
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 
@@ -108,6 +109,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.steps = {s.index: 0 for s, _ in self._slots}
         self._moments: dict[int, tuple[torch.Tensor, ...]] = {}
         self._inner: dict[int, torch.optim.AdamW] = {}
+        self._scratch: torch.Tensor | None = None
         self._allocate()
 
     @property
@@ -172,6 +174,7 @@ class HostAdamW(torch.optim.Optimizer):
         taken = [(s, gi) for s, gi in self._slots if s.grads > 0]
         if self.max_grad_norm is not None and taken:
             clip_grads_([s.grad for s, _ in taken], self.max_grad_norm)
+        started = time.perf_counter()
         for s, gi in taken:
             g = self.param_groups[gi]
             hyper = (float(g["lr"]), tuple(map(float, g["betas"])), float(g["eps"]))
@@ -183,8 +186,17 @@ class HostAdamW(torch.optim.Optimizer):
             else:
                 tr.before_write(s)
                 update(s)
+        tr.times["step_update_s"] += time.perf_counter() - started
         tr.invalidate()
         return loss
+
+    def _fp32(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` in fp32, in one scratch buffer reused by every update (they run one at a
+        time: in ``step()``, or on the gradient worker when delayed), not a new allocation."""
+        n = grad.numel()
+        if self._scratch is None or self._scratch.numel() < n:
+            self._scratch = torch.empty(max(s.numel for s, _ in self._slots), dtype=torch.float32)
+        return self._scratch[:n].view(grad.shape).copy_(grad)
 
     def _update(self, s: Slot, hyper):
         lr, (beta1, beta2), eps, wd = hyper
@@ -192,7 +204,7 @@ class HostAdamW(torch.optim.Optimizer):
         if self.kind == "adamw":
             inner = self._inner[s.index]
             inner.param_groups[0].update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
-            s.master.grad = s.grad if s.grad.dtype == torch.float32 else s.grad.float()
+            s.master.grad = s.grad if s.grad.dtype == torch.float32 else self._fp32(s.grad)
             try:
                 inner.step()
             finally:

@@ -35,6 +35,7 @@ import collections
 import functools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -45,6 +46,15 @@ from torch import nn
 from weightstream.torch import ops, policy
 from weightstream.torch.hooks import HookRegistry
 
+#: What ``Trainable.times`` sums.
+TIMES = (
+    "wait_update_s",
+    "wait_grads_s",
+    "worker_copy_wait_s",
+    "worker_update_s",
+    "worker_grad_add_s",
+    "step_update_s",
+)
 #: Byte alignment of each tensor in a host region (a cache line, and fp32/bf16 vector loads).
 ALIGN = 256
 
@@ -217,6 +227,10 @@ class Trainable:
         self._hooks = HookRegistry()
         self._queue: queue.Queue = queue.Queue()
         self._cv = threading.Condition()
+        #: Seconds, summed since attach (``times``): the trainer's thread waiting for updates
+        #: before a copy (``wait_update_s``) and for gradients in ``step()`` (``wait_grads_s``);
+        #: the worker waiting for device→host copies, running delayed updates, adding gradients.
+        self.times = dict.fromkeys(TIMES, 0.0)
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._work, name="weightstream-grads", daemon=True)
         self._closed = False
@@ -289,7 +303,8 @@ class Trainable:
             old.copies, old.ready = None, None
 
     def _fetch(self, group: _Group):
-        self._idle(group.slots)  # an update of these weights may still be writing them
+        # An update of these weights may still be writing them.
+        self._idle(group.slots, "wait_update_s")
         if self._h2d is None:
             group.copies = [s.working.clone() for s in group.slots]
         else:
@@ -343,18 +358,25 @@ class Trainable:
                 return
             slot, src, done = item
             try:
+                t0 = time.perf_counter()
                 if done is not None:
                     done.synchronize()
+                t1 = time.perf_counter()
                 if slot.pending is not None:
                     update, slot.pending = slot.pending, None
                     self.before_write(slot)
                     update(slot)
+                t2 = time.perf_counter()
                 if src is not None:
                     if slot.grads == 0:
                         slot.grad.copy_(src)
                     else:
                         slot.grad.add_(src)
                 slot.grads += 1
+                t3 = time.perf_counter()
+                self.times["worker_copy_wait_s"] += t1 - t0
+                self.times["worker_update_s"] += t2 - t1
+                self.times["worker_grad_add_s"] += t3 - t2
             except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread
                 self._error = self._error or e
             finally:
@@ -367,9 +389,11 @@ class Trainable:
         they set off is done)."""
         self._idle(self.slots)
 
-    def _idle(self, slots: list[Slot]):
+    def _idle(self, slots: list[Slot], what: str = "wait_grads_s"):
+        t = time.perf_counter()
         with self._cv:
             self._cv.wait_for(lambda: all(s.queued == 0 for s in slots))
+        self.times[what] += time.perf_counter() - t
         self._raise()
 
     def _raise(self):
