@@ -231,6 +231,33 @@ def test_the_daemon_holds_the_host_memory_and_frees_it_with_the_session(daemon):
     assert daemon.memfds().count("state") == 0
 
 
+def test_a_state_over_the_host_quota_is_refused_before_anything_moves(tmp_path):
+    from conftest import Daemon
+
+    config = tmp_path / "config.toml"
+    config.write_text(f"[quotas]\nper_uid_host_bytes = {128 << 10}\n")
+    d = Daemon(tmp_path, "--config", str(config))
+    try:
+        model = make()
+        handle = wst.attach(model, "cpu", client=d.client, min_bytes=0)
+        held = d.client.info().usage.host_bytes
+        before = [p.detach().clone() for p in lora_params(model)]
+        with pytest.raises(TrainableError) as e:
+            stream_trainable(model, handle, optimizer="adamw")
+        need = sum(p.numel() for p in before) * (2 + 4 + 2 + 8)
+        assert str(e.value) == (
+            f"the trainable state needs {need} bytes of host memory with adamw, and "
+            f"quotas.per_uid_host_bytes leaves this uid {(128 << 10) - held} bytes beside what it "
+            "holds: use adamw8bit, a lower rank, or raise the daemon's quota"
+        )
+        assert all(p.device.type == "cpu" for p in lora_params(model))
+        assert [p.data_ptr() for p in lora_params(model)] != [0], "untouched"
+        assert d.client.info().usage.state_bytes == 0
+        handle.close(release=True)
+    finally:
+        d.stop()
+
+
 def test_clipping_and_accumulation():
     ref_model, model, tr, _, _ = train_pair(accumulate=2, max_norm=0.05)
     assert_same_lora(ref_model, model)

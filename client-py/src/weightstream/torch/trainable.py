@@ -574,20 +574,39 @@ def stream_trainable(
 
 
 def check_host_fits(handle, params: Iterable[torch.Tensor], optimizer: str | None):
-    """Raises ``TrainableError`` naming the numbers when the trainable state (and the optimizer's,
-    if named) cannot fit the host memory the daemon leaves this uid."""
+    """Raises ``TrainableError`` naming the numbers when the trainable state (and the
+    optimizer's, if named) cannot fit the host memory the daemon allows this uid, even with
+    every other uid's memory given back (what only might fit is the daemon's to refuse, with its
+    own numbers, when the regions are made)."""
     need = sum(host_bytes(p.numel(), p.dtype, optimizer) for p in params)
-    free = _host_free(handle)
-    if free is not None and need > free:
-        gib = 1 << 30
-        raise TrainableError(
-            f"the trainable state needs {need / gib:.1f} GiB of host memory"
-            f"{' with ' + optimizer if optimizer else ''}, and the daemon leaves this uid "
-            f"{free / gib:.1f} GiB: use adamw8bit, a lower rank, or raise the daemon's "
-            "max_host_bytes / per_uid_host_bytes"
-        )
+    room = host_room(handle.client)
+    if room is None or need <= room[0]:
+        return
+    free, limit = room
+    raise TrainableError(
+        f"the trainable state needs {size_text(need)} of host memory"
+        f"{' with ' + optimizer if optimizer else ''}, and {limit} leaves this uid "
+        f"{size_text(max(free, 0))} beside what it holds: use adamw8bit, a lower rank, or "
+        "raise the daemon's quota"
+    )
 
 
-def _host_free(handle) -> int | None:
-    info = getattr(handle.client, "host_free", None)
-    return info() if callable(info) else None
+def size_text(n: int) -> str:
+    """``n`` bytes for a message: GiB or MiB with two decimals, else bytes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} bytes"
+
+
+def host_room(client) -> tuple[int, str] | None:
+    """The most host bytes this uid could still get from the daemon, and the limit that says
+    so (``quotas.per_uid_host_bytes`` or ``quotas.max_host_bytes``); None without limits."""
+    info = client.info()
+    q, used = info.quotas, info.usage.host_bytes
+    rooms = []
+    if q.per_uid_host_bytes:
+        rooms.append((q.per_uid_host_bytes - used, "quotas.per_uid_host_bytes"))
+    if q.max_host_bytes:
+        rooms.append((q.max_host_bytes - used, "quotas.max_host_bytes"))
+    return min(rooms) if rooms else None
