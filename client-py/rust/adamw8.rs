@@ -21,13 +21,16 @@
 //! ```
 //!
 //! The tensor is cut into blocks of 256 elements (the last one may be shorter); block `b`
-//! holds `qm[i]` (int8), `qv[i]` (uint8), `sm[b]` (the absolute maximum of its `m`) and `sv[b]`
-//! (the maximum of its `sqrt(v)`). For each element `i` of block `b`:
+//! holds `qm[i]` (int8, in [-127, 127]), `qv[i]` (uint8), `sm[b]` (the absolute maximum of its
+//! `m`) and `sv[b]` (the maximum of its `sqrt(v)`). The codes are square roots: `qm[i]` stands
+//! for `m = qm * |qm| / 127^2 * sm[b]`, `qv[i]` for `sqrt(v) = qv^2 / 255^2 * sv[b]`, which keeps
+//! small moments (down to about 1e-5 of the block's maximum) apart from 0 where a linear code
+//! loses everything below 1/254 of it. For each element `i` of block `b`:
 //!
 //! ```text
 //! g  = f32(grad[i]) * gs                     (bf16 to f32 is exact)
-//! m  = f32(qm[i]) * (sm[b] / 127)            (sm[b] / 127 and sv[b] / 255: once per block)
-//! r  = f32(qv[i]) * (sv[b] / 255)
+//! m  = f32(qm[i] * |qm[i]|) * (sm[b] / 16129)   (the integer products are exact; sm[b] / 16129
+//! r  = f32(qv[i] * qv[i]) * (sv[b] / 65025)      and sv[b] / 65025: once per block)
 //! v  = r * r
 //! m  = m * b1 + g * c1
 //! v  = v * b2 + (g * g) * c2
@@ -36,29 +39,31 @@
 //! p  = p - (m / (r * inv_bc2 + eps)) * step_size
 //! ```
 //!
-//! then, over the block, `sm' = max |m|` and `sv' = max r`, and
+//! then, over the block, `sm' = max |m|` and `sv' = max r`; `km = 16129 / sm'` and
+//! `kv = 65025 / sv'` (once per block; 0 where the maximum is 0 or not finite), and
 //!
 //! ```text
-//! qm[i] = q(m * (127 / sm'), -127, 127)      (127 / sm' and 255 / sv': once per block;
-//! qv[i] = q(r * (255 / sv'),    0, 255)       0 where the maximum is 0)
-//! q(x, lo, hi) = 0 if x is NaN, else round_half_even(clamp(x, lo, hi))
-//! w[i]  = bf16(p)                             (round to nearest-even, as torch's .to(bfloat16))
+//! qm[i] = sign(m) * q(sqrt(|m| * km), 127)
+//! qv[i] = max(q(sqrt(r * kv), 255), 1 if qm[i] != 0 else 0)
+//! q(x, hi) = 0 if x is NaN, else round_half_even(min(x, hi))
+//! w[i]  = bf16(p)                            (round to nearest-even, as torch's .to(bfloat16))
 //! ```
 //!
-//! `p` is stored back, `sm[b] = sm'`, `sv[b] = sv'`. This is AdamW as `torch.optim.AdamW`
-//! computes it (decoupled weight decay first, bias corrections, `eps` added after the
-//! corrected `sqrt(v)`), with the moments read from and written to their 8-bit form, and the
-//! correction of `v` applied as a product with its reciprocal (`inv_bc2`) rather than a
-//! division.
+//! `p` is stored back, `sm[b] = sm'`, `sv[b] = sv'` (NaN where not finite, below). This is
+//! AdamW as `torch.optim.AdamW` computes it (decoupled weight decay first, bias corrections,
+//! `eps` added after the corrected `sqrt(v)`), with the moments read from and written to their
+//! 8-bit form, and the correction of `v` applied as a product with its reciprocal (`inv_bc2`)
+//! rather than a division. The floor of `qv` keeps a nonzero `m` from meeting a zero `sqrt(v)`
+//! (an update of `m / eps`): its `sqrt(v)` is then at least `sv' / 65025`.
 //!
 //! # NaN and infinity
 //! A non-finite gradient is not skipped (a trainer that scales its loss checks for overflow
 //! and skips the step, as `torch.amp.GradScaler` does). A block whose new `m` (or `r`) holds a
-//! NaN or an infinity stores `sm' = NaN` (or `sv' = NaN`) and all-zero codes: every later step
-//! then reads NaN moments for that block, and its parameters become NaN, as a NaN gradient
-//! makes them in fp32 AdamW. A NaN parameter gives a NaN `w` (of unspecified bits). A block
-//! whose maximum is finite but below about 3.7e-37 has `127 / sm'` infinite: its nonzero
-//! elements quantize to ±127 and its zeros (`0 * inf`, NaN) to 0.
+//! NaN or an infinity stores `sm' = NaN` (or `sv' = NaN`) and codes 0 (`qv`: 0 or its floor):
+//! every later step then reads NaN moments for that block, and its parameters become NaN, as a
+//! NaN gradient makes them in fp32 AdamW. A NaN parameter gives a NaN `w` (of unspecified
+//! bits). A block whose maximum is finite but below about 4.7e-35 (`m`) or 1.9e-34 (`sqrt(v)`)
+//! has an infinite `km` (`kv`): its nonzero elements get the largest code, its zeros 0.
 //!
 //! # Memory and threads
 //! The call reads and writes each element once (16 bytes for a bf16 gradient with `w`): it
@@ -202,13 +207,36 @@ fn bf16_bits(x: f32) -> u16 {
     if x.is_nan() { 0x7fc0 } else { rounded as u16 }
 }
 
-/// `round_half_even(clamp(x, lo, hi))`, NaN kept (the integer conversion makes it 0). For
-/// `|x| <= 2^22` adding and subtracting 1.5 * 2^23 rounds to an integer, half to even (two
-/// exact IEEE additions: the baseline x86-64 has no vector rounding instruction).
+/// The largest code of `m`'s magnitude, and of `sqrt(v)`'s.
+const M_LEVELS: f32 = 127.0;
+const V_LEVELS: f32 = 255.0;
+/// Their squares: a code `c` stands for `c * |c| / M_SQUARE` (`c * c / V_SQUARE`) of the block's
+/// maximum.
+const M_SQUARE: f32 = M_LEVELS * M_LEVELS;
+const V_SQUARE: f32 = V_LEVELS * V_LEVELS;
+
+/// `round_half_even(clamp(x, 0, hi))` for `x >= 0`, NaN kept (the integer conversion makes it
+/// 0). For `|x| <= 2^22` adding and subtracting 1.5 * 2^23 rounds to an integer, half to even
+/// (two exact IEEE additions: the baseline x86-64 has no vector rounding instruction).
 #[inline(always)]
-fn round_clamped(x: f32, lo: f32, hi: f32) -> f32 {
+fn round_clamped(x: f32, hi: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0;
-    (x.clamp(lo, hi) + MAGIC) - MAGIC
+    (x.clamp(0.0, hi) + MAGIC) - MAGIC
+}
+
+/// From the bits of a block's new maximum (of `|m|` or of `sqrt(v)`): the factor that maps a
+/// value to its squared code, `square / max` (0 where the maximum is 0 or not finite, which
+/// gives every code 0), and the maximum to store (NaN where it is not finite).
+#[inline(always)]
+fn inverse(max_bits: u32, square: f32) -> (f32, f32) {
+    let max = f32::from_bits(max_bits);
+    if !max.is_finite() {
+        (0.0, f32::NAN)
+    } else if max > 0.0 {
+        (square / max, max)
+    } else {
+        (0.0, max)
+    }
 }
 
 /// The tensors of one step, or of a run of whole blocks of it.
@@ -364,8 +392,8 @@ fn block<G: Grad>(
 ) {
     let len = p.len();
     let (g, qm, qv) = (&g[..len], &mut qm[..len], &mut qv[..len]);
-    let scale_m = *sm / 127.0;
-    let scale_v = *sv / 255.0;
+    let scale_m = *sm / M_SQUARE;
+    let scale_v = *sv / V_SQUARE;
     let mut m_new = [0f32; BLOCK];
     let mut r_new = [0f32; BLOCK];
     let (m_new, r_new) = (&mut m_new[..len], &mut r_new[..len]);
@@ -375,8 +403,10 @@ fn block<G: Grad>(
     let mut r_max = 0u32;
     for i in 0..len {
         let g = g[i].to_f32() * c.gs;
-        let m = f32::from(qm[i]) * scale_m;
-        let r = f32::from(qv[i]) * scale_v;
+        let code_m = f32::from(qm[i]);
+        let m = (code_m * code_m.abs()) * scale_m;
+        let code_v = f32::from(qv[i]);
+        let r = (code_v * code_v) * scale_v;
         let v = r * r;
         let m = m * c.b1 + g * c.c1;
         let v = v * c.b2 + (g * g) * c.c2;
@@ -388,29 +418,18 @@ fn block<G: Grad>(
         m_max = m_max.max(m.to_bits() & 0x7fff_ffff);
         r_max = r_max.max(r.to_bits() & 0x7fff_ffff);
     }
-    // Codes from the new moments: a NaN code (0 * inf) converts to 0.
-    let sm_new = f32::from_bits(m_max);
-    if sm_new.is_finite() {
-        let inv = if sm_new > 0.0 { 127.0 / sm_new } else { 0.0 };
-        for (q, &m) in qm.iter_mut().zip(m_new.iter()) {
-            *q = round_clamped(m * inv, -127.0, 127.0) as i8;
-        }
-        *sm = sm_new;
-    } else {
-        qm.fill(0);
-        *sm = f32::NAN;
+    let (inv_m, sm_new) = inverse(m_max, M_SQUARE);
+    for (q, &m) in qm.iter_mut().zip(m_new.iter()) {
+        let code = round_clamped((m.abs() * inv_m).sqrt(), M_LEVELS);
+        *q = (if m < 0.0 { -code } else { code }) as i8;
     }
-    let sv_new = f32::from_bits(r_max);
-    if sv_new.is_finite() {
-        let inv = if sv_new > 0.0 { 255.0 / sv_new } else { 0.0 };
-        for (q, &r) in qv.iter_mut().zip(r_new.iter()) {
-            *q = round_clamped(r * inv, 0.0, 255.0) as u8;
-        }
-        *sv = sv_new;
-    } else {
-        qv.fill(0);
-        *sv = f32::NAN;
+    let (inv_v, sv_new) = inverse(r_max, V_SQUARE);
+    for ((q, &r), &code_m) in qv.iter_mut().zip(r_new.iter()).zip(qm.iter()) {
+        let code = round_clamped((r * inv_v).sqrt(), V_LEVELS) as u8;
+        *q = code.max(u8::from(code_m != 0));
     }
+    *sm = sm_new;
+    *sv = sv_new;
     if let Some(w) = w {
         for (w, &p) in w.iter_mut().zip(p.iter()) {
             *w = bf16_bits(p);
