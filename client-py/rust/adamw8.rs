@@ -215,13 +215,16 @@ const V_LEVELS: f32 = 255.0;
 const M_SQUARE: f32 = M_LEVELS * M_LEVELS;
 const V_SQUARE: f32 = V_LEVELS * V_LEVELS;
 
-/// `round_half_even(clamp(x, 0, hi))` for `x >= 0`, NaN kept (the integer conversion makes it
-/// 0). For `|x| <= 2^22` adding and subtracting 1.5 * 2^23 rounds to an integer, half to even
-/// (two exact IEEE additions: the baseline x86-64 has no vector rounding instruction).
+/// `round_half_even(min(x, hi))` for `x >= 0` (`hi` at most 2^22), 0 for a NaN `x`.
+///
+/// Without a float-to-integer conversion (a saturating `as` does not vectorise): `max` with 0
+/// maps a NaN to 0, and adding 1.5 * 2^23 rounds to an integer, half to even (one exact IEEE
+/// addition), which then sits in the sum's low mantissa bits.
 #[inline(always)]
-fn round_clamped(x: f32, hi: f32) -> f32 {
+fn code(x: f32, hi: f32) -> i32 {
     const MAGIC: f32 = 12_582_912.0;
-    (x.clamp(0.0, hi) + MAGIC) - MAGIC
+    let rounded = x.max(0.0).min(hi) + MAGIC;
+    rounded.to_bits() as i32 - MAGIC.to_bits() as i32
 }
 
 /// From the bits of a block's new maximum (of `|m|` or of `sqrt(v)`): the factor that maps a
@@ -300,9 +303,10 @@ impl<'a, G: Grad> Step<'a, G> {
     }
 }
 
-/// The instruction set the blocks are compiled for, picked once per call.
-#[derive(Clone, Copy, Debug)]
-enum Isa {
+/// The instruction set the blocks are compiled for. A value other than `Baseline` is only
+/// made (by `supported`) on a CPU that has its features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
     Baseline,
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -311,28 +315,54 @@ enum Isa {
 }
 
 impl Isa {
-    fn detect() -> Isa {
+    /// The variants this CPU runs, the fastest first.
+    pub(crate) fn supported() -> Vec<Isa> {
+        let mut isas = Vec::new();
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512bw")
             {
-                return Isa::Avx512;
+                isas.push(Isa::Avx512);
             }
             if std::arch::is_x86_feature_detected!("avx2") {
-                return Isa::Avx2;
+                isas.push(Isa::Avx2);
             }
         }
-        Isa::Baseline
+        isas.push(Isa::Baseline);
+        isas
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Isa::Baseline => "baseline",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// The variant called `name`, if this CPU runs it.
+    fn named(name: &str) -> Result<Isa, String> {
+        let supported = Isa::supported();
+        supported
+            .iter()
+            .copied()
+            .find(|isa| isa.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<_> = supported.iter().map(|isa| isa.name()).collect();
+                format!("isa must be one of {names:?} on this CPU, got {name:?}")
+            })
     }
 
     fn blocks<G: Grad>(self, s: Step<'_, G>, c: &Constants) {
         match self {
             Isa::Baseline => blocks(s, c),
-            // SAFETY: `detect` chose this variant because the CPU has AVX2.
+            // SAFETY: only `supported` makes this variant, on a CPU with AVX2.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => unsafe { blocks_avx2(s, c) },
-            // SAFETY: `detect` chose this variant because the CPU has AVX-512 F and BW.
+            // SAFETY: only `supported` makes this variant, on a CPU with AVX-512 F and BW.
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => unsafe { blocks_avx512(s, c) },
         }
@@ -420,12 +450,12 @@ fn block<G: Grad>(
     }
     let (inv_m, sm_new) = inverse(m_max, M_SQUARE);
     for (q, &m) in qm.iter_mut().zip(m_new.iter()) {
-        let code = round_clamped((m.abs() * inv_m).sqrt(), M_LEVELS);
+        let code = code((m.abs() * inv_m).sqrt(), M_LEVELS);
         *q = (if m < 0.0 { -code } else { code }) as i8;
     }
     let (inv_v, sv_new) = inverse(r_max, V_SQUARE);
     for ((q, &r), &code_m) in qv.iter_mut().zip(r_new.iter()).zip(qm.iter()) {
-        let code = round_clamped((r * inv_v).sqrt(), V_LEVELS) as u8;
+        let code = code((r * inv_v).sqrt(), V_LEVELS) as u8;
         *q = code.max(u8::from(code_m != 0));
     }
     *sm = sm_new;
@@ -531,10 +561,15 @@ impl Addresses {
 /// during the call, and (all but `g`) is writable: `p`, `n` float32; `g`, `n` bfloat16 or
 /// float32; `qm`, `n` int8; `qv`, `n` uint8; `sm` and `sv`, `ceil(n / 256)` float32; `w` (if
 /// not 0), `n` bfloat16.
-pub(crate) unsafe fn step_raw(a: &Addresses, n: usize, g_dtype: GradDtype, hp: &HyperParams) {
+pub(crate) unsafe fn step_raw(
+    a: &Addresses,
+    n: usize,
+    g_dtype: GradDtype,
+    hp: &HyperParams,
+    isa: Isa,
+) {
     let c = hp.constants().expect("constants checked by the caller");
     let blocks = n.div_ceil(BLOCK);
-    let isa = Isa::detect();
     // SAFETY (every slice below): the range is non-null, aligned, within isize and disjoint
     // from the others (checked by `Addresses::check`), valid for its element type and not
     // otherwise accessed for the duration of the call (this function's contract); every bit
@@ -584,10 +619,11 @@ pub(crate) unsafe fn step_raw(a: &Addresses, n: usize, g_dtype: GradDtype, hp: &
 /// One 8-bit AdamW step over the tensors at these addresses (the `data_ptr()` of contiguous
 /// CPU tensors; `w_ptr` 0 for no bf16 copy), in place: the private half of
 /// `weightstream.torch.adamw8.native_step`, which checks the tensors and holds them for the
-/// call. Raises `ValueError` for a null, misaligned or overlapping address, `n < 1`, an
-/// unknown `g_dtype` or a hyper-parameter out of range.
+/// call. `isa` (for tests) picks the compiled variant, by default the first of
+/// `adamw8bit_isas()`. Raises `ValueError` for a null, misaligned or overlapping address,
+/// `n < 1`, an unknown `g_dtype` or `isa`, or a hyper-parameter out of range.
 #[pyfunction]
-#[pyo3(signature = (p_ptr, g_ptr, g_dtype, qm_ptr, qv_ptr, sm_ptr, sv_ptr, w_ptr, n, step, lr, beta1, beta2, eps, weight_decay, grad_scale))]
+#[pyo3(signature = (p_ptr, g_ptr, g_dtype, qm_ptr, qv_ptr, sm_ptr, sv_ptr, w_ptr, n, step, lr, beta1, beta2, eps, weight_decay, grad_scale, isa=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw8bit_step(
     py: Python<'_>,
@@ -607,7 +643,12 @@ pub(crate) fn adamw8bit_step(
     eps: f64,
     weight_decay: f64,
     grad_scale: f64,
+    isa: Option<&str>,
 ) -> PyResult<()> {
+    let isa = match isa {
+        Some(name) => Isa::named(name).map_err(PyValueError::new_err)?,
+        None => Isa::supported()[0],
+    };
     let g_dtype = match g_dtype {
         "bf16" => GradDtype::Bf16,
         "f32" => GradDtype::F32,
@@ -641,6 +682,13 @@ pub(crate) fn adamw8bit_step(
     // sizes and types that `native_step` holds until this returns, and the GIL it gives up
     // is not what keeps them alive (its caller's references do). Python code that passes other
     // addresses breaks this contract, as with `raw::host_bytes`.
-    py.detach(|| unsafe { step_raw(&a, n, g_dtype, &hp) });
+    py.detach(|| unsafe { step_raw(&a, n, g_dtype, &hp, isa) });
     Ok(())
+}
+
+/// The kernel's compiled variants that this CPU runs, the one `adamw8bit_step` uses first:
+/// some of `"avx512"` (F and BW), `"avx2"`, and `"baseline"` (the target's own, always).
+#[pyfunction]
+pub(crate) fn adamw8bit_isas() -> Vec<&'static str> {
+    Isa::supported().into_iter().map(Isa::name).collect()
 }

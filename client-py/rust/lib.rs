@@ -39,6 +39,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     records::register(m)?;
     m.add_function(wrap_pyfunction!(socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(adamw8::adamw8bit_step, m)?)?;
+    m.add_function(wrap_pyfunction!(adamw8::adamw8bit_isas, m)?)?;
     m.add("ADAMW8_BLOCK", adamw8::BLOCK)?;
     m.add("SYSTEM_SOCKET", weightstream_client::SYSTEM_SOCKET)?;
     m.add("SOCKET_ENV", weightstream_client::SOCKET_ENV)?;
