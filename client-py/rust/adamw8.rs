@@ -21,16 +21,27 @@
 //! ```
 //!
 //! The tensor is cut into blocks of 256 elements (the last one may be shorter); block `b`
-//! holds `qm[i]` (int8, in [-127, 127]), `qv[i]` (uint8), `sm[b]` (the absolute maximum of its
-//! `m`) and `sv[b]` (the maximum of its `sqrt(v)`). The codes are square roots: `qm[i]` stands
-//! for `m = qm * |qm| / 127^2 * sm[b]`, `qv[i]` for `sqrt(v) = qv^2 / 255^2 * sv[b]`, which keeps
-//! small moments (down to about 1e-5 of the block's maximum) apart from 0 where a linear code
-//! loses everything below 1/254 of it. For each element `i` of block `b`:
+//! holds `qm[i]` (int8), `qv[i]` (uint8), `sm[b]` (the absolute maximum of its `m`) and `sv[b]`
+//! (the maximum of its `sqrt(v)`). The codes are 8-bit floating-point numbers scaled to the
+//! block's maximum, of 4 exponent bits and `M` mantissa bits, whose relative precision does not
+//! fall with the magnitude (a linear code keeps 1 or 2 significant bits of a moment 1/100 of its
+//! block's largest, and rounds it back to the same code step after step):
+//!
+//! ```text
+//! F_M(c) = c * 2^-(14+M)                    for c < 2^M (evenly spaced below 2^-14)
+//!        = 2^(e-15) * (1 + f / 2^M)         else, e = c >> M, f = c mod 2^M
+//! TOP_M  = F_M(2^(4+M) - 1) = 2 - 2^-M
+//! E_M(y) = the c whose F_M(c) is nearest to min(y, TOP_M) (ties: the even c), 0 for NaN
+//! ```
+//!
+//! `m` has `M = 3` and a sign (`qm = ±c`, in [-127, 127]; 6% precision, down to 4e-6 of the
+//! block's maximum), `sqrt(v)` has `M = 4` (`qv = c`, in [0, 255]; 3%, down to 2e-6). For each
+//! element `i` of block `b`:
 //!
 //! ```text
 //! g  = f32(grad[i]) * gs                     (bf16 to f32 is exact)
-//! m  = f32(qm[i] * |qm[i]|) * (sm[b] / 16129)   (the integer products are exact; sm[b] / 16129
-//! r  = f32(qv[i] * qv[i]) * (sv[b] / 65025)      and sv[b] / 65025: once per block)
+//! m  = ±F_3(|qm[i]|) * (sm[b] / 1.875)       (qm[i]'s sign; sm[b] / 1.875 and sv[b] / 1.9375:
+//! r  = F_4(qv[i]) * (sv[b] / 1.9375)          once per block; F is exact)
 //! v  = r * r
 //! m  = m * b1 + g * c1
 //! v  = v * b2 + (g * g) * c2
@@ -39,13 +50,12 @@
 //! p  = p - (m / (r * inv_bc2 + eps)) * step_size
 //! ```
 //!
-//! then, over the block, `sm' = max |m|` and `sv' = max r`; `km = 16129 / sm'` and
-//! `kv = 65025 / sv'` (once per block; 0 where the maximum is 0 or not finite), and
+//! then, over the block, `sm' = max |m|` and `sv' = max r`; `km = 1.875 / sm'` and
+//! `kv = 1.9375 / sv'` (once per block; 0 where the maximum is 0 or not finite), and
 //!
 //! ```text
-//! qm[i] = sign(m) * q(sqrt(|m| * km), 127)
-//! qv[i] = max(q(sqrt(r * kv), 255), 1 if qm[i] != 0 else 0)
-//! q(x, hi) = 0 if x is NaN, else round_half_even(min(x, hi))
+//! qm[i] = sign(m) * E_3(|m| * km)
+//! qv[i] = max(E_4(r * kv), 1 if qm[i] != 0 else 0)
 //! w[i]  = bf16(p)                            (round to nearest-even, as torch's .to(bfloat16))
 //! ```
 //!
@@ -54,7 +64,7 @@
 //! `eps` added after the corrected `sqrt(v)`), with the moments read from and written to their
 //! 8-bit form, and the correction of `v` applied as a product with its reciprocal (`inv_bc2`)
 //! rather than a division. The floor of `qv` keeps a nonzero `m` from meeting a zero `sqrt(v)`
-//! (an update of `m / eps`): its `sqrt(v)` is then at least `sv' / 65025`.
+//! (an update of `m / eps`).
 //!
 //! # NaN and infinity
 //! A non-finite gradient is not skipped (a trainer that scales its loss checks for overflow
@@ -62,8 +72,9 @@
 //! NaN or an infinity stores `sm' = NaN` (or `sv' = NaN`) and codes 0 (`qv`: 0 or its floor):
 //! every later step then reads NaN moments for that block, and its parameters become NaN, as a
 //! NaN gradient makes them in fp32 AdamW. A NaN parameter gives a NaN `w` (of unspecified
-//! bits). A block whose maximum is finite but below about 4.7e-35 (`m`) or 1.9e-34 (`sqrt(v)`)
-//! has an infinite `km` (`kv`): its nonzero elements get the largest code, its zeros 0.
+//! bits). A block whose maximum is a subnormal float32 below about 5.5e-39 has an infinite
+//! `km` (`kv`): its nonzero elements get the largest code, its zeros 0. `g * g` overflows
+//! (to a non-finite block) for gradients above about 1.8e19.
 //!
 //! # Memory and threads
 //! The call reads and writes each element once (16 bytes for a bf16 gradient with `w`): it
@@ -207,36 +218,67 @@ fn bf16_bits(x: f32) -> u16 {
     if x.is_nan() { 0x7fc0 } else { rounded as u16 }
 }
 
-/// The largest code of `m`'s magnitude, and of `sqrt(v)`'s.
-const M_LEVELS: f32 = 127.0;
-const V_LEVELS: f32 = 255.0;
-/// Their squares: a code `c` stands for `c * |c| / M_SQUARE` (`c * c / V_SQUARE`) of the block's
-/// maximum.
-const M_SQUARE: f32 = M_LEVELS * M_LEVELS;
-const V_SQUARE: f32 = V_LEVELS * V_LEVELS;
+/// Mantissa bits of the codes of `m` (with a sign) and of `sqrt(v)`; both have 4 exponent bits.
+const M_BITS: u32 = 3;
+const V_BITS: u32 = 4;
 
-/// `round_half_even(min(x, hi))` for `x >= 0` (`hi` at most 2^22), 0 for a NaN `x`.
-///
-/// Without a float-to-integer conversion (a saturating `as` does not vectorise): `max` with 0
-/// maps a NaN to 0, and adding 1.5 * 2^23 rounds to an integer, half to even (one exact IEEE
-/// addition), which then sits in the sum's low mantissa bits.
+/// The largest value of the codes with `bits` mantissa bits, `2 - 2^-bits` (the block's
+/// maximum maps to it).
+const fn top(bits: u32) -> f32 {
+    2.0 - 1.0 / (1u32 << bits) as f32
+}
+
+/// The smallest normal value of the codes, 2^-14, and its bits.
+const MIN_NORMAL_BITS: u32 = (127 - 14) << 23;
+
+/// The value of code `c` (below `2^(4 + bits)`): `c * 2^-(14 + bits)` below `2^bits` (evenly
+/// spaced up to the smallest normal), else `2^(e - 15) * (1 + f / 2^bits)` with `e = c >> bits`
+/// and `f` the low `bits` bits: in binary32 the exponent and mantissa of `c - 2^bits`, shifted
+/// into place, above 2^-14's bits. Exact.
 #[inline(always)]
-fn code(x: f32, hi: f32) -> i32 {
+fn decode<const BITS: u32>(c: u32) -> f32 {
+    let spacing = f32::from_bits((127 - 14 - BITS) << 23);
+    let subnormal = c as f32 * spacing;
+    let normal =
+        f32::from_bits((c.wrapping_sub(1 << BITS) << (23 - BITS)).wrapping_add(MIN_NORMAL_BITS));
+    if c < (1 << BITS) { subnormal } else { normal }
+}
+
+/// The code of the value nearest to `min(y, top(BITS))` (ties to the even code) for `y >= 0`;
+/// 0 for a NaN (`max` with 0 maps it to 0).
+///
+/// Normal values round their binary32 mantissa to `BITS` bits, half to even, on the bits (a
+/// carry moves to the next binade, as it should). Below 2^-14, `y * 2^(14 + BITS)` (exact) is
+/// rounded to an integer by adding and subtracting 1.5 * 2^23, which leaves the integer in the
+/// sum's low mantissa bits: no float-to-integer conversion (a saturating `as` does not
+/// vectorise).
+#[inline(always)]
+fn encode<const BITS: u32>(y: f32) -> u32 {
     const MAGIC: f32 = 12_582_912.0;
-    let rounded = x.max(0.0).min(hi) + MAGIC;
-    rounded.to_bits() as i32 - MAGIC.to_bits() as i32
+    let y = y.max(0.0).min(top(BITS));
+    let scale = f32::from_bits((127 + 14 + BITS) << 23);
+    let subnormal = (y * scale + MAGIC).to_bits().wrapping_sub(MAGIC.to_bits());
+    let shift = 23 - BITS;
+    let b = y.to_bits();
+    let rounded = b + ((1 << (shift - 1)) - 1) + ((b >> shift) & 1);
+    let normal = (rounded.wrapping_sub(MIN_NORMAL_BITS) >> shift) + (1 << BITS);
+    if y < f32::from_bits(MIN_NORMAL_BITS) {
+        subnormal
+    } else {
+        normal
+    }
 }
 
 /// From the bits of a block's new maximum (of `|m|` or of `sqrt(v)`): the factor that maps a
-/// value to its squared code, `square / max` (0 where the maximum is 0 or not finite, which
-/// gives every code 0), and the maximum to store (NaN where it is not finite).
+/// value to the codes' range, `top / max` (0 where the maximum is 0 or not finite, which gives
+/// every code 0), and the maximum to store (NaN where it is not finite).
 #[inline(always)]
-fn inverse(max_bits: u32, square: f32) -> (f32, f32) {
+fn inverse(max_bits: u32, top: f32) -> (f32, f32) {
     let max = f32::from_bits(max_bits);
     if !max.is_finite() {
         (0.0, f32::NAN)
     } else if max > 0.0 {
-        (square / max, max)
+        (top / max, max)
     } else {
         (0.0, max)
     }
@@ -422,8 +464,8 @@ fn block<G: Grad>(
 ) {
     let len = p.len();
     let (g, qm, qv) = (&g[..len], &mut qm[..len], &mut qv[..len]);
-    let scale_m = *sm / M_SQUARE;
-    let scale_v = *sv / V_SQUARE;
+    let scale_m = *sm / top(M_BITS);
+    let scale_v = *sv / top(V_BITS);
     let mut m_new = [0f32; BLOCK];
     let mut r_new = [0f32; BLOCK];
     let (m_new, r_new) = (&mut m_new[..len], &mut r_new[..len]);
@@ -433,10 +475,9 @@ fn block<G: Grad>(
     let mut r_max = 0u32;
     for i in 0..len {
         let g = g[i].to_f32() * c.gs;
-        let code_m = f32::from(qm[i]);
-        let m = (code_m * code_m.abs()) * scale_m;
-        let code_v = f32::from(qv[i]);
-        let r = (code_v * code_v) * scale_v;
+        let magnitude = decode::<M_BITS>(u32::from(qm[i].unsigned_abs()));
+        let m = (if qm[i] < 0 { -magnitude } else { magnitude }) * scale_m;
+        let r = decode::<V_BITS>(u32::from(qv[i])) * scale_v;
         let v = r * r;
         let m = m * c.b1 + g * c.c1;
         let v = v * c.b2 + (g * g) * c.c2;
@@ -448,14 +489,14 @@ fn block<G: Grad>(
         m_max = m_max.max(m.to_bits() & 0x7fff_ffff);
         r_max = r_max.max(r.to_bits() & 0x7fff_ffff);
     }
-    let (inv_m, sm_new) = inverse(m_max, M_SQUARE);
+    let (km, sm_new) = inverse(m_max, top(M_BITS));
     for (q, &m) in qm.iter_mut().zip(m_new.iter()) {
-        let code = code((m.abs() * inv_m).sqrt(), M_LEVELS);
+        let code = encode::<M_BITS>(m.abs() * km) as i32;
         *q = (if m < 0.0 { -code } else { code }) as i8;
     }
-    let (inv_v, sv_new) = inverse(r_max, V_SQUARE);
+    let (kv, sv_new) = inverse(r_max, top(V_BITS));
     for ((q, &r), &code_m) in qv.iter_mut().zip(r_new.iter()).zip(qm.iter()) {
-        let code = code((r * inv_v).sqrt(), V_LEVELS) as u8;
+        let code = encode::<V_BITS>(r * kv) as u8;
         *q = code.max(u8::from(code_m != 0));
     }
     *sm = sm_new;

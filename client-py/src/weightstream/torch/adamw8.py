@@ -22,16 +22,25 @@ float32 tensor::
     eps, gs   = f32(eps), f32(grad_scale)
 
 The parameter (``n`` elements, in memory order) is cut into blocks of 256 (the last one may be
-shorter); block ``b`` holds ``qm[i]`` (int8, in [-127, 127]), ``qv[i]`` (uint8), ``sm[b]`` (the
-absolute maximum of its ``m``) and ``sv[b]`` (the maximum of its ``sqrt(v)``). The codes are
-square roots: ``qm[i]`` stands for ``m = qm * |qm| / 127^2 * sm[b]``, ``qv[i]`` for
-``sqrt(v) = qv^2 / 255^2 * sv[b]``, which keeps small moments (down to about 1e-5 of the
-block's maximum) apart from 0 where a linear code loses everything below 1/254 of it. For each
-element ``i`` of block ``b``::
+shorter); block ``b`` holds ``qm[i]`` (int8), ``qv[i]`` (uint8), ``sm[b]`` (the absolute maximum
+of its ``m``) and ``sv[b]`` (the maximum of its ``sqrt(v)``). The codes are 8-bit floating-point
+numbers scaled to the block's maximum, of 4 exponent bits and ``M`` mantissa bits, whose
+relative precision does not fall with the magnitude (a linear code keeps 1 or 2 significant bits
+of a moment 1/100 of its block's largest, and rounds it back to the same code step after
+step)::
+
+    F_M(c) = c * 2^-(14+M)                    for c < 2^M (evenly spaced below 2^-14)
+           = 2^(e-15) * (1 + f / 2^M)         else, e = c >> M, f = c mod 2^M
+    TOP_M  = F_M(2^(4+M) - 1) = 2 - 2^-M
+    E_M(y) = the c whose F_M(c) is nearest to min(y, TOP_M) (ties: the even c), 0 for NaN
+
+``m`` has ``M = 3`` and a sign (``qm = ±c``, in [-127, 127]; 6% precision, down to 4e-6 of the
+block's maximum), ``sqrt(v)`` has ``M = 4`` (``qv = c``, in [0, 255]; 3%, down to 2e-6)
+(``decode``, ``encode``). For each element ``i`` of block ``b``::
 
     g  = f32(grad[i]) * gs                     (bf16 to f32 is exact)
-    m  = f32(qm[i] * |qm[i]|) * (sm[b] / 16129)   (the integer products are exact; sm[b] / 16129
-    r  = f32(qv[i] * qv[i]) * (sv[b] / 65025)      and sv[b] / 65025: once per block)
+    m  = ±F_3(|qm[i]|) * (sm[b] / 1.875)       (qm[i]'s sign; sm[b] / 1.875 and sv[b] / 1.9375:
+    r  = F_4(qv[i]) * (sv[b] / 1.9375)          once per block; F is exact)
     v  = r * r
     m  = m * b1 + g * c1
     v  = v * b2 + (g * g) * c2
@@ -39,12 +48,11 @@ element ``i`` of block ``b``::
     p  = p[i] * decay
     p  = p - (m / (r * inv_bc2 + eps)) * step_size
 
-then, over the block, ``sm' = max |m|`` and ``sv' = max r``; ``km = 16129 / sm'`` and
-``kv = 65025 / sv'`` (once per block; 0 where the maximum is 0 or not finite), and::
+then, over the block, ``sm' = max |m|`` and ``sv' = max r``; ``km = 1.875 / sm'`` and
+``kv = 1.9375 / sv'`` (once per block; 0 where the maximum is 0 or not finite), and::
 
-    qm[i] = sign(m) * q(sqrt(|m| * km), 127)
-    qv[i] = max(q(sqrt(r * kv), 255), 1 if qm[i] != 0 else 0)
-    q(x, hi) = 0 if x is NaN, else round_half_even(min(x, hi))
+    qm[i] = sign(m) * E_3(|m| * km)
+    qv[i] = max(E_4(r * kv), 1 if qm[i] != 0 else 0)
     w[i]  = bf16(p)                            (round to nearest-even: .to(torch.bfloat16))
 
 and ``p``, ``sm[b] = sm'``, ``sv[b] = sv'`` (NaN where not finite, below) are stored. This is
@@ -57,9 +65,10 @@ NaN and infinity: a non-finite gradient is not skipped (check for overflow and s
 as ``torch.amp.GradScaler`` does). A block whose new ``m`` (or ``r``) holds a NaN or an infinity
 stores ``sm' = NaN`` (or ``sv' = NaN``) and codes 0 (``qv``: 0 or its floor): later steps read
 NaN moments for the block and its parameters become NaN, as a NaN gradient makes them in fp32
-AdamW. A NaN parameter gives a NaN ``w`` (of unspecified bits). A block whose maximum is
-finite but below about 4.7e-35 (``m``) or 1.9e-34 (``sqrt(v)``) has an infinite ``km``
-(``kv``): its nonzero elements get the largest code, its zeros 0.
+AdamW. A NaN parameter gives a NaN ``w`` (of unspecified bits). A block whose maximum is a
+subnormal float32 below about 5.5e-39 has an infinite ``km`` (``kv``): its nonzero elements get
+the largest code, its zeros 0. ``g * g`` overflows (to a non-finite block) for gradients above
+about 1.8e19.
 
 torch: ``reference_step`` avoids the operations whose CPU kernels may fuse a multiply and an
 add (``lerp``, ``addcmul``, ``addcdiv``, ``add`` with ``alpha`` other than 1) and ``scalar /
@@ -182,6 +191,38 @@ def constants(
     return c
 
 
+#: Mantissa bits of the codes of ``m`` (with a sign) and of ``sqrt(v)``; both have 4 exponent
+#: bits.
+M_BITS = 3
+V_BITS = 4
+_MIN_NORMAL = 2.0**-14
+_MIN_NORMAL_BITS = (127 - 14) << 23
+
+
+def top(bits: int) -> float:
+    """The largest value of the codes with ``bits`` mantissa bits, ``2 - 2^-bits``."""
+    return 2.0 - 2.0**-bits
+
+
+def decode(code: torch.Tensor, bits: int) -> torch.Tensor:
+    """The float32 values of ``code`` (int32, each in [0, 2^(4 + bits))), exactly."""
+    subnormal = code.float() * 2.0 ** -(14 + bits)
+    normal = (((code - (1 << bits)) << (23 - bits)) + _MIN_NORMAL_BITS).view(torch.float32)
+    return torch.where(code < (1 << bits), subnormal, normal)
+
+
+def encode(y: torch.Tensor, bits: int) -> torch.Tensor:
+    """The int32 codes of the values nearest to ``min(y, top(bits))`` (float32 ``y >= 0``), ties
+    to the even code; 0 for a NaN."""
+    y = torch.where(torch.isnan(y), 0.0, y).clamp(0.0, top(bits))
+    subnormal = torch.round(y * 2.0 ** (14 + bits)).to(torch.int32)
+    b = y.view(torch.int32)
+    shift = 23 - bits
+    rounded = b + ((1 << (shift - 1)) - 1) + ((b >> shift) & 1)
+    normal = ((rounded - _MIN_NORMAL_BITS) >> shift) + (1 << bits)
+    return torch.where(y < _MIN_NORMAL, subnormal, normal)
+
+
 def _check(p, g, qm, qv, sm, sv, w_out) -> int:
     """The element count, after checking the tensors' types, sizes, layout and device."""
     n = p.numel()
@@ -245,46 +286,39 @@ def reference_step(
         out[:n] = t.reshape(-1)
         return out.view(nb, BLOCK)
 
-    def sqrt(x: torch.Tensor) -> torch.Tensor:
-        # torch's float32 sqrt on the CPU is not always correctly rounded (MKL's vector sqrt is
-        # within 1 ulp); float64's, rounded to float32, is (a float32's square root is never
-        # near enough to a float32 rounding boundary for float64's error to cross it).
-        return torch.sqrt(x.double()).float()
-
     f32 = torch.float32
     gf = padded(g, f32) * c.gs
-    code_m = padded(qm, f32)
-    code_v = padded(qv, f32)
-    m = (code_m * code_m.abs()) * (sm.reshape(-1) / 16129.0)[:, None]
-    r = (code_v * code_v) * (sv.reshape(-1) / 65025.0)[:, None]
+    code_m = padded(qm, torch.int32)
+    magnitude = decode(code_m.abs(), M_BITS)
+    m = torch.where(code_m < 0, -magnitude, magnitude) * (sm.reshape(-1) / top(M_BITS))[:, None]
+    r = decode(padded(qv, torch.int32), V_BITS) * (sv.reshape(-1) / top(V_BITS))[:, None]
     v = r * r
     m = m * c.b1 + gf * c.c1
     v = v * c.b2 + (gf * gf) * c.c2
-    r = sqrt(v)
+    # torch's float32 sqrt on the CPU is not always correctly rounded (MKL's vector sqrt is
+    # within 1 ulp); float64's, rounded to float32, is (a float32's square root is never near
+    # enough to a float32 rounding boundary for float64's error to cross it).
+    r = torch.sqrt(v.double()).float()
     pp = padded(p, f32) * c.decay
     pp = pp - (m / (r * c.inv_bc2 + c.eps)) * c.step_size
 
-    def inverse(top: torch.Tensor, square: float) -> tuple[torch.Tensor, torch.Tensor]:
-        # square / top as a tensor division (a Python scalar divided by a tensor is computed as
-        # a reciprocal and a product); 0 where the maximum is 0 or not finite.
-        finite = torch.isfinite(top)
-        k = torch.where(finite & (top > 0), torch.full_like(top, square) / top, 0.0)
-        return k[:, None], torch.where(finite, top, math.nan)
+    def inverse(top_: float, maximum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # top / maximum as a tensor division (a Python scalar divided by a tensor is computed
+        # as a reciprocal and a product); 0 where the maximum is 0 or not finite.
+        finite = torch.isfinite(maximum)
+        k = torch.where(finite & (maximum > 0), torch.full_like(maximum, top_) / maximum, 0.0)
+        return k[:, None], torch.where(finite, maximum, math.nan)
 
-    def code(x: torch.Tensor, hi: float) -> torch.Tensor:
-        x = torch.where(torch.isnan(x), 0.0, x)
-        return torch.round(torch.clamp(x, 0.0, hi))
-
-    km, sm_new = inverse(m.abs().amax(dim=1), 16129.0)
-    kv, sv_new = inverse(r.amax(dim=1), 65025.0)
-    mag = code(sqrt(m.abs() * km), 127.0)
-    qm_new = torch.where(m < 0, -mag, mag).to(torch.int8)
-    qv_new = torch.maximum(code(sqrt(r * kv), 255.0), (qm_new != 0).to(f32)).to(torch.uint8)
+    km, sm_new = inverse(top(M_BITS), m.abs().amax(dim=1))
+    kv, sv_new = inverse(top(V_BITS), r.amax(dim=1))
+    magnitude = encode(m.abs() * km, M_BITS)
+    qm_new = torch.where(m < 0, -magnitude, magnitude)
+    qv_new = torch.maximum(encode(r * kv, V_BITS), (qm_new != 0).to(torch.int32))
 
     p_new = pp.reshape(-1)[:n]
     p.view(-1).copy_(p_new)
-    qm.view(-1).copy_(qm_new.reshape(-1)[:n])
-    qv.view(-1).copy_(qv_new.reshape(-1)[:n])
+    qm.view(-1).copy_(qm_new.reshape(-1)[:n].to(torch.int8))
+    qv.view(-1).copy_(qv_new.reshape(-1)[:n].to(torch.uint8))
     sm.view(-1).copy_(sm_new)
     sv.view(-1).copy_(sv_new)
     if w_out is not None:
