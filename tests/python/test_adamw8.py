@@ -21,7 +21,7 @@ HP = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
 def bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers of their width: equal bits, not equal values (-0 != 0)."""
     width = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
-    return t.contiguous().view(width)
+    return t.detach().contiguous().view(width)
 
 
 def assert_same_bits(name: str, native: torch.Tensor, ref: torch.Tensor, nan_ok: bool = False):
@@ -188,6 +188,21 @@ def test_non_finite_gradients_poison_their_block():
     for b in (1, 3):
         assert math.isfinite(sm[b].item()) and math.isfinite(sv[b].item())
         assert bool(torch.isfinite(p[b * 256 : (b + 1) * 256]).all())
+
+
+def test_parameters_and_integer_like_steps():
+    """p may be an nn.Parameter (a leaf that requires grad) of any contiguous shape, and step
+    anything with __index__; the kernel's block is the module's."""
+    assert _native.ADAMW8_BLOCK == adamw8.BLOCK == 256
+    gen = torch.Generator().manual_seed(4)
+    pair = Pair(torch.randn(3, 100, generator=gen))
+    pair.p = [torch.nn.Parameter(p) for p in pair.p]
+    pair.step(torch.randn(3, 100, generator=gen), torch.tensor(1))
+    pair.assert_same()
+    with pytest.raises(
+        ValueError, match=r"step must be an int >= 1 \(1 for the first step\), got 1.5"
+    ):
+        pair.step(torch.randn(3, 100, generator=gen), 1.5)
 
 
 def test_without_w_out_the_state_is_the_same():

@@ -87,6 +87,7 @@ not see the change (master weights and optimizer state are outside any graph).
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from typing import NamedTuple
 
@@ -152,8 +153,13 @@ def constants(
 ) -> Constants:
     """The constants of the formula, after checking each argument's range (``ValueError``
     naming the argument and its limit; the native kernel checks the same)."""
-    if not isinstance(step, int) or step < 1:
+    try:
+        valid = operator.index(step) >= 1
+    except TypeError:
+        valid = False
+    if not valid:
         raise ValueError(f"step must be an int >= 1 (1 for the first step), got {step!r}")
+    step = operator.index(step)
     if not (math.isfinite(lr) and lr >= 0):
         raise ValueError(f"lr must be finite and >= 0, got {lr}")
     for name, beta in (("beta1", beta1), ("beta2", beta2)):
@@ -254,6 +260,7 @@ def _check(p, g, qm, qv, sm, sv, w_out) -> int:
     return n
 
 
+@torch.no_grad()
 def reference_step(
     p: torch.Tensor,
     g: torch.Tensor,
