@@ -79,9 +79,9 @@
 //! # Memory and threads
 //! The call reads and writes each element once (16 bytes for a bf16 gradient with `w`): it
 //! runs on rayon's global pool (`RAYON_NUM_THREADS` sets its size), with the GIL released, in
-//! chunks of [`GRAIN_BLOCKS`] blocks; the code of each chunk is compiled for AVX-512 and AVX2
-//! besides the baseline and picked at run time (the results are the same bits: all three are
-//! the same IEEE operations). rayon's threads do not survive `fork()`: a forked child must not
+//! chunks of at most [`GRAIN_BLOCKS`] blocks; the code of each chunk is compiled for AVX-512
+//! and AVX2 besides the baseline and picked at run time (the results are the same bits: all
+//! three are the same IEEE operations). rayon's threads do not survive `fork()`: a forked child must not
 //! call the step (DataLoader workers do not).
 #![allow(unsafe_code)]
 

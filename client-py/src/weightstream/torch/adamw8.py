@@ -73,10 +73,9 @@ about 1.8e19.
 torch: ``reference_step`` avoids the operations whose CPU kernels may fuse a multiply and an
 add (``lerp``, ``addcmul``, ``addcdiv``, ``add`` with ``alpha`` other than 1) and ``scalar /
 tensor`` (torch computes it as ``tensor.reciprocal() * scalar``, two roundings), and takes the
-float32 square root as float64's rounded (torch's float32 ``sqrt`` on the CPU may be 1 ulp
-off: it uses MKL's vector function). Its
-bit-exactness is tested on the CPU; on a GPU it computes the same formula, not necessarily the
-same bits.
+float32 square root as float64's rounded (torch 2.11's float32 ``sqrt`` on the CPU is 1 ulp
+off for about 0.7% of inputs, probably through MKL's vector math). Its bit-exactness is tested
+on the CPU; on a GPU it computes the same formula, not necessarily the same bits.
 
 Threads: ``native_step`` runs on the extension's rayon pool (``RAYON_NUM_THREADS`` sets its
 size), which a forked child does not have: call it in the process that trains, not in
@@ -302,9 +301,9 @@ def reference_step(
     v = r * r
     m = m * c.b1 + gf * c.c1
     v = v * c.b2 + (gf * gf) * c.c2
-    # torch's float32 sqrt on the CPU is not always correctly rounded (MKL's vector sqrt is
-    # within 1 ulp); float64's, rounded to float32, is (a float32's square root is never near
-    # enough to a float32 rounding boundary for float64's error to cross it).
+    # torch's float32 sqrt on the CPU is not always correctly rounded (within 1 ulp); float64's,
+    # rounded to float32, is (a float32's square root is never near enough to a float32
+    # rounding boundary for float64's error to cross it).
     r = torch.sqrt(v.double()).float()
     pp = padded(p, f32) * c.decay
     pp = pp - (m / (r * c.inv_bc2 + c.eps)) * c.step_size
