@@ -81,8 +81,8 @@
 //! runs on rayon's global pool (`RAYON_NUM_THREADS` sets its size), with the GIL released, in
 //! chunks of at most [`GRAIN_BLOCKS`] blocks; the code of each chunk is compiled for AVX-512
 //! and AVX2 besides the baseline and picked at run time (the results are the same bits: all
-//! three are the same IEEE operations). rayon's threads do not survive `fork()`: a forked child must not
-//! call the step (DataLoader workers do not).
+//! three are the same IEEE operations). rayon's threads do not survive `fork()`: a forked
+//! child must not call the step (DataLoader workers do not).
 #![allow(unsafe_code)]
 
 use pyo3::exceptions::PyValueError;
