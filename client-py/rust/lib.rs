@@ -6,9 +6,13 @@
 //! - `runtime`: the process's runtime, made again in a forked child;
 //! - `client`, `session`: the classes; `records`: the wire's messages as Python records;
 //! - `errors`: `ClientError` to the package's exceptions (one mapping);
-//! - `raw`: the only unsafe code, reading tensor bytes handed over by address.
+//! - `raw`: reading tensor bytes handed over by address;
+//! - `adamw8`: an 8-bit AdamW step over tensors handed over by address, in place.
+//!
+//! `raw` and `adamw8` hold the only unsafe code.
 #![deny(unsafe_code)]
 
+mod adamw8;
 mod client;
 mod errors;
 mod raw;
@@ -34,6 +38,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<session::Session>()?;
     records::register(m)?;
     m.add_function(wrap_pyfunction!(socket_path, m)?)?;
+    m.add_function(wrap_pyfunction!(adamw8::adamw8bit_step, m)?)?;
+    m.add_function(wrap_pyfunction!(adamw8::adamw8bit_isas, m)?)?;
+    m.add("ADAMW8_BLOCK", adamw8::BLOCK)?;
     m.add("SYSTEM_SOCKET", weightstream_client::SYSTEM_SOCKET)?;
     m.add("SOCKET_ENV", weightstream_client::SOCKET_ENV)?;
     let hook = wrap_pyfunction!(runtime::_after_fork_in_child, m)?;

@@ -198,6 +198,17 @@ def test_adamw_equals_torch_adamw_on_masters(ckpt):
     tr.close()
 
 
+@pytest.mark.parametrize(
+    "kw", [{}, {"delay": True, "ckpt": True}, {"accumulate": 2, "max_norm": 0.05}]
+)
+def test_adamw8bit_equals_its_torch_reference(kw):
+    """HostAdamW's adamw8bit (the native kernel) against adamw8.reference_step on the masters:
+    equal losses every step (train_pair) and equal LoRA weights at the end."""
+    ref_model, model, tr, _, _ = train_pair(steps=5, kind="adamw8bit", **kw)
+    assert_same_lora(ref_model, model)
+    tr.close()
+
+
 def test_fp32_lora_under_autocast():
     """fp32 working weights are their own masters; autocast's casts are differentiated by
     running the op again."""

@@ -13,6 +13,30 @@ FAULT_CODES: dict[str, int]
 def socket_path(socket: str | PathLike[str] | None = None) -> PathLike[str]: ...
 def _after_fork_in_child() -> None: ...
 
+# The 8-bit AdamW kernel (weightstream.torch.adamw8 is its API): tensors by data_ptr().
+ADAMW8_BLOCK: int
+
+def adamw8bit_step(
+    p_ptr: int,
+    g_ptr: int,
+    g_dtype: str,
+    qm_ptr: int,
+    qv_ptr: int,
+    sm_ptr: int,
+    sv_ptr: int,
+    w_ptr: int,
+    n: int,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float,
+    isa: str | None = None,
+) -> None: ...
+def adamw8bit_isas() -> list[str]: ...
+
 # Records: read-only, with the proto's field names (see weightstream.protocol).
 GetInfoResponse = Any
 Device = Any
