@@ -22,6 +22,7 @@ x_resident, command, commit, ...}]}``) and ``high_rank.md`` to --out.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -241,6 +242,7 @@ def streamed(args, model, handle, rank: int, link: str, baseline_used: int, emit
         if tr is not None:
             tr.close(device="cpu")
         remove_lora(added)
+        gc.collect()
         torch.cuda.empty_cache()
     emit(rec)
 
@@ -290,6 +292,10 @@ def child(args):
 def start_daemon(args, link: str, tmp: Path):
     socket = str(tmp / f"ws-{len(os.listdir(tmp))}.sock")
     cmd = [args.bin, "serve", "--backend", "cuda", "--socket", socket]
+    if args.max_host:
+        config = tmp / "config.toml"
+        config.write_text(f'[quotas]\nmax_host_bytes = "{args.max_host}"\n')
+        cmd += ["--config", str(config)]
     if link != "full":
         cmd += ["--copy-bandwidth-limit", link]
     env = {k: v for k, v in os.environ.items() if k != "WEIGHTSTREAM_COPY_BANDWIDTH_LIMIT"}
@@ -306,6 +312,9 @@ def start_daemon(args, link: str, tmp: Path):
 
 
 def commit() -> str:
+    """$WS_COMMIT (a machine that runs a copy of the tree may have an older .git), else git's."""
+    if os.environ.get("WS_COMMIT"):
+        return os.environ["WS_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -456,6 +465,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--measured", type=int, default=4)
     ap.add_argument("--timeout", type=int, default=560)
+    ap.add_argument(
+        "--max-host",
+        default=None,
+        help="the daemon's quotas.max_host_bytes (default its own: 80%% of MemTotal)",
+    )
+    ap.add_argument("--merge", default=None, help="keep the runs of this earlier high_rank.json")
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--socket")
     ap.add_argument("--link", default="full")

@@ -111,6 +111,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._inner: dict[int, torch.optim.AdamW] = {}
         self._scratch: torch.Tensor | None = None
         self._allocate()
+        trainable._users.append(self)
 
     @property
     def reference(self) -> str:
@@ -160,6 +161,14 @@ class HostAdamW(torch.optim.Optimizer):
                     "exp_avg_sq": moments[1],
                 }
                 self._inner[s.index] = inner
+
+    def release(self):
+        """Drops this optimizer's views of the host memory (``Trainable.close`` calls it): the
+        regions are unmapped, and stop counting against the uid, when the last view goes."""
+        self._moments.clear()
+        self._inner.clear()
+        self._scratch = None
+        self._slots = []
 
     # --- the step -------------------------------------------------------------------------
 

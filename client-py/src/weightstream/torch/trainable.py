@@ -234,6 +234,9 @@ class Trainable:
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._work, name="weightstream-grads", daemon=True)
         self._closed = False
+        #: What holds views of the host memory besides the slots (``HostAdamW``): ``close``
+        #: calls their ``release()`` first.
+        self._users: list = []
         cuda = device.type == "cuda"
         self._h2d = torch.cuda.Stream(device) if cuda else None
         self._d2h = torch.cuda.Stream(device) if cuda else None
@@ -430,8 +433,12 @@ class Trainable:
         self._worker.join()
         self._hooks.remove_all()
         target = torch.device(device) if device is not None else self.device
+        for user in self._users:
+            user.release()  # an optimizer's views of the regions go before the regions
+        self._users.clear()
         for s in self.slots:
             vars(s.module).pop("_apply", None)
+            s.pending = None
             s.param.data = s.working.to(target, copy=True)
             s.working = s.master = s.grad = None
         self.invalidate()
