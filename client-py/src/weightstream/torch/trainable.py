@@ -444,6 +444,10 @@ class Trainable:
         self.invalidate()
         if self._d2h is not None:
             torch.cuda.synchronize(self.device)
+            # The gradients' bounce buffers: torch keeps freed pinned blocks for reuse.
+            empty = getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()
         self.storage.close()
 
 
