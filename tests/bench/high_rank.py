@@ -381,10 +381,24 @@ def parent(args):
         r["command"], r["commit"] = command, commit()
         if r["mode"] != "resident" and r.get("s_per_step") and r["rank"] in res:
             r["x_resident"] = round(r["s_per_step"] / res[r["rank"]], 3)
+    if args.merge:
+        runs = merged(json.loads(Path(args.merge).read_text())["runs"], runs)
     doc = {"runs": runs, "children": extra, "command": command, "commit": commit()}
     (out / "high_rank.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "high_rank.md").write_text(markdown(doc))
     print(markdown(doc))
+
+
+def merged(old: list[dict], new: list[dict]) -> list[dict]:
+    """``new`` and the runs of ``old`` (an earlier call's) it does not repeat, each keeping its
+    command, commit and × resident (from the resident reference of its own call)."""
+
+    def key(r):
+        return (r["rank"], r["mode"], r.get("link_gbps"))
+
+    done = {key(r) for r in new}
+    runs = [r for r in old if key(r) not in done] + new
+    return sorted(runs, key=lambda r: (r["mode"] != "resident", r.get("link_gbps") or 0, r["rank"]))
 
 
 def markdown(doc) -> str:
