@@ -76,3 +76,25 @@ def test_an_unknown_quantization_is_refused():
     t = placement("x.weight", torch.float32, (2, 2), 0, 16, quantization="int4")
     with pytest.raises(ValueError, match="'x.weight': unknown quantization 'int4'"):
         tensor_view(torch.zeros(16, dtype=torch.uint8), 0, t)
+
+
+def test_a_view_outlives_its_closed_host_region():
+    """``HostRegion.close`` with a view still alive leaves the mapping to the view (an
+    ``mmap.close()`` under ``torch.frombuffer`` would unmap it: reading the view would crash
+    the process). Run in a child, so that a crash fails the test instead of the run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import mmap, os, torch\n"
+        "from weightstream._ipc import HostRegion\n"
+        "fd = os.memfd_create('t')\n"
+        "os.ftruncate(fd, 1 << 20)\n"
+        "os.pwrite(fd, bytes(range(10, 20)), 10)\n"
+        "r = HostRegion(fd, 1 << 20)\n"
+        "view = r.bytes[10:20]\n"
+        "r.close()\n"
+        "print(view.tolist())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert (out.returncode, out.stdout) == (0, f"{list(range(10, 20))}\n"), out.stderr[-2000:]

@@ -59,12 +59,12 @@ class HostRegion:
             self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
 
     def close(self):
+        """Drops this region's references: the mapping goes when the last tensor over it does.
+        Not ``mmap.close()``: ``torch.frombuffer`` keeps the mmap object alive but takes no
+        buffer export, so the close would succeed and unmap the memory under live views (a
+        later read of one of them is a segfault)."""
         self.bytes = None
-        try:
-            self._map.close()
-        except BufferError:
-            # A view is still alive somewhere; the mapping goes when it does.
-            pass
+        self._map = None
 
 
 class CudaRegion:
