@@ -171,7 +171,7 @@ pub async fn run(args: DemoArgs) -> CliResult {
     let dir = tempfile::Builder::new()
         .prefix("weightstream-demo-")
         .tempdir()?;
-    println!(
+    say!(
         "weightstream demo: a {} model in {} tensors of {}, session budget {}",
         human(p.size),
         p.groups,
@@ -200,10 +200,10 @@ pub async fn run(args: DemoArgs) -> CliResult {
     let shm = handle.daemon.shm.clone();
     handle.stop().await?;
     let report = outcome?;
-    println!("{report}");
+    say!("{report}");
     let left = shm.total();
     if left == 0 {
-        println!("daemon stopped; no shared memory left behind");
+        say!("daemon stopped; no shared memory left behind");
         Ok(())
     } else {
         Err(format!("shared memory left behind: {left} segments").into())
@@ -332,7 +332,7 @@ async fn drive(
         .devices
         .first()
         .map_or(String::new(), |d| d.name.clone());
-    println!("backend: {backend} ({device})");
+    say!("backend: {backend} ({device})");
     let load = bar(
         p.size,
         "loading   [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec}",

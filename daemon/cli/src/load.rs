@@ -93,10 +93,10 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
     let manifest = manifest?;
     let wall = started.elapsed().as_secs_f64();
     if args.json {
-        println!("{}", to_json(&manifest, args.quantize, file_bytes, wall));
+        out!("{}", to_json(&manifest, args.quantize, file_bytes, wall));
         return Ok(());
     }
-    println!(
+    out!(
         "{}  {}  {} tensors  {}  (references: {}{})",
         shown(&manifest.model_id),
         shown(&manifest.name),
@@ -109,7 +109,7 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
         let count = (manifest.tensors.iter())
             .filter(|t| t.quantization != proto::Quantization::None as i32)
             .count();
-        println!(
+        out!(
             "{}: {count} of {} tensors quantized, {}",
             quantization_name(args.quantize as i32),
             manifest.tensors.len(),
@@ -117,7 +117,7 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
         );
     }
     if let Some(p) = &manifest.phases {
-        println!("{}", phases_line(p, wall, quantized));
+        out!("{}", phases_line(p, wall, quantized));
     }
     Ok(())
 }

@@ -3,6 +3,23 @@
 //! config file that flags override.
 #![forbid(unsafe_code)]
 
+/// `println!` for a command's output. A reader that closed stdout (`weightstream status | head
+/// -1`) wanted no more: the command ends there with status 0 instead of panicking on the
+/// broken pipe; another write error ends it with status 1 and a message.
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::write_out(format_args!($($arg)*), true, true) };
+}
+
+/// `print!` as `out!` does it.
+macro_rules! out_part {
+    ($($arg:tt)*) => { $crate::write_out(format_args!($($arg)*), false, true) };
+}
+
+/// `println!` for `demo`, whose daemon must still be stopped: write errors are ignored.
+macro_rules! say {
+    ($($arg:tt)*) => { $crate::write_out(format_args!($($arg)*), true, false) };
+}
+
 mod demo;
 mod load;
 mod release;
@@ -10,6 +27,7 @@ mod serve;
 mod status;
 mod top;
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -216,4 +234,29 @@ fn shown(text: &str) -> String {
 /// Bytes as people read them.
 fn human(bytes: u64) -> String {
     bytesize::ByteSize::b(bytes).display().iec().to_string()
+}
+
+/// Writes a command's output to stdout (see `out!`); `exit_on_error`: a closed or failing
+/// stdout ends the process.
+pub(crate) fn write_out(args: std::fmt::Arguments, newline: bool, exit_on_error: bool) {
+    let mut stdout = std::io::stdout().lock();
+    let written = stdout
+        .write_fmt(args)
+        .and_then(|()| {
+            if newline {
+                stdout.write_all(b"\n")
+            } else {
+                Ok(())
+            }
+        })
+        .and_then(|()| stdout.flush());
+    match written {
+        Ok(()) => {}
+        Err(_) if !exit_on_error => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(e) => {
+            eprintln!("error: writing to stdout: {e}");
+            std::process::exit(1);
+        }
+    }
 }

@@ -26,7 +26,7 @@ pub async fn run(socket: Option<PathBuf>, args: ReleaseArgs) -> CliResult {
     let id = shown(&args.model_id);
     if args.all {
         client.release_model_for_all(&args.model_id).await?;
-        println!("{id}  released for every uid  (it leaves the store once no session uses it)");
+        out!("{id}  released for every uid  (it leaves the store once no session uses it)");
         return Ok(());
     }
     let left = client.release_model(&args.model_id).await?;
@@ -35,6 +35,6 @@ pub async fn run(socket: Option<PathBuf>, args: ReleaseArgs) -> CliResult {
     } else {
         "other references keep it"
     };
-    println!("{id}  released  (references left: {left}; {fate})");
+    out!("{id}  released  (references left: {left}; {fate})");
     Ok(())
 }

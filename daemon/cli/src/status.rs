@@ -24,7 +24,7 @@ pub async fn run(socket: Option<PathBuf>, args: StatusArgs) -> CliResult {
     let models = client.list_models().await?;
     let sessions = client.list_sessions().await?;
     if args.json {
-        println!(
+        out!(
             "{}",
             serde_json::to_string_pretty(&to_json(&info, &models, &sessions))?
         );
@@ -133,7 +133,7 @@ fn print_tables(
     models: &proto::ListModelsResponse,
     sessions: &[proto::SessionInfo],
 ) {
-    println!(
+    out!(
         "weightstream {} — backend {}",
         shown(&info.version),
         backend_name(info)
@@ -152,9 +152,9 @@ fn print_tables(
             },
         ]);
     }
-    println!("{devices}");
+    out!("{devices}");
     if let Some(q) = quota_table(info) {
-        println!("{q}");
+        out!("{q}");
     }
     let mut m = table(&[
         "model", "name", "tensors", "bytes", "refs", "sessions", "kept", "source", "format",
@@ -172,7 +172,7 @@ fn print_tables(
             model_format(x),
         ]);
     }
-    println!("models (store: {})\n{m}", human(models.store_bytes));
+    out!("models (store: {})\n{m}", human(models.store_bytes));
     let mut s = table(&[
         "session",
         "label",
@@ -206,7 +206,7 @@ fn print_tables(
             format!("{:.3} s", st.acquire_pending_ns as f64 / 1e9),
         ]);
     }
-    println!("sessions\n{s}");
+    out!("sessions\n{s}");
 }
 
 /// The quotas against what the caller's uid and the daemon hold (a daemon that predates

@@ -403,7 +403,7 @@ pub async fn run(socket: Option<PathBuf>, args: TopArgs) -> CliResult {
                 return Err(error.into());
             }
         }
-        print!("{}", plain(&view));
+        out_part!("{}", plain(&view));
         return Ok(());
     }
     if !std::io::stdout().is_terminal() {

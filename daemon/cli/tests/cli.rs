@@ -449,3 +449,46 @@ fn names_reach_no_terminal_raw() {
     let json: serde_json::Value = serde_json::from_str(&json).unwrap();
     assert_eq!(json["models"][0]["name"], name, "JSON keeps the name exact");
 }
+
+/// A reader that closed the pipe (`weightstream status | head -1`) ends the command with
+/// status 0 and nothing on stderr, not a panic about printing to stdout.
+#[test]
+fn output_into_a_closed_pipe_ends_the_command_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ws.sock");
+    let mut daemon = Reaped(
+        weightstream()
+            .args(["serve", "--backend", "host", "--socket"])
+            .arg(&socket)
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the sockets", || {
+        socket.exists() && dir.path().join("ws.sock.fd").exists()
+    });
+    for args in [&["status"][..], &["status", "--json"], &["top", "--once"]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader); // no reader: every write fails with EPIPE
+        let out = weightstream()
+            .args(args)
+            .arg("--socket")
+            .arg(&socket)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        assert_eq!(
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr).as_ref()
+            ),
+            (Some(0), ""),
+            "{args:?}"
+        );
+    }
+    let kill = Command::new("kill")
+        .args(["-TERM", &daemon.0.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    assert!(daemon.0.wait().unwrap().success());
+}
