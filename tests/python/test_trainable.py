@@ -423,3 +423,57 @@ def test_the_state_dict_saves_with_torch_save_each_tensor_alone():
             else:
                 assert got == t, (i, name)
     tr.close()
+
+
+KILLED_MID_STEP = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[2])
+import torch, weightstream
+import weightstream.torch as wst
+from test_trainable import batches, loss_of, make
+from weightstream.torch.host_optim import HostAdamW
+from weightstream.torch.trainable import stream_trainable
+
+client = weightstream.connect(sys.argv[1])
+model = make(ckpt=True)
+handle = wst.attach(model, "cpu", client=client, min_bytes=0)
+tr = stream_trainable(model, handle)
+opt = HostAdamW(tr.params(), trainable=tr, kind="adamw8bit", delay=True)
+for x in batches(2):
+    loss_of(model, x).backward()
+    opt.step()
+
+def die(*_):
+    print(client.info().usage.state_bytes, flush=True)
+    sys.stdin.readline()  # the parent kills it here, in the middle of backward
+model.blocks[1].register_full_backward_pre_hook(die)  # block 2's gradients are home by then
+loss_of(model, batches(1)[0]).backward()
+"""
+
+
+def test_a_trainer_killed_mid_step_leaves_no_state_behind(daemon):
+    """SIGKILL in the middle of backward, with a delayed update pending and the worker busy:
+    the daemon frees the session's state regions and the uploaded base."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_reliability import wait_until
+
+    worker = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_STEP, daemon.socket, str(Path(__file__).parent)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    held = int(worker.stdout.readline())
+    assert held > 0, "the state was in the daemon's regions"
+    assert daemon.client.info().usage.state_bytes == held
+    worker.send_signal(signal.SIGKILL)
+    assert worker.wait(timeout=30) == -signal.SIGKILL
+    wait_until(
+        "the killed trainer's state freed", lambda: daemon.client.info().usage.host_bytes == 0
+    )
+    assert daemon.client.list_sessions() == []
+    wait_until("no shared memory left", lambda: daemon.memfds() == [])
