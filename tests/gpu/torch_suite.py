@@ -285,12 +285,17 @@ def gpu_wait(client):
     try:
         session.release(session.acquire(0))  # charges the share: the next copy waits
         x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
         start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        launched_from = time.perf_counter()
         start.record()
         for _ in range(600):
             x = torch.tanh(x @ x)
         end.record()
         blocked_from = time.perf_counter()
+        # How long the host took to launch the matmuls, which the device ran meanwhile: if it is
+        # a large part of `compute`, the stream ran dry that much sooner (said with a failure).
+        launch = blocked_from - launched_from
         ticket = session.acquire(1)
         blocked = time.perf_counter() - blocked_from
         session.release(ticket)
@@ -298,7 +303,7 @@ def gpu_wait(client):
         compute = start.elapsed_time(end) / 1e3
         waits = session.gpu_wait()
         waited = waits.by_group[1] / 1e9
-        assert 0 < waited < blocked - compute / 2, (waited, blocked, compute)
+        assert 0 < waited < blocked - compute / 2, (waited, blocked, compute, launch)
 
         # Staged again without a copy, the copies long done: polled, never waited for.
         before = session.gpu_wait()
