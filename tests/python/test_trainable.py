@@ -477,3 +477,64 @@ def test_a_trainer_killed_mid_step_leaves_no_state_behind(daemon):
     )
     assert daemon.client.list_sessions() == []
     wait_until("no shared memory left", lambda: daemon.memfds() == [])
+
+
+def test_attach_with_trainable_host_streams_the_base_and_holds_the_lora(daemon):
+    """``attach(..., trainable="host")``: one call; the same bits as the LoRA in place."""
+    ref_model, model = make(ckpt=True), make(ckpt=True)
+    ref = Reference(ref_model)
+    handle = wst.attach(
+        model, "cpu", client=daemon.client, min_bytes=0, trainable="host", optimizer="adamw"
+    )
+    tr = handle.trainable
+    assert handle.streamed and len(tr.slots) == 12
+    opt = HostAdamW(tr.params(), lr=1e-2, weight_decay=1e-2, trainable=tr)
+    for x in batches(3):
+        want, got = loss_of(ref_model, x), loss_of(model, x)
+        assert torch.equal(want, got)
+        want.backward()
+        got.backward()
+        ref.step()
+        opt.step()
+        opt.zero_grad()
+    assert_same_lora(ref_model, model)
+    assert daemon.client.info().usage.state_bytes > 0
+    handle.detach(release=True)  # the LoRA back as ordinary parameters, the regions freed
+    assert handle.trainable is None
+    assert_same_lora(ref_model, model)
+    assert all(p.grad is None and p.device.type == "cpu" for p in lora_params(model))
+    assert daemon.client.info().usage.host_bytes == 0
+
+
+def test_attach_refuses_what_the_host_cannot_hold_before_uploading(tmp_path):
+    from conftest import Daemon
+
+    config = tmp_path / "config.toml"
+    config.write_text(f"[quotas]\nper_uid_host_bytes = {128 << 10}\n")
+    d = Daemon(tmp_path, "--config", str(config))
+    try:
+        model = make()
+        with pytest.raises(TrainableError) as e:
+            wst.attach(
+                model, "cpu", client=d.client, min_bytes=0, trainable="host", optimizer="adamw"
+            )
+        state = 3 * 2 * 2 * DIM * RANK * (2 + 4 + 2 + 8)
+        message = str(e.value)
+        prefix = "the upload ("
+        assert message.startswith(prefix), message
+        upload = int(message[len(prefix) :].split(" ")[0])
+        assert message == (
+            f"the upload ({upload} bytes) and the trainable state ({state} bytes with adamw) "
+            f"need {upload + state} bytes of host memory, and quotas.per_uid_host_bytes leaves "
+            f"this uid {128 << 10} bytes: use adamw8bit, quantize='fp8', a lower rank, or raise "
+            "the daemon's quota"
+        )
+        assert d.client.list_models().models == [], "nothing was uploaded"
+        assert d.memfds() == []
+        assert not any(isinstance(p, wst.Placeholder) for p in model.parameters())
+        # The estimate is the daemon's own charge for that upload.
+        handle = wst.attach(model, "cpu", client=d.client, min_bytes=0)
+        assert d.client.info().usage.host_bytes == upload
+        handle.close(release=True)
+    finally:
+        d.stop()

@@ -41,6 +41,7 @@ import weightstream
 from weightstream import quantize
 from weightstream.client import Client
 from weightstream.torch import budget, ops, placeholder, policy, torchao_weights
+from weightstream.torch import trainable as trainable_state
 from weightstream.torch.budget import AutoBudget, AutoBudgetError
 from weightstream.torch.handle import Handle, StreamedLayer
 from weightstream.torch.hooks import HookConflict, HookRegistry
@@ -117,6 +118,8 @@ def attach(
     client: Client | None = None,
     label: str = "",
     pin: bool = False,
+    trainable: str = "device",
+    optimizer: str | None = None,
     **overrides,
 ) -> Handle:
     """Streams the frozen weights (and biases) of ``module``'s Linear and Conv2d layers
@@ -151,6 +154,14 @@ def attach(
       own linear computes with it (``quantize.linear_as``): outputs and gradients equal those of
       the quantized layer in place (``quantize`` applies to the other layers). Other quantized
       weights are refused (``policy.QuantizedWeight``) before anything is uploaded.
+    - ``trainable="host"``: the module's trainable ``nn.Linear`` weights (a LoRA added before
+      ``attach``) go to host memory held by the daemon for the session, as
+      ``trainable.stream_trainable`` does (``Handle.trainable``; step them with
+      ``host_optim.HostAdamW``). ``optimizer`` ("adamw" or "adamw8bit") sizes the state: the
+      upload and that state are checked together against the host memory the daemon allows
+      this uid, and a configuration that cannot fit raises ``TrainableError`` with the numbers
+      before anything is uploaded. ``"device"`` (the default) leaves trainable layers on the
+      device.
     ``Handle.stats()`` says where the attach's time went (``attach_*``: ``Handle.attach_phases``).
     The trainer's own copies of the streamed weights are freed, those already on ``device``
     before the session opens (so that the daemon can allocate the budget where they were),
@@ -183,7 +194,13 @@ def attach(
                 quantize.check_quantizable(name, m.weight)
     client = client or weightstream.connect()
     alignment = client.info().alignment or 1
+    if trainable not in ("device", "host"):
+        raise ValueError(f"trainable={trainable!r}: expected 'device' or 'host'")
     label = label or type(module).__name__
+    if trainable == "host":
+        _check_host_room(
+            client, module, selection.streamed, model, fmt, set(rebuilds), optimizer, label
+        )
     auto = budget.resolve(vram_budget)
     if auto is not None:
         if staging_bytes:
@@ -258,6 +275,10 @@ def attach(
         handle._pin_resident()
         _move_the_rest(module, handle.streamed, device)
         _free(selection.streamed, device)
+        if trainable == "host":
+            handle.trainable = trainable_state.stream_trainable(
+                module, handle, device=device, optimizer=optimizer
+            )
         if auto is not None:
             handle._auto_attach(module, auto)
     except BaseException as e:
@@ -268,6 +289,63 @@ def attach(
         k: round(v, 4) if isinstance(v, float) else v for k, v in phases.items()
     }
     return handle
+
+
+#: The daemon's tensor alignment in a model's arena (``TENSOR_ALIGN``, daemon/src/store).
+TENSOR_ALIGN = 4096
+
+
+def _upload_charge(label: str, tensors: list[tuple[str, int, int]]) -> int:
+    """Host bytes the daemon charges for an upload of ``(name, rank, nbytes)`` tensors named
+    ``label``: its arena (each tensor page-aligned, the end rounded up) and its description
+    (per tensor the name, 8 bytes per dimension and 64; the model's name), as
+    ``metadata_bytes`` and ``begin_upload`` in daemon/src/store count them."""
+    end = 0
+    for _, _, nbytes in tensors:
+        end = -(-end // TENSOR_ALIGN) * TENSOR_ALIGN + nbytes
+    arena = -(-end // TENSOR_ALIGN) * TENSOR_ALIGN
+    description = sum(len(n.encode()) + 8 * rank + 64 for n, rank, _ in tensors)
+    return arena + description + len(label.encode())
+
+
+def _check_host_room(
+    client, module, streamed, model, fmt, torchao: set[str], optimizer, label: str
+):
+    """``trainable="host"``: the upload and the trainable state together against the host
+    memory the daemon allows this uid, before anything is uploaded."""
+    layers = trainable_state.trainable_layers(module)
+    if not layers:
+        raise trainable_state.TrainableError(
+            "trainable='host': the module has no trainable nn.Linear; add the LoRA (and freeze "
+            "the base) before attach, or call stream_trainable after adding it"
+        )
+    if optimizer not in (None, "adamw", "adamw8bit"):
+        raise trainable_state.TrainableError(
+            f"optimizer {optimizer!r} is not supported: use 'adamw' or 'adamw8bit'"
+        )
+    state = sum(
+        trainable_state.host_bytes(m.weight.numel(), m.weight.dtype, optimizer) for _, m in layers
+    )
+    upload = 0
+    if model is None:
+        quantized = frozenset(f"{n}.weight" for n, _ in streamed if fmt and n not in torchao)
+        upload = _upload_charge(
+            label,
+            [
+                (t, w.ndim, policy.tensor_nbytes(t, w, quantized))
+                for n, m in streamed
+                for t, w in policy.layer_tensors(n, m)
+            ],
+        )
+    room = trainable_state.host_room(client)
+    if room is not None and upload + state > room[0]:
+        size = trainable_state.size_text
+        raise trainable_state.TrainableError(
+            f"the upload ({size(upload)}) and the trainable state ({size(state)}"
+            f"{' with ' + optimizer if optimizer else ''}) need {size(upload + state)} of host "
+            f"memory, and {room[1]} leaves this uid {size(max(room[0], 0))}: use adamw8bit, "
+            "quantize='fp8', a lower rank, or raise the daemon's quota"
+        )
 
 
 def _model_of(

@@ -101,6 +101,9 @@ class Handle:
     #: ``upload_<key>`` (``Client.upload_model``'s ``phases``: the client's write and the
     #: daemon's commit). ``stats()`` has them as ``attach_<key>``.
     attach_phases: dict = field(default_factory=dict)
+    #: ``attach(..., trainable="host")``: the trainable weights held in host memory
+    #: (``trainable.Trainable``); closed by ``detach`` and ``close`` before the session.
+    trainable: object = None
     #: See ``stats``.
     _dequant_peak: int = 0
     _dequant_scratch_peak: int = 0
@@ -386,6 +389,13 @@ class Handle:
             h.remove()
         self._auto_hooks = []
 
+    def _close_trainable(self, device):
+        """The trainable weights back as ordinary parameters on ``device``, before the session
+        (which holds their host memory) closes."""
+        if self.trainable is not None:
+            self.trainable.close(device=device)
+            self.trainable = None
+
     def detach(self, release: bool = False, device: torch.device | str | None = None):
         """Puts the weights back into the layers (on ``device``, by default the session's;
         an 8-bit weight comes back dequantized, as the layer computed with it, and a torchao
@@ -394,6 +404,7 @@ class Handle:
         session; with ``release``, also drops this handle's reference to the daemon's copy (it
         goes when no other session uses it)."""
         device = self.device if device is None else torch.device(device)
+        self._close_trainable(device)
         self._auto_detach()
         self._drop_lookahead()
         self._unpin()
@@ -424,6 +435,7 @@ class Handle:
         discarded: weightstream's forwards come out, and the streamed layers keep their
         placeholders (they cannot run any more). With ``release``, also drops this handle's
         reference to the daemon's copy."""
+        self._close_trainable("cpu")
         self._auto_detach()
         self._drop_lookahead()
         self._unpin()
