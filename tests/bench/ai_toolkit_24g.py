@@ -6,6 +6,11 @@ card: ai-toolkit's MemoryManager against weightstream-aitk, with one YAML
     # on the GPU machine, one call per architecture (tests/bench/README.md has the commands)
     python3 tests/bench/ai_toolkit_24g.py --aitk .aitk --bin target/release/weightstream \\
         --arch flux2 --size dev --card 24 --budget-s 500 --out $OUT
+    # rank 1024 with the LoRA in host memory (ai-toolkit's own manager is expected not to fit
+    # rank 1024 on the card: its comparison is at rank 128)
+    python3 tests/bench/ai_toolkit_24g.py --aitk .aitk --bin target/release/weightstream \\
+        --arch flux2 --size dev --card 24 --runs host:r1024:25GB/s,host:r1024:full,aitk:r128 \\
+        --budget-s 500 --out $OUT
     # the whole flow on a tiny model, no card (CPU or GPU)
     python3 tests/bench/ai_toolkit_24g.py --aitk .aitk --bin target/debug/weightstream \\
         --smoke --out /tmp/aitk-smoke
@@ -14,7 +19,9 @@ What runs, unchanged: ai-toolkit's `run.py` and everything under it (tests/bench
 ai_toolkit_real.py's `run_one`, its stubs and shim), once per run of `--runs`:
 `MODE:rRANK[:LINK]`, MODE `aitk` (`python run.py job.yaml`) or `weightstream`
 (`python -m weightstream.integrations.ai_toolkit run.py job.yaml` against a daemon started for
-the run, its copies capped at LINK, e.g. `25GB/s`, or `full`). ai-toolkit's own manager copies
+the run, its copies capped at LINK, e.g. `25GB/s`, or `full`), or `host` (a `weightstream` run
+with `WEIGHTSTREAM_TRAINABLE=host`: the LoRA's weights, gradients and optimizer state in host
+memory; `--host-delay false` turns its delayed update off). ai-toolkit's own manager copies
 with its own streams: the link cap does not reach it (it always has the H200's full link).
 
 With `--card GIB` each run is wrapped in tests/bench/card.py (`--card-cmd`), which holds all but
@@ -45,6 +52,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shlex
 import shutil
 import statistics
@@ -359,19 +367,58 @@ def mistral3(hf_home: Path, te: dict, seed: int, device: str) -> dict:
 # --- runs ---------------------------------------------------------------------------------------
 
 
-def parse_runs(text: str) -> list[dict]:
-    """``MODE:rRANK[:LINK]`` comma-separated: e.g. ``weightstream:r32:25GB/s,aitk:r32``."""
+#: ``--runs`` modes: how each one runs (``run_one``'s kind) and the environment it adds.
+MODES = {
+    "aitk": ("aitk", {}),
+    "weightstream": ("weightstream", {}),
+    "host": ("weightstream", {"WEIGHTSTREAM_TRAINABLE": "host"}),
+}
+
+
+def parse_runs(text: str, host_delay: bool = True) -> list[dict]:
+    """``MODE:rRANK[:LINK]`` comma-separated: e.g. ``weightstream:r32:25GB/s,aitk:r32``.
+
+    ``host`` is a ``weightstream`` run with ``WEIGHTSTREAM_TRAINABLE=host`` (the LoRA's weights,
+    gradients and optimizer state in host memory) and ``WEIGHTSTREAM_TRAINABLE_DELAY`` from
+    ``host_delay`` (its label ends in ``delay off`` when that is false)."""
     runs = []
     for item in filter(None, (x.strip() for x in text.split(","))):
         parts = item.split(":")
         mode, rank = parts[0], parts[1] if len(parts) > 1 else "r32"
         link = parts[2] if len(parts) > 2 else "full"
-        if mode not in ("aitk", "weightstream") or not rank.startswith("r") or len(parts) > 3:
-            raise ValueError(f"--runs {item!r}: expected aitk|weightstream:rRANK[:LINK|full]")
+        if (
+            mode not in MODES
+            or not rank.startswith("r")
+            or not rank[1:].isdigit()
+            or int(rank[1:]) < 1
+            or len(parts) > 3
+        ):
+            raise ValueError(
+                f"--runs {item!r}: expected aitk|weightstream|host:rRANK[:LINK|full]"
+                " (RANK 1 or more)"
+            )
         if mode == "aitk" and link != "full":
             raise ValueError(f"--runs {item!r}: the link cap reaches weightstream's daemon only")
-        label = f"{mode} r{int(rank[1:])}" + (f" {link}" if mode == "weightstream" else "")
-        runs.append({"mode": mode, "rank": int(rank[1:]), "link": link, "label": label})
+        kind, env = MODES[mode]
+        env = dict(env)
+        label = f"{mode} r{int(rank[1:])}"
+        if kind == "weightstream":
+            label = f"weightstream{' host' if mode == 'host' else ''} r{int(rank[1:])} {link}"
+        if mode == "host":
+            env["WEIGHTSTREAM_TRAINABLE_DELAY"] = "true" if host_delay else "false"
+            label += "" if host_delay else " delay off"
+        if any(r["label"] == label for r in runs):
+            raise ValueError(f"--runs {item!r}: {label!r} is listed twice")
+        runs.append(
+            {
+                "mode": mode,
+                "kind": kind,
+                "rank": int(rank[1:]),
+                "link": link,
+                "label": label,
+                "run_env": env,
+            }
+        )
     return runs
 
 
@@ -406,17 +453,19 @@ def one(spec_path: str) -> int:
         spec["yaml"],
         spec["cuda"],
         spec["env"],
-        kind=spec["mode"],
+        kind=spec["kind"],
         link=None if spec["link"] == "full" else spec["link"],
     )
     Path(spec["result"]).write_text(json.dumps(result, default=str))
     return 0 if result["rc"] == 0 else 1
 
 
-def launch(run: dict, common: dict, args, cuda: bool) -> dict:
-    """One run: in this process, or under card.py (``--card``) as ``--one``."""
+def run_spec(run: dict, common: dict, args, cuda: bool) -> dict:
+    """What one run is given: its folder's name, ``run_one``'s kind and link, its job.yaml, and
+    the environment: the call's (``common["env"]``) and the mode's (``run["run_env"]``)."""
     name = run["label"].replace(" ", "-").replace("/", "p")
-    spec = dict(common, mode=run["mode"], link=run["link"], folder_name=name)
+    spec = dict(common, mode=run["mode"], kind=run["kind"], link=run["link"], folder_name=name)
+    spec["env"] = {**common["env"], **run["run_env"]}
     spec["yaml"] = job_yaml(
         common["arch"],
         common["device"],
@@ -426,8 +475,26 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
         args.optimizer or ("adamw8bit" if cuda else "adamw"),
         not args.no_quantize,
     )
+    spec["result"] = str(Path(common["work"]) / f"{name}.result.json")
+    return spec
+
+
+def card_command(run: dict, args, spec_path: Path, card_json: Path) -> list[str]:
+    """card.py (``--card-cmd``) around ``--one SPEC``; its ``--link`` for weightstream's runs
+    with a link cap (ai-toolkit's own manager copies with its own streams)."""
+    capped = run["kind"] == "weightstream" and run["link"] != "full"
+    link = f" --link {run['link']}" if capped else ""
+    card = shlex.split(
+        args.card_cmd.format(python=sys.executable, gib=args.card, link=link, json=card_json)
+    )
+    return [*card, "--", sys.executable, str(Path(__file__).resolve()), "--one", str(spec_path)]
+
+
+def launch(run: dict, common: dict, args, cuda: bool) -> dict:
+    """One run: in this process, or under card.py (``--card``) as ``--one``."""
+    spec = run_spec(run, common, args, cuda)
+    name = spec["folder_name"]
     work = Path(common["work"])
-    spec["result"] = str(work / f"{name}.result.json")
     if not args.card:
         result, _ = real.run_one(
             name,
@@ -438,18 +505,14 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
             spec["yaml"],
             cuda,
             spec["env"],
-            kind=run["mode"],
+            kind=spec["kind"],
             link=None if run["link"] == "full" else run["link"],
         )
     else:
         spec_path = work / f"{name}.spec.json"
         spec_path.write_text(json.dumps(spec))
         card_json = work / f"{name}.card.json"
-        link = "" if run["mode"] == "aitk" or run["link"] == "full" else f" --link {run['link']}"
-        card = shlex.split(
-            args.card_cmd.format(python=sys.executable, gib=args.card, link=link, json=card_json)
-        )
-        cmd = [*card, "--", sys.executable, str(Path(__file__).resolve()), "--one", str(spec_path)]
+        cmd = card_command(run, args, spec_path, card_json)
         print(f"[{run['label']}] {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
         try:  # the run inside has its own --timeout; this one is for card.py itself
@@ -465,15 +528,47 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
         result["card_command"] = cmd
         if card_json.exists():
             result["card"] = json.loads(card_json.read_text())
+    log = work / name / "trainer.log"
+    if log.exists():
+        result["trainable_host"] = trainable_report(log.read_text(errors="replace"))
     result.update(run)
     result["yaml"] = spec["yaml"]
     return result
 
 
+#: The line weightstream-aitk prints when ``trainable: host`` takes the LoRA
+#: (weightstream.integrations.ai_toolkit.trainable).
+TRAINABLE_LINE = re.compile(
+    r"weightstream-aitk: trainable: host: (?P<layers>\d+) LoRA layers and their (?P<optimizer>\S+)"
+    r" state in (?P<gb>[\d.]+) GB of host memory \((?P<where>.*)\); computing on (?P<device>\S+);"
+    r" delayed update (?P<delay>on|off)"
+)
+
+
+def trainable_report(log: str) -> dict | None:
+    """weightstream-aitk's ``trainable: host`` line in a trainer's log: the LoRA layers, the
+    optimizer, the host memory of their weights, gradients and optimizer state (GB), where
+    that memory is (the daemon's session or the trainer's own), the delayed update; ``None``
+    when the log has no such line (the LoRA stayed on the device)."""
+    found = list(TRAINABLE_LINE.finditer(log))
+    if not found:
+        return None
+    m = found[-1]
+    return {
+        "layers": int(m["layers"]),
+        "optimizer": m["optimizer"],
+        "host_gb": float(m["gb"]),
+        "where": m["where"],
+        "device": m["device"],
+        "delay": m["delay"] == "on",
+    }
+
+
 def summarize(result: dict) -> dict:
     """The figures of one run: s/step (median of the logged steps' gaps after the first, the
     first holding the warm-up), time to the first step, torch's peaks while loading and while
-    training, host memory, an out-of-memory error if the run ended with one."""
+    training, host memory (with ``trainable: host``, the LoRA's as weightstream-aitk reports
+    it), an out-of-memory error if the run ended with one."""
     gaps = result.get("step_gaps_s") or []
     stats = result.get("torch_stats") or {}
     loading = (result.get("stubs") or {}).get("memory_manager", {}).get("loading") or []
@@ -486,6 +581,7 @@ def summarize(result: dict) -> dict:
         "host_trainer_peak": result.get("trainer_peak_rss"),
         "host_daemon_peak": result.get("daemon_peak_rss"),
         "launcher_loading": loading,
+        "trainable_host": result.get("trainable_host"),
     }
     tail = result.get("log_tail") or ""
     for line in tail.splitlines():
@@ -508,6 +604,12 @@ def main(argv=None) -> int:
     ap.add_argument("--size", choices=["tiny", "dev"], default="dev")
     ap.add_argument("--smoke", action="store_true", help="tiny model, 4 steps at 64 px")
     ap.add_argument("--runs", default=None, help=f"default: {DEFAULT_RUNS}")
+    ap.add_argument(
+        "--host-delay",
+        choices=["true", "false"],
+        default="true",
+        help="host runs: WEIGHTSTREAM_TRAINABLE_DELAY (HostAdamW's delayed update)",
+    )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--resolution", type=int, default=1024)
     ap.add_argument("--images", type=int, default=2)
@@ -547,7 +649,7 @@ def main(argv=None) -> int:
         args.size, args.steps, args.images = "tiny", 4, 1
         args.resolution = min(args.resolution, 64)
         args.runs = args.runs or "aitk:r4,weightstream:r4:full"
-    runs = parse_runs(args.runs or DEFAULT_RUNS)
+    runs = parse_runs(args.runs or DEFAULT_RUNS, host_delay=args.host_delay == "true")
     size = json.loads(json.dumps(SIZES[args.arch][args.size]))
     aitk = Path(args.aitk).resolve()
     fp8 = args.disk_dtype == "fp8"
@@ -617,6 +719,7 @@ def main(argv=None) -> int:
         "disk_dtype": args.disk_dtype,
         "host_gib": args.host_gib,
         "card_gib": args.card or None,
+        "host_delay": args.host_delay == "true",
         "steps": args.steps,
         "resolution": args.resolution,
         "images": args.images,
@@ -632,11 +735,14 @@ def main(argv=None) -> int:
     (out / f"{STEM}.md").write_text(markdown(report))
     print(markdown(report), flush=True)
     ok = all(r["rc"] in (0, "not run") or r["summary"].get("oom") for r in results)
-    # weightstream's runs must have streamed: the transformer attached, layers streamed
+    # weightstream's runs must have streamed: the transformer attached, layers streamed; the
+    # host runs' LoRA must have been in host memory
     for r in results:
-        if r["mode"] == "weightstream" and r["rc"] == 0:
+        if r["kind"] == "weightstream" and r["rc"] == 0:
             attached = [a for rep in r["summary"]["launcher_loading"] for a in rep["attached"]]
             ok = ok and any(a["role"] == "transformer" and a["streamed"] for a in attached)
+        if r["mode"] == "host" and r["rc"] == 0:
+            ok = ok and r["summary"]["trainable_host"] is not None
     return 0 if ok and not any(call["stubs_called_outside_imports"].values()) else 1
 
 
@@ -752,6 +858,15 @@ def markdown(report: dict) -> str:
                 lines.append(f"- {r['label']}: out of memory: `{s['oom']}`")
             if r["rc"] == "not run":
                 lines.append(f"- {r['label']}: not run (time budget: {r['why']})")
+            host = s.get("trainable_host")
+            if host:
+                lines.append(
+                    f"- {r['label']}: `trainable: host`: {host['layers']} LoRA layers and their"
+                    f" {host['optimizer']} state in {host['host_gb']:.2f} GB of host memory"
+                    f" ({host['where']}), delayed update {'on' if host['delay'] else 'off'}"
+                )
+            elif r.get("mode") == "host" and r["rc"] == 0:
+                lines.append(f"- {r['label']}: no `trainable: host` line in the trainer's log")
             for rep in s.get("launcher_loading") or []:
                 peak = rep.get("peak") or {}
                 lines.append(

@@ -4,6 +4,8 @@ writes, the figures it takes from a run), on the CPU; the bench itself runs ai-t
 from __future__ import annotations
 
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT
@@ -26,16 +28,39 @@ pytestmark = pytest.mark.no_daemon
         ),
         ("weightstream:r4", [("weightstream", 4, "full", "weightstream r4 full")]),
         (" aitk , ", [("aitk", 32, "full", "aitk r32")]),
-        ("aitk:r32:25GB/s", "the link cap reaches weightstream's daemon only"),
-        ("resident:r32", "expected aitk|weightstream:rRANK"),
-        ("weightstream:32", "expected aitk|weightstream:rRANK"),
-        ("weightstream:r32:25GB/s:x", "expected aitk|weightstream:rRANK"),
+        (
+            "host:r1024:25GB/s,host:r1024:full,aitk:r128",
+            [
+                ("host", 1024, "25GB/s", "weightstream host r1024 25GB/s"),
+                ("host", 1024, "full", "weightstream host r1024 full"),
+                ("aitk", 128, "full", "aitk r128"),
+            ],
+        ),
+        (
+            "host:r8,weightstream:r8",
+            [
+                ("host", 8, "full", "weightstream host r8 full"),
+                ("weightstream", 8, "full", "weightstream r8 full"),
+            ],
+        ),
+        ("aitk:r32:25GB/s", "--runs 'aitk:r32:25GB/s': the link cap reaches weightstream's"),
+        (
+            "resident:r32",
+            "--runs 'resident:r32': expected aitk|weightstream|host:rRANK[:LINK|full]",
+        ),
+        ("weightstream:32", "--runs 'weightstream:32': expected aitk|weightstream|host:rRANK"),
+        ("host:rx", "--runs 'host:rx': expected aitk|weightstream|host:rRANK"),
+        ("host:r0", "--runs 'host:r0': expected aitk|weightstream|host:rRANK"),
+        ("host:r-4", "--runs 'host:r-4': expected aitk|weightstream|host:rRANK"),
+        ("weightstream:r32:25GB/s:x", "expected aitk|weightstream|host:rRANK[:LINK|full] (RANK"),
+        ("host:r64,aitk:r8,host:r64:full", "'weightstream host r64 full' is listed twice"),
     ],
 )
 def test_runs(text, want):
     if isinstance(want, str):
-        with pytest.raises(ValueError, match=want):
+        with pytest.raises(ValueError) as e:
             bench.parse_runs(text)
+        assert want in str(e.value)
     else:
         got = [(r["mode"], r["rank"], r["link"], r["label"]) for r in bench.parse_runs(text)]
         assert got == want
@@ -94,3 +119,147 @@ def test_card_phases_read_card_pys_report():
     assert bench._card_phases(card) == ("3.25", "23.50")
     assert bench._card_phases({"phases": {"loading": {"peak_card_gib": 1}}}) == ("1.00", "-")
     assert bench._card_phases(None) == ("-", "-")
+
+
+def _spec_inputs():
+    common = {
+        "arch": "flux2",
+        "device": "cuda:0",
+        "resolution": 1024,
+        "work": "/w",
+        "env": {"HF_HOME": "/w/hf"},
+    }
+    args = SimpleNamespace(
+        steps=6, optimizer=None, no_quantize=False, card=24, card_cmd=bench.CARD_CMD
+    )
+    return common, args
+
+
+def test_a_host_run_is_a_weightstream_run_with_the_lora_in_host_memory():
+    common, args = _spec_inputs()
+    host, ws, aitk = bench.parse_runs("host:r1024:25GB/s,weightstream:r1024:25GB/s,aitk:r128")
+    spec = bench.run_spec(host, common, args, cuda=True)
+    assert (spec["mode"], spec["kind"], spec["link"]) == ("host", "weightstream", "25GB/s")
+    assert spec["folder_name"] == "weightstream-host-r1024-25GBps"
+    assert spec["result"] == "/w/weightstream-host-r1024-25GBps.result.json"
+    assert spec["env"] == {
+        "HF_HOME": "/w/hf",
+        "WEIGHTSTREAM_TRAINABLE": "host",
+        "WEIGHTSTREAM_TRAINABLE_DELAY": "true",
+    }
+    assert "network: {type: lora, linear: 1024, linear_alpha: 1024}" in spec["yaml"]
+    assert "optimizer: adamw8bit" in spec["yaml"]
+    plain = bench.run_spec(ws, common, args, cuda=True)
+    assert (plain["kind"], plain["env"]) == ("weightstream", {"HF_HOME": "/w/hf"})
+    assert plain["yaml"] == spec["yaml"]  # the same job; only the environment differs
+    theirs = bench.run_spec(aitk, common, args, cuda=True)
+    assert (theirs["kind"], theirs["env"]) == ("aitk", {"HF_HOME": "/w/hf"})
+    assert common["env"] == {"HF_HOME": "/w/hf"}  # the call's environment is left as it was
+
+
+def test_host_delay_false_reaches_the_runs_environment_and_label():
+    common, args = _spec_inputs()
+    (run,) = bench.parse_runs("host:r256", host_delay=False)
+    assert run["label"] == "weightstream host r256 full delay off"
+    assert bench.run_spec(run, common, args, cuda=False)["env"] == {
+        "HF_HOME": "/w/hf",
+        "WEIGHTSTREAM_TRAINABLE": "host",
+        "WEIGHTSTREAM_TRAINABLE_DELAY": "false",
+    }
+    (plain,) = bench.parse_runs("weightstream:r256", host_delay=False)
+    assert plain["run_env"] == {}
+
+
+def test_card_py_caps_the_link_of_weightstreams_runs_only():
+    _, args = _spec_inputs()
+    host, full, aitk = bench.parse_runs("host:r1024:25GB/s,host:r1024:full,aitk:r128")
+    cmd = bench.card_command(host, args, Path("/w/s.json"), Path("/w/c.json"))
+    card = cmd[: cmd.index("--")]
+    assert card == [
+        sys.executable,
+        "tests/bench/card.py",
+        "--gib",
+        "24",
+        "--link",
+        "25GB/s",
+        "--json",
+        "/w/c.json",
+    ]
+    assert cmd[cmd.index("--") + 1 :] == [
+        sys.executable,
+        str(ROOT / "tests" / "bench" / "ai_toolkit_24g.py"),
+        "--one",
+        "/w/s.json",
+    ]
+    for run in (full, aitk):
+        assert "--link" not in bench.card_command(run, args, Path("/s"), Path("/c"))
+
+
+#: As weightstream-aitk prints it (weightstream.integrations.ai_toolkit.trainable).
+HOST_LINE = (
+    "weightstream-aitk: trainable: host: 504 LoRA layers and their adamw8bit state in 61.87 GB"
+    " of host memory (held by the daemon for the session of Flux2); computing on cuda:0;"
+    " delayed update off"
+)
+
+
+def test_the_trainable_host_line_is_read_from_the_trainers_log():
+    log = f"loading\n{HOST_LINE}\nstep 1\n"
+    assert bench.trainable_report(log) == {
+        "layers": 504,
+        "optimizer": "adamw8bit",
+        "host_gb": 61.87,
+        "where": "held by the daemon for the session of Flux2",
+        "device": "cuda:0",
+        "delay": False,
+    }
+    assert bench.trainable_report("loading\nstep 1\n") is None
+    # the line tests/python/test_ai_toolkit_trainable.py has the launcher print
+    own = bench.trainable_report(
+        "weightstream-aitk: trainable: host: 12 LoRA layers and their adamw state in 0.00 GB "
+        "of host memory (the trainer's own: no attached model holds the layers the LoRA wraps); "
+        "computing on cpu; delayed update on\n"
+    )
+    assert own == {
+        "layers": 12,
+        "optimizer": "adamw",
+        "host_gb": 0.0,
+        "where": "the trainer's own: no attached model holds the layers the LoRA wraps",
+        "device": "cpu",
+        "delay": True,
+    }
+    got = bench.summarize({"trainable_host": bench.trainable_report(log)})
+    assert got["trainable_host"]["host_gb"] == 61.87
+
+
+def test_the_report_gives_a_host_runs_lora_memory():
+    (run,) = bench.parse_runs("host:r1024:25GB/s")
+    result = dict(run, rc=0, trainable_host=bench.trainable_report(HOST_LINE))
+    result["summary"] = bench.summarize(result)
+    missing = dict(run, label="weightstream host r1024 full", rc=0)
+    missing["summary"] = bench.summarize(missing)
+    call = {
+        "arch": "flux",
+        "size": "tiny",
+        "machine": "CPU",
+        "commit": "abc",
+        "command": "x",
+        "ai_toolkit": "def",
+        "card_gib": None,
+        "steps": 4,
+        "resolution": 64,
+        "images": 1,
+        "disk_dtype": "fp8",
+        "built": {"transformer": {"params": 10, "bytes_on_disk": 20}},
+        "sizes": {},
+        "runs": [result, missing],
+    }
+    text = bench.markdown({"calls": [call]})
+    assert (
+        "- weightstream host r1024 25GB/s: `trainable: host`: 504 LoRA layers and their adamw8bit"
+        " state in 61.87 GB of host memory (held by the daemon for the session of Flux2),"
+        " delayed update off\n"
+    ) in text
+    assert (
+        "- weightstream host r1024 full: no `trainable: host` line in the trainer's log\n" in text
+    )
