@@ -282,7 +282,13 @@ def child(args):
         vram_budget=int((args.card - args.trainer_gib) * GiB),
         quantize="fp8",
     )
-    emit({"attach_s": round(time.monotonic() - t, 1), "link": args.link})
+    emit(
+        {
+            "attach_s": round(time.monotonic() - t, 1),
+            "attach_phases": handle.attach_phases,
+            "link": args.link,
+        }
+    )
     torch.cuda.empty_cache()
     for rank in args.ranks:
         streamed(args, model, handle, rank, args.link, args.baseline_used, emit)
