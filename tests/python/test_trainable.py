@@ -499,6 +499,11 @@ def test_attach_with_trainable_host_streams_the_base_and_holds_the_lora(daemon):
         opt.zero_grad()
     assert_same_lora(ref_model, model)
     assert daemon.client.info().usage.state_bytes > 0
+    stats = handle.stats()
+    assert stats["trainable_host_bytes"] == tr.host_bytes > 0
+    assert {k for k in stats if k.startswith("trainable_") and k.endswith("_s")} == {
+        f"trainable_{k}" for k in tr.times
+    }
     handle.detach(release=True)  # the LoRA back as ordinary parameters, the regions freed
     assert handle.trainable is None
     assert_same_lora(ref_model, model)

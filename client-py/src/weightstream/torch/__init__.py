@@ -23,7 +23,9 @@ the layer computes on; code that reads the data gets an error naming the tensor)
 Modules: ``options`` (``StreamOptions``), ``policy`` (selection, groups, plan, lookahead; no
 daemon), ``hooks`` (where the forward goes in a layer's chain, and back out), ``ops`` (the
 autograd Function), ``placeholder`` (``Placeholder``), ``handle`` (``Handle``: tickets, plan,
-``detach``, ``close``); ``attach`` is here.
+``detach``, ``close``), ``trainable`` (trainable weights held in host memory:
+``stream_trainable``, ``attach(..., trainable="host")``), ``host_optim`` (``HostAdamW``),
+``adamw8`` (the 8-bit AdamW step); ``attach`` is here.
 """
 
 from __future__ import annotations

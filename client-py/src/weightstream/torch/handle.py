@@ -308,7 +308,9 @@ class Handle:
         memory one dequantization held at once (that weight and, below float32, its float32
         product); with ``vram_budget="auto"`` the policy's decisions (``auto_*``:
         ``AutoBudget.stats``); where ``attach`` spent its time (``attach_*``:
-        ``attach_phases``)."""
+        ``attach_phases``); with ``trainable="host"``, the host bytes of the trainable state
+        (``trainable_host_bytes``) and where its path waited, in seconds since attach
+        (``trainable_*_s``: ``Trainable.times``)."""
         out = {} if self._auto is None else self._auto.stats()
         out.update({f"attach_{k}": v for k, v in self.attach_phases.items()})
         s = self.session.stats()
@@ -325,6 +327,9 @@ class Handle:
         out["gpu_wait_ns_this_step"] = waits.this_step
         out["dequant_peak_bytes"] = self._dequant_peak
         out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
+        if self.trainable is not None:
+            out["trainable_host_bytes"] = self.trainable.host_bytes
+            out.update({f"trainable_{k}": v for k, v in self.trainable.times.items()})
         return out
 
     # --- vram_budget="auto" -------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""Trainable weights held in host memory: ``stream_trainable`` moves a LoRA's weights (every
-``nn.Linear`` whose weight requires grad) off the device, and ``HostAdamW`` steps them there.
+"""Trainable weights held in host memory: ``stream_trainable`` (or ``attach(...,
+trainable="host")``) moves a LoRA's weights (every ``nn.Linear`` whose weight requires grad)
+off the device, and ``HostAdamW`` steps them there.
 
 A streamed trainable layer keeps, in host memory held by the daemon for the session (charged to
 the session's uid, freed with it): its *working* weight (the trainer's dtype, what the layer
