@@ -543,3 +543,13 @@ def test_attach_refuses_what_the_host_cannot_hold_before_uploading(tmp_path):
         handle.close(release=True)
     finally:
         d.stop()
+
+
+def test_a_layer_whose_forward_cannot_be_chained_is_refused_before_anything_moves():
+    model = make()
+    lora_a = model.blocks[0].q.lora_A
+    lora_a.forward = lambda x: x  # a closure keeps no reference to the layer's own forward
+    before = [p.data_ptr() for p in lora_params(model)]
+    with pytest.raises(wst.HookConflict, match="cannot stream 'blocks.0.q.lora_A'"):
+        stream_trainable(model, device="cpu")
+    assert [p.data_ptr() for p in lora_params(model)] == before

@@ -241,6 +241,8 @@ class Trainable:
         cuda = device.type == "cuda"
         self._h2d = torch.cuda.Stream(device) if cuda else None
         self._d2h = torch.cuda.Stream(device) if cuda else None
+        for s in self.slots:
+            self._hooks.check(s.name, s.module)  # a forward that cannot be chained: before moving
         self._place()
         for s in self.slots:
             self._hooks.install(s.name, s.module, functools.partial(_forward, self, s))
