@@ -102,13 +102,13 @@ def test_top_once_prints_plain_lines_without_a_terminal(daemon):
         assert lines[4] == "sessions"
         columns = (
             "session label pid GB/s GPU wait pending hit rate"
-            " budget staging resident acquires copied"
+            " budget staging resident host state acquires copied"
         )
         assert lines[5].split() == columns.split()
         row = lines[6].split()
         pid = str(os.getpid())
         assert row[:9] == [session.id, "once", pid, "0.00", "0.0", "%", "0.0", "%", "-"], row
-        assert row[9:11] == ["1.0", "MiB"] and row[-3:] == ["1", "64.0", "KiB"], row
+        assert row[9:11] == ["1.0", "MiB"] and row[-5:] == ["0", "B", "1", "64.0", "KiB"], row
         assert len(lines) == 7, out.stdout
     finally:
         session.close()

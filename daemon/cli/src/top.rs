@@ -223,9 +223,9 @@ fn device_rows(view: &View) -> Vec<Vec<String>> {
         .collect()
 }
 
-const SESSION_COLUMNS: [&str; 12] = [
+const SESSION_COLUMNS: [&str; 13] = [
     "session", "label", "pid", "GB/s", "GPU wait", "pending", "hit rate", "budget", "staging",
-    "resident", "acquires", "copied",
+    "resident", "host state", "acquires", "copied",
 ];
 
 /// One row per session.
@@ -245,6 +245,7 @@ fn session_rows(view: &View) -> Vec<Vec<String>> {
                 human(s.vram_budget),
                 human(s.staging_bytes),
                 human(s.resident_bytes),
+                human(s.state_bytes),
                 st.acquires.to_string(),
                 human(st.bytes_copied),
             ]
@@ -337,6 +338,7 @@ pub fn draw(frame: &mut Frame, view: &View) {
                 Constraint::Length(9),
                 Constraint::Length(9),
                 Constraint::Length(9),
+                Constraint::Length(11),
                 Constraint::Length(11),
                 Constraint::Length(11),
                 Constraint::Length(11),
@@ -482,6 +484,7 @@ mod tests {
                     label: "flux-lora".into(),
                     device_uuid: "host-0".into(),
                     vram_budget: 2 << 30,
+                    state_bytes: 3 << 30,
                     ..Default::default()
                 },
                 Rates {
@@ -517,6 +520,8 @@ mod tests {
             "GPU wait",
             "pending",
             "2.0 GiB / 8.0 GiB (25.0 %)",
+            "host state",
+            "3.0 GiB",
         ] {
             assert!(screen.contains(want), "{want} not on screen:\n{screen}");
         }
@@ -531,8 +536,8 @@ mod tests {
              device  name         sessions  GB/s  GPU wait  pending  hit rate  budget\n\
              host-0  host memory  1         3.50  2.0 %     37.5 %   50.0 %    2.0 GiB / 8.0 GiB (25.0 %)\n\
              sessions\n\
-             session  label      pid  GB/s  GPU wait  pending  hit rate  budget   staging  resident  acquires  copied\n\
-             s-7      flux-lora  0    3.50  2.0 %     37.5 %   50.0 %    2.0 GiB  0 B      0 B       0         0 B\n"
+             session  label      pid  GB/s  GPU wait  pending  hit rate  budget   staging  resident  host state  acquires  copied\n\
+             s-7      flux-lora  0    3.50  2.0 %     37.5 %   50.0 %    2.0 GiB  0 B      0 B       3.0 GiB     0         0 B\n"
         );
     }
 }
