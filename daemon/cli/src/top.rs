@@ -224,8 +224,19 @@ fn device_rows(view: &View) -> Vec<Vec<String>> {
 }
 
 const SESSION_COLUMNS: [&str; 13] = [
-    "session", "label", "pid", "GB/s", "GPU wait", "pending", "hit rate", "budget", "staging",
-    "resident", "host state", "acquires", "copied",
+    "session",
+    "label",
+    "pid",
+    "GB/s",
+    "GPU wait",
+    "pending",
+    "hit rate",
+    "budget",
+    "staging",
+    "resident",
+    "host state",
+    "acquires",
+    "copied",
 ];
 
 /// One row per session.
