@@ -38,34 +38,23 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 GiB = 1 << 30
-#: The linears FLUX.2's LoRA targets: attention and MLP of both block kinds.
-TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
-    "to_qkv_mlp_proj",
-    "linear_in",
-    "linear_out",
-)
 
 
 def targets(model) -> list[tuple[str, object]]:
+    """The linears FLUX.2's LoRA targets (``flux_train.FLUX2_TARGETS``, the regex peft is given
+    there): attention and MLP of both block kinds."""
+    import re
+
+    import flux_train
     from torch import nn
 
-    out = []
-    for name, m in model.named_modules():
-        if not isinstance(m, nn.Linear) or "lora" in name:
-            continue
-        if name.endswith(TARGETS) or (
-            name.startswith("single_transformer_blocks") and name.endswith("attn.to_out")
-        ):
-            out.append((name, m))
-    return out
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and "lora" not in name
+        and re.fullmatch(flux_train.FLUX2_TARGETS, name)
+    ]
 
 
 def lora_module(rank: int):
