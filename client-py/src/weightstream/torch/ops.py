@@ -58,15 +58,18 @@ def op(module: nn.Module, x, weight, bias):
     raise TypeError(f"cannot stream {type(module).__name__}")
 
 
+def autocast_state(x: torch.Tensor) -> tuple[bool, torch.dtype]:
+    """Whether autocast is on for ``x``'s device, and its dtype: what a backward that runs the
+    op again restores."""
+    return torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type)
+
+
 class StreamedOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer: Layer, x: torch.Tensor):
         out = op(layer.module, x, *layer.weights(True))
         ctx.layer = layer
-        ctx.autocast = (
-            torch.is_autocast_enabled(x.device.type),
-            torch.get_autocast_dtype(x.device.type),
-        )
+        ctx.autocast = autocast_state(x)
         ctx.save_for_backward(x)
         return out
 

@@ -470,19 +470,16 @@ def _keep_on_host(module: nn.Linear):
 class _TrainableLinear(torch.autograd.Function):
     """``F.linear`` on the device copy. Saves only the input (a checkpoint's hooks see it) and
     takes the weight again in backward; the gradients are autograd's formulas for ``linear``
-    (``mm_mat1_backward``: ``grad @ w``; ``mm_mat2_backward`` of the transposed weight, which is
-    column-major: ``grad.t() @ x``), on the input and gradient flattened to 2-D as ``matmul``
-    flattens them. Where that flattening does not hold (a non-contiguous input, autocast),
-    the op is run again on the saved input and differentiated."""
+    (the input's is ``ops.input_grad``; ``mm_mat2_backward`` of the transposed weight, which
+    is column-major: ``grad.t() @ x``), on the input and gradient flattened to 2-D as
+    ``matmul`` flattens them. Where that flattening does not hold (a non-contiguous input,
+    autocast), the op is run again on the saved input and differentiated."""
 
     @staticmethod
     def forward(ctx, trainable: Trainable, slot: Slot, x: torch.Tensor, param):
         out = F.linear(x, trainable.device_weight(slot), slot.module.bias)
         ctx.trainable, ctx.slot = trainable, slot
-        ctx.autocast = (
-            torch.is_autocast_enabled(x.device.type),
-            torch.get_autocast_dtype(x.device.type),
-        )
+        ctx.autocast = ops.autocast_state(x)
         ctx.save_for_backward(x)
         return out
 
@@ -495,9 +492,8 @@ class _TrainableLinear(torch.autograd.Function):
         want_x = ctx.needs_input_grad[2]
         if not autocast and x.is_contiguous() and x.dtype == w.dtype == grad_out.dtype:
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
-            x2 = x.reshape(-1, x.shape[-1])
-            grad_w = g2.t().mm(x2)
-            grad_x = g2.mm(w).reshape(*x.shape[:-1], w.shape[1]) if want_x else None
+            grad_w = g2.t().mm(x.reshape(-1, x.shape[-1]))
+            grad_x = ops.input_grad(slot.module, x, grad_out, w, False, dtype) if want_x else None
         else:
             with torch.enable_grad(), torch.autocast(x.device.type, dtype, enabled=autocast):
                 xx = x.detach().requires_grad_(want_x)
