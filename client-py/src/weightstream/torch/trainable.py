@@ -170,6 +170,8 @@ class Slot:
     module: nn.Linear
     param: nn.Parameter
     group: str
+    #: Its place among its group's slots (and their device copies).
+    pos: int = 0
     working: torch.Tensor | None = None
     master: torch.Tensor | None = None
     grad: torch.Tensor | None = None
@@ -219,11 +221,14 @@ class Trainable:
                 key = str(group_by(name))
             else:
                 key = policy.block_of(root, name) if group_by == "block" else name
-            slot = Slot(len(self.slots), name, m, m.weight, key)
+            group = self.groups.setdefault(key, _Group(key, []))
+            slot = Slot(len(self.slots), name, m, m.weight, key, len(group.slots))
             self.slots.append(slot)
-            self.groups.setdefault(key, _Group(key, [])).slots.append(slot)
+            group.slots.append(slot)
         self.by_param = {id(s.param): s for s in self.slots}
+        #: The groups in the order the first forward used them, and each one's position.
         self._order: list[str] = []
+        self._position: dict[str, int] = {}
         self._live: collections.OrderedDict[str, _Group] = collections.OrderedDict()
         self._hooks = HookRegistry()
         self._queue: queue.Queue = queue.Queue()
@@ -282,7 +287,8 @@ class Trainable:
         self._raise()
         group = self.groups[slot.group]
         backward = ops.in_backward()
-        if not backward and slot.group not in self._order:
+        if not backward and slot.group not in self._position:
+            self._position[slot.group] = len(self._order)
             self._order.append(slot.group)
         if group.copies is None:
             self._fetch(group)
@@ -290,12 +296,12 @@ class Trainable:
         self._prefetch(group.name, backward)
         if group.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(group.ready)
-        return group.copies[group.slots.index(slot)]
+        return group.copies[slot.pos]
 
     def _prefetch(self, name: str, backward: bool | None):
-        if name not in self._order:
+        i = self._position.get(name)
+        if i is None:
             return
-        i = self._order.index(name)
         step = -1 if backward else 1
         for k in range(1, self.lookahead + 1):
             j = i + step * k
