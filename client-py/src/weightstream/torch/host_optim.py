@@ -181,8 +181,7 @@ class HostAdamW(torch.optim.Optimizer):
         tr = self.trainable
         tr.wait_grads()
         taken = [(s, gi) for s, gi in self._slots if s.grads > 0]
-        if self.max_grad_norm is not None and taken:
-            clip_grads_([s.grad for s, _ in taken], self.max_grad_norm)
+        self._clip(taken)
         started = time.perf_counter()
         for s, gi in taken:
             g = self.param_groups[gi]
@@ -198,6 +197,12 @@ class HostAdamW(torch.optim.Optimizer):
         tr.times["step_update_s"] += time.perf_counter() - started
         tr.invalidate()
         return loss
+
+    def _clip(self, taken: list[tuple[Slot, int]]):
+        """Clips the gradients of this step's ``(slot, group index)`` to ``max_grad_norm``, all
+        together (a subclass may clip otherwise)."""
+        if self.max_grad_norm is not None and taken:
+            clip_grads_([s.grad for s, _ in taken], self.max_grad_norm)
 
     def _fp32(self, grad: torch.Tensor) -> torch.Tensor:
         """``grad`` in fp32, in one scratch buffer reused by every update (they run one at a

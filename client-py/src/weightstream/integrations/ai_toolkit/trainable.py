@@ -61,7 +61,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from weightstream.integrations.ai_toolkit.settings import Settings, current
@@ -194,20 +193,13 @@ class ToolkitHostAdamW(HostAdamW):
         super().__init__(params, *args, max_grad_norm=None, **kwargs)
         self.group_max_grad_norm = max_grad_norm
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self.group_max_grad_norm is not None:
-            self.trainable.wait_grads()
-            for gi in range(len(self.param_groups)):
-                grads = [s.grad for s, i in self._slots if i == gi and s.grads > 0]
-                if grads:
-                    clip_grads_(grads, self.group_max_grad_norm)
-        super().step()
-        return loss
+    def _clip(self, taken):
+        if self.group_max_grad_norm is None:
+            return
+        for gi in range(len(self.param_groups)):
+            grads = [s.grad for s, i in taken if i == gi]
+            if grads:
+                clip_grads_(grads, self.group_max_grad_norm)
 
 
 def host_optimizer(
