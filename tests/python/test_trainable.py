@@ -241,31 +241,40 @@ def test_the_daemon_holds_the_host_memory_and_frees_it_with_the_session(daemon):
     assert daemon.memfds().count("state") == 0
 
 
-def test_a_state_over_the_host_quota_is_refused_before_anything_moves(tmp_path):
+#: ``quota_daemon``'s host quota per uid: the test model's upload fits, its state beside it
+#: does not.
+QUOTA = 128 << 10
+
+
+@pytest.fixture
+def quota_daemon(tmp_path):
     from conftest import Daemon
 
     config = tmp_path / "config.toml"
-    config.write_text(f"[quotas]\nper_uid_host_bytes = {128 << 10}\n")
+    config.write_text(f"[quotas]\nper_uid_host_bytes = {QUOTA}\n")
     d = Daemon(tmp_path, "--config", str(config))
-    try:
-        model = make()
-        handle = wst.attach(model, "cpu", client=d.client, min_bytes=0)
-        held = d.client.info().usage.host_bytes
-        before = [p.detach().clone() for p in lora_params(model)]
-        with pytest.raises(TrainableError) as e:
-            stream_trainable(model, handle, optimizer="adamw")
-        need = sum(p.numel() for p in before) * (2 + 4 + 2 + 8)
-        assert str(e.value) == (
-            f"the trainable state needs {need} bytes of host memory with adamw, and "
-            f"quotas.per_uid_host_bytes leaves this uid {(128 << 10) - held} bytes beside what it "
-            "holds: use adamw8bit, a lower rank, or raise the daemon's quota"
-        )
-        assert all(p.device.type == "cpu" for p in lora_params(model))
-        assert [p.data_ptr() for p in lora_params(model)] != [0], "untouched"
-        assert d.client.info().usage.state_bytes == 0
-        handle.close(release=True)
-    finally:
-        d.stop()
+    yield d
+    d.stop()
+
+
+def test_a_state_over_the_host_quota_is_refused_before_anything_moves(quota_daemon):
+    d = quota_daemon
+    model = make()
+    handle = wst.attach(model, "cpu", client=d.client, min_bytes=0)
+    held = d.client.info().usage.host_bytes
+    before = [p.detach().clone() for p in lora_params(model)]
+    with pytest.raises(TrainableError) as e:
+        stream_trainable(model, handle, optimizer="adamw")
+    need = sum(p.numel() for p in before) * (2 + 4 + 2 + 8)
+    assert str(e.value) == (
+        f"the trainable state needs {need} bytes of host memory with adamw, and "
+        f"quotas.per_uid_host_bytes leaves this uid {QUOTA - held} bytes beside what it "
+        "holds: use adamw8bit, a lower rank, or raise the daemon's quota"
+    )
+    assert all(p.device.type == "cpu" for p in lora_params(model))
+    assert [p.data_ptr() for p in lora_params(model)] != [0], "untouched"
+    assert d.client.info().usage.state_bytes == 0
+    handle.close(release=True)
 
 
 def test_clipping_and_accumulation():
@@ -511,38 +520,29 @@ def test_attach_with_trainable_host_streams_the_base_and_holds_the_lora(daemon):
     assert daemon.client.info().usage.host_bytes == 0
 
 
-def test_attach_refuses_what_the_host_cannot_hold_before_uploading(tmp_path):
-    from conftest import Daemon
-
-    config = tmp_path / "config.toml"
-    config.write_text(f"[quotas]\nper_uid_host_bytes = {128 << 10}\n")
-    d = Daemon(tmp_path, "--config", str(config))
-    try:
-        model = make()
-        with pytest.raises(TrainableError) as e:
-            wst.attach(
-                model, "cpu", client=d.client, min_bytes=0, trainable="host", optimizer="adamw"
-            )
-        state = 3 * 2 * 2 * DIM * RANK * (2 + 4 + 2 + 8)
-        message = str(e.value)
-        prefix = "the upload ("
-        assert message.startswith(prefix), message
-        upload = int(message[len(prefix) :].split(" ")[0])
-        assert message == (
-            f"the upload ({upload} bytes) and the trainable state ({state} bytes with adamw) "
-            f"need {upload + state} bytes of host memory, and quotas.per_uid_host_bytes leaves "
-            f"this uid {128 << 10} bytes: use adamw8bit, quantize='fp8', a lower rank, or raise "
-            "the daemon's quota"
-        )
-        assert d.client.list_models().models == [], "nothing was uploaded"
-        assert d.memfds() == []
-        assert not any(isinstance(p, wst.Placeholder) for p in model.parameters())
-        # The estimate is the daemon's own charge for that upload.
-        handle = wst.attach(model, "cpu", client=d.client, min_bytes=0)
-        assert d.client.info().usage.host_bytes == upload
-        handle.close(release=True)
-    finally:
-        d.stop()
+def test_attach_refuses_what_the_host_cannot_hold_before_uploading(quota_daemon):
+    d = quota_daemon
+    model = make()
+    with pytest.raises(TrainableError) as e:
+        wst.attach(model, "cpu", client=d.client, min_bytes=0, trainable="host", optimizer="adamw")
+    state = 3 * 2 * 2 * DIM * RANK * (2 + 4 + 2 + 8)
+    message = str(e.value)
+    prefix = "the upload ("
+    assert message.startswith(prefix), message
+    upload = int(message[len(prefix) :].split(" ")[0])
+    assert message == (
+        f"the upload ({upload} bytes) and the trainable state ({state} bytes with adamw) "
+        f"need {upload + state} bytes of host memory, and quotas.per_uid_host_bytes leaves "
+        f"this uid {QUOTA} bytes: use adamw8bit, quantize='fp8', a lower rank, or raise "
+        "the daemon's quota"
+    )
+    assert d.client.list_models().models == [], "nothing was uploaded"
+    assert d.memfds() == []
+    assert not any(isinstance(p, wst.Placeholder) for p in model.parameters())
+    # The estimate is the daemon's own charge for that upload.
+    handle = wst.attach(model, "cpu", client=d.client, min_bytes=0)
+    assert d.client.info().usage.host_bytes == upload
+    handle.close(release=True)
 
 
 def test_a_layer_whose_forward_cannot_be_chained_is_refused_before_anything_moves():
