@@ -263,6 +263,7 @@ def test_a_state_over_the_host_quota_is_refused_before_anything_moves(quota_daem
     handle = wst.attach(model, "cpu", client=d.client, min_bytes=0)
     held = d.client.info().usage.host_bytes
     before = [p.detach().clone() for p in lora_params(model)]
+    storages = [p.data_ptr() for p in lora_params(model)]
     with pytest.raises(TrainableError) as e:
         stream_trainable(model, handle, optimizer="adamw")
     need = sum(p.numel() for p in before) * (2 + 4 + 2 + 8)
@@ -272,7 +273,8 @@ def test_a_state_over_the_host_quota_is_refused_before_anything_moves(quota_daem
         "holds: use adamw8bit, a lower rank, or raise the daemon's quota"
     )
     assert all(p.device.type == "cpu" for p in lora_params(model))
-    assert [p.data_ptr() for p in lora_params(model)] != [0], "untouched"
+    assert [p.data_ptr() for p in lora_params(model)] == storages, "untouched"
+    assert all(torch.equal(p, b) for p, b in zip(lora_params(model), before, strict=True))
     assert d.client.info().usage.state_bytes == 0
     handle.close(release=True)
 
