@@ -311,15 +311,11 @@ def commit() -> str:
     if os.environ.get("WS_COMMIT"):
         return os.environ["WS_COMMIT"]
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            check=False,
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-        ).stdout.strip() or os.environ.get("WS_COMMIT", "unknown")
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        out = subprocess.run(git, check=False, capture_output=True, text=True, cwd=ROOT)
     except OSError:
-        return os.environ.get("WS_COMMIT", "unknown")
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def parent(args):
