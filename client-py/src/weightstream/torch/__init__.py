@@ -321,10 +321,8 @@ def _check_host_room(
             "trainable='host': the module has no trainable nn.Linear; add the LoRA (and freeze "
             "the base) before attach, or call stream_trainable after adding it"
         )
-    if optimizer not in (None, "adamw", "adamw8bit"):
-        raise trainable_state.TrainableError(
-            f"optimizer {optimizer!r} is not supported: use 'adamw' or 'adamw8bit'"
-        )
+    if optimizer is not None:
+        trainable_state.check_optimizer(optimizer)
     state = sum(
         trainable_state.host_bytes(m.weight.numel(), m.weight.dtype, optimizer) for _, m in layers
     )

@@ -29,9 +29,16 @@ import time
 
 import torch
 
-from weightstream.torch.trainable import Carver, Slot, Trainable, TrainableError
+from weightstream.torch.trainable import (
+    OPTIMIZERS,
+    Carver,
+    Slot,
+    Trainable,
+    TrainableError,
+    check_optimizer,
+)
 
-KINDS = ("adamw", "adamw8bit")
+KINDS = OPTIMIZERS
 #: The torch optimizer the "adamw" kind matches bit for bit.
 FUSED = "fused" in torch.optim.AdamW.__init__.__code__.co_varnames
 
@@ -79,11 +86,7 @@ class HostAdamW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         delay: bool = False,
     ):
-        if kind not in KINDS:
-            raise TrainableError(
-                f"optimizer {kind!r} is not supported for weights in host memory: use one of "
-                f"{', '.join(KINDS)}"
-            )
+        check_optimizer(kind)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.trainable, self.kind, self.delay = trainable, kind, delay
         self.max_grad_norm = max_grad_norm

@@ -118,7 +118,7 @@ class HostStorage:
 
 
 class Carver:
-    """Lays tensors out in one region: ``reserve`` while counting, then ``take`` the views in
+    """Lays tensors out in one region: ``reserve`` while counting, then ``views`` in
     the same order once the region exists."""
 
     def __init__(self):
@@ -572,10 +572,8 @@ def stream_trainable(
             "no trainable nn.Linear in the module: add the LoRA (and freeze the base) before "
             "stream_trainable"
         )
-    if optimizer not in (None, "adamw", "adamw8bit"):
-        raise TrainableError(
-            f"optimizer {optimizer!r} is not supported: use 'adamw' or 'adamw8bit'"
-        )
+    if optimizer is not None:
+        check_optimizer(optimizer)
     dev = torch.device(device) if device is not None else getattr(handle, "device", None)
     if dev is None:
         raise TrainableError("pass device= (or a handle) to say where the layers compute")
@@ -587,6 +585,20 @@ def stream_trainable(
     except BaseException:
         storage.close()
         raise
+
+
+#: The optimizers whose state ``host_bytes`` sizes (``HostAdamW``'s kinds).
+OPTIMIZERS = ("adamw", "adamw8bit")
+
+
+def check_optimizer(kind: str):
+    """Raises ``TrainableError`` for an optimizer of weights in host memory other than
+    ``OPTIMIZERS``, naming them."""
+    if kind not in OPTIMIZERS:
+        raise TrainableError(
+            f"optimizer {kind!r} is not supported for weights in host memory: use one of "
+            f"{', '.join(OPTIMIZERS)}"
+        )
 
 
 def check_host_fits(handle, params: Iterable[torch.Tensor], optimizer: str | None):
