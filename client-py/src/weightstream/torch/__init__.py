@@ -323,9 +323,6 @@ def _check_host_room(
         )
     if optimizer is not None:
         trainable_state.check_optimizer(optimizer)
-    state = sum(
-        trainable_state.host_bytes(m.weight.numel(), m.weight.dtype, optimizer) for _, m in layers
-    )
     upload = 0
     if model is None:
         quantized = frozenset(f"{n}.weight" for n, _ in streamed if fmt and n not in torchao)
@@ -337,15 +334,7 @@ def _check_host_room(
                 for t, w in policy.layer_tensors(n, m)
             ],
         )
-    room = trainable_state.host_room(client)
-    if room is not None and upload + state > room[0]:
-        size = trainable_state.size_text
-        raise trainable_state.TrainableError(
-            f"the upload ({size(upload)}) and the trainable state ({size(state)}"
-            f"{' with ' + optimizer if optimizer else ''}) need {size(upload + state)} of host "
-            f"memory, and {room[1]} leaves this uid {size(max(room[0], 0))}: use adamw8bit, "
-            "quantize='fp8', a lower rank, or raise the daemon's quota"
-        )
+    trainable_state.check_host_fits(client, [m.weight for _, m in layers], optimizer, upload)
 
 
 def _model_of(

@@ -578,7 +578,7 @@ def stream_trainable(
     if dev is None:
         raise TrainableError("pass device= (or a handle) to say where the layers compute")
     if handle is not None:
-        check_host_fits(handle, [m.weight for _, m in layers], optimizer)
+        check_host_fits(handle.client, [m.weight for _, m in layers], optimizer)
     storage = HostStorage(dev, handle.session if handle is not None else None)
     try:
         return Trainable(module, layers, dev, storage, group_by=group_by, lookahead=lookahead)
@@ -601,21 +601,29 @@ def check_optimizer(kind: str):
         )
 
 
-def check_host_fits(handle, params: Iterable[torch.Tensor], optimizer: str | None):
+def check_host_fits(client, params: Iterable[torch.Tensor], optimizer: str | None, upload=0):
     """Raises ``TrainableError`` naming the numbers when the trainable state (and the
-    optimizer's, if named) cannot fit the host memory the daemon allows this uid, even with
-    every other uid's memory given back (what only might fit is the daemon's to refuse, with its
-    own numbers, when the regions are made)."""
-    need = sum(host_bytes(p.numel(), p.dtype, optimizer) for p in params)
-    room = host_room(handle.client)
-    if room is None or need <= room[0]:
+    optimizer's, if named), with ``upload`` bytes of a model still to upload beside it, cannot
+    fit the host memory the daemon allows this uid, even with every other uid's memory given
+    back (what only might fit is the daemon's to refuse, with its own numbers, when the regions
+    are made)."""
+    state = sum(host_bytes(p.numel(), p.dtype, optimizer) for p in params)
+    room = host_room(client)
+    if room is None or upload + state <= room[0]:
         return
     free, limit = room
+    with_optimizer = f" with {optimizer}" if optimizer else ""
+    if upload:
+        raise TrainableError(
+            f"the upload ({size_text(upload)}) and the trainable state ({size_text(state)}"
+            f"{with_optimizer}) need {size_text(upload + state)} of host memory, and {limit} "
+            f"leaves this uid {size_text(max(free, 0))}: use adamw8bit, quantize='fp8', a lower "
+            "rank, or raise the daemon's quota"
+        )
     raise TrainableError(
-        f"the trainable state needs {size_text(need)} of host memory"
-        f"{' with ' + optimizer if optimizer else ''}, and {limit} leaves this uid "
-        f"{size_text(max(free, 0))} beside what it holds: use adamw8bit, a lower rank, or "
-        "raise the daemon's quota"
+        f"the trainable state needs {size_text(state)} of host memory{with_optimizer}, and "
+        f"{limit} leaves this uid {size_text(max(free, 0))} beside what it holds: use "
+        "adamw8bit, a lower rank, or raise the daemon's quota"
     )
 
 
