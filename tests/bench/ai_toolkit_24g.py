@@ -21,7 +21,9 @@ ai_toolkit_real.py's `run_one`, its stubs and shim), once per run of `--runs`:
 (`python -m weightstream.integrations.ai_toolkit run.py job.yaml` against a daemon started for
 the run, its copies capped at LINK, e.g. `25GB/s`, or `full`), or `host` (a `weightstream` run
 with `WEIGHTSTREAM_TRAINABLE=host`: the LoRA's weights, gradients and optimizer state in host
-memory; `--host-delay false` turns its delayed update off). ai-toolkit's own manager copies
+memory; `--host-delay false` turns its delayed update off), or `resident` (`python run.py` with
+`layer_offloading: false`: the 8-bit weights in place, never under the card, since they do not
+fit one; the floor any offloading is measured against). ai-toolkit's own manager copies
 with its own streams: the link cap does not reach it (it always has the H200's full link).
 
 With `--card GIB` each run is wrapped in tests/bench/card.py (`--card-cmd`), which holds all but
@@ -372,6 +374,7 @@ MODES = {
     "aitk": ("aitk", {}),
     "weightstream": ("weightstream", {}),
     "host": ("weightstream", {"WEIGHTSTREAM_TRAINABLE": "host"}),
+    "resident": ("resident", {}),
 }
 
 
@@ -394,10 +397,10 @@ def parse_runs(text: str, host_delay: bool = True) -> list[dict]:
             or len(parts) > 3
         ):
             raise ValueError(
-                f"--runs {item!r}: expected aitk|weightstream|host:rRANK[:LINK|full]"
+                f"--runs {item!r}: expected aitk|weightstream|host|resident:rRANK[:LINK|full]"
                 " (RANK 1 or more)"
             )
-        if mode == "aitk" and link != "full":
+        if mode in ("aitk", "resident") and link != "full":
             raise ValueError(f"--runs {item!r}: the link cap reaches weightstream's daemon only")
         kind, env = MODES[mode]
         env = dict(env)
@@ -495,7 +498,7 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
     spec = run_spec(run, common, args, cuda)
     name = spec["folder_name"]
     work = Path(common["work"])
-    if not args.card:
+    if not args.card or run["kind"] == "resident":
         result, _ = real.run_one(
             name,
             SimpleNamespace(**spec["args"]),
@@ -631,6 +634,11 @@ def main(argv=None) -> int:
     ap.add_argument("--first-run-s", type=float, default=240)
     ap.add_argument("--timeout", type=float, default=1200, help="one run's limit")
     ap.add_argument("--work", default=None)
+    ap.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep the model and data an earlier call built in --work from the same settings",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge", action="append", default=[], help="earlier reports to include")
     ap.add_argument("--machine", default=None)
@@ -658,19 +666,36 @@ def main(argv=None) -> int:
         if singles < 48:
             size["transformer"]["depth_single_blocks"] = singles
     work = Path(args.work) if args.work else Path(f"/tmp/ws-aitk24-{os.getpid()}")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    print(f"building {args.arch} {args.size} in {work}", flush=True)
+    what = {
+        "arch": args.arch,
+        "size": size,
+        "seed": args.seed,
+        "disk_dtype": args.disk_dtype,
+        "images": args.images,
+        "resolution": args.resolution,
+    }
+    built = reused(work, what) if args.reuse else None
     env = {}
     if args.arch == "flux2":
-        built = build_flux2(work / "model", aitk, size, args.seed, device, fp8)
         env["HF_HOME"] = str(work / "hf")
         if size["transformer"]:
             env["WS_AITK_FLUX2_PARAMS"] = json.dumps(size["transformer"])
             env["WS_AITK_FLUX2_CLASS"] = FLUX2_CLASS
+    if built is None:
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        print(f"building {args.arch} {args.size} in {work}", flush=True)
+        if args.arch == "flux2":
+            built = build_flux2(work / "model", aitk, size, args.seed, device, fp8)
+        else:
+            built = build_flux1(work / "model", size, args.seed, device, fp8)
+        real.build_data(work / "data", args.images, args.resolution, args.seed)
+        (work / BUILT).write_text(json.dumps({"what": what, "built": built}))
     else:
-        built = build_flux1(work / "model", size, args.seed, device, fp8)
-    real.build_data(work / "data", args.images, args.resolution, args.seed)
+        print(f"reusing {args.arch} {args.size} in {work}", flush=True)
+        for old in work.iterdir():  # the runs' folders and results of an earlier call
+            if old.name not in ("model", "data", "hf", BUILT):
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
     if cuda:
         torch.cuda.empty_cache()
     print(f"built: {json.dumps(built)}", flush=True)
@@ -744,6 +769,19 @@ def main(argv=None) -> int:
         if r["mode"] == "host" and r["rc"] == 0:
             ok = ok and r["summary"]["trainable_host"] is not None
     return 0 if ok and not any(call["stubs_called_outside_imports"].values()) else 1
+
+
+#: What ``--work`` was built from and what was built, beside the model (``--reuse``).
+BUILT = "built.json"
+
+
+def reused(work: Path, what: dict) -> dict | None:
+    """What an earlier call built in ``work`` from the same ``what`` (``--reuse``), or None."""
+    try:
+        old = json.loads((work / BUILT).read_text())
+    except (OSError, ValueError):
+        return None
+    return old["built"] if old.get("what") == json.loads(json.dumps(what)) else None
 
 
 def _commit() -> str:

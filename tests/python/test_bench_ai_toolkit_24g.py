@@ -3,6 +3,7 @@ writes, the figures it takes from a run), on the CPU; the bench itself runs ai-t
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,14 +46,22 @@ pytestmark = pytest.mark.no_daemon
         ),
         ("aitk:r32:25GB/s", "--runs 'aitk:r32:25GB/s': the link cap reaches weightstream's"),
         (
-            "resident:r32",
-            "--runs 'resident:r32': expected aitk|weightstream|host:rRANK[:LINK|full]",
+            "resident:r32,aitk:r32",
+            [
+                ("resident", 32, "full", "resident r32"),
+                ("aitk", 32, "full", "aitk r32"),
+            ],
         ),
-        ("weightstream:32", "--runs 'weightstream:32': expected aitk|weightstream|host:rRANK"),
-        ("host:rx", "--runs 'host:rx': expected aitk|weightstream|host:rRANK"),
-        ("host:r0", "--runs 'host:r0': expected aitk|weightstream|host:rRANK"),
-        ("host:r-4", "--runs 'host:r-4': expected aitk|weightstream|host:rRANK"),
-        ("weightstream:r32:25GB/s:x", "expected aitk|weightstream|host:rRANK[:LINK|full] (RANK"),
+        ("resident:r32:25GB/s", "--runs 'resident:r32:25GB/s': the link cap reaches weightstream"),
+        ("plain:r32", "--runs 'plain:r32': expected aitk|weightstream|host|resident:rRANK[:LINK"),
+        ("weightstream:32", "--runs 'weightstream:32': expected aitk|weightstream|host|resident"),
+        ("host:rx", "--runs 'host:rx': expected aitk|weightstream|host|resident:rRANK"),
+        ("host:r0", "--runs 'host:r0': expected aitk|weightstream|host|resident:rRANK"),
+        ("host:r-4", "--runs 'host:r-4': expected aitk|weightstream|host|resident:rRANK"),
+        (
+            "weightstream:r32:25GB/s:x",
+            "expected aitk|weightstream|host|resident:rRANK[:LINK|full] (RANK",
+        ),
         ("host:r64,aitk:r8,host:r64:full", "'weightstream host r64 full' is listed twice"),
     ],
 )
@@ -64,6 +73,16 @@ def test_runs(text, want):
     else:
         got = [(r["mode"], r["rank"], r["link"], r["label"]) for r in bench.parse_runs(text)]
         assert got == want
+
+
+def test_reuse_takes_only_what_the_same_settings_built(tmp_path):
+    what = {"arch": "flux2", "size": {"transformer": {"depth_single_blocks": 33}}, "seed": 42}
+    assert bench.reused(tmp_path, what) is None  # nothing built yet
+    (tmp_path / bench.BUILT).write_text(json.dumps({"what": what, "built": {"params": 7}}))
+    assert bench.reused(tmp_path, what) == {"params": 7}
+    assert bench.reused(tmp_path, {**what, "seed": 43}) is None
+    (tmp_path / bench.BUILT).write_text("{not json")
+    assert bench.reused(tmp_path, what) is None
 
 
 def test_every_default_run_parses():
