@@ -785,6 +785,9 @@ def reused(work: Path, what: dict) -> dict | None:
 
 
 def _commit() -> str:
+    """$WS_COMMIT (a machine that runs a copy of the tree may have an older .git), else git's."""
+    if os.environ.get("WS_COMMIT"):
+        return os.environ["WS_COMMIT"]
     try:
         return (
             subprocess.run(
