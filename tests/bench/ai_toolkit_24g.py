@@ -23,8 +23,11 @@ the run, its copies capped at LINK, e.g. `25GB/s`, or `full`), or `host` (a `wei
 with `WEIGHTSTREAM_TRAINABLE=host`: the LoRA's weights, gradients and optimizer state in host
 memory; `--host-delay false` turns its delayed update off), or `resident` (`python run.py` with
 `layer_offloading: false`: the 8-bit weights in place, never under the card, since they do not
-fit one; the floor any offloading is measured against). ai-toolkit's own manager copies
-with its own streams: the link cap does not reach it (it always has the H200's full link).
+fit one; the floor any offloading is measured against), or `resident16` (the same with
+`quantize: false`: the bf16 weights in place, for ai-toolkit's resident 8-bit layers are
+optimum-quanto's, not the torchao ones its layer offloading streams). ai-toolkit's own manager
+copies with its own streams: the link cap does not reach it (it always has the device's full
+link).
 
 With `--card GIB` each run is wrapped in tests/bench/card.py (`--card-cmd`), which holds all but
 GIB of the device for the run's whole life, daemon included, and reports the device's peak use
@@ -375,6 +378,7 @@ MODES = {
     "weightstream": ("weightstream", {}),
     "host": ("weightstream", {"WEIGHTSTREAM_TRAINABLE": "host"}),
     "resident": ("resident", {}),
+    "resident16": ("resident", {}),  # and the bf16 weights (quantize: false)
 }
 
 
@@ -397,10 +401,10 @@ def parse_runs(text: str, host_delay: bool = True) -> list[dict]:
             or len(parts) > 3
         ):
             raise ValueError(
-                f"--runs {item!r}: expected aitk|weightstream|host|resident:rRANK[:LINK|full]"
-                " (RANK 1 or more)"
+                f"--runs {item!r}: expected aitk|weightstream|host|resident|resident16:rRANK"
+                "[:LINK|full] (RANK 1 or more)"
             )
-        if mode in ("aitk", "resident") and link != "full":
+        if mode in ("aitk", "resident", "resident16") and link != "full":
             raise ValueError(f"--runs {item!r}: the link cap reaches weightstream's daemon only")
         kind, env = MODES[mode]
         env = dict(env)
@@ -476,7 +480,7 @@ def run_spec(run: dict, common: dict, args, cuda: bool) -> dict:
         common["resolution"],
         run["rank"],
         args.optimizer or ("adamw8bit" if cuda else "adamw"),
-        not args.no_quantize,
+        not args.no_quantize and run["mode"] != "resident16",
     )
     spec["result"] = str(Path(common["work"]) / f"{name}.result.json")
     return spec
