@@ -365,7 +365,7 @@ def test_the_hook_finds_the_network_and_returns_host_adamw(aitk, tmp_path, capsy
     assert (
         "weightstream-aitk: trainable: host: 12 LoRA layers and their adamw state in 0.00 GB "
         "of host memory (the trainer's own: no attached model holds the layers the LoRA wraps); "
-        "computing on cpu; delayed update on\n" in out
+        "computing on cpu; delayed update on; master fp32\n" in out
     )
     # After run: ordinary CPU parameters again, ai-toolkit's attribute gone.
     lora = process.network.unet_loras[0].lora_down

@@ -300,8 +300,8 @@ def host_optimizer(
     print(
         f"weightstream-aitk: trainable: host: {len(layers)} LoRA layers and their {hyper.kind} "
         f"state in {trainable.host_bytes / 1e9:.2f} GB of host memory ({where}); computing on "
-        f"{device}; delayed update {'on' if settings.trainable_delay else 'off'}; fp32 master "
-        f"{'kept' if any(s.master is not s.working for s in trainable.slots) else 'none'}",
+        f"{device}; delayed update {'on' if settings.trainable_delay else 'off'}; master "
+        f"{trainable.master}",
         flush=True,
     )
     return opt
