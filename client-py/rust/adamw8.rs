@@ -1,8 +1,8 @@
 //! An AdamW step with 8-bit block-wise quantized moments, on the CPU, over tensors handed by
-//! address: the optimizer of trainers that keep fp32 master weights and the moments in host
-//! memory and step each layer there while the GPU computes. Per parameter: the fp32 master
-//! (4 bytes), `m` as int8 and `sqrt(v)` as uint8 (1 byte each), one fp32 scale of each per
-//! block of [`BLOCK`] parameters. The Python API, and a torch implementation of the same
+//! address: the optimizer of trainers that keep their weights and the moments in host memory
+//! and step each layer there while the GPU computes. Per parameter: the parameter itself (an
+//! fp32 master, 4 bytes, or the bf16 working weight updated in place, 2 bytes), `m` as int8 and
+//! `sqrt(v)` as uint8 (1 byte each), one fp32 scale of each per block of [`BLOCK`] parameters. The Python API, and a torch implementation of the same
 //! formula that this kernel matches bit for bit, are in `weightstream.torch.adamw8`.
 //!
 //! # The formula
@@ -46,7 +46,7 @@
 //! m  = m * b1 + g * c1
 //! v  = v * b2 + (g * g) * c2
 //! r  = sqrt(v)
-//! p  = p[i] * decay
+//! p  = f32(p[i]) * decay                     (a bf16 parameter: exact)
 //! p  = p - (m / (r * inv_bc2 + eps)) * step_size
 //! ```
 //!
@@ -59,7 +59,8 @@
 //! w[i]  = bf16(p)                            (round to nearest-even, as torch's .to(bfloat16))
 //! ```
 //!
-//! `p` is stored back, `sm[b] = sm'`, `sv[b] = sv'` (NaN where not finite, below). This is
+//! `p` is stored back (a bf16 parameter: `bf16(p)`, rounded as `w`; then there is no `w`),
+//! `sm[b] = sm'`, `sv[b] = sv'` (NaN where not finite, below). This is
 //! AdamW as `torch.optim.AdamW` computes it (decoupled weight decay first, bias corrections,
 //! `eps` added after the corrected `sqrt(v)`), with the moments read from and written to their
 //! 8-bit form, and the correction of `v` applied as a product with its reciprocal (`inv_bc2`)
@@ -77,7 +78,8 @@
 //! (to a non-finite block) for gradients above about 1.8e19.
 //!
 //! # Memory and threads
-//! The call reads and writes each element once (16 bytes for a bf16 gradient with `w`): it
+//! The call reads and writes each element once (16 bytes for an fp32 parameter, a bf16
+//! gradient and `w`; 8 for a bf16 parameter and gradient): it
 //! runs on rayon's global pool (`RAYON_NUM_THREADS` sets its size), with the GIL released, in
 //! chunks of at most [`GRAIN_BLOCKS`] blocks; the code of each chunk is compiled for AVX-512
 //! and AVX2 besides the baseline and picked at run time (the results are the same bits: all
@@ -198,6 +200,19 @@ impl Grad for f32 {
     }
 }
 
+/// A parameter element: read as binary32 exactly ([`Grad::to_f32`]), written back from the
+/// step's binary32 result (rounded to nearest-even where the type is narrower).
+trait Param: Grad {
+    fn from_f32(x: f32) -> Self;
+}
+
+impl Param for f32 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> f32 {
+        x
+    }
+}
+
 /// The bits of a bfloat16 (the high half of a binary32).
 #[derive(Clone, Copy)]
 #[repr(transparent)]
@@ -207,6 +222,13 @@ impl Grad for Bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits(u32::from(self.0) << 16)
+    }
+}
+
+impl Param for Bf16 {
+    #[inline(always)]
+    fn from_f32(x: f32) -> Bf16 {
+        Bf16(bf16_bits(x))
     }
 }
 
@@ -285,8 +307,8 @@ fn inverse(max_bits: u32, top: f32) -> (f32, f32) {
 }
 
 /// The tensors of one step, or of a run of whole blocks of it.
-struct Step<'a, G> {
-    p: &'a mut [f32],
+struct Step<'a, P, G> {
+    p: &'a mut [P],
     g: &'a [G],
     qm: &'a mut [i8],
     qv: &'a mut [u8],
@@ -295,7 +317,7 @@ struct Step<'a, G> {
     w: Option<&'a mut [u16]>,
 }
 
-impl<'a, G: Grad> Step<'a, G> {
+impl<'a, P: Param, G: Grad> Step<'a, P, G> {
     /// The first `blocks` blocks and the rest.
     fn split(self, blocks: usize) -> (Self, Self) {
         let at = blocks * BLOCK;
@@ -398,7 +420,7 @@ impl Isa {
             })
     }
 
-    fn blocks<G: Grad>(self, s: Step<'_, G>, c: &Constants) {
+    fn blocks<P: Param, G: Grad>(self, s: Step<'_, P, G>, c: &Constants) {
         match self {
             Isa::Baseline => blocks(s, c),
             // SAFETY: only `supported` makes this variant, on a CPU with AVX2.
@@ -413,19 +435,19 @@ impl Isa {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn blocks_avx2<G: Grad>(s: Step<'_, G>, c: &Constants) {
+fn blocks_avx2<P: Param, G: Grad>(s: Step<'_, P, G>, c: &Constants) {
     blocks(s, c)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw")]
-fn blocks_avx512<G: Grad>(s: Step<'_, G>, c: &Constants) {
+fn blocks_avx512<P: Param, G: Grad>(s: Step<'_, P, G>, c: &Constants) {
     blocks(s, c)
 }
 
 /// Steps each block of `s` in turn (inlined into each instruction-set variant).
 #[inline(always)]
-fn blocks<G: Grad>(s: Step<'_, G>, c: &Constants) {
+fn blocks<P: Param, G: Grad>(s: Step<'_, P, G>, c: &Constants) {
     let Step {
         p,
         g,
@@ -452,8 +474,8 @@ fn blocks<G: Grad>(s: Step<'_, G>, c: &Constants) {
 /// One block (at most [`BLOCK`] elements): the module's formula.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn block<G: Grad>(
-    p: &mut [f32],
+fn block<P: Param, G: Grad>(
+    p: &mut [P],
     g: &[G],
     qm: &mut [i8],
     qv: &mut [u8],
@@ -482,8 +504,8 @@ fn block<G: Grad>(
         let m = m * c.b1 + g * c.c1;
         let v = v * c.b2 + (g * g) * c.c2;
         let r = v.sqrt();
-        let decayed = p[i] * c.decay;
-        p[i] = decayed - (m / (r * c.inv_bc2 + c.eps)) * c.step_size;
+        let decayed = p[i].to_f32() * c.decay;
+        p[i] = P::from_f32(decayed - (m / (r * c.inv_bc2 + c.eps)) * c.step_size);
         m_new[i] = m;
         r_new[i] = r;
         m_max = m_max.max(m.to_bits() & 0x7fff_ffff);
@@ -503,25 +525,41 @@ fn block<G: Grad>(
     *sv = sv_new;
     if let Some(w) = w {
         for (w, &p) in w.iter_mut().zip(p.iter()) {
-            *w = bf16_bits(p);
+            *w = bf16_bits(p.to_f32());
         }
     }
 }
 
-/// The element type of the gradient.
+/// The element type of the parameter or of the gradient.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum GradDtype {
+pub(crate) enum Dtype {
     Bf16,
     F32,
 }
 
-impl GradDtype {
+impl Dtype {
     fn size(self) -> usize {
         match self {
-            GradDtype::Bf16 => 2,
-            GradDtype::F32 => 4,
+            Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
         }
     }
+
+    /// The dtype called `name` ("bf16" or "f32"); the error names the argument `what`.
+    fn named(what: &str, name: &str) -> Result<Dtype, String> {
+        match name {
+            "bf16" => Ok(Dtype::Bf16),
+            "f32" => Ok(Dtype::F32),
+            other => Err(format!("{what} must be \"bf16\" or \"f32\", got {other:?}")),
+        }
+    }
+}
+
+/// The element types of one step's parameter and gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Dtypes {
+    pub p: Dtype,
+    pub g: Dtype,
 }
 
 /// The addresses of one step's tensors (`w` 0 for none).
@@ -538,11 +576,12 @@ pub(crate) struct Addresses {
 
 impl Addresses {
     /// Each tensor's name, address, size in bytes and alignment, for `n` elements.
-    fn ranges(&self, n: usize, g_dtype: GradDtype) -> Vec<(&'static str, usize, usize, usize)> {
+    fn ranges(&self, n: usize, dtypes: Dtypes) -> Vec<(&'static str, usize, usize, usize)> {
         let blocks = n.div_ceil(BLOCK);
+        let (p, g) = (dtypes.p.size(), dtypes.g.size());
         let mut ranges = vec![
-            ("p", self.p, n * 4, 4),
-            ("g", self.g, n * g_dtype.size(), g_dtype.size()),
+            ("p", self.p, n * p, p),
+            ("g", self.g, n * g, g),
             ("qm", self.qm, n, 1),
             ("qv", self.qv, n, 1),
             ("sm", self.sm, blocks * 4, 4),
@@ -556,15 +595,22 @@ impl Addresses {
 
     /// Checks what can be checked of addresses: non-null, aligned for their element type,
     /// ending within the address space, and pairwise disjoint (the step writes through
-    /// them). `n` elements, at most `isize::MAX / 4`.
-    pub(crate) fn check(&self, n: usize, g_dtype: GradDtype) -> Result<(), String> {
+    /// them); no `w` for a bf16 parameter (it is its own bf16 copy). `n` elements, at most
+    /// `isize::MAX / 4`.
+    pub(crate) fn check(&self, n: usize, dtypes: Dtypes) -> Result<(), String> {
         if n == 0 {
             return Err("n must be >= 1".into());
+        }
+        if dtypes.p == Dtype::Bf16 && self.w != 0 {
+            return Err(
+                "w must be 0 for a bf16 p: the parameter is the working weight, updated in place"
+                    .into(),
+            );
         }
         if n > isize::MAX as usize / 4 {
             return Err(format!("n must be <= {}, got {n}", isize::MAX as usize / 4));
         }
-        let ranges = self.ranges(n, g_dtype);
+        let ranges = self.ranges(n, dtypes);
         for &(name, ptr, len, align) in &ranges {
             if ptr == 0 {
                 return Err(format!("{name}: the address is null"));
@@ -597,74 +643,68 @@ impl Addresses {
 /// Steps the `n` elements at `a` (see the module's formula).
 ///
 /// # Safety
-/// `a` must pass [`Addresses::check`] for `n` and `g_dtype`, and each of its ranges must be
+/// `a` must pass [`Addresses::check`] for `n` and `dtypes`, and each of its ranges must be
 /// memory of its element type that stays allocated, is not read or written by anything else
-/// during the call, and (all but `g`) is writable: `p`, `n` float32; `g`, `n` bfloat16 or
-/// float32; `qm`, `n` int8; `qv`, `n` uint8; `sm` and `sv`, `ceil(n / 256)` float32; `w` (if
-/// not 0), `n` bfloat16.
-pub(crate) unsafe fn step_raw(
-    a: &Addresses,
-    n: usize,
-    g_dtype: GradDtype,
-    hp: &HyperParams,
-    isa: Isa,
-) {
+/// during the call, and (all but `g`) is writable: `p`, `n` float32 or bfloat16; `g`, `n`
+/// bfloat16 or float32; `qm`, `n` int8; `qv`, `n` uint8; `sm` and `sv`, `ceil(n / 256)`
+/// float32; `w` (if not 0), `n` bfloat16.
+pub(crate) unsafe fn step_raw(a: &Addresses, n: usize, dtypes: Dtypes, hp: &HyperParams, isa: Isa) {
     let c = hp.constants().expect("constants checked by the caller");
+    // SAFETY (each call): the caller's contract, with the element types `dtypes` names;
+    // `Bf16` is a transparent u16.
+    unsafe {
+        match (dtypes.p, dtypes.g) {
+            (Dtype::F32, Dtype::Bf16) => step_typed::<f32, Bf16>(a, n, &c, isa),
+            (Dtype::F32, Dtype::F32) => step_typed::<f32, f32>(a, n, &c, isa),
+            (Dtype::Bf16, Dtype::Bf16) => step_typed::<Bf16, Bf16>(a, n, &c, isa),
+            (Dtype::Bf16, Dtype::F32) => step_typed::<Bf16, f32>(a, n, &c, isa),
+        }
+    }
+}
+
+/// [`step_raw`] with the parameter's and gradient's element types `P` and `G`.
+///
+/// # Safety
+/// As [`step_raw`], `p` holding `n` elements of `P` and `g` of `G`.
+unsafe fn step_typed<P: Param, G: Grad>(a: &Addresses, n: usize, c: &Constants, isa: Isa) {
     let blocks = n.div_ceil(BLOCK);
     // SAFETY (every slice below): the range is non-null, aligned, within isize and disjoint
     // from the others (checked by `Addresses::check`), valid for its element type and not
     // otherwise accessed for the duration of the call (this function's contract); every bit
-    // pattern is a valid value of these integer and float types.
+    // pattern is a valid value of these integer and float types (and of `Bf16`, a u16).
     let w = (a.w != 0).then(|| unsafe { std::slice::from_raw_parts_mut(a.w as *mut u16, n) });
-    let (p, qm, qv, sm, sv) = unsafe {
+    let (p, g, qm, qv, sm, sv) = unsafe {
         (
-            std::slice::from_raw_parts_mut(a.p as *mut f32, n),
+            std::slice::from_raw_parts_mut(a.p as *mut P, n),
+            std::slice::from_raw_parts(a.g as *const G, n),
             std::slice::from_raw_parts_mut(a.qm as *mut i8, n),
             std::slice::from_raw_parts_mut(a.qv as *mut u8, n),
             std::slice::from_raw_parts_mut(a.sm as *mut f32, blocks),
             std::slice::from_raw_parts_mut(a.sv as *mut f32, blocks),
         )
     };
-    match g_dtype {
-        GradDtype::Bf16 => {
-            // SAFETY: as above; `Bf16` is a transparent u16.
-            let g = unsafe { std::slice::from_raw_parts(a.g as *const Bf16, n) };
-            Step {
-                p,
-                g,
-                qm,
-                qv,
-                sm,
-                sv,
-                w,
-            }
-            .run(&c, isa);
-        }
-        GradDtype::F32 => {
-            // SAFETY: as above.
-            let g = unsafe { std::slice::from_raw_parts(a.g as *const f32, n) };
-            Step {
-                p,
-                g,
-                qm,
-                qv,
-                sm,
-                sv,
-                w,
-            }
-            .run(&c, isa);
-        }
+    Step {
+        p,
+        g,
+        qm,
+        qv,
+        sm,
+        sv,
+        w,
     }
+    .run(c, isa);
 }
 
 /// One 8-bit AdamW step over the tensors at these addresses (the `data_ptr()` of contiguous
 /// CPU tensors; `w_ptr` 0 for no bf16 copy), in place: the private half of
 /// `weightstream.torch.adamw8.native_step`, which checks the tensors and holds them for the
-/// call. `isa` (for tests) picks the compiled variant, by default the first of
-/// `adamw8bit_isas()`. Raises `ValueError` for a null, misaligned or overlapping address,
-/// `n < 1`, an unknown `g_dtype` or `isa`, or a hyper-parameter out of range.
+/// call. `p_dtype`: `"f32"` (a master) or `"bf16"` (the working weight itself, updated in
+/// place; `w_ptr` must then be 0). `isa` (for tests) picks the compiled variant, by default the
+/// first of `adamw8bit_isas()`. Raises `ValueError` for a null, misaligned or overlapping
+/// address, `n < 1`, an unknown `p_dtype`, `g_dtype` or `isa`, a `w_ptr` with a bf16 `p`, or a
+/// hyper-parameter out of range.
 #[pyfunction]
-#[pyo3(signature = (p_ptr, g_ptr, g_dtype, qm_ptr, qv_ptr, sm_ptr, sv_ptr, w_ptr, n, step, lr, beta1, beta2, eps, weight_decay, grad_scale, isa=None))]
+#[pyo3(signature = (p_ptr, g_ptr, g_dtype, qm_ptr, qv_ptr, sm_ptr, sv_ptr, w_ptr, n, step, lr, beta1, beta2, eps, weight_decay, grad_scale, p_dtype="f32", isa=None))]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn adamw8bit_step(
     py: Python<'_>,
@@ -684,20 +724,16 @@ pub(crate) fn adamw8bit_step(
     eps: f64,
     weight_decay: f64,
     grad_scale: f64,
+    p_dtype: &str,
     isa: Option<&str>,
 ) -> PyResult<()> {
     let isa = match isa {
         Some(name) => Isa::named(name).map_err(PyValueError::new_err)?,
         None => Isa::supported()[0],
     };
-    let g_dtype = match g_dtype {
-        "bf16" => GradDtype::Bf16,
-        "f32" => GradDtype::F32,
-        other => {
-            return Err(PyValueError::new_err(format!(
-                "g_dtype must be \"bf16\" or \"f32\", got {other:?}"
-            )));
-        }
+    let dtypes = Dtypes {
+        p: Dtype::named("p_dtype", p_dtype).map_err(PyValueError::new_err)?,
+        g: Dtype::named("g_dtype", g_dtype).map_err(PyValueError::new_err)?,
     };
     let hp = HyperParams {
         step,
@@ -718,12 +754,12 @@ pub(crate) fn adamw8bit_step(
         sv: sv_ptr,
         w: w_ptr,
     };
-    a.check(n, g_dtype).map_err(PyValueError::new_err)?;
+    a.check(n, dtypes).map_err(PyValueError::new_err)?;
     // SAFETY: checked above; the addresses are the data of contiguous CPU tensors of these
     // sizes and types that `native_step` holds until this returns, and the GIL it gives up
     // is not what keeps them alive (its caller's references do). Python code that passes other
     // addresses breaks this contract, as with `raw::host_bytes`.
-    py.detach(|| unsafe { step_raw(&a, n, g_dtype, &hp, isa) });
+    py.detach(|| unsafe { step_raw(&a, n, dtypes, &hp, isa) });
     Ok(())
 }
 

@@ -4,7 +4,7 @@ daemon (``stream_trainable`` + ``HostAdamW``), on an emulated card, against the 
 with its weights in place (the bf16 model resident on the GPU, torch's AdamW on the device).
 
     python3 tests/bench/high_rank.py --bin target/release/weightstream --out $OUT \\
-        [--ranks 16 128 512 1024 1280] [--links full 25GB/s] [--card 24]
+        [--ranks 16 128 512 1024 1280] [--links full 25GB/s] [--card 24] [--master none]
 
 Per link, one daemon (``--copy-bandwidth-limit`` for a link other than "full") and one child
 process that builds the model on the GPU, runs the resident reference per rank (first link
@@ -13,10 +13,13 @@ that rank to the attention and MLP linears (ai-toolkit's way: a module whose ``o
 the layer's forward), moves it to host memory, holds all of the device but what the job may
 still use of the card (``card.Holder``: an allocation past the card is a real out-of-memory
 error), and times ``--warmup`` + ``--measured`` steps at 1024² (4096 image + 512 text tokens),
-gradient checkpointing, lr 1e-4.
+gradient checkpointing, lr 1e-4. ``--master``: ``fp32`` (the default) keeps an fp32 master of
+each bf16 LoRA weight in host memory; ``none`` keeps none (``stream_trainable(...,
+master="none")``: the optimizer updates the bf16 weights in place), 4 bytes less per parameter;
+each run records it (``master``; its ``mode`` says "master none").
 
 Writes ``high_rank.json`` (``{"runs": [{rank, mode, link_gbps, job_gib, host_gib, s_per_step,
-x_resident, command, commit, ...}]}``) and ``high_rank.md`` to --out.
+x_resident, master, command, commit, ...}]}``) and ``high_rank.md`` to --out.
 """
 
 from __future__ import annotations
@@ -174,17 +177,21 @@ def streamed(args, model, handle, rank: int, link: str, baseline_used: int, emit
 
     rec = {
         "rank": rank,
-        "mode": f"weightstream {args.optimizer}",
+        "mode": f"weightstream {args.optimizer}"
+        + (", master none" if args.master == "none" else ""),
         "link_gbps": link_gbps(link),
     }
     rec["delay"] = args.delay
+    rec["master"] = args.master
     added = add_lora(model, rank)
     tr = holder = sampler = None
     try:
         params = lora_params(added)
         rec["trainable_params"] = numel(params)
         t = time.monotonic()
-        tr = stream_trainable(model, handle, optimizer=args.optimizer, lookahead=args.lookahead)
+        tr = stream_trainable(
+            model, handle, optimizer=args.optimizer, lookahead=args.lookahead, master=args.master
+        )
         opt = HostAdamW(tr.params(), lr=1e-4, trainable=tr, kind=args.optimizer, delay=args.delay)
         rec["host_state_s"] = round(time.monotonic() - t, 1)
         rec["trainable_host_gib"] = round(tr.host_bytes / GiB, 2)
@@ -432,6 +439,8 @@ def child_args(args, first: bool) -> list[str]:
         args.optimizer,
         "--lookahead",
         str(args.lookahead),
+        "--master",
+        args.master,
     ]
     out += ["--resident-ranks", *map(str, args.resident_ranks if first else [])]
     if not args.delay:
@@ -465,6 +474,12 @@ def main():
         dest="delay",
         action="store_false",
         help="step when step() is called instead of one step late",
+    )
+    ap.add_argument(
+        "--master",
+        choices=["fp32", "none"],
+        default="fp32",
+        help="fp32: an fp32 master of each bf16 LoRA weight; none: the weights updated in place",
     )
     ap.add_argument("--lookahead", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=2)

@@ -43,12 +43,14 @@ def assert_same_bits(name: str, native: torch.Tensor, ref: torch.Tensor, nan_ok:
 
 
 class Pair:
-    """One parameter stepped by both implementations, from the same start."""
+    """One parameter stepped by both implementations, from the same start. A bfloat16 ``p0``
+    is the working weight updated in place (no ``w``)."""
 
     def __init__(self, p0: torch.Tensor, with_w: bool = True):
         n = p0.numel()
         self.p = [p0.clone(), p0.clone()]
         self.state = [adamw8.new_state(n), adamw8.new_state(n)]
+        with_w = with_w and p0.dtype == torch.float32
         self.w = [torch.empty(n, dtype=torch.bfloat16) if with_w else None for _ in range(2)]
 
     def step(self, g: torch.Tensor, t: int, isa: str | None = None, **hp):
@@ -67,11 +69,12 @@ class Pair:
                 qv.data_ptr(),
                 sm.data_ptr(),
                 sv.data_ptr(),
-                w.data_ptr(),
+                0 if w is None else w.data_ptr(),
                 p.numel(),
                 t,
                 *args,
                 hp["grad_scale"],
+                p_dtype="bf16" if p.dtype == torch.bfloat16 else "f32",
                 isa=isa,
             )
 
@@ -111,9 +114,10 @@ def test_reference_ops_are_single_ieee_roundings():
 @pytest.mark.parametrize("g_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 @pytest.mark.parametrize("grad_scale", [1.0, 0.37])
-def test_native_matches_reference(n, g_dtype, weight_decay, grad_scale):
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16])
+def test_native_matches_reference(n, g_dtype, weight_decay, grad_scale, p_dtype):
     gen = torch.Generator().manual_seed(n)
-    pair = Pair(torch.randn(n, generator=gen))
+    pair = Pair(torch.randn(n, generator=gen).to(p_dtype))
     for t in range(1, 6):
         g = (torch.randn(n, generator=gen) * 10 ** (t - 3)).to(g_dtype)
         pair.step(g, t, weight_decay=weight_decay, grad_scale=grad_scale)
@@ -121,10 +125,11 @@ def test_native_matches_reference(n, g_dtype, weight_decay, grad_scale):
 
 
 @pytest.mark.parametrize("isa", _native.adamw8bit_isas())
-def test_every_compiled_variant_matches_reference(isa):
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16])
+def test_every_compiled_variant_matches_reference(isa, p_dtype):
     n = 3 * 256 + 77
     gen = torch.Generator().manual_seed(7)
-    pair = Pair(torch.randn(n, generator=gen))
+    pair = Pair(torch.randn(n, generator=gen).to(p_dtype))
     for t in range(1, 4):
         g = torch.randn(n, generator=gen).bfloat16()
         pair.step(g, t, isa=isa, weight_decay=0.1, grad_scale=0.5)
@@ -166,12 +171,13 @@ def test_extreme_hyper_parameters(hp):
         pair.assert_same()
 
 
-def test_non_finite_gradients_poison_their_block():
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.bfloat16])
+def test_non_finite_gradients_poison_their_block(p_dtype):
     """A NaN in block 0 and an infinity in block 2: those blocks store NaN maxima and zero m
     codes and their parameters turn NaN, on the next step too; the others step as usual."""
     gen = torch.Generator().manual_seed(5)
     n = 4 * 256
-    pair = Pair(torch.randn(n, generator=gen))
+    pair = Pair(torch.randn(n, generator=gen).to(p_dtype))
     pair.step(torch.randn(n, generator=gen), 1)
     g = torch.randn(n, generator=gen)
     g[10] = math.nan
@@ -203,6 +209,29 @@ def test_parameters_and_integer_like_steps():
         ValueError, match=r"step must be an int >= 1 \(1 for the first step\), got 1.5"
     ):
         pair.step(torch.randn(3, 100, generator=gen), 1.5)
+
+
+@pytest.mark.parametrize("g_dtype", [torch.bfloat16, torch.float32])
+def test_a_bf16_parameter_steps_as_its_master_would_then_rounds(g_dtype):
+    """One implementation of the math: from a bf16 weight, the in-place bf16 step writes what
+    the fp32-master step writes as ``w_out`` (and the same state); over later steps the two
+    part (the master keeps the bits the bf16 weight rounds away)."""
+    gen = torch.Generator().manual_seed(9)
+    n = 2 * 256 + 31
+    w0 = torch.randn(n, generator=gen).bfloat16()
+    master, working = Pair(w0.float()), Pair(w0)
+    grads = [(torch.randn(n, generator=gen) * 1e-2).to(g_dtype) for _ in range(3)]
+    master.step(grads[0], 1, weight_decay=0.1)
+    working.step(grads[0], 1, weight_decay=0.1)
+    working.assert_same()
+    assert_same_bits("p", working.p[0], master.w[0])
+    for a, b in zip(working.state[0], master.state[0], strict=True):
+        assert_same_bits("state", a, b)
+    for t, g in enumerate(grads[1:], start=2):
+        master.step(g, t, weight_decay=0.1)
+        working.step(g, t, weight_decay=0.1)
+        working.assert_same()
+    assert not torch.equal(working.p[0], master.w[0]), "the rounding of each step adds up"
 
 
 def test_without_w_out_the_state_is_the_same():
@@ -309,6 +338,18 @@ def test_native_checks_its_arguments():
     fails(
         r"w_out must have 300 elements", p, g, qm, qv, sm, sv, torch.empty(3, dtype=torch.bfloat16)
     )
+    fails(r"p must be torch.float32 or torch.bfloat16, got torch.float16", p.half(), g, qm, qv,
+          sm, sv, None)  # fmt: skip
+    fails(
+        r"w_out must be None for a bfloat16 p: the parameter is the working weight",
+        p.bfloat16(),
+        g,
+        qm,
+        qv,
+        sm,
+        sv,
+        torch.empty(n, dtype=torch.bfloat16),
+    )
     fails(r"g must be contiguous", p, torch.zeros(2 * n)[::2], qm, qv, sm, sv, None)
     fails(
         r"p must have at least 1 element",
@@ -396,6 +437,8 @@ def test_kernel_checks_addresses_and_values():
         (dict(sm_ptr=sm.data_ptr() + 2), r"sm: the address 0x[0-9a-f]+ is not aligned to its "
                                          r"element \(4 bytes\)"),
         (dict(g_dtype="f16"), r'g_dtype must be "bf16" or "f32", got "f16"'),
+        (dict(p_dtype="f16"), r'p_dtype must be "bf16" or "f32", got "f16"'),
+        (dict(p_dtype="bf16", w_ptr=buf.data_ptr()), r"w must be 0 for a bf16 p"),
         (dict(n=0), r"n must be >= 1"),
         (dict(qm_ptr=buf.data_ptr(), qv_ptr=buf.data_ptr() + n - 1), r"qm and qv overlap"),
         (dict(w_ptr=p.data_ptr()), r"p and w overlap in memory"),

@@ -562,6 +562,17 @@ def test_offload_percent_and_ignore_modules(daemon, toolkit):
             Settings(trainable_delay=False),
         ),
         ({"trainable_delay": False}, {"WEIGHTSTREAM_TRAINABLE_DELAY": "Yes"}, Settings()),
+        ({"trainable_master": "none"}, {}, Settings(trainable_master="none")),
+        (
+            {"trainable_master": "none"},
+            {"WEIGHTSTREAM_TRAINABLE_MASTER": "fp32"},
+            Settings(trainable_master="fp32"),
+        ),
+        (
+            {},
+            {"WEIGHTSTREAM_TRAINABLE_MASTER": "bf16"},
+            "WEIGHTSTREAM_TRAINABLE_MASTER: 'bf16': expected one of fp32, none",
+        ),
         (
             {"trainable": "gpu"},
             {},

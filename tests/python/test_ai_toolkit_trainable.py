@@ -365,7 +365,7 @@ def test_the_hook_finds_the_network_and_returns_host_adamw(aitk, tmp_path, capsy
     assert (
         "weightstream-aitk: trainable: host: 12 LoRA layers and their adamw state in 0.00 GB "
         "of host memory (the trainer's own: no attached model holds the layers the LoRA wraps); "
-        "computing on cpu; delayed update on\n" in out
+        "computing on cpu; delayed update on; master fp32\n" in out
     )
     # After run: ordinary CPU parameters again, ai-toolkit's attribute gone.
     lora = process.network.unet_loras[0].lora_down
@@ -505,6 +505,35 @@ def direct(steps=4, save_every=2, delay=True, clip=MAX_NORM):
             saved.append([p.detach().clone() for p in network.parameters()])
     tr.close()
     return losses, saved
+
+
+@pytest.mark.parametrize(
+    ("dtype", "setting", "want"),
+    [
+        (torch.float32, None, "fp32"),
+        (torch.bfloat16, None, "none"),
+        (torch.bfloat16, "fp32", "fp32"),
+        (torch.float32, "none", "none"),
+    ],
+)
+def test_the_fp32_master_follows_the_network_dtype_unless_set(dtype, setting, want):
+    """Unset, ``trainable_master`` is ``none`` for a bf16 network (ai-toolkit's optimizer keeps
+    no fp32 copy of it), ``fp32`` otherwise; an fp32 weight is its own master either way."""
+    network = Network(Model().to(DTYPE).requires_grad_(False))
+    network.force_to("cpu", dtype)
+    network.apply_to()
+    network.requires_grad_(True)
+    settings = Settings(trainable="host", trainable_master=setting)
+    opt = aitk_trainable.host_optimizer(
+        list(network.parameters()), "adamw8bit", LR, None, network=network,
+        max_grad_norm=None, settings=settings,
+    )  # fmt: skip
+    try:
+        assert opt.master == opt.trainable.master == want
+        kept = [s.master is not s.working for s in opt.trainable.slots]
+        assert kept == [want == "fp32" and dtype == torch.bfloat16] * len(kept)
+    finally:
+        aitk_trainable.release(opt.trainable)
 
 
 @pytest.mark.parametrize("delay", [True, False])

@@ -1,7 +1,8 @@
 """Trainable weights in host memory (``stream_trainable`` + ``HostAdamW``), on the CPU: losses
 and LoRA weights ``torch.equal`` to the same model trained with its LoRA in place and the
-documented optimizer formula applied to fp32 masters; delayed updates equal to a reference that
-applies each update one step late; accumulation, clipping, schedulers and resume."""
+documented optimizer formula applied to fp32 masters (``master="fp32"``) or to the bf16 weights
+themselves (``master="none"``); delayed updates equal to a reference that applies each update
+one step late; accumulation, clipping, schedulers and resume."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import weightstream.torch as wst
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from weightstream.torch.host_optim import HostAdamW, reference_adamw
-from weightstream.torch.trainable import TrainableError, stream_trainable
+from weightstream.torch.trainable import TrainableError, host_bytes, size_text, stream_trainable
 
 DIM, RANK, TOKENS = 48, 8, 6
 
@@ -86,12 +87,19 @@ def loss_of(model, x):
 
 
 class Reference:
-    """The LoRA in place, fp32 masters, the optimizer's formula on the CPU."""
+    """The LoRA in place, the optimizer's formula on the CPU, on fp32 masters (``master="fp32"``)
+    or on copies of the weights in their own dtype (``"none"``: torch's AdamW on bf16
+    parameters, adamw8's step on a bf16 ``p``)."""
 
-    def __init__(self, model, kind="adamw", lr=1e-2, wd=1e-2, max_norm=None, delay=False):
+    def __init__(
+        self, model, kind="adamw", lr=1e-2, wd=1e-2, max_norm=None, delay=False, master="fp32"
+    ):
         self.model, self.kind, self.max_norm, self.delay = model, kind, max_norm, delay
         self.params = lora_params(model)
-        self.masters = [p.detach().float().cpu() for p in self.params]
+        if master == "fp32":
+            self.masters = [p.detach().float().cpu() for p in self.params]
+        else:
+            self.masters = [p.detach().cpu().clone() for p in self.params]
         self.hyper = {"lr": lr, "weight_decay": wd}
         self.opt = reference_adamw(self.masters, **self.hyper) if kind == "adamw" else None
         self.pending = None
@@ -116,7 +124,7 @@ class Reference:
         self.steps += 1
         if self.kind == "adamw":
             for m, g in zip(self.masters, grads, strict=True):
-                m.grad = g.float()
+                m.grad = g.to(m.dtype)
             self.opt.step()
         else:
             from weightstream.torch import adamw8
@@ -155,7 +163,7 @@ def train_pair(steps=4, ckpt=False, accumulate=1, device="cpu", client=None, aut
     handle = None
     if client is not None:
         handle = wst.attach(model, device, client=client, min_bytes=0)
-    tr = stream_trainable(model, handle, device=device)
+    tr = stream_trainable(model, handle, device=device, master=kw.get("master", "fp32"))
     tr.handle = handle
     opt = HostAdamW(
         tr.params(),
@@ -190,8 +198,9 @@ def assert_same_lora(ref_model, model):
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
-def test_adamw_equals_torch_adamw_on_masters(ckpt):
-    ref_model, model, tr, _, _ = train_pair(ckpt=ckpt)
+@pytest.mark.parametrize("master", ["fp32", "none"])
+def test_adamw_equals_torch_adamw_on_masters(ckpt, master):
+    ref_model, model, tr, _, _ = train_pair(ckpt=ckpt, master=master)
     assert_same_lora(ref_model, model)
     assert all(p.grad is None for p in lora_params(model))
     assert all(p.device.type == "cpu" for p in lora_params(model))
@@ -201,10 +210,12 @@ def test_adamw_equals_torch_adamw_on_masters(ckpt):
 @pytest.mark.parametrize(
     "kw", [{}, {"delay": True, "ckpt": True}, {"accumulate": 2, "max_norm": 0.05}]
 )
-def test_adamw8bit_equals_its_torch_reference(kw):
-    """HostAdamW's adamw8bit (the native kernel) against adamw8.reference_step on the masters:
-    equal losses every step (train_pair) and equal LoRA weights at the end."""
-    ref_model, model, tr, _, _ = train_pair(steps=5, kind="adamw8bit", **kw)
+@pytest.mark.parametrize("master", ["fp32", "none"])
+def test_adamw8bit_equals_its_torch_reference(kw, master):
+    """HostAdamW's adamw8bit (the native kernel) against adamw8.reference_step on the masters
+    (or on the bf16 weights themselves): equal losses every step (train_pair) and equal LoRA
+    weights at the end."""
+    ref_model, model, tr, _, _ = train_pair(steps=5, kind="adamw8bit", master=master, **kw)
     assert_same_lora(ref_model, model)
     tr.close()
 
@@ -266,27 +277,139 @@ def test_a_state_over_the_host_quota_is_refused_before_anything_moves(quota_daem
     storages = [p.data_ptr() for p in lora_params(model)]
     with pytest.raises(TrainableError) as e:
         stream_trainable(model, handle, optimizer="adamw")
-    need = sum(p.numel() for p in before) * (2 + 4 + 2 + 8)
+    numel = sum(p.numel() for p in before)
+    need, lean = numel * (2 + 4 + 2 + 8), numel * (2 + 2 + 4)
+    assert lean <= QUOTA - held < need, "the test's quota: refused, and fits without the master"
     assert str(e.value) == (
-        f"the trainable state needs {need} bytes of host memory with adamw, and "
-        f"quotas.per_uid_host_bytes leaves this uid {QUOTA - held} bytes beside what it "
-        "holds: use adamw8bit, a lower rank, or raise the daemon's quota"
+        f"the trainable state needs {need} bytes of host memory with adamw and the fp32 "
+        f"master, and quotas.per_uid_host_bytes leaves this uid {QUOTA - held} bytes beside "
+        "what it holds: without the fp32 master (master='none': the optimizer updates the "
+        f"weights in place) it needs {lean} bytes, which fits; else use adamw8bit, a lower "
+        "rank, or raise the daemon's quota"
     )
     assert all(p.device.type == "cpu" for p in lora_params(model))
     assert [p.data_ptr() for p in lora_params(model)] == storages, "untouched"
     assert all(torch.equal(p, b) for p, b in zip(lora_params(model), before, strict=True))
     assert d.client.info().usage.state_bytes == 0
+    tr = stream_trainable(model, handle, optimizer="adamw", master="none")
+    HostAdamW(tr.params(), trainable=tr)
+    assert tr.host_bytes == lean
+    # Two regions (weights and gradients; moments) of lean / 2 each, in whole pages.
+    assert d.client.info().usage.state_bytes == 2 * (-(-(lean // 2) // 4096) * 4096)
+    tr.close()
     handle.close(release=True)
 
 
-def test_clipping_and_accumulation():
-    ref_model, model, tr, _, _ = train_pair(accumulate=2, max_norm=0.05)
+@pytest.mark.parametrize("kind", ["adamw", "adamw8bit"])
+def test_master_none_holds_each_weight_once(kind):
+    """``master="none"``: the optimizer's parameter is the bf16 weight itself, no fp32 copy;
+    adamw's moments are bf16 (torch's AdamW on a bf16 parameter); the host bytes are
+    ``host_bytes``' (the test's tensors fill whole 256-byte slots)."""
+    model = make()
+    numel = [p.numel() for p in lora_params(model)]
+    tr = stream_trainable(model, device="cpu", master="none")
+    assert tr.master == "none"
+    assert all(s.master is s.working and s.working.dtype == torch.bfloat16 for s in tr.slots)
+    assert tr.host_bytes == sum(host_bytes(n, torch.bfloat16, None, "none") for n in numel)
+    assert tr.host_bytes == sum(numel) * (2 + 2)
+    opt = HostAdamW(tr.params(), trainable=tr, kind=kind)
+    assert opt.master == "none"
+    state = opt.state_dict()
+    assert state["master"] == "none"
+    assert state["state"][0]["master"].dtype == torch.bfloat16
+    if kind == "adamw":
+        assert state["state"][0]["exp_avg"].dtype == torch.bfloat16
+        assert tr.host_bytes == sum(host_bytes(n, torch.bfloat16, "adamw", "none") for n in numel)
+        assert tr.host_bytes == sum(numel) * (2 + 2 + 4)
+    tr.close()
+    fp32 = stream_trainable(make(), device="cpu")
+    assert fp32.master == "fp32" and fp32.host_bytes == sum(numel) * (2 + 4 + 2)
+    fp32.close()
+
+
+def test_a_state_saved_with_another_master_is_refused_naming_it():
+    model = make()
+    tr = stream_trainable(model, device="cpu")
+    saved = HostAdamW(tr.params(), trainable=tr).state_dict()
+    assert saved["master"] == "fp32"
+    saved = copy.deepcopy(saved)
+    tr.close()
+    tr = stream_trainable(make(), device="cpu", master="none")
+    opt = HostAdamW(tr.params(), trainable=tr)
+    with pytest.raises(TrainableError) as e:
+        opt.load_state_dict(saved)
+    assert str(e.value) == (
+        "parameter 0 (blocks.0.q.lora_A): master is [8, 48] torch.float32 in the state dict, "
+        "[8, 48] torch.bfloat16 here (saved with master='fp32', this optimizer's trainable has "
+        "master='none': resume with the same master)"
+    )
+    tr.close()
+
+
+@pytest.mark.parametrize("master", ["fp32", "none"])
+def stub_client(room: int):
+    """A client whose daemon allows this uid ``room`` more host bytes (``host_room``)."""
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(
+        quotas=SimpleNamespace(per_uid_host_bytes=room + 100, max_host_bytes=0),
+        usage=SimpleNamespace(host_bytes=100),
+    )
+    return SimpleNamespace(info=lambda: info)
+
+
+def test_the_host_check_counts_each_master_mode():
+    """``check_host_fits``: 1 Mi bf16 elements with adamw8bit are 10 MiB + 32 KiB with the fp32
+    master, 6 MiB + 32 KiB without; the refusal with the master says when none would fit."""
+    from weightstream.torch.trainable import check_host_fits
+
+    params = [torch.empty(1 << 20, dtype=torch.bfloat16)]
+    full, lean = (10 << 20) + (32 << 10), (6 << 20) + (32 << 10)
+    assert host_bytes(1 << 20, torch.bfloat16, "adamw8bit") == full
+    assert host_bytes(1 << 20, torch.bfloat16, "adamw8bit", "none") == lean
+    assert host_bytes(1 << 20, torch.float32, "adamw8bit", "none") == full
+    tail = "use adamw8bit, a lower rank, or raise the daemon's quota"
+    check_host_fits(stub_client(full), params, "adamw8bit")
+    check_host_fits(stub_client(lean), params, "adamw8bit", master="none")
+    with pytest.raises(TrainableError) as e:
+        check_host_fits(stub_client(8 << 20), params, "adamw8bit")
+    assert str(e.value) == (
+        f"the trainable state needs {size_text(full)} of host memory with adamw8bit and the "
+        "fp32 master, and quotas.per_uid_host_bytes leaves this uid 8.00 MiB beside what it "
+        "holds: without the fp32 master (master='none': the optimizer updates the weights in "
+        f"place) it needs {size_text(lean)}, which fits; else {tail}"
+    )
+    with pytest.raises(TrainableError) as e:
+        check_host_fits(stub_client(4 << 20), params, "adamw8bit")
+    assert str(e.value) == (
+        f"the trainable state needs {size_text(full)} of host memory with adamw8bit and the "
+        f"fp32 master, and quotas.per_uid_host_bytes leaves this uid 4.00 MiB beside what it "
+        f"holds: {tail}"
+    )
+    with pytest.raises(TrainableError) as e:
+        check_host_fits(stub_client(4 << 20), params, "adamw8bit", master="none")
+    assert str(e.value) == (
+        f"the trainable state needs {size_text(lean)} of host memory with adamw8bit, and "
+        f"quotas.per_uid_host_bytes leaves this uid 4.00 MiB beside what it holds: {tail}"
+    )
+    with pytest.raises(TrainableError) as e:
+        check_host_fits(stub_client(8 << 20), [params[0].float()], "adamw8bit")
+    assert str(e.value) == (
+        f"the trainable state needs {size_text(full)} of host memory with adamw8bit, and "
+        f"quotas.per_uid_host_bytes leaves this uid 8.00 MiB beside what it holds: {tail}"
+    )
+
+
+@pytest.mark.parametrize("master", ["fp32", "none"])
+def test_clipping_and_accumulation(master):
+    ref_model, model, tr, _, _ = train_pair(accumulate=2, max_norm=0.05, master=master)
     assert_same_lora(ref_model, model)
     tr.close()
 
 
-def test_delayed_update_is_one_step_late():
-    ref_model, model, tr, opt, ref = train_pair(steps=5, delay=True, ckpt=True)
+@pytest.mark.parametrize("master", ["fp32", "none"])
+def test_delayed_update_is_one_step_late(master):
+    ref_model, model, tr, opt, ref = train_pair(steps=5, delay=True, ckpt=True, master=master)
     assert_same_lora(ref_model, model)
     ref.apply(ref.pending)
     opt.flush()
@@ -311,10 +434,11 @@ def test_weights_change_and_close_puts_them_back():
     assert all(p.grad is not None for p in lora_params(model))
 
 
-def test_resume_continues_the_same_trajectory():
+@pytest.mark.parametrize("master", ["fp32", "none"])
+def test_resume_continues_the_same_trajectory(master):
     data = batches(4)
     whole = make()
-    tr = stream_trainable(whole, device="cpu")
+    tr = stream_trainable(whole, device="cpu", master=master)
     opt = HostAdamW(tr.params(), lr=1e-2, trainable=tr, delay=True)
     for x in data:
         loss_of(whole, x).backward()
@@ -322,7 +446,7 @@ def test_resume_continues_the_same_trajectory():
         opt.zero_grad()
 
     first = make()
-    tr1 = stream_trainable(first, device="cpu")
+    tr1 = stream_trainable(first, device="cpu", master=master)
     opt1 = HostAdamW(tr1.params(), lr=1e-2, trainable=tr1, delay=True)
     for x in data[:2]:
         loss_of(first, x).backward()
@@ -337,7 +461,7 @@ def test_resume_continues_the_same_trajectory():
         for p in lora_params(second):
             p.zero_()  # the weights come from the saved LoRA, the masters from the state
     second.load_state_dict(lora, strict=False)
-    tr2 = stream_trainable(second, device="cpu")
+    tr2 = stream_trainable(second, device="cpu", master=master)
     opt2 = HostAdamW(tr2.params(), lr=1e-2, trainable=tr2, delay=True)
     opt2.load_state_dict(saved)
     for x in data[2:]:
@@ -399,6 +523,19 @@ def test_bad_input_is_named():
     frozen.requires_grad_(False)
     with pytest.raises(TrainableError, match="no trainable nn.Linear"):
         stream_trainable(frozen, device="cpu")
+    for bad in (None, "bf16", "None"):
+        with pytest.raises(TrainableError) as e:
+            stream_trainable(make(), device="cpu", master=bad)
+        assert str(e.value).startswith(f"master={bad!r}: expected one of 'fp32', 'none' (")
+    for master in ("fp32", "none"):
+        tr = stream_trainable(make(lora_dtype=torch.float16), device="cpu", master=master)
+        with pytest.raises(TrainableError) as e:
+            HostAdamW(tr.params(), trainable=tr, kind="adamw8bit")
+        assert str(e.value) == (
+            "blocks.0.q.lora_A: adamw8bit steps bf16 and fp32 weights, and this one is "
+            "float16: use adamw, or a bf16 LoRA"
+        )
+        tr.close()
     conv = nn.Sequential(nn.Conv2d(3, 3, 1))
     with pytest.raises(TrainableError, match=r"'0' \(Conv2d\) has a trainable weight"):
         stream_trainable(conv, device="cpu")
@@ -532,12 +669,18 @@ def test_attach_refuses_what_the_host_cannot_hold_before_uploading(quota_daemon)
     prefix = "the upload ("
     assert message.startswith(prefix), message
     upload = int(message[len(prefix) :].split(" ")[0])
+    lean = 3 * 2 * 2 * DIM * RANK * (2 + 2 + 4)
+    assert upload + lean <= QUOTA < upload + state
     assert message == (
-        f"the upload ({upload} bytes) and the trainable state ({state} bytes with adamw) "
-        f"need {upload + state} bytes of host memory, and quotas.per_uid_host_bytes leaves "
-        f"this uid {QUOTA} bytes: use adamw8bit, quantize='fp8', a lower rank, or raise "
-        "the daemon's quota"
+        f"the upload ({upload} bytes) and the trainable state ({state} bytes with adamw and "
+        f"the fp32 master) need {upload + state} bytes of host memory, and "
+        f"quotas.per_uid_host_bytes leaves this uid {QUOTA} bytes: without the fp32 master "
+        "(master='none': the optimizer updates the weights in place) the state is "
+        f"{lean} bytes and both need {upload + lean} bytes, which fits; else use adamw8bit, "
+        "quantize='fp8', a lower rank, or raise the daemon's quota"
     )
+    with pytest.raises(TrainableError, match=r"master='fp16': expected one of 'fp32', 'none'"):
+        wst.attach(model, "cpu", client=d.client, min_bytes=0, trainable="host", master="fp16")
     assert d.client.list_models().models == [], "nothing was uploaded"
     assert d.memfds() == []
     assert not any(isinstance(p, wst.Placeholder) for p in model.parameters())

@@ -122,6 +122,7 @@ def attach(
     pin: bool = False,
     trainable: str = "device",
     optimizer: str | None = None,
+    master: str = "fp32",
     **overrides,
 ) -> Handle:
     """Streams the frozen weights (and biases) of ``module``'s Linear and Conv2d layers
@@ -162,8 +163,10 @@ def attach(
       ``host_optim.HostAdamW``). ``optimizer`` ("adamw" or "adamw8bit") sizes the state: the
       upload and that state are checked together against the host memory the daemon allows
       this uid, and a configuration that cannot fit raises ``TrainableError`` with the numbers
-      before anything is uploaded. ``"device"`` (the default) leaves trainable layers on the
-      device.
+      before anything is uploaded. ``master``: ``"fp32"`` (the default) keeps an fp32 master
+      of each bf16/f16 weight for the optimizer; ``"none"`` keeps none, the optimizer updating
+      the weights in place (``trainable.stream_trainable``). ``"device"`` (the default) leaves
+      trainable layers on the device.
     ``Handle.stats()`` says where the attach's time went (``attach_*``: ``Handle.attach_phases``).
     The trainer's own copies of the streamed weights are freed, those already on ``device``
     before the session opens (so that the daemon can allocate the budget where they were),
@@ -198,10 +201,11 @@ def attach(
     alignment = client.info().alignment or 1
     if trainable not in ("device", "host"):
         raise ValueError(f"trainable={trainable!r}: expected 'device' or 'host'")
+    trainable_state.check_master(master)
     label = label or type(module).__name__
     if trainable == "host":
         _check_host_room(
-            client, module, selection.streamed, model, fmt, set(rebuilds), optimizer, label
+            client, module, selection.streamed, model, fmt, set(rebuilds), optimizer, master, label
         )
     auto = budget.resolve(vram_budget)
     if auto is not None:
@@ -279,7 +283,7 @@ def attach(
         _free(selection.streamed, device)
         if trainable == "host":
             handle.trainable = trainable_state.stream_trainable(
-                module, handle, device=device, optimizer=optimizer
+                module, handle, device=device, optimizer=optimizer, master=master
             )
         if auto is not None:
             handle._auto_attach(module, auto)
@@ -311,7 +315,7 @@ def _upload_charge(label: str, tensors: list[tuple[str, int, int]]) -> int:
 
 
 def _check_host_room(
-    client, module, streamed, model, fmt, torchao: set[str], optimizer, label: str
+    client, module, streamed, model, fmt, torchao: set[str], optimizer, master: str, label: str
 ):
     """``trainable="host"``: the upload and the trainable state together against the host
     memory the daemon allows this uid, before anything is uploaded."""
@@ -334,7 +338,9 @@ def _check_host_room(
                 for t, w in policy.layer_tensors(n, m)
             ],
         )
-    trainable_state.check_host_fits(client, [m.weight for _, m in layers], optimizer, upload)
+    trainable_state.check_host_fits(
+        client, [m.weight for _, m in layers], optimizer, upload, master=master
+    )
 
 
 def _model_of(

@@ -1,11 +1,15 @@
-"""An AdamW step with 8-bit block-wise quantized moments, for fp32 master weights kept in host
-memory: ``native_step`` runs the extension's CPU kernel (parallel, the GIL released),
+"""An AdamW step with 8-bit block-wise quantized moments, for weights kept in host memory:
+``native_step`` runs the extension's CPU kernel (parallel, the GIL released),
 ``reference_step`` computes the same formula with torch operations, bit for bit (the
 specification the kernel is tested against, and a fallback on any device).
 
-Per parameter the state is 2 bytes (``m`` as int8, ``sqrt(v)`` as uint8) plus two float32
-scales per block of 256 parameters: 6 bytes per parameter with the master, against 12 for
-fp32 AdamW. ``new_state(n)`` makes the zero state of an ``n``-element parameter.
+The parameter ``p`` is an fp32 master (its bf16 working copy ``w_out`` written beside it), or
+the bf16 working weight itself, updated in place: read to float32, the same float32 formula,
+the result rounded to nearest-even back to bf16 (as bitsandbytes' 8-bit AdamW updates a bf16
+parameter). Per parameter the state is 2 bytes (``m`` as int8, ``sqrt(v)`` as uint8) plus two
+float32 scales per block of 256 parameters: 6 bytes per parameter with an fp32 master, 4 with
+a bf16 parameter, against 12 for fp32 AdamW. ``new_state(n)`` makes the zero state of an
+``n``-element parameter.
 
 The formula
 -----------
@@ -45,7 +49,7 @@ block's maximum), ``sqrt(v)`` has ``M = 4`` (``qv = c``, in [0, 255]; 3%, down t
     m  = m * b1 + g * c1
     v  = v * b2 + (g * g) * c2
     r  = sqrt(v)
-    p  = p[i] * decay
+    p  = f32(p[i]) * decay                     (a bf16 p[i]: exact)
     p  = p - (m / (r * inv_bc2 + eps)) * step_size
 
 then, over the block, ``sm' = max |m|`` and ``sv' = max r``; ``km = 1.875 / sm'`` and
@@ -55,7 +59,8 @@ then, over the block, ``sm' = max |m|`` and ``sv' = max r``; ``km = 1.875 / sm'`
     qv[i] = max(E_4(r * kv), 1 if qm[i] != 0 else 0)
     w[i]  = bf16(p)                            (round to nearest-even: .to(torch.bfloat16))
 
-and ``p``, ``sm[b] = sm'``, ``sv[b] = sv'`` (NaN where not finite, below) are stored. This is
+and ``p`` (a bf16 parameter: ``bf16(p)``, rounded as ``w``, and no ``w_out``), ``sm[b] = sm'``,
+``sv[b] = sv'`` (NaN where not finite, below) are stored. This is
 ``torch.optim.AdamW``'s step (decoupled weight decay first, bias corrections, ``eps`` added to
 the corrected ``sqrt(v)``) with the moments read from and written to their 8-bit form, and the
 correction of ``v`` applied as a product with its reciprocal. The floor of ``qv`` keeps a
@@ -233,7 +238,7 @@ def _check(p, g, qm, qv, sm, sv, w_out) -> int:
     n = p.numel()
     nb = blocks(n)
     expected = [
-        ("p", p, (torch.float32,), n),
+        ("p", p, (torch.float32, torch.bfloat16), n),
         ("g", g, (torch.bfloat16, torch.float32), n),
         ("qm", qm, (torch.int8,), n),
         ("qv", qv, (torch.uint8,), n),
@@ -241,6 +246,11 @@ def _check(p, g, qm, qv, sm, sv, w_out) -> int:
         ("sv", sv, (torch.float32,), nb),
     ]
     if w_out is not None:
+        if isinstance(p, torch.Tensor) and p.dtype == torch.bfloat16:
+            raise ValueError(
+                "w_out must be None for a bfloat16 p: the parameter is the working weight, "
+                "updated in place"
+            )
         expected.append(("w_out", w_out, (torch.bfloat16,), n))
     if n < 1:
         raise ValueError("p must have at least 1 element")
@@ -276,9 +286,11 @@ def reference_step(
     weight_decay: float,
     grad_scale: float = 1.0,
 ) -> None:
-    """One step of the module's formula, in place, with torch operations: ``p`` (float32),
-    ``qm``, ``qv``, ``sm``, ``sv`` (the state from ``new_state``) and, unless None, ``w_out``
-    (bfloat16, the new ``p`` rounded) are written; ``g`` (bfloat16 or float32) is read. All
+    """One step of the module's formula, in place, with torch operations: ``p`` (float32, or
+    bfloat16: the working weight, its new value rounded to nearest-even), ``qm``, ``qv``,
+    ``sm``, ``sv`` (the state from ``new_state``) and, unless None, ``w_out`` (bfloat16, the new
+    float32 ``p`` rounded; None for a bfloat16 ``p``) are written; ``g`` (bfloat16 or float32)
+    is read. All
     contiguous, on one device, of ``p``'s element count (``blocks(n)`` for ``sm``, ``sv``);
     ``step`` counts from 1. Bit for bit ``native_step`` on the CPU."""
     n = _check(p, g, qm, qv, sm, sv, w_out)
@@ -322,7 +334,7 @@ def reference_step(
     qv_new = torch.maximum(encode(r * kv, V_BITS), (qm_new != 0).to(torch.int32))
 
     p_new = pp.reshape(-1)[:n]
-    p.view(-1).copy_(p_new)
+    p.view(-1).copy_(p_new)  # a bfloat16 p: rounded to nearest-even, as .to(torch.bfloat16)
     qm.view(-1).copy_(qm_new.reshape(-1)[:n].to(torch.int8))
     qv.view(-1).copy_(qv_new.reshape(-1)[:n].to(torch.uint8))
     sm.view(-1).copy_(sm_new)
@@ -371,4 +383,5 @@ def native_step(
         float(eps),
         float(weight_decay),
         float(grad_scale),
+        "bf16" if p.dtype == torch.bfloat16 else "f32",
     )

@@ -2,14 +2,21 @@
 The step runs on the trainer's CPU threads, on the master weights and moments in the daemon's
 shared memory, and writes the working weights the next forward copies to the device.
 
-Two kinds, exact by construction or by test:
+Two kinds, exact by construction or by test, each in the trainable's two ``master`` modes
+(``stream_trainable(..., master=...)``; the optimizer follows the trainable, ``master``):
 
-- ``"adamw"``: fp32 moments; each weight's step *is* ``torch.optim.AdamW(fused=True)`` (on a
-  torch without the CPU fused kernel, ``foreach=False``) applied to its fp32 master with the
-  gradient converted to fp32, then the working weight rounded from the master (``.copy_``:
-  round to nearest even). ``reference`` says which.
+- ``"adamw"``: each weight's step *is* ``torch.optim.AdamW(fused=True)`` (on a torch without
+  the CPU fused kernel, ``foreach=False``). With ``master="fp32"``: applied to its fp32 master
+  with the gradient converted to fp32, fp32 moments, then the working weight rounded from the
+  master (``.copy_``: round to nearest even). With ``master="none"``: applied to the working
+  weight itself with its gradient, torch's semantics for a bf16 (f16) parameter: the moments
+  are in the parameter's dtype too (4 bytes per bf16 element, not 8), and the kernel's fp32
+  result is rounded into the weight. ``reference`` says which.
 - ``"adamw8bit"``: block-wise 8-bit moments (``weightstream.torch.adamw8``: the formula, its
-  torch reference, and the native kernel that is ``torch.equal`` to it).
+  torch reference, and the native kernel that is ``torch.equal`` to it). With
+  ``master="none"`` the kernel's parameter is the bf16 weight itself: read to fp32, the same
+  fp32 formula, rounded to nearest-even back (as bitsandbytes' AdamW8bit updates a bf16
+  parameter). Not for f16 weights (``TrainableError``: use ``"adamw"``).
 
 Gradient clipping (``max_grad_norm``) is ``torch.nn.utils.clip_grad_norm_``'s over the host
 gradients, in their dtype, before the step (``clip_grads_``). ``delay=True`` is ZeRO-Offload's
@@ -109,6 +116,13 @@ class HostAdamW(torch.optim.Optimizer):
             for gi, g in enumerate(self.param_groups)
             for p in g["params"]
         ]
+        if kind == "adamw8bit":
+            odd = [s for s, _ in self._slots if s.param.dtype == torch.float16]
+            if odd:
+                raise TrainableError(
+                    f"{odd[0].name}: adamw8bit steps bf16 and fp32 weights, and this one is "
+                    "float16: use adamw, or a bf16 LoRA"
+                )
         self.steps = {s.index: 0 for s, _ in self._slots}
         self._moments: dict[int, tuple[torch.Tensor, ...]] = {}
         self._inner: dict[int, torch.optim.AdamW] = {}
@@ -117,11 +131,27 @@ class HostAdamW(torch.optim.Optimizer):
         trainable._users.append(self)
 
     @property
+    def master(self) -> str:
+        """The trainable's ``master`` mode (``"fp32"`` or ``"none"``): whether the step updates
+        fp32 masters of the narrower weights or the weights themselves."""
+        return self.trainable.master
+
+    @property
     def reference(self) -> str:
         """The exact formula a step applies, in words."""
         if self.kind == "adamw8bit":
+            if self.master == "none":
+                return (
+                    "weightstream.torch.adamw8.reference_step (the bf16 weight itself, updated "
+                    "in place; fp32 weights: their own master; 8-bit moments)"
+                )
             return "weightstream.torch.adamw8.reference_step (fp32 master, 8-bit moments)"
         how = "fused=True" if FUSED else "foreach=False"
+        if self.master == "none":
+            return (
+                f"torch.optim.AdamW({how}) on the weights themselves, moments in their dtype, "
+                "gradient as it is"
+            )
         return f"torch.optim.AdamW({how}) on the fp32 master, gradient cast to fp32"
 
     def _allocate(self):
@@ -130,9 +160,11 @@ class HostAdamW(torch.optim.Optimizer):
         for s, _ in self._slots:
             n = s.numel
             if self.kind == "adamw":
+                # fp32 moments for an fp32 master (or weight); torch's AdamW keeps the moments
+                # of a bf16/f16 parameter in its dtype (master="none").
                 plan[s.index] = (
-                    carver.reserve(s.param.shape, torch.float32),
-                    carver.reserve(s.param.shape, torch.float32),
+                    carver.reserve(s.param.shape, s.master.dtype),
+                    carver.reserve(s.param.shape, s.master.dtype),
                 )
             else:
                 blocks = -(-n // 256)
@@ -221,7 +253,7 @@ class HostAdamW(torch.optim.Optimizer):
         if self.kind == "adamw":
             inner = self._inner[s.index]
             inner.param_groups[0].update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
-            s.master.grad = s.grad if s.grad.dtype == torch.float32 else self._fp32(s.grad)
+            s.master.grad = s.grad if s.grad.dtype == s.master.dtype else self._fp32(s.grad)
             try:
                 inner.step()
             finally:
@@ -232,6 +264,8 @@ class HostAdamW(torch.optim.Optimizer):
             from weightstream.torch import adamw8
 
             qm, qv, sm, sv = self._moments[s.index]
+            # With master="none" (or an fp32 weight) the master is the working weight: the
+            # kernel updates it in place.
             adamw8.native_step(
                 s.master.view(-1),
                 s.grad.view(-1),
@@ -269,9 +303,10 @@ class HostAdamW(torch.optim.Optimizer):
     # --- resume ---------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Master weights, moments and step counts per parameter index (views of the live
-        state: save them, do not keep them), the groups' hyper-parameters, and the delayed
-        update still pending (its gradient and hyper-parameters). Each tensor has a storage of
+        """Master weights (with ``master="none"``: the weights themselves), moments and step
+        counts per parameter index (views of the live state: save them, do not keep them), the
+        groups' hyper-parameters, the trainable's ``master`` mode, and the delayed update
+        still pending (its gradient and hyper-parameters). Each tensor has a storage of
         its own over its bytes (``alone``): ``torch.save`` writes those bytes only, and takes
         tensors of several dtypes that share one host region."""
         self.trainable.wait_grads()
@@ -295,7 +330,13 @@ class HostAdamW(torch.optim.Optimizer):
                 }
             )
             start += n
-        return {"kind": self.kind, "delay": self.delay, "state": state, "param_groups": groups}
+        return {
+            "kind": self.kind,
+            "master": self.master,
+            "delay": self.delay,
+            "state": state,
+            "param_groups": groups,
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict):
@@ -322,9 +363,16 @@ class HostAdamW(torch.optim.Optimizer):
             for name, t in zip(names, live, strict=True):
                 got = entry[name]
                 if tuple(got.shape) != tuple(t.shape) or got.dtype != t.dtype:
+                    saved_master = state_dict.get("master", "fp32")
+                    hint = (
+                        f" (saved with master={saved_master!r}, this optimizer's trainable has "
+                        f"master={self.master!r}: resume with the same master)"
+                        if saved_master != self.master
+                        else ""
+                    )
                     raise TrainableError(
                         f"parameter {i} ({s.name}): {name} is {list(got.shape)} {got.dtype} in "
-                        f"the state dict, {list(t.shape)} {t.dtype} here"
+                        f"the state dict, {list(t.shape)} {t.dtype} here{hint}"
                     )
         self.trainable.wait_grads()
         for i, (s, _) in enumerate(self._slots):

@@ -4,8 +4,11 @@ off the device, and ``HostAdamW`` steps them there.
 
 A streamed trainable layer keeps, in host memory held by the daemon for the session (charged to
 the session's uid, freed with it): its *working* weight (the trainer's dtype, what the layer
-computes with), an fp32 *master* copy where the working dtype is narrower, and its accumulated
-*gradient*. The optimizer adds its state there (``HostAdamW``). The device holds only what is in
+computes with), an fp32 *master* copy where the working dtype is narrower (``master="fp32"``,
+the default; with ``master="none"`` the optimizer updates the working weight in place, in fp32
+arithmetic rounded back to its dtype, as a trainer with bf16 parameters and no master does),
+and its accumulated *gradient*. The optimizer adds its state there (``HostAdamW``).
+``host_bytes`` gives the bytes per configuration. The device holds only what is in
 flight: the working weights of the group running and of the next ones (copied host→device on a
 side stream, ahead of use, along the order of the first forward), and each gradient until its
 device→host copy is done.
@@ -144,15 +147,39 @@ class Carver:
         return out
 
 
-def host_bytes(numel: int, dtype: torch.dtype, optimizer: str | None) -> int:
+#: What ``master=`` takes: ``"fp32"`` keeps an fp32 master copy of each weight narrower than
+#: fp32 for the optimizer to update; ``"none"`` keeps none (the working weight is updated in
+#: place).
+MASTERS = ("fp32", "none")
+
+
+def check_master(master) -> str:
+    """``master`` if it is one of ``MASTERS``; else ``TrainableError`` listing them."""
+    if not isinstance(master, str) or master not in MASTERS:
+        raise TrainableError(
+            f"master={master!r}: expected one of {', '.join(map(repr, MASTERS))} ('fp32' keeps "
+            "an fp32 copy of each bf16/f16 weight for the optimizer, 'none' updates the weight "
+            "in place)"
+        )
+    return master
+
+
+def has_master(dtype: torch.dtype, master: str) -> bool:
+    """Whether a working weight of ``dtype`` gets an fp32 master with ``master``."""
+    return master == "fp32" and dtype != torch.float32
+
+
+def host_bytes(numel: int, dtype: torch.dtype, optimizer: str | None, master: str = "fp32") -> int:
     """Host bytes a trainable tensor of ``numel`` elements needs: working weight, fp32 master
-    (where the working dtype is narrower) and gradient, plus the optimizer's state ("adamw":
-    two fp32 moments; "adamw8bit": two bytes and two fp32 scales per block of 256)."""
-    master = 0 if dtype == torch.float32 else 4
-    per = dtype.itemsize * 2 + master
-    total = numel * per
+    (``has_master``) and gradient, plus the optimizer's state ("adamw": two moments, fp32 with a
+    master or an fp32 weight, else in the weight's dtype as torch's AdamW keeps them;
+    "adamw8bit": two bytes and two fp32 scales per block of 256). Per element for a bf16
+    weight: 2 + 4 + 2 (+ 8 adamw, + ~2 adamw8bit) with the fp32 master, 2 + 2 (+ 4 adamw,
+    + ~2 adamw8bit) without."""
+    extra = has_master(dtype, master)
+    total = numel * (dtype.itemsize * 2 + (4 if extra else 0))
     if optimizer == "adamw":
-        total += numel * 8
+        total += numel * 2 * (4 if extra else dtype.itemsize)
     elif optimizer == "adamw8bit":
         total += numel * 2 + -(-numel // 256) * 8
     return total
@@ -173,6 +200,8 @@ class Slot:
     #: Its place among its group's slots (and their device copies).
     pos: int = 0
     working: torch.Tensor | None = None
+    #: What the optimizer updates: the fp32 master, or ``working`` itself (an fp32 weight, or
+    #: ``master="none"``).
     master: torch.Tensor | None = None
     grad: torch.Tensor | None = None
     #: Gradients added to ``grad`` since the optimizer last took it.
@@ -210,10 +239,13 @@ class Trainable:
         *,
         group_by: str | Callable[[str], str] = "block",
         lookahead: int = 1,
+        master: str = "fp32",
     ):
         self.device = device
         self.storage = storage
         self.lookahead = lookahead
+        #: ``"fp32"`` or ``"none"`` (``MASTERS``): whether narrower weights have an fp32 master.
+        self.master = check_master(master)
         self.slots: list[Slot] = []
         self.groups: dict[str, _Group] = {}
         for name, m in layers:
@@ -260,7 +292,11 @@ class Trainable:
         for s in self.slots:
             dtype = s.param.dtype
             w = carver.reserve(s.param.shape, dtype)
-            m = carver.reserve(s.param.shape, torch.float32) if dtype != torch.float32 else None
+            m = (
+                carver.reserve(s.param.shape, torch.float32)
+                if has_master(dtype, self.master)
+                else None
+            )
             g = carver.reserve(s.param.shape, dtype)
             plan.append((w, m, g))
         region = self.storage.alloc(carver.size, "trainable weights and gradients")
@@ -554,6 +590,7 @@ def stream_trainable(
     group_by: str | Callable[[str], str] = "block",
     lookahead: int = 1,
     optimizer: str | None = None,
+    master: str = "fp32",
 ) -> Trainable:
     """Moves the trainable weights of ``module`` (a LoRA's ``nn.Linear`` layers) into host
     memory held by ``handle``'s daemon session, and streams them to the device as the layers
@@ -563,6 +600,11 @@ def stream_trainable(
     name. ``optimizer``
     ("adamw" or "adamw8bit"), when given, is only used to check up front that the trainable
     state and the optimizer's fit the host memory the daemon allows (``host_bytes``).
+    ``master``: ``"fp32"`` (the default) keeps an fp32 master of each bf16/f16 weight, which
+    ``HostAdamW`` updates and rounds into the weight; ``"none"`` keeps none: the optimizer
+    updates the weight itself (fp32 arithmetic, rounded to nearest-even back to its dtype),
+    4 bytes less per element, and the updates smaller than half the weight's last bit are lost
+    (as in any trainer of bf16 weights without a master).
 
     Without ``handle``, the host memory is the trainer's own (for tests and for models not
     streamed through the daemon)."""
@@ -574,14 +616,17 @@ def stream_trainable(
         )
     if optimizer is not None:
         check_optimizer(optimizer)
+    check_master(master)
     dev = torch.device(device) if device is not None else getattr(handle, "device", None)
     if dev is None:
         raise TrainableError("pass device= (or a handle) to say where the layers compute")
     if handle is not None:
-        check_host_fits(handle.client, [m.weight for _, m in layers], optimizer)
+        check_host_fits(handle.client, [m.weight for _, m in layers], optimizer, master=master)
     storage = HostStorage(dev, handle.session if handle is not None else None)
     try:
-        return Trainable(module, layers, dev, storage, group_by=group_by, lookahead=lookahead)
+        return Trainable(
+            module, layers, dev, storage, group_by=group_by, lookahead=lookahead, master=master
+        )
     except BaseException:
         storage.close()
         raise
@@ -601,29 +646,51 @@ def check_optimizer(kind: str):
         )
 
 
-def check_host_fits(client, params: Iterable[torch.Tensor], optimizer: str | None, upload=0):
+def check_host_fits(
+    client,
+    params: Iterable[torch.Tensor],
+    optimizer: str | None,
+    upload=0,
+    master: str = "fp32",
+):
     """Raises ``TrainableError`` naming the numbers when the trainable state (and the
-    optimizer's, if named), with ``upload`` bytes of a model still to upload beside it, cannot
-    fit the host memory the daemon allows this uid, even with every other uid's memory given
-    back (what only might fit is the daemon's to refuse, with its own numbers, when the regions
-    are made)."""
-    state = sum(host_bytes(p.numel(), p.dtype, optimizer) for p in params)
+    optimizer's, if named; with or without the fp32 master, ``master``), with ``upload`` bytes
+    of a model still to upload beside it, cannot fit the host memory the daemon allows this
+    uid, even with every other uid's memory given back (what only might fit is the daemon's to
+    refuse, with its own numbers, when the regions are made). Refusing with the fp32 master,
+    the message says when the state would fit without it, and its size then."""
+    check_master(master)
+    params = list(params)
+    state = sum(host_bytes(p.numel(), p.dtype, optimizer, master) for p in params)
     room = host_room(client)
     if room is None or upload + state <= room[0]:
         return
     free, limit = room
-    with_optimizer = f" with {optimizer}" if optimizer else ""
+    lean = sum(host_bytes(p.numel(), p.dtype, optimizer, "none") for p in params)
+    what = (f" with {optimizer}" if optimizer else "") + (
+        " and the fp32 master" if lean != state else ""
+    )
+    fp8 = "quantize='fp8', " if upload else ""
+    advice = f"use adamw8bit, {fp8}a lower rank, or raise the daemon's quota"
+    if lean != state and upload + lean <= free:
+        need = (
+            f"the state is {size_text(lean)} and both need {size_text(upload + lean)}"
+            if upload
+            else f"it needs {size_text(lean)}"
+        )
+        advice = (
+            "without the fp32 master (master='none': the optimizer updates the weights in "
+            f"place) {need}, which fits; else {advice}"
+        )
     if upload:
         raise TrainableError(
             f"the upload ({size_text(upload)}) and the trainable state ({size_text(state)}"
-            f"{with_optimizer}) need {size_text(upload + state)} of host memory, and {limit} "
-            f"leaves this uid {size_text(max(free, 0))}: use adamw8bit, quantize='fp8', a lower "
-            "rank, or raise the daemon's quota"
+            f"{what}) need {size_text(upload + state)} of host memory, and {limit} leaves this "
+            f"uid {size_text(max(free, 0))}: {advice}"
         )
     raise TrainableError(
-        f"the trainable state needs {size_text(state)} of host memory{with_optimizer}, and "
-        f"{limit} leaves this uid {size_text(max(free, 0))} beside what it holds: use "
-        "adamw8bit, a lower rank, or raise the daemon's quota"
+        f"the trainable state needs {size_text(state)} of host memory{what}, and {limit} "
+        f"leaves this uid {size_text(max(free, 0))} beside what it holds: {advice}"
     )
 
 

@@ -21,10 +21,13 @@ ENV = {
     "quantize": "WEIGHTSTREAM_QUANTIZE",
     "trainable": "WEIGHTSTREAM_TRAINABLE",
     "trainable_delay": "WEIGHTSTREAM_TRAINABLE_DELAY",
+    "trainable_master": "WEIGHTSTREAM_TRAINABLE_MASTER",
 }
 
 #: The values of ``trainable``.
 TRAINABLE = ("device", "host")
+#: The values of ``trainable_master`` (``weightstream.torch.trainable.MASTERS``).
+MASTERS = ("fp32", "none")
 
 _UNITS = {
     "": 1,
@@ -106,6 +109,11 @@ class Settings:
     - ``trainable_delay``: with ``trainable: host``, ``HostAdamW``'s delayed update (each step's
       update applied during the next backward, so the GPU never waits for the CPU; the weights
       are one step behind). Default ``true``.
+    - ``trainable_master``: with ``trainable: host``, ``fp32`` keeps an fp32 master of each
+      bf16/f16 LoRA weight for the optimizer, ``none`` keeps none (the optimizer updates the
+      weights in place; 4 bytes less per parameter). Default: ``none`` where the network's
+      weights are bf16 or f16 (ai-toolkit's optimizers step its parameters in place and keep no
+      master of their own), ``fp32`` otherwise (fp32 weights are their own master either way).
     """
 
     socket: str | None = None
@@ -117,6 +125,7 @@ class Settings:
     quantize: str | None = None
     trainable: str = "device"
     trainable_delay: bool = True
+    trainable_master: str | None = None
 
     @classmethod
     def load(cls, section: Mapping | None = None, env: Mapping[str, str] | None = None):
@@ -167,6 +176,10 @@ def _convert(key: str, what: str, value):
         return value
     if key == "trainable_delay":
         return parse_bool(what, value)
+    if key == "trainable_master":
+        if value not in MASTERS:
+            raise ValueError(f"{what}: {value!r}: expected one of {', '.join(MASTERS)}")
+        return value
     if value is None or str(value).lower() == "none":
         return None
     try:
