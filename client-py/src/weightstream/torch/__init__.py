@@ -293,6 +293,12 @@ def attach(
     return handle
 
 
+#: Where an upload's 8-bit weights are quantized (``Client.upload_model(quantize_on=)``):
+#: ``"auto"``, on their device for weights on a CUDA device (half the bytes to write, nothing
+#: to quantize at commit), by the daemon for weights in host memory (its quantizer on every
+#: core is faster than torch's on the CPU). Tests set it to compare the two.
+_QUANTIZE_ON = "auto"
+
 #: The daemon's tensor alignment in a model's arena (``TENSOR_ALIGN``, daemon/src/store).
 TENSOR_ALIGN = 4096
 
@@ -350,8 +356,9 @@ def _model_of(
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
     release if attach fails; ``phases`` filled as ``Client.upload_model`` says; kept as long
     as this process's connection, or pinned), with the
-    weights quantized to ``fmt`` by the daemon and those of the layers in ``torchao`` written
-    in their torchao format, or ``model``, checked against them."""
+    weights quantized to ``fmt`` (on their CUDA device as they are copied, or by the daemon
+    at commit: ``_QUANTIZE_ON``) and those of the layers in ``torchao`` written in their
+    torchao format, or ``model``, checked against them."""
     tensors = {}
     for name, m in streamed:
         for tname, t in policy.layer_tensors(name, m):
@@ -366,6 +373,7 @@ def _model_of(
         quantize=weights if fmt else (),
         phases=phases,
         retention="pinned" if pin else "connection",
+        quantize_on=_QUANTIZE_ON,
     )
     return manifest, manifest.model_id
 
