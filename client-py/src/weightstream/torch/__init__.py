@@ -143,7 +143,9 @@ def attach(
       names match the module's parameter names; otherwise the weights are uploaded. A model
       loaded with ``quantize="fp8"`` streams its weights in 8 bits, as below.
     - ``quantize="fp8"`` (a ``StreamOptions`` field): the streamed layers' weights are
-      uploaded for the daemon to keep in 8 bits (``fp8_e4m3_block64``); each layer
+      uploaded for the daemon to keep in 8 bits (``fp8_e4m3_block64``: weights on a CUDA
+      device are quantized there as they are copied, a chunk of rows at a time, those in host
+      memory by the daemon at commit; the same bytes either way); each layer
       dequantizes its weight on the device after it arrives, into a tensor of the weight's
       dtype from the trainer's allocator (one layer at a time, freed after use; the largest is
       ``Handle.stats()["dequant_peak_bytes"]``), and runs its own operation on it. Results
