@@ -74,10 +74,6 @@ class QuantizeAtCopy:
         return tuple(self.weight.shape)
 
     @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    @property
     def scale_shape(self) -> tuple[int, int]:
         return scale_shape(self.weight.shape)
 
