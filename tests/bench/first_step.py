@@ -23,7 +23,12 @@ and never fatal to the others; the daemon is stopped and the file deleted howeve
 - ``upload``: the model built on the GPU, attached by upload (the file and the loaded models are
   gone first): the client's write (page-locking the windows, copies) and the daemon's commit
   (seal, hash while pinning), then its first step;
-- ``upload-fp8`` (only when asked): the same, quantized by the daemon at commit.
+- ``upload-fp8`` (only when asked): the same in 8 bits, each weight quantized on the GPU as it is
+  copied (``quantize_on="auto"``): half the bytes to reserve and write, nothing to quantize at
+  commit;
+- ``upload-fp8-daemon`` (only when asked): the same in 8 bits, the bf16 weights written and
+  quantized by the daemon at commit (``quantize_on="daemon"``, the way before the GPU did it):
+  the baseline of ``upload-fp8`` in the same run.
 $OUT/first_step.json is written after each part; a Markdown table is printed (and written to
 $OUT/first_step.md) at the end; the logs are packed into $OUT/first-step-logs.tgz.
 
@@ -54,9 +59,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flux_train  # noqa: E402  (its FLUX.1 config, seeded weights, LoRA and batch)
 
 PARTS = ["register", "gen", "load", "attach-id", "load-fp8", "upload"]
-OPTIONAL = ["attach-id-fp8", "upload-fp8"]
+OPTIONAL = ["attach-id-fp8", "upload-fp8", "upload-fp8-daemon"]
 #: Each part's default timeout (s); all of them end by --deadline.
-TIMEOUTS = {"register": 120, "gen": 300, "upload": 360, "upload-fp8": 360}
+TIMEOUTS = {
+    "register": 120,
+    "gen": 300,
+    "upload": 360,
+    "upload-fp8": 360,
+    "upload-fp8-daemon": 360,
+}
 DEFAULT_TIMEOUT = 240
 #: Host memory kept free beyond what a part needs (the CUDA contexts, Python, the kernel).
 MARGIN = 6 * GiB
@@ -413,10 +424,14 @@ def part_upload(args, record):
     import weightstream
     import weightstream.torch as wst
 
-    quantize = "fp8" if args.child.endswith("fp8") else None
+    quantize = "fp8" if "fp8" in args.child else None
+    at_commit = args.child.endswith("daemon")
+    wst._QUANTIZE_ON = "daemon" if at_commit else "auto"
     nbytes = sum(2 * torch.Size(s).numel() for _, s in frozen_tensors(args))
-    # Quantized at commit: the bf16 region and the 8-bit arena at once, for a while.
-    need_memory("the upload", int(nbytes * (1.6 if quantize else 1.0)), args)
+    # Quantized at commit: the bf16 region and the 8-bit arena at once, for a while; on the
+    # GPU: the 8-bit region alone.
+    factor = 1.6 if at_commit else (0.6 if quantize else 1.0)
+    need_memory("the upload", int(nbytes * factor), args)
     t = time.monotonic()
     model = build(args)
     record["build_s"] = round(time.monotonic() - t, 1)
@@ -454,6 +469,7 @@ CHILDREN = {
     "attach-id-fp8": part_attach_id,
     "upload": part_upload,
     "upload-fp8": part_upload,
+    "upload-fp8-daemon": part_upload,
 }
 
 
@@ -704,9 +720,15 @@ def row_upload(r: dict, target: str) -> list[str]:
             f"begin {g('begin_s'):.1f} s; client write {g('write_wall_s'):.1f} s "
             f"({gb(n, g('write_wall_s'))}; cudaHostRegister {g('write_register_s'):.1f} s over "
             f"{g('write_threads')} threads, waited {g('write_wait_register_s'):.1f} s, copies "
-            f"{g('write_copy_s'):.1f} s, unregister {g('write_unregister_s'):.1f} s); commit "
-            f"{g('commit_s'):.1f} s"
+            f"{g('write_copy_s'):.1f} s, unregister {g('write_unregister_s'):.1f} s"
         )
+        if g("write_quantized_tensors"):
+            client += (
+                f"; {g('write_quantized_tensors')} weights quantized on the GPU: "
+                f"{g('write_quantize_device_s'):.1f} s of GPU time, "
+                f"{g('write_quantize_s'):.1f} s issuing"
+            )
+        client += f"); commit {g('commit_s'):.1f} s"
     else:  # tensors in host memory: the native client's memcpy path, not split
         client = f"upload {g('total_s'):.1f} s (host memory: the native path)"
     text = (
@@ -740,7 +762,11 @@ ROWS = {
     "attach-id": ("second job, attach by id → first step", lambda r: row_attach(r, "≤ 10 s")),
     "attach-id-fp8": ("second job on the 8-bit model", lambda r: row_attach(r, "")),
     "upload": ("attach by upload (from the GPU)", lambda r: row_upload(r, "≤ 30 s")),
-    "upload-fp8": ("attach by upload, 8 bits at commit", lambda r: row_upload(r, "")),
+    "upload-fp8": (
+        "attach by upload, 8 bits quantized on the GPU",
+        lambda r: row_upload(r, "≤ 30 s"),
+    ),
+    "upload-fp8-daemon": ("attach by upload, 8 bits at commit", lambda r: row_upload(r, "")),
 }
 
 

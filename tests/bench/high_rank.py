@@ -420,7 +420,27 @@ def markdown(doc) -> str:
             f"{r.get('link_gbps') or 'full'} | {r['s_per_step']} | {r.get('x_resident', '')} | "
             f"{r.get('job_gib', '')} | {r.get('host_gib', '')} |"
         )
+    attaches = [attach_line(c) for c in doc.get("children", []) if "attach_s" in c]
+    if attaches:
+        lines += ["", *attaches]
     return "\n".join(lines) + "\n"
+
+
+def attach_line(c: dict) -> str:
+    """One child's attach in 8 bits and where its time went (``Handle.attach_phases``)."""
+    p = c.get("attach_phases", {})
+
+    def g(k):
+        return p.get(f"upload_{k}", 0) or 0
+
+    return (
+        f"- attach in 8 bits ({c.get('link')}): **{c['attach_s']} s**: begin {g('begin_s'):.1f} s, "
+        f"write {g('write_wall_s'):.1f} s of {g('write_bytes') / GiB:.1f} GiB "
+        f"({g('write_quantized_tensors')} weights quantized on the GPU in "
+        f"{g('write_quantize_device_s'):.1f} s of its time), commit {g('commit_s'):.1f} s "
+        f"(daemon: quantize {g('daemon_quantize_s'):.1f} s, hash {g('daemon_hash_s'):.1f} s "
+        f"while pinning {g('daemon_pin_s'):.1f} s); session {p.get('open_session_s', 0):.1f} s"
+    )
 
 
 def child_args(args, first: bool) -> list[str]:

@@ -1,7 +1,7 @@
 """weightstream.torch.attach on the H200: the CPU tests' equality checks on CUDA (bf16, with
 gradient checkpointing, deterministic algorithms on both sides; 8-bit streaming; torchao's
-weights streamed as they are, against the same torchao layers in place) and the prefetch hit
-rate, and the
+weights streamed as they are, against the same torchao layers in place; 8-bit uploads quantized
+on the device against the daemon's quantization) and the prefetch hit rate, and the
 trainer's wait for weights as the compute stream measures it (``gpu_wait_ns``).
 Prints PASS/FAIL per check and "N passed, M failed"; exits non-zero on any failure."""
 
@@ -25,7 +25,7 @@ import test_torch as t  # noqa: E402
 import weightstream  # noqa: E402
 import weightstream.torch as wst  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from weightstream import _fused_dequant, quantize  # noqa: E402
+from weightstream import _fused_dequant, _upload, quantize  # noqa: E402
 
 
 def start_daemon(binary: str, tmp: Path, out: Path):
@@ -333,6 +333,63 @@ def gpu_wait(client):
     )
 
 
+def device_quantization(client):
+    """Weights on CUDA uploaded with ``quantize`` (``quantize_on="auto"``: quantized on the
+    device as they are copied) against the daemon's quantization at commit of the same weights
+    copied to the CPU: one model id (the same bytes), with the default chunks and with 4 MiB
+    ones, during which the device held no more than a few chunks' temporaries (less than the
+    quantized weights); a NaN is refused with the daemon's words and leaves no upload."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    shapes = [(12288, 3072), (3072, 15360), (3072, 3072), (33, 100), (7, 64, 3, 3)]
+    tensors = {
+        f"w{i}.weight": torch.randn(s, generator=g, device="cuda").mul_(0.02).to(torch.bfloat16)
+        for i, s in enumerate(shapes)
+    }
+    tensors["w0.bias"] = torch.randn(12288, generator=g, device="cuda").to(torch.bfloat16)
+    names = [n for n in tensors if n.endswith(".weight")]
+    on_cpu = {n: w.cpu() for n, w in tensors.items()}
+    daemon_side = {}
+    ref, _ = client.upload_model("qd-cpu", on_cpu, names, phases=daemon_side)
+    client.release_model(ref.model_id)
+    assert "write_quantized_tensors" not in daemon_side, "the CPU's weights go to the daemon"
+    fp8 = sum(quantize.fp8_nbytes(tensors[n].shape) for n in names)
+    details = []
+    for chunk in (_upload.QUANTIZE_CHUNK, 4 << 20):
+        saved, _upload.QUANTIZE_CHUNK = _upload.QUANTIZE_CHUNK, chunk
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            phases = {}
+            got, dedup = client.upload_model("qd-cuda", tensors, names, phases=phases)
+            peak = torch.cuda.max_memory_allocated() - before
+        finally:
+            _upload.QUANTIZE_CHUNK = saved
+        client.release_model(got.model_id)
+        assert got.model_id == ref.model_id and not dedup, (got.model_id, ref.model_id)
+        assert phases["write_quantized_tensors"] == len(names), phases
+        assert phases["daemon_quantize_s"] == 0 and phases["write_bytes"] == fp8 + 12288 * 2
+        if chunk == 4 << 20:
+            assert peak <= 4 * chunk < fp8, f"{peak} B on the device at once, chunks of {chunk}"
+        details.append(
+            f"chunks of {chunk >> 20} MiB: quantize {phases['write_quantize_device_s']} s on "
+            f"the device, write {phases['write_wall_s']} s, peak {peak >> 20} MiB"
+        )
+    bad = {"w.weight": torch.randn(256, 128, generator=g, device="cuda").to(torch.bfloat16)}
+    bad["w.weight"][100, 5] = float("nan")
+    messages = []
+    for weights in ({n: w.cpu() for n, w in bad.items()}, bad):
+        try:
+            client.upload_model("qd-nan", weights, ["w.weight"])
+            messages.append("accepted")
+        except weightstream.RequestRejected as e:
+            messages.append(str(e))
+    want = "INVALID_ARGUMENT: tensor 'w.weight': NaN at index 12805: cannot quantize"
+    assert messages == [want] * 2, messages
+    assert client.info().usage.uploads == 0, "a refused upload is dropped"
+    return "; ".join(details)
+
+
 def trainable_equality(ckpt: bool, delay: bool, kind: str = "adamw"):
     """LoRA weights in host memory (``stream_trainable`` + ``HostAdamW``, clipping on) against
     the LoRA on the device with the same optimizer formula on fp32 masters on the CPU: equal
@@ -385,6 +442,10 @@ def main():
         (
             "equal: fp8 streaming, fp32, by block",
             lambda: equality(client, torch.float32, None, group_by="block", fp8=True),
+        ),
+        (
+            "fp8 quantized on the device as it is copied == the daemon's model",
+            lambda: device_quantization(client),
         ),
         ("ComfyUI mixed-precision fp8 == ComfyUI's own expression on CUDA", comfy_mixed_on_cuda),
         ("torchao float8/int8: dequantize and linear == torchao's own on CUDA", torchao_formulas),

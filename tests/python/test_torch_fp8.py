@@ -103,7 +103,9 @@ class FakeClient:
     def info(self):
         return SimpleNamespace(alignment=512)
 
-    def upload_model(self, name, tensors, quantize=(), phases=None, retention="cached"):
+    def upload_model(
+        self, name, tensors, quantize=(), phases=None, retention="cached", quantize_on="auto"
+    ):
         names = set(quantize)
         for n, t in tensors.items():
             self.store[n] = quantize_fp8_block64(t) if n in names else t.clone()

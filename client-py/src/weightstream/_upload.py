@@ -11,22 +11,36 @@ ahead of the copies, and unregistered behind them, at most ``2 × threads`` wind
 once. The region cannot stay locked for the daemon to reuse: it seals the region against writes
 at commit, which the kernel refuses while any of its pages is pinned (a pin could be a device
 that writes on after the seal).
+
+A weight to be kept in 8 bits that lives on a CUDA device is quantized there as it is copied
+(``QuantizeAtCopy``): the region holds the 8-bit layout (half the bytes of bf16) and the commit
+has nothing to quantize. Each weight is quantized in chunks of rows right before their copies,
+so the device holds one chunk's temporaries at a time, never the quantized model.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from weightstream.quantize import Fp8Weight, scale_offset
+from weightstream.quantize import (
+    FP8_E4M3_BLOCK64,
+    QUANTIZABLE,
+    Fp8Weight,
+    fp8_nbytes,
+    quantize_fp8_block64,
+    scale_offset,
+    scale_shape,
+)
 
 #: Bytes page-locked at once by one registration: large enough that registering costs little per
 #: call, small enough that the windows in flight stay a few GB.
@@ -36,6 +50,41 @@ THREADS = 8
 PAGE = mmap.PAGESIZE
 #: ``cudaHostRegisterPortable``: pinned for every device's context, for tensors on several.
 _PORTABLE = 1
+#: Float32 bytes of one chunk of rows of a weight quantized at copy time (``QuantizeAtCopy``):
+#: the quantizer's temporaries are a few of these. A row larger than this is a chunk of its own.
+QUANTIZE_CHUNK = 64 << 20
+
+
+@dataclass(frozen=True)
+class QuantizeAtCopy:
+    """A weight an upload writes in ``fp8_e4m3_block64``, quantized where it lives
+    (``quantize_fp8_block64``, the daemon's bytes) right before its copy, in chunks of rows of
+    at most ``chunk_bytes`` of float32 (blocks lie within rows: the bytes do not depend on
+    the chunks). Declared at BeginUpload from its shape alone (``dtype``, ``shape``,
+    ``scale_shape``, ``nbytes``), before any of it is quantized."""
+
+    weight: torch.Tensor
+    chunk_bytes: int = QUANTIZE_CHUNK
+
+    format = FP8_E4M3_BLOCK64
+    dtype = torch.float8_e4m3fn
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return scale_shape(self.weight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return fp8_nbytes(self.weight.shape)
+
+    def rows_per_chunk(self) -> int:
+        rows = self.weight.shape[0]
+        cols = self.weight.numel() // rows if rows else 0
+        return max(1, self.chunk_bytes // max(1, 4 * cols))
 
 
 @dataclass
@@ -43,21 +92,80 @@ class WriteTimings:
     """Where a ``write_by_copy`` spent its time, in seconds: ``wall`` all of it; ``register`` and
     ``unregister`` summed over the threads that ran them (they overlap the copies and each
     other); ``wait_register`` the copying thread waiting for a window's registration; ``copy``
-    issuing the copies (they complete while later windows register)."""
+    issuing the copies (they complete while later windows register), within it ``quantize``
+    issuing the quantization of the ``quantized`` weights written in 8 bits
+    (``QuantizeAtCopy``; on the CPU, doing it), and ``quantize_device`` the time the devices
+    spent quantizing (CUDA events around each chunk)."""
 
     wall: float = 0.0
     register: float = 0.0
     wait_register: float = 0.0
     copy: float = 0.0
     unregister: float = 0.0
+    quantize: float = 0.0
+    quantize_device: float = 0.0
     bytes: int = 0
     windows: int = 0
     threads: int = 0
+    quantized: int = 0
+    #: (start, end) CUDA events around each chunk's quantization, summed into
+    #: ``quantize_device`` once the copies are done.
+    _events: list = field(default_factory=list, repr=False)
 
     def as_dict(self) -> dict:
         out = {f"{k}_s": round(v, 4) for k, v in vars(self).items() if isinstance(v, float)}
-        out.update(bytes=self.bytes, windows=self.windows, threads=self.threads)
+        out.update(
+            bytes=self.bytes,
+            windows=self.windows,
+            threads=self.threads,
+            quantized_tensors=self.quantized,
+        )
         return out
+
+
+#: Where ``Client.upload_model(quantize_on=)`` quantizes the weights it is asked to.
+QUANTIZE_ON = ("auto", "client", "daemon")
+
+
+def quantized_here(tensors, quantize, quantize_on: str) -> dict:
+    """``tensors`` with those named in ``quantize`` that this process quantizes as it copies
+    them wrapped in ``QuantizeAtCopy`` (chunks of ``QUANTIZE_CHUNK``): with ``"client"`` all,
+    with ``"auto"`` those on a CUDA device, with ``"daemon"`` none. A tensor that cannot be
+    quantized (dtype, rank) stays as it is, for the daemon to refuse with its own error."""
+    if quantize_on not in QUANTIZE_ON:
+        raise ValueError(f"quantize_on={quantize_on!r}: expected 'auto', 'client' or 'daemon'")
+    names = set(quantize) if quantize_on != "daemon" else set()
+    out = {}
+    for n, t in tensors.items():
+        if (
+            n in names
+            and isinstance(t, torch.Tensor)
+            and t.dtype in QUANTIZABLE
+            and t.dim() >= 2
+            and (quantize_on == "client" or t.device.type == "cuda")
+        ):
+            t = QuantizeAtCopy(t.detach(), QUANTIZE_CHUNK)
+        out[n] = t
+    return out
+
+
+def first_non_finite(tensors) -> str | None:
+    """The daemon's refusal of the first weight among ``tensors`` quantized here
+    (``QuantizeAtCopy``) that holds a non-finite value, in their order: ``"tensor 'NAME':
+    NaN|+inf|-inf at index I: cannot quantize"``, I the value's index in the flattened weight
+    (as ``daemon/src/store/quantize.rs`` says it); None when all are finite."""
+    for n, t in tensors.items():
+        if not isinstance(t, QuantizeAtCopy):
+            continue
+        flat = t.weight.detach().reshape(-1)
+        bad = ~torch.isfinite(flat)
+        if not bool(bad.any()):
+            continue
+        index = int(torch.argmax(bad.to(torch.uint8)))  # the first of the maxima
+        value = float(flat[index])
+        kind = "NaN" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
+        return f"tensor '{n}': {kind} at index {index}: cannot quantize"
+    return None
 
 
 def _register(ptr: int, size: int, flags: int):
@@ -127,8 +235,7 @@ def write_by_copy(
     Returns where the time went."""
     started = time.monotonic()
     timings = WriteTimings(bytes=sum(p.nbytes for p in placements))
-    located = [t.data if isinstance(t, Fp8Weight) else t for t in tensors]
-    devices = sorted({t.device for t in located if t.device.type == "cuda"}, key=str)
+    devices = sorted({_located(t) for t in tensors if _located(t).type == "cuda"}, key=str)
     try:
         mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
@@ -138,42 +245,59 @@ def write_by_copy(
         region = torch.frombuffer(mapped, dtype=torch.uint8)
         runs = windows(placements, window)
         timings.windows = len(runs)
-        copy = _Copier(region, placements, tensors, pin, timings.bytes, progress)
+        copy = _Copier(region, placements, tensors, pin, timings, progress)
         if pin:
             _copy_pinned(copy, runs, size, devices, threads or default_threads(), timings)
         else:
+            t = time.monotonic()
             for run in runs:
                 copy.run(run)
+            timings.copy += time.monotonic() - t
     finally:
         for device in devices if pin else ():
             torch.cuda.synchronize(device)  # no copy may land in the region once it is unmapped
         del region
         mapped.close()
+    for begun, ended in timings._events:
+        timings.quantize_device += begun.elapsed_time(ended) / 1e3
+    timings._events.clear()
     timings.wall = time.monotonic() - started
     return timings
+
+
+def _located(t) -> torch.device:
+    """Where an upload entry's bytes are: a tensor's, an ``Fp8Weight``'s data's, or the weight's
+    of a ``QuantizeAtCopy``."""
+    if isinstance(t, QuantizeAtCopy):
+        return t.weight.device
+    return t.data.device if isinstance(t, Fp8Weight) else t.device
 
 
 class _Copier:
     """Copies runs of tensors into the region and reports progress."""
 
-    def __init__(self, region, placements, tensors, non_blocking, total, progress):
+    def __init__(self, region, placements, tensors, non_blocking, timings, progress):
         self.region, self.placements, self.tensors = region, placements, tensors
-        self.non_blocking, self.total, self.progress = non_blocking, total, progress
+        self.non_blocking, self.timings, self.progress = non_blocking, timings, progress
         self.done = 0
 
     def run(self, run: list[int]):
         for i in run:
-            p = self.placements[i]
-            pieces = _pieces(self.tensors[i])
-            end = pieces[-1][0] + pieces[-1][1].numel()
+            p, t = self.placements[i], self.tensors[i]
+            end = _extent(t)
             if end != p.nbytes:
                 raise ValueError(f"tensor {p.name!r}: {end} bytes, the upload declared {p.nbytes}")
+            if isinstance(t, QuantizeAtCopy):
+                pieces = _quantized_pieces(t, self.timings)
+                self.timings.quantized += 1
+            else:
+                pieces = _pieces(t)
             for at, src in pieces:
                 start = p.offset + at
                 self.region[start : start + src.numel()].copy_(src, non_blocking=self.non_blocking)
             self.done += p.nbytes
         if self.progress is not None:
-            self.progress(self.done, self.total)
+            self.progress(self.done, self.timings.bytes)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -190,6 +314,48 @@ def _pieces(t) -> list[tuple[int, torch.Tensor]]:
     offset = scale_offset(t.data.shape)
     zeros = torch.zeros(offset - data.numel(), dtype=torch.uint8, device=data.device)
     return [(0, data), (data.numel(), zeros), (offset, scales)]
+
+
+def _extent(t) -> int:
+    """Bytes an upload writes for ``t`` (``_pieces``, ``_quantized_pieces``)."""
+    if isinstance(t, QuantizeAtCopy):
+        return t.nbytes
+    if isinstance(t, Fp8Weight):
+        return scale_offset(t.data.shape) + t.scale.numel() * t.scale.element_size()
+    return t.numel() * t.element_size()
+
+
+def _quantized_pieces(
+    t: QuantizeAtCopy, timings: WriteTimings
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``_pieces`` of ``t``'s weight quantized, one chunk of rows at a time: each chunk is
+    quantized on the weight's device when its copies are about to be issued, and its bytes
+    are dropped once they are (the caching allocator reuses them for later work on the same
+    stream, which runs after those copies)."""
+    w = t.weight.detach()
+    rows = w.shape[0]
+    if w.numel() == 0:
+        return
+    cols = w.numel() // rows
+    blocks = t.scale_shape[1]
+    scales_at = scale_offset(w.shape)
+    step = t.rows_per_chunk()
+    cuda = w.device.type == "cuda"
+    for r in range(0, rows, step):
+        began = time.monotonic()
+        if cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record(torch.cuda.current_stream(w.device))
+        q, scale = quantize_fp8_block64(w[r : r + step])
+        if cuda:
+            events[1].record(torch.cuda.current_stream(w.device))
+            timings._events.append(events)
+        timings.quantize += time.monotonic() - began
+        yield r * cols, _bytes(q)
+        yield scales_at + r * blocks * 4, _bytes(scale)
+        del q, scale
+    if scales_at > rows * cols:
+        yield rows * cols, torch.zeros(scales_at - rows * cols, dtype=torch.uint8, device=w.device)
 
 
 def _copy_pinned(copy: _Copier, runs, size: int, devices, threads: int, timings: WriteTimings):

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from weightstream import _native
+from weightstream.errors import RequestRejected
 from weightstream.protocol import (
     BeginUploadResponse,
     GetInfoResponse,
@@ -113,32 +114,52 @@ class Client:
         *,
         phases: dict | None = None,
         retention: str = "cached",
+        quantize_on: str = "auto",
     ) -> tuple[ModelManifest, bool]:
         """Writes tensors into a shared-memory region the daemon makes (the native client
         fetches its fd from the handoff socket, copies each tensor's bytes in with the GIL
-        released, and unmaps it before the commit), then commits them. The daemon quantizes
-        the tensors named in ``quantize`` (fp8_e4m3_block64) at commit and keeps only that
-        copy. An ``Fp8Weight`` is written pre-quantized in its format (data, zero padding to
-        16 bytes, scales: torchao's weights, ``weightstream.torch.torchao_weights``). Returns
-        the manifest and whether an identical model was already stored.
+        released, and unmaps it before the commit), then commits them. The tensors named in
+        ``quantize`` are kept in fp8_e4m3_block64 only. An ``Fp8Weight`` is written
+        pre-quantized in its format (data, zero padding to 16 bytes, scales: torchao's weights,
+        ``weightstream.torch.torchao_weights``). Returns the manifest and whether an identical
+        model was already stored.
+
+        ``quantize_on``: where the tensors named in ``quantize`` are quantized. ``"daemon"``: the
+        daemon quantizes them at commit, on every core, into a new arena. ``"client"``: this
+        process quantizes each on its device as it is copied (``quantize_fp8_block64``, the
+        daemon's bytes), in chunks of rows, and writes it in 8 bits: half the bytes of bf16 to
+        reserve and write, and nothing to quantize at commit. ``"auto"`` (the default): the
+        client for tensors on a CUDA device, the daemon for those in host memory. Either way
+        the model (and its id) is the same; a non-finite weight is refused with the same
+        ``RequestRejected``, naming the tensor and the index of its first non-finite value.
+        A tensor that cannot be quantized (its dtype or rank) is left to the daemon, which
+        refuses it.
 
         ``retention``: how long the reference this upload takes lasts (see ``RETENTIONS``).
 
         ``phases``: a dict this fills with where the time went, in seconds: ``total_s`` (the
         call) and the daemon's side of the commit, ``daemon_seal_s``, ``daemon_quantize_s``,
         ``daemon_hash_s`` and ``daemon_pin_s`` (those two at once), ``daemon_total_s``,
-        ``daemon_input_bytes`` (``daemon_phases``); for tensors on a GPU also the client's:
-        ``begin_s`` (BeginUpload, where the daemon reserves the region, and its fd),
-        ``write_wall_s`` (writing the region), within it ``write_register_s`` and
+        ``daemon_input_bytes`` (``daemon_phases``); for tensors on a GPU (or quantized here)
+        also the client's: ``begin_s`` (BeginUpload, where the daemon reserves the region, and
+        its fd), ``write_wall_s`` (writing the region), within it ``write_register_s`` and
         ``write_unregister_s`` (page-locking the windows, summed over the threads that do it),
         ``write_wait_register_s`` (the copies waiting for a window) and ``write_copy_s``
-        (issuing the copies), ``write_bytes``, ``write_windows``, ``write_threads``, and
-        ``commit_s`` (CommitUpload as this process waits for it)."""
+        (issuing the copies), within that ``write_quantize_s`` (issuing the quantization of the
+        ``write_quantized_tensors`` quantized here; on the CPU, doing it) and
+        ``write_quantize_device_s`` (the devices' time quantizing), ``write_bytes``,
+        ``write_windows``, ``write_threads``, and ``commit_s`` (CommitUpload as this process
+        waits for it)."""
+        from weightstream import _upload
         from weightstream.quantize import Fp8Weight
 
         started = time.monotonic()
-        on_cuda = any(_data(t).device.type == "cuda" for t in tensors.values())
-        if on_cuda or any(isinstance(t, Fp8Weight) for t in tensors.values()):
+        quantize = list(quantize)
+        tensors = _upload.quantized_here(tensors, quantize, quantize_on)
+        here = [n for n, t in tensors.items() if isinstance(t, _upload.QuantizeAtCopy)]
+        quantize = [n for n in quantize if n not in here]
+        on_cuda = any(_upload._located(t).type == "cuda" for t in tensors.values())
+        if on_cuda or here or any(isinstance(t, Fp8Weight) for t in tensors.values()):
             out = self._upload_by_copy(
                 name, tensors, quantize, pin=on_cuda, phases=phases, retention=retention
             )
@@ -184,8 +205,8 @@ class Client:
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` by tensor copies into the mapped region (``_upload``): for tensors on
         a CUDA device, page-locked a window at a time (``pin``) so that each copy is one DMA at
-        link speed; pre-quantized weights from anywhere. A progress line goes to stderr when it
-        takes more than 2 s."""
+        link speed; pre-quantized weights (and those quantized here) from anywhere. A progress
+        line goes to stderr when it takes more than 2 s."""
         from weightstream import _upload
 
         t = time.monotonic()
@@ -202,7 +223,15 @@ class Client:
             progress=_upload.ProgressLine(f"weightstream: uploading {name!r}"),
         )
         t = time.monotonic()
-        out = self.commit_upload(begun.upload_id, retention=retention)
+        try:
+            out = self.commit_upload(begun.upload_id, retention=retention)
+        except RequestRejected as e:
+            # A non-finite weight quantized here made a non-finite scale, which the commit
+            # refuses (dropping the upload): the error the daemon gives when it quantizes.
+            bad = _upload.first_non_finite(tensors)
+            if bad is None:
+                raise
+            raise RequestRejected("INVALID_ARGUMENT", bad) from e
         if phases is not None:
             phases["begin_s"] = round(begin_s, 4)
             phases.update({f"write_{k}": v for k, v in written.as_dict().items()})
@@ -221,8 +250,9 @@ class Client:
         before ``commit_upload``; the daemon drops an upload never committed when this
         process's connection goes. Those named in ``quantize`` are written as they are and
         quantized (fp8_e4m3_block64) at commit; an ``Fp8Weight`` is declared pre-quantized in
-        its format (its data's dtype and shape, its scales' shape)."""
-        from weightstream import _dtypes
+        its format (its data's dtype and shape, its scales' shape), and so is a weight the
+        writer quantizes as it copies (``_upload.QuantizeAtCopy``: from its shape alone)."""
+        from weightstream import _dtypes, _upload
         from weightstream.quantize import Fp8Weight
 
         specs = [
@@ -233,6 +263,11 @@ class Client:
             for n, t in tensors.items()
             if isinstance(t, Fp8Weight)
         }
+        prequantized.update(
+            (n, (t.format, list(t.scale_shape)))
+            for n, t in tensors.items()
+            if isinstance(t, _upload.QuantizeAtCopy)
+        )
         return self._native.begin_upload(name, specs, list(quantize), prequantized)
 
     def commit_upload(
@@ -301,9 +336,9 @@ class Client:
         return f"Client(socket={self.socket!r})"
 
 
-def _data(t: torch.Tensor | Fp8Weight) -> torch.Tensor:
-    """The tensor an upload entry's dtype, shape and device are read from (an ``Fp8Weight``'s
-    data; a NamedTuple, told from a tensor without importing torch here)."""
+def _data(t: torch.Tensor | Fp8Weight):
+    """What an upload entry's dtype and shape are read from (an ``Fp8Weight``'s data, a
+    NamedTuple told from a tensor without importing torch here; a ``QuantizeAtCopy`` itself)."""
     return t.data if isinstance(t, tuple) else t
 
 

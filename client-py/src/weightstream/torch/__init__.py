@@ -144,7 +144,9 @@ def attach(
       names match the module's parameter names; otherwise the weights are uploaded. A model
       loaded with ``quantize="fp8"`` streams its weights in 8 bits, as below.
     - ``quantize="fp8"`` (a ``StreamOptions`` field): the streamed layers' weights are
-      uploaded for the daemon to keep in 8 bits (``fp8_e4m3_block64``); each layer
+      uploaded for the daemon to keep in 8 bits (``fp8_e4m3_block64``: weights on a CUDA
+      device are quantized there as they are copied, a chunk of rows at a time, those in host
+      memory by the daemon at commit; the same bytes either way); each layer
       dequantizes its weight on the device after it arrives, into a tensor of the weight's
       dtype from the trainer's allocator (one layer at a time, freed after use; the largest is
       ``Handle.stats()["dequant_peak_bytes"]``), and runs its own operation on it. Results
@@ -297,6 +299,12 @@ def attach(
     return handle
 
 
+#: Where an upload's 8-bit weights are quantized (``Client.upload_model(quantize_on=)``):
+#: ``"auto"``, on their device for weights on a CUDA device (half the bytes to write, nothing
+#: to quantize at commit), by the daemon for weights in host memory (its quantizer on every
+#: core is faster than torch's on the CPU). Tests set it to compare the two.
+_QUANTIZE_ON = "auto"
+
 #: The daemon's tensor alignment in a model's arena (``TENSOR_ALIGN``, daemon/src/store).
 TENSOR_ALIGN = 4096
 
@@ -356,8 +364,9 @@ def _model_of(
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
     release if attach fails; ``phases`` filled as ``Client.upload_model`` says; kept as long
     as this process's connection, or pinned), with the
-    weights quantized to ``fmt`` by the daemon and those of the layers in ``torchao`` written
-    in their torchao format, or ``model``, checked against them."""
+    weights quantized to ``fmt`` (on their CUDA device as they are copied, or by the daemon
+    at commit: ``_QUANTIZE_ON``) and those of the layers in ``torchao`` written in their
+    torchao format, or ``model``, checked against them."""
     tensors = {}
     for name, m in streamed:
         for tname, t in policy.layer_tensors(name, m):
@@ -372,6 +381,7 @@ def _model_of(
         quantize=weights if fmt else (),
         phases=phases,
         retention="pinned" if pin else "connection",
+        quantize_on=_QUANTIZE_ON,
     )
     return manifest, manifest.model_id
 
