@@ -518,6 +518,22 @@ def mode_job(args, record):
     import weightstream.torch as wst
 
     barrier = Path(args.barrier)
+    if args.jobs_resident:
+        # The ceiling for two jobs on one GPU: each with its own weights in place (8-bit ones
+        # as w_hat with --quantize fp8), no streaming, the same timing window.
+        from weightstream import quantize
+
+        model = add_lora(build())
+        if args.quantize:
+            quantize.to_fp8_resident(model, streamable(model))
+        steps(model, args.warmup)
+        (barrier / f"ready{args.job}").write_text("")
+        while not all((barrier / f"ready{k}").exists() for k in (0, 1)):
+            time.sleep(0.01)
+        t, _ = steps(model, args.measured)
+        record["s_per_step"] = round(statistics.median(t), 4)
+        record["steps_s"] = [round(x, 4) for x in t]
+        return
     if args.job == 1:
         # Built once job 0 has attached (and freed its device copy): two FLUX.2 copies at once
         # would not fit on the device, nor two uploads in host memory.
@@ -769,6 +785,7 @@ MODES = {
     "aitk": mode_aitk_memory_manager,  # ai-toolkit's MemoryManager, 100 %: only with --modes
     "aitk-float8": mode_aitk_float8,  # the same over torchao float8 weights (torchao needed)
     "two-jobs": None,  # run by the parent: two `job` children at once
+    "two-resident": None,  # the same, each job with its weights in place
     "job": mode_job,
 }
 
@@ -839,14 +856,17 @@ def run_mode(args, mode, socket, env, out) -> dict:
         return {"mode": mode, "error": f"timed out after {args.timeout} s"}
 
 
-def two_jobs(args, socket, env, out) -> dict:
+def two_jobs(args, socket, env, out, resident: bool = False) -> dict:
     """Two trainers on one GPU and one daemon, each at --jobs-budget GiB: per-job s/step over
-    the same window, and the host memory held for the model."""
+    the same window, and the host memory held for the model. ``resident``: each job with its
+    weights in place instead (``two-resident``, the ceiling of two jobs sharing the GPU)."""
     barrier = Path(tempfile.mkdtemp(prefix="ws-flux-jobs-"))
-    record = {"mode": "two-jobs", "budget_gib": args.jobs_budget, "jobs": []}
+    mode = "two-resident" if resident else "two-jobs"
+    record = {"mode": mode, "budget_gib": None if resident else args.jobs_budget, "jobs": []}
     procs = []
     for job in (0, 1):
         cmd = child_cmd(args, "job", socket) + ["--job", str(job), "--barrier", str(barrier)]
+        cmd += ["--jobs-resident"] if resident else []
         log = open(out / f"flux-job{job}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log), log))
     peak_store = 0.0
@@ -900,8 +920,8 @@ def parent(args):
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
     for mode in args.modes:
         started = time.monotonic()
-        if mode == "two-jobs":
-            record = two_jobs(args, socket, env, out)
+        if mode in ("two-jobs", "two-resident"):
+            record = two_jobs(args, socket, env, out, resident=mode == "two-resident")
         else:
             record = run_mode(args, mode, socket, env, out)
         record["wall_s"] = round(time.monotonic() - started, 1)
@@ -990,6 +1010,7 @@ def main(model: str = "flux1"):
     parser.add_argument("--jobs-budget", type=float, default=12.0, help="two-jobs: GiB per job")
     parser.add_argument("--job", type=int, default=0)
     parser.add_argument("--barrier")
+    parser.add_argument("--jobs-resident", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--aitk",
         default=None,
