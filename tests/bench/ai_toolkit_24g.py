@@ -808,6 +808,26 @@ def _commit() -> str:
 # --- the report ---------------------------------------------------------------------------------
 
 
+def host_at_end(result: dict) -> str | None:
+    """The trainer's host memory at the last point of its RSS timeline (ai_toolkit_real's
+    Sampler), and the host's available memory then: where a run's memory was when it ended."""
+    timeline = result.get("trainer_rss_timeline") or []
+    if not timeline:
+        return None
+    last = timeline[-1]
+    parts = [f"{k} {last[k]:.2f}" for k in real.RSS_FIELDS if k in last]
+    text = (
+        f"the trainer's host memory at {last['t']:.0f} s, its last sample: {', '.join(parts)} GiB"
+    )
+    if "MemAvailable" in last:
+        text += f"; the host had {last['MemAvailable']:.2f} GiB available"
+    peak = max(timeline, key=lambda p: sum(p.get(k, 0) for k in real.RSS_FIELDS))
+    if peak is not last:
+        parts = [f"{k} {peak[k]:.2f}" for k in real.RSS_FIELDS if k in peak]
+        text += f" (largest at {peak['t']:.0f} s: {', '.join(parts)})"
+    return text
+
+
 def _gib(n) -> str:
     return "-" if not n else f"{n / (1 << 30):.2f}"
 
@@ -928,6 +948,10 @@ def markdown(report: dict) -> str:
                     f" {_gib(peak.get('nvml_used_peak'))} GiB (device, from"
                     f" {_gib(peak.get('nvml_used_at_start'))})"
                 )
+        for r in call["runs"]:
+            end = host_at_end(r)
+            if end:
+                lines.append(f"- {r['label']}: {end}")
         lines += ["", "Losses (ai-toolkit's UILogger, the logged steps):", ""]
         lines += [f"- {r['label']}: {r.get('losses')}" for r in call["runs"] if r.get("losses")]
         lines += ["", "job.yaml (every run; rank and optimizer as the run says):", "", "```yaml"]

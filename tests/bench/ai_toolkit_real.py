@@ -476,24 +476,56 @@ def job_yaml(arch: str, device: str, steps: int, resolution: int) -> str:
 # --- running and measuring ----------------------------------------------------------------------
 
 
+#: The /proc/PID/status fields of the RSS timeline: its anonymous memory (the trainer's own
+#: heap and tensors), file pages (mapped files: the model read from disk) and shared memory
+#: (the daemon's regions it maps), and the host's MemAvailable beside them.
+RSS_FIELDS = ("RssAnon", "RssFile", "RssShmem")
+#: Seconds between two points of the RSS timeline.
+TIMELINE_EVERY = 2.0
+
+
 class Sampler(threading.Thread):
-    """Polls a process tree's VmHWM/RSS and, on CUDA, nvidia-smi's memory in use."""
+    """Polls a process tree's VmHWM/RSS and, on CUDA, nvidia-smi's memory in use; every
+    ``TIMELINE_EVERY`` s a point of ``timeline``: seconds since the start, the RSS_FIELDS and
+    the host's MemAvailable, in GiB (what a process killed by the host's out-of-memory killer
+    held, and where, up to its end)."""
 
     def __init__(self, pid: int, gpu: bool):
         super().__init__(daemon=True)
         self.pid, self.gpu = pid, gpu
         self.hwm = 0
         self.gpu_used = 0
+        self.timeline: list[dict] = []
         self.stop = threading.Event()
+
+    def _point(self, status: str, t: float):
+        point = {"t": round(t, 1)}
+        for line in status.splitlines():
+            name, _, value = line.partition(":")
+            if name in RSS_FIELDS:
+                point[name] = round(int(value.split()[0]) / (1 << 20), 2)
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    point["MemAvailable"] = round(int(line.split()[1]) / (1 << 20), 2)
+        except OSError:
+            pass
+        self.timeline.append(point)
 
     def run(self):
         last_smi = 0.0
+        start = last_point = time.monotonic()
         while not self.stop.is_set():
             try:
-                for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                status = Path(f"/proc/{self.pid}/status").read_text()
+                for line in status.splitlines():
                     if line.startswith("VmHWM:"):
                         self.hwm = max(self.hwm, int(line.split()[1]) * 1024)
-            except OSError:
+                now = time.monotonic()
+                if not self.timeline or now - last_point >= TIMELINE_EVERY:
+                    last_point = now
+                    self._point(status, now - start)
+            except (OSError, ValueError, IndexError):
                 pass
             if self.gpu and time.monotonic() - last_smi > 0.5:
                 last_smi = time.monotonic()
@@ -671,9 +703,11 @@ def run_one(
         "rc": rc,
         "wall_s": wall,
         "trainer_peak_rss": sampler.hwm,
+        "trainer_rss_timeline": sampler.timeline,
     }
     if dsampler:
         result["daemon_peak_rss"] = dsampler.hwm
+        result["daemon_rss_timeline"] = dsampler.timeline
     if cuda:
         result["nvidia_smi_peak_used"] = sampler.gpu_used
     for name in ("torch_stats.json", "stubs.json", "probe.json"):

@@ -13,6 +13,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "tests" / "bench"))
 import ai_toolkit_24g as bench  # noqa: E402
+import ai_toolkit_real as real  # noqa: E402
 
 pytestmark = pytest.mark.no_daemon
 
@@ -291,3 +292,34 @@ def test_the_report_gives_a_host_runs_lora_memory():
     assert (
         "- weightstream host r1024 full: no `trainable: host` line in the trainer's log\n" in text
     )
+
+
+def test_the_host_memory_at_a_runs_end_is_its_last_sample():
+    timeline = [
+        {"t": 0.0, "RssAnon": 1.0, "RssFile": 0.5, "RssShmem": 0.0, "MemAvailable": 120.0},
+        {"t": 60.0, "RssAnon": 70.0, "RssFile": 25.0, "RssShmem": 0.0, "MemAvailable": 30.0},
+        {"t": 220.0, "RssAnon": 60.0, "RssFile": 1.0, "RssShmem": 45.0, "MemAvailable": 2.5},
+    ]
+    assert bench.host_at_end({"trainer_rss_timeline": timeline}) == (
+        "the trainer's host memory at 220 s, its last sample: RssAnon 60.00, RssFile 1.00,"
+        " RssShmem 45.00 GiB; the host had 2.50 GiB available"
+    )
+    timeline[1]["RssAnon"] = 100.0
+    assert bench.host_at_end({"trainer_rss_timeline": timeline}).endswith(
+        " (largest at 60 s: RssAnon 100.00, RssFile 25.00, RssShmem 0.00)"
+    )
+    assert bench.host_at_end({}) is None
+
+
+def test_the_sampler_reads_the_rss_fields_of_a_status():
+    sampler = real.Sampler(0, False)
+    status = "Name:\tpython\nVmHWM:\t 4096 kB\nRssAnon:\t 2097152 kB\nRssFile:\t 1048576 kB\n"
+    status += "RssShmem:\t 0 kB\n"
+    sampler._point(status, 3.04)
+    point = sampler.timeline[0]
+    assert {k: point[k] for k in ("t", *real.RSS_FIELDS)} == {
+        "t": 3.0,
+        "RssAnon": 2.0,
+        "RssFile": 1.0,
+        "RssShmem": 0.0,
+    }
