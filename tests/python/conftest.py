@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -76,3 +77,14 @@ def daemon(tmp_path):
     d = Daemon(tmp_path)
     yield d
     d.stop()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_ai_toolkit_settings():
+    """ai-toolkit's ``MemoryManager`` reads its settings (the socket among them) from the
+    environment once per process, as a trainer does; each test has its own daemon, so each test
+    starts and ends without settings read by another."""
+    yield
+    settings = sys.modules.get("weightstream.integrations.ai_toolkit.settings")
+    if settings is not None:
+        settings.configure(None)
