@@ -732,3 +732,42 @@ def test_a_job_in_several_processes_is_refused_before_anything_moves(aitk, tmp_p
         "them; use trainable: device"
     )
     assert not any("_apply" in vars(m) for m in process.network.modules())
+
+
+# --- ai-toolkit's save -------------------------------------------------------------------------
+
+
+def test_the_save_warning_says_what_ai_toolkits_save_needs_and_what_to_do():
+    warn = aitk_trainable.save_room_warning
+    # Rank 1024 of FLUX.2's 24.9 B architecture: 4.84 B fp32 parameters, 19.4 GB a copy.
+    assert warn(4_840_000_000, torch.float32, 30_000_000_000) == (
+        "weightstream-aitk: warning: ai-toolkit's save of this LoRA needs about 38.7 GB more "
+        "host memory (its copy of the 4.84 B parameters in float32, 19.4 GB, and that copy "
+        "serialized again to hash it), and the host has 30.0 GB available now: the host's "
+        "out-of-memory killer may end the job at its first save. Set save.dtype: bf16 (half of "
+        "it), train a lower rank, or free host memory."
+    )
+    assert warn(4_840_000_000, torch.bfloat16, 19_000_000_000).endswith(
+        "may end the job at its first save. Train a lower rank or free host memory."
+    )
+    assert warn(4_840_000_000, torch.bfloat16, 19_360_000_000) is None  # exactly enough
+    assert warn(4_840_000_000, torch.float32, None) is None
+    assert warn(4_840_000_000, None, 1) is None
+
+
+def test_the_launcher_warns_at_get_optimizer_when_the_save_would_not_fit(
+    aitk, tmp_path, capsys, monkeypatch
+):
+    aitk(trainable="host")
+    process = new_process(tmp_path, train_config(steps=1))
+    process.save_config = SimpleNamespace(dtype=torch.float32)
+    numel = sum(p.numel() for p in Network(Model()).parameters() if p.requires_grad)
+    monkeypatch.setattr(aitk_trainable, "_host_available", lambda: 8 * numel - 1)
+    process.run()
+    out = capsys.readouterr().out
+    assert f"needs about {8 * numel / 1e9:.1f} GB more host memory" in out, out
+    monkeypatch.setattr(aitk_trainable, "_host_available", lambda: 8 * numel)
+    process = new_process(tmp_path / "again", train_config(steps=1))
+    process.save_config = SimpleNamespace(dtype=torch.float32)
+    process.run()
+    assert "warning" not in capsys.readouterr().out

@@ -36,7 +36,11 @@ ostris/ai-toolkit 27a03a91, and what weightstream does at each:
    it does nothing; the optimizer clips the host gradients of each group to
    ``train.max_grad_norm`` instead), ``step``, ``zero_grad``.
 6. ``save`` (every ``save_every`` steps and at the end): the network's ``state_dict`` is the
-   host working weights; ``optimizer.pt`` is ``HostAdamW.state_dict()``. ``sample``: the
+   host working weights; ``optimizer.pt`` is ``HostAdamW.state_dict()``. ai-toolkit's
+   ``save_weights`` copies the LoRA in ``save.dtype`` (``get_state_dict``'s clones) and
+   serializes that copy once more in memory to hash it (``add_model_hash_to_meta``): twice
+   the LoRA in that dtype, on top of everything else, at every save. At step 2 the launcher
+   warns when the host's available memory is short of that (``save_room_warning``). ``sample``: the
    LoRA's weights are copied to the device as the layers run. Before either, the launcher
    applies a pending delayed update (``flush``: what is saved or sampled at step N is the
    LoRA after N steps); after either, it drops the device copies (an EMA swapped in and out
@@ -439,12 +443,69 @@ def get_optimizer(
         max_grad_norm=getattr(train, "max_grad_norm", None),
         settings=settings,
     )
+    numel = sum(slot.numel for slot in opt.trainable.slots)
+    warning = save_room_warning(numel, _save_dtype(process), _host_available())
+    if warning:
+        print(warning, flush=True)
     previous = vars(process).get(ATTR)
     if previous is not None:
         release(previous.trainable)
     setattr(process, ATTR, opt)
     _keep_state_on_host(getattr(process, "accelerator", None))
     return opt
+
+
+def save_room_warning(numel: int, save_dtype: torch.dtype | None, available: int | None):
+    """The launcher's warning when ai-toolkit's save of a LoRA of ``numel`` parameters in
+    ``save_dtype`` needs more host memory than the ``available`` bytes (its copy of the LoRA
+    in that dtype and the same bytes serialized again to hash them), or ``None``: nothing to
+    say, or nothing known."""
+    if save_dtype is None or available is None:
+        return None
+    copy = numel * save_dtype.itemsize
+    if 2 * copy <= available:
+        return None
+    name = str(save_dtype).removeprefix("torch.")
+    smaller = (
+        " Set save.dtype: bf16 (half of it), train a lower rank, or free host memory."
+        if save_dtype.itemsize > 2
+        else " Train a lower rank or free host memory."
+    )
+    return (
+        f"weightstream-aitk: warning: ai-toolkit's save of this LoRA needs about "
+        f"{2 * copy / 1e9:.1f} GB more host memory (its copy of the {numel / 1e9:.2f} B "
+        f"parameters in {name}, {copy / 1e9:.1f} GB, and that copy serialized again to hash "
+        f"it), and the host has {available / 1e9:.1f} GB available now: the host's "
+        f"out-of-memory killer may end the job at its first save.{smaller}"
+    )
+
+
+def _save_dtype(process) -> torch.dtype | None:
+    """ai-toolkit's ``save.dtype`` of ``process`` as torch's dtype (its own
+    ``get_torch_dtype``), or ``None`` where the process has none."""
+    name = getattr(getattr(process, "save_config", None), "dtype", None)
+    if name is None:
+        return None
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        from toolkit.train_tools import get_torch_dtype
+    except ImportError:
+        return None
+    dtype = get_torch_dtype(name)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
+def _host_available() -> int | None:
+    """The host's ``MemAvailable``, bytes (``None`` where /proc/meminfo does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _run(run):
