@@ -526,13 +526,7 @@ def mode_job(args, record):
         model = add_lora(build())
         if args.quantize:
             quantize.to_fp8_resident(model, streamable(model))
-        steps(model, args.warmup)
-        (barrier / f"ready{args.job}").write_text("")
-        while not all((barrier / f"ready{k}").exists() for k in (0, 1)):
-            time.sleep(0.01)
-        t, _ = steps(model, args.measured)
-        record["s_per_step"] = round(statistics.median(t), 4)
-        record["steps_s"] = [round(x, 4) for x in t]
+        together(model, args, barrier, record)
         return
     if args.job == 1:
         # Built once job 0 has attached (and freed its device copy): two FLUX.2 copies at once
@@ -555,6 +549,12 @@ def mode_job(args, record):
         )
     record["trainer_rss_gib"] = rss_gib()
     torch.cuda.set_per_process_memory_fraction(args.trainer_gib * GiB / total)
+    together(model, args, barrier, record)
+    record["model_id"] = handle.model_id
+
+
+def together(model, args, barrier: Path, record):
+    """The warm-up steps, then, once both jobs are warm, the timed ones: the same window."""
     steps(model, args.warmup)
     (barrier / f"ready{args.job}").write_text("")
     while not all((barrier / f"ready{k}").exists() for k in (0, 1)):
@@ -562,7 +562,6 @@ def mode_job(args, record):
     t, _ = steps(model, args.measured)
     record["s_per_step"] = round(statistics.median(t), 4)
     record["steps_s"] = [round(x, 4) for x in t]
-    record["model_id"] = handle.model_id
 
 
 def mode_ramtorch(args, record):
