@@ -475,7 +475,11 @@ async fn a_failed_upload_is_aborted_and_its_error_returned() {
     }
     let (manifest, _) = client.upload_model("up", &tensors).await.unwrap();
     assert_eq!(manifest.model_id, "m-up");
-    assert_eq!(state.lock().unwrap().aborted, ["up-1"], "a success aborts nothing");
+    assert_eq!(
+        state.lock().unwrap().aborted,
+        ["up-1"],
+        "a success aborts nothing"
+    );
     let err = client.abort_upload("up-1").await.unwrap_err();
     assert_eq!(err.to_string(), "NotFound: unknown upload_id 'up-1'");
 }

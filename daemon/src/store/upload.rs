@@ -571,7 +571,9 @@ mod tests {
         assert_eq!((store.upload_count(), store.shm.total()), (0, 0));
         assert_eq!(store.host_use(7).uid_bytes, 0);
         assert_eq!(refused(ME), "unknown upload_id 'up-1'");
-        let err = store.commit_upload(ME, "up-1", Retention::Cached).unwrap_err();
+        let err = store
+            .commit_upload(ME, "up-1", Retention::Cached)
+            .unwrap_err();
         assert_eq!(err.to_string(), "unknown upload_id 'up-1'");
     }
 
