@@ -94,6 +94,19 @@ impl<'a> TensorData<'a> {
             ..self
         }
     }
+
+    /// How [`Client::begin_upload`] declares it.
+    pub fn info(&self) -> proto::TensorInfo {
+        proto::TensorInfo {
+            name: self.name.to_string(),
+            dtype: self.dtype as i32,
+            shape: self.shape.to_vec(),
+            nbytes: self.bytes.len() as u64,
+            quantization: self.quantization as i32,
+            scale_shape: self.scale_shape.to_vec(),
+            scale_offset: 0,
+        }
+    }
 }
 
 /// Parses a quantization as the CLI and the Python client spell it: "none",
@@ -417,18 +430,7 @@ impl Client {
         name: &str,
         tensors: &[TensorData<'_>],
     ) -> Result<(proto::ModelManifest, bool), ClientError> {
-        let infos: Vec<_> = tensors
-            .iter()
-            .map(|t| proto::TensorInfo {
-                name: t.name.to_string(),
-                dtype: t.dtype as i32,
-                shape: t.shape.to_vec(),
-                nbytes: t.bytes.len() as u64,
-                quantization: t.quantization as i32,
-                scale_shape: t.scale_shape.to_vec(),
-                scale_offset: 0,
-            })
-            .collect();
+        let infos = tensors.iter().map(TensorData::info).collect();
         let begun = self.begin_upload(name, infos).await?;
         let done = match self.write_upload(&begun, tensors).await {
             Ok(()) => self.commit_upload(&begun.upload_id).await,
