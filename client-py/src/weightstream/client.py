@@ -260,10 +260,11 @@ class Client:
         shapes and returns the region to write them into (its fd from
         ``fetch_fd(begun.fd_secret)``, each tensor at ``begun.tensors[i].offset``). Unmap it
         before ``commit_upload``; ``abort_upload`` drops one that will not be committed (the
-        daemon drops one neither committed nor aborted when this process's connection goes). Those named in ``quantize`` are written as they are and
-        quantized (fp8_e4m3_block64) at commit; an ``Fp8Weight`` is declared pre-quantized in
-        its format (its data's dtype and shape, its scales' shape), and so is a weight the
-        writer quantizes as it copies (``_upload.QuantizeAtCopy``: from its shape alone)."""
+        daemon drops one neither committed nor aborted when this process's connection goes).
+        Those named in ``quantize`` are written as they are and quantized (fp8_e4m3_block64) at
+        commit; an ``Fp8Weight`` is declared pre-quantized in its format (its data's dtype and
+        shape, its scales' shape), and so is a weight the writer quantizes as it copies
+        (``_upload.QuantizeAtCopy``: from its shape alone)."""
         from weightstream import _dtypes, _upload
         from weightstream.quantize import Fp8Weight
 
