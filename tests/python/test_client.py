@@ -28,9 +28,7 @@ def test_a_missing_daemon_fails_fast_with_a_clear_error(tmp_path):
 
 
 @pytest.mark.no_daemon
-def test_with_no_socket_named_the_client_says_every_place_it_looked(
-    monkeypatch, tmp_path
-):
+def test_with_no_socket_named_the_client_says_every_place_it_looked(monkeypatch, tmp_path):
     if os.path.exists(SYSTEM_SOCKET):
         pytest.skip(f"{SYSTEM_SOCKET} exists: the client would reach that daemon")
     monkeypatch.delenv("WEIGHTSTREAM_SOCKET", raising=False)
@@ -60,10 +58,7 @@ def test_the_socket_is_found_by_the_same_rules_as_the_cli(monkeypatch, tmp_path)
     ]
     failures = []
     for given, env, runtime_dir, want in cases:
-        for name, value in (
-            ("WEIGHTSTREAM_SOCKET", env),
-            ("XDG_RUNTIME_DIR", runtime_dir),
-        ):
+        for name, value in (("WEIGHTSTREAM_SOCKET", env), ("XDG_RUNTIME_DIR", runtime_dir)):
             if value is None:
                 monkeypatch.delenv(name, raising=False)
             else:
@@ -197,15 +192,11 @@ def test_windows_that_share_a_page_are_locked_as_one():
     in two windows locked at once: those windows merge."""
     from weightstream import _upload
 
-    runs, spans = _upload._disjoint(
-        [[0], [1], [2, 3], [4]], [(0, 8), (8, 16), (12, 24), (32, 40)]
-    )
+    runs, spans = _upload._disjoint([[0], [1], [2, 3], [4]], [(0, 8), (8, 16), (12, 24), (32, 40)])
     assert runs == [[0], [1, 2, 3], [4]] and spans == [(0, 8), (8, 24), (32, 40)]
 
 
-def test_a_refused_registration_fails_the_write_and_unlocks_the_rest(
-    daemon, monkeypatch
-):
+def test_a_refused_registration_fails_the_write_and_unlocks_the_rest(daemon, monkeypatch):
     from weightstream import _upload
 
     driver = FakeDriver(refuse=4)
@@ -345,9 +336,7 @@ def test_loads_and_uploads_say_where_the_daemons_time_went(daemon, tmp_path):
     assert p.pin_ns == 0, "the host backend locks nothing"
     assert daemon.client.list_models().models[0].phases is None
     phases = {}
-    manifest, _ = daemon.client.upload_model(
-        "u", {"w": torch.ones(4096)}, phases=phases
-    )
+    manifest, _ = daemon.client.upload_model("u", {"w": torch.ones(4096)}, phases=phases)
     assert manifest.phases.seal_ns > 0 and manifest.phases.hash_ns > 0
     assert phases["daemon_input_bytes"] == 4 * 4096
     assert phases["total_s"] >= phases["daemon_total_s"] >= phases["daemon_hash_s"] > 0
@@ -374,9 +363,7 @@ def test_list_models_reads_pages_that_fit_a_message(tmp_path):
         ids = []
         for seed in range(5):
             # 250 tensors with names of ~100 bytes: a manifest of ~27 KB.
-            tensors = {
-                f"{seed}.{i:0>96}": torch.full((1,), float(seed)) for i in range(250)
-            }
+            tensors = {f"{seed}.{i:0>96}": torch.full((1,), float(seed)) for i in range(250)}
             manifest, _ = d.client.upload_model(f"m{seed}", tensors)
             ids.append(manifest.model_id)
         listed = d.client.list_models()
@@ -393,16 +380,10 @@ def test_bad_requests_are_refused_with_the_field_named(daemon):
         daemon.client.open_session(manifest.model_id, [("w", ["w"])], 100)
     assert e.value.code == "INVALID_ARGUMENT"
     assert "vram_budget 100 is smaller than the largest group 'w'" in e.value.message
-    with pytest.raises(
-        weightstream.RequestRejected, match="NOT_FOUND: unknown model_id 'nope'"
-    ):
+    with pytest.raises(weightstream.RequestRejected, match="NOT_FOUND: unknown model_id 'nope'"):
         daemon.client.open_session("nope", [("w", ["w"])], 1 << 20)
-    with daemon.client.open_session(
-        manifest.model_id, [("w", ["w"])], 1 << 20
-    ) as session:
-        with pytest.raises(
-            weightstream.SessionFault, match="acquire.group 5 is out of range"
-        ):
+    with daemon.client.open_session(manifest.model_id, [("w", ["w"])], 1 << 20) as session:
+        with pytest.raises(weightstream.SessionFault, match="acquire.group 5 is out of range"):
             session.acquire(5)
         ticket = session.acquire(0)
         assert torch.equal(ticket.tensors[0], torch.zeros(1024))

@@ -81,9 +81,7 @@ def test_client_side_quantization_stores_the_daemons_bytes(daemon, monkeypatch, 
 
     calls = []
     real = _upload.quantize_fp8_block64
-    monkeypatch.setattr(
-        _upload, "quantize_fp8_block64", lambda w: calls.append(w.shape) or real(w)
-    )
+    monkeypatch.setattr(_upload, "quantize_fp8_block64", lambda w: calls.append(w.shape) or real(w))
     if chunk is not None:
         monkeypatch.setattr(_upload, "QUANTIZE_CHUNK", chunk)
     here = {}
@@ -104,20 +102,11 @@ def test_client_side_quantization_stores_the_daemons_bytes(daemon, monkeypatch, 
     assert sum(s[0] for s in calls) == sum(tensors[n].shape[0] for n in QUANTIZED)
     fp8_bytes = sum(quantize.fp8_nbytes(tensors[n].shape) for n in QUANTIZED)
     bias = tensors["attn.bias"].nbytes
-    assert (here["write_quantized_tensors"], here["write_bytes"]) == (
-        4,
-        fp8_bytes + bias,
-    )
-    assert (
-        here["daemon_input_bytes"] == fp8_bytes + bias
-        and here["daemon_quantize_s"] == 0
-    )
+    assert (here["write_quantized_tensors"], here["write_bytes"]) == (4, fp8_bytes + bias)
+    assert here["daemon_input_bytes"] == fp8_bytes + bias and here["daemon_quantize_s"] == 0
     assert here["write_quantize_device_s"] == 0, "no CUDA events on the CPU"
     raw = sum(t.nbytes for t in tensors.values())
-    assert (
-        at_daemon["daemon_input_bytes"] == raw
-        and "write_quantized_tensors" not in at_daemon
-    )
+    assert at_daemon["daemon_input_bytes"] == raw and "write_quantized_tensors" not in at_daemon
 
 
 def test_auto_leaves_host_memory_to_the_daemon_and_refusals_are_the_daemons(daemon):
@@ -126,9 +115,7 @@ def test_auto_leaves_host_memory_to_the_daemon_and_refusals_are_the_daemons(daem
     message, whichever side was asked; an unknown side is refused before anything is sent."""
     tensors = weights()
     phases = {}
-    daemon.client.upload_model(
-        "w", tensors, QUANTIZED, quantize_on="auto", phases=phases
-    )
+    daemon.client.upload_model("w", tensors, QUANTIZED, quantize_on="auto", phases=phases)
     assert phases["daemon_input_bytes"] == sum(t.nbytes for t in tensors.values())
     assert "write_quantized_tensors" not in phases
     messages = []
@@ -178,9 +165,7 @@ def test_attach_quantized_here_is_the_daemons_model_and_the_resident_reference(
     assert daemon.client.list_models().models == []
 
     monkeypatch.setattr(wst, "_QUANTIZE_ON", "client")
-    monkeypatch.setattr(
-        _upload, "QUANTIZE_CHUNK", 4 * WIDEST
-    )  # one row of fc2, 4 of fc1
+    monkeypatch.setattr(_upload, "QUANTIZE_CHUNK", 4 * WIDEST)  # one row of fc2, 4 of fc1
     handle = wst.attach(streamed, "cpu", **kwargs)
     assert handle.model_id == model_id
     stats = handle.stats()
@@ -188,8 +173,7 @@ def test_attach_quantized_here_is_the_daemons_model_and_the_resident_reference(
     assert stats["attach_upload_daemon_quantize_s"] == 0
     quantize.to_fp8_resident(ref, handle.streamed)
     assert_equal_runs(
-        run(ref, 3, dtype, sample_between=True),
-        run(streamed, 3, dtype, sample_between=True),
+        run(ref, 3, dtype, sample_between=True), run(streamed, 3, dtype, sample_between=True)
     )
     handle.detach(release=True)
 
@@ -227,13 +211,7 @@ def test_a_non_finite_weight_is_refused_alike_and_leaves_nothing(daemon, monkeyp
         assert [k for k in daemon.memfds() if k in ("model", "upload")] == []
     assert (
         messages
-        == [
-            (
-                "INVALID_ARGUMENT",
-                "tensor '1.weight': -inf at index 327: cannot quantize",
-            )
-        ]
-        * 2
+        == [("INVALID_ARGUMENT", "tensor '1.weight': -inf at index 327: cannot quantize")] * 2
     )
 
 
@@ -250,9 +228,7 @@ def test_an_attach_that_fails_mid_write_leaves_nothing(daemon, monkeypatch):
     def out_of_memory(w):
         calls.append(w.shape)
         if len(calls) == 3:
-            raise torch.OutOfMemoryError(
-                "CUDA out of memory. Tried to allocate 2.00 MiB"
-            )
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
         return real(w)
 
     monkeypatch.setattr(_upload, "quantize_fp8_block64", out_of_memory)
@@ -276,10 +252,7 @@ def test_an_attach_that_fails_mid_write_leaves_nothing(daemon, monkeypatch):
 
 @pytest.mark.parametrize(
     "where,value,want",
-    [
-        ((0, 0), float("nan"), "NaN at index 0"),
-        ((63, 127), float("inf"), "+inf at index 8191"),
-    ],
+    [((0, 0), float("nan"), "NaN at index 0"), ((63, 127), float("inf"), "+inf at index 8191")],
 )
 def test_the_refusal_names_the_first_non_finite_value(where, value, want):
     """No daemon: ``first_non_finite`` over weights quantized here, in their order."""
@@ -290,9 +263,6 @@ def test_the_refusal_names_the_first_non_finite_value(where, value, want):
         "plain": torch.full((3,), float("nan")),  # not quantized here: not looked at
         "bad.weight": _upload.QuantizeAtCopy(w),
     }
-    assert (
-        _upload.first_non_finite(tensors)
-        == f"tensor 'bad.weight': {want}: cannot quantize"
-    )
+    assert _upload.first_non_finite(tensors) == f"tensor 'bad.weight': {want}: cannot quantize"
     del tensors["bad.weight"]
     assert _upload.first_non_finite(tensors) is None
