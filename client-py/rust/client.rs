@@ -248,9 +248,22 @@ impl Client {
             });
         }
         let mut c = self.client(py)?.with_retention(retention);
-        let (manifest, dedup) =
-            block_on(py, async move { c.upload_model(&name, &data).await })?.py_err()?;
-        Ok((records::manifest(py, manifest)?, dedup))
+        let infos = data.iter().map(TensorData::info).collect();
+        let begun = block_on(py, c.begin_upload(&name, infos))?.py_err()?;
+        // Written and committed in one wait; whatever ends it early (an error, a signal such
+        // as KeyboardInterrupt) aborts the upload, and the caller gets that, not the abort's.
+        let done = block_on(py, async {
+            c.write_upload(&begun, &data).await?;
+            c.commit_upload(&begun.upload_id).await
+        })
+        .and_then(|r| r.py_err());
+        match done {
+            Ok((manifest, dedup)) => Ok((records::manifest(py, manifest)?, dedup)),
+            Err(e) => {
+                let _ = block_on(py, c.abort_upload(&begun.upload_id));
+                Err(e)
+            }
+        }
     }
 
     /// Begins an upload of tensors `(name, dtype, shape)` without writing or committing it:
@@ -322,6 +335,14 @@ impl Client {
         let (manifest, dedup) =
             block_on(py, async move { c.commit_upload(&upload_id).await })?.py_err()?;
         Ok((records::manifest(py, manifest)?, dedup))
+    }
+
+    /// Drops upload `upload_id`, begun by this client and not to be committed: its host
+    /// bytes are given back at once (what this process still maps of it, once unmapped and
+    /// closed). NOT_FOUND for an upload already dropped, aborted or committed.
+    fn abort_upload(&self, py: Python<'_>, upload_id: String) -> PyResult<()> {
+        let mut c = self.client(py)?;
+        block_on(py, async move { c.abort_upload(&upload_id).await })?.py_err()
     }
 
     /// Gives back one of this uid's references to the model, or with `all_references` (root

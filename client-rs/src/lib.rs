@@ -94,6 +94,19 @@ impl<'a> TensorData<'a> {
             ..self
         }
     }
+
+    /// How [`Client::begin_upload`] declares it.
+    pub fn info(&self) -> proto::TensorInfo {
+        proto::TensorInfo {
+            name: self.name.to_string(),
+            dtype: self.dtype as i32,
+            shape: self.shape.to_vec(),
+            nbytes: self.bytes.len() as u64,
+            quantization: self.quantization as i32,
+            scale_shape: self.scale_shape.to_vec(),
+            scale_offset: 0,
+        }
+    }
 }
 
 /// Parses a quantization as the CLI and the Python client spell it: "none",
@@ -417,31 +430,23 @@ impl Client {
         name: &str,
         tensors: &[TensorData<'_>],
     ) -> Result<(proto::ModelManifest, bool), ClientError> {
-        let infos: Vec<_> = tensors
-            .iter()
-            .map(|t| proto::TensorInfo {
-                name: t.name.to_string(),
-                dtype: t.dtype as i32,
-                shape: t.shape.to_vec(),
-                nbytes: t.bytes.len() as u64,
-                quantization: t.quantization as i32,
-                scale_shape: t.scale_shape.to_vec(),
-                scale_offset: 0,
-            })
-            .collect();
+        let infos = tensors.iter().map(TensorData::info).collect();
         let begun = self.begin_upload(name, infos).await?;
-        let secret = begun.fd_secret.clone();
-        let (region, _) = self
-            .handoff(move |socket| Ok(handoff::get_fd(socket, &secret)?))
-            .await?;
-        session::write_upload(region, &begun, tensors)?;
-        self.commit_upload(&begun.upload_id).await
+        let done = match self.write_upload(&begun, tensors).await {
+            Ok(()) => self.commit_upload(&begun.upload_id).await,
+            Err(e) => Err(e),
+        };
+        if done.is_err() {
+            self.abort_after_failure(&begun.upload_id).await;
+        }
+        done
     }
 
     /// The first step of [`Client::upload_model`]: declares the tensors (name, dtype, shape;
     /// `nbytes` 0 or exact; `quantization` and `scale_shape` as in [`TensorData`]) and gets
-    /// the region to write them into. The daemon drops an
-    /// upload that is never committed when this client's connection goes.
+    /// the region to write them into. An upload that is not to be committed is dropped with
+    /// [`Client::abort_upload`]; the daemon drops one never committed nor aborted when this
+    /// client's connection goes.
     pub async fn begin_upload(
         &mut self,
         name: &str,
@@ -453,6 +458,42 @@ impl Client {
         };
         let r = self.rpc.begin_upload(request).await;
         Ok(r.map_err(|s| self.status(s))?.into_inner())
+    }
+
+    /// The second step of [`Client::upload_model`]: fetches the region of upload `begun` from
+    /// the handoff socket, writes `tensors` (in the order declared) at their offsets, and
+    /// unmaps it.
+    pub async fn write_upload(
+        &mut self,
+        begun: &proto::BeginUploadResponse,
+        tensors: &[TensorData<'_>],
+    ) -> Result<(), ClientError> {
+        let secret = begun.fd_secret.clone();
+        let (region, _) = self
+            .handoff(move |socket| Ok(handoff::get_fd(socket, &secret)?))
+            .await?;
+        session::write_upload(region, begun, tensors)
+    }
+
+    /// Drops upload `upload_id`, begun by this client and not to be committed (writing it
+    /// failed): the daemon gives its host bytes back at once rather than when this client's
+    /// connection goes; what this process still maps of it stays charged to its uid until
+    /// unmapped and closed. An upload already dropped, aborted or committed is NOT_FOUND.
+    pub async fn abort_upload(&mut self, upload_id: &str) -> Result<(), ClientError> {
+        let request = proto::AbortUploadRequest {
+            upload_id: upload_id.to_string(),
+        };
+        let r = self.rpc.abort_upload(request).await;
+        r.map_err(|s| self.status(s))?;
+        Ok(())
+    }
+
+    /// [`Client::abort_upload`] after a failed write or commit; its own failure (the upload
+    /// already gone with a refused commit, the connection lost) is not the caller's error.
+    async fn abort_after_failure(&mut self, upload_id: &str) {
+        if let Err(e) = self.abort_upload(upload_id).await {
+            tracing::debug!(upload = %upload_id, error = %e, "abort after a failed upload");
+        }
     }
 
     /// The last step of [`Client::upload_model`]: turns a filled (and unmapped) upload into a

@@ -34,6 +34,8 @@ struct State {
     loads: Vec<(Vec<String>, Vec<Vec<u8>>)>,
     uploads: HashMap<String, Arc<OwnedFd>>,
     committed: Option<Vec<u8>>,
+    /// The upload ids AbortUpload was asked for.
+    aborted: Vec<String>,
     /// State regions by id, and those freed.
     state: HashMap<String, Arc<OwnedFd>>,
     freed: Vec<(String, String)>,
@@ -134,9 +136,10 @@ impl WeightStream for Fake {
         &self,
         request: Request<proto::BeginUploadRequest>,
     ) -> Result<Response<proto::BeginUploadResponse>, Status> {
+        let request = request.into_inner();
         let mut offset = 0;
         let mut slots = Vec::new();
-        for t in request.into_inner().tensors {
+        for t in request.tensors {
             slots.push(proto::UploadTensor {
                 name: t.name,
                 offset,
@@ -144,7 +147,9 @@ impl WeightStream for Fake {
             });
             offset += t.nbytes;
         }
-        let fd = memfd("ws-test-upload", &vec![0; offset as usize]);
+        // "short": a region a byte shorter than its tensors, which the client cannot fill.
+        let size = offset - u64::from(request.name == "short");
+        let fd = memfd("ws-test-upload", &vec![0; size as usize]);
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
         let fd = Arc::new(fd);
         let mut state = self.0.lock().unwrap();
@@ -153,7 +158,7 @@ impl WeightStream for Fake {
         state.uploads.insert("up-1".into(), fd);
         Ok(Response::new(proto::BeginUploadResponse {
             upload_id: "up-1".into(),
-            size: offset,
+            size,
             tensors: slots,
             fd_secret: secret,
         }))
@@ -184,6 +189,19 @@ impl WeightStream for Fake {
             }),
             deduplicated: false,
         }))
+    }
+
+    async fn abort_upload(
+        &self,
+        request: Request<proto::AbortUploadRequest>,
+    ) -> Result<Response<proto::AbortUploadResponse>, Status> {
+        let id = request.into_inner().upload_id;
+        let mut state = self.0.lock().unwrap();
+        state.aborted.push(id.clone());
+        match state.uploads.remove(&id) {
+            Some(_) => Ok(Response::new(proto::AbortUploadResponse {})),
+            None => Err(Status::not_found(format!("unknown upload_id '{id}'"))),
+        }
     }
 
     async fn release_model(
@@ -434,6 +452,36 @@ async fn upload_writes_through_the_fd_and_unmaps_before_commit() {
     assert_eq!(manifest.model_id, "m-up");
     let committed = state.lock().unwrap().committed.clone();
     assert_eq!(committed.as_deref(), Some(&b"firstsecond"[..]));
+}
+
+/// A write that fails between BeginUpload and CommitUpload aborts the upload and returns the
+/// write's error, not the abort's; a commit the daemon refuses aborts too (and an abort the
+/// daemon answers NOT_FOUND, the upload being gone with the refusal, hides nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_upload_is_aborted_and_its_error_returned() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, mut client) = start(dir.path()).await;
+    let tensors = [
+        TensorData::new("a", proto::Dtype::U8, &[5], b"first"),
+        TensorData::new("b", proto::Dtype::U8, &[6], b"second"),
+    ];
+    let err = client.upload_model("short", &tensors).await.unwrap_err();
+    assert_eq!(err.to_string(), "protocol: upload slot of 'b' out of range");
+    {
+        let state = state.lock().unwrap();
+        assert_eq!(state.aborted, ["up-1"]);
+        assert!(state.uploads.is_empty(), "the abort dropped it");
+        assert_eq!(state.committed, None);
+    }
+    let (manifest, _) = client.upload_model("up", &tensors).await.unwrap();
+    assert_eq!(manifest.model_id, "m-up");
+    assert_eq!(
+        state.lock().unwrap().aborted,
+        ["up-1"],
+        "a success aborts nothing"
+    );
+    let err = client.abort_upload("up-1").await.unwrap_err();
+    assert_eq!(err.to_string(), "NotFound: unknown upload_id 'up-1'");
 }
 
 /// A state region comes with its fd, read-write and of the size the daemon says (a size that

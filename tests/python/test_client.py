@@ -219,6 +219,114 @@ def test_a_refused_registration_fails_the_write_and_unlocks_the_rest(daemon, mon
     assert not driver.locked, "what was locked is unlocked"
 
 
+def left_in_the_daemon(daemon) -> tuple[int, int, list[str]]:
+    """Uploads in progress, host bytes charged to this uid, and upload regions the daemon
+    holds (a committed upload's region is its model's arena: none is committed here)."""
+    usage = daemon.client.info().usage
+    return (
+        usage.uploads,
+        usage.host_bytes,
+        [k for k in daemon.memfds() if k == "upload"],
+    )
+
+
+class Interrupted(KeyboardInterrupt):
+    """A KeyboardInterrupt told from pytest's own."""
+
+
+@pytest.mark.parametrize(
+    "error", [RuntimeError("cudaHostRegister refused"), Interrupted("^C")], ids=type
+)
+def test_an_upload_that_fails_while_written_is_aborted(daemon, monkeypatch, error):
+    """The page-locked path (device tensors'; here with the driver faked): whatever raises
+    while the region is written (a refused page-lock, Ctrl-C) aborts the upload before it
+    propagates, as it was: nothing is left in the daemon, with the connection still open, and
+    the same client uploads the same tensors again."""
+    from weightstream import _upload
+
+    driver = FakeDriver(refuse=0)
+
+    def register(ptr, size, flags):
+        try:
+            driver.register(ptr, size, flags)
+        except RuntimeError:
+            raise error from None
+
+    monkeypatch.setattr(_upload, "_register", register)
+    monkeypatch.setattr(_upload, "_unregister", driver.unregister)
+    tensors = many_tensors()
+    with pytest.raises(type(error)) as e:
+        daemon.client._upload_by_copy("w", tensors, pin=True)
+    assert e.value is error and not getattr(error, "__notes__", None)
+    assert not driver.locked, "what was locked is unlocked"
+    assert left_in_the_daemon(daemon) == (0, 0, [])
+    driver.refuse = None
+    copied, _ = daemon.client._upload_by_copy("w", tensors, pin=True)
+    native, dedup = daemon.client.upload_model("w", tensors)
+    assert dedup and native.model_id == copied.model_id
+
+
+def test_a_native_upload_that_cannot_fetch_its_region_is_aborted(daemon):
+    """The native path (tensors in host memory): an upload whose region cannot be fetched
+    (the handoff socket gone) is aborted over the connection, which still works."""
+    handoff, away = daemon.socket + ".fd", daemon.socket + ".away"
+    tensors = many_tensors(3)
+    os.rename(handoff, away)
+    try:
+        with pytest.raises(weightstream.DaemonUnavailable) as e:
+            daemon.client.upload_model("w", tensors)
+    finally:
+        os.rename(away, handoff)
+    assert handoff in str(e.value)
+    assert left_in_the_daemon(daemon) == (0, 0, [])
+    manifest, dedup = daemon.client.upload_model("w", tensors)
+    assert not dedup and [t.name for t in manifest.tensors] == list(tensors)
+
+
+def test_an_abort_that_fails_does_not_hide_the_error(daemon, monkeypatch):
+    """An abort the daemon refuses adds a note to the error that ended the upload, which is
+    raised as it was; NOT_FOUND (the upload already gone) adds none. The upload the failed
+    abort left goes with the connection, as before."""
+    from weightstream import _upload, client
+
+    def failing(self, run):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(_upload._Copier, "run", failing)
+    for code, notes in (("NOT_FOUND", None), ("UNAVAILABLE", 1)):
+        asked = []
+
+        def abort(self, upload_id, code=code, asked=asked):
+            asked.append(upload_id)
+            raise weightstream.RequestRejected(code, "no")
+
+        monkeypatch.setattr(client.Client, "abort_upload", abort)
+        with pytest.raises(RuntimeError) as e:
+            daemon.client._upload_by_copy("w", many_tensors(2), pin=False)
+        assert str(e.value) == "CUDA out of memory"
+        assert len(asked) == 1 and asked[0].startswith("up-")
+        want = [f"weightstream: the upload {asked[0]} was not aborted: {code}: no"]
+        assert getattr(e.value, "__notes__", None) == (want if notes else None)
+    assert left_in_the_daemon(daemon)[0] == 2
+
+
+def test_abort_upload_drops_a_begun_upload_once(daemon):
+    """``abort_upload`` alone: the upload goes at once; committing or aborting it again is
+    NOT_FOUND, with the id."""
+    tensors = many_tensors(2)
+    begun = daemon.client.begin_upload("w", tensors)
+    assert left_in_the_daemon(daemon)[0] == 1
+    daemon.client.abort_upload(begun.upload_id)
+    assert left_in_the_daemon(daemon) == (0, 0, [])
+    unknown = f"NOT_FOUND: unknown upload_id '{begun.upload_id}'"
+    with pytest.raises(weightstream.RequestRejected) as e:
+        daemon.client.commit_upload(begun.upload_id)
+    assert str(e.value) == unknown
+    with pytest.raises(weightstream.RequestRejected) as e:
+        daemon.client.abort_upload(begun.upload_id)
+    assert str(e.value) == unknown
+
+
 def test_loads_and_uploads_say_where_the_daemons_time_went(daemon, tmp_path):
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.arange(4096.0)}, str(path))

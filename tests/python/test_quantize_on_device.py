@@ -215,6 +215,41 @@ def test_a_non_finite_weight_is_refused_alike_and_leaves_nothing(daemon, monkeyp
     )
 
 
+def test_an_attach_that_fails_mid_write_leaves_nothing(daemon, monkeypatch):
+    """attach(quantize="fp8") quantizing here whose quantization fails after the first weights
+    were written (a device out of memory): the error is the caller's as it was, the module keeps
+    its weights, the upload is aborted (no model, no upload, no host bytes, no region, with the
+    client's connection open), and the same process attaches again."""
+    monkeypatch.setattr(wst, "_QUANTIZE_ON", "client")
+    monkeypatch.setattr(_upload, "QUANTIZE_CHUNK", 2 * 64 * 4)
+    real = _upload.quantize_fp8_block64
+    calls = []
+
+    def out_of_memory(w):
+        calls.append(w.shape)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return real(w)
+
+    monkeypatch.setattr(_upload, "quantize_fp8_block64", out_of_memory)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 128), nn.Linear(128, 64))
+    model.requires_grad_(False)
+    kept = [m.weight for m in model]
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        wst.attach(model, "cpu", client=daemon.client, min_bytes=0, quantize="fp8")
+    assert str(e.value) == "CUDA out of memory. Tried to allocate 2.00 MiB"
+    assert [m.weight for m in model] == kept
+    assert daemon.client.list_models().models == []
+    usage = daemon.client.info().usage
+    assert (usage.uploads, usage.host_bytes) == (0, 0)
+    assert [k for k in daemon.memfds() if k in ("model", "upload")] == []
+    monkeypatch.setattr(_upload, "quantize_fp8_block64", real)
+    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, quantize="fp8")
+    assert len(daemon.client.list_models().models) == 1
+    handle.detach(release=True)
+
+
 @pytest.mark.parametrize(
     "where,value,want",
     [((0, 0), float("nan"), "NaN at index 0"), ((63, 127), float("inf"), "+inf at index 8191")],

@@ -137,6 +137,11 @@ class Client:
 
         ``retention``: how long the reference this upload takes lasts (see ``RETENTIONS``).
 
+        Whatever raises between the daemon's begin and its commit (a device out of memory
+        while quantizing, a tensor whose bytes differ from its declaration, a refused commit,
+        ``KeyboardInterrupt``) aborts the upload (``abort_upload``) before it propagates, as it
+        was: nothing stays charged to the uid, and the same process can upload again.
+
         ``phases``: a dict this fills with where the time went, in seconds: ``total_s`` (the
         call) and the daemon's side of the commit, ``daemon_seal_s``, ``daemon_quantize_s``,
         ``daemon_hash_s`` and ``daemon_pin_s`` (those two at once), ``daemon_total_s``,
@@ -211,27 +216,34 @@ class Client:
 
         t = time.monotonic()
         begun = self.begin_upload(name, tensors, quantize)
-        at = {t.name: t for t in begun.tensors}
-        fd, size = self.fetch_fd(begun.fd_secret)
-        begin_s = time.monotonic() - t
-        written = _upload.write_by_copy(
-            fd,
-            size,
-            [at[n] for n in tensors],
-            list(tensors.values()),
-            pin=pin,
-            progress=_upload.ProgressLine(f"weightstream: uploading {name!r}"),
-        )
-        t = time.monotonic()
         try:
-            out = self.commit_upload(begun.upload_id, retention=retention)
-        except RequestRejected as e:
-            # A non-finite weight quantized here made a non-finite scale, which the commit
-            # refuses (dropping the upload): the error the daemon gives when it quantizes.
-            bad = _upload.first_non_finite(tensors)
-            if bad is None:
-                raise
-            raise RequestRejected("INVALID_ARGUMENT", bad) from e
+            at = {t.name: t for t in begun.tensors}
+            fd, size = self.fetch_fd(begun.fd_secret)
+            begin_s = time.monotonic() - t
+            written = _upload.write_by_copy(
+                fd,
+                size,
+                [at[n] for n in tensors],
+                list(tensors.values()),
+                pin=pin,
+                progress=_upload.ProgressLine(f"weightstream: uploading {name!r}"),
+            )
+            t = time.monotonic()
+            try:
+                out = self.commit_upload(begun.upload_id, retention=retention)
+            except RequestRejected as e:
+                # A non-finite weight quantized here made a non-finite scale, which the commit
+                # refuses (dropping the upload): the error the daemon gives when it quantizes.
+                bad = _upload.first_non_finite(tensors)
+                if bad is None:
+                    raise
+                raise RequestRejected("INVALID_ARGUMENT", bad) from e
+        except BaseException as e:
+            # Whatever ended the upload early (a device out of memory while quantizing, a
+            # tensor that does not match its declaration, KeyboardInterrupt) leaves nothing
+            # charged in the daemon; the caller gets that error, not the abort's.
+            self._abort_after_failure(begun.upload_id, e)
+            raise
         if phases is not None:
             phases["begin_s"] = round(begin_s, 4)
             phases.update({f"write_{k}": v for k, v in written.as_dict().items()})
@@ -247,11 +259,12 @@ class Client:
         """The first step of ``upload_model`` alone: declares ``tensors``' names, dtypes and
         shapes and returns the region to write them into (its fd from
         ``fetch_fd(begun.fd_secret)``, each tensor at ``begun.tensors[i].offset``). Unmap it
-        before ``commit_upload``; the daemon drops an upload never committed when this
-        process's connection goes. Those named in ``quantize`` are written as they are and
-        quantized (fp8_e4m3_block64) at commit; an ``Fp8Weight`` is declared pre-quantized in
-        its format (its data's dtype and shape, its scales' shape), and so is a weight the
-        writer quantizes as it copies (``_upload.QuantizeAtCopy``: from its shape alone)."""
+        before ``commit_upload``; ``abort_upload`` drops one that will not be committed (the
+        daemon drops one neither committed nor aborted when this process's connection goes).
+        Those named in ``quantize`` are written as they are and quantized (fp8_e4m3_block64) at
+        commit; an ``Fp8Weight`` is declared pre-quantized in its format (its data's dtype and
+        shape, its scales' shape), and so is a weight the writer quantizes as it copies
+        (``_upload.QuantizeAtCopy``: from its shape alone)."""
         from weightstream import _dtypes, _upload
         from weightstream.quantize import Fp8Weight
 
@@ -276,6 +289,25 @@ class Client:
         """The last step of ``upload_model``: the manifest of a filled upload, and whether an
         identical model was already stored. ``retention``: see ``RETENTIONS``."""
         return self._native.commit_upload(upload_id, retention)
+
+    def abort_upload(self, upload_id: str) -> None:
+        """Drops an upload this client began and will not commit (writing it failed): the
+        daemon gives its host bytes and its place among the uid's uploads back at once, rather
+        than when this process's connection closes; what this process still maps of the region
+        stays charged to its uid until unmapped and closed. ``RequestRejected`` (NOT_FOUND)
+        for an upload already aborted, committed or dropped. ``upload_model`` calls it itself
+        when anything raises between its begin and its commit."""
+        self._native.abort_upload(upload_id)
+
+    def _abort_after_failure(self, upload_id: str, error: BaseException) -> None:
+        """``abort_upload`` after ``error`` ended an upload early. Its own failure (the upload
+        already dropped by a refused commit, the daemon gone) must not hide ``error``: it is
+        only noted on it."""
+        try:
+            self.abort_upload(upload_id)
+        except Exception as e:  # noqa: BLE001 - the caller's error is the one to raise
+            if not (isinstance(e, RequestRejected) and e.code == "NOT_FOUND"):
+                error.add_note(f"weightstream: the upload {upload_id} was not aborted: {e}")
 
     def release_model(self, model_id: str, *, all_references: bool = False) -> int:
         """Gives back one of this uid's references to the model; returns the references left.

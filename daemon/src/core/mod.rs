@@ -270,6 +270,15 @@ impl Daemon {
         Ok(committed)
     }
 
+    /// Drops `peer`'s upload that its client will not commit; its secret ends. What the
+    /// client still maps of it stays charged to its uid until it lets go.
+    pub fn abort_upload(&self, peer: &Peer, upload_id: &str) -> Result<(), CoreError> {
+        self.store.abort_upload(peer.owner(), upload_id)?;
+        (self.secrets).revoke(&SecretOwner::Upload(upload_id.to_string()));
+        tracing::info!(upload = %upload_id, uid = peer.uid, pid = peer.pid, "upload aborted");
+        Ok(())
+    }
+
     pub fn device_index(&self, uuid: &str) -> Result<(usize, String), CoreError> {
         let devices = self.backend.devices();
         if uuid.is_empty() {

@@ -227,6 +227,16 @@ impl WeightStream for Service {
         }))
     }
 
+    async fn abort_upload(
+        &self,
+        req: Request<pb::AbortUploadRequest>,
+    ) -> Result<Response<pb::AbortUploadResponse>, Status> {
+        let peer = peer(&req)?;
+        let req = self.validation.abort_upload(req.into_inner())?;
+        (self.daemon).abort_upload(&peer, &req.upload_id)?;
+        Ok(Response::new(pb::AbortUploadResponse {}))
+    }
+
     async fn release_model(
         &self,
         req: Request<pb::ReleaseModelRequest>,

@@ -192,6 +192,11 @@ pub struct ValidCommitUpload {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidAbortUpload {
+    pub upload_id: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValidReleaseModel {
     pub model_id: String,
     /// Every uid's references (the daemon's administrators only).
@@ -341,6 +346,13 @@ impl Validation {
         Ok(ValidCommitUpload {
             upload_id: req.upload_id,
             retention: retention(req.retention)?,
+        })
+    }
+
+    pub fn abort_upload(&self, req: pb::AbortUploadRequest) -> Result<ValidAbortUpload> {
+        text("upload_id", &req.upload_id, MAX_ID_BYTES)?;
+        Ok(ValidAbortUpload {
+            upload_id: req.upload_id,
         })
     }
 
@@ -767,6 +779,26 @@ mod tests {
         assert_eq!(
             free.map_err(|e| e.to_string()),
             Err("region_id: required".into())
+        );
+    }
+
+    #[test]
+    fn an_abort_names_its_upload_id_and_limit() {
+        let v = Validation::new(&Limits::default());
+        let abort = |upload_id: String| {
+            v.abort_upload(pb::AbortUploadRequest { upload_id })
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(abort(String::new()), Err("upload_id: required".into()));
+        assert_eq!(
+            abort("u".repeat(257)),
+            Err("upload_id: 257 bytes, the limit is 256".into())
+        );
+        assert_eq!(
+            abort("up-1".into()),
+            Ok(ValidAbortUpload {
+                upload_id: "up-1".into()
+            })
         );
     }
 

@@ -289,16 +289,24 @@ impl Store {
     /// The region of `upload_id`, if `owner`'s connection began it. Another uid's upload is
     /// unknown to `owner`, exactly as one that does not exist: its id tells nothing.
     fn owned_upload(&self, owner: Owner, upload_id: &str) -> Result<Arc<Memfd>, StoreError> {
-        match self.inner().uploads.get(upload_id) {
-            Some(u) if u.owner.uid != owner.uid => {
-                Err(StoreError::UnknownUpload(upload_id.to_string()))
-            }
-            None => Err(StoreError::UnknownUpload(upload_id.to_string())),
-            Some(u) if u.owner.conn != owner.conn => {
-                Err(StoreError::NotOwner(upload_id.to_string()))
-            }
-            Some(u) => Ok(u.memfd.clone()),
-        }
+        let inner = self.inner();
+        let upload = owned(inner.uploads.get(upload_id), owner, upload_id)?;
+        Ok(upload.memfd.clone())
+    }
+
+    /// Drops `owner`'s upload `upload_id`, which its client will not commit (AbortUpload):
+    /// its bytes are uncharged once the store lets go of its region, save what a client still
+    /// maps or holds an fd of (`mem::held`). Owned as for [`commit_upload`](Self::commit_upload):
+    /// another uid's is unknown, another connection's is refused; an upload already dropped,
+    /// aborted or committed is unknown.
+    pub fn abort_upload(&self, owner: Owner, upload_id: &str) -> Result<(), StoreError> {
+        let mut inner = self.inner();
+        owned(inner.uploads.get(upload_id), owner, upload_id)?;
+        let aborted = inner.uploads.remove(upload_id);
+        // Outside the lock: a memfd's drop may start watching what its client still holds.
+        drop(inner);
+        drop(aborted);
+        Ok(())
     }
 
     /// Drops the uploads a closed connection left uncommitted; returns their ids.
@@ -364,6 +372,24 @@ impl Store {
         let threads = std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN);
         quantize_all_into(work, threads)?;
         Ok(segment)
+    }
+}
+
+/// `upload` (the one under `upload_id`, if any), if `owner`'s connection began it. Another
+/// uid's upload is unknown to `owner`, exactly as one that does not exist: its id tells
+/// nothing; another connection of the same uid is refused.
+fn owned<'a>(
+    upload: Option<&'a Upload>,
+    owner: Owner,
+    upload_id: &str,
+) -> Result<&'a Upload, StoreError> {
+    match upload {
+        Some(u) if u.owner.uid != owner.uid => {
+            Err(StoreError::UnknownUpload(upload_id.to_string()))
+        }
+        None => Err(StoreError::UnknownUpload(upload_id.to_string())),
+        Some(u) if u.owner.conn != owner.conn => Err(StoreError::NotOwner(upload_id.to_string())),
+        Some(u) => Ok(u),
     }
 }
 
@@ -519,6 +545,36 @@ mod tests {
         assert_eq!((store.upload_count(), store.shm.total()), (0, 1));
         let charged = 8192 + metadata_bytes("m", [("w", 1)]);
         assert_eq!(store.host_use(7).uid_bytes, charged, "charged once");
+    }
+
+    /// An aborted upload is gone at once, its bytes uncharged; only its connection may abort
+    /// it (another uid is told it does not exist), and only once; it can no longer be committed.
+    #[test]
+    fn an_aborted_upload_is_uncharged_and_gone() {
+        let store = store_with(HostQuota::default());
+        let ticket = store
+            .begin_upload(ME, "up-1".into(), "m", vec![u8s("w", 5000)])
+            .unwrap();
+        drop(ticket);
+        let charged = 8192 + metadata_bytes("m", [("w", 1)]);
+        assert_eq!(store.host_use(7).uid_bytes, charged);
+        let other_conn = Owner { conn: 2, uid: 7 };
+        let other_uid = Owner { conn: 1, uid: 8 };
+        let refused = |owner| store.abort_upload(owner, "up-1").unwrap_err().to_string();
+        assert_eq!(
+            refused(other_conn),
+            "upload_id 'up-1' belongs to another connection"
+        );
+        assert_eq!(refused(other_uid), "unknown upload_id 'up-1'");
+        assert_eq!(store.upload_count(), 1, "a refused abort leaves the upload");
+        store.abort_upload(ME, "up-1").unwrap();
+        assert_eq!((store.upload_count(), store.shm.total()), (0, 0));
+        assert_eq!(store.host_use(7).uid_bytes, 0);
+        assert_eq!(refused(ME), "unknown upload_id 'up-1'");
+        let err = store
+            .commit_upload(ME, "up-1", Retention::Cached)
+            .unwrap_err();
+        assert_eq!(err.to_string(), "unknown upload_id 'up-1'");
     }
 
     /// A tensor's description costs host memory even when it has no bytes: a hundred empty

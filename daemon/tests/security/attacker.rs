@@ -260,8 +260,9 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                 Err(e) => format!("failed: {e}"),
             }
         }
-        // Each arg is "commit ID", "close ID", "release ID", "state SESSION" (a state region of
-        // 4096 bytes for the session) or "free SESSION REGION": what the daemon answers each.
+        // Each arg is "commit ID", "abort ID", "close ID", "release ID", "state SESSION" (a
+        // state region of 4096 bytes for the session) or "free SESSION REGION": what the daemon
+        // answers each.
         "touch" => {
             let mut rpc = raw_client(socket).await;
             let mut got = Vec::new();
@@ -275,6 +276,9 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                     }))
                     .await
                     .map(|_| ()),
+                    "abort" => (rpc.abort_upload(proto::AbortUploadRequest { upload_id: id }))
+                        .await
+                        .map(|_| ()),
                     "close" => (rpc.close_session(proto::CloseSessionRequest { session_id: id }))
                         .await
                         .map(|_| ()),
