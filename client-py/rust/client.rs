@@ -249,7 +249,7 @@ impl Client {
         }
         let mut c = self.client(py)?.with_retention(retention);
         let infos = data.iter().map(TensorData::info).collect();
-        let begun = block_on(py, c.begin_upload(&name, infos))?.py_err()?;
+        let begun = block_on(py, c.begin_upload(&name, infos, false))?.py_err()?;
         // Written and committed in one wait; whatever ends it early (an error, a signal such
         // as KeyboardInterrupt) aborts the upload, and the caller gets that, not the abort's.
         let done = block_on(py, async {
@@ -271,8 +271,10 @@ impl Client {
     /// The daemon drops an upload never committed when this process's connection goes.
     /// Tensors named in `quantize` are written as declared and quantized at commit; those in
     /// `prequantized` (name -> (format, scale_shape)) are written pre-quantized in that format
-    /// (data, zero padding to 16, fp32 scales; dtype: the data's).
-    #[pyo3(signature = (name, tensors, quantize=Vec::new(), prequantized=HashMap::new()))]
+    /// (data, zero padding to 16, fp32 scales; dtype: the data's). With `client_reserves` the
+    /// daemon answers without reserving the region's pages: the writer faults them in itself
+    /// (`MADV_POPULATE_WRITE` or page-locking before it writes each part).
+    #[pyo3(signature = (name, tensors, quantize=Vec::new(), prequantized=HashMap::new(), client_reserves=false))]
     fn begin_upload(
         &self,
         py: Python<'_>,
@@ -280,6 +282,7 @@ impl Client {
         tensors: Vec<(String, i32, Vec<u64>)>,
         quantize: Vec<String>,
         mut prequantized: HashMap<String, (String, Vec<u64>)>,
+        client_reserves: bool,
     ) -> PyResult<records::BeginUploadResponse> {
         let quantize = quantize_set(quantize, tensors.iter().map(|t| t.0.as_str()))?;
         if let Some(unknown) = (prequantized.keys())
@@ -318,7 +321,10 @@ impl Client {
             });
         }
         let mut c = self.client(py)?;
-        let begun = block_on(py, async move { c.begin_upload(&name, infos).await })?.py_err()?;
+        let begun = block_on(py, async move {
+            c.begin_upload(&name, infos, client_reserves).await
+        })?
+        .py_err()?;
         records::begun(py, begun)
     }
 

@@ -431,7 +431,7 @@ impl Client {
         tensors: &[TensorData<'_>],
     ) -> Result<(proto::ModelManifest, bool), ClientError> {
         let infos = tensors.iter().map(TensorData::info).collect();
-        let begun = self.begin_upload(name, infos).await?;
+        let begun = self.begin_upload(name, infos, false).await?;
         let done = match self.write_upload(&begun, tensors).await {
             Ok(()) => self.commit_upload(&begun.upload_id).await,
             Err(e) => Err(e),
@@ -446,15 +446,20 @@ impl Client {
     /// `nbytes` 0 or exact; `quantization` and `scale_shape` as in [`TensorData`]) and gets
     /// the region to write them into. An upload that is not to be committed is dropped with
     /// [`Client::abort_upload`]; the daemon drops one never committed nor aborted when this
-    /// client's connection goes.
+    /// client's connection goes. With `client_reserves` the daemon answers at once and the
+    /// writer faults the region's pages in itself (`MADV_POPULATE_WRITE` or page-locking
+    /// before it writes each part; a plain write into a full tmpfs is a SIGBUS); without it the
+    /// daemon reserves every page first.
     pub async fn begin_upload(
         &mut self,
         name: &str,
         tensors: Vec<proto::TensorInfo>,
+        client_reserves: bool,
     ) -> Result<proto::BeginUploadResponse, ClientError> {
         let request = proto::BeginUploadRequest {
             name: name.to_string(),
             tensors,
+            client_reserves,
         };
         let r = self.rpc.begin_upload(request).await;
         Ok(r.map_err(|s| self.status(s))?.into_inner())

@@ -65,6 +65,7 @@ fn upload_request(name: &str, bytes: u64) -> proto::BeginUploadRequest {
             ..Default::default()
         }],
     }
+    client_reserves: false,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -860,6 +860,7 @@ async fn bad_uploads_are_refused_precisely() {
                 nbytes: 0,
                 ..Default::default()
             }],
+            client_reserves: false,
         })
         .await
         .unwrap()

@@ -460,6 +460,7 @@ async fn what_cannot_be_quantized_is_refused_by_name_and_leaves_nothing() {
             quantization: 7,
             ..Default::default()
         }],
+        client_reserves: false,
     };
     let status = rpc.begin_upload(request).await.unwrap_err();
     assert_eq!(

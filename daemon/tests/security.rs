@@ -504,6 +504,7 @@ async fn descriptions_are_charged_and_uploads_in_progress_are_bounded() {
         .begin_upload(proto::BeginUploadRequest {
             name: "nothing".into(),
             tensors: empty,
+            client_reserves: false,
         })
         .await
         .unwrap_err();
@@ -675,6 +676,7 @@ fn a_large_begin_upload_is_checked_off_the_async_threads() {
         let request = proto::BeginUploadRequest {
             name: "big".into(),
             tensors,
+            client_reserves: false,
         };
         let big = tokio::spawn(async move { big_rpc.begin_upload(request).await });
         let listed = format!("BeginUpload of {n} tensors for uid {uid}");

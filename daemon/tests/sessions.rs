@@ -371,6 +371,7 @@ async fn vanished_client_is_torn_down() {
             nbytes: 0,
             ..Default::default()
         }],
+        client_reserves: false,
     };
     let expected = f.expected.clone();
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();

@@ -324,6 +324,7 @@ async fn torchao_declarations_that_break_the_rules_are_refused_and_leave_nothing
             scale_offset: 16,
             ..Default::default()
         }],
+        client_reserves: false,
     };
     let status = rpc.begin_upload(request).await.unwrap_err();
     assert_eq!(

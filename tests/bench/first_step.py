@@ -28,7 +28,10 @@ and never fatal to the others; the daemon is stopped and the file deleted howeve
   commit;
 - ``upload-fp8-daemon`` (only when asked): the same in 8 bits, the bf16 weights written and
   quantized by the daemon at commit (``quantize_on="daemon"``, the way before the GPU did it):
-  the baseline of ``upload-fp8`` in the same run.
+  the baseline of ``upload-fp8`` in the same run;
+- ``upload-daemon-reserves`` (only when asked): ``upload`` with the daemon reserving the whole
+  region's pages before it answers (``_upload.CLIENT_RESERVES = False``), the way before the
+  writer faulted each window in as it page-locked it: the baseline of ``upload``.
 $OUT/first_step.json is written after each part; a Markdown table is printed (and written to
 $OUT/first_step.md) at the end; the logs are packed into $OUT/first-step-logs.tgz.
 
@@ -59,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flux_train  # noqa: E402  (its FLUX.1 config, seeded weights, LoRA and batch)
 
 PARTS = ["register", "gen", "load", "attach-id", "load-fp8", "upload"]
-OPTIONAL = ["attach-id-fp8", "upload-fp8", "upload-fp8-daemon"]
+OPTIONAL = ["attach-id-fp8", "upload-fp8", "upload-fp8-daemon", "upload-daemon-reserves"]
 #: Each part's default timeout (s); all of them end by --deadline.
 TIMEOUTS = {
     "register": 120,
@@ -67,6 +70,7 @@ TIMEOUTS = {
     "upload": 360,
     "upload-fp8": 360,
     "upload-fp8-daemon": 360,
+    "upload-daemon-reserves": 360,
 }
 DEFAULT_TIMEOUT = 240
 #: Host memory kept free beyond what a part needs (the CUDA contexts, Python, the kernel).
@@ -423,10 +427,12 @@ def part_upload(args, record):
     import torch
     import weightstream
     import weightstream.torch as wst
+    from weightstream import _upload
 
     quantize = "fp8" if "fp8" in args.child else None
     at_commit = args.child.endswith("daemon")
     wst._QUANTIZE_ON = "daemon" if at_commit else "auto"
+    _upload.CLIENT_RESERVES = args.child != "upload-daemon-reserves"
     nbytes = sum(2 * torch.Size(s).numel() for _, s in frozen_tensors(args))
     # Quantized at commit: the bf16 region and the 8-bit arena at once, for a while; on the
     # GPU: the 8-bit region alone.
@@ -470,6 +476,7 @@ CHILDREN = {
     "upload": part_upload,
     "upload-fp8": part_upload,
     "upload-fp8-daemon": part_upload,
+    "upload-daemon-reserves": part_upload,
 }
 
 
@@ -718,7 +725,8 @@ def row_upload(r: dict, target: str) -> list[str]:
     if "attach_upload_write_wall_s" in a:
         client = (
             f"begin {g('begin_s'):.1f} s; client write {g('write_wall_s'):.1f} s "
-            f"({gb(n, g('write_wall_s'))}; cudaHostRegister {g('write_register_s'):.1f} s over "
+            f"({gb(n, g('write_wall_s'))}; faulting in {g('write_populate_s'):.1f} s, "
+            f"cudaHostRegister {g('write_register_s'):.1f} s over "
             f"{g('write_threads')} threads, waited {g('write_wait_register_s'):.1f} s, copies "
             f"{g('write_copy_s'):.1f} s, unregister {g('write_unregister_s'):.1f} s"
         )
@@ -767,6 +775,10 @@ ROWS = {
         lambda r: row_upload(r, "≤ 30 s"),
     ),
     "upload-fp8-daemon": ("attach by upload, 8 bits at commit", lambda r: row_upload(r, "")),
+    "upload-daemon-reserves": (
+        "attach by upload, the daemon reserving the region first",
+        lambda r: row_upload(r, ""),
+    ),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -184,6 +185,78 @@ def test_a_pinned_upload_locks_each_window_once_a_few_at_a_time(daemon, monkeypa
     assert timings.wall >= timings.copy and timings.as_dict()["windows"] == len(runs)
     copied, _ = daemon.client.commit_upload(begun.upload_id)
     native, dedup = daemon.client.upload_model("pinned", tensors)
+    assert dedup and native.model_id == copied.model_id
+
+
+def resident_pages(ptr: int, size: int) -> int:
+    """How many pages of the mapping at ``ptr`` are in memory (mincore)."""
+    import ctypes
+
+    page = mmap.PAGESIZE
+    pages = -(-size // page)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ptr, size, vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(v & 1 for v in vec)
+
+
+def region_pages_in_memory(client, begun) -> tuple[int, int]:
+    """(pages in memory, pages) of a begun upload's region, seen through a mapping of its fd."""
+    import ctypes
+
+    fd, size = client.fetch_fd(begun.fd_secret)
+    try:
+        m = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    view = (ctypes.c_char * size).from_buffer(m)
+    try:
+        return resident_pages(ctypes.addressof(view), size), -(-size // mmap.PAGESIZE)
+    finally:
+        del view
+        m.close()
+
+
+def test_a_writer_that_reserves_faults_each_window_in_before_locking_it(daemon, monkeypatch):
+    """``client_reserves``: the daemon answers without faulting the region's pages in (it does
+    without it), and the page-locking writer faults each window in before registering it; the
+    bytes stored are the native path's."""
+    from weightstream import _upload
+
+    tensors = many_tensors()
+    reserved = daemon.client.begin_upload("reserved", tensors)
+    assert region_pages_in_memory(daemon.client, reserved) == (reserved.size // 4096,) * 2
+    daemon.client.abort_upload(reserved.upload_id)
+
+    begun = daemon.client.begin_upload("by the writer", tensors, client_reserves=True)
+    assert region_pages_in_memory(daemon.client, begun) == (0, begun.size // 4096)
+    driver = FakeDriver()
+    in_memory_when_locked = []
+
+    def register(ptr: int, size: int, flags: int):
+        in_memory_when_locked.append((resident_pages(ptr, size), -(-size // mmap.PAGESIZE)))
+        driver.register(ptr, size, flags)
+
+    monkeypatch.setattr(_upload, "_register", register)
+    monkeypatch.setattr(_upload, "_unregister", driver.unregister)
+    at = {t.name: t for t in begun.tensors}
+    fd, size = daemon.client.fetch_fd(begun.fd_secret)
+    timings = _upload.write_by_copy(
+        fd,
+        size,
+        [at[n] for n in tensors],
+        list(tensors.values()),
+        pin=True,
+        threads=3,
+        window=3 * 4096,
+        reserve=True,
+    )
+    assert len(in_memory_when_locked) == timings.windows > 6
+    assert all(n == total for n, total in in_memory_when_locked), in_memory_when_locked
+    assert timings.populate > 0
+    copied, _ = daemon.client.commit_upload(begun.upload_id)
+    native, dedup = daemon.client.upload_model("by the writer", tensors)
     assert dedup and native.model_id == copied.model_id
 
 

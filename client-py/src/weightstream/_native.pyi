@@ -95,6 +95,7 @@ class Client:
         tensors: list[tuple[str, int, list[int]]],
         quantize: list[str] = ...,
         prequantized: dict[str, tuple[str, list[int]]] = ...,
+        client_reserves: bool = False,
     ) -> BeginUploadResponse: ...
     def commit_upload(
         self, upload_id: str, retention: str = "cached"

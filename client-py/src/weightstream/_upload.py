@@ -20,6 +20,8 @@ so the device holds one chunk's temporaries at a time, never the quantized model
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import math
 import mmap
 import os
@@ -50,6 +52,14 @@ THREADS = 8
 PAGE = mmap.PAGESIZE
 #: ``cudaHostRegisterPortable``: pinned for every device's context, for tensors on several.
 _PORTABLE = 1
+#: Whether uploads that page-lock their windows ask the daemon not to reserve the region's
+#: pages (``begin_upload(client_reserves=True)``): each window is faulted in here, on the
+#: registering threads, while earlier windows are copied, instead of the whole region before
+#: the daemon answers (the largest part of a bf16 attach). A benchmark turns it off to compare.
+CLIENT_RESERVES = True
+#: ``MADV_POPULATE_WRITE`` (Linux 5.14): faults a range in writable, allocating its pages.
+_MADV_POPULATE_WRITE = 23
+_libc = None
 #: Float32 bytes of one chunk of rows of a weight quantized at copy time (``QuantizeAtCopy``):
 #: the quantizer's temporaries are a few of these. A row larger than this is a chunk of its own.
 QUANTIZE_CHUNK = 64 << 20
@@ -89,15 +99,18 @@ class QuantizeAtCopy:
 
 @dataclass
 class WriteTimings:
-    """Where a ``write_by_copy`` spent its time, in seconds: ``wall`` all of it; ``register`` and
-    ``unregister`` summed over the threads that ran them (they overlap the copies and each
-    other); ``wait_register`` the copying thread waiting for a window's registration; ``copy``
+    """Where a ``write_by_copy`` spent its time, in seconds: ``wall`` all of it; ``populate``
+    (faulting a window's pages in before its registration, when the daemon left that to the
+    writer), ``register`` and ``unregister`` summed over the threads that ran them (they
+    overlap the copies and each other); ``wait_register`` the copying thread waiting for a
+    window's registration; ``copy``
     issuing the copies (they complete while later windows register), within it ``quantize``
     issuing the quantization of the ``quantized`` weights written in 8 bits
     (``QuantizeAtCopy``; on the CPU, doing it), and ``quantize_device`` the time the devices
     spent quantizing (CUDA events around each chunk)."""
 
     wall: float = 0.0
+    populate: float = 0.0
     register: float = 0.0
     wait_register: float = 0.0
     copy: float = 0.0
@@ -168,6 +181,28 @@ def first_non_finite(tensors) -> str | None:
     return None
 
 
+def populate(ptr: int, size: int) -> bool:
+    """Faults ``size`` bytes at ``ptr`` (a shared mapping of the upload region) in, allocating
+    their pages (``MADV_POPULATE_WRITE``; the GIL is released while the kernel works). False
+    where the kernel lacks the advice (before 5.14): page-locking then faults them in, slower.
+    A full tmpfs or memory cgroup is an ``OSError`` saying so (a write would be a SIGBUS)."""
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc = lib
+    if _libc.madvise(ptr, size, _MADV_POPULATE_WRITE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:
+        return False
+    raise OSError(
+        err,
+        f"reserving {size} bytes of the upload region failed ({os.strerror(err)}): the host's "
+        "shared memory (tmpfs, or this process's memory cgroup) has no room for the model",
+    )
+
+
 def _register(ptr: int, size: int, flags: int):
     err = torch.cuda.cudart().cudaHostRegister(ptr, size, flags)
     if int(err) != 0:
@@ -228,11 +263,13 @@ def write_by_copy(
     progress: Callable[[int, int], None] | None = None,
     threads: int | None = None,
     window: int = WINDOW,
+    reserve: bool = False,
 ) -> WriteTimings:
     """Writes ``tensors[i]`` at ``placements[i].offset`` of the region behind ``fd`` (closed
     here) in windows of about ``window`` bytes, page-locking each first when ``pin`` (on
-    ``threads`` threads, default ``default_threads()``); the region is unmapped on return.
-    Returns where the time went."""
+    ``threads`` threads, default ``default_threads()``), and faulting each in before that when
+    ``reserve`` (the daemon began the upload with ``client_reserves``); the region is unmapped
+    on return. Returns where the time went."""
     started = time.monotonic()
     timings = WriteTimings(bytes=sum(p.nbytes for p in placements))
     devices = sorted({_located(t) for t in tensors if _located(t).type == "cuda"}, key=str)
@@ -247,12 +284,19 @@ def write_by_copy(
         timings.windows = len(runs)
         copy = _Copier(region, placements, tensors, pin, timings, progress)
         if pin:
-            _copy_pinned(copy, runs, size, devices, threads or default_threads(), timings)
+            threads = threads or default_threads()
+            _copy_pinned(copy, runs, size, devices, threads, timings, reserve)
         else:
-            t = time.monotonic()
+            base = region.data_ptr()
             for run in runs:
+                if reserve:
+                    t = time.monotonic()
+                    lo, hi = _span(placements, run, size)
+                    populate(base + lo, hi - lo)
+                    timings.populate += time.monotonic() - t
+                t = time.monotonic()
                 copy.run(run)
-            timings.copy += time.monotonic() - t
+                timings.copy += time.monotonic() - t
     finally:
         for device in devices if pin else ():
             torch.cuda.synchronize(device)  # no copy may land in the region once it is unmapped
@@ -358,10 +402,13 @@ def _quantized_pieces(
         yield rows * cols, torch.zeros(scales_at - rows * cols, dtype=torch.uint8, device=w.device)
 
 
-def _copy_pinned(copy: _Copier, runs, size: int, devices, threads: int, timings: WriteTimings):
-    """The pipeline: windows registered ``threads`` ahead of the copies on a pool, copied in
-    order here, each unregistered on the pool once events after its copies (on each device's
-    current stream, where torch ran them) have passed."""
+def _copy_pinned(
+    copy: _Copier, runs, size: int, devices, threads: int, timings: WriteTimings, reserve: bool
+):
+    """The pipeline: windows registered ``threads`` ahead of the copies on a pool (each faulted
+    in first when ``reserve``: the daemon left its pages to the writer), copied in order here,
+    each unregistered on the pool once events after its copies (on each device's current
+    stream, where torch ran them) have passed."""
     base = copy.region.data_ptr()
     runs, spans = _disjoint(runs, [_span(copy.placements, run, size) for run in runs])
     timings.windows = len(runs)
@@ -374,8 +421,12 @@ def _copy_pinned(copy: _Copier, runs, size: int, devices, threads: int, timings:
             setattr(timings, field, getattr(timings, field) + time.monotonic() - since)
 
     def register(k: int):
-        t = time.monotonic()
         lo, hi = spans[k]
+        if reserve:
+            t = time.monotonic()
+            populate(base + lo, hi - lo)
+            add("populate", t)
+        t = time.monotonic()
         _register(base + lo, hi - lo, flags)
         add("register", t)
 

@@ -146,8 +146,10 @@ class Client:
         call) and the daemon's side of the commit, ``daemon_seal_s``, ``daemon_quantize_s``,
         ``daemon_hash_s`` and ``daemon_pin_s`` (those two at once), ``daemon_total_s``,
         ``daemon_input_bytes`` (``daemon_phases``); for tensors on a GPU (or quantized here)
-        also the client's: ``begin_s`` (BeginUpload, where the daemon reserves the region, and
-        its fd), ``write_wall_s`` (writing the region), within it ``write_register_s`` and
+        also the client's: ``begin_s`` (BeginUpload and the region's fd; the daemon reserves
+        the region's pages there unless the writer page-locks), ``write_wall_s`` (writing the
+        region), within it ``write_populate_s`` (faulting the region's pages in, window by
+        window, on the registering threads, when the writer page-locks), ``write_register_s`` and
         ``write_unregister_s`` (page-locking the windows, summed over the threads that do it),
         ``write_wait_register_s`` (the copies waiting for a window) and ``write_copy_s``
         (issuing the copies), within that ``write_quantize_s`` (issuing the quantization of the
@@ -215,7 +217,10 @@ class Client:
         from weightstream import _upload
 
         t = time.monotonic()
-        begun = self.begin_upload(name, tensors, quantize)
+        # Page-locking each window faults its pages in (_upload.populate first): the daemon
+        # need not reserve them before answering, and the reservation overlaps the copies.
+        reserves = pin and _upload.CLIENT_RESERVES
+        begun = self.begin_upload(name, tensors, quantize, client_reserves=reserves)
         try:
             at = {t.name: t for t in begun.tensors}
             fd, size = self.fetch_fd(begun.fd_secret)
@@ -227,6 +232,7 @@ class Client:
                 list(tensors.values()),
                 pin=pin,
                 progress=_upload.ProgressLine(f"weightstream: uploading {name!r}"),
+                reserve=reserves,
             )
             t = time.monotonic()
             try:
@@ -255,6 +261,8 @@ class Client:
         name: str,
         tensors: Mapping[str, torch.Tensor | Fp8Weight],
         quantize: Iterable[str] = (),
+        *,
+        client_reserves: bool = False,
     ) -> BeginUploadResponse:
         """The first step of ``upload_model`` alone: declares ``tensors``' names, dtypes and
         shapes and returns the region to write them into (its fd from
@@ -264,7 +272,10 @@ class Client:
         Those named in ``quantize`` are written as they are and quantized (fp8_e4m3_block64) at
         commit; an ``Fp8Weight`` is declared pre-quantized in its format (its data's dtype and
         shape, its scales' shape), and so is a weight the writer quantizes as it copies
-        (``_upload.QuantizeAtCopy``: from its shape alone)."""
+        (``_upload.QuantizeAtCopy``: from its shape alone). With ``client_reserves`` the daemon
+        answers without reserving the region's pages (seconds for tens of GB): the writer
+        faults each part in itself before writing it (``MADV_POPULATE_WRITE``, or page-locking
+        it), where a plain write into a full tmpfs would be a SIGBUS."""
         from weightstream import _dtypes, _upload
         from weightstream.quantize import Fp8Weight
 
@@ -281,7 +292,7 @@ class Client:
             for n, t in tensors.items()
             if isinstance(t, _upload.QuantizeAtCopy)
         )
-        return self._native.begin_upload(name, specs, list(quantize), prequantized)
+        return self._native.begin_upload(name, specs, list(quantize), prequantized, client_reserves)
 
     def commit_upload(
         self, upload_id: str, *, retention: str = "cached"

@@ -155,6 +155,7 @@ async fn child_trainer() {
                 ..Default::default()
             })
             .collect(),
+        client_reserves: false,
     };
     let begun = raw.begin_upload(begin).await.unwrap().into_inner();
     let (region, _) = fetch_fd(&socket, &begun.fd_secret).await.unwrap();

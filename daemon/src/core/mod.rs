@@ -18,7 +18,7 @@ pub use self::secrets::{FdSecrets, SecretError, SecretOwner};
 use crate::backend::{Backend, BackendError, RegionExport, RegionHandle};
 use crate::config::Config;
 use crate::mem::held::Charge;
-use crate::mem::shm::{Access, Shm};
+use crate::mem::shm::{Access, Shm, UploadPages};
 use crate::quota::{Held, HostQuota, QuotaError, SessionLedger};
 use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
 use crate::scheduler::{CopyScheduler, Pacing};
@@ -245,10 +245,11 @@ impl Daemon {
         peer: &Peer,
         name: &str,
         tensors: Vec<TensorDecl>,
+        pages: UploadPages,
     ) -> Result<(UploadTicket, String), CoreError> {
         // 64 random bits: another uid learns nothing from an id, not even that it exists.
         let upload_id = format!("up-{}", &drops::random_secret()[..16]);
-        let ticket = (self.store).begin_upload(peer.owner(), upload_id, name, tensors)?;
+        let ticket = (self.store).begin_upload(peer.owner(), upload_id, name, tensors, pages)?;
         let upload = SecretOwner::Upload(ticket.upload_id.clone());
         let access = (Access::ReadWrite, Charge::Host);
         let secret = (self.secrets).mint(peer.uid, &ticket.memfd, access, upload);

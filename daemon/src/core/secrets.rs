@@ -123,7 +123,9 @@ mod tests {
     #[test]
     fn a_secret_is_for_its_uid_its_access_and_its_owner_lifetime() {
         let shm = Shm::new();
-        let upload = shm.create_upload(4096).unwrap();
+        let upload = shm
+            .create_upload(4096, crate::mem::shm::UploadPages::Reserved)
+            .unwrap();
         let staging = shm.create("staging", 4096).unwrap();
         staging.memfd().forbid_new_writers().unwrap();
         let secrets = FdSecrets::default();

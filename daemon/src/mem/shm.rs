@@ -110,13 +110,18 @@ impl Shm {
         Ok(Arc::new(self.memfd("state", size)?))
     }
 
-    /// An upload region of `size` bytes, its pages reserved: not mapped by the daemon (its
-    /// uploader writes it through its own fd) until [`ShmSegment::sealed`] at commit. (The
-    /// daemon maps it writable only to fault its pages in, and unmaps it before anyone else
-    /// can hold it.)
-    pub fn create_upload(self: &Arc<Self>, size: u64) -> io::Result<Arc<Memfd>> {
+    /// An upload region of `size` bytes: not mapped by the daemon (its uploader writes it
+    /// through its own fd) until [`ShmSegment::sealed`] at commit. With
+    /// [`UploadPages::Reserved`] its pages are reserved here (the daemon maps it writable only
+    /// to fault them in, and unmaps it before anyone else can hold it); with
+    /// [`UploadPages::ByUploader`] the uploader's own writes (or page-locking) fault them in.
+    pub fn create_upload(
+        self: &Arc<Self>,
+        size: u64,
+        pages: UploadPages,
+    ) -> io::Result<Arc<Memfd>> {
         let memfd = self.memfd("upload", size)?;
-        if size > 0 {
+        if size > 0 && pages == UploadPages::Reserved {
             let file = File::from(memfd.fd.try_clone()?);
             let map = memmap2::MmapOptions::new()
                 .len(size as usize)
@@ -125,6 +130,18 @@ impl Shm {
         }
         Ok(Arc::new(memfd))
     }
+}
+
+/// Who faults an upload region's pages in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UploadPages {
+    /// The daemon, before the region is handed out (seconds for tens of GB): a full tmpfs or
+    /// memory cgroup is the begin's error, never a SIGBUS at the uploader's first write.
+    Reserved,
+    /// The uploader, as it writes (its `MADV_POPULATE_WRITE` or page-locking of each part):
+    /// the reservation overlaps the writes; the pages are charged to the uploader's memory
+    /// cgroup.
+    ByUploader,
 }
 
 /// Runs `populate(offset, len)` over `0..size` in pieces of [`POPULATE_PIECE`] bytes on up to
@@ -470,7 +487,7 @@ mod tests {
     #[test]
     fn an_upload_is_sealed_against_writes_only_once_unmapped() {
         let shm = Shm::new();
-        let memfd = shm.create_upload(8192).unwrap();
+        let memfd = shm.create_upload(8192, UploadPages::Reserved).unwrap();
         let mut client = File::from(memfd.share(Access::ReadWrite).unwrap());
         assert_eq!(
             rustix::fs::ftruncate(&client, 100).unwrap_err(),
@@ -501,14 +518,14 @@ mod tests {
     fn a_memfd_handed_out_is_held_after_its_drop_until_the_client_lets_go() {
         use crate::mem::held::{Charge, FdHolder};
         let shm = Shm::new();
-        let memfd = shm.create_upload(8192).unwrap();
+        let memfd = shm.create_upload(8192, UploadPages::Reserved).unwrap();
         let holder = FdHolder {
             uid: 7,
             pid: 70,
             charge: Charge::Host,
         };
         let client = memfd.hand_out(Access::ReadWrite, holder).unwrap();
-        let never_shared = shm.create_upload(4096).unwrap();
+        let never_shared = shm.create_upload(4096, UploadPages::Reserved).unwrap();
         drop((memfd, never_shared));
         assert_eq!(shm.total(), 0, "the daemon holds none");
         let host = || shm.held().usage(7, |c| c == Charge::Host);

@@ -185,7 +185,8 @@ impl WeightStream for Service {
                     .begin_upload(req)
                     .map_err(Status::from)
                     .and_then(|req| {
-                        (daemon.begin_upload(&peer, &req.name, req.tensors)).map_err(Status::from)
+                        (daemon.begin_upload(&peer, &req.name, req.tensors, req.pages))
+                            .map_err(Status::from)
                     });
                 if tensors >= heap::LARGE_REQUEST_TENSORS {
                     // The request and its checked copy are freed by now.

@@ -11,6 +11,7 @@ use weightstream_client::proto as pb;
 use super::convert::{dtype_from_pb, quantization_from_pb, retention_from_pb};
 use crate::config::{Limits, MIN_COPY_BANDWIDTH, Rate};
 use crate::core::OpenRequest;
+use crate::mem::shm::UploadPages;
 use crate::store::prequantized::torchao_layout;
 use crate::store::quantize::{Quantization, QuantizeError, StoredLayout};
 use crate::store::safetensors::{DType, tensor_nbytes};
@@ -183,6 +184,7 @@ pub struct ValidPage<T> {
 pub struct ValidBeginUpload {
     pub name: String,
     pub tensors: Vec<TensorDecl>,
+    pub pages: UploadPages,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -338,6 +340,11 @@ impl Validation {
         Ok(ValidBeginUpload {
             name: req.name,
             tensors,
+            pages: if req.client_reserves {
+                UploadPages::ByUploader
+            } else {
+                UploadPages::Reserved
+            },
         })
     }
 
@@ -691,6 +698,7 @@ mod tests {
             v.begin_upload(pb::BeginUploadRequest {
                 name: String::new(),
                 tensors,
+                ..Default::default()
             })
             .map_err(|e| e.to_string())
         };
@@ -809,11 +817,19 @@ mod tests {
             .begin_upload(pb::BeginUploadRequest {
                 name: "m".into(),
                 tensors: vec![tensor("w", pb::Dtype::Bf16, &[4, 8], 0)],
+                client_reserves: false,
             })
             .unwrap();
         assert_eq!(
             valid.tensors,
             vec![TensorDecl::plain("w", DType::BF16, vec![4, 8], 64)]
         );
+        assert_eq!(valid.pages, UploadPages::Reserved);
+        let by_client = v.begin_upload(pb::BeginUploadRequest {
+            name: "m".into(),
+            tensors: vec![tensor("w", pb::Dtype::Bf16, &[4, 8], 0)],
+            client_reserves: true,
+        });
+        assert_eq!(by_client.unwrap().pages, UploadPages::ByUploader);
     }
 }

@@ -130,6 +130,7 @@ mod tests {
 
     use super::*;
     use crate::mem::HostPinner;
+    use crate::mem::shm::UploadPages;
     use crate::quota::HostQuota;
     use crate::store::safetensors::DType;
     use crate::store::test_support::{load_paths, model_file, store_pinned_by};
@@ -234,7 +235,7 @@ mod tests {
         let upload = |store: &Store| {
             let decl = crate::store::TensorDecl::plain("w", DType::U8, vec![100], 100);
             let ticket = store
-                .begin_upload(me, "up-1".into(), "m", vec![decl])
+                .begin_upload(me, "up-1".into(), "m", vec![decl], UploadPages::Reserved)
                 .unwrap();
             let fd = ticket
                 .memfd

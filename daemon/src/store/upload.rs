@@ -27,7 +27,7 @@ use super::{
     Model, ModelSource, Owner, QuantizedLayout, Retention, Store, StoreError, StoredTensor,
     TENSOR_ALIGN, metadata_bytes,
 };
-use crate::mem::shm::{Memfd, SealError, ShmSegment};
+use crate::mem::shm::{Memfd, SealError, ShmSegment, UploadPages};
 use crate::mem::{align_up, parallel};
 
 /// A tensor declared for upload: name, dtype, shape, the bytes the client writes, and whether
@@ -97,13 +97,15 @@ pub struct UploadTicket {
 
 impl Store {
     /// Creates an upload region for the declared tensors, owned by `owner`'s connection, under
-    /// `upload_id` (chosen by the caller: random, so that another uid cannot guess it).
+    /// `upload_id` (chosen by the caller: random, so that another uid cannot guess it); `pages`
+    /// says who faults its pages in.
     pub fn begin_upload(
         &self,
         owner: Owner,
         upload_id: String,
         name: &str,
         tensors: Vec<TensorDecl>,
+        pages: UploadPages,
     ) -> Result<UploadTicket, StoreError> {
         if tensors.len() as u64 > u64::from(self.limits.max_tensors) {
             return Err(StoreError::TooManyTensors {
@@ -145,7 +147,7 @@ impl Store {
         let reserved = self.reserve(owner.uid, size + metadata, true, "upload")?;
         let memfd = self
             .shm
-            .create_upload(size)
+            .create_upload(size, pages)
             .map_err(|source| StoreError::Arena {
                 bytes: size,
                 source,
@@ -511,7 +513,13 @@ mod tests {
     fn an_upload_is_sealed_by_the_daemon_and_becomes_the_arena() {
         let store = store_with(HostQuota::default());
         let ticket = store
-            .begin_upload(ME, "up-1".into(), "m", vec![u8s("w", 5000)])
+            .begin_upload(
+                ME,
+                "up-1".into(),
+                "m",
+                vec![u8s("w", 5000)],
+                UploadPages::Reserved,
+            )
             .unwrap();
         let fd = ticket.memfd.share(Access::ReadWrite).unwrap();
         let client = File::from(fd);
@@ -553,7 +561,13 @@ mod tests {
     fn an_aborted_upload_is_uncharged_and_gone() {
         let store = store_with(HostQuota::default());
         let ticket = store
-            .begin_upload(ME, "up-1".into(), "m", vec![u8s("w", 5000)])
+            .begin_upload(
+                ME,
+                "up-1".into(),
+                "m",
+                vec![u8s("w", 5000)],
+                UploadPages::Reserved,
+            )
             .unwrap();
         drop(ticket);
         let charged = 8192 + metadata_bytes("m", [("w", 1)]);
@@ -587,7 +601,7 @@ mod tests {
         });
         let tensors: Vec<TensorDecl> = (0..100).map(|i| u8s(&format!("{i:0>1000}"), 0)).collect();
         let err = store
-            .begin_upload(ME, "up-1".into(), "empty", tensors)
+            .begin_upload(ME, "up-1".into(), "empty", tensors, UploadPages::Reserved)
             .unwrap_err();
         assert_eq!(
             err.to_string(),
@@ -602,7 +616,13 @@ mod tests {
     fn an_upload_of_empty_tensors_commits() {
         let store = store_with(HostQuota::default());
         let ticket = store
-            .begin_upload(ME, "up-1".into(), "", vec![u8s("e", 0)])
+            .begin_upload(
+                ME,
+                "up-1".into(),
+                "",
+                vec![u8s("e", 0)],
+                UploadPages::Reserved,
+            )
             .unwrap();
         assert_eq!(ticket.size, 0);
         let model = store
@@ -628,11 +648,23 @@ mod tests {
                 uid,
             };
             store
-                .begin_upload(owner, format!("up-{uid}"), "", vec![u8s("w", 1)])
+                .begin_upload(
+                    owner,
+                    format!("up-{uid}"),
+                    "",
+                    vec![u8s("w", 1)],
+                    UploadPages::Reserved,
+                )
                 .unwrap();
         }
         let err = store
-            .begin_upload(ME, "up-3".into(), "", vec![u8s("w", 1)])
+            .begin_upload(
+                ME,
+                "up-3".into(),
+                "",
+                vec![u8s("w", 1)],
+                UploadPages::Reserved,
+            )
             .unwrap_err();
         assert_eq!(
             err.to_string(),
@@ -640,7 +672,13 @@ mod tests {
         );
         assert_eq!(store.drop_uploads_of(1), vec!["up-1".to_string()]);
         store
-            .begin_upload(ME, "up-4".into(), "", vec![u8s("w", 1)])
+            .begin_upload(
+                ME,
+                "up-4".into(),
+                "",
+                vec![u8s("w", 1)],
+                UploadPages::Reserved,
+            )
             .unwrap();
     }
 
@@ -679,7 +717,13 @@ mod tests {
     fn a_commit_is_timed() {
         let store = store_with(HostQuota::default());
         let ticket = store
-            .begin_upload(ME, "up-1".into(), "m", vec![u8s("w", 5000)])
+            .begin_upload(
+                ME,
+                "up-1".into(),
+                "m",
+                vec![u8s("w", 5000)],
+                UploadPages::Reserved,
+            )
             .unwrap();
         let client = File::from(ticket.memfd.share(Access::ReadWrite).unwrap());
         client.write_all_at(&[3u8; 5000], 0).unwrap();

@@ -664,6 +664,7 @@ pub fn upload_request(name: &str, tensors: &[Tensor]) -> proto::BeginUploadReque
             })
             .collect(),
     }
+    client_reserves: false,
 }
 
 /// A `Run` stream driven message by message.

@@ -459,6 +459,7 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                         shape: vec![size],
                         ..Default::default()
                     }],
+                    client_reserves: false,
                 };
                 match rpc.begin_upload(request).await {
                     Ok(begun) => {

@@ -452,7 +452,9 @@ mod tests {
         let shm = Shm::new();
         let n = 64 << 20;
         let data = pattern(n);
-        let memfd = shm.create_upload(n as u64).unwrap();
+        let memfd = shm
+            .create_upload(n as u64, crate::mem::shm::UploadPages::Reserved)
+            .unwrap();
         let writer = std::fs::File::from(memfd.share(Access::ReadWrite).unwrap());
         writer.write_all_at(&data, 0).unwrap();
         memfd.seal_writes().unwrap();
