@@ -429,8 +429,9 @@ def parse_runs(text: str, host_delay: bool = True) -> list[dict]:
     return runs
 
 
-def job_yaml(arch, device, steps, resolution, rank, optimizer, quantize) -> str:
+def job_yaml(arch, device, steps, resolution, rank, optimizer, quantize, save_dtype) -> str:
     text = TEMPLATE.read_text()
+    text = text.replace("save: {dtype: float32,", f"save: {{dtype: {save_dtype},")
     for key, value in {
         "@DEVICE@": device,
         "@ARCH@": arch,
@@ -481,6 +482,7 @@ def run_spec(run: dict, common: dict, args, cuda: bool) -> dict:
         run["rank"],
         args.optimizer or ("adamw8bit" if cuda else "adamw"),
         not args.no_quantize and run["mode"] != "resident16",
+        args.save_dtype,
     )
     spec["result"] = str(Path(common["work"]) / f"{name}.result.json")
     return spec
@@ -624,6 +626,12 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizer", default=None, help="default: adamw8bit on CUDA, else adamw")
     ap.add_argument("--no-quantize", action="store_true", help="quantize/quantize_te: false")
     ap.add_argument("--disk-dtype", choices=["fp8", "bf16"], default="fp8")
+    ap.add_argument(
+        "--save-dtype",
+        choices=["float32", "bf16", "float16"],
+        default="float32",
+        help="the job's save.dtype: the LoRA's dtype in the file ai-toolkit saves at the end",
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument(
         "--host-gib",

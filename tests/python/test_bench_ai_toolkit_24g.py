@@ -103,7 +103,7 @@ def test_every_default_run_parses():
 
 @pytest.mark.parametrize("quantize", [True, False])
 def test_the_yaml_is_the_recipe_with_every_placeholder_filled(quantize):
-    text = bench.job_yaml("flux2", "cuda:0", 6, 1024, 128, "adamw8bit", quantize)
+    text = bench.job_yaml("flux2", "cuda:0", 6, 1024, 128, "adamw8bit", quantize, "bf16")
     assert "@" not in text.replace("[name]", "")
     for line in (
         'device: "cuda:0"',
@@ -118,6 +118,7 @@ def test_the_yaml_is_the_recipe_with_every_placeholder_filled(quantize):
         f"quantize: {str(quantize).lower()}",
         f"quantize_te: {str(quantize).lower()}",
         "qtype: qfloat8",
+        "save: {dtype: bf16, save_every: 100000, max_step_saves_to_keep: 1}",
     ):
         assert line in text, line
 
@@ -159,7 +160,12 @@ def _spec_inputs():
         "env": {"HF_HOME": "/w/hf"},
     }
     args = SimpleNamespace(
-        steps=6, optimizer=None, no_quantize=False, card=24, card_cmd=bench.CARD_CMD
+        steps=6,
+        optimizer=None,
+        no_quantize=False,
+        card=24,
+        card_cmd=bench.CARD_CMD,
+        save_dtype="float32",
     )
     return common, args
 
