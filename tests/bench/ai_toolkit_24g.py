@@ -818,18 +818,25 @@ def _commit() -> str:
 
 def host_at_end(result: dict) -> str | None:
     """The trainer's host memory at the last point of its RSS timeline (ai_toolkit_real's
-    Sampler), and the host's available memory then: where a run's memory was when it ended."""
+    Sampler) that has it (a point after the trainer exited has the host's available memory
+    only), the host's available memory then, its least over the run, and the trainer's largest
+    point: where a run's memory was when it ended, and how close the host came to full."""
     timeline = result.get("trainer_rss_timeline") or []
-    if not timeline:
+    samples = [p for p in timeline if any(k in p for k in real.RSS_FIELDS)]
+    if not samples:
         return None
-    last = timeline[-1]
+    last = samples[-1]
     parts = [f"{k} {last[k]:.2f}" for k in real.RSS_FIELDS if k in last]
     text = (
         f"the trainer's host memory at {last['t']:.0f} s, its last sample: {', '.join(parts)} GiB"
     )
     if "MemAvailable" in last:
         text += f"; the host had {last['MemAvailable']:.2f} GiB available"
-    peak = max(timeline, key=lambda p: sum(p.get(k, 0) for k in real.RSS_FIELDS))
+    available = [p for p in timeline if "MemAvailable" in p]
+    least = min(available, key=lambda p: p["MemAvailable"], default=last)
+    if least is not last:
+        text += f", {least['MemAvailable']:.2f} at the least ({least['t']:.0f} s)"
+    peak = max(samples, key=lambda p: sum(p.get(k, 0) for k in real.RSS_FIELDS))
     if peak is not last:
         parts = [f"{k} {peak[k]:.2f}" for k in real.RSS_FIELDS if k in peak]
         text += f" (largest at {peak['t']:.0f} s: {', '.join(parts)})"

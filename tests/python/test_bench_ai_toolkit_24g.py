@@ -310,11 +310,19 @@ def test_the_host_memory_at_a_runs_end_is_its_last_sample():
         "the trainer's host memory at 220 s, its last sample: RssAnon 60.00, RssFile 1.00,"
         " RssShmem 45.00 GiB; the host had 2.50 GiB available"
     )
-    timeline[1]["RssAnon"] = 100.0
+    # A point after the trainer exited has the host's memory only: the last sample stays.
+    timeline.append({"t": 222.0, "MemAvailable": 90.0})
+    assert bench.host_at_end({"trainer_rss_timeline": timeline}) == (
+        "the trainer's host memory at 220 s, its last sample: RssAnon 60.00, RssFile 1.00,"
+        " RssShmem 45.00 GiB; the host had 2.50 GiB available"
+    )
+    timeline[1]["RssAnon"], timeline[1]["MemAvailable"] = 100.0, 1.5
     assert bench.host_at_end({"trainer_rss_timeline": timeline}).endswith(
+        " GiB available, 1.50 at the least (60 s)"
         " (largest at 60 s: RssAnon 100.00, RssFile 25.00, RssShmem 0.00)"
     )
     assert bench.host_at_end({}) is None
+    assert bench.host_at_end({"trainer_rss_timeline": [{"t": 1.0, "MemAvailable": 9.0}]}) is None
 
 
 def test_the_sampler_reads_the_rss_fields_of_a_status():
