@@ -64,8 +64,8 @@ fn upload_request(name: &str, bytes: u64) -> proto::BeginUploadRequest {
             nbytes: 0,
             ..Default::default()
         }],
+        client_reserves: false,
     }
-    client_reserves: false,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -663,8 +663,8 @@ pub fn upload_request(name: &str, tensors: &[Tensor]) -> proto::BeginUploadReque
                 }
             })
             .collect(),
+        client_reserves: false,
     }
-    client_reserves: false,
 }
 
 /// A `Run` stream driven message by message.
