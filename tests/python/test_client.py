@@ -146,6 +146,16 @@ class FakeDriver:
             del self.locked[ptr]
 
 
+def write_begun(client, begun, tensors: dict, **kwargs):
+    """``_upload.write_by_copy`` of ``tensors`` into the region of upload ``begun``."""
+    from weightstream import _upload
+
+    at = {t.name: t for t in begun.tensors}
+    fd, size = client.fetch_fd(begun.fd_secret)
+    placements = [at[n] for n in tensors]
+    return _upload.write_by_copy(fd, size, placements, list(tensors.values()), **kwargs)
+
+
 def many_tensors(n: int = 24) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(5)
     return {f"t{i}": torch.randn(900 + 37 * i, generator=g) for i in range(n)}
@@ -240,17 +250,8 @@ def test_a_writer_that_reserves_faults_each_window_in_before_locking_it(daemon, 
 
     monkeypatch.setattr(_upload, "_register", register)
     monkeypatch.setattr(_upload, "_unregister", driver.unregister)
-    at = {t.name: t for t in begun.tensors}
-    fd, size = daemon.client.fetch_fd(begun.fd_secret)
-    timings = _upload.write_by_copy(
-        fd,
-        size,
-        [at[n] for n in tensors],
-        list(tensors.values()),
-        pin=True,
-        threads=3,
-        window=3 * 4096,
-        reserve=True,
+    timings = write_begun(
+        daemon.client, begun, tensors, pin=True, threads=3, window=3 * 4096, reserve=True
     )
     assert len(in_memory_when_locked) == timings.windows > 6
     assert all(n == total for n, total in in_memory_when_locked), in_memory_when_locked
@@ -277,18 +278,8 @@ def test_a_refused_registration_fails_the_write_and_unlocks_the_rest(daemon, mon
     monkeypatch.setattr(_upload, "_unregister", driver.unregister)
     tensors = many_tensors()
     begun = daemon.client.begin_upload("refused", tensors)
-    at = {t.name: t for t in begun.tensors}
-    fd, size = daemon.client.fetch_fd(begun.fd_secret)
     with pytest.raises(RuntimeError, match="cudaHostRegister refused"):
-        _upload.write_by_copy(
-            fd,
-            size,
-            [at[n] for n in tensors],
-            list(tensors.values()),
-            pin=True,
-            threads=2,
-            window=2 * 4096,
-        )
+        write_begun(daemon.client, begun, tensors, pin=True, threads=2, window=2 * 4096)
     assert not driver.locked, "what was locked is unlocked"
 
 

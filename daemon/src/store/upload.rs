@@ -497,6 +497,24 @@ mod tests {
 
     const ME: Owner = Owner { conn: 1, uid: 7 };
 
+    /// `begin_upload` with the region's pages reserved by the daemon (a client without
+    /// `client_reserves`).
+    fn begin(
+        store: &Store,
+        owner: Owner,
+        upload_id: impl Into<String>,
+        name: &str,
+        tensors: Vec<TensorDecl>,
+    ) -> Result<UploadTicket, StoreError> {
+        store.begin_upload(
+            owner,
+            upload_id.into(),
+            name,
+            tensors,
+            UploadPages::Reserved,
+        )
+    }
+
     fn u8s(name: &str, n: u64) -> TensorDecl {
         TensorDecl::plain(name, DType::U8, vec![n], n)
     }
@@ -512,15 +530,7 @@ mod tests {
     #[test]
     fn an_upload_is_sealed_by_the_daemon_and_becomes_the_arena() {
         let store = store_with(HostQuota::default());
-        let ticket = store
-            .begin_upload(
-                ME,
-                "up-1".into(),
-                "m",
-                vec![u8s("w", 5000)],
-                UploadPages::Reserved,
-            )
-            .unwrap();
+        let ticket = begin(&store, ME, "up-1", "m", vec![u8s("w", 5000)]).unwrap();
         let fd = ticket.memfd.share(Access::ReadWrite).unwrap();
         let client = File::from(fd);
         assert_eq!(
@@ -560,15 +570,7 @@ mod tests {
     #[test]
     fn an_aborted_upload_is_uncharged_and_gone() {
         let store = store_with(HostQuota::default());
-        let ticket = store
-            .begin_upload(
-                ME,
-                "up-1".into(),
-                "m",
-                vec![u8s("w", 5000)],
-                UploadPages::Reserved,
-            )
-            .unwrap();
+        let ticket = begin(&store, ME, "up-1", "m", vec![u8s("w", 5000)]).unwrap();
         drop(ticket);
         let charged = 8192 + metadata_bytes("m", [("w", 1)]);
         assert_eq!(store.host_use(7).uid_bytes, charged);
@@ -600,9 +602,7 @@ mod tests {
             ..HostQuota::default()
         });
         let tensors: Vec<TensorDecl> = (0..100).map(|i| u8s(&format!("{i:0>1000}"), 0)).collect();
-        let err = store
-            .begin_upload(ME, "up-1".into(), "empty", tensors, UploadPages::Reserved)
-            .unwrap_err();
+        let err = begin(&store, ME, "up-1", "empty", tensors).unwrap_err();
         assert_eq!(
             err.to_string(),
             "quotas.per_uid_host_bytes = 65536 exceeded: uid 7 holds 0 host bytes and this \
@@ -615,15 +615,7 @@ mod tests {
     #[test]
     fn an_upload_of_empty_tensors_commits() {
         let store = store_with(HostQuota::default());
-        let ticket = store
-            .begin_upload(
-                ME,
-                "up-1".into(),
-                "",
-                vec![u8s("e", 0)],
-                UploadPages::Reserved,
-            )
-            .unwrap();
+        let ticket = begin(&store, ME, "up-1", "", vec![u8s("e", 0)]).unwrap();
         assert_eq!(ticket.size, 0);
         let model = store
             .commit_upload(ME, &ticket.upload_id, Retention::Cached)
@@ -647,39 +639,15 @@ mod tests {
                 conn: uid.into(),
                 uid,
             };
-            store
-                .begin_upload(
-                    owner,
-                    format!("up-{uid}"),
-                    "",
-                    vec![u8s("w", 1)],
-                    UploadPages::Reserved,
-                )
-                .unwrap();
+            begin(&store, owner, format!("up-{uid}"), "", vec![u8s("w", 1)]).unwrap();
         }
-        let err = store
-            .begin_upload(
-                ME,
-                "up-3".into(),
-                "",
-                vec![u8s("w", 1)],
-                UploadPages::Reserved,
-            )
-            .unwrap_err();
+        let err = begin(&store, ME, "up-3", "", vec![u8s("w", 1)]).unwrap_err();
         assert_eq!(
             err.to_string(),
             "limits.max_uploads = 2 reached: the daemon has 2 uploads in progress"
         );
         assert_eq!(store.drop_uploads_of(1), vec!["up-1".to_string()]);
-        store
-            .begin_upload(
-                ME,
-                "up-4".into(),
-                "",
-                vec![u8s("w", 1)],
-                UploadPages::Reserved,
-            )
-            .unwrap();
+        begin(&store, ME, "up-4", "", vec![u8s("w", 1)]).unwrap();
     }
 
     /// The id covers every byte of every piece a tensor is hashed in, in order, and each
@@ -716,15 +684,7 @@ mod tests {
     #[test]
     fn a_commit_is_timed() {
         let store = store_with(HostQuota::default());
-        let ticket = store
-            .begin_upload(
-                ME,
-                "up-1".into(),
-                "m",
-                vec![u8s("w", 5000)],
-                UploadPages::Reserved,
-            )
-            .unwrap();
+        let ticket = begin(&store, ME, "up-1", "m", vec![u8s("w", 5000)]).unwrap();
         let client = File::from(ticket.memfd.share(Access::ReadWrite).unwrap());
         client.write_all_at(&[3u8; 5000], 0).unwrap();
         let stored = store
