@@ -261,6 +261,53 @@ def test_a_writer_that_reserves_faults_each_window_in_before_locking_it(daemon, 
     assert dedup and native.model_id == copied.model_id
 
 
+def test_a_window_the_host_cannot_back_is_an_error_that_says_so():
+    """``_upload.populate`` past the end of a memfd (what a full tmpfs or memory cgroup does to
+    MADV_POPULATE_WRITE: EFAULT where a write would be a SIGBUS) raises an OSError naming the
+    bytes and the cause; a kernel without the advice (EINVAL) leaves the faults to the
+    page-locking."""
+    import ctypes
+    import errno
+
+    from weightstream import _upload
+
+    page = mmap.PAGESIZE
+    fd = os.memfd_create("ws-test")
+    try:
+        os.ftruncate(fd, 2 * page)
+        m = mmap.mmap(fd, 2 * page, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.ftruncate(fd, page)  # the second page has no file behind it any more
+    finally:
+        os.close(fd)
+    view = (ctypes.c_char * (2 * page)).from_buffer(m)
+    base = ctypes.addressof(view)
+    try:
+        assert _upload.populate(base, page) is True
+        assert resident_pages(base, page) == 1
+        with pytest.raises(OSError) as e:
+            _upload.populate(base, 2 * page)
+        assert e.value.errno == errno.EFAULT
+        assert str(e.value) == (
+            f"[Errno {errno.EFAULT}] reserving {2 * page} bytes of the upload region failed "
+            f"({os.strerror(errno.EFAULT)}): the host's shared memory (tmpfs, or this "
+            "process's memory cgroup) has no room for the model"
+        )
+    finally:
+        del view
+        m.close()
+
+    class OldKernel:
+        def madvise(self, ptr, size, advice):
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+
+    real, _upload._libc = _upload._libc, OldKernel()
+    try:
+        assert _upload.populate(0, page) is False
+    finally:
+        _upload._libc = real
+
+
 def test_windows_that_share_a_page_are_locked_as_one():
     """Pages larger than the tensors' alignment (64 KiB on some ARM hosts) would put one page
     in two windows locked at once: those windows merge."""
