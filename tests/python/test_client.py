@@ -308,6 +308,44 @@ def test_a_window_the_host_cannot_back_is_an_error_that_says_so():
         _upload._libc = real
 
 
+def test_an_uploads_progress_line_shows_the_rate_then_the_commit_then_the_time(capsys):
+    """Nothing for a quick upload; past ``after``, one line on stderr rewritten in place: the
+    bytes written and their rate, the commit's phase (padded over the longer line before), the
+    whole time (or "failed", the error to follow on the next line)."""
+    from weightstream import _upload
+
+    now = [0.0]
+    quick = _upload.ProgressLine("up", after=2.0, clock=lambda: now[0])
+    now[0] = 1.0
+    quick(1 << 30, 1 << 30)
+    quick.phase("committing")
+    quick.end()
+    assert capsys.readouterr().err == ""
+
+    now[0] = 0.0
+    line = _upload.ProgressLine("up", after=2.0, clock=lambda: now[0])
+    now[0] = 1.0
+    line(1 << 30, 4 << 30)  # before `after`: nothing yet
+    now[0] = 2.5
+    line(2 << 30, 4 << 30)
+    now[0] = 4.0
+    line(4 << 30, 4 << 30)
+    line.phase("committing")
+    now[0] = 5.25
+    line.end()
+    writing = "up: writing 4.0/4.0 GiB, 1.1 GB/s, 4 s"
+    committing = "up: committing, 4 s"
+    assert capsys.readouterr().err == (
+        "\rup: writing 2.0/4.0 GiB, 0.9 GB/s, 2 s"
+        f"\r{writing}"
+        f"\r{committing}{' ' * (len(writing) - len(committing))}"
+        f"\rup: done in 5.2 s{' ' * (len(committing) - len('up: done in 5.2 s'))}\n"
+    )
+    failed = _upload.ProgressLine("up", after=0.0, clock=lambda: now[0])
+    failed.end(ok=False)
+    assert capsys.readouterr().err == "\rup: failed\n"
+
+
 def test_windows_that_share_a_page_are_locked_as_one():
     """Pages larger than the tensors' alignment (64 KiB on some ARM hosts) would put one page
     in two windows locked at once: those windows merge."""

@@ -474,26 +474,45 @@ def _copy_pinned(
 
 
 class ProgressLine:
-    """A one-line progress report on stderr for uploads that take more than ``after`` s."""
+    """A one-line progress report on stderr for uploads that take more than ``after`` s: the
+    bytes written and their rate, then each phase that follows (the daemon's commit), then the
+    whole time; each report overwrites the one before."""
 
-    def __init__(self, label: str, after: float = 2.0):
-        self.label, self.after = label, after
-        self.started = time.monotonic()
+    def __init__(self, label: str, after: float = 2.0, clock: Callable[[], float] = time.monotonic):
+        self.label, self.after, self.clock = label, after, clock
+        self.started = clock()
         self.shown = False
+        self._width = 0
+
+    def _elapsed(self) -> float:
+        elapsed = self.clock() - self.started
+        self.shown = self.shown or elapsed >= self.after
+        return elapsed
+
+    def _show(self, text: str, end: str = ""):
+        line = f"{self.label}: {text}"
+        pad = " " * max(0, self._width - len(line))  # what is left of a longer line before
+        self._width = len(line)
+        print(f"\r{line}{pad}", end=end, file=sys.stderr, flush=True)
 
     def __call__(self, done: int, total: int):
-        elapsed = time.monotonic() - self.started
-        if elapsed < self.after and done < total:
-            return
-        if elapsed >= self.after:
-            self.shown = True
+        elapsed = self._elapsed()
         if self.shown:
             rate = done / max(elapsed, 1e-9) / 1e9
-            end = "\n" if done >= total else ""
-            print(
-                f"\r{self.label}: {done / 2**30:.1f}/{total / 2**30:.1f} GiB, "
-                f"{rate:.1f} GB/s, {elapsed:.0f} s",
-                end=end,
-                file=sys.stderr,
-                flush=True,
+            self._show(
+                f"writing {done / 2**30:.1f}/{total / 2**30:.1f} GiB, {rate:.1f} GB/s, "
+                f"{elapsed:.0f} s"
             )
+
+    def phase(self, text: str):
+        """The upload has moved on to ``text`` (shown once the report is)."""
+        elapsed = self._elapsed()
+        if self.shown:
+            self._show(f"{text}, {elapsed:.0f} s")
+
+    def end(self, ok: bool = True):
+        """Ends the report's line: the whole time when ``ok``, else as it stands (the error
+        follows on the next line)."""
+        elapsed = self._elapsed()
+        if self.shown:
+            self._show(f"done in {elapsed:.1f} s" if ok else "failed", end="\n")

@@ -217,6 +217,7 @@ class Client:
         from weightstream import _upload
 
         t = time.monotonic()
+        progress = _upload.ProgressLine(f"weightstream: uploading {name!r}")
         # Page-locking each window faults its pages in (_upload.populate first): the daemon
         # need not reserve them before answering, and the reservation overlaps the copies.
         reserves = pin and _upload.CLIENT_RESERVES
@@ -231,10 +232,12 @@ class Client:
                 [at[n] for n in tensors],
                 list(tensors.values()),
                 pin=pin,
-                progress=_upload.ProgressLine(f"weightstream: uploading {name!r}"),
+                progress=progress,
                 reserve=reserves,
             )
             t = time.monotonic()
+            quantizes = "quantizes, " if quantize else ""
+            progress.phase(f"committing: the daemon {quantizes}seals, hashes and page-locks it")
             try:
                 out = self.commit_upload(begun.upload_id, retention=retention)
             except RequestRejected as e:
@@ -248,8 +251,10 @@ class Client:
             # Whatever ended the upload early (a device out of memory while quantizing, a
             # tensor that does not match its declaration, KeyboardInterrupt) leaves nothing
             # charged in the daemon; the caller gets that error, not the abort's.
+            progress.end(ok=False)
             self._abort_after_failure(begun.upload_id, e)
             raise
+        progress.end()
         if phases is not None:
             phases["begin_s"] = round(begin_s, 4)
             phases.update({f"write_{k}": v for k, v in written.as_dict().items()})
