@@ -282,6 +282,7 @@ record! {
         resident_bytes: u64,
         event_handles: Py<PyList>,
         accepts_gpu_wait: bool,
+        paces_client_copies: bool,
     }
 }
 
@@ -303,6 +304,8 @@ record! {
         gpu_wait_ns: u64,
         gpu_waits: u64,
         gpu_wait_reports: u64,
+        granted_h2d_bytes: u64,
+        granted_d2h_bytes: u64,
     }
 }
 
@@ -557,6 +560,8 @@ fn stats(s: proto::SessionStats) -> SessionStats {
         gpu_wait_ns: s.gpu_wait_ns,
         gpu_waits: s.gpu_waits,
         gpu_wait_reports: s.gpu_wait_reports,
+        granted_h2d_bytes: s.granted_h2d_bytes,
+        granted_d2h_bytes: s.granted_d2h_bytes,
     }
 }
 
@@ -613,6 +618,7 @@ pub(crate) fn layout(
         resident_bytes: m.resident_bytes,
         event_handles: list(py, &m.event_handles, |py, h| Ok(bytes(py, h).into_any()))?,
         accepts_gpu_wait: m.accepts_gpu_wait,
+        paces_client_copies: m.paces_client_copies,
     })
 }
 

@@ -258,6 +258,21 @@ impl Session {
         self.with(|s| Ok(s.wait_reports()))
     }
 
+    /// Whether the daemon paces this client's own copies: `grant` before each of them.
+    #[getter]
+    fn paces_client_copies(&self) -> PyResult<bool> {
+        self.with(|s| Ok(s.paces_client_copies()))
+    }
+
+    /// Waits (the GIL released) until the daemon lets this process copy `nbytes` of its own
+    /// to the device (`to_device`) or from it: the LoRA's working weights and gradients, paced
+    /// with the daemon's copies under a copy bandwidth limit or a share. Returns at once where
+    /// the daemon does not pace them (`paces_client_copies` false).
+    fn grant(&self, py: Python<'_>, nbytes: u64, to_device: bool) -> PyResult<()> {
+        let mut granting = self.with(|s| s.submit_grant(nbytes, to_device).py_err())?;
+        park_on(py, &mut granting)?.py_err()
+    }
+
     /// `submit` then `wait`, in one call.
     fn acquire(&self, py: Python<'_>, group: u32) -> PyResult<records::Staged> {
         let ticket = self.submit_inner(group)?;

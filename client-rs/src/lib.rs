@@ -45,7 +45,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 pub use crate::error::ClientError;
 pub use crate::handoff::HandoffError;
 use crate::proto::weight_stream_client::WeightStreamClient;
-pub use crate::session::{Acquired, QuantizedView, Session, SessionOptions, Submitted};
+pub use crate::session::{Acquired, Granting, QuantizedView, Session, SessionOptions, Submitted};
 pub use crate::socket::{ResolvedSocket, SOCKET_ENV, SYSTEM_SOCKET, SocketCandidates};
 pub use crate::sources::{SourceError, resolve_sources};
 pub use crate::waits::WaitTotals;

@@ -81,6 +81,9 @@ type Waiter = oneshot::Sender<Result<proto::Staged, ClientError>>;
 #[derive(Default)]
 struct Routes {
     waiting: HashMap<u64, Waiter>,
+    /// Grants of this client's own copies (CopyGrant) not answered yet, by id (numbered with
+    /// the tickets, so that a fault about one names it).
+    grants: HashMap<u64, oneshot::Sender<Result<(), ClientError>>>,
     /// Set once the stream has ended: later acquires fail at once with this reason.
     ended: Option<String>,
 }
@@ -353,6 +356,54 @@ impl Session {
         })
     }
 
+    /// Waits until the daemon lets this client copy `bytes` of its own (the LoRA's working
+    /// weights to the device, `to_device`, or its gradients back): where the session's
+    /// `paces_client_copies` is set (a copy bandwidth limit on the device, or a share), the
+    /// grant takes its turn with the daemon's copies and is charged as one; elsewhere it
+    /// returns at once, with no message. [`Session::submit_grant`] and the returned
+    /// [`Granting`], in one call.
+    pub async fn grant(&self, bytes: u64, to_device: bool) -> Result<(), ClientError> {
+        self.submit_grant(bytes, to_device)?.await
+    }
+
+    /// Sends a CopyGrant and returns at once: the answer comes to the returned [`Granting`]
+    /// (already granted where the daemon does not pace this client's copies).
+    pub fn submit_grant(&self, bytes: u64, to_device: bool) -> Result<Granting, ClientError> {
+        if !self.opened.paces_client_copies {
+            return Ok(Granting(None));
+        }
+        let (tx, rx) = oneshot::channel();
+        let id = {
+            let mut routes = lock(&self.routes);
+            if let Some(reason) = &routes.ended {
+                return Err(ClientError::SessionEnded(reason.clone()));
+            }
+            let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+            routes.grants.insert(id, tx);
+            id
+        };
+        let direction = if to_device {
+            proto::CopyDirection::HostToDevice
+        } else {
+            proto::CopyDirection::DeviceToHost
+        };
+        let grant = proto::CopyGrant {
+            id,
+            bytes,
+            direction: direction as i32,
+        };
+        if let Err(e) = self.send(Msg::Grant(grant)) {
+            lock(&self.routes).grants.remove(&id);
+            return Err(e);
+        }
+        Ok(Granting(Some(rx)))
+    }
+
+    /// Whether the daemon paces this client's own copies ([`Session::grant`]).
+    pub fn paces_client_copies(&self) -> bool {
+        self.opened.paces_client_copies
+    }
+
     /// Sends an Acquire for `group` and returns at once (no round trip): the reply comes to
     /// the returned [`Submitted`]. Several may be in flight. The ticket is this caller's to
     /// give back with [`Session::release`] once staged (no view releases it).
@@ -576,6 +627,9 @@ async fn read_replies(
     for (_, waiter) in routes.waiting.drain() {
         let _ = waiter.send(Err(ClientError::SessionEnded(reason.clone())));
     }
+    for (_, waiter) in routes.grants.drain() {
+        let _ = waiter.send(Err(ClientError::SessionEnded(reason.clone())));
+    }
     routes.ended = Some(reason);
 }
 
@@ -593,14 +647,22 @@ fn route(routes: &Mutex<Routes>, reply: Reply) {
             if code == proto::FaultCode::FaultShuttingDown {
                 routes.ended = Some(fault.message.clone());
             }
+            let error = |message| ClientError::Fault {
+                ticket: fault.ticket,
+                code,
+                message,
+            };
             if let Some(waiter) = routes.waiting.remove(&fault.ticket) {
-                let _ = waiter.send(Err(ClientError::Fault {
-                    ticket: fault.ticket,
-                    code,
-                    message: fault.message,
-                }));
+                let _ = waiter.send(Err(error(fault.message)));
+            } else if let Some(waiter) = routes.grants.remove(&fault.ticket) {
+                let _ = waiter.send(Err(error(fault.message)));
             } else {
                 tracing::warn!(ticket = fault.ticket, ?code, message = %fault.message, "session fault");
+            }
+        }
+        Reply::Granted(granted) => {
+            if let Some(waiter) = routes.grants.remove(&granted.id) {
+                let _ = waiter.send(Ok(()));
             }
         }
         Reply::Attached(_) => {}
@@ -639,6 +701,26 @@ impl Submitted {
             Err(oneshot::error::TryRecvError::Closed) => Some(Err(ClientError::SessionEnded(
                 "the stream reader stopped".into(),
             ))),
+        }
+    }
+}
+
+/// A grant sent by [`Session::submit_grant`], its answer not yet taken (`None`: nothing to
+/// wait for).
+pub struct Granting(Option<oneshot::Receiver<Result<(), ClientError>>>);
+
+impl std::future::Future for Granting {
+    type Output = Result<(), ClientError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match &mut self.0 {
+            None => std::task::Poll::Ready(Ok(())),
+            Some(rx) => std::pin::Pin::new(rx).poll(cx).map(|r| {
+                r.map_err(|_| ClientError::SessionEnded("the stream reader stopped".into()))?
+            }),
         }
     }
 }

@@ -12,7 +12,7 @@ use tokio::sync::{Mutex, oneshot};
 
 use crate::backend::{Backend, CopyJob, DeviceRegion};
 use crate::mem::{HostSlice, align_up};
-use crate::scheduler::{CopyError, CopyRequest, CopyScheduler, Priority};
+use crate::scheduler::{CopyError, CopyRequest, CopyScheduler, Priority, Work};
 
 /// Identifies a group across sessions: its tensor names in order.
 pub type GroupKey = String;
@@ -146,10 +146,10 @@ async fn place_missing(
             tag: u32::MAX,
             priority: Priority::Demand,
             // Resident groups have no ready event: the copy completes before any Staged.
-            job: CopyJob {
+            work: Work::Copy(CopyJob {
                 synchronous: true,
                 ..CopyJob::copy(region.clone(), spans)
-            },
+            }),
             done: Box::new(move |outcome| {
                 let _ = tx.send(outcome);
             }),

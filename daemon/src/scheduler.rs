@@ -86,8 +86,34 @@ pub struct CopyRequest {
     /// What the copy is for (a group id), so that a queued prefetch can be promoted.
     pub tag: u32,
     pub priority: Priority,
-    pub job: CopyJob,
+    pub work: Work,
     pub done: CopyDone,
+}
+
+/// What a request does once it has the link.
+pub enum Work {
+    /// A copy the copy thread issues.
+    Copy(CopyJob),
+    /// A client's own copy of this many bytes to the device (a CopyGrant): charged to the
+    /// device's limit and the session's share as a copy of that size, then answered; the client
+    /// issues the copy itself.
+    Grant(u64),
+}
+
+impl Work {
+    fn ready(&self) -> bool {
+        match self {
+            Work::Copy(job) => job.ready(),
+            Work::Grant(_) => true,
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            Work::Copy(job) => job.bytes(),
+            Work::Grant(bytes) => *bytes,
+        }
+    }
 }
 
 /// Per-device counters.
@@ -103,6 +129,9 @@ pub struct DeviceCopyStats {
     pub throttled_ns: u64,
     /// Time the copy thread waited with copies ready that sessions' shares held back.
     pub share_throttled_ns: u64,
+    /// Bytes of clients' own copies granted, host to device and device to host.
+    pub granted_h2d_bytes: u64,
+    pub granted_d2h_bytes: u64,
 }
 
 #[derive(Default)]
@@ -185,6 +214,9 @@ struct DeviceQueue {
     state: Mutex<QueueState>,
     wake: Condvar,
     limit: Option<NonZeroU64>,
+    /// The link's other direction under the device's limit: clients' own device-to-host copies
+    /// (CopyGrant), which take no turn in the queue (the daemon copies nothing that way).
+    back: Option<Mutex<TokenBucket>>,
 }
 
 impl DeviceQueue {
@@ -231,6 +263,9 @@ impl CopyScheduler {
                 state: Mutex::new(QueueState::default()),
                 wake: Condvar::new(),
                 limit: pacing.device_limit,
+                back: (pacing.device_limit).map(|rate| {
+                    Mutex::new(TokenBucket::new(rate, PACING_BURST, pacing.clock.now()))
+                }),
             });
             let (q, b, clock) = (queue.clone(), backend.clone(), pacing.clock.clone());
             running.send_modify(|n| *n += 1);
@@ -281,6 +316,22 @@ impl CopyScheduler {
             session,
             kept: false,
         }
+    }
+
+    /// Grants a client's own copy of `bytes` from the device (CopyGrant, device to host):
+    /// charged to the device's limit on the link's other direction. Returns how long the client
+    /// must wait before it copies (zero without a limit).
+    pub fn grant_from_device(&self, device: usize, bytes: u64) -> Duration {
+        let queue = &self.queues[device];
+        let wait = match &queue.back {
+            None => Duration::ZERO,
+            Some(bucket) => {
+                let mut bucket = bucket.lock().unwrap_or_else(|p| p.into_inner());
+                bucket.reserve(self.clock.now(), bytes)
+            }
+        };
+        queue.lock().stats.granted_d2h_bytes += bytes;
+        wait
     }
 
     /// The session's share, bytes per second, if it has one.
@@ -453,7 +504,7 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                     .get(&r.session)
                     .is_none_or(|b| b.delay(now).is_zero())
             };
-            let ready = |r: &CopyRequest| r.job.ready() && allowed(r);
+            let ready = |r: &CopyRequest| r.work.ready() && allowed(r);
             // Within a class, a session whose share allows a copy goes before those without a
             // share: its share already holds it to its part of the link, and taking turns copy
             // by copy would hold it to the others' copy sizes instead (one 8 MiB copy per
@@ -467,7 +518,7 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
             match next {
                 Some(r) => {
                     if let Some(share) = shares.get_mut(&r.session) {
-                        share.charge(now, r.job.bytes());
+                        share.charge(now, r.work.bytes());
                     }
                     // The other sessions with shares and copies ready now wait for the link
                     // (this copy), not for their shares: what their shares earn meanwhile is
@@ -476,7 +527,7 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                         let waiting: HashSet<u64> = demand
                             .iter()
                             .chain(prefetch.iter())
-                            .filter(|q| q.job.ready())
+                            .filter(|q| q.work.ready())
                             .map(|q| q.session)
                             .collect();
                         for (session, share) in shares.iter_mut() {
@@ -499,7 +550,7 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                     let held = demand
                         .iter()
                         .chain(prefetch.iter())
-                        .filter(|r| r.job.ready())
+                        .filter(|r| r.work.ready())
                         .filter_map(|r| shares.get(&r.session).map(|b| b.delay(now)))
                         .min();
                     if let Some(wait) = held.filter(|_| !state.stopping) {
@@ -527,17 +578,26 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                 }
             }
         };
-        let bytes = req.job.bytes();
+        let bytes = req.work.bytes();
         let started = Instant::now();
-        let ran = match &mut link {
-            None => Ran::once(backend.copy(device, req.job)),
-            Some(bucket) => run_paced(device, queue, backend, clock, bucket, req.job),
+        let granted = matches!(req.work, Work::Grant(_));
+        let ran = match (req.work, &mut link) {
+            (Work::Copy(job), None) => Ran::once(backend.copy(device, job)),
+            (Work::Copy(job), Some(bucket)) => {
+                run_paced(device, queue, backend, clock, bucket, job)
+            }
+            (Work::Grant(_), None) => Ran::once(Ok(CopyTiming::Queued)),
+            (Work::Grant(bytes), Some(bucket)) => pace_grant(queue, clock, bucket, bytes),
         };
         let elapsed = started.elapsed();
         {
             let mut state = queue.lock();
-            state.stats.copies += 1;
-            state.stats.bytes += bytes;
+            if granted {
+                state.stats.granted_h2d_bytes += bytes;
+            } else {
+                state.stats.copies += 1;
+                state.stats.bytes += bytes;
+            }
             state.stats.busy_ns += nanos(ran.busy);
             state.stats.throttled_ns += nanos(ran.throttled);
         }
@@ -608,6 +668,31 @@ fn run_paced(
     ran
 }
 
+/// A grant of `bytes` to the device, paced as a copy of that size would be (piece by piece, so
+/// that the link's schedule is the same), with nothing issued: the client copies once answered.
+fn pace_grant(queue: &DeviceQueue, clock: &dyn Clock, bucket: &mut TokenBucket, bytes: u64) -> Ran {
+    let mut ran = Ran {
+        result: Ok(()),
+        busy: Duration::ZERO,
+        throttled: Duration::ZERO,
+    };
+    let mut left = bytes;
+    while left > 0 {
+        let piece = left.min(PACED_CHUNK);
+        let wait = bucket.reserve(clock.now(), piece);
+        if !wait.is_zero() {
+            clock.sleep(wait);
+            ran.throttled += wait;
+        }
+        if queue.lock().stopping {
+            ran.result = Err(CopyError::Cancelled);
+            break;
+        }
+        left -= piece;
+    }
+    ran
+}
+
 /// Cuts a job into jobs of at most `chunk` bytes each, in order (spans are cut where they
 /// cross a boundary; small ones share a piece). The first piece waits on the job's events; the
 /// last records its event and is synchronous if the job was. Always at least one piece.
@@ -673,7 +758,7 @@ mod tests {
             session,
             tag,
             priority: Priority::Prefetch,
-            job: CopyJob::copy(Arc::new(NullRegion), Vec::new()),
+            work: Work::Copy(CopyJob::copy(Arc::new(NullRegion), Vec::new())),
             done: Box::new(|_| {}),
         }
     }
@@ -892,7 +977,7 @@ mod tests {
                 session: 1,
                 tag,
                 priority: Priority::Demand,
-                job,
+                work: Work::Copy(job),
                 done: Box::new(move |outcome| {
                     std::thread::sleep(busy_after);
                     tx.send(outcome.result.is_ok()).unwrap();
@@ -1013,7 +1098,7 @@ mod pacing_tests {
                     session,
                     tag: i as u32,
                     priority: Priority::Demand,
-                    job: job_of(&region, &tensor, mib),
+                    work: Work::Copy(job_of(&region, &tensor, mib)),
                     done: Box::new(move |outcome| {
                         assert!(outcome.result.is_ok(), "{:?}", outcome.result);
                         tx.send((i, clock.now())).unwrap();
@@ -1058,6 +1143,86 @@ mod pacing_tests {
 
         let (_, stats, clock) = run_on_fake_clock(None, &[], &jobs);
         assert_eq!((clock.now(), stats.throttled_ns), (Duration::ZERO, 0));
+    }
+
+    /// A client's own copy to the device (a grant) takes its turn in the queue and is paced as
+    /// a copy of its size: 8 MiB copy, 16 MiB grant, 16 MiB copy at 100 MB/s take the same
+    /// (fake) time as 40 MiB of copies, the grant answered in its place, counted apart from the
+    /// copies. A grant from the device is charged to the link's other direction (its own
+    /// 16 MiB burst): 8 MiB go at once, 24 MiB more wait for 16 MiB at the rate.
+    #[test]
+    fn a_grant_is_paced_in_the_queue_as_a_copy_of_its_size() {
+        let (backend, tensor) = backend_and_tensor();
+        let region = backend.alloc_region(0, 64 * MIB, "staging").unwrap();
+        let clock = Arc::new(FakeClock::default());
+        let pacing = Pacing {
+            device_limit: rate(100_000_000),
+            clock: clock.clone(),
+        };
+        let scheduler = CopyScheduler::start_paced(backend, 1, pacing).unwrap();
+        let (tx, rx) = mpsc::channel();
+        let works = [
+            Work::Copy(job_of(&region, &tensor, 8)),
+            Work::Grant(16 * MIB),
+            Work::Copy(job_of(&region, &tensor, 16)),
+        ];
+        for (i, work) in works.into_iter().enumerate() {
+            let (tx, clock) = (tx.clone(), clock.clone());
+            scheduler.submit(
+                0,
+                CopyRequest {
+                    session: 1,
+                    tag: i as u32,
+                    priority: Priority::Demand,
+                    work,
+                    done: Box::new(move |outcome| {
+                        assert!(outcome.result.is_ok(), "{:?}", outcome.result);
+                        tx.send((i, outcome.bytes, clock.now())).unwrap();
+                    }),
+                },
+            );
+        }
+        let done: Vec<_> = (0..3)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap())
+            .collect();
+        assert_eq!(
+            done.iter().map(|d| (d.0, d.1)).collect::<Vec<_>>(),
+            [(0, 8 * MIB), (1, 16 * MIB), (2, 16 * MIB)]
+        );
+        let want = nanos_for(24 * MIB, 100_000_000);
+        assert!(
+            clock.now().abs_diff(want) <= Duration::from_nanos(8),
+            "{:?}",
+            clock.now()
+        );
+        // The grant was answered once its own pieces had waited: after 8 MiB at the rate.
+        let granted_at = nanos_for(8 * MIB, 100_000_000);
+        assert!(
+            done[1].2.abs_diff(granted_at) <= Duration::from_nanos(8),
+            "{:?}",
+            done[1].2
+        );
+
+        assert_eq!(scheduler.grant_from_device(0, 8 * MIB), Duration::ZERO);
+        let wait = scheduler.grant_from_device(0, 24 * MIB);
+        assert!(wait.abs_diff(nanos_for(16 * MIB, 100_000_000)) <= Duration::from_nanos(1));
+        let stats = scheduler.stats(0);
+        assert_eq!(
+            (
+                stats.copies,
+                stats.bytes,
+                stats.granted_h2d_bytes,
+                stats.granted_d2h_bytes
+            ),
+            (2, 24 * MIB, 16 * MIB, 32 * MIB)
+        );
+        assert_eq!(Duration::from_nanos(stats.throttled_ns), clock.now());
+        scheduler.shutdown();
+
+        // Without a limit a grant from the device waits for nothing.
+        let unpaced = CopyScheduler::start(backend_and_tensor().0, 1).unwrap();
+        assert_eq!(unpaced.grant_from_device(0, 1 << 40), Duration::ZERO);
+        unpaced.shutdown();
     }
 
     /// Session 1's share (100 MB/s, 16 MiB burst) lets its first three 8 MiB copies go at once

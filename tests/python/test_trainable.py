@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import weightstream
 import weightstream.torch as wst
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -577,6 +578,7 @@ KILLED_MID_STEP = """
 import os, signal, sys
 sys.path.insert(0, sys.argv[2])
 import torch, weightstream
+import weightstream
 import weightstream.torch as wst
 from test_trainable import batches, loss_of, make
 from weightstream.torch.host_optim import HostAdamW
@@ -698,3 +700,36 @@ def test_a_layer_whose_forward_cannot_be_chained_is_refused_before_anything_move
     with pytest.raises(wst.HookConflict, match="cannot stream 'blocks.0.q.lora_A'"):
         stream_trainable(model, device="cpu")
     assert [p.data_ptr() for p in lora_params(model)] == before
+
+
+def test_a_session_with_a_share_grants_the_trainers_own_copies(daemon):
+    """A session with a copy share (or a device with a copy limit) tells the client to ask
+    before each copy of its own: ``HostStorage.grant`` (what the trainable's device copies
+    call) waits for the daemon, which counts the bytes by direction; without a share nothing
+    is asked or counted."""
+    from weightstream.torch.trainable import HostStorage
+
+    manifest, _ = daemon.client.upload_model("w", {"w": torch.zeros(1024)})
+
+    def granted(session):
+        [info] = [s for s in daemon.client.list_sessions() if s.session_id == session.id]
+        return info.stats.granted_h2d_bytes, info.stats.granted_d2h_bytes
+
+    groups = [("w", ["w"])]
+    with daemon.client.open_session(
+        manifest.model_id, groups, 1 << 20, copy_bandwidth_limit=100_000_000
+    ) as session:
+        assert session.paces_client_copies
+        storage = HostStorage(torch.device("cpu"), session)
+        storage.grant(4096, to_device=True)
+        storage.grant(1000, to_device=False)
+        storage.grant(1, to_device=True)
+        assert granted(session) == (4097, 1000)
+        with pytest.raises(weightstream.SessionFault) as e:
+            session.grant(0, True)
+        assert "grant.bytes: 0 is outside 1 to the session's vram_budget (1048576)" in str(e.value)
+        assert granted(session) == (4097, 1000)
+    with daemon.client.open_session(manifest.model_id, groups, 1 << 20) as session:
+        assert not session.paces_client_copies
+        HostStorage(torch.device("cpu"), session).grant(4096, to_device=True)
+        assert granted(session) == (0, 0)

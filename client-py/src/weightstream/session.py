@@ -149,6 +149,22 @@ class Session:
             raise ValueError("the daemon runs on CUDA: open the session with a CUDA device")
         return CudaRegion(region.cuda_ipc_handle, region.size, self.device)
 
+    @property
+    def paces_client_copies(self) -> bool:
+        """Whether this process should ``grant`` each copy of its own before issuing it: the
+        device has a copy bandwidth limit or the session a share, which those copies then count
+        in with the daemon's."""
+        return self._native.paces_client_copies
+
+    def grant(self, nbytes: int, to_device: bool) -> None:
+        """Blocks (the GIL released) until the daemon lets this process copy ``nbytes`` of its
+        own to the device (``to_device``) or back: the LoRA's working weights and gradients of
+        ``weightstream.torch.stream_trainable``, paced with the daemon's copies of the base. To
+        the device the grant takes its turn among the daemon's copies and is charged as one;
+        from it, it is charged to the link's other direction at the same limit. At once (no
+        message) where ``paces_client_copies`` is false."""
+        self._native.grant(nbytes, to_device)
+
     # --- the hot path -----------------------------------------------------------------
 
     def submit(self, group: int) -> int:

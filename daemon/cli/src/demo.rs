@@ -17,7 +17,7 @@ use weightstream_client::{Client, SessionOptions, proto};
 use weightstream_daemon::backend::CopyJob;
 use weightstream_daemon::config::ConfigFile;
 use weightstream_daemon::core::Daemon;
-use weightstream_daemon::scheduler::{CopyOutcome, CopyRequest, DeviceCopyStats, Priority};
+use weightstream_daemon::scheduler::{CopyOutcome, CopyRequest, DeviceCopyStats, Priority, Work};
 use weightstream_daemon::server::{self, ServerHandle};
 
 use weightstream_daemon::store::quantize::{TensorIn, quantize_all};
@@ -257,7 +257,7 @@ async fn run_copy(daemon: &Daemon, job: CopyJob) -> Result<CopyOutcome, BoxError
             session: u64::MAX,
             tag: 0,
             priority: Priority::Demand,
-            job,
+            work: Work::Copy(job),
             done: Box::new(move |outcome| {
                 let _ = tx.send(outcome);
             }),

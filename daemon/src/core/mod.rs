@@ -78,6 +78,9 @@ pub struct OpenedSession {
     pub groups: Vec<crate::session::layout::GroupPlacement>,
     pub resident: Vec<bool>,
     pub model: Arc<Model>,
+    /// Whether the client's own copies should be granted first (CopyGrant): the device has a
+    /// copy bandwidth limit or the session a share.
+    pub paces_client_copies: bool,
 }
 
 /// Interprocess events per session (CUDA): enough for every staged block and live ticket of
@@ -457,6 +460,8 @@ impl Daemon {
         }
         tracing::info!(session = %shared.id, model = %model.id, staging = split.staging_bytes,
             resident = split.resident_bytes, "session opened");
+        let paces_client_copies = self.scheduler.limit(shared.device).is_some()
+            || self.scheduler.share(shared.device, shared.number).is_some();
         Ok(OpenedSession {
             shared,
             event_handles,
@@ -464,6 +469,7 @@ impl Daemon {
             groups,
             resident: split.resident,
             model,
+            paces_client_copies,
         })
     }
 

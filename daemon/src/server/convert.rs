@@ -281,6 +281,7 @@ pub fn opened(o: &OpenedSession) -> pb::OpenSessionResponse {
         resident_bytes: o.shared.resident_bytes,
         event_handles: o.event_handles.clone(),
         accepts_gpu_wait: true,
+        paces_client_copies: o.paces_client_copies,
     }
 }
 
@@ -305,6 +306,8 @@ pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
         gpu_wait_ns: s.gpu_wait_ns,
         gpu_waits: s.gpu_waits,
         gpu_wait_reports: s.gpu_wait_reports,
+        granted_h2d_bytes: s.granted_h2d_bytes,
+        granted_d2h_bytes: s.granted_d2h_bytes,
     }
 }
 

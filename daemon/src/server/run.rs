@@ -16,7 +16,7 @@ use weightstream_client::proto::server_message::Msg as Out;
 use super::error::EdgeError;
 use super::status::{attach_status, status_of};
 use crate::core::{Daemon, Peer};
-use crate::session::{Command, Control, Event, FaultKind, GpuWaitReport};
+use crate::session::{Command, Control, Direction, Event, FaultKind, GpuWaitReport};
 
 /// What the client reads from its `Run` call.
 pub type ServerStream = Pin<Box<dyn Stream<Item = Result<pb::ServerMessage, Status>> + Send>>;
@@ -127,6 +127,29 @@ fn command(message: pb::ClientMessage) -> Result<Command, Event> {
             waits: w.waits,
             group_ns: w.group_ns,
         })),
+        // Checked against the session's budget and its waiting grants by the session.
+        Some(Msg::Grant(g)) => {
+            let direction = match pb::CopyDirection::try_from(g.direction) {
+                Ok(pb::CopyDirection::HostToDevice) => Direction::ToDevice,
+                Ok(pb::CopyDirection::DeviceToHost) => Direction::FromDevice,
+                Err(_) => {
+                    return Err(Event::fault(
+                        0,
+                        FaultKind::InvalidArgument,
+                        format!(
+                            "grant.direction: {} is not a known direction \
+                             (COPY_DIRECTION_HOST_TO_DEVICE = 0, COPY_DIRECTION_DEVICE_TO_HOST = 1)",
+                            g.direction
+                        ),
+                    ));
+                }
+            };
+            Ok(Command::Grant {
+                id: g.id,
+                bytes: g.bytes,
+                direction,
+            })
+        }
         Some(Msg::Attach(_)) => Err(Event::fault(
             0,
             FaultKind::FailedPrecondition,
@@ -156,6 +179,7 @@ fn server_message(event: Event) -> pb::ServerMessage {
             ready_event,
             free_event,
         }),
+        Event::Granted { id } => Out::Granted(pb::Granted { id }),
         Event::Fault {
             ticket,
             kind,

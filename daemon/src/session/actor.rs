@@ -4,6 +4,7 @@
 //! Acquire, release and plan handling live in `tickets`, copies and prefetch in `copies`.
 
 mod copies;
+mod grants;
 #[cfg(test)]
 mod tests;
 mod tickets;
@@ -88,6 +89,9 @@ struct Actor {
     inflight: usize,
     prefetch_inflight: usize,
     done_tx: mpsc::UnboundedSender<CopyDone>,
+    /// Grants of the client's own copies not answered yet, and where their answers arrive.
+    granting: HashSet<u64>,
+    grants_tx: mpsc::UnboundedSender<grants::GrantDone>,
     outbox: Vec<Event>,
     events: Option<EventBook>,
     pending_clock: PendingClock,
@@ -107,6 +111,7 @@ pub fn spawn(
     on_finish: impl FnOnce() + Send + 'static,
 ) {
     let (done_tx, done_rx) = mpsc::unbounded_channel();
+    let (grants_tx, grants_rx) = mpsc::unbounded_channel();
     let arena = StagingArena::new(parts.staging.size(), parts.alignment);
     let events = parts.events.clone().map(EventBook::new);
     let actor = Actor {
@@ -120,6 +125,8 @@ pub fn spawn(
         inflight: 0,
         prefetch_inflight: 0,
         done_tx,
+        granting: HashSet::new(),
+        grants_tx,
         outbox: Vec::new(),
         events,
         pending_clock: PendingClock::new(Instant::now()),
@@ -127,7 +134,7 @@ pub fn spawn(
     let span = tracing::info_span!("session", id = %actor.p.shared.id);
     tokio::spawn(tracing::Instrument::instrument(
         async move {
-            actor.run(control, done_rx).await;
+            actor.run(control, done_rx, grants_rx).await;
             on_finish();
             let _ = finished.send(true);
         },
@@ -144,6 +151,7 @@ impl Actor {
         mut self,
         mut control: mpsc::UnboundedReceiver<Control>,
         mut done_rx: mpsc::UnboundedReceiver<CopyDone>,
+        mut grants_rx: mpsc::UnboundedReceiver<grants::GrantDone>,
     ) {
         // Dropped only after teardown: the client's stream ends once the session is gone.
         let mut client: Option<Client> = None;
@@ -172,6 +180,7 @@ impl Actor {
                     None => break CloseReason::StreamEnded,
                 },
                 Some(done) = done_rx.recv() => self.on_copy_done(done),
+                Some(granted) = grants_rx.recv() => self.on_granted(granted),
             }
             match self.flush(&client).await {
                 Ok(()) => {}
@@ -235,6 +244,11 @@ impl Actor {
             Command::Release { ticket } => self.on_release(ticket),
             Command::Plan { groups } => self.on_plan(groups),
             Command::GpuWait(report) => self.on_gpu_wait(&report),
+            Command::Grant {
+                id,
+                bytes,
+                direction,
+            } => self.on_grant(id, bytes, direction),
         }
         self.publish_counts();
     }

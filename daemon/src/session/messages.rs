@@ -15,6 +15,19 @@ pub enum Command {
     Plan { groups: Vec<GroupId> },
     /// The client's own measure of its waits for weights (totals since the session opened).
     GpuWait(GpuWaitReport),
+    /// The client asks to copy `bytes` of its own in `direction` (answered by `Granted`).
+    Grant {
+        id: u64,
+        bytes: u64,
+        direction: Direction,
+    },
+}
+
+/// Which way a client's own copy goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    ToDevice,
+    FromDevice,
 }
 
 /// What the session tells its client.
@@ -31,6 +44,10 @@ pub enum Event {
         offset: u64,
         ready_event: u32,
         free_event: u32,
+    },
+    /// The client's grant `id` may copy now.
+    Granted {
+        id: u64,
     },
     /// A request failed; `ticket` is 0 when the fault concerns no ticket.
     Fault {

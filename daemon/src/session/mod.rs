@@ -21,7 +21,7 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
 
 pub use self::actor::{ActorParts, spawn};
-pub use self::messages::{AttachError, Command, Event, FaultKind};
+pub use self::messages::{AttachError, Command, Direction, Event, FaultKind};
 pub use self::stats::{GpuWaitReport, SessionStats, StatsSnapshot};
 
 /// Why a session ends, as its client is told.

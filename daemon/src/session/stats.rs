@@ -27,6 +27,9 @@ pub struct SessionStats {
     pub gpu_wait_ns: AtomicU64,
     pub gpu_waits: AtomicU64,
     pub gpu_wait_reports: AtomicU64,
+    /// Bytes of the client's own copies granted (CopyGrant), to and from the device.
+    pub granted_h2d_bytes: AtomicU64,
+    pub granted_d2h_bytes: AtomicU64,
     /// `acquire_pending_ns` split by group (index = group id); the parts sum to it.
     group_acquire_pending_ns: Box<[AtomicU64]>,
     /// `gpu_wait_ns` split by group, as reported.
@@ -51,6 +54,8 @@ pub struct StatsSnapshot {
     pub gpu_wait_ns: u64,
     pub gpu_waits: u64,
     pub gpu_wait_reports: u64,
+    pub granted_h2d_bytes: u64,
+    pub granted_d2h_bytes: u64,
 }
 
 /// A client's report of its waits for weights: totals since the session opened.
@@ -83,6 +88,8 @@ impl SessionStats {
             gpu_wait_ns: zero(),
             gpu_waits: zero(),
             gpu_wait_reports: zero(),
+            granted_h2d_bytes: zero(),
+            granted_d2h_bytes: zero(),
             group_acquire_pending_ns: (0..groups).map(|_| zero()).collect(),
             group_gpu_wait_ns: (0..groups).map(|_| zero()).collect(),
         }
@@ -135,6 +142,8 @@ impl SessionStats {
             gpu_wait_ns: get(&self.gpu_wait_ns),
             gpu_waits: get(&self.gpu_waits),
             gpu_wait_reports: get(&self.gpu_wait_reports),
+            granted_h2d_bytes: get(&self.granted_h2d_bytes),
+            granted_d2h_bytes: get(&self.granted_d2h_bytes),
         }
     }
 

@@ -106,6 +106,14 @@ class HostStorage:
         self._regions.append((region, buf, ptr))
         return buf
 
+    def grant(self, nbytes: int, to_device: bool):
+        """Waits until the daemon lets ``nbytes`` of trainable state cross the link (the
+        session's ``grant``): the copies of the LoRA's working weights and gradients are paced
+        with the daemon's copies of the base under a copy bandwidth limit or a share. Nothing
+        to wait for without a session, or where the daemon does not pace them."""
+        if self.session is not None and self.session.paces_client_copies:
+            self.session.grant(nbytes, to_device)
+
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for _, b, _ in self._regions)
@@ -356,6 +364,7 @@ class Trainable:
         if self._h2d is None:
             group.copies = [s.working.clone() for s in group.slots]
         else:
+            self.storage.grant(sum(s.working.nbytes for s in group.slots), to_device=True)
             compute = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._h2d):
                 group.copies = [
@@ -384,6 +393,7 @@ class Trainable:
         if self._d2h is None:
             src = grad
         else:
+            self.storage.grant(grad.nbytes, to_device=False)
             produced = torch.cuda.Event()
             produced.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._d2h):

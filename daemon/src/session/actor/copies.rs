@@ -2,7 +2,7 @@
 
 use super::{Actor, CopyDone};
 use crate::backend::CopyJob;
-use crate::scheduler::{CopyError, CopyOutcome, CopyRequest, Priority};
+use crate::scheduler::{CopyError, CopyOutcome, CopyRequest, Priority, Work};
 use crate::session::plan::GroupId;
 use crate::session::{FaultKind, SessionStats};
 
@@ -55,7 +55,7 @@ impl Actor {
                 session: shared.number,
                 tag: group,
                 priority,
-                job,
+                work: Work::Copy(job),
                 done: Box::new(move |outcome| {
                     let _ = tx.send(CopyDone {
                         group,
