@@ -586,7 +586,7 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
             (Work::Copy(job), Some(bucket)) => {
                 run_paced(device, queue, backend, clock, bucket, job)
             }
-            (Work::Grant(_), None) => Ran::once(Ok(CopyTiming::Queued)),
+            (Work::Grant(_), None) => Ran::nothing(),
             (Work::Grant(bytes), Some(bucket)) => pace_grant(queue, clock, bucket, bytes),
         };
         let elapsed = started.elapsed();
@@ -620,6 +620,15 @@ struct Ran {
 }
 
 impl Ran {
+    /// Nothing run yet.
+    fn nothing() -> Ran {
+        Ran {
+            result: Ok(()),
+            busy: Duration::ZERO,
+            throttled: Duration::ZERO,
+        }
+    }
+
     fn once(result: Result<CopyTiming, BackendError>) -> Ran {
         let busy = match result {
             Ok(CopyTiming::Done(busy)) => busy,
@@ -643,19 +652,9 @@ fn run_paced(
     bucket: &mut TokenBucket,
     job: CopyJob,
 ) -> Ran {
-    let mut ran = Ran {
-        result: Ok(()),
-        busy: Duration::ZERO,
-        throttled: Duration::ZERO,
-    };
+    let mut ran = Ran::nothing();
     for piece in split_job(job, PACED_CHUNK) {
-        let wait = bucket.reserve(clock.now(), piece.bytes());
-        if !wait.is_zero() {
-            clock.sleep(wait);
-            ran.throttled += wait;
-        }
-        if queue.lock().stopping {
-            ran.result = Err(CopyError::Cancelled);
+        if !let_piece_go(queue, clock, bucket, piece.bytes(), &mut ran) {
             break;
         }
         let once = Ran::once(backend.copy(device, piece));
@@ -671,26 +670,37 @@ fn run_paced(
 /// A grant of `bytes` to the device, paced as a copy of that size would be (piece by piece, so
 /// that the link's schedule is the same), with nothing issued: the client copies once answered.
 fn pace_grant(queue: &DeviceQueue, clock: &dyn Clock, bucket: &mut TokenBucket, bytes: u64) -> Ran {
-    let mut ran = Ran {
-        result: Ok(()),
-        busy: Duration::ZERO,
-        throttled: Duration::ZERO,
-    };
+    let mut ran = Ran::nothing();
     let mut left = bytes;
     while left > 0 {
         let piece = left.min(PACED_CHUNK);
-        let wait = bucket.reserve(clock.now(), piece);
-        if !wait.is_zero() {
-            clock.sleep(wait);
-            ran.throttled += wait;
-        }
-        if queue.lock().stopping {
-            ran.result = Err(CopyError::Cancelled);
+        if !let_piece_go(queue, clock, bucket, piece, &mut ran) {
             break;
         }
         left -= piece;
     }
     ran
+}
+
+/// Waits until the device's bucket lets a piece of `bytes` go, adding the wait to
+/// `ran.throttled`; false (and `ran` cancelled) once the queue is stopping.
+fn let_piece_go(
+    queue: &DeviceQueue,
+    clock: &dyn Clock,
+    bucket: &mut TokenBucket,
+    bytes: u64,
+    ran: &mut Ran,
+) -> bool {
+    let wait = bucket.reserve(clock.now(), bytes);
+    if !wait.is_zero() {
+        clock.sleep(wait);
+        ran.throttled += wait;
+    }
+    if queue.lock().stopping {
+        ran.result = Err(CopyError::Cancelled);
+        return false;
+    }
+    true
 }
 
 /// Cuts a job into jobs of at most `chunk` bytes each, in order (spans are cut where they
