@@ -258,12 +258,6 @@ impl Session {
         self.with(|s| Ok(s.wait_reports()))
     }
 
-    /// Whether the daemon paces this client's own copies: `grant` before each of them.
-    #[getter]
-    fn paces_client_copies(&self) -> PyResult<bool> {
-        self.with(|s| Ok(s.paces_client_copies()))
-    }
-
     /// Waits (the GIL released) until the daemon lets this process copy `nbytes` of its own
     /// to the device (`to_device`) or from it: the LoRA's working weights and gradients, paced
     /// with the daemon's copies under a copy bandwidth limit or a share. Returns at once where

@@ -373,15 +373,9 @@ impl Session {
             return Ok(Granting(None));
         }
         let (tx, rx) = oneshot::channel();
-        let id = {
-            let mut routes = lock(&self.routes);
-            if let Some(reason) = &routes.ended {
-                return Err(ClientError::SessionEnded(reason.clone()));
-            }
-            let id = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        let id = self.number(|routes, id| {
             routes.grants.insert(id, tx);
-            id
-        };
+        })?;
         let direction = if to_device {
             proto::CopyDirection::HostToDevice
         } else {
@@ -399,6 +393,19 @@ impl Session {
         Ok(Granting(Some(rx)))
     }
 
+    /// The next number for a ticket or a grant (one sequence, so that a fault naming it names
+    /// one of them), with `register` run on the routes under the same lock; fails once the
+    /// stream has ended.
+    fn number(&self, register: impl FnOnce(&mut Routes, u64)) -> Result<u64, ClientError> {
+        let mut routes = lock(&self.routes);
+        if let Some(reason) = &routes.ended {
+            return Err(ClientError::SessionEnded(reason.clone()));
+        }
+        let n = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        register(&mut routes, n);
+        Ok(n)
+    }
+
     /// Whether the daemon paces this client's own copies ([`Session::grant`]).
     pub fn paces_client_copies(&self) -> bool {
         self.opened.paces_client_copies
@@ -409,16 +416,10 @@ impl Session {
     /// give back with [`Session::release`] once staged (no view releases it).
     pub fn submit(&self, group: u32) -> Result<Submitted, ClientError> {
         let (tx, rx) = oneshot::channel();
-        let ticket = {
-            let mut routes = lock(&self.routes);
-            if let Some(reason) = &routes.ended {
-                return Err(ClientError::SessionEnded(reason.clone()));
-            }
-            // Numbered once it can be sent: `submitted` counts acquires sent.
-            let ticket = self.next_ticket.fetch_add(1, Ordering::Relaxed);
+        // Numbered once it can be sent: `submitted` counts acquires sent.
+        let ticket = self.number(|routes, ticket| {
             routes.waiting.insert(ticket, tx);
-            ticket
-        };
+        })?;
         {
             let mut rec = lock(&self.recorder);
             if rec.recording {

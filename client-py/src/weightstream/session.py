@@ -153,8 +153,8 @@ class Session:
     def paces_client_copies(self) -> bool:
         """Whether this process should ``grant`` each copy of its own before issuing it: the
         device has a copy bandwidth limit or the session a share, which those copies then count
-        in with the daemon's."""
-        return self._native.paces_client_copies
+        in with the daemon's (the current opening's ``OpenSessionResponse``)."""
+        return self.opened.paces_client_copies
 
     def grant(self, nbytes: int, to_device: bool) -> None:
         """Blocks (the GIL released) until the daemon lets this process copy ``nbytes`` of its

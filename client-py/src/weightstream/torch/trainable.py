@@ -233,6 +233,11 @@ class _Group:
     copies: list[torch.Tensor] | None = None
     ready: object = None  # CUDA event after the copies
 
+    @functools.cached_property
+    def nbytes(self) -> int:
+        """Bytes of the group's working weights: what one copy to the device moves."""
+        return sum(s.working.nbytes for s in self.slots)
+
 
 class Trainable:
     """What ``stream_trainable`` returns: the trainable weights in host memory, their device
@@ -364,7 +369,7 @@ class Trainable:
         if self._h2d is None:
             group.copies = [s.working.clone() for s in group.slots]
         else:
-            self.storage.grant(sum(s.working.nbytes for s in group.slots), to_device=True)
+            self.storage.grant(group.nbytes, to_device=True)
             compute = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._h2d):
                 group.copies = [
