@@ -92,28 +92,33 @@ mod tests {
     }
 
     /// After an error no new item starts; the error is what the call returns, and results that
-    /// come after it are not reported.
+    /// come after it are not reported. On one thread that is exact (items 0-3 started, 0-2
+    /// reported); on several, another thread may start items until it sees the error (a bound
+    /// on how many would be a race), so only the error returned is checked there.
     #[test]
     fn the_first_error_stops_the_queue() {
-        let started = AtomicUsize::new(0);
-        let mut reported = 0;
-        let err = for_each(
-            (0..1000).collect(),
-            2,
-            |i: u32| {
-                started.fetch_add(1, Ordering::Relaxed);
-                if i == 3 {
-                    Err(format!("item {i}"))
-                } else {
-                    Ok(i)
-                }
-            },
-            |_| reported += 1,
-        )
-        .unwrap_err();
-        assert_eq!(err, "item 3");
-        assert!(started.load(Ordering::Relaxed) < 20, "the queue stopped");
-        assert!(reported < 20);
+        for threads in [1, 2] {
+            let started = AtomicUsize::new(0);
+            let mut reported = 0;
+            let err = for_each(
+                (0..1000).collect(),
+                threads,
+                |i: u32| {
+                    started.fetch_add(1, Ordering::Relaxed);
+                    if i == 3 {
+                        Err(format!("item {i}"))
+                    } else {
+                        Ok(i)
+                    }
+                },
+                |_| reported += 1,
+            )
+            .unwrap_err();
+            assert_eq!(err, "item 3");
+            if threads == 1 {
+                assert_eq!((started.load(Ordering::Relaxed), reported), (4, 3));
+            }
+        }
     }
 
     #[test]
