@@ -267,9 +267,12 @@ def write_by_copy(
 ) -> WriteTimings:
     """Writes ``tensors[i]`` at ``placements[i].offset`` of the region behind ``fd`` (closed
     here) in windows of about ``window`` bytes, page-locking each first when ``pin`` (on
-    ``threads`` threads, default ``default_threads()``), and faulting each in before that when
-    ``reserve`` (the daemon began the upload with ``client_reserves``); the region is unmapped
-    on return. Returns where the time went."""
+    ``threads`` threads, default ``default_threads()``), and faulting each in before it is
+    page-locked when ``reserve`` (the daemon began the upload with ``client_reserves``, which
+    only a page-locking writer asks for); the region is unmapped on return. Returns where the
+    time went."""
+    if reserve and not pin:
+        raise ValueError("reserve: only a writer that page-locks its windows faults them in")
     started = time.monotonic()
     timings = WriteTimings(bytes=sum(p.nbytes for p in placements))
     devices = sorted({_located(t) for t in tensors if _located(t).type == "cuda"}, key=str)
@@ -287,16 +290,10 @@ def write_by_copy(
             threads = threads or default_threads()
             _copy_pinned(copy, runs, size, devices, threads, timings, reserve)
         else:
-            base = region.data_ptr()
+            t = time.monotonic()
             for run in runs:
-                if reserve:
-                    t = time.monotonic()
-                    lo, hi = _span(placements, run, size)
-                    populate(base + lo, hi - lo)
-                    timings.populate += time.monotonic() - t
-                t = time.monotonic()
                 copy.run(run)
-                timings.copy += time.monotonic() - t
+            timings.copy += time.monotonic() - t
     finally:
         for device in devices if pin else ():
             torch.cuda.synchronize(device)  # no copy may land in the region once it is unmapped
