@@ -215,7 +215,9 @@ def streamed(args, model, handle, rank: int, link: str, baseline_used: int, emit
         sampler.start()
         times, losses = timed_steps(model, opt, args.warmup)
         start_times = dict(tr.times)
+        start_stats = handle.stats()
         more, more_losses = timed_steps(model, opt, args.measured)
+        end_stats = handle.stats()
         times, losses = times + more, losses + more_losses
         sampler.stop.set()
         sampler.join()
@@ -224,6 +226,12 @@ def streamed(args, model, handle, rank: int, link: str, baseline_used: int, emit
         record_steps(rec, times, losses, args.warmup)
         rec["per_step_s"] = {
             k: round((tr.times[k] - start_times[k]) / args.measured, 4) for k in tr.times
+        }
+        # What crossed the link per step: the base's copies, and the LoRA's own copies the
+        # daemon paced (granted; 0 where the daemon paces nothing), and the GPU's wait.
+        rec["per_step_link"] = {
+            k: round((end_stats.get(k, 0) - start_stats.get(k, 0)) / args.measured)
+            for k in ("bytes_copied", "granted_h2d_bytes", "granted_d2h_bytes", "gpu_wait_ns")
         }
         rec["reference"] = opt.reference
     except Exception as e:  # noqa: BLE001 - reported per rank
