@@ -7,6 +7,7 @@ one step late; accumulation, clipping, schedulers and resume."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,13 @@ import weightstream.torch as wst
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from weightstream.torch.host_optim import HostAdamW, reference_adamw
-from weightstream.torch.trainable import TrainableError, host_bytes, size_text, stream_trainable
+from weightstream.torch.trainable import (
+    BounceRing,
+    TrainableError,
+    host_bytes,
+    size_text,
+    stream_trainable,
+)
 
 DIM, RANK, TOKENS = 48, 8, 6
 
@@ -46,6 +53,7 @@ class Block(nn.Module):
 
 class Model(nn.Module):
     def __init__(self, blocks: int = 3, ckpt: bool = False):
+        # 3 blocks: every group's copies stay live (lookahead 1 keeps 4); more: they come and go
         super().__init__()
         self.blocks = nn.ModuleList(Block() for _ in range(blocks))
         self.ckpt = ckpt
@@ -56,9 +64,9 @@ class Model(nn.Module):
         return x
 
 
-def make(ckpt=False, seed=0, device="cpu", lora_dtype=torch.bfloat16):
+def make(ckpt=False, seed=0, device="cpu", lora_dtype=torch.bfloat16, blocks=3):
     torch.manual_seed(seed)
-    m = Model(ckpt=ckpt).to(torch.bfloat16).to(device)
+    m = Model(blocks, ckpt=ckpt).to(torch.bfloat16).to(device)
     for n, p in m.named_parameters():
         p.requires_grad_("lora_" in n)
         if "lora_" in n:
@@ -116,10 +124,18 @@ class Reference:
         for p in self.params:
             p.grad = None
         if self.delay:
-            grads, self.pending = self.pending, grads
-            if grads is None:
-                return
+            # Applied during the next step's first backward (``after_first_backward``).
+            assert self.pending is None
+            self.pending = grads
+            return
         self.apply(grads)
+
+    def after_first_backward(self):
+        """The delayed update: the previous step's, once this step's first backward is done
+        (a later micro-batch of the step computes with it)."""
+        if self.pending is not None:
+            grads, self.pending = self.pending, None
+            self.apply(grads)
 
     def apply(self, grads):
         self.steps += 1
@@ -150,21 +166,33 @@ class Reference:
                 p.copy_(m)
 
 
-def train_pair(steps=4, ckpt=False, accumulate=1, device="cpu", client=None, autocast=False, **kw):
+def train_pair(
+    steps=4,
+    ckpt=False,
+    accumulate=1,
+    device="cpu",
+    client=None,
+    autocast=False,
+    blocks=3,
+    group_by="block",
+    **kw,
+):
     """Trains the LoRA in place (``Reference``) and the same model with ``stream_trainable``
     side by side, asserting equal losses; returns both models, the Trainable, the optimizer and
     the reference. ``client``: a daemon's client: the base streams through it (``attach``) and
     its session holds the host memory (``tr.handle``); ``autocast``: an fp32 LoRA under bf16
     autocast."""
     lora = torch.float32 if autocast else torch.bfloat16
-    ref_model = make(ckpt, device=device, lora_dtype=lora)
-    model = make(ckpt, device=device, lora_dtype=lora)
+    ref_model = make(ckpt, device=device, lora_dtype=lora, blocks=blocks)
+    model = make(ckpt, device=device, lora_dtype=lora, blocks=blocks)
     AUTOCAST[0] = autocast
     ref = Reference(ref_model, **kw)
     handle = None
     if client is not None:
         handle = wst.attach(model, device, client=client, min_bytes=0)
-    tr = stream_trainable(model, handle, device=device, master=kw.get("master", "fp32"))
+    tr = stream_trainable(
+        model, handle, device=device, master=kw.get("master", "fp32"), group_by=group_by
+    )
     tr.handle = handle
     opt = HostAdamW(
         tr.params(),
@@ -183,6 +211,8 @@ def train_pair(steps=4, ckpt=False, accumulate=1, device="cpu", client=None, aut
             assert torch.equal(want, got), (i, j, want, got)
             want.backward()
             got.backward()
+            if j == 0:
+                ref.after_first_backward()
         ref.step()
         opt.step()
         opt.zero_grad()
@@ -279,7 +309,8 @@ def test_a_state_over_the_host_quota_is_refused_before_anything_moves(quota_daem
     with pytest.raises(TrainableError) as e:
         stream_trainable(model, handle, optimizer="adamw")
     numel = sum(p.numel() for p in before)
-    need, lean = numel * (2 + 4 + 2 + 8), numel * (2 + 2 + 4)
+    ring = 8192  # the bounce ring: twice a block's 3 KiB of gradients, in whole pages
+    need, lean = ring + numel * (2 + 4 + 2 + 8), ring + numel * (2 + 2 + 4)
     assert lean <= QUOTA - held < need, "the test's quota: refused, and fits without the master"
     assert str(e.value) == (
         f"the trainable state needs {need} bytes of host memory with adamw and the fp32 "
@@ -311,8 +342,10 @@ def test_master_none_holds_each_weight_once(kind):
     tr = stream_trainable(model, device="cpu", master="none")
     assert tr.master == "none"
     assert all(s.master is s.working and s.working.dtype == torch.bfloat16 for s in tr.slots)
-    assert tr.host_bytes == sum(host_bytes(n, torch.bfloat16, None, "none") for n in numel)
-    assert tr.host_bytes == sum(numel) * (2 + 2)
+    ring = tr.bounce_bytes
+    assert ring == 8192, "twice a block's 3 KiB of gradients, in whole pages"
+    assert tr.host_bytes == ring + sum(host_bytes(n, torch.bfloat16, None, "none") for n in numel)
+    assert tr.host_bytes == ring + sum(numel) * (2 + 2)
     opt = HostAdamW(tr.params(), trainable=tr, kind=kind)
     assert opt.master == "none"
     state = opt.state_dict()
@@ -320,11 +353,13 @@ def test_master_none_holds_each_weight_once(kind):
     assert state["state"][0]["master"].dtype == torch.bfloat16
     if kind == "adamw":
         assert state["state"][0]["exp_avg"].dtype == torch.bfloat16
-        assert tr.host_bytes == sum(host_bytes(n, torch.bfloat16, "adamw", "none") for n in numel)
-        assert tr.host_bytes == sum(numel) * (2 + 2 + 4)
+        assert tr.host_bytes == ring + sum(
+            host_bytes(n, torch.bfloat16, "adamw", "none") for n in numel
+        )
+        assert tr.host_bytes == ring + sum(numel) * (2 + 2 + 4)
     tr.close()
     fp32 = stream_trainable(make(), device="cpu")
-    assert fp32.master == "fp32" and fp32.host_bytes == sum(numel) * (2 + 4 + 2)
+    assert fp32.master == "fp32" and fp32.host_bytes == ring + sum(numel) * (2 + 4 + 2)
     fp32.close()
 
 
@@ -409,13 +444,94 @@ def test_clipping_and_accumulation(master):
 
 
 @pytest.mark.parametrize("master", ["fp32", "none"])
-def test_delayed_update_is_one_step_late(master):
-    ref_model, model, tr, opt, ref = train_pair(steps=5, delay=True, ckpt=True, master=master)
+@pytest.mark.parametrize("group_by", ["block", "layer"])
+def test_delayed_update_is_one_step_late(master, group_by):
+    """Per layer, backward takes a group (and sets its update off) several groups before it
+    gives the gradient: its copies are kept until then, or a later copy would read the updated
+    weight."""
+    ref_model, model, tr, opt, ref = train_pair(
+        steps=5, delay=True, ckpt=True, master=master, group_by=group_by
+    )
     assert_same_lora(ref_model, model)
     ref.apply(ref.pending)
     opt.flush()
     assert_same_lora(ref_model, model)
     tr.close()
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.parametrize("blocks", [3, 7])
+def test_delayed_update_with_accumulation_lands_after_the_first_backward(ckpt, blocks):
+    """With gradient accumulation the previous step's update lands during the step's first
+    backward and the later micro-batches compute with it, whether their forward still finds
+    the group's copies (3 blocks: all live) or copies them again (7: they come and go)."""
+    ref_model, model, tr, opt, ref = train_pair(
+        steps=4, accumulate=3, delay=True, ckpt=ckpt, blocks=blocks, max_norm=0.05
+    )
+    assert_same_lora(ref_model, model)
+    ref.apply(ref.pending)
+    opt.flush()
+    assert_same_lora(ref_model, model)
+    tr.close()
+
+
+def test_delayed_updates_run_before_their_gradients_and_those_land_in_place():
+    """Backward's first take of a group sets its delayed updates off: with the worker given
+    time to finish them (here: each gradient waits for the worker to be idle), every gradient
+    of a step after the first lands straight in its slot and none goes through the bounce
+    ring, whether backward copied the group again (7 checkpointed blocks: the first ones) or
+    found the copies forward left (the last). The ring is the session's host memory, twice
+    the largest group's gradients, and every piece it lends comes back."""
+    ref_model, model, tr, opt, ref = train_pair(steps=2, delay=True, ckpt=True, blocks=7)
+    bounced = []
+    take, grad_ready = tr._bounce.take, tr.grad_ready
+
+    def counting(shape, dtype):
+        bounced.append(shape)
+        return take(shape, dtype)
+
+    def after_the_worker(slot, grad):
+        tr.wait_grads()
+        grad_ready(slot, grad)
+
+    tr._bounce.take, tr.grad_ready = counting, after_the_worker
+    for x in batches(2, seed=9):
+        ref_loss, loss = loss_of(ref_model, x), loss_of(model, x)
+        assert torch.equal(ref_loss, loss)
+        ref_loss.backward()
+        loss.backward()
+        ref.after_first_backward()
+        ref.step()
+        opt.step()
+        assert bounced == []
+    assert tr._bounce.in_use == 0
+    ref.apply(ref.pending)
+    opt.flush()
+    assert_same_lora(ref_model, model)
+    block = sum(-(-s.param.nbytes // 256) * 256 for s in tr.groups["blocks.0"].slots)
+    assert tr._bounce.size == tr.bounce_bytes == 8192 == -(-2 * block // 4096) * 4096
+    tr.close()
+
+
+def test_the_bounce_ring_lends_first_in_first_out_and_waits_when_full():
+    ring = BounceRing(torch.zeros(1024, dtype=torch.uint8))
+    at = [ring.take((64,), torch.float32)[0] for _ in range(3)]  # 256 bytes each
+    base = ring.region.data_ptr()
+    assert [t.data_ptr() - base for t in at] == [0, 256, 512]
+    with pytest.raises(TrainableError, match="does not fit the 1024-byte bounce ring"):
+        ring.take((257,), torch.float32)
+    ring.give()  # [0, 256) is free again; [768, 1024) too: a 512-byte piece fits neither
+    assert ring._room(512) is None
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(ring.take((128,), torch.float32)))
+    waiter.start()
+    ring.give()  # now [0, 512) is free: the waiting piece goes there (the wrap)
+    waiter.join()
+    assert got[0][0].data_ptr() - base == 0
+    assert ring.in_use == 2
+    ring.give()
+    ring.give()
+    assert ring.in_use == 0 and ring._room(1024) == 0
 
 
 def test_weights_change_and_close_puts_them_back():
@@ -666,12 +782,13 @@ def test_attach_refuses_what_the_host_cannot_hold_before_uploading(quota_daemon)
     model = make()
     with pytest.raises(TrainableError) as e:
         wst.attach(model, "cpu", client=d.client, min_bytes=0, trainable="host", optimizer="adamw")
-    state = 3 * 2 * 2 * DIM * RANK * (2 + 4 + 2 + 8)
+    ring = 8192  # the bounce ring: twice a block's 3 KiB of gradients, in whole pages
+    state = ring + 3 * 2 * 2 * DIM * RANK * (2 + 4 + 2 + 8)
     message = str(e.value)
     prefix = "the upload ("
     assert message.startswith(prefix), message
     upload = int(message[len(prefix) :].split(" ")[0])
-    lean = 3 * 2 * 2 * DIM * RANK * (2 + 2 + 4)
+    lean = ring + 3 * 2 * 2 * DIM * RANK * (2 + 2 + 4)
     assert upload + lean <= QUOTA < upload + state
     assert message == (
         f"the upload ({upload} bytes) and the trainable state ({state} bytes with adamw and "

@@ -347,7 +347,12 @@ def _check_host_room(
             ],
         )
     trainable_state.check_host_fits(
-        client, [m.weight for _, m in layers], optimizer, upload, master=master
+        client,
+        [m.weight for _, m in layers],
+        optimizer,
+        upload,
+        master=master,
+        ring=trainable_state.layer_ring_bytes(module, layers, "block"),
     )
 
 

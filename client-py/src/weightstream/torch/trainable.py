@@ -23,10 +23,22 @@ device→host copy is done.
   formulas for ``linear``: outputs and gradients are the bits autograd gives for the layer with
   its weight on the device.
 - Gradients go device→host on their own stream, directly into the accumulated gradient, or
-  through a pinned bounce buffer when one is already there (gradient accumulation) or the
-  optimizer still has to read the previous step's (the delayed step). One worker thread takes
-  each arrival in order: waits for its copy, runs a pending delayed update of that layer, adds
-  the gradient.
+  through the bounce ring when one is already there (gradient accumulation) or the optimizer
+  still has to read the previous step's (the delayed step). The ring is one more region of
+  the session's host memory (``BounceRing``: twice the largest group's gradients, in the
+  region of the weights and gradients), so every
+  byte the gradients land in is the daemon's, page-locked and charged like the rest; a
+  gradient that finds it full waits for the worker (``wait_bounce_s``). One worker thread
+  takes each arrival in order: waits for its copy, runs a pending delayed update of that
+  layer, adds the gradient.
+- The delayed update of a layer runs as early as it can: when backward first takes (or
+  prefetches) the layer's group, whose device copies are then the weights' last read in the
+  step, the worker applies the group's pending updates as soon as that copy is done, so that the
+  step's gradients, produced a little later, find the previous ones consumed and land in
+  place. The group's device copies are then kept until each of its updated layers has given
+  its gradient: a copy made later would read the updated weights. A forward that finds a
+  group's copies older than its weights (the next micro-batch of an accumulated step, after
+  backward updated them) copies them again.
 
 Exactness: the layer's forward and gradients are those of the same weights on the device; the
 accumulation is a bf16 (or the working dtype's) add, as autograd's; the step is ``HostAdamW``'s
@@ -36,7 +48,9 @@ accumulation is a bf16 (or the working dtype's) add, as autograd's; the step is 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
+import mmap
 import queue
 import threading
 import time
@@ -57,10 +71,13 @@ TIMES = (
     "worker_copy_wait_s",
     "worker_update_s",
     "worker_grad_add_s",
+    "wait_bounce_s",
     "step_update_s",
 )
 #: Byte alignment of each tensor in a host region (a cache line, and fp32/bf16 vector loads).
 ALIGN = 256
+#: The bounce ring holds this many of the largest group's gradients.
+BOUNCE_GROUPS = 2
 
 
 class TrainableError(ValueError):
@@ -155,6 +172,67 @@ class Carver:
         return out
 
 
+class BounceRing:
+    """Host memory the gradients land in when they cannot land in their slot's gradient: one
+    region (``HostStorage.alloc``: the session's, page-locked on CUDA), handed out first in,
+    first out, which is the order the worker gives the pieces back (the order gradients
+    arrive). ``take`` waits while the ring has no room; a piece larger than the ring is a
+    ``TrainableError`` (the ring is sized for the largest group's gradients)."""
+
+    def __init__(self, region: torch.Tensor):
+        self.region = region
+        self.size = region.numel()
+        self._given: collections.deque[tuple[int, int]] = collections.deque()  # oldest first
+        self._head = 0  # the end of the newest piece
+        self._cv = threading.Condition()
+
+    def _room(self, n: int) -> int | None:
+        """Where a piece of ``n`` bytes fits now, or None."""
+        if not self._given:
+            return 0
+        tail = self._given[0][0]
+        if self._head > tail:  # the pieces lie in [tail, head): room after them, else before
+            if self._head + n <= self.size:
+                return self._head
+            return 0 if n <= tail else None
+        return self._head if self._head + n <= tail else None  # wrapped: room in [head, tail)
+
+    def take(self, shape, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
+        """A piece for a tensor of ``shape`` and ``dtype``, and the seconds spent waiting for
+        room."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        n = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        if n > self.size:
+            raise TrainableError(
+                f"a gradient of {nbytes} bytes does not fit the {self.size}-byte bounce ring"
+            )
+        t = time.perf_counter()
+        with self._cv:
+            self._cv.wait_for(lambda: self._room(n) is not None)
+            at = self._room(n)
+            self._given.append((at, at + n))
+            self._head = at + n
+        piece = self.region[at : at + nbytes].view(dtype).view(shape)
+        return piece, time.perf_counter() - t
+
+    def give(self):
+        """Gives the oldest piece back."""
+        with self._cv:
+            self._given.popleft()
+            if not self._given:
+                self._head = 0
+            self._cv.notify_all()
+
+    @property
+    def in_use(self) -> int:
+        """Pieces handed out and not given back."""
+        with self._cv:
+            return len(self._given)
+
+
 #: What ``master=`` takes: ``"fp32"`` keeps an fp32 master copy of each weight narrower than
 #: fp32 for the optimizer to update; ``"none"`` keeps none (the working weight is updated in
 #: place).
@@ -220,6 +298,11 @@ class Slot:
     queued: int = 0
     #: The last host→device copy of ``working`` (CUDA), for writers to wait for.
     read_done: object = None
+    #: Updates applied to ``working`` by the gradient worker (a device copy made before one
+    #: is older than the weight).
+    version: int = 0
+    #: Its pending update is queued for the worker ahead of its gradient (``_start_updates``).
+    update_queued: bool = False
 
     @property
     def numel(self) -> int:
@@ -232,6 +315,11 @@ class _Group:
     slots: list[Slot]
     copies: list[torch.Tensor] | None = None
     ready: object = None  # CUDA event after the copies
+    #: Each slot's ``version`` when the copies were made.
+    versions: list[int] | None = None
+    #: Positions of the slots whose delayed update backward set off at this group's copy and
+    #: whose gradient has not come yet: while any is left the copies are kept.
+    early: set[int] = dataclasses.field(default_factory=set)
 
     @functools.cached_property
     def nbytes(self) -> int:
@@ -261,11 +349,7 @@ class Trainable:
         self.master = check_master(master)
         self.slots: list[Slot] = []
         self.groups: dict[str, _Group] = {}
-        for name, m in layers:
-            if callable(group_by):
-                key = str(group_by(name))
-            else:
-                key = policy.block_of(root, name) if group_by == "block" else name
+        for (name, m), key in zip(layers, group_names(root, layers, group_by), strict=True):
             group = self.groups.setdefault(key, _Group(key, []))
             slot = Slot(len(self.slots), name, m, m.weight, key, len(group.slots))
             self.slots.append(slot)
@@ -312,8 +396,13 @@ class Trainable:
             )
             g = carver.reserve(s.param.shape, dtype)
             plan.append((w, m, g))
+        ring = carver.reserve(
+            (ring_bytes({g.name: [s.param for s in g.slots] for g in self.groups.values()}),),
+            torch.uint8,
+        )
         region = self.storage.alloc(carver.size, "trainable weights and gradients")
         views = carver.views(region)
+        self._bounce = BounceRing(views[ring])
         for s, (w, m, g) in zip(self.slots, plan, strict=True):
             s.working, s.grad = views[w], views[g]
             with torch.no_grad():
@@ -339,8 +428,12 @@ class Trainable:
         if not backward and slot.group not in self._position:
             self._position[slot.group] = len(self._order)
             self._order.append(slot.group)
+        if group.copies is not None and backward is False:
+            self._refresh(group)
         if group.copies is None:
             self._fetch(group)
+        if backward:
+            self._start_updates(group)
         self._live.move_to_end(group.name)
         self._prefetch(group.name, backward)
         if group.ready is not None:
@@ -356,12 +449,30 @@ class Trainable:
             j = i + step * k
             if 0 <= j < len(self._order):
                 g = self.groups[self._order[j]]
+                if g.copies is not None and backward is False:
+                    self._refresh(g)
                 if g.copies is None:
                     self._fetch(g)
-        keep = 2 * self.lookahead + 2
-        while len(self._live) > keep:
-            _, old = self._live.popitem(last=False)
-            old.copies, old.ready = None, None
+                if backward:
+                    self._start_updates(g)
+        # The oldest copies go, but not those an early update still needs kept (``_Group``).
+        excess = len(self._live) - (2 * self.lookahead + 2)
+        if excess > 0:
+            for old in [g for g in self._live.values() if not g.early][:excess]:
+                self._drop(old)
+
+    def _drop(self, group: _Group):
+        self._live.pop(group.name, None)
+        group.copies, group.ready, group.versions = None, None, None
+        group.early.clear()
+
+    def _refresh(self, group: _Group):
+        """In a forward: drops the group's copies if a delayed update changed a weight since
+        they were made (after waiting for one still running)."""
+        if any(s.queued for s in group.slots):
+            self._idle(group.slots, "wait_update_s")
+        if any(s.version != v for s, v in zip(group.slots, group.versions, strict=True)):
+            self._drop(group)
 
     def _fetch(self, group: _Group):
         # An update of these weights may still be writing them.
@@ -384,58 +495,76 @@ class Trainable:
                 c.record_stream(compute)
                 s.read_done = ready
             group.ready = ready
+        group.versions = [s.version for s in group.slots]
         self._live[group.name] = group
+
+    def _start_updates(self, group: _Group):
+        """In backward, once the group's copies exist: they were the weights' last read in the
+        step, so their delayed updates can run as soon as the copy is done, before the
+        gradients they make room for arrive. The copies are kept until those gradients come."""
+        with self._cv:
+            early = [s for s in group.slots if s.pending is not None and not s.update_queued]
+            for s in early:
+                s.queued += 1
+                s.update_queued = True
+        for s in early:
+            group.early.add(s.pos)
+            self._queue.put((s, None, None, True))
 
     # --- backward: the gradients ------------------------------------------------------
 
     def grad_ready(self, slot: Slot, grad: torch.Tensor):
         """Takes the gradient backward produced for ``slot`` (on the device)."""
         self._raise()
+        self.groups[slot.group].early.discard(slot.pos)
         with self._cv:
             direct = slot.grads == 0 and slot.pending is None and slot.queued == 0
             slot.queued += 1
-        done = None
+        src = done = None
+        if not direct:
+            src, waited = self._bounce.take(grad.shape, grad.dtype)
+            self.times["wait_bounce_s"] += waited
+        dst = slot.grad if direct else src
         if self._d2h is None:
-            src = grad
+            dst.copy_(grad)
         else:
             self.storage.grant(grad.nbytes, to_device=False)
             produced = torch.cuda.Event()
             produced.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._d2h):
                 self._d2h.wait_event(produced)
-                if direct:
-                    slot.grad.copy_(grad, non_blocking=True)
-                    src = None
-                else:
-                    src = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=True)
-                    src.copy_(grad, non_blocking=True)
+                dst.copy_(grad, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self._d2h)
             grad.record_stream(self._d2h)
-        self._queue.put((slot, src, done))
+        self._queue.put((slot, src, done, False))
 
     def _work(self):
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            slot, src, done = item
+            slot, src, done, update_only = item
             try:
                 t0 = time.perf_counter()
                 if done is not None:
                     done.synchronize()
                 t1 = time.perf_counter()
+                if update_only:
+                    slot.update_queued = False
                 if slot.pending is not None:
                     update, slot.pending = slot.pending, None
                     self.before_write(slot)
                     update(slot)
+                    slot.version += 1
                 t2 = time.perf_counter()
                 if src is not None:
                     if slot.grads == 0:
                         slot.grad.copy_(src)
                     else:
                         slot.grad.add_(src)
-                slot.grads += 1
+                if not update_only:
+                    slot.grads += 1
                 t3 = time.perf_counter()
                 self.times["worker_copy_wait_s"] += t1 - t0
                 self.times["worker_update_s"] += t2 - t1
@@ -443,6 +572,8 @@ class Trainable:
             except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread
                 self._error = self._error or e
             finally:
+                if src is not None:
+                    self._bounce.give()
                 with self._cv:
                     slot.queued -= 1
                     self._cv.notify_all()
@@ -473,15 +604,20 @@ class Trainable:
 
     def invalidate(self):
         """Drops the device copies (the working weights changed)."""
-        for g in self._live.values():
-            g.copies, g.ready = None, None
-        self._live.clear()
+        for g in list(self._live.values()):
+            self._drop(g)
 
     # --- the end ----------------------------------------------------------------------
 
     @property
     def host_bytes(self) -> int:
+        """Bytes of host memory held: the trainable state (``host_bytes`` per tensor, each
+        aligned) and the bounce ring (``bounce_bytes``)."""
         return self.storage.nbytes
+
+    @property
+    def bounce_bytes(self) -> int:
+        return self._bounce.size if self._bounce is not None else 0
 
     def close(self, device: torch.device | str | None = None):
         """Puts the weights back as ordinary parameters on ``device`` (default: the device the
@@ -504,10 +640,7 @@ class Trainable:
         self.invalidate()
         if self._d2h is not None:
             torch.cuda.synchronize(self.device)
-            # The gradients' bounce buffers: torch keeps freed pinned blocks for reuse.
-            empty = getattr(torch._C, "_host_emptyCache", None)
-            if empty is not None:
-                empty()
+        self._bounce = None
         self.storage.close()
 
 
@@ -570,6 +703,30 @@ def _forward(trainable: Trainable, slot: Slot, x, *args, **kwargs):
     if not torch.is_grad_enabled():
         return F.linear(x, trainable.device_weight(slot), slot.module.bias)
     return _TrainableLinear.apply(trainable, slot, x, slot.param)
+
+
+def group_names(root: nn.Module, layers: list[tuple[str, nn.Linear]], group_by) -> list[str]:
+    """Each layer's group (``stream_trainable``'s ``group_by``)."""
+    if callable(group_by):
+        return [str(group_by(name)) for name, _ in layers]
+    if group_by == "block":
+        return [policy.block_of(root, name) for name, _ in layers]
+    return [name for name, _ in layers]
+
+
+def ring_bytes(groups: dict[str, list[torch.Tensor]]) -> int:
+    """The bounce ring's size for these groups' weights: ``BOUNCE_GROUPS`` times the largest
+    group's gradients (each aligned), in whole pages."""
+    largest = max(sum(-(-w.nbytes // ALIGN) * ALIGN for w in ws) for ws in groups.values())
+    return -(-BOUNCE_GROUPS * largest // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def layer_ring_bytes(root: nn.Module, layers: list[tuple[str, nn.Linear]], group_by) -> int:
+    """``ring_bytes`` of the layers grouped as ``stream_trainable`` groups them."""
+    groups: dict[str, list[torch.Tensor]] = {}
+    for (_, m), key in zip(layers, group_names(root, layers, group_by), strict=True):
+        groups.setdefault(key, []).append(m.weight)
+    return ring_bytes(groups)
 
 
 def trainable_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -636,7 +793,13 @@ def stream_trainable(
     if dev is None:
         raise TrainableError("pass device= (or a handle) to say where the layers compute")
     if handle is not None:
-        check_host_fits(handle.client, [m.weight for _, m in layers], optimizer, master=master)
+        check_host_fits(
+            handle.client,
+            [m.weight for _, m in layers],
+            optimizer,
+            master=master,
+            ring=layer_ring_bytes(module, layers, group_by),
+        )
     storage = HostStorage(dev, handle.session if handle is not None else None)
     try:
         return Trainable(
@@ -667,21 +830,23 @@ def check_host_fits(
     optimizer: str | None,
     upload=0,
     master: str = "fp32",
+    ring: int = 0,
 ):
     """Raises ``TrainableError`` naming the numbers when the trainable state (and the
-    optimizer's, if named; with or without the fp32 master, ``master``), with ``upload`` bytes
+    optimizer's, if named; with or without the fp32 master, ``master``; and the ``ring``
+    bytes of the gradients' bounce ring), with ``upload`` bytes
     of a model still to upload beside it, cannot fit the host memory the daemon allows this
     uid, even with every other uid's memory given back (what only might fit is the daemon's to
     refuse, with its own numbers, when the regions are made). Refusing with the fp32 master,
     the message says when the state would fit without it, and its size then."""
     check_master(master)
     params = list(params)
-    state = sum(host_bytes(p.numel(), p.dtype, optimizer, master) for p in params)
+    state = ring + sum(host_bytes(p.numel(), p.dtype, optimizer, master) for p in params)
     room = host_room(client)
     if room is None or upload + state <= room[0]:
         return
     free, limit = room
-    lean = sum(host_bytes(p.numel(), p.dtype, optimizer, "none") for p in params)
+    lean = ring + sum(host_bytes(p.numel(), p.dtype, optimizer, "none") for p in params)
     what = (f" with {optimizer}" if optimizer else "") + (
         " and the fp32 master" if lean != state else ""
     )
