@@ -850,3 +850,60 @@ def test_a_session_with_a_share_grants_the_trainers_own_copies(daemon):
         assert not session.paces_client_copies
         HostStorage(torch.device("cpu"), session).grant(4096, to_device=True)
         assert granted(session) == (0, 0)
+
+
+@pytest.fixture
+def paced_daemon(tmp_path):
+    from conftest import Daemon
+
+    d = Daemon(tmp_path, "--copy-bandwidth-limit", "10GB/s")
+    yield d
+    d.stop()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_paced_copies_are_asked_for_and_issued_on_the_granter_thread(paced_daemon, accumulate):
+    """Under a copy bandwidth limit each of the trainable's own copies is asked of the daemon
+    and issued by the granter thread while the trainer goes on: the same bits as without, and
+    the daemon counts each copy's bytes once, by direction."""
+    ref_model, model, tr, opt, ref = train_pair(
+        client=paced_daemon.client, ckpt=True, delay=True, blocks=7, accumulate=accumulate
+    )
+    assert tr._granter is not None, "the daemon paces the trainer's copies"
+    assert_same_lora(ref_model, model)
+    copied = {"to_device": 0, "back": 0}
+    fetch, grad_ready = tr._fetch, tr.grad_ready
+
+    def counting_fetch(group):
+        copied["to_device"] += group.nbytes
+        fetch(group)
+
+    def counting_grads(slot, grad):
+        copied["back"] += grad.nbytes
+        grad_ready(slot, grad)
+
+    tr._fetch, tr.grad_ready = counting_fetch, counting_grads
+
+    def granted():
+        [session] = paced_daemon.client.list_sessions()
+        return session.stats.granted_h2d_bytes, session.stats.granted_d2h_bytes
+
+    before = granted()
+    x = batches(1, seed=5)[0]
+    ref_loss, loss = loss_of(ref_model, x), loss_of(model, x)
+    assert torch.equal(ref_loss, loss)
+    ref_loss.backward()
+    loss.backward()
+    ref.after_first_backward()
+    ref.step()
+    opt.step()
+    assert copied["to_device"] > 0 and copied["back"] == 7 * 3072
+    tr._granter.close()  # every grant asked for is answered
+    tr._granter = None
+    after = granted()
+    assert (after[0] - before[0], after[1] - before[1]) == (copied["to_device"], copied["back"])
+    ref.apply(ref.pending)
+    opt.flush()
+    assert_same_lora(ref_model, model)
+    tr.close()
+    tr.handle.close(release=True)

@@ -123,12 +123,17 @@ class HostStorage:
         self._regions.append((region, buf, ptr))
         return buf
 
+    @property
+    def paces(self) -> bool:
+        """Whether the daemon paces this storage's copies (``grant`` asks it)."""
+        return self.session is not None and bool(self.session.paces_client_copies)
+
     def grant(self, nbytes: int, to_device: bool):
         """Waits until the daemon lets ``nbytes`` of trainable state cross the link (the
         session's ``grant``): the copies of the LoRA's working weights and gradients are paced
         with the daemon's copies of the base under a copy bandwidth limit or a share. Nothing
         to wait for without a session, or where the daemon does not pace them."""
-        if self.session is not None and self.session.paces_client_copies:
+        if self.paces:
             self.session.grant(nbytes, to_device)
 
     @property
@@ -315,6 +320,8 @@ class _Group:
     slots: list[Slot]
     copies: list[torch.Tensor] | None = None
     ready: object = None  # CUDA event after the copies
+    #: The copies the granter thread is still to issue (``copies`` is then ``_ISSUING``).
+    fetched: _Issued | None = None
     #: Each slot's ``version`` when the copies were made.
     versions: list[int] | None = None
     #: Positions of the slots whose delayed update backward set off at this group's copy and
@@ -325,6 +332,94 @@ class _Group:
     def nbytes(self) -> int:
         """Bytes of the group's working weights: what one copy to the device moves."""
         return sum(s.working.nbytes for s in self.slots)
+
+
+class _Issued:
+    """A copy the granter thread issues once the daemon grants it. ``take()`` returns, once
+    it is issued, what the copy made (the device copies, handed over once: the slots keep
+    this object to wait for the copy, not the copies; None for a copy to the host) and the
+    CUDA event after it (None on the CPU); ``synchronize()`` waits for the copy itself (for a
+    writer of the source, or a reader of the destination); ``discard()`` frees the device
+    copies of a group dropped before it used them."""
+
+    def __init__(self):
+        self._set = threading.Event()
+        self._lock = threading.Lock()
+        self._copies = None
+        self._discarded = False
+        self.event = None
+        self._error: BaseException | None = None
+
+    def settle(self, result=(None, None), error: BaseException | None = None):
+        with self._lock:
+            copies, self.event = result
+            self._copies = None if self._discarded else copies
+            self._error = error
+        self._set.set()
+
+    def _wait(self):
+        self._set.wait()
+        if self._error is not None:
+            raise RuntimeError("weightstream: a paced copy of trainable state failed") from (
+                self._error
+            )
+
+    def take(self):
+        self._wait()
+        with self._lock:
+            copies, self._copies = self._copies, None
+        return copies, self.event
+
+    def synchronize(self):
+        self._wait()
+        if self.event is not None:
+            self.event.synchronize()
+
+    def discard(self):
+        with self._lock:
+            self._discarded, self._copies = True, None
+
+
+#: ``_Group.copies`` while the granter thread has yet to issue them.
+_ISSUING: list = []
+
+
+class _Granter:
+    """One thread that, in order, asks the daemon for each of the trainer's own copies
+    (``HostStorage.grant``: the session's ``grant``, which waits for the copy's turn among
+    the daemon's copies under a limit or a share) and issues it once granted, so that the
+    trainer's thread (and autograd's) go on queueing work meanwhile: a copy asked for ahead
+    (a prefetch) is issued by the time it is used, instead of stopping the trainer until the
+    daemon's earlier copies are paced."""
+
+    def __init__(self, storage: HostStorage):
+        self._storage = storage
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="weightstream-grants", daemon=True)
+        self._thread.start()
+
+    def request(self, nbytes: int, to_device: bool, copy: Callable[[], tuple]) -> _Issued:
+        """``copy()`` once ``nbytes`` are granted (``to_device`` or back): its ``_Issued``."""
+        issued = _Issued()
+        self._queue.put((nbytes, to_device, copy, issued))
+        return issued
+
+    def _run(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            nbytes, to_device, copy, issued = item
+            try:
+                self._storage.grant(nbytes, to_device)
+                issued.settle(copy())
+            except BaseException as e:  # noqa: BLE001 - raised where the copy is waited for
+                issued.settle(error=e)
+
+    def close(self):
+        """Issues what was asked for, then ends the thread."""
+        self._queue.put(None)
+        self._thread.join()
 
 
 class Trainable:
@@ -368,6 +463,9 @@ class Trainable:
         self.times = dict.fromkeys(TIMES, 0.0)
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._work, name="weightstream-grads", daemon=True)
+        #: Where the daemon paces the trainer's copies: the thread that asks for each one and
+        #: issues it once granted (``_Granter``).
+        self._granter = _Granter(storage) if storage.paces else None
         self._closed = False
         #: What holds views of the host memory besides the slots (``HostAdamW``): ``close``
         #: calls their ``release()`` first.
@@ -436,6 +534,9 @@ class Trainable:
             self._start_updates(group)
         self._live.move_to_end(group.name)
         self._prefetch(group.name, backward)
+        if group.fetched is not None:
+            group.copies, group.ready = group.fetched.take()
+            group.fetched = None
         if group.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(group.ready)
         return group.copies[slot.pos]
@@ -463,7 +564,9 @@ class Trainable:
 
     def _drop(self, group: _Group):
         self._live.pop(group.name, None)
-        group.copies, group.ready, group.versions = None, None, None
+        if group.fetched is not None:
+            group.fetched.discard()
+        group.copies, group.ready, group.versions, group.fetched = None, None, None, None
         group.early.clear()
 
     def _refresh(self, group: _Group):
@@ -477,24 +580,33 @@ class Trainable:
     def _fetch(self, group: _Group):
         # An update of these weights may still be writing them.
         self._idle(group.slots, "wait_update_s")
-        if self._h2d is None:
-            group.copies = [s.working.clone() for s in group.slots]
-        else:
-            self.storage.grant(group.nbytes, to_device=True)
-            compute = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self._h2d):
-                group.copies = [
+        compute = torch.cuda.current_stream(self.device) if self._h2d is not None else None
+
+        def copy():
+            if self._h2d is None:
+                return [s.working.clone() for s in group.slots], None
+            with torch.cuda.device(self.device), torch.cuda.stream(self._h2d):
+                copies = [
                     torch.empty(s.working.shape, dtype=s.working.dtype, device=self.device)
                     for s in group.slots
                 ]
-                for c, s in zip(group.copies, group.slots, strict=True):
+                for c, s in zip(copies, group.slots, strict=True):
                     c.copy_(s.working, non_blocking=True)
                 ready = torch.cuda.Event()
                 ready.record(self._h2d)
-            for c, s in zip(group.copies, group.slots, strict=True):
+            for c in copies:
                 c.record_stream(compute)
-                s.read_done = ready
-            group.ready = ready
+            return copies, ready
+
+        if self._granter is None:
+            group.copies, group.ready = copy()
+            for s in group.slots:
+                s.read_done = group.ready
+        else:
+            # Asked of the daemon and issued on the granter thread: this thread goes on.
+            group.copies, group.fetched = _ISSUING, self._granter.request(group.nbytes, True, copy)
+            for s in group.slots:
+                s.read_done = group.fetched
         group.versions = [s.version for s in group.slots]
         self._live[group.name] = group
 
@@ -525,18 +637,27 @@ class Trainable:
             src, waited = self._bounce.take(grad.shape, grad.dtype)
             self.times["wait_bounce_s"] += waited
         dst = slot.grad if direct else src
-        if self._d2h is None:
-            dst.copy_(grad)
-        else:
-            self.storage.grant(grad.nbytes, to_device=False)
+        produced = None
+        if self._d2h is not None:
             produced = torch.cuda.Event()
             produced.record(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
+
+        def copy():
+            if self._d2h is None:
+                dst.copy_(grad)
+                return None, None
+            with torch.cuda.device(self.device), torch.cuda.stream(self._d2h):
                 self._d2h.wait_event(produced)
                 dst.copy_(grad, non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self._d2h)
-            grad.record_stream(self._d2h)
+            grad.record_stream(self._d2h)  # the request held it until here
+            return None, done
+
+        if self._granter is None:
+            _, done = copy()
+        else:
+            done = self._granter.request(grad.nbytes, False, copy)
         self._queue.put((slot, src, done, False))
 
     def _work(self):
@@ -625,6 +746,8 @@ class Trainable:
         if self._closed:
             return
         self._closed = True
+        if self._granter is not None:
+            self._granter.close()  # first: the worker may wait for a copy it issues
         self._queue.put(None)
         self._worker.join()
         self._hooks.remove_all()
