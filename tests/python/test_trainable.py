@@ -898,8 +898,9 @@ def test_paced_copies_are_asked_for_and_issued_on_the_granter_thread(paced_daemo
     ref.step()
     opt.step()
     assert copied["to_device"] > 0 and copied["back"] == 7 * 3072
-    tr._granter.close()  # every grant asked for is answered
-    tr._granter = None
+    for granter in (tr._granter, tr._granter_back):
+        granter.close()  # every grant asked for is answered
+    tr._granter = tr._granter_back = None
     after = granted()
     assert (after[0] - before[0], after[1] - before[1]) == (copied["to_device"], copied["back"])
     ref.apply(ref.pending)

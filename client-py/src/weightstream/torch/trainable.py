@@ -375,6 +375,10 @@ class _Issued:
         if self.event is not None:
             self.event.synchronize()
 
+    def query(self) -> bool:
+        """Whether the copy is issued and done, at once."""
+        return self._set.is_set() and (self.event is None or self.event.query())
+
     def discard(self):
         with self._lock:
             self._discarded, self._copies = True, None
@@ -385,23 +389,25 @@ _ISSUING: list = []
 
 
 class _Granter:
-    """One thread that, in order, asks the daemon for each of the trainer's own copies
+    """One thread that, in order, asks the daemon for each of the trainer's own copies in one
+    direction
     (``HostStorage.grant``: the session's ``grant``, which waits for the copy's turn among
     the daemon's copies under a limit or a share) and issues it once granted, so that the
     trainer's thread (and autograd's) go on queueing work meanwhile: a copy asked for ahead
     (a prefetch) is issued by the time it is used, instead of stopping the trainer until the
     daemon's earlier copies are paced."""
 
-    def __init__(self, storage: HostStorage):
-        self._storage = storage
+    def __init__(self, storage: HostStorage, to_device: bool):
+        self._storage, self._to_device = storage, to_device
         self._queue: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="weightstream-grants", daemon=True)
+        name = "weightstream-grants-" + ("h2d" if to_device else "d2h")
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def request(self, nbytes: int, to_device: bool, copy: Callable[[], tuple]) -> _Issued:
-        """``copy()`` once ``nbytes`` are granted (``to_device`` or back): its ``_Issued``."""
+    def request(self, nbytes: int, copy: Callable[[], tuple]) -> _Issued:
+        """``copy()`` once ``nbytes`` are granted: its ``_Issued``."""
         issued = _Issued()
-        self._queue.put((nbytes, to_device, copy, issued))
+        self._queue.put((nbytes, copy, issued))
         return issued
 
     def _run(self):
@@ -409,9 +415,9 @@ class _Granter:
             item = self._queue.get()
             if item is None:
                 return
-            nbytes, to_device, copy, issued = item
+            nbytes, copy, issued = item
             try:
-                self._storage.grant(nbytes, to_device)
+                self._storage.grant(nbytes, self._to_device)
                 issued.settle(copy())
             except BaseException as e:  # noqa: BLE001 - raised where the copy is waited for
                 issued.settle(error=e)
@@ -463,9 +469,11 @@ class Trainable:
         self.times = dict.fromkeys(TIMES, 0.0)
         self._error: BaseException | None = None
         self._worker = threading.Thread(target=self._work, name="weightstream-grads", daemon=True)
-        #: Where the daemon paces the trainer's copies: the thread that asks for each one and
-        #: issues it once granted (``_Granter``).
-        self._granter = _Granter(storage) if storage.paces else None
+        #: Where the daemon paces the trainer's copies: per direction, the thread that asks for
+        #: each one and issues it once granted (``_Granter``): the daemon paces the two
+        #: directions apart, so a gradient's copy never waits behind the weights' grants.
+        self._granter = _Granter(storage, True) if storage.paces else None
+        self._granter_back = _Granter(storage, False) if storage.paces else None
         self._closed = False
         #: What holds views of the host memory besides the slots (``HostAdamW``): ``close``
         #: calls their ``release()`` first.
@@ -604,7 +612,7 @@ class Trainable:
                 s.read_done = group.ready
         else:
             # Asked of the daemon and issued on the granter thread: this thread goes on.
-            group.copies, group.fetched = _ISSUING, self._granter.request(group.nbytes, True, copy)
+            group.copies, group.fetched = _ISSUING, self._granter.request(group.nbytes, copy)
             for s in group.slots:
                 s.read_done = group.fetched
         group.versions = [s.version for s in group.slots]
@@ -657,7 +665,7 @@ class Trainable:
         if self._granter is None:
             _, done = copy()
         else:
-            done = self._granter.request(grad.nbytes, False, copy)
+            done = self._granter_back.request(grad.nbytes, copy)
         self._queue.put((slot, src, done, False))
 
     def _work(self):
@@ -673,7 +681,9 @@ class Trainable:
                 t1 = time.perf_counter()
                 if update_only:
                     slot.update_queued = False
-                if slot.pending is not None:
+                # An early update whose copy is still to be read (a paced link) is left to the
+                # gradient's arrival: the worker does not stop for it.
+                if slot.pending is not None and (not update_only or self._read(slot)):
                     update, slot.pending = slot.pending, None
                     self.before_write(slot)
                     update(slot)
@@ -718,6 +728,12 @@ class Trainable:
             ) from self._error
 
     @staticmethod
+    def _read(slot: Slot) -> bool:
+        """Whether the device copies of ``slot``'s working weight have read it, at once."""
+        done = slot.read_done
+        return done is None or done.query()
+
+    @staticmethod
     def before_write(slot: Slot):
         """Waits until the device copies of ``slot``'s working weight have read it."""
         if slot.read_done is not None:
@@ -746,8 +762,9 @@ class Trainable:
         if self._closed:
             return
         self._closed = True
-        if self._granter is not None:
-            self._granter.close()  # first: the worker may wait for a copy it issues
+        for granter in (self._granter, self._granter_back):
+            if granter is not None:
+                granter.close()  # first: the worker may wait for a copy it issues
         self._queue.put(None)
         self._worker.join()
         self._hooks.remove_all()
