@@ -475,6 +475,18 @@ def test_delayed_update_with_accumulation_lands_after_the_first_backward(ckpt, b
     tr.close()
 
 
+def step_both(ref_model, model, ref, opt, x):
+    """One step of ``train_pair``'s two models on ``x`` (one micro-batch), asserting equal
+    losses."""
+    ref_loss, loss = loss_of(ref_model, x), loss_of(model, x)
+    assert torch.equal(ref_loss, loss)
+    ref_loss.backward()
+    loss.backward()
+    ref.after_first_backward()
+    ref.step()
+    opt.step()
+
+
 def test_delayed_updates_run_before_their_gradients_and_those_land_in_place():
     """Backward's first take of a group sets its delayed updates off: with the worker given
     time to finish them (here: each gradient waits for the worker to be idle), every gradient
@@ -496,13 +508,7 @@ def test_delayed_updates_run_before_their_gradients_and_those_land_in_place():
 
     tr._bounce.take, tr.grad_ready = counting, after_the_worker
     for x in batches(2, seed=9):
-        ref_loss, loss = loss_of(ref_model, x), loss_of(model, x)
-        assert torch.equal(ref_loss, loss)
-        ref_loss.backward()
-        loss.backward()
-        ref.after_first_backward()
-        ref.step()
-        opt.step()
+        step_both(ref_model, model, ref, opt, x)
         assert bounced == []
     assert tr._bounce.in_use == 0
     ref.apply(ref.pending)
@@ -889,14 +895,7 @@ def test_paced_copies_are_asked_for_and_issued_on_the_granter_thread(paced_daemo
         return session.stats.granted_h2d_bytes, session.stats.granted_d2h_bytes
 
     before = granted()
-    x = batches(1, seed=5)[0]
-    ref_loss, loss = loss_of(ref_model, x), loss_of(model, x)
-    assert torch.equal(ref_loss, loss)
-    ref_loss.backward()
-    loss.backward()
-    ref.after_first_backward()
-    ref.step()
-    opt.step()
+    step_both(ref_model, model, ref, opt, batches(1, seed=5)[0])
     assert copied["to_device"] > 0 and copied["back"] == 7 * 3072
     for granter in (tr._granter, tr._granter_back):
         granter.close()  # every grant asked for is answered
