@@ -50,6 +50,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 import mmap
 import queue
 import threading
@@ -205,10 +206,7 @@ class BounceRing:
     def take(self, shape, dtype: torch.dtype) -> tuple[torch.Tensor, float]:
         """A piece for a tensor of ``shape`` and ``dtype``, and the seconds spent waiting for
         room."""
-        numel = 1
-        for d in shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         n = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         if n > self.size:
             raise TrainableError(
@@ -390,9 +388,8 @@ _ISSUING: list = []
 
 class _Granter:
     """One thread that, in order, asks the daemon for each of the trainer's own copies in one
-    direction
-    (``HostStorage.grant``: the session's ``grant``, which waits for the copy's turn among
-    the daemon's copies under a limit or a share) and issues it once granted, so that the
+    direction (``HostStorage.grant``: the session's ``grant``, which waits for the copy's turn
+    among the daemon's copies under a limit or a share) and issues it once granted, so that the
     trainer's thread (and autograd's) go on queueing work meanwhile: a copy asked for ahead
     (a prefetch) is issued by the time it is used, instead of stopping the trainer until the
     daemon's earlier copies are paced."""
@@ -503,8 +500,7 @@ class Trainable:
             g = carver.reserve(s.param.shape, dtype)
             plan.append((w, m, g))
         ring = carver.reserve(
-            (ring_bytes({g.name: [s.param for s in g.slots] for g in self.groups.values()}),),
-            torch.uint8,
+            (ring_bytes([s.param for s in g.slots] for g in self.groups.values()),), torch.uint8
         )
         region = self.storage.alloc(carver.size, "trainable weights and gradients")
         views = carver.views(region)
@@ -854,10 +850,10 @@ def group_names(root: nn.Module, layers: list[tuple[str, nn.Linear]], group_by) 
     return [name for name, _ in layers]
 
 
-def ring_bytes(groups: dict[str, list[torch.Tensor]]) -> int:
-    """The bounce ring's size for these groups' weights: ``BOUNCE_GROUPS`` times the largest
+def ring_bytes(groups: Iterable[list[torch.Tensor]]) -> int:
+    """The bounce ring's size for groups of these weights: ``BOUNCE_GROUPS`` times the largest
     group's gradients (each aligned), in whole pages."""
-    largest = max(sum(-(-w.nbytes // ALIGN) * ALIGN for w in ws) for ws in groups.values())
+    largest = max(sum(-(-w.nbytes // ALIGN) * ALIGN for w in ws) for ws in groups)
     return -(-BOUNCE_GROUPS * largest // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
@@ -866,7 +862,7 @@ def layer_ring_bytes(root: nn.Module, layers: list[tuple[str, nn.Linear]], group
     groups: dict[str, list[torch.Tensor]] = {}
     for (_, m), key in zip(layers, group_names(root, layers, group_by), strict=True):
         groups.setdefault(key, []).append(m.weight)
-    return ring_bytes(groups)
+    return ring_bytes(groups.values())
 
 
 def trainable_layers(module: nn.Module) -> list[tuple[str, nn.Linear]]:
