@@ -17,6 +17,13 @@ resident. Both 8-bit modes record the per-tensor SQNR of the quantized weights (
 and worst, dB); the weightstream mode also the device time of its dequantizations over one step
 (`dequant_ms_per_step`, CUDA events around each) and the largest dequantization's memory.
 
+Small ratios: `--interleave resident-fp8 weightstream --budgets 7 --min-blocks 0` runs both
+modes at once with their timed steps alternating one by one, and reports each streamed step over
+the resident step just before it (`interleaved`: per pair, median, min, max), so that the
+machine's drift between and within calls (steps of one mode spread ±20 % on the H200) cancels.
+Each step also records when the CPU had issued the forward (`forward_issued_s_per_step`): near
+`forward_s_per_step`, the forward waits on the CPU, not the GPU.
+
 ai-toolkit's own layer offloading: `--modes ... aitk` runs its `MemoryManager` (its
 toolkit/memory_management at AITK_COMMIT, laid out in .aitk/ by tests/bench/ai_toolkit_prepare.sh,
 or `--aitk DIR`) at 100 % offload in bf16; `aitk-float8` the same over torchao float8 weights
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -197,8 +205,9 @@ def batch(device="cuda"):
     }
 
 
-def steps(model, n, lora_state=None):
-    """n AdamW steps on the LoRA parameters; returns per-step seconds and losses."""
+def steps(model, n, lora_state=None, lockstep: bool = False):
+    """n AdamW steps on the LoRA parameters; returns per-step seconds and losses. With
+    ``lockstep`` and a ``Lockstep`` set up (``--interleave``), each step waits for its turn."""
     import torch
 
     if lora_state is not None:
@@ -208,12 +217,19 @@ def steps(model, n, lora_state=None):
     inputs = batch()
     times, losses = [], []
     forward_s.clear()
+    forward_issued_s.clear()
+    gate = LOCKSTEP if lockstep else None
     phase("training", training_label)
     for _ in range(n):
+        if gate is not None:
+            gate.wait_turn()
         torch.cuda.synchronize()
         t = time.monotonic()
         out = model(**inputs, return_dict=False)[0]
         loss = out.float().pow(2).mean()
+        # When the CPU had queued the forward: near the synchronised time below, the forward
+        # is bound by the CPU's issuing (hooks, launches), not by the GPU.
+        forward_issued_s.append(time.monotonic() - t)
         torch.cuda.synchronize()  # the forward's share of the step (where streaming can stall)
         forward_s.append(time.monotonic() - t)
         loss.backward()
@@ -222,7 +238,29 @@ def steps(model, n, lora_state=None):
         torch.cuda.synchronize()
         times.append(time.monotonic() - t)
         losses.append(loss.item())
+        if gate is not None:
+            gate.done()
     return times, losses
+
+
+class Lockstep:
+    """A child's side of ``--interleave``: before each timed step it reads its turn (one byte)
+    from the parent, after it writes one back, so the two modes' steps alternate one by one
+    and the machine's drift reaches both alike."""
+
+    def __init__(self, spec: str):
+        self.go, self.back = (int(fd) for fd in spec.split(","))
+
+    def wait_turn(self):
+        if os.read(self.go, 1) != b"g":
+            raise SystemExit("interleave: the parent is gone")
+
+    def done(self):
+        os.write(self.back, b"d")
+
+
+#: The child's ``Lockstep`` under ``--interleave``, else None.
+LOCKSTEP: Lockstep | None = None
 
 
 def optimizer(params):
@@ -243,6 +281,8 @@ def optimizer(params):
 
 #: Seconds of each step of the last ``steps`` call spent in the forward pass (and the loss).
 forward_s: list[float] = []
+#: Seconds of each step of the last ``steps`` call until the CPU had issued the forward.
+forward_issued_s: list[float] = []
 #: What ``steps`` calls its training phase for tests/bench/card.py (the mode, and the budget
 #: where a mode has several).
 training_label = ""
@@ -263,11 +303,14 @@ def timing(model, args, record):
 
     torch.cuda.reset_peak_memory_stats()
     torch.cuda.reset_accumulated_memory_stats()
-    t, _ = steps(model, args.warmup + args.measured)
+    t, _ = steps(model, args.warmup + args.measured, lockstep=True)
     measured = t[args.warmup :]
     record["s_per_step"] = round(statistics.median(measured), 4)
     record["steps_s"] = [round(x, 4) for x in measured]
     record["forward_s_per_step"] = round(statistics.median(forward_s[args.warmup :]), 4)
+    record["forward_issued_s_per_step"] = round(
+        statistics.median(forward_issued_s[args.warmup :]), 4
+    )
     record["trainer_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
     record["trainer_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
     # Allocations that hit the memory-fraction cap: each frees the cache and synchronises.
@@ -790,9 +833,11 @@ MODES = {
 
 
 def child(args):
-    global training_label
+    global training_label, LOCKSTEP
     import torch
 
+    if args.lockstep:
+        LOCKSTEP = Lockstep(args.lockstep)
     label = args.mode if args.mode != "job" else f"job {args.job}"
     phase("loading", label)
     training_label = label
@@ -889,6 +934,67 @@ def two_jobs(args, socket, env, out, resident: bool = False) -> dict:
     return record
 
 
+def timed_record(record: dict) -> dict:
+    """Where a mode's record keeps its timing: its only budget's record, or itself."""
+    budgets = record.get("budgets") or {}
+    return next(iter(budgets.values())) if len(budgets) == 1 else record
+
+
+def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
+    """``--interleave A B``: both modes' children at once, their timed steps alternating one by
+    one (A's step i, then B's step i: ``Lockstep``), so that a drift of the machine's speed
+    reaches both. Returns the two records and the summary: B's step over A's step before it,
+    per pair, and their median."""
+    n = args.warmup + args.measured
+    children = []
+    for mode in args.interleave:
+        go_r, go_w = os.pipe()
+        back_r, back_w = os.pipe()
+        log = open(out / f"flux-{mode}.log", "w")
+        cmd = child_cmd(args, mode, socket) + ["--lockstep", f"{go_r},{back_w}"]
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, pass_fds=(go_r, back_w))
+        os.close(go_r)
+        os.close(back_w)
+        children.append((mode, p, go_w, back_r, log))
+    deadline = time.monotonic() + args.timeout
+    stopped = None
+    for i in range(n):
+        for mode, _, go_w, back_r, _ in children:
+            os.write(go_w, b"g")
+            ready, _, _ = select.select([back_r], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready or os.read(back_r, 1) != b"d":
+                stopped = f"{mode} did not finish its step {i}"
+                break
+        if stopped:
+            break
+    records = []
+    for mode, p, go_w, back_r, log in children:
+        os.close(go_w)  # a child still waiting for its turn stops
+        try:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        os.close(back_r)
+        log.close()
+        text = (out / f"flux-{mode}.log").read_text()
+        record = result_of(mode, text, f"no result: see flux-{mode}.log")
+        record["interleaved"] = True
+        records.append(record)
+    summary = {"modes": list(args.interleave)}
+    if stopped:
+        summary["error"] = stopped
+    a, b = (timed_record(r).get("steps_s") for r in records)
+    if a and b and len(a) == len(b):
+        ratios = sorted(y / x for x, y in zip(a, b, strict=True))
+        summary["ratio_per_pair"] = [round(y / x, 4) for x, y in zip(a, b, strict=True)]
+        summary["ratio_median"] = round(statistics.median(ratios), 4)
+        summary["ratio_min"] = round(ratios[0], 4)
+        summary["ratio_max"] = round(ratios[-1], 4)
+        summary["ratio_of_medians"] = round(statistics.median(b) / statistics.median(a), 4)
+    return records, summary
+
+
 def parent(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -917,7 +1023,14 @@ def parent(args):
     if os.environ.get("WS_CARD_GIB"):
         results["card_gib"] = float(os.environ["WS_CARD_GIB"])
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    for mode in args.modes:
+    if args.interleave:
+        started = time.monotonic()
+        records, summary = interleaved(args, socket, env, out)
+        summary["wall_s"] = round(time.monotonic() - started, 1)
+        results["modes"] += records
+        results["interleaved"] = summary
+        print(json.dumps(summary), flush=True)
+    for mode in [] if args.interleave else args.modes:
         started = time.monotonic()
         if mode in ("two-jobs", "two-resident"):
             record = two_jobs(args, socket, env, out, resident=mode == "two-resident")
@@ -1016,6 +1129,14 @@ def main(model: str = "flux1"):
         help="the aitk modes: ai-toolkit's code laid out by tests/bench/ai_toolkit_prepare.sh "
         "(default: .aitk in the repo root)",
     )
+    parser.add_argument(
+        "--interleave",
+        nargs=2,
+        metavar=("A", "B"),
+        help="run modes A and B at once, their timed steps alternating one by one (instead of "
+        "--modes; one --budgets value, --min-blocks 0): B's step over A's, pair by pair",
+    )
+    parser.add_argument("--lockstep", help=argparse.SUPPRESS)
     parser.add_argument("--det-budget", type=int, default=16)
     parser.add_argument("--det-steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
@@ -1026,6 +1147,8 @@ def main(model: str = "flux1"):
     if args.modes is None:
         skip = {"job", "aitk", "aitk-float8"} | (set() if args.quantize else {"resident-fp8"})
         args.modes = [m for m in MODES if m not in skip]
+    if args.interleave and (len(args.budgets) != 1 or args.min_blocks != 0):
+        parser.error("--interleave times one budget: give one --budgets value and --min-blocks 0")
     if args.child:
         args.mode = args.child
         return child(args)

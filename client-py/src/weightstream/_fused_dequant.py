@@ -1,7 +1,7 @@
-"""The fused dequantization of ``fp8_e4m3_block64`` on a CUDA device: one Triton kernel that
-reads each fp8 element and its block's fp32 scale, multiplies in fp32 and rounds once to the
-compute dtype (round to nearest even), 3 bytes of device memory traffic per element instead of
-~15 for the three torch kernels it replaces (fp8 -> fp32 copy, the in-place product, the cast).
+"""The fused dequantization of 8-bit weights on a CUDA device: one Triton kernel that reads each
+fp8 element and its block's fp32 scale, multiplies in fp32 and rounds once to the compute dtype
+(round to nearest even), 3 bytes of device memory traffic per element instead of ~15 for the
+three torch kernels it replaces (fp8 -> fp32 copy, the in-place product, the cast).
 
 Bit for bit the same result as ``quantize.dequantize``'s torch path: the fp8 -> fp32 conversion
 is exact, the product is one fp32 multiplication (no addition, so nothing for the compiler to
@@ -9,8 +9,10 @@ contract into a fused multiply-add), and Triton's fp32 -> bf16/fp16 cast rounds 
 like torch's ``.to``. ``tests/gpu/torch_suite.py`` checks it against the torch path on random
 and edge tensors; ``WEIGHTSTREAM_FUSED_DEQUANT=0`` turns it off (the torch path then runs).
 
-Triton is optional: where it cannot be imported (CPU-only installs, the CI machine), or the
-tensors are not on a CUDA device, ``quantize.dequantize`` keeps its torch path.
+Triton is optional: where it cannot be imported (CPU-only installs), or the tensors are not on a
+CUDA device, ``quantize.dequantize`` keeps its torch path. The kernels' indexing is tested on
+the CPU too, by Triton's interpreter (``tests/python/test_fused_dequant.py``: float16 and
+float32 only, as the interpreter does not round to bfloat16 as the GPU does).
 """
 
 from __future__ import annotations
@@ -20,15 +22,22 @@ import os
 
 import torch
 
-#: Elements per Triton program (a multiple of the 64-element block, so most programs read few
-#: scales).
-_PROGRAM = 4096
+#: Elements per program: whole scale blocks in the block kernel (64 blocks of 64), a row's
+#: chunk in the row kernel (a longer row takes several programs).
+_CHUNK = 4096
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @functools.cache
 def _kernel():
-    """The compiled-on-first-use kernel, or None where Triton is missing or turned off."""
+    """The two compiled-on-first-use kernels, or None where Triton is missing or turned off.
+
+    - ``blocks``: the scale's block is a power of two up to ``_CHUNK`` (``fp8_e4m3_block64``'s
+      64): a program takes ``BLOCKS`` whole blocks, loads their scales once and broadcasts each
+      over its block's elements, so no element's index is divided by a runtime divisor.
+    - ``rows``: any other block (a whole row: torchao's per-row scales, or a row that is not a
+      multiple of 64): a 2-D grid of (row, chunk of the row), one scale per program.
+    """
     if os.environ.get("WEIGHTSTREAM_FUSED_DEQUANT", "1") == "0":
         return None
     try:
@@ -38,14 +47,26 @@ def _kernel():
         return None
 
     @triton.jit
-    def dequant(q_ptr, s_ptr, out_ptr, n, block, PROGRAM: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * PROGRAM + tl.arange(0, PROGRAM)
-        mask = offs < n
-        q = tl.load(q_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(s_ptr + offs // block, mask=mask, other=1.0)
-        tl.store(out_ptr + offs, (q * s).to(out_ptr.dtype.element_ty), mask=mask)
+    def blocks(q_ptr, s_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        live = b < n_blocks
+        s = tl.load(s_ptr + b, mask=live, other=1.0)
+        offs = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        q = tl.load(q_ptr + offs, mask=live[:, None], other=0.0).to(tl.float32)
+        w = (q * s[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs, w, mask=live[:, None])
 
-    return (triton, dequant)
+    @triton.jit
+    def rows(q_ptr, s_ptr, out_ptr, row, CHUNK: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+        live = c < row
+        s = tl.load(s_ptr + r)
+        offs = r * row + c
+        q = tl.load(q_ptr + offs, mask=live, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, (q * s).to(out_ptr.dtype.element_ty), mask=live)
+
+    return (triton, blocks, rows)
 
 
 def applies(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -67,10 +88,21 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     """``(q.float() * scale).to(dtype)`` in one kernel; call only where ``applies`` is true.
     The scale of element i (row-major) is ``scale.flatten()[i // block]``, block = elements per
     scale (64, or a whole row when the row is not a multiple of 64)."""
-    triton, kernel = _kernel()
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    n = q.numel()
-    block = n // scale.numel()
     with torch.cuda.device(q.device):
-        kernel[(triton.cdiv(n, _PROGRAM),)](q, scale, out, n, block, PROGRAM=_PROGRAM)
+        launch(q, scale, out)
     return out
+
+
+def launch(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor):
+    """Writes ``(q.float() * scale).to(out.dtype)`` into ``out`` (contiguous, q's shape) with
+    the kernel for the scale's block size, on the current device and stream."""
+    triton, blocks, rows = _kernel()
+    n_scales = scale.numel()
+    block = q.numel() // n_scales
+    if block & (block - 1) == 0 and block <= _CHUNK:
+        per_program = _CHUNK // block
+        grid = (triton.cdiv(n_scales, per_program),)
+        blocks[grid](q, scale, out, n_scales, BLOCK=block, BLOCKS=per_program)
+    else:
+        rows[(n_scales, triton.cdiv(block, _CHUNK))](q, scale, out, block, CHUNK=_CHUNK)

@@ -1,0 +1,106 @@
+"""The fused dequantization's kernels (``weightstream._fused_dequant``) run by Triton's
+interpreter on the CPU, against the documented formula ``(q.float() * scale).to(dtype)``: both
+kernels (a power-of-two block, and whole rows of any length, longer than a program's chunk too),
+partial last programs, and the committed edge vectors. float16 and float32 only: the
+interpreter rounds to bfloat16 unlike the GPU (its bf16 results are checked on the GPU machine,
+``tests/gpu/torch_suite.py``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CHILD = r"""
+import sys
+import torch
+from safetensors.torch import load_file
+from weightstream import _fused_dequant, quantize
+
+kernels = []
+real = _fused_dequant._kernel
+
+
+def which():
+    triton, blocks, rows = real()
+
+    class Seen:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            kernels.append(self.name)
+            return self.kernel[grid]
+
+    return triton, Seen("blocks", blocks), Seen("rows", rows)
+
+
+_fused_dequant._kernel = which
+g = torch.Generator().manual_seed(3)
+cases = []
+for shape in [(70, 128), (5, 100), (7, 64, 3, 3), (3, 5000), (2, 8192)]:
+    w = torch.randn(shape, generator=g).mul_(0.02).to(torch.bfloat16)
+    cases.append((str(shape), *quantize.quantize_fp8_block64(w)))
+# torchao's per-row scales: one per row of 4096 (a power of two: the block kernel, one block a
+# program) and of 3072 (the row kernel).
+for cols in (4096, 3072):
+    q = (torch.randn(3, cols, generator=g) * 50).to(torch.float8_e4m3fn)
+    cases.append((f"rowwise {cols}", q, torch.rand(3, 1, generator=g) + 0.5))
+vectors = load_file(sys.argv[1])
+for k in sorted(vectors):
+    if k.endswith(".w"):
+        q = vectors[f"{k[:-2]}.q"].view(torch.float8_e4m3fn)
+        cases.append((k, q, vectors[f"{k[:-2]}.scale"]))
+for name, q, scale in cases:
+    rows, nb = scale.shape
+    for dtype, bits in ((torch.float16, torch.int16), (torch.float32, torch.int32)):
+        want = (q.float().view(rows, nb, -1) * scale.view(rows, nb, 1)).view(q.shape).to(dtype)
+        out = torch.empty(q.shape, dtype=dtype)
+        kernels.clear()
+        _fused_dequant.launch(q.contiguous(), scale.contiguous(), out)
+        same = torch.equal(out.view(bits), want.view(bits))
+        print(name, str(dtype), kernels, "equal" if same else "DIFFER")
+"""
+
+
+def test_the_kernels_compute_the_formula_under_the_interpreter():
+    vectors = ROOT / "daemon" / "tests" / "data" / "fp8_vectors.safetensors"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(vectors)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = out.stdout.splitlines()
+    by_case = {}
+    for line in lines:
+        name, rest = line.split(" torch.", 1)
+        by_case.setdefault(name, []).append(rest)
+    want_kernel = {
+        "(70, 128)": "blocks",
+        "(5, 100)": "rows",  # a row of 100 is not a multiple of 64: one scale per row
+        "(7, 64, 3, 3)": "blocks",
+        "(3, 5000)": "rows",  # 5000 is no multiple of 64; longer than a program's chunk
+        "(2, 8192)": "blocks",
+        "rowwise 4096": "blocks",
+        "rowwise 3072": "rows",
+    }
+    for name, kernel in want_kernel.items():
+        assert by_case[name] == [
+            f"float16 ['{kernel}'] equal",
+            f"float32 ['{kernel}'] equal",
+        ], name
+    vector_cases = [n for n in by_case if n not in want_kernel]
+    assert vector_cases, "no edge vectors were read"
+    differ = [line for line in lines if not line.endswith(" equal")]
+    assert not differ, differ
