@@ -480,6 +480,7 @@ def mode_weightstream(args, record):
         "cuda",
         client=client,
         vram_budget=daemon_part(args, first),
+        staging_bytes=int(args.staging_gib * GiB),
         group_by=args.group_by,
         quantize=args.quantize,
     )
@@ -502,7 +503,7 @@ def mode_weightstream(args, record):
                 part = daemon_part(args, budget)
                 handle.set_budget(part, staging_bytes=part)
             elif budget != first:
-                handle.set_budget(daemon_part(args, budget))
+                handle.set_budget(daemon_part(args, budget), int(args.staging_gib * GiB))
             torch.cuda.set_per_process_memory_fraction(args.trainer_gib * GiB / total)
             torch.cuda.empty_cache()
             measure_budget(args, handle, client, model, r)
@@ -871,6 +872,7 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd += ["--det-steps", str(args.det_steps)]
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
+    cmd += ["--staging-gib", str(args.staging_gib)]
     cmd += ["--jobs-budget", str(args.jobs_budget), "--min-blocks", str(args.min_blocks)]
     cmd += ["--model", args.model, "--rank", str(args.rank), "--optimizer", args.optimizer]
     if args.aitk:
@@ -1112,6 +1114,12 @@ def main(model: str = "flux1"):
         help="the trainer's share of each budget (its allocator's cap); the daemon gets the rest",
     )
     parser.add_argument("--group-by", default="block", help="attach's group_by")
+    parser.add_argument(
+        "--staging-gib",
+        type=float,
+        default=0.0,
+        help="the daemon's staging space within each budget (default 0: the daemon's choice)",
+    )
     parser.add_argument(
         "--min-blocks",
         type=float,
