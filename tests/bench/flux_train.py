@@ -218,6 +218,7 @@ def steps(model, n, lora_state=None, lockstep: bool = False):
     times, losses = [], []
     forward_s.clear()
     forward_issued_s.clear()
+    backward_issued_s.clear()
     gate = LOCKSTEP if lockstep else None
     phase("training", training_label)
     for _ in range(n):
@@ -233,6 +234,7 @@ def steps(model, n, lora_state=None, lockstep: bool = False):
         torch.cuda.synchronize()  # the forward's share of the step (where streaming can stall)
         forward_s.append(time.monotonic() - t)
         loss.backward()
+        backward_issued_s.append(time.monotonic() - t)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -281,8 +283,10 @@ def optimizer(params):
 
 #: Seconds of each step of the last ``steps`` call spent in the forward pass (and the loss).
 forward_s: list[float] = []
-#: Seconds of each step of the last ``steps`` call until the CPU had issued the forward.
+#: Seconds of each step of the last ``steps`` call until the CPU had issued the forward, and
+#: the backward (from the step's start).
 forward_issued_s: list[float] = []
+backward_issued_s: list[float] = []
 #: What ``steps`` calls its training phase for tests/bench/card.py (the mode, and the budget
 #: where a mode has several).
 training_label = ""
@@ -310,6 +314,9 @@ def timing(model, args, record):
     record["forward_s_per_step"] = round(statistics.median(forward_s[args.warmup :]), 4)
     record["forward_issued_s_per_step"] = round(
         statistics.median(forward_issued_s[args.warmup :]), 4
+    )
+    record["backward_issued_s_per_step"] = round(
+        statistics.median(backward_issued_s[args.warmup :]), 4
     )
     record["trainer_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
     record["trainer_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 2)

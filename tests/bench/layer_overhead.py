@@ -1,0 +1,148 @@
+"""Benchmark (GPU machine): what one streamed layer call costs the trainer's CPU. A stack of
+Linear(3072, 3072) layers in bf16 on 16 tokens (the GPU's share of each call is a few
+microseconds, so the forward is bound by the CPU's issuing) is run forward with an input that
+requires grad, as under LoRA training: microseconds per layer for the layers in place, streamed
+with every group resident (no copies: what is left is the client's own work), and streamed in 8
+bits (dequantized per call: the fused kernel, and torch's three kernels); then a cProfile of the
+8-bit case, its functions by own time.
+
+    python3 tests/bench/layer_overhead.py --bin target/release/weightstream --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BLOCKS, PER_BLOCK, WIDTH, TOKENS = 16, 8, 3072, 16
+
+
+def make_model():
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(PER_BLOCK))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    return Stack().to(torch.bfloat16).requires_grad_(False)
+
+
+def sync(device: str):
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def us_per_layer(model, x, reps: int) -> float:
+    for _ in range(3):
+        model(x)
+    sync(x.device.type)
+    t = time.perf_counter()
+    for _ in range(reps):
+        model(x)
+    sync(x.device.type)
+    return (time.perf_counter() - t) / reps / (BLOCKS * PER_BLOCK) * 1e6
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bin", default="target/release/weightstream")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-layer"))
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: a dry run on the host backend (no GPU)"
+    )
+    args = parser.parse_args()
+    import torch
+    import weightstream
+    import weightstream.torch as wst
+    from weightstream import _fused_dequant
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sock = str(Path(tempfile.mkdtemp(prefix="ws-layer-")) / "ws.sock")
+    daemon = subprocess.Popen(
+        [args.bin, "serve", "--backend", "host" if args.device == "cpu" else "cuda"]
+        + ["--socket", sock],
+        stderr=open(out / "layer-daemon.log", "ab"),
+    )
+    while not os.path.exists(sock):
+        time.sleep(0.05)
+    client = weightstream.connect(sock)
+    x = torch.randn(TOKENS, WIDTH, device=args.device, dtype=torch.bfloat16, requires_grad=True)
+    rows = {}
+    model = make_model().to(args.device)
+    rows["in place, bf16"] = us_per_layer(model, x, args.reps)
+    del model
+    everything = 4 << 30
+    for label, quantize in [("streamed, resident groups, bf16", None), ("8-bit", "fp8")]:
+        model = make_model()
+        handle = wst.attach(
+            model, args.device, client=client, vram_budget=everything, quantize=quantize
+        )
+        if quantize is None:
+            rows[label] = us_per_layer(model, x, args.reps)
+        else:
+            rows["streamed, resident groups, 8-bit, fused dequantization"] = us_per_layer(
+                model, x, args.reps
+            )
+            profile = cProfile.Profile()
+            profile.enable()
+            us_per_layer(model, x, args.reps)
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+            (out / "layer_overhead_profile.txt").write_text(text.getvalue())
+            os.environ["WEIGHTSTREAM_FUSED_DEQUANT"] = "0"
+            _fused_dequant._kernel.cache_clear()
+            rows["streamed, resident groups, 8-bit, torch dequantization"] = us_per_layer(
+                model, x, args.reps
+            )
+            del os.environ["WEIGHTSTREAM_FUSED_DEQUANT"]
+            _fused_dequant._kernel.cache_clear()
+        handle.detach(release=True)
+    daemon.terminate()
+    daemon.wait(timeout=60)
+    result = {
+        "command": "python3 " + " ".join(sys.argv),
+        "commit": os.environ.get("WS_COMMIT", ""),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
+        "layers": BLOCKS * PER_BLOCK,
+        "us_per_layer": {k: round(v, 1) for k, v in rows.items()},
+    }
+    (out / "layer_overhead.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
