@@ -4,7 +4,7 @@ finished; then one step under torch.profiler (CPU and CUDA), written as a Chrome
 tests/bench/flux_gaps.py to find the GPU's idle gaps and what each waited for.
 
     python3 tests/bench/flux_profile.py --bin target/release/weightstream --out $OUT \\
-        [--budget 24] [--trainer-gib 4]
+        [--budget 24] [--trainer-gib 4] [--quantize fp8]
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ def main():
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--only", choices=["resident", "weightstream"])
+    parser.add_argument(
+        "--quantize",
+        choices=["fp8"],
+        help="8 bits: the resident model holds each streamed weight's w_hat (flux_train's "
+        "resident-fp8), weightstream streams fp8_e4m3_block64",
+    )
     args = parser.parse_args()
     import torch
     import weightstream
@@ -82,9 +88,18 @@ def main():
     torch.backends.cuda.enable_cudnn_sdp(False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"command": "python3 " + " ".join(sys.argv), "budget_gib": args.budget}
+    results = {
+        "command": "python3 " + " ".join(sys.argv),
+        "commit": os.environ.get("WS_COMMIT", ""),
+        "budget_gib": args.budget,
+        "quantize": args.quantize,
+    }
     if args.only != "weightstream":
         model = ft.add_lora(ft.build())
+        if args.quantize:
+            from weightstream import quantize
+
+            quantize.to_fp8_resident(model, ft.streamable(model))
         results["resident"] = profile(model, out, "resident", args.warmup, args.steps)
         print("resident", results["resident"], flush=True)
         del model
@@ -100,7 +115,9 @@ def main():
         model = ft.add_lora(ft.build_on_host())
         client = weightstream.connect(sock)
         budget = int((args.budget - args.trainer_gib) * GiB)
-        handle = wst.attach(model, "cuda", client=client, vram_budget=budget)
+        handle = wst.attach(
+            model, "cuda", client=client, vram_budget=budget, quantize=args.quantize
+        )
         results["weightstream"] = profile(model, out, "weightstream", args.warmup, args.steps)
         results["weightstream"]["stats"] = handle.stats()
         print("weightstream", results["weightstream"], flush=True)

@@ -46,7 +46,7 @@ def _kernel():
     except ImportError:
         return None
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n_blocks"])
     def blocks(q_ptr, s_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
         b = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
         live = b < n_blocks
@@ -89,20 +89,46 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     The scale of element i (row-major) is ``scale.flatten()[i // block]``, block = elements per
     scale (64, or a whole row when the row is not a multiple of 64)."""
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
-    with torch.cuda.device(q.device):
+    if torch.cuda.current_device() == q.device.index:
         launch(q, scale, out)
+    else:
+        with torch.cuda.device(q.device):
+            launch(q, scale, out)
     return out
+
+
+#: The block kernel as Triton compiled it, per (device, output dtype, BLOCK), from a first
+#: launch whose three pointers were 16-byte aligned (what Triton specialised it for; the
+#: element count is not specialised). Later launches with aligned pointers start it directly:
+#: Triton's JIT dispatch (binding, specialising and hashing the arguments) was a third of a
+#: streamed 8-bit layer's CPU time, and FLUX's steps are bound by the CPU's issuing on a fast
+#: GPU. None once a direct start failed (a Triton whose compiled kernels start otherwise).
+_compiled: dict | None = {}
 
 
 def launch(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor):
     """Writes ``(q.float() * scale).to(out.dtype)`` into ``out`` (contiguous, q's shape) with
     the kernel for the scale's block size, on the current device and stream."""
+    global _compiled
     triton, blocks, rows = _kernel()
     n_scales = scale.numel()
     block = q.numel() // n_scales
-    if block & (block - 1) == 0 and block <= _CHUNK:
-        per_program = _CHUNK // block
-        grid = (triton.cdiv(n_scales, per_program),)
-        blocks[grid](q, scale, out, n_scales, BLOCK=block, BLOCKS=per_program)
-    else:
+    if block & (block - 1) or block > _CHUNK:
         rows[(n_scales, triton.cdiv(block, _CHUNK))](q, scale, out, block, CHUNK=_CHUNK)
+        return
+    per_program = _CHUNK // block
+    grid = (triton.cdiv(n_scales, per_program), 1, 1)
+    key = None
+    if _compiled is not None and (q.data_ptr() | scale.data_ptr() | out.data_ptr()) % 16 == 0:
+        key = (q.device.index, out.dtype, block)
+        compiled = _compiled.get(key)
+        if compiled is not None:
+            stream = triton.runtime.driver.active.get_current_stream(q.device.index)
+            try:
+                compiled[grid](q, scale, out, n_scales, block, per_program, stream=stream)
+                return
+            except (AttributeError, TypeError):
+                _compiled = key = None  # the JIT's dispatch from now on
+    compiled = blocks[grid](q, scale, out, n_scales, BLOCK=block, BLOCKS=per_program)
+    if key is not None and _compiled is not None:
+        _compiled[key] = compiled

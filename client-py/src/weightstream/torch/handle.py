@@ -42,6 +42,8 @@ class StreamedLayer:
     fixed: tuple | None = None
     #: A torchao weight streamed as it is: what makes it again (``detach``); else None.
     rebuild: Rebuild | None = None
+    #: Whether its dequantization's memory is in the handle's peaks (``_dequantized``).
+    counted: bool = False
 
     @property
     def input_grad(self) -> str:
@@ -117,19 +119,22 @@ class Handle:
         weight, bias = views
         if not isinstance(weight, Fp8Weight):
             return views
-        # What the dequantization holds (the int8 linear's cast of q is counted alike).
-        numel = weight.data.numel()
-        size = numel * layer.dtype.itemsize
-        # The torch path forms the product in a float32 copy; the fused kernel writes w only,
-        # and the int8 linear forms no product.
-        fused = weight.format in (
-            quantize.FP8_E4M3_BLOCK64,
-            quantize.TORCHAO_FLOAT8_ROWWISE,
-        ) and _fused_dequant.applies(weight.data, weight.scale, layer.dtype)
-        int8 = weight.format == quantize.TORCHAO_INT8_ROWWISE
-        product = 0 if fused or int8 or layer.dtype == torch.float32 else numel * 4
-        self._dequant_peak = max(self._dequant_peak, size)
-        self._dequant_scratch_peak = max(self._dequant_scratch_peak, size + product)
+        if not layer.counted:
+            # What the dequantization holds (the int8 linear's cast of q is counted alike):
+            # the same at every call of the layer, so counted at its first.
+            numel = weight.data.numel()
+            size = numel * layer.dtype.itemsize
+            # The torch path forms the product in a float32 copy; the fused kernel writes w
+            # only, and the int8 linear forms no product.
+            fused = weight.format in (
+                quantize.FP8_E4M3_BLOCK64,
+                quantize.TORCHAO_FLOAT8_ROWWISE,
+            ) and _fused_dequant.applies(weight.data, weight.scale, layer.dtype)
+            int8 = weight.format == quantize.TORCHAO_INT8_ROWWISE
+            product = 0 if fused or int8 or layer.dtype == torch.float32 else numel * 4
+            self._dequant_peak = max(self._dequant_peak, size)
+            self._dequant_scratch_peak = max(self._dequant_scratch_peak, size + product)
+            layer.counted = True
         if weight.format in quantize.OWN_LINEAR:
             return weight._replace(dtype=layer.dtype), bias
         return quantize.dequantize_weight(weight, layer.dtype), bias
