@@ -1,0 +1,69 @@
+"""tests/bench/flux_train.py's ``--interleave`` on the CPU, with stand-in children that speak the
+lockstep protocol: the two modes' steps alternate one by one (each child's step starts only
+after the other's step before it ended), the ratios are B's step over the A step before it, and
+a child that dies mid-run ends the run with the step it stopped at instead of hanging."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import flux_train  # noqa: E402
+
+CHILD = r"""
+import json, os, sys
+mode, log, die_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+go, back = map(int, sys.argv[sys.argv.index("--lockstep") + 1].split(","))
+times = {"a": [1.0, 2.0, 1.0, 1.0, 4.0], "b": [1.5, 2.2, 1.3, 1.0, 4.4]}[mode]
+for i in range(5):
+    if os.read(go, 1) != b"g":
+        sys.exit("no turn")
+    if i == die_at:
+        os._exit(3)
+    with open(log, "a") as f:
+        f.write(f"{mode}{i} start\n")
+    with open(log, "a") as f:
+        f.write(f"{mode}{i} end\n")
+    os.write(back, b"d")
+print("RESULT " + json.dumps({"mode": mode, "steps_s": times[2:], "det_losses": [0.5]}))
+"""
+
+
+def run(tmp_path, monkeypatch, die: dict | None = None):
+    log = tmp_path / "order.log"
+    die = die or {}
+
+    def child_cmd(args, mode, socket):
+        return [sys.executable, "-c", CHILD, mode, str(log), str(die.get(mode, -1))]
+
+    monkeypatch.setattr(flux_train, "child_cmd", child_cmd)
+    args = SimpleNamespace(warmup=2, measured=3, interleave=["a", "b"], timeout=60)
+    records, summary = flux_train.interleaved(args, "unused.sock", {}, tmp_path)
+    return records, summary, log.read_text().splitlines()
+
+
+def test_steps_alternate_and_each_b_step_is_over_the_a_step_before_it(tmp_path, monkeypatch):
+    records, summary, order = run(tmp_path, monkeypatch)
+    want = []
+    for i in range(5):
+        want += [f"a{i} start", f"a{i} end", f"b{i} start", f"b{i} end"]
+    assert order == want
+    assert [r["mode"] for r in records] == ["a", "b"]
+    assert all(r["interleaved"] for r in records)
+    assert summary["ratio_per_pair"] == [1.3, 1.0, 1.1]
+    assert summary["ratio_median"] == pytest.approx(1.1)
+    assert (summary["ratio_min"], summary["ratio_max"]) == (1.0, 1.3)
+    assert summary["ratio_of_medians"] == 1.3
+    assert "error" not in summary
+
+
+def test_a_child_that_dies_ends_the_run_at_its_step(tmp_path, monkeypatch):
+    records, summary, order = run(tmp_path, monkeypatch, die={"b": 3})
+    assert summary["error"] == "b did not finish its step 3"
+    assert order[-2:] == ["a3 start", "a3 end"]
+    assert records[1]["error"] == "no result: see flux-b.log"
+    assert "ratio_median" not in summary
