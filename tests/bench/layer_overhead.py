@@ -72,6 +72,45 @@ def us_per_layer(model, x, reps: int) -> float:
     return (time.perf_counter() - t) / reps / (BLOCKS * PER_BLOCK) * 1e6
 
 
+def floor(model, x, reps: int, rows: dict):
+    """What the 8-bit layer's own operations cost without the client around them: the fused
+    dequantization and ``F.linear`` on the layers' weights quantized, called in a plain loop,
+    then the same inside a minimal autograd Function."""
+    import torch
+    import torch.nn.functional as F
+    from weightstream import _fused_dequant, quantize
+
+    layers = [layer for block in model.blocks for layer in block.layers]
+    weights = [(*quantize.quantize_fp8_block64(m.weight), m.bias) for m in layers]
+
+    class Stack:
+        def __init__(self, step):
+            self.step = step
+
+        def __call__(self, y):
+            for q, scale, bias in weights:
+                y = self.step(y, q, scale, bias)
+            return y
+
+    def plain(y, q, scale, bias):
+        return F.linear(y, _fused_dequant.dequantize(q, scale, torch.bfloat16), bias)
+
+    class Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, q, scale, bias):
+            ctx.save_for_backward(y)
+            return plain(y, q, scale, bias)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None, None, None, None
+
+    rows["dequantize + F.linear, a plain loop"] = us_per_layer(Stack(plain), x, reps)
+    rows["dequantize + F.linear in a bare autograd Function"] = us_per_layer(
+        Stack(Op.apply), x, reps
+    )
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--bin", default="target/release/weightstream")
@@ -101,6 +140,8 @@ def main():
     rows = {}
     model = make_model().to(args.device)
     rows["in place, bf16"] = us_per_layer(model, x, args.reps)
+    if args.device != "cpu":
+        floor(model, x, args.reps, rows)
     del model
     everything = 4 << 30
     for label, quantize in [("streamed, resident groups, bf16", None), ("8-bit", "fp8")]:
