@@ -23,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-BLOCKS, PER_BLOCK, WIDTH, TOKENS = 16, 8, 3072, 16
+BLOCKS, PER_BLOCK, TOKENS = 16, 8, 16
+#: The layers' width (``--width``).
+WIDTH = 3072
 
 
 def make_model():
@@ -78,7 +80,7 @@ def floor(model, x, reps: int, rows: dict):
     then the same inside a minimal autograd Function."""
     import torch
     import torch.nn.functional as F
-    from weightstream import _fused_dequant, quantize
+    from weightstream import quantize
 
     layers = [layer for block in model.blocks for layer in block.layers]
     weights = [(*quantize.quantize_fp8_block64(m.weight), m.bias) for m in layers]
@@ -93,7 +95,7 @@ def floor(model, x, reps: int, rows: dict):
             return y
 
     def plain(y, q, scale, bias):
-        return F.linear(y, _fused_dequant.dequantize(q, scale, torch.bfloat16), bias)
+        return F.linear(y, quantize.dequantize(q, scale, torch.bfloat16), bias)
 
     class Op(torch.autograd.Function):
         @staticmethod
@@ -111,43 +113,28 @@ def floor(model, x, reps: int, rows: dict):
     )
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--bin", default="target/release/weightstream")
-    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-layer"))
-    parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument(
-        "--device", default="cuda", help="cpu: a dry run on the host backend (no GPU)"
-    )
-    args = parser.parse_args()
+def measure(args, client) -> dict:
+    """Microseconds per layer call of each kind of layer (see the module's doc)."""
     import torch
-    import weightstream
     import weightstream.torch as wst
     from weightstream import _fused_dequant
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    sock = str(Path(tempfile.mkdtemp(prefix="ws-layer-")) / "ws.sock")
-    daemon = subprocess.Popen(
-        [args.bin, "serve", "--backend", "host" if args.device == "cpu" else "cuda"]
-        + ["--socket", sock],
-        stderr=open(out / "layer-daemon.log", "ab"),
-    )
-    while not os.path.exists(sock):
-        time.sleep(0.05)
-    client = weightstream.connect(sock)
     x = torch.randn(TOKENS, WIDTH, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     rows = {}
     model = make_model().to(args.device)
     rows["in place, bf16"] = us_per_layer(model, x, args.reps)
-    if args.device != "cpu":
-        floor(model, x, args.reps, rows)
+    floor(model, x, args.reps, rows)
     del model
     everything = 4 << 30
     for label, quantize in [("streamed, resident groups, bf16", None), ("8-bit", "fp8")]:
         model = make_model()
         handle = wst.attach(
-            model, args.device, client=client, vram_budget=everything, quantize=quantize
+            model,
+            args.device,
+            client=client,
+            vram_budget=everything,
+            quantize=quantize,
+            min_bytes=0,
         )
         if quantize is None:
             rows[label] = us_per_layer(model, x, args.reps)
@@ -161,7 +148,7 @@ def main():
             profile.disable()
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-            (out / "layer_overhead_profile.txt").write_text(text.getvalue())
+            (Path(args.out) / "layer_overhead_profile.txt").write_text(text.getvalue())
             os.environ["WEIGHTSTREAM_FUSED_DEQUANT"] = "0"
             _fused_dequant._kernel.cache_clear()
             rows["streamed, resident groups, 8-bit, torch dequantization"] = us_per_layer(
@@ -170,8 +157,44 @@ def main():
             del os.environ["WEIGHTSTREAM_FUSED_DEQUANT"]
             _fused_dequant._kernel.cache_clear()
         handle.detach(release=True)
-    daemon.terminate()
-    daemon.wait(timeout=60)
+    return rows
+
+
+def main():
+    global WIDTH
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--bin", default="target/release/weightstream")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-layer"))
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: a dry run on the host backend (no GPU)"
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=WIDTH,
+        help="the layers' width (a small one on the CPU leaves the client's Python to time)",
+    )
+    args = parser.parse_args()
+    WIDTH = args.width
+    import torch
+    import weightstream
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sock = str(Path(tempfile.mkdtemp(prefix="ws-layer-")) / "ws.sock")
+    daemon = subprocess.Popen(
+        [args.bin, "serve", "--backend", "host" if args.device == "cpu" else "cuda"]
+        + ["--socket", sock],
+        stderr=open(out / "layer-daemon.log", "ab"),
+    )
+    while not os.path.exists(sock):
+        time.sleep(0.05)
+    try:
+        rows = measure(args, weightstream.connect(sock))
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
     result = {
         "command": "python3 " + " ".join(sys.argv),
         "commit": os.environ.get("WS_COMMIT", ""),
