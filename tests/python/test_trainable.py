@@ -95,6 +95,14 @@ def loss_of(model, x):
     return out.float().pow(2).mean()
 
 
+def backward_both(ref_model, model, x, where=None):
+    """Both models' losses on ``x`` (one micro-batch), asserted equal, and their backward."""
+    want, got = loss_of(ref_model, x), loss_of(model, x)
+    assert torch.equal(want, got), (where, want, got)
+    want.backward()
+    got.backward()
+
+
 class Reference:
     """The LoRA in place, the optimizer's formula on the CPU, on fp32 masters (``master="fp32"``)
     or on copies of the weights in their own dtype (``"none"``: torch's AdamW on bf16
@@ -206,11 +214,7 @@ def train_pair(
     data = batches(steps * accumulate, device=device)
     for i in range(steps):
         for j in range(accumulate):
-            x = data[i * accumulate + j]
-            want, got = loss_of(ref_model, x), loss_of(model, x)
-            assert torch.equal(want, got), (i, j, want, got)
-            want.backward()
-            got.backward()
+            backward_both(ref_model, model, data[i * accumulate + j], where=(i, j))
             if j == 0:
                 ref.after_first_backward()
         ref.step()
@@ -478,10 +482,7 @@ def test_delayed_update_with_accumulation_lands_after_the_first_backward(ckpt, b
 def step_both(ref_model, model, ref, opt, x):
     """One step of ``train_pair``'s two models on ``x`` (one micro-batch), asserting equal
     losses."""
-    ref_loss, loss = loss_of(ref_model, x), loss_of(model, x)
-    assert torch.equal(ref_loss, loss)
-    ref_loss.backward()
-    loss.backward()
+    backward_both(ref_model, model, x)
     ref.after_first_backward()
     ref.step()
     opt.step()
@@ -762,10 +763,7 @@ def test_attach_with_trainable_host_streams_the_base_and_holds_the_lora(daemon):
     assert handle.streamed and len(tr.slots) == 12
     opt = HostAdamW(tr.params(), lr=1e-2, weight_decay=1e-2, trainable=tr)
     for x in batches(3):
-        want, got = loss_of(ref_model, x), loss_of(model, x)
-        assert torch.equal(want, got)
-        want.backward()
-        got.backward()
+        backward_both(ref_model, model, x)
         ref.step()
         opt.step()
         opt.zero_grad()
