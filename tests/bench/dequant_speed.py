@@ -10,6 +10,7 @@ whether the two are equal bit for bit, and what one call costs the trainer's CPU
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -27,6 +28,21 @@ SHAPES = {
     (3072, 12288): "feed-forward out",
     (3072, 15360): "single block's proj_out",
 }
+
+
+@contextlib.contextmanager
+def torch_path():
+    """Meanwhile ``quantize.dequantize`` runs torch's three kernels
+    (``WEIGHTSTREAM_FUSED_DEQUANT=0``), as where Triton is missing."""
+    from weightstream import _fused_dequant
+
+    os.environ["WEIGHTSTREAM_FUSED_DEQUANT"] = "0"
+    _fused_dequant._kernel.cache_clear()
+    try:
+        yield
+    finally:
+        del os.environ["WEIGHTSTREAM_FUSED_DEQUANT"]
+        _fused_dequant._kernel.cache_clear()
 
 
 def device_us(fn, reps: int) -> float:
@@ -58,12 +74,11 @@ def main():
         q, scale = quantize.quantize_fp8_block64(w)
         assert _fused_dequant.applies(q, scale, torch.bfloat16), "the fused kernel does not apply"
         fused = device_us(lambda q=q, s=scale: quantize.dequantize(q, s, torch.bfloat16), args.reps)
-        os.environ["WEIGHTSTREAM_FUSED_DEQUANT"] = "0"
-        _fused_dequant._kernel.cache_clear()
-        plain = device_us(lambda q=q, s=scale: quantize.dequantize(q, s, torch.bfloat16), args.reps)
-        want = quantize.dequantize(q, scale, torch.bfloat16)
-        del os.environ["WEIGHTSTREAM_FUSED_DEQUANT"]
-        _fused_dequant._kernel.cache_clear()
+        with torch_path():
+            plain = device_us(
+                lambda q=q, s=scale: quantize.dequantize(q, s, torch.bfloat16), args.reps
+            )
+            want = quantize.dequantize(q, scale, torch.bfloat16)
         got = quantize.dequantize(q, scale, torch.bfloat16)
         rows.append(
             {

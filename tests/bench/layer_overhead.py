@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dequant_speed import torch_path
+
 BLOCKS, PER_BLOCK, TOKENS = 16, 8, 16
 #: The layers' width (``--width``).
 WIDTH = 3072
@@ -117,7 +119,6 @@ def measure(args, client) -> dict:
     """Microseconds per layer call of each kind of layer (see the module's doc)."""
     import torch
     import weightstream.torch as wst
-    from weightstream import _fused_dequant
 
     x = torch.randn(TOKENS, WIDTH, device=args.device, dtype=torch.bfloat16, requires_grad=True)
     rows = {}
@@ -149,13 +150,10 @@ def measure(args, client) -> dict:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
             (Path(args.out) / "layer_overhead_profile.txt").write_text(text.getvalue())
-            os.environ["WEIGHTSTREAM_FUSED_DEQUANT"] = "0"
-            _fused_dequant._kernel.cache_clear()
-            rows["streamed, resident groups, 8-bit, torch dequantization"] = us_per_layer(
-                model, x, args.reps
-            )
-            del os.environ["WEIGHTSTREAM_FUSED_DEQUANT"]
-            _fused_dequant._kernel.cache_clear()
+            with torch_path():
+                rows["streamed, resident groups, 8-bit, torch dequantization"] = us_per_layer(
+                    model, x, args.reps
+                )
         handle.detach(release=True)
     return rows
 
