@@ -1020,6 +1020,8 @@ def parent(args):
     results = {
         "command": "python3 " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d"),
+        # The code measured, as the caller names it (WS_COMMIT).
+        "commit": os.environ.get("WS_COMMIT", ""),
         "device": device,
         "pinned_h2d_gbps": round(pinned, 2),
         "trainer_gib": args.trainer_gib,
