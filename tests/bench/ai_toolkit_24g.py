@@ -68,6 +68,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import ai_toolkit_real as real
+from provenance import commit
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "ai_toolkit_24g.yaml"
@@ -746,7 +747,7 @@ def main(argv=None) -> int:
         "machine": args.machine or ("GPU: " + torch.cuda.get_device_name(0) if cuda else "CPU"),
         "host": platform.node(),
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": commit(),
         "ai_toolkit": real.AITK_COMMIT,
         "command": " ".join(sys.argv),
         "arch": args.arch,
@@ -794,23 +795,6 @@ def reused(work: Path, what: dict) -> dict | None:
     except (OSError, ValueError):
         return None
     return old["built"] if old.get("what") == json.loads(json.dumps(what)) else None
-
-
-def _commit() -> str:
-    """$WS_COMMIT (a machine that runs a copy of the tree may have an older .git), else git's."""
-    if os.environ.get("WS_COMMIT"):
-        return os.environ["WS_COMMIT"]
-    try:
-        return (
-            subprocess.run(
-                ["git", "-C", str(real.REPO), "rev-parse", "--short", "HEAD"],
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
-            or "unknown"
-        )
-    except OSError:
-        return "unknown"
 
 
 # --- the report ---------------------------------------------------------------------------------

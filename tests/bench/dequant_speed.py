@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from provenance import commit
+
 #: FLUX.1's streamed weight shapes (out, in), and how many of each one step dequantizes
 #: (19 double blocks, 38 single ones).
 SHAPES = {
@@ -100,7 +102,7 @@ def main():
     torch.cuda.synchronize()
     result = {
         "command": "python3 " + " ".join(sys.argv),
-        "commit": os.environ.get("WS_COMMIT", ""),
+        "commit": commit(),
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(0),
         "shapes": rows,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import flux_train as ft  # noqa: E402
+from provenance import commit  # noqa: E402
 
 GiB = 1 << 30
 
@@ -90,7 +91,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     results = {
         "command": "python3 " + " ".join(sys.argv),
-        "commit": os.environ.get("WS_COMMIT", ""),
+        "commit": commit(),
         "budget_gib": args.budget,
         "quantize": args.quantize,
     }

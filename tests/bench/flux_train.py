@@ -46,6 +46,7 @@ import traceback
 from pathlib import Path
 
 from card import LINK_ENV, phase
+from provenance import commit
 
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[2]
@@ -1020,8 +1021,7 @@ def parent(args):
     results = {
         "command": "python3 " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d"),
-        # The code measured, as the caller names it (WS_COMMIT).
-        "commit": os.environ.get("WS_COMMIT", ""),
+        "commit": commit(),
         "device": device,
         "pinned_h2d_gbps": round(pinned, 2),
         "trainer_gib": args.trainer_gib,

@@ -39,6 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+from provenance import commit  # noqa: E402
 
 GiB = 1 << 30
 
@@ -319,18 +320,6 @@ def start_daemon(args, link: str, tmp: Path):
             )
         time.sleep(0.05)
     return proc, socket
-
-
-def commit() -> str:
-    """$WS_COMMIT (a machine that runs a copy of the tree may have an older .git), else git's."""
-    if os.environ.get("WS_COMMIT"):
-        return os.environ["WS_COMMIT"]
-    try:
-        git = ["git", "rev-parse", "--short", "HEAD"]
-        out = subprocess.run(git, check=False, capture_output=True, text=True, cwd=ROOT)
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
 
 
 def parent(args):

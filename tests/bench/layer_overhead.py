@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from dequant_speed import torch_path
+from provenance import commit
 
 BLOCKS, PER_BLOCK, TOKENS = 16, 8, 16
 #: The layers' width (``--width``).
@@ -195,7 +196,7 @@ def main():
         daemon.wait(timeout=60)
     result = {
         "command": "python3 " + " ".join(sys.argv),
-        "commit": os.environ.get("WS_COMMIT", ""),
+        "commit": commit(),
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",
         "layers": BLOCKS * PER_BLOCK,

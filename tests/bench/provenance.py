@@ -1,0 +1,21 @@
+"""What a benchmark's results name as the code they measured."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def commit() -> str:
+    """$WS_COMMIT (a machine that runs a copy of the tree may have an older .git), else git's."""
+    if os.environ.get("WS_COMMIT"):
+        return os.environ["WS_COMMIT"]
+    try:
+        git = ["git", "rev-parse", "--short", "HEAD"]
+        out = subprocess.run(git, check=False, capture_output=True, text=True, cwd=ROOT)
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
