@@ -217,9 +217,8 @@ def steps(model, n, lora_state=None, lockstep: bool = False):
     opt = optimizer(params)
     inputs = batch()
     times, losses = [], []
-    forward_s.clear()
-    forward_issued_s.clear()
-    backward_issued_s.clear()
+    for values in marks.values():
+        values.clear()
     gate = LOCKSTEP if lockstep else None
     phase("training", training_label)
     for _ in range(n):
@@ -231,11 +230,11 @@ def steps(model, n, lora_state=None, lockstep: bool = False):
         loss = out.float().pow(2).mean()
         # When the CPU had queued the forward: near the synchronised time below, the forward
         # is bound by the CPU's issuing (hooks, launches), not by the GPU.
-        forward_issued_s.append(time.monotonic() - t)
+        marks["forward_issued_s"].append(time.monotonic() - t)
         torch.cuda.synchronize()  # the forward's share of the step (where streaming can stall)
-        forward_s.append(time.monotonic() - t)
+        marks["forward_s"].append(time.monotonic() - t)
         loss.backward()
-        backward_issued_s.append(time.monotonic() - t)
+        marks["backward_issued_s"].append(time.monotonic() - t)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -282,12 +281,11 @@ def optimizer(params):
     return AdamW8bit(params, lr=1e-4)
 
 
-#: Seconds of each step of the last ``steps`` call spent in the forward pass (and the loss).
-forward_s: list[float] = []
-#: Seconds of each step of the last ``steps`` call until the CPU had issued the forward, and
-#: the backward (from the step's start).
-forward_issued_s: list[float] = []
-backward_issued_s: list[float] = []
+#: Per step of the last ``steps`` call, seconds from the step's start: ``forward_s`` until the
+#: GPU had done the forward pass (and the loss), ``forward_issued_s`` and ``backward_issued_s``
+#: until the CPU had issued the forward and the backward. ``timing`` records each one's median
+#: as ``<key>_per_step``.
+marks: dict[str, list[float]] = {"forward_s": [], "forward_issued_s": [], "backward_issued_s": []}
 #: What ``steps`` calls its training phase for tests/bench/card.py (the mode, and the budget
 #: where a mode has several).
 training_label = ""
@@ -312,13 +310,8 @@ def timing(model, args, record):
     measured = t[args.warmup :]
     record["s_per_step"] = round(statistics.median(measured), 4)
     record["steps_s"] = [round(x, 4) for x in measured]
-    record["forward_s_per_step"] = round(statistics.median(forward_s[args.warmup :]), 4)
-    record["forward_issued_s_per_step"] = round(
-        statistics.median(forward_issued_s[args.warmup :]), 4
-    )
-    record["backward_issued_s_per_step"] = round(
-        statistics.median(backward_issued_s[args.warmup :]), 4
-    )
+    for key, values in marks.items():
+        record[f"{key}_per_step"] = round(statistics.median(values[args.warmup :]), 4)
     record["trainer_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
     record["trainer_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
     # Allocations that hit the memory-fraction cap: each frees the cache and synchronises.
