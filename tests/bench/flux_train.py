@@ -432,6 +432,9 @@ def measure_budget(args, handle, client, model, r):
     # daemon's time with some acquire pending (look-ahead ones included: not a wait).
     r["gpu_wait_s_per_step"] = round(per_step("gpu_wait_ns"), 4)
     r["acquire_pending_s_per_step"] = round(per_step("acquire_pending_ns"), 4)
+    # The trainer's thread blocked for the daemon's reply (issuing nothing meanwhile).
+    r["reply_wait_s_per_step"] = round(per_step("reply_wait_ns"), 4)
+    r["reply_waits_per_step"] = round((after["reply_waits"] - before["reply_waits"]) / n, 1)
     # Where the waits were: per group, ms per step (the groups in the plan's order).
     r["gpu_wait_ms_per_step_by_group"] = {
         name: round((ns - before["gpu_wait_by_group"][name]) / n / 1e6, 3)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
 import weightstream.torch as wst
 from conftest import BIN
 from test_torch import inputs, make_model, train
+from weightstream import session as session_module
 from weightstream._wait_timer import WaitTimer
 
 # --- the CUDA timer, against fake events --------------------------------------------------
@@ -113,6 +115,48 @@ def test_past_the_limit_the_oldest_pair_is_waited_for():
     timer.finish(timer.start(stream), stream, group=2, step=0)
     assert sink.adds == [(0, 4000, 0)]
     assert timer.pending == 2
+
+
+class FakeNative:
+    """The native session's waits: ``try_wait`` answers for the tickets staged already,
+    ``wait`` moves the fake clock on by the time the reply takes."""
+
+    def __init__(self, clock, staged_now, reply_ms):
+        self.clock, self.staged_now, self.reply_ms = clock, staged_now, reply_ms
+
+    def try_wait(self, number):
+        return Staged(number) if number in self.staged_now else None
+
+    def wait(self, number):
+        self.clock[0] += self.reply_ms[number] * 1_000_000
+        return Staged(number)
+
+
+@dataclass
+class Staged:
+    group: int
+    ready_event: int = 0
+
+
+def test_the_time_blocked_for_replies_is_counted_apart_from_hits(monkeypatch):
+    """On CUDA the host's time blocked for the daemon's reply (``reply_wait``) is the wait's
+    own figure: a hit adds nothing, each blocked wait adds its time, once."""
+    clock = [0]
+    monkeypatch.setattr(session_module.time, "perf_counter_ns", lambda: clock[0])
+    session = object.__new__(session_module.Session)
+    session._native = FakeNative(clock, staged_now={1}, reply_ms={2: 7, 3: 2})
+    session._timer, _, _ = make_timer()
+    session._step = 0
+    session._reply_wait_ns = session._reply_waits = 0
+    session._ticket = lambda staged, stream: staged
+    stream = FakeStream()
+    assert session._timed(1, stream, block=True).group == 1
+    assert session.reply_wait() == (0, 0), "a hit blocks nothing"
+    assert session._timed(2, stream, block=False) is None
+    assert session.reply_wait() == (0, 0), "a poll never blocks"
+    session._timed(2, stream, block=True)
+    session._timed(3, stream, block=True)
+    assert session.reply_wait() == (9_000_000, 2)
 
 
 # --- end to end on the host backend ---------------------------------------------------------
@@ -231,6 +275,11 @@ def test_handle_stats_split_the_wait_by_group_and_step(daemon):
     # The first step has no plan: its acquires wait at least for the daemon's reply.
     assert per_step[0] > 0
     assert stats["gpu_waits"] > 0
+    # On the host the blocked thread is the compute: its reply wait is the wait.
+    assert (stats["reply_wait_ns"], stats["reply_waits"]) == (
+        stats["gpu_wait_ns"],
+        stats["gpu_waits"],
+    )
     handle.session.report_gpu_wait()
     info = reported(daemon.client, handle.session, "the report")
     assert info.stats.gpu_wait_ns == stats["gpu_wait_ns"]

@@ -20,6 +20,7 @@ session sums the waits per group and per step and reports them to the daemon (it
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -134,6 +135,9 @@ class Session:
         self._generation += 1
         # The step in progress for the waits (``mark_step``); a new opening starts at 0.
         self._step = 0
+        # CUDA: the time the calling thread blocked for the daemon's reply (``reply_wait``).
+        self._reply_wait_ns = 0
+        self._reply_waits = 0
         # CUDA (the daemon hands out events): the compute stream is timed; host: the native
         # wait counts its own blocked time.
         self._timer = (
@@ -216,7 +220,10 @@ class Session:
             if not block:
                 return None
             before = timer.start(s)
+            blocked = time.perf_counter_ns()
             staged = self._native.wait(number)
+            self._reply_wait_ns += time.perf_counter_ns() - blocked
+            self._reply_waits += 1
         elif staged.ready_event and not self._event(staged.ready_event).query():
             before = timer.start(s)
         ticket = self._ticket(staged, s)
@@ -285,6 +292,17 @@ class Session:
         if self._timer is not None:
             self._timer.harvest()
         return self._native.gpu_wait()
+
+    def reply_wait(self) -> tuple[int, int]:
+        """(ns, count): how long the calling thread blocked for the daemon's reply to an
+        acquire (the group's copy not yet queued), since this opening. On CUDA the host stops
+        issuing work meanwhile, which ``gpu_wait`` does not show while work queued earlier
+        keeps the device busy (the host's lead shrinks instead); on the host backend the
+        blocked thread is the compute, and this is ``gpu_wait``'s total."""
+        if self._timer is not None:
+            return self._reply_wait_ns, self._reply_waits
+        waits = self._native.gpu_wait()
+        return waits.total_ns, waits.waits
 
     def report_gpu_wait(self):
         """Sends the daemon the waits now (else it has them within 250 ms of a release)."""
