@@ -314,8 +314,14 @@ def timing(model, args, record):
         record[f"{key}_per_step"] = round(statistics.median(values[args.warmup :]), 4)
     record["trainer_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
     record["trainer_reserved_gib"] = round(torch.cuda.max_memory_reserved() / GiB, 2)
+    stats = torch.cuda.memory_stats()
     # Allocations that hit the memory-fraction cap: each frees the cache and synchronises.
-    record["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    record["alloc_retries"] = stats.get("num_alloc_retries", 0)
+    # The caching allocator's own device allocations and frees over these steps (a cudaFree
+    # synchronises the device: under a cap, blocks of changing sizes are freed to make room).
+    n = args.warmup + args.measured
+    for key in ("num_device_alloc", "num_device_free"):
+        record[f"{key.removeprefix('num_')}s_per_step"] = round(stats.get(key, 0) / n, 2)
 
 
 def mode_resident(args, record):
