@@ -18,7 +18,6 @@ float32 only, as the interpreter does not round to bfloat16 as the GPU does).
 from __future__ import annotations
 
 import functools
-import math
 import os
 
 import torch
@@ -85,30 +84,17 @@ def applies(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> bool:
     )
 
 
-def dequantize(
-    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, alloc_numel: int = 0
-) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(q.float() * scale).to(dtype)`` in one kernel; call only where ``applies`` is true.
     The scale of element i (row-major) is ``scale.flatten()[i // block]``, block = elements per
-    scale (64, or a whole row when the row is not a multiple of 64). ``alloc_numel``: elements
-    to allocate, when more than q's (the result is a view of the first ones; see
-    ``quantize.dequantize``)."""
-    out = output(q.shape, dtype, q.device, alloc_numel)
+    scale (64, or a whole row when the row is not a multiple of 64)."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
     if torch.cuda.current_device() == q.device.index:
         launch(q, scale, out)
     else:
         with torch.cuda.device(q.device):
             launch(q, scale, out)
     return out
-
-
-def output(shape, dtype: torch.dtype, device, alloc_numel: int = 0) -> torch.Tensor:
-    """An uninitialised contiguous tensor of ``shape``: a view of the first elements of a new
-    tensor of ``alloc_numel`` elements when that is more than ``shape`` holds."""
-    numel = math.prod(shape)
-    if alloc_numel > numel:
-        return torch.empty(alloc_numel, dtype=dtype, device=device)[:numel].view(shape)
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 #: The block kernel as Triton compiled it, per (device, output dtype, BLOCK), from a first

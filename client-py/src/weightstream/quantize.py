@@ -143,22 +143,13 @@ def quantize_fp8_block64(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(w.shape), scale.reshape(rows, cols // block)
 
 
-def dequantize(
-    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, alloc_numel: int = 0
-) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """w_hat = (q.float() * scale).to(dtype), in q's shape, on q's device. On a CUDA device
     with Triton, one fused kernel (``_fused_dequant``: same bits, no float32 copy); else three
     torch kernels that hold one float32 copy of the weight while they run (the product is
-    formed in place in it).
-
-    ``alloc_numel`` (the fused kernel): the result is a view of a tensor of that many
-    elements when q has fewer. A streamed model's layers ask for one size, their largest: the
-    caching allocator then hands the same block back at every call, where blocks of each
-    weight's size, split and merged among the activations, made it free and allocate device
-    memory under a memory cap (a 24 GB card, or ``set_per_process_memory_fraction``), and each
-    free synchronises the device."""
+    formed in place in it)."""
     if _fused_dequant.applies(q, scale, dtype):
-        return _fused_dequant.dequantize(q, scale, dtype, alloc_numel)
+        return _fused_dequant.dequantize(q, scale, dtype)
     rows, blocks = scale.shape
     x = q.float()
     x.view(rows, blocks, -1).mul_(scale.view(rows, blocks, 1))
@@ -166,7 +157,7 @@ def dequantize(
 
 
 def dequantize_as(
-    fmt: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, alloc_numel: int = 0
+    fmt: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """w_hat of an 8-bit weight in format ``fmt``, in ``dtype``, with that format's own formula.
 
@@ -191,11 +182,9 @@ def dequantize_as(
       (``_dequantize_affine_no_dtype_check``): ``q.to(dtype)``, less its zero points (all 0:
       torchao's symmetric quantization; ``torchao_weights`` refuses others), times the float32
       scale, which promotes the product to float32, then ``.to(dtype)``: int8 values are exact
-      in every float dtype, so this too is ``(q.to(float32) * scale).to(dtype)``.
-
-    ``alloc_numel``: see ``dequantize`` (the formats it computes)."""
+      in every float dtype, so this too is ``(q.to(float32) * scale).to(dtype)``."""
     if fmt in (FP8_E4M3_BLOCK64, TORCHAO_FLOAT8_ROWWISE, TORCHAO_INT8_ROWWISE):
-        return dequantize(q, scale, dtype, alloc_numel)
+        return dequantize(q, scale, dtype)
     if fmt == FP8_SCALED_MUSUBI:
         s = scale.to(dtype)
         if s.ndim < 3:
@@ -209,8 +198,8 @@ def dequantize_as(
     raise ValueError(f"unknown 8-bit format {fmt!r}: expected one of {', '.join(FORMATS)}")
 
 
-def dequantize_weight(w: Fp8Weight, dtype: torch.dtype, alloc_numel: int = 0) -> torch.Tensor:
-    return dequantize_as(w.format, w.data, w.scale, dtype, alloc_numel)
+def dequantize_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_as(w.format, w.data, w.scale, dtype)
 
 
 def linear_as(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -5,7 +5,6 @@ discarded, only closes the session in ``close``)."""
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
 
@@ -110,9 +109,6 @@ class Handle:
     #: See ``stats``.
     _dequant_peak: int = 0
     _dequant_scratch_peak: int = 0
-    #: Elements of the largest 8-bit weight: what each dequantization allocates
-    #: (``quantize.dequantize``'s ``alloc_numel``); None until the first.
-    _dequant_numel: int | None = None
 
     # --- used by the streamed layers ----------------------------------------------------
 
@@ -123,28 +119,17 @@ class Handle:
         weight, bias = views
         if not isinstance(weight, Fp8Weight):
             return views
-        if self._dequant_numel is None:
-            self._dequant_numel = max(
-                (
-                    math.prod(t.shape)
-                    for g in self.session.groups
-                    for t in g.tensors
-                    if t.quantization != "none"
-                ),
-                default=0,
-            )
         if not layer.counted:
             # What the dequantization holds (the int8 linear's cast of q is counted alike):
             # the same at every call of the layer, so counted at its first.
             numel = weight.data.numel()
+            size = numel * layer.dtype.itemsize
             # The torch path forms the product in a float32 copy; the fused kernel writes w
-            # only (into the largest weight's size: ``_dequant_numel``), and the int8 linear
-            # forms no product.
+            # only, and the int8 linear forms no product.
             fused = weight.format in (
                 quantize.FP8_E4M3_BLOCK64,
                 quantize.TORCHAO_FLOAT8_ROWWISE,
             ) and _fused_dequant.applies(weight.data, weight.scale, layer.dtype)
-            size = (max(numel, self._dequant_numel) if fused else numel) * layer.dtype.itemsize
             int8 = weight.format == quantize.TORCHAO_INT8_ROWWISE
             product = 0 if fused or int8 or layer.dtype == torch.float32 else numel * 4
             self._dequant_peak = max(self._dequant_peak, size)
@@ -152,7 +137,7 @@ class Handle:
             layer.counted = True
         if weight.format in quantize.OWN_LINEAR:
             return weight._replace(dtype=layer.dtype), bias
-        return quantize.dequantize_weight(weight, layer.dtype, self._dequant_numel), bias
+        return quantize.dequantize_weight(weight, layer.dtype), bias
 
     def _acquire(self, layer: StreamedLayer, training: bool) -> tuple:
         """The layer's (weight, bias) views, from the group's held ticket when it serves this
