@@ -450,6 +450,10 @@ def measure_budget(args, handle, client, model, r):
     # The trainer's thread blocked for the daemon's reply (issuing nothing meanwhile).
     r["reply_wait_s_per_step"] = round(per_step("reply_wait_ns"), 4)
     r["reply_waits_per_step"] = round((after["reply_waits"] - before["reply_waits"]) / n, 1)
+    r["reply_wait_ms_per_step_by_group"] = {
+        name: round((ns - before["reply_wait_by_group"][name]) / n / 1e6, 3)
+        for name, ns in after["reply_wait_by_group"].items()
+    }
     # Where the waits were: per group, ms per step (the groups in the plan's order).
     r["gpu_wait_ms_per_step_by_group"] = {
         name: round((ns - before["gpu_wait_by_group"][name]) / n / 1e6, 3)

@@ -148,15 +148,16 @@ def test_the_time_blocked_for_replies_is_counted_apart_from_hits(monkeypatch):
     session._timer, _, _ = make_timer()
     session._step = 0
     session._reply_wait_ns = session._reply_waits = 0
+    session._reply_wait_by_group = [0] * 4
     session._ticket = lambda staged, stream: staged
     stream = FakeStream()
     assert session._timed(1, stream, block=True).group == 1
-    assert session.reply_wait() == (0, 0), "a hit blocks nothing"
+    assert session.reply_wait() == (0, 0, [0, 0, 0, 0]), "a hit blocks nothing"
     assert session._timed(2, stream, block=False) is None
-    assert session.reply_wait() == (0, 0), "a poll never blocks"
+    assert session.reply_wait() == (0, 0, [0, 0, 0, 0]), "a poll never blocks"
     session._timed(2, stream, block=True)
     session._timed(3, stream, block=True)
-    assert session.reply_wait() == (9_000_000, 2)
+    assert session.reply_wait() == (9_000_000, 2, [0, 0, 7_000_000, 2_000_000])
 
 
 # --- end to end on the host backend ---------------------------------------------------------
@@ -280,6 +281,7 @@ def test_handle_stats_split_the_wait_by_group_and_step(daemon):
         stats["gpu_wait_ns"],
         stats["gpu_waits"],
     )
+    assert stats["reply_wait_by_group"] == by_group
     handle.session.report_gpu_wait()
     info = reported(daemon.client, handle.session, "the report")
     assert info.stats.gpu_wait_ns == stats["gpu_wait_ns"]

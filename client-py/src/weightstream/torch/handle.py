@@ -306,8 +306,9 @@ class Handle:
         ``gpu_wait_by_group`` (group name -> ns), ``gpu_wait_ns_per_step`` (each completed
         step's, oldest first, the last 1024; a step starts when the plan's first group is
         acquired outside a backward pass) and ``gpu_wait_ns_this_step``, all since the session
-        was opened (``set_budget`` and ``reconnect`` open it again); ``reply_wait_ns`` and
-        ``reply_waits``, the time the trainer's thread blocked for the daemon's reply to an
+        was opened (``set_budget`` and ``reconnect`` open it again); ``reply_wait_ns``,
+        ``reply_waits`` and ``reply_wait_by_group`` (group name -> ns), the time the
+        trainer's thread blocked for the daemon's reply to an
         acquire (``Session.reply_wait``: on CUDA the host issues nothing meanwhile, which the
         device's wait misses while earlier work keeps it busy); ``acquire_pending_ns`` is
         the daemon's time with an acquire pending, look-ahead ones included, which is not a
@@ -333,7 +334,11 @@ class Handle:
         }
         out["gpu_wait_ns_per_step"] = list(waits.per_step)
         out["gpu_wait_ns_this_step"] = waits.this_step
-        out["reply_wait_ns"], out["reply_waits"] = self.session.reply_wait()
+        replies = self.session.reply_wait()
+        out["reply_wait_ns"], out["reply_waits"] = replies.total_ns, replies.waits
+        out["reply_wait_by_group"] = {
+            g.name: ns for g, ns in zip(self.session.groups, replies.by_group, strict=True)
+        }
         out["dequant_peak_bytes"] = self._dequant_peak
         out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
         if self.trainable is not None:
