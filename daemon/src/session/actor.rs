@@ -112,7 +112,13 @@ pub fn spawn(
 ) {
     let (done_tx, done_rx) = mpsc::unbounded_channel();
     let (grants_tx, grants_rx) = mpsc::unbounded_channel();
-    let arena = StagingArena::new(parts.staging.size(), parts.alignment);
+    // The largest group that is ever staged: those blocks go at multiples of its size.
+    let slot = (parts.groups.iter().zip(&parts.resident_of))
+        .filter(|(_, resident)| resident.is_none())
+        .map(|(g, _)| g.nbytes)
+        .max()
+        .unwrap_or(0);
+    let arena = StagingArena::new(parts.staging.size(), parts.alignment).with_slot(slot);
     let events = parts.events.clone().map(EventBook::new);
     let actor = Actor {
         p: parts,

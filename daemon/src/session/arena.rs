@@ -168,6 +168,10 @@ pub struct StagingArena {
     /// Rounded down to `align`: no aligned block can end in the tail.
     capacity: u64,
     align: u64,
+    /// See `with_slot`; 0: none.
+    slot: u64,
+    /// The slot after the last block placed on one.
+    next_slot: u64,
     blocks: BTreeMap<u64, Block>,
     index: HashMap<GroupId, u64>,
     /// Where the next gap search starts: just after the last placement.
@@ -189,12 +193,26 @@ impl StagingArena {
         StagingArena {
             capacity: capacity & !(align - 1),
             align,
+            slot: 0,
+            next_slot: 0,
             blocks: BTreeMap::new(),
             index: HashMap::new(),
             next_fit: 0,
             used: 0,
             held: 0,
         }
+    }
+
+    /// Blocks longer than half of `slot` (the session's largest staged group) go at
+    /// multiples of `slot` where one can take them: a free slot first, then a free gap,
+    /// then a slot whose blocks can be evicted, then any window (`place`). Placed next-fit
+    /// among smaller blocks, the largest ones drift off the multiples and the free space
+    /// splits around the held ones: an arena of three largest blocks then holds only two,
+    /// the one in use and the next (FLUX.1's double blocks among its single blocks and
+    /// embedders, in a simulation of the plan through the arena).
+    pub fn with_slot(mut self, slot: u64) -> StagingArena {
+        self.slot = slot.next_multiple_of(self.align);
+        self
     }
 
     pub fn capacity(&self) -> u64 {
@@ -236,15 +254,22 @@ impl StagingArena {
         if self.index.contains_key(&group) {
             return Err(AllocError::AlreadyPresent { group });
         }
-        let (placement, cover) = match self.find_gap(len) {
-            Some(offset) => (
-                Placement {
-                    offset,
-                    evicted: Vec::new(),
+        let free_slot = self.on_slot(len, &next_use, evict_only_after, false);
+        let (placement, cover) = match free_slot {
+            Some(placed) => placed,
+            None => match self.find_gap(len) {
+                Some(offset) => (
+                    Placement {
+                        offset,
+                        evicted: Vec::new(),
+                    },
+                    len,
+                ),
+                None => match self.on_slot(len, &next_use, evict_only_after, true) {
+                    Some(placed) => placed,
+                    None => self.evict_for(len, &next_use, evict_only_after)?,
                 },
-                len,
-            ),
-            None => self.evict_for(len, &next_use, evict_only_after)?,
+            },
         };
         self.insert(group, placement.offset, len, cover);
         Ok(placement)
@@ -411,6 +436,73 @@ impl StagingArena {
                 pos = end;
                 gap
             })
+    }
+
+    /// A place at a multiple of `slot` for a block longer than half of it: a free slot in
+    /// ring order from the one after the last, else (`evicting`) the slot whose victims'
+    /// soonest next use is the latest (as `evict_for`); None where no slot can take it (a
+    /// held, copying or sooner-needed block is in it, or a block reaches into it from below:
+    /// evicting that one would free bytes below the slot that its readers may still read,
+    /// which the new block's cover cannot reach).
+    fn on_slot(
+        &mut self,
+        len: u64,
+        next_use: &impl Fn(GroupId) -> Option<u64>,
+        evict_only_after: Option<u64>,
+        evicting: bool,
+    ) -> Option<(Placement, u64)> {
+        if self.slot == 0 || len * 2 <= self.slot || len > self.slot {
+            return None;
+        }
+        let slots = self.capacity / self.slot;
+        if slots < 2 {
+            return None;
+        }
+        // The best slot so far: the soonest next use among its victims, the placement, and
+        // the bytes the new block covers (to the end of its last victim).
+        let mut best: Option<(u64, Placement, u64)> = None;
+        for k in 0..slots {
+            let offset = (self.next_slot + k) % slots * self.slot;
+            let end = offset + len;
+            if let Some((&at, block)) = self.blocks.range(..offset).next_back()
+                && at + block.len > offset
+            {
+                continue;
+            }
+            let mut evicted = Vec::new();
+            let mut score = u64::MAX;
+            let mut cover = len;
+            let mut feasible = true;
+            for (&at, block) in self.blocks.range(offset..end) {
+                match victim_kind(block, next_use, evict_only_after) {
+                    SegmentKind::Victim { group, score: s } => {
+                        score = score.min(s);
+                        evicted.push(group);
+                        cover = cover.max(at + block.len - offset);
+                    }
+                    _ => {
+                        feasible = false;
+                        break;
+                    }
+                }
+            }
+            let free = evicted.is_empty();
+            if !feasible || (!free && !evicting) {
+                continue;
+            }
+            if free || best.as_ref().is_none_or(|(b, _, _)| score > *b) {
+                best = Some((score, Placement { offset, evicted }, cover));
+                if free {
+                    break;
+                }
+            }
+        }
+        let (_, placement, cover) = best?;
+        for &group in &placement.evicted {
+            self.remove(group);
+        }
+        self.next_slot = (placement.offset / self.slot + 1) % slots;
+        Some((placement, cover))
     }
 
     /// Next-fit: the first gap from the cursor on, then, wrapping once, the
@@ -1314,5 +1406,73 @@ mod tests {
             let count = outcomes.get(&outcome).copied().unwrap_or(0);
             assert!(count >= 100, "{outcome:?}: only {count} ({outcomes:?})");
         }
+    }
+
+    /// Three largest blocks in an arena of three: a small cached block placed first must not
+    /// shift them off the multiples of their size, or only two fit (the held one and the
+    /// next), as FLUX.1's double blocks did behind its embedders.
+    #[test]
+    fn the_largest_blocks_go_on_slots_so_that_three_fit_an_arena_of_three() {
+        let far = |_: GroupId| Some(1000);
+        // Without slots: next-fit puts them at 16 and 116, and the 100 bytes left are in two
+        // pieces around the held ones.
+        let mut plain = StagingArena::new(300, 1);
+        cached(&mut plain, 10, 16);
+        for (group, offset) in [(1, 16), (2, 116)] {
+            assert_eq!(plain.place(group, 100, far, None).unwrap().offset, offset);
+            assert!(plain.mark_valid(group));
+            plain.hold(group);
+        }
+        assert_eq!(
+            plain.place(3, 100, far, Some(1)),
+            Err(AllocError::NoSpace { len: 100 })
+        );
+
+        let mut arena = StagingArena::new(300, 1).with_slot(100);
+        cached(&mut arena, 10, 16);
+        // A free slot first (the one at 0 holds the small block), then the next free one.
+        for (group, offset) in [(1, 100), (2, 200)] {
+            let placement = arena.place(group, 100, far, None).unwrap();
+            assert_eq!((placement.offset, placement.evicted), (offset, vec![]));
+            assert!(arena.mark_valid(group));
+            arena.hold(group);
+        }
+        // No free slot nor gap: the slot whose blocks can go.
+        let placement = arena.place(3, 100, far, Some(1)).unwrap();
+        assert_eq!((placement.offset, placement.evicted), (0, vec![10]));
+    }
+
+    /// A cached block reaching into a slot from below keeps that slot: evicting it would free
+    /// its bytes below the slot, outside the new block's cover, while its readers may still
+    /// run. The block goes to the window `evict_for` finds instead; a slot's own victims are
+    /// covered to their end.
+    #[test]
+    fn a_block_reaching_into_a_slot_from_below_keeps_the_slot() {
+        let far = |_: GroupId| Some(1000);
+        let mut arena = StagingArena::new(300, 1).with_slot(100);
+        for (group, offset) in [(10, 0), (11, 40), (12, 80)] {
+            assert_eq!(cached(&mut arena, group, 40), offset);
+        }
+        // The slot at 100 has 12 reaching into it; the one at 200 is free.
+        assert_eq!(arena.place(1, 100, far, None).unwrap().offset, 200);
+        assert!(arena.mark_valid(1));
+        arena.hold(1);
+        // The slot at 0 can be emptied: 10, 11 and 12 go, and the new block covers 12's tail.
+        let placement = arena.place(2, 100, far, None).unwrap();
+        assert_eq!((placement.offset, placement.evicted), (0, vec![10, 11, 12]));
+        assert_eq!(arena.get(2).unwrap().len, 120);
+        assert!(arena.mark_valid(2));
+        assert_eq!(arena.get(2).unwrap().len, 100);
+
+        let mut arena = StagingArena::new(300, 1).with_slot(100);
+        for group in [10, 11, 12] {
+            cached(&mut arena, group, 40);
+        }
+        assert_eq!(arena.place(1, 100, far, None).unwrap().offset, 200);
+        arena.hold(10);
+        // Slot 0 holds a held block and slot 100 has 12 reaching in: no slot, so the
+        // window `evict_for` finds, from 80 (12 and the gap after it), not 100.
+        let placement = arena.place(2, 100, far, None).unwrap();
+        assert_eq!((placement.offset, placement.evicted), (80, vec![12]));
     }
 }
