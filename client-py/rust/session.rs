@@ -3,7 +3,9 @@
 //! or `Fault` to its ticket; `wait` blocks in Rust with the GIL released. No Python thread is
 //! involved. On the host backend `wait` counts the time it blocks for a ticket not yet staged
 //! as the client's wait for weights; on CUDA the Python side times its stream and adds what it
-//! measures (`add_gpu_wait`). The native session reports the totals to the daemon.
+//! measures (`add_gpu_wait`). The native session reports the totals to the daemon. On every
+//! backend `wait` also keeps the time it blocked apart (`reply_wait`): on CUDA the host issues
+//! nothing meanwhile, which the device-side wait cannot show.
 
 use std::collections::HashMap;
 use std::os::fd::IntoRawFd;
@@ -123,10 +125,11 @@ impl Session {
         blocked: Option<Duration>,
     ) -> PyResult<records::Staged> {
         self.with(|s| {
-            if let Some(blocked) = blocked
-                && !s.on_device()
-            {
-                s.add_wait(group, blocked, None);
+            if let Some(blocked) = blocked {
+                s.add_reply_wait(group, blocked);
+                if !s.on_device() {
+                    s.add_wait(group, blocked, None);
+                }
             }
             if s.is_stale(ticket) {
                 return Err(DaemonUnavailable::new_err(format!(
@@ -244,6 +247,11 @@ impl Session {
     /// The session's waits for weights so far, as this client measured them.
     fn gpu_wait(&self) -> PyResult<records::WaitTotals> {
         self.with(|s| Ok(records::wait_totals(s.waits())))
+    }
+
+    /// The time `wait` blocked for replies in this opening (`total_ns`, `waits`, `by_group`).
+    fn reply_wait(&self) -> PyResult<records::WaitTotals> {
+        self.with(|s| Ok(records::wait_totals(s.reply_waits())))
     }
 
     /// Sends the daemon the session's waits now (it has them otherwise within 250 ms of a

@@ -118,6 +118,9 @@ pub struct Session {
     plan: Mutex<Option<Vec<u32>>>,
     /// The caller's waits for weights in this opening.
     waits: Mutex<WaitLedger>,
+    /// The time the caller's thread blocked for replies in this opening (never reported: on
+    /// CUDA it is not the device's wait, on the host it is `waits`).
+    replies: Mutex<WaitLedger>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -217,6 +220,7 @@ impl Session {
         let routes = Arc::new(Mutex::new(Routes::default()));
         tokio::spawn(read_replies(inbound, routes.clone()));
         let waits = Mutex::new(WaitLedger::new(opened.groups.len()));
+        let replies = Mutex::new(WaitLedger::new(opened.groups.len()));
         Ok(Session {
             id: opened.session_id.clone(),
             client,
@@ -233,6 +237,7 @@ impl Session {
             first_ticket: 1,
             plan: Mutex::new(None),
             waits,
+            replies,
         })
     }
 
@@ -448,7 +453,9 @@ impl Session {
         let group = submitted.group;
         let blocked = Instant::now();
         let reply = (&mut submitted).await;
-        self.add_wait(group, blocked.elapsed(), None);
+        let blocked = blocked.elapsed();
+        self.add_reply_wait(group, blocked);
+        self.add_wait(group, blocked, None);
         reply
     }
 
@@ -468,6 +475,20 @@ impl Session {
     pub fn add_wait(&self, group: u32, elapsed: Duration, step: Option<u64>) {
         let ns = u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX);
         lock(&self.waits).add(group, ns, step);
+    }
+
+    /// Adds `blocked`, the time the caller's thread waited for `group`'s reply (measured by the
+    /// caller where it waits itself: the Python client's `wait`).
+    pub fn add_reply_wait(&self, group: u32, blocked: Duration) {
+        let ns = u64::try_from(blocked.as_nanos()).unwrap_or(u64::MAX);
+        lock(&self.replies).add(group, ns, None);
+    }
+
+    /// The time the caller's thread blocked for replies so far (since the session was opened
+    /// or reopened): on CUDA the host issues nothing meanwhile, which the device-side wait
+    /// misses while earlier work keeps the device busy.
+    pub fn reply_waits(&self) -> WaitTotals {
+        lock(&self.replies).totals()
     }
 
     /// Ends a step for the session's waits (the step boundary is the caller's: the Python

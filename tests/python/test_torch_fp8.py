@@ -15,7 +15,7 @@ import weightstream.torch as wst
 from test_torch import inputs, make_model, train
 from torch import nn
 from weightstream import quantize
-from weightstream.session import ReplyWaits, Ticket
+from weightstream.session import Ticket
 from weightstream.torch import policy
 
 FP8 = quantize.FP8_E4M3_BLOCK64
@@ -87,7 +87,7 @@ class FakeSession:
         )
 
     def reply_wait(self):
-        return ReplyWaits(0, 0, [0] * len(self.groups))
+        return SimpleNamespace(total_ns=0, waits=0, by_group=[0] * len(self.groups))
 
     def stats(self):
         return None

@@ -20,10 +20,8 @@ session sums the waits per group and per step and reports them to the daemon (it
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -70,14 +68,6 @@ def tensor_view(base: torch.Tensor, start: int, t) -> torch.Tensor | Fp8Weight:
 
 #: Views kept per (group, region, offset) before the cache starts over.
 VIEW_CACHE_ENTRIES = 8192
-
-
-class ReplyWaits(NamedTuple):
-    """``Session.reply_wait``: nanoseconds in all, waits, nanoseconds per group."""
-
-    total_ns: int
-    waits: int
-    by_group: list[int]
 
 
 @dataclass
@@ -144,10 +134,6 @@ class Session:
         self._generation += 1
         # The step in progress for the waits (``mark_step``); a new opening starts at 0.
         self._step = 0
-        # CUDA: the time the calling thread blocked for the daemon's reply (``reply_wait``).
-        self._reply_wait_ns = 0
-        self._reply_waits = 0
-        self._reply_wait_by_group = [0] * len(self.groups)
         # CUDA (the daemon hands out events): the compute stream is timed; host: the native
         # wait counts its own blocked time.
         self._timer = (
@@ -230,12 +216,7 @@ class Session:
             if not block:
                 return None
             before = timer.start(s)
-            blocked = time.perf_counter_ns()
             staged = self._native.wait(number)
-            blocked = time.perf_counter_ns() - blocked
-            self._reply_wait_ns += blocked
-            self._reply_waits += 1
-            self._reply_wait_by_group[staged.group] += blocked
         elif staged.ready_event and not self._event(staged.ready_event).query():
             before = timer.start(s)
         ticket = self._ticket(staged, s)
@@ -305,18 +286,14 @@ class Session:
             self._timer.harvest()
         return self._native.gpu_wait()
 
-    def reply_wait(self) -> ReplyWaits:
+    def reply_wait(self):
         """How long the calling thread blocked for the daemon's reply to an acquire (the
-        group's copy not yet queued), since this opening: in all, how many times, and per
-        group. On CUDA the host stops issuing work meanwhile, which ``gpu_wait`` does not show
-        while work queued earlier keeps the device busy (the host's lead shrinks instead); on
-        the host backend the blocked thread is the compute, and these are ``gpu_wait``'s."""
-        if self._timer is not None:
-            return ReplyWaits(
-                self._reply_wait_ns, self._reply_waits, list(self._reply_wait_by_group)
-            )
-        waits = self._native.gpu_wait()
-        return ReplyWaits(waits.total_ns, waits.waits, list(waits.by_group))
+        group's copy not yet queued), since this opening (``protocol.WaitTotals``:
+        ``total_ns``, ``waits``, ``by_group``), as the native ``wait`` times it. On CUDA the
+        host stops issuing work meanwhile, which ``gpu_wait`` does not show while work queued
+        earlier keeps the device busy (the host's lead shrinks instead); on the host backend
+        the blocked thread is the compute, and these are ``gpu_wait``'s."""
+        return self._native.reply_wait()
 
     def report_gpu_wait(self):
         """Sends the daemon the waits now (else it has them within 250 ms of a release)."""
