@@ -6,6 +6,8 @@
 //! from just after the last placement: the arena then behaves as a ring, the
 //! newest (soonest needed) blocks stay out of the way of the next placements,
 //! and out-of-order releases simply leave gaps that later placements reuse.
+//! Blocks near the session's largest size go at multiples of it first
+//! (`with_slot`), so that smaller blocks cannot shift them off a ring of those.
 //!
 //! Released blocks are not freed but kept as a cache: with gradient
 //! checkpointing every group is used several times per step, and a hit saves
@@ -254,22 +256,17 @@ impl StagingArena {
         if self.index.contains_key(&group) {
             return Err(AllocError::AlreadyPresent { group });
         }
-        let free_slot = self.on_slot(len, &next_use, evict_only_after, false);
-        let (placement, cover) = match free_slot {
+        let gap = |offset| {
+            let evicted = Vec::new();
+            (Placement { offset, evicted }, len)
+        };
+        let placed = self
+            .on_slot(len, &next_use, evict_only_after, false)
+            .or_else(|| self.find_gap(len).map(gap))
+            .or_else(|| self.on_slot(len, &next_use, evict_only_after, true));
+        let (placement, cover) = match placed {
             Some(placed) => placed,
-            None => match self.find_gap(len) {
-                Some(offset) => (
-                    Placement {
-                        offset,
-                        evicted: Vec::new(),
-                    },
-                    len,
-                ),
-                None => match self.on_slot(len, &next_use, evict_only_after, true) {
-                    Some(placed) => placed,
-                    None => self.evict_for(len, &next_use, evict_only_after)?,
-                },
-            },
+            None => self.evict_for(len, &next_use, evict_only_after)?,
         };
         self.insert(group, placement.offset, len, cover);
         Ok(placement)
