@@ -386,26 +386,35 @@ def mode_resident_fp8(args, record):
 
 
 def dequant_probe(model, record):
-    """One more step with CUDA events around each dequantization: its device time per step
-    (the events wait on nothing else: each dequantization follows its group's ready event)."""
+    """One more step with CUDA events around each dequantization (a weight's, or with
+    --dequantize group a group's launch): its device time per step (the events wait on nothing
+    else: each dequantization follows its group's ready event)."""
     import torch
-    from weightstream import quantize
+    from weightstream import _fused_dequant, quantize
 
-    real, events = quantize.dequantize, []
+    events = []
 
-    def timed(q, scale, dtype):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        w = real(q, scale, dtype)
-        end.record()
-        events.append((start, end))
-        return w
+    def timed(real):
+        def call(*args):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = real(*args)
+            end.record()
+            events.append((start, end))
+            return out
 
-    quantize.dequantize = timed
+        return call
+
+    reals = [(quantize, "dequantize"), (_fused_dequant, "dequantize_group")]
+    reals = [(module, name, getattr(module, name)) for module, name in reals]
+    for module, name, real in reals:
+        setattr(module, name, timed(real))
     try:
         steps(model, 1)
     finally:
-        quantize.dequantize = real
+        for module, name, real in reals:
+            setattr(module, name, real)
     torch.cuda.synchronize()
     record["dequant_calls_per_step"] = len(events)
     record["dequant_ms_per_step"] = round(sum(a.elapsed_time(b) for a, b in events), 2)
@@ -506,7 +515,9 @@ def mode_weightstream(args, record):
         staging_bytes=int(args.staging_gib * GiB),
         group_by=args.group_by,
         quantize=args.quantize,
+        dequantize=args.dequantize,
     )
+    record["dequantize"] = args.dequantize
     record["attach_s"] = round(time.monotonic() - started, 1)
     record["streamed_modules"] = len(handle.streamed)
     record["groups"] = len(handle.session.groups)
@@ -895,6 +906,7 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd += ["--det-steps", str(args.det_steps)]
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
+    cmd += ["--dequantize", args.dequantize]
     cmd += ["--staging-gib", str(args.staging_gib)]
     cmd += ["--jobs-budget", str(args.jobs_budget), "--min-blocks", str(args.min_blocks)]
     cmd += ["--model", args.model, "--rank", str(args.rank), "--optimizer", args.optimizer]
@@ -1139,6 +1151,12 @@ def main(model: str = "flux1"):
         help="the trainer's share of each budget (its allocator's cap); the daemon gets the rest",
     )
     parser.add_argument("--group-by", default="block", help="attach's group_by")
+    parser.add_argument(
+        "--dequantize",
+        choices=("layer", "group"),
+        default="layer",
+        help="attach's dequantize (8 bits: each layer's weight at each call, or a group's at once)",
+    )
     parser.add_argument(
         "--staging-gib",
         type=float,

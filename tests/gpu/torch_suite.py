@@ -41,10 +41,12 @@ def start_daemon(binary: str, tmp: Path, out: Path):
     return proc, weightstream.connect(socket)
 
 
-def equality(client, dtype, ckpt, autocast=False, steps=4, group_by="layer", fp8=False):
+def equality(
+    client, dtype, ckpt, autocast=False, steps=4, group_by="layer", fp8=False, dequantize="layer"
+):
     """The model streamed against the same model resident on the GPU. With ``fp8``: streamed
     in 8 bits (fused dequantization on the device) against the 8-bit resident reference, every
-    streamed weight replaced in place by its w_hat."""
+    streamed weight replaced in place by its w_hat; ``dequantize``: attach's."""
     ref = t.make_model(dtype).cuda()
     streamed = copy.deepcopy(ref)
     ref.ckpt = streamed.ckpt = ckpt
@@ -58,6 +60,7 @@ def equality(client, dtype, ckpt, autocast=False, steps=4, group_by="layer", fp8
         staging_bytes=staging,
         group_by=group_by,
         quantize="fp8" if fp8 else None,
+        dequantize=dequantize,
     )
     if fp8:
         quantize.to_fp8_resident(ref, handle.streamed)
@@ -105,7 +108,30 @@ def fused_dequant():
             if got.dtype != dtype or not torch.equal(got.view(bits), want.view(bits)):
                 bad.append(f"case {i} {tuple(q.shape)} {dtype}")
     assert not bad, f"{len(bad)} differ: {bad[:10]}"
-    return f"{len(cases)} tensors x 3 dtypes bit for bit"
+    # The group kernel: FLUX.1's double block's weights side by side in one buffer, as a
+    # staging block holds them, in one launch, each equal to the single-weight kernel's.
+    shapes = [(3072, 3072)] * 8 + [(18432, 3072)] * 2 + [(12288, 3072), (3072, 12288)] * 2
+    pairs = [quantize.quantize_fp8_block64(torch.randn(s, generator=g).mul_(0.02)) for s in shapes]
+    sizes = [q.numel() for q, _ in pairs] + [s.numel() * 4 for _, s in pairs]
+    buf = torch.empty(sum(sizes), dtype=torch.uint8, device="cuda")
+    parts = list(buf.split(sizes))
+    weights = []
+    for i, (q, s) in enumerate(pairs):
+        qd = parts[i].view(torch.float8_e4m3fn).view(q.shape)
+        sd = parts[len(pairs) + i].view(torch.float32).view(s.shape)
+        qd.copy_(q)
+        sd.copy_(s)
+        weights.append((qd, sd))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        group = _fused_dequant.dequantize_group(weights, dtype)
+        assert group is not None, "the group kernel does not apply"
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        for i, ((qd, sd), got) in enumerate(zip(weights, group, strict=True)):
+            want = quantize.dequantize(qd, sd, dtype)
+            if not torch.equal(got.view(bits), want.view(bits)):
+                bad.append(f"group weight {i} {tuple(qd.shape)} {dtype}")
+    assert not bad, f"{len(bad)} differ: {bad[:10]}"
+    return f"{len(cases)} tensors x 3 dtypes bit for bit; a group of {len(pairs)} in one launch"
 
 
 def comfy_mixed_on_cuda():
@@ -460,6 +486,17 @@ def main():
         (
             "equal: fp8 streaming, fp32, by block",
             lambda: equality(client, torch.float32, None, group_by="block", fp8=True),
+        ),
+        (
+            "equal: fp8 streaming dequantized by group, bf16, checkpointing, by block",
+            lambda: equality(
+                client,
+                torch.bfloat16,
+                "non-reentrant",
+                group_by="block",
+                fp8=True,
+                dequantize="group",
+            ),
         ),
         (
             "fp8 quantized on the device as it is copied == the daemon's model",

@@ -104,3 +104,79 @@ def test_the_kernels_compute_the_formula_under_the_interpreter():
     assert vector_cases, "no edge vectors were read"
     differ = [line for line in lines if not line.endswith(" equal")]
     assert not differ, differ
+
+
+GROUP_CHILD = r"""
+import torch
+from weightstream import _fused_dequant, quantize
+
+g = torch.Generator().manual_seed(3)
+# A group's weights as a staging block holds them: the 8-bit data, then the scales, each at a
+# 256-byte boundary of one buffer (the kernel works from offsets to the first weight's).
+shapes = [(70, 128), (7, 64, 3, 3), (2, 8192), (16, 64)]
+pairs = [quantize.quantize_fp8_block64(torch.randn(s, generator=g).mul_(0.02)) for s in shapes]
+
+
+def aligned(n):
+    return -(-n // 256) * 256
+
+
+size = sum(aligned(q.numel()) + aligned(s.numel() * 4) for q, s in pairs)
+buf = torch.zeros(size + 16, dtype=torch.uint8)
+
+
+def place(at, t, dtype):
+    n = t.numel() * t.element_size()
+    view = buf[at : at + n].view(dtype).view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def group(shift_scale=0):
+    at, qs = 0, []
+    for q, _ in pairs:
+        qs.append(place(at, q, torch.float8_e4m3fn))
+        at += aligned(q.numel())
+    out = []
+    for i, (q, s) in enumerate(pairs):
+        shift = shift_scale if i == 2 else 0
+        out.append((qs[i], place(at + shift, s, torch.float32)))
+        at += aligned(s.numel() * 4)
+    return out
+
+
+for dtype, bits in ((torch.float16, torch.int16), (torch.float32, torch.int32)):
+    weights = group()
+    outs = _fused_dequant.launch_group(weights, dtype)
+    for (q, s), o in zip(weights, outs, strict=True):
+        rows, nb = s.shape
+        want = (q.float().view(rows, nb, -1) * s.view(rows, nb, 1)).view(q.shape).to(dtype)
+        same = torch.equal(o.view(bits), want.view(bits))
+        print(tuple(q.shape), str(dtype), "equal" if same else "DIFFER")
+    print("one tensor", len({o.untyped_storage().data_ptr() for o in outs}))
+# Scales 8 bytes off a 16-byte boundary: one launch cannot take them (its loads assume it).
+print("misaligned", _fused_dequant.launch_group(group(shift_scale=8), torch.float32))
+# Scale blocks of different sizes: no one kernel for both.
+rowwise = (torch.ones(3, 4096).to(torch.float8_e4m3fn), torch.ones(3, 1))
+print("mixed blocks", _fused_dequant.launch_group([group()[0], rowwise], torch.float32))
+"""
+
+
+def test_the_group_kernel_computes_the_formula_for_each_weight_under_the_interpreter():
+    """``launch_group``: the weights of one group (at offsets in one buffer, as a staging
+    block holds them) dequantized in one launch into views of one tensor, each equal to the
+    formula; weights one launch cannot take are refused (None: dequantized one by one)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run(
+        [sys.executable, "-c", GROUP_CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    shapes = ("(70, 128)", "(7, 64, 3, 3)", "(2, 8192)", "(16, 64)")
+    want = []
+    for dtype in ("float16", "float32"):
+        want += [f"{shape} torch.{dtype} equal" for shape in shapes] + ["one tensor 1"]
+    assert out.stdout.splitlines() == [*want, "misaligned None", "mixed blocks None"]

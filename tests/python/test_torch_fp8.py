@@ -169,21 +169,25 @@ def frozen_weights(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "dtype,ckpt,autocast,group_by,where",
+    "dtype,ckpt,autocast,group_by,where,dequantize",
     [
-        (torch.float32, None, False, "layer", "streamed"),
-        (torch.float32, "reentrant", False, "layer", "mixed"),
-        (torch.bfloat16, None, False, "layer", "mixed"),
-        (torch.bfloat16, "non-reentrant", False, "layer", "streamed"),
-        (torch.float32, "non-reentrant", True, "layer", "mixed"),
-        (torch.float32, None, False, "block", "mixed"),
-        (torch.float32, "reentrant", False, "block", "streamed"),
-        (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
-        (torch.bfloat16, None, False, "block", "streamed"),
+        (torch.float32, None, False, "layer", "streamed", "layer"),
+        (torch.float32, "reentrant", False, "layer", "mixed", "layer"),
+        (torch.bfloat16, None, False, "layer", "mixed", "layer"),
+        (torch.bfloat16, "non-reentrant", False, "layer", "streamed", "layer"),
+        (torch.float32, "non-reentrant", True, "layer", "mixed", "layer"),
+        (torch.float32, None, False, "block", "mixed", "layer"),
+        (torch.float32, "reentrant", False, "block", "streamed", "layer"),
+        (torch.bfloat16, "non-reentrant", False, "block", "mixed", "layer"),
+        (torch.bfloat16, None, False, "block", "streamed", "layer"),
+        (torch.bfloat16, "non-reentrant", False, "block", "streamed", "group"),
+        (torch.float32, "reentrant", True, "block", "mixed", "group"),
+        (torch.bfloat16, None, False, "block", "mixed", "group"),
+        (torch.float32, "non-reentrant", False, "layer", "streamed", "group"),
     ],
 )
 def test_fp8_attach_equals_the_8bit_resident_reference(
-    daemon, dtype, ckpt, autocast, group_by, where
+    daemon, dtype, ckpt, autocast, group_by, where, dequantize
 ):
     ref = make_model(dtype)
     original = frozen_weights(ref)
@@ -200,6 +204,7 @@ def test_fp8_attach_equals_the_8bit_resident_reference(
         staging_bytes=staging,
         group_by=group_by,
         quantize="fp8",
+        dequantize=dequantize,
     )
     assert [g.nbytes for g in handle.session.groups] == sizes
     resident = [g.resident for g in handle.session.groups]
@@ -225,9 +230,20 @@ def test_fp8_attach_equals_the_8bit_resident_reference(
     stats = handle.stats()
     modules = dict(ref.named_modules())
     largest = max(modules[n].weight.nbytes for n in handle.streamed)
-    assert stats["dequant_peak_bytes"] == largest
     product = 0 if dtype == torch.float32 else largest * 2
-    assert stats["dequant_scratch_peak_bytes"] == largest + product
+    peak = largest
+    if dequantize == "group":
+        # A streamed group's weights are held at once; a resident group's one at a time.
+        by_group = {}
+        for name, layer in handle.streamed.items():
+            if layer.pinned is None:
+                by_group[layer.group] = by_group.get(layer.group, 0) + modules[name].weight.nbytes
+        peak = max(
+            *by_group.values(),
+            *(modules[n].weight.nbytes for n, layer in handle.streamed.items() if layer.pinned),
+        )
+    assert stats["dequant_peak_bytes"] == peak
+    assert stats["dequant_scratch_peak_bytes"] == peak + product
     handle.detach(release=True)
 
 
@@ -259,6 +275,43 @@ def test_fp8_weights_are_dequantized_for_each_use(daemon, monkeypatch):
         model(xs[0])
     assert len(calls) == len(handle.streamed)
     handle.detach(release=True)
+
+
+@pytest.mark.parametrize("ckpt", ["non-reentrant", "reentrant", None])
+def test_group_dequantization_serves_a_pass_of_the_group_once(daemon, monkeypatch, ckpt):
+    """dequantize="group": each streamed group's weights are dequantized once per pass (the
+    forward, then the backward's recompute and input gradients together), against once per
+    layer call: three per step for a layer of a checkpointed block, two for the others."""
+    calls = []
+    real = quantize.dequantize_weight
+    monkeypatch.setattr(quantize, "dequantize_weight", lambda *a: calls.append(1) or real(*a))
+    counts = {}
+    for dequantize in ("layer", "group"):
+        model = make_model()
+        model.ckpt = ckpt
+        sizes = fp8_sizes(model, "block", daemon.client.info().alignment)
+        vram_budget, staging = budget(sizes, "streamed")
+        handle = wst.attach(
+            model,
+            "cpu",
+            client=daemon.client,
+            min_bytes=0,
+            vram_budget=vram_budget,
+            staging_bytes=staging,
+            quantize="fp8",
+            dequantize=dequantize,
+        )
+        assert all(layer.pinned is None for layer in handle.streamed.values())
+        xs = inputs(3, torch.float32)
+        train(model, xs[:1])
+        calls.clear()
+        train(model, xs[1:])
+        counts[dequantize] = len(calls) / 2
+        in_blocks = sum(name.startswith("blocks.") for name in handle.streamed)
+        layers = len(handle.streamed)
+        handle.detach(release=True)
+    recomputed = in_blocks if ckpt else 0
+    assert counts == {"layer": 2 * layers + recomputed, "group": 2 * layers}
 
 
 def test_attach_to_an_fp8_model_the_daemon_loaded(daemon, tmp_path):

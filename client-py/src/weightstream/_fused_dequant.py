@@ -132,3 +132,120 @@ def launch(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor):
     compiled = blocks[grid](q, scale, out, n_scales, BLOCK=block, BLOCKS=per_program)
     if key is not None and _compiled is not None:
         _compiled[key] = compiled
+
+
+#: Offsets a group launch needs to be multiples of, in elements: 16 bytes for the 8-bit data,
+#: the scales (fp32) and the output (any of ``_OUT_DTYPES``), so that each program's loads and
+#: stores stay as wide as the single-weight kernel's (``tl.multiple_of``).
+_GROUP_ALIGN = 16
+
+
+@functools.cache
+def _group_kernel():
+    """The kernel of ``dequantize_group``: the block kernel over several weights in one launch.
+    A table row per weight (its first program, the offsets of its data, scales and output
+    from the first weight's, its number of scale blocks) tells each program which weight it
+    works on, by a scan over the rows (a group holds a few tens of weights at most). None
+    where the single-weight kernels are off."""
+    if _kernel() is None:
+        return None
+    import triton.language as tl
+
+    triton = _kernel()[0]
+
+    @triton.jit
+    def group(
+        q_ptr, s_ptr, out_ptr, table_ptr, N: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr
+    ):
+        pid = tl.program_id(0)
+        t = 0
+        for i in tl.static_range(1, N):
+            t += (pid >= tl.load(table_ptr + i * 5)).to(tl.int32)
+        row = table_ptr + t * 5
+        first = tl.load(row)
+        q_off = tl.multiple_of(tl.load(row + 1), 16)
+        s_off = tl.multiple_of(tl.load(row + 2), 4)
+        o_off = tl.multiple_of(tl.load(row + 3), 16)
+        n_blocks = tl.load(row + 4)
+        b = (pid - first).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        live = b < n_blocks
+        s = tl.load(s_ptr + s_off + b, mask=live, other=1.0)
+        offs = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        q = tl.load(q_ptr + q_off + offs, mask=live[:, None], other=0.0).to(tl.float32)
+        w = (q * s[:, None]).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + o_off + offs, w, mask=live[:, None])
+
+    return group
+
+
+#: Device tables of ``dequantize_group``, per (device, the table's rows): a group's weights
+#: keep their places relative to each other in every ticket, so each group's table is made
+#: once (its first copy to the device waits for the stream; later launches reuse it).
+_tables: dict = {}
+#: More distinct tables than this (models attached one after another in one process): the
+#: cache starts again.
+_TABLES_KEPT = 4096
+
+
+def dequantize_group(weights: list, dtype: torch.dtype) -> list | None:
+    """The dequantizations of several 8-bit weights ``[(q, scale), ...]`` on one CUDA device
+    (``dequantize``'s formula, same bits) in one launch, each a view of one new tensor in
+    ``dtype``; None where one launch cannot do them all (then dequantize them one by one): see
+    ``launch_group``."""
+    if not weights or not weights[0][0].is_cuda:
+        return None
+    return launch_group(weights, dtype)
+
+
+def launch_group(weights: list, dtype: torch.dtype) -> list | None:
+    """``dequantize_group`` on the current stream of the weights' device (or, under Triton's
+    interpreter, on the CPU); None where Triton is missing or off, the weights are not all
+    fp8 with fp32 scales on one device, the scale block is not a power of two up to a
+    program's chunk or not the same for all, or an offset between them is not a multiple of
+    16 bytes."""
+    kernel = _group_kernel()
+    if kernel is None or not weights or dtype not in _OUT_DTYPES:
+        return None
+    q0, s0 = weights[0]
+    device = q0.device
+    block = q0.numel() // max(s0.numel(), 1)
+    if block <= 0 or block & (block - 1) or block > _CHUNK:
+        return None
+    per_program = _CHUNK // block
+    rows, outs, first, out_len = [], [], 0, 0
+    for q, scale in weights:
+        if not (
+            q.device == device
+            and scale.device == device
+            and q.dtype == torch.float8_e4m3fn
+            and scale.dtype == torch.float32
+            and q.is_contiguous()
+            and scale.is_contiguous()
+            and q.numel() > 0
+            and q.numel() == scale.numel() * block
+        ):
+            return None
+        q_off = q.data_ptr() - q0.data_ptr()
+        s_off, s_rem = divmod(scale.data_ptr() - s0.data_ptr(), 4)
+        if q_off % _GROUP_ALIGN or s_rem or s_off % (_GROUP_ALIGN // 4):
+            return None
+        n_blocks = scale.numel()
+        rows.append((first, q_off, s_off, out_len, n_blocks))
+        outs.append((out_len, q.shape))
+        first += -(-n_blocks // per_program)
+        out_len += -(-q.numel() // _GROUP_ALIGN) * _GROUP_ALIGN
+    key = (str(device), tuple(rows))
+    table = _tables.get(key)
+    if table is None:
+        if len(_tables) >= _TABLES_KEPT:
+            _tables.clear()
+        table = _tables[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+    out = torch.empty(out_len, dtype=dtype, device=device)
+    args = (q0, s0, out, table)
+    consts = {"N": len(rows), "BLOCK": block, "BLOCKS": per_program}
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            kernel[(first,)](*args, **consts)
+    else:
+        kernel[(first,)](*args, **consts)
+    return [out[o : o + shape.numel()].view(shape) for o, shape in outs]

@@ -202,6 +202,17 @@ def dequantize_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_as(w.format, w.data, w.scale, dtype)
 
 
+def dequantize_group(weights: list[Fp8Weight], dtype: torch.dtype) -> list[torch.Tensor]:
+    """``dequantize_weight`` of each weight, in ``dtype``: for weights all in
+    ``fp8_e4m3_block64`` on a CUDA device with Triton, one launch of the fused kernel into one
+    new tensor (``_fused_dequant.dequantize_group``), else one by one. Same bits either way."""
+    if all(w.format == FP8_E4M3_BLOCK64 for w in weights):
+        out = _fused_dequant.dequantize_group([(w.data, w.scale) for w in weights], dtype)
+        if out is not None:
+            return out
+    return [dequantize_weight(w, dtype) for w in weights]
+
+
 def linear_as(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The linear layer of ``x`` with weight ``w`` (a format of ``OWN_LINEAR``) and ``bias``,
     op for op as the format's library computes it (torchao 0.18's weight-only branches; the

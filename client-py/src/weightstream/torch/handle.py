@@ -51,9 +51,15 @@ class StreamedLayer:
 
     def weights(self, training: bool) -> tuple:
         """The (weight, bias) this pass computes with: the views, or for an 8-bit weight its
-        dequantization (a new tensor per call, freed when the op is done with it)."""
-        views = self.pinned if self.pinned is not None else self.handle._acquire(self, training)
-        return self.handle._dequantized(self, views)
+        dequantization (a new tensor per call, freed when the op is done with it; with
+        ``dequantize="group"`` the group's, kept while the group is held)."""
+        handle = self.handle
+        if self.pinned is not None:
+            return handle._dequantized(self, self.pinned)
+        views = handle._acquire(self, training)
+        if handle.options.dequantize == "group" and isinstance(views[0], Fp8Weight):
+            return handle._from_group(self, views)
+        return handle._dequantized(self, views)
 
     def views(self, ticket) -> tuple:
         """The layer's (weight, bias) views in its group's ticket."""
@@ -68,6 +74,9 @@ class _Held:
     group: int
     ticket: object
     backward: bool | None
+    #: ``dequantize="group"``: layer name -> its dequantized weight, made at the group's
+    #: first 8-bit layer call under this ticket (``Handle._from_group``).
+    dequantized: dict | None = None
 
 
 @dataclass
@@ -109,6 +118,8 @@ class Handle:
     #: See ``stats``.
     _dequant_peak: int = 0
     _dequant_scratch_peak: int = 0
+    #: ``dequantize="group"``: group -> its layers, in the order they were attached.
+    _layers_by_group: dict | None = None
 
     # --- used by the streamed layers ----------------------------------------------------
 
@@ -138,6 +149,44 @@ class Handle:
         if weight.format in quantize.OWN_LINEAR:
             return weight._replace(dtype=layer.dtype), bias
         return quantize.dequantize_weight(weight, layer.dtype), bias
+
+    def _from_group(self, layer: StreamedLayer, views: tuple) -> tuple:
+        """``dequantize="group"``: the layer's (weight, bias) with its weight from the held
+        group's dequantizations, made for every 8-bit weight of the group at the first call
+        (``quantize.dequantize_group``: one launch where the fused kernel can take them all);
+        a format with its own linear (``quantize.OWN_LINEAR``) as ``_dequantized`` gives it."""
+        weight, bias = views
+        with self._lock:
+            held = self._held
+        if weight.format in quantize.OWN_LINEAR or held is None or held.group != layer.group:
+            return self._dequantized(layer, views)
+        if held.dequantized is None:
+            held.dequantized = self._dequantize_group(held)
+        return held.dequantized[layer.name], bias
+
+    def _dequantize_group(self, held: _Held) -> dict:
+        if self._layers_by_group is None:
+            by_group = {}
+            for layer in self.streamed.values():
+                by_group.setdefault(layer.group, []).append(layer)
+            self._layers_by_group = by_group
+        by_dtype = {}
+        for layer in self._layers_by_group[held.group]:
+            weight = layer.views(held.ticket)[0]
+            if isinstance(weight, Fp8Weight) and weight.format not in quantize.OWN_LINEAR:
+                by_dtype.setdefault(layer.dtype, []).append((layer, weight))
+        out, size, product = {}, 0, 0
+        for dtype, pairs in by_dtype.items():
+            weights = quantize.dequantize_group([w for _, w in pairs], dtype)
+            for (layer, weight), w in zip(pairs, weights, strict=True):
+                out[layer.name] = w
+                size += w.numel() * w.element_size()
+                if not _fused_dequant.applies(weight.data, weight.scale, dtype):
+                    product = max(product, weight.data.numel() * 4 if dtype != torch.float32 else 0)
+        # Every weight of the group is held at once, and one torch-path product at a time.
+        self._dequant_peak = max(self._dequant_peak, size)
+        self._dequant_scratch_peak = max(self._dequant_scratch_peak, size + product)
+        return out
 
     def _acquire(self, layer: StreamedLayer, training: bool) -> tuple:
         """The layer's (weight, bias) views, from the group's held ticket when it serves this
