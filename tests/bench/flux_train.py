@@ -978,17 +978,21 @@ def timed_record(record: dict) -> dict:
 
 
 def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
-    """``--interleave A B``: both modes' children at once, their timed steps alternating one by
-    one (A's step i, then B's step i: ``Lockstep``), so that a drift of the machine's speed
-    reaches both. Returns the two records and the summary: B's step over A's step before it,
-    per pair, and their median."""
+    """``--interleave A B [C ...]``: the modes' children at once, their timed steps alternating
+    one by one (A's step i, then B's step i, ...: ``Lockstep``), so that a drift of the
+    machine's speed reaches all. A mode written ``MODE+group`` (or ``+layer``) runs MODE with
+    that ``--dequantize``. Returns the records (each with its ``variant``, the name as given)
+    and the summary: each later mode's step over A's step before it, per pair, and their
+    median (``ratios``, by name; the second mode's also at the top level)."""
     n = args.warmup + args.measured
     children = []
     for mode in args.interleave:
         go_r, go_w = os.pipe()
         back_r, back_w = os.pipe()
         log = open(out / f"flux-{mode}.log", "w")
-        cmd = child_cmd(args, mode, socket) + ["--lockstep", f"{go_r},{back_w}"]
+        base, _, dequantize = mode.partition("+")
+        extra = ["--dequantize", dequantize] if dequantize else []
+        cmd = child_cmd(args, base, socket) + extra + ["--lockstep", f"{go_r},{back_w}"]
         p = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, pass_fds=(go_r, back_w))
         os.close(go_r)
         os.close(back_w)
@@ -1015,20 +1019,27 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
         os.close(back_r)
         log.close()
         text = (out / f"flux-{mode}.log").read_text()
-        record = result_of(mode, text, f"no result: see flux-{mode}.log")
+        record = result_of(mode.partition("+")[0], text, f"no result: see flux-{mode}.log")
         record["interleaved"] = True
+        record["variant"] = mode
         records.append(record)
     summary = {"modes": list(args.interleave)}
     if stopped:
         summary["error"] = stopped
-    a, b = (timed_record(r).get("steps_s") for r in records)
-    if a and b and len(a) == len(b):
-        ratios = sorted(y / x for x, y in zip(a, b, strict=True))
-        summary["ratio_per_pair"] = [round(y / x, 4) for x, y in zip(a, b, strict=True)]
-        summary["ratio_median"] = round(statistics.median(ratios), 4)
-        summary["ratio_min"] = round(ratios[0], 4)
-        summary["ratio_max"] = round(ratios[-1], 4)
-        summary["ratio_of_medians"] = round(statistics.median(b) / statistics.median(a), 4)
+    a = timed_record(records[0]).get("steps_s")
+    summary["ratios"] = {}
+    for mode, record in zip(args.interleave[1:], records[1:], strict=True):
+        b = timed_record(record).get("steps_s")
+        if a and b and len(a) == len(b):
+            ratios = sorted(y / x for x, y in zip(a, b, strict=True))
+            summary["ratios"][mode] = {
+                "ratio_per_pair": [round(y / x, 4) for x, y in zip(a, b, strict=True)],
+                "ratio_median": round(statistics.median(ratios), 4),
+                "ratio_min": round(ratios[0], 4),
+                "ratio_max": round(ratios[-1], 4),
+                "ratio_of_medians": round(statistics.median(b) / statistics.median(a), 4),
+            }
+    summary.update(summary["ratios"].get(args.interleave[1], {}))
     return records, summary
 
 
@@ -1102,9 +1113,11 @@ def check_equality(results):
             m["losses_equal_resident"] = m["det_losses"] == ref
             if m["mode"] == "weightstream" and not m["losses_equal_resident"]:
                 ok = False
-    results["weightstream_losses_equal"] = modes.get("weightstream", {}).get(
-        "losses_equal_resident"
-    )
+    # Every weightstream record (an interleaved run may hold several: ``MODE+group``).
+    equal = [
+        m.get("losses_equal_resident") for m in results["modes"] if m["mode"] == "weightstream"
+    ]
+    results["weightstream_losses_equal"] = None if not equal or None in equal else all(equal)
     print("weightstream losses equal resident:", results["weightstream_losses_equal"])
     return ok
 
@@ -1182,10 +1195,11 @@ def main(model: str = "flux1"):
     )
     parser.add_argument(
         "--interleave",
-        nargs=2,
-        metavar=("A", "B"),
-        help="run modes A and B at once, their timed steps alternating one by one (instead of "
-        "--modes; one --budgets value, --min-blocks 0): B's step over A's, pair by pair",
+        nargs="+",
+        metavar="MODE",
+        help="run modes A B [C ...] at once, their timed steps alternating one by one (instead "
+        "of --modes; one --budgets value, --min-blocks 0): each later mode's step over A's, pair "
+        "by pair; MODE+group / MODE+layer runs MODE with that --dequantize",
     )
     parser.add_argument("--lockstep", help=argparse.SUPPRESS)
     parser.add_argument("--det-budget", type=int, default=16)

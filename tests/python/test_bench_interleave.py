@@ -18,7 +18,11 @@ CHILD = r"""
 import json, os, sys
 mode, log, die_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 go, back = map(int, sys.argv[sys.argv.index("--lockstep") + 1].split(","))
-times = {"a": [1.0, 2.0, 1.0, 1.0, 4.0], "b": [1.5, 2.2, 1.3, 1.0, 4.4]}[mode]
+times = {
+    "a": [1.0, 2.0, 1.0, 1.0, 4.0],
+    "b": [1.5, 2.2, 1.3, 1.0, 4.4],
+    "c": [1.0, 1.0, 2.0, 2.4, 4.4],
+}[mode if "--dequantize" not in sys.argv else "c"]
 for i in range(5):
     if os.read(go, 1) != b"g":
         sys.exit("no turn")
@@ -33,7 +37,7 @@ print("RESULT " + json.dumps({"mode": mode, "steps_s": times[2:], "det_losses": 
 """
 
 
-def run(tmp_path, monkeypatch, die: dict | None = None):
+def run(tmp_path, monkeypatch, die: dict | None = None, modes=("a", "b")):
     log = tmp_path / "order.log"
     die = die or {}
 
@@ -41,7 +45,7 @@ def run(tmp_path, monkeypatch, die: dict | None = None):
         return [sys.executable, "-c", CHILD, mode, str(log), str(die.get(mode, -1))]
 
     monkeypatch.setattr(flux_train, "child_cmd", child_cmd)
-    args = SimpleNamespace(warmup=2, measured=3, interleave=["a", "b"], timeout=60)
+    args = SimpleNamespace(warmup=2, measured=3, interleave=list(modes), timeout=60)
     records, summary = flux_train.interleaved(args, "unused.sock", {}, tmp_path)
     return records, summary, log.read_text().splitlines()
 
@@ -67,3 +71,24 @@ def test_a_child_that_dies_ends_the_run_at_its_step(tmp_path, monkeypatch):
     assert order[-2:] == ["a3 start", "a3 end"]
     assert records[1]["error"] == "no result: see flux-b.log"
     assert "ratio_median" not in summary
+
+
+def test_a_third_mode_with_another_dequantize_is_timed_against_the_first(tmp_path, monkeypatch):
+    """``--interleave a b b+group``: three children in turn; ``b+group`` runs b's child with
+    ``--dequantize group`` and gets ratios of its own against a; the top level keeps b's."""
+    records, summary, order = run(tmp_path, monkeypatch, modes=("a", "b", "b+group"))
+    want = []
+    for i in range(5):
+        want += [f"a{i} start", f"a{i} end", f"b{i} start", f"b{i} end"]
+        want += [f"b{i} start", f"b{i} end"]
+    assert order == want
+    assert [r["variant"] for r in records] == ["a", "b", "b+group"]
+    assert summary["ratio_per_pair"] == [1.3, 1.0, 1.1]
+    assert summary["ratios"]["b"]["ratio_per_pair"] == [1.3, 1.0, 1.1]
+    assert summary["ratios"]["b+group"] == {
+        "ratio_per_pair": [2.0, 2.4, 1.1],
+        "ratio_median": 2.0,
+        "ratio_min": 1.1,
+        "ratio_max": 2.4,
+        "ratio_of_medians": 2.4,
+    }
