@@ -260,21 +260,13 @@ impl StagingArena {
             let evicted = Vec::new();
             (Placement { offset, evicted }, len)
         };
-        let packed = self.packs(len);
         let placed = self
             .on_slot(len, &next_use, evict_only_after, false)
-            .or_else(|| self.find_gap(len, packed).map(gap))
+            .or_else(|| self.find_gap(len).map(gap))
             .or_else(|| self.on_slot(len, &next_use, evict_only_after, true));
         let (placement, cover) = match placed {
             Some(placed) => placed,
-            None if packed => match self.evict_for(len, &next_use, evict_only_after, true) {
-                Ok(placed) => placed,
-                Err(_) => match self.find_gap(len, false) {
-                    Some(offset) => gap(offset),
-                    None => self.evict_for(len, &next_use, evict_only_after, false)?,
-                },
-            },
-            None => self.evict_for(len, &next_use, evict_only_after, false)?,
+            None => self.evict_for(len, &next_use, evict_only_after)?,
         };
         self.insert(group, placement.offset, len, cover);
         Ok(placement)
@@ -510,57 +502,35 @@ impl StagingArena {
         Some((placement, cover))
     }
 
-    /// Whether a block of `len` bytes is kept inside one slot (`with_slot`): one no longer
-    /// than half a slot, in an arena of two slots or more. Packed so, the smaller blocks held
-    /// at once fill as few slots as they can and leave the others whole for the largest
-    /// ones: next-fit lets three of FLUX.1's single blocks straddle all three slots of the
-    /// default staging, and the double block after them then waits for one to be released.
-    fn packs(&self, len: u64) -> bool {
-        self.slot != 0 && len * 2 <= self.slot && self.capacity / self.slot >= 2
-    }
-
     /// Next-fit: the first gap from the cursor on, then, wrapping once, the
-    /// first whole gap that starts before it. `packed`: at a place inside one slot (the gap's
-    /// start, or the first slot boundary in it).
-    fn find_gap(&self, len: u64, packed: bool) -> Option<u64> {
-        let place = |(start, end): (u64, u64)| {
-            let crosses = packed && start / self.slot != (start + len - 1) / self.slot;
-            let at = if crosses {
-                start.next_multiple_of(self.slot)
-            } else {
-                start
-            };
-            (at + len <= end).then_some(at)
-        };
+    /// first whole gap that starts before it.
+    fn find_gap(&self, len: u64) -> Option<u64> {
+        let fits = |&(start, end): &(u64, u64)| end - start >= len;
         let cursor = self.next_fit;
-        self.gaps_from(cursor).find_map(place).or_else(|| {
-            self.gaps_from(0)
-                .take_while(|&(start, _)| start < cursor)
-                .find_map(place)
-        })
+        self.gaps_from(cursor)
+            .find(fits)
+            .or_else(|| {
+                self.gaps_from(0)
+                    .take_while(|&(start, _)| start < cursor)
+                    .find(fits)
+            })
+            .map(|(start, _)| start)
     }
 
-    /// `packed`: only windows inside one slot.
     fn evict_for(
         &mut self,
         len: u64,
         next_use: &impl Fn(GroupId) -> Option<u64>,
         evict_only_after: Option<u64>,
-        packed: bool,
     ) -> Result<(Placement, u64), AllocError> {
-        let mut segments = self.segments(next_use, evict_only_after);
-        if packed {
-            segments = split_at_slots(segments, self.slot);
-        }
+        let segments = self.segments(next_use, evict_only_after);
         let window = best_window(&segments, len).ok_or(AllocError::NoSpace { len })?;
         let mut evicted = Vec::new();
         let mut cover = len;
         for segment in &segments[window.first..window.end] {
             if let SegmentKind::Victim { group, .. } = segment.kind {
                 evicted.push(group);
-                // The whole block, where a slot's end cut its segment.
-                let at = self.index[&group];
-                cover = cover.max(at + self.block(at).len - window.offset);
+                cover = cover.max(segment.offset + segment.len - window.offset);
             }
         }
         for &group in &evicted {
@@ -623,45 +593,6 @@ fn victim_kind(
             score,
         },
     }
-}
-
-/// `segments` with an empty barrier at every multiple of `slot`, cutting the segments across
-/// one, so that no window crosses a slot boundary; the part of a victim above its first cut is
-/// a barrier too: a window there would evict the block, freeing its bytes below the window,
-/// outside the new block's cover.
-fn split_at_slots(segments: Vec<Segment>, slot: u64) -> Vec<Segment> {
-    let boundary_at = |offset| Segment {
-        offset,
-        len: 0,
-        kind: SegmentKind::Barrier,
-    };
-    let mut out = Vec::with_capacity(segments.len() + 8);
-    for segment in segments {
-        let end = segment.offset + segment.len;
-        let mut part = segment;
-        loop {
-            if part.offset > 0 && part.offset % slot == 0 {
-                out.push(boundary_at(part.offset));
-            }
-            let boundary = (part.offset / slot + 1) * slot;
-            if boundary >= end || part.kind == SegmentKind::Barrier {
-                out.push(Segment {
-                    len: end - part.offset,
-                    ..part
-                });
-                break;
-            }
-            out.push(Segment {
-                len: boundary - part.offset,
-                ..part
-            });
-            part.offset = boundary;
-            if part.kind != SegmentKind::Free {
-                part.kind = SegmentKind::Barrier;
-            }
-        }
-    }
-    out
 }
 
 /// The best window over all runs of segments between barriers.
@@ -1515,13 +1446,10 @@ mod tests {
     #[test]
     fn a_block_reaching_into_a_slot_from_below_keeps_the_slot() {
         let far = |_: GroupId| Some(1000);
-        // Small blocks placed before the slots (on slots they stay inside one where they can:
-        // next test), 12 across the one at 100.
-        let mut arena = StagingArena::new(300, 1);
+        let mut arena = StagingArena::new(300, 1).with_slot(100);
         for (group, offset) in [(10, 0), (11, 40), (12, 80)] {
             assert_eq!(cached(&mut arena, group, 40), offset);
         }
-        let mut arena = arena.with_slot(100);
         // The slot at 100 has 12 reaching into it; the one at 200 is free.
         assert_eq!(arena.place(1, 100, far, None).unwrap().offset, 200);
         assert!(arena.mark_valid(1));
@@ -1533,112 +1461,15 @@ mod tests {
         assert!(arena.mark_valid(2));
         assert_eq!(arena.get(2).unwrap().len, 100);
 
-        let mut arena = StagingArena::new(300, 1);
+        let mut arena = StagingArena::new(300, 1).with_slot(100);
         for group in [10, 11, 12] {
             cached(&mut arena, group, 40);
         }
-        let mut arena = arena.with_slot(100);
         assert_eq!(arena.place(1, 100, far, None).unwrap().offset, 200);
         arena.hold(10);
         // Slot 0 holds a held block and slot 100 has 12 reaching in: no slot, so the
         // window `evict_for` finds, from 80 (12 and the gap after it), not 100.
         let placement = arena.place(2, 100, far, None).unwrap();
         assert_eq!((placement.offset, placement.evicted), (80, vec![12]));
-    }
-
-    /// Blocks no longer than half a slot stay inside one: in a gap, at its start or at the
-    /// slot boundary in it; with no such gap, in a window inside one slot (evicting there
-    /// rather than straddling a free gap across two); only then anywhere.
-    #[test]
-    fn small_blocks_stay_inside_one_slot() {
-        let far = |_: GroupId| Some(1000);
-        let mut arena = StagingArena::new(300, 1).with_slot(100);
-        // Two of 40 per slot: the third of each would cross the boundary at 80 + 40.
-        for (group, offset) in [(1, 0), (2, 40), (3, 100), (4, 140), (5, 200), (6, 240)] {
-            assert_eq!(cached(&mut arena, group, 40), offset);
-        }
-        // Gaps of 20 at the slots' ends: none holds 40, so a window inside a slot is freed
-        // (the soonest-needed victim needed latest: 3's slot), not 80..120 across two.
-        let soon = table(&[(1, 5), (2, 6), (3, 9), (4, 7), (5, 5), (6, 5)]);
-        let placement = arena.place(7, 40, soon, None).unwrap();
-        assert_eq!((placement.offset, placement.evicted), (100, vec![3]));
-        // A block of 30 in the 20-byte gap at 180 would cross 200: it goes at 180 only when
-        // nothing inside a slot can be freed (all held), as a last resort.
-        let mut arena = StagingArena::new(300, 1).with_slot(100);
-        for group in 1..=6 {
-            cached(&mut arena, group, 40);
-            arena.hold(group);
-        }
-        assert!(arena.remove(4));
-        assert!(arena.remove(5));
-        // Free: 80..100, 140..240 (across 200), 280..300. Inside one slot: 140.
-        assert_eq!(arena.place(8, 50, far, None).unwrap().offset, 140);
-        assert_eq!(arena.place(9, 30, far, None).unwrap().offset, 200);
-        // 80..100 and 280..300 are too short; 190..200 is left in slot 1 and 230..240 in 2.
-        assert_eq!(
-            arena.place(10, 40, far, None),
-            Err(AllocError::NoSpace { len: 40 })
-        );
-    }
-
-    /// FLUX.1's backward reaches its double blocks after its single blocks: with the last
-    /// singles still held or needed sooner, the next two double blocks are staged only where
-    /// those leave room. Packed two to a slot, two consecutive singles fill one slot (or two):
-    /// the other slots take both double blocks. Placed next-fit, the two sit across the
-    /// boundary at 100 and split the space left into 80 and 140 bytes: one double block fits.
-    #[test]
-    fn small_blocks_in_use_leave_slots_whole_for_the_largest() {
-        let next = |g: GroupId| Some(if g >= 20 { 1 } else { 1000 });
-        for (slot, offsets, staged) in [
-            (0, [80, 120], vec![Some(200), None]),
-            (100, [100, 140], vec![Some(0), Some(200)]),
-        ] {
-            let mut arena = StagingArena::new(300, 1);
-            if slot > 0 {
-                arena = arena.with_slot(slot);
-            }
-            // Singles in a ring, the two still to run (20 in use, 21 next) third and fourth.
-            for group in [10, 11, 20, 21, 12, 13] {
-                cached(&mut arena, group, 40);
-            }
-            let at = [20, 21].map(|g| arena.get(g).unwrap().offset);
-            assert_eq!(at, offsets, "slot {slot}");
-            arena.hold(20);
-            // The two double blocks after them, prefetched (never evicting 21).
-            let placed: Vec<_> = [1, 2]
-                .into_iter()
-                .map(|g| arena.place(g, 100, next, Some(2)).ok().map(|p| p.offset))
-                .collect();
-            assert_eq!(placed, staged, "slot {slot}");
-        }
-    }
-
-    /// A block across a slot boundary (placed before the slots, or as a last resort) can be
-    /// evicted for a window in its lower slot only: a window from the boundary up would free
-    /// its bytes below the boundary, outside the new block's cover.
-    #[test]
-    fn a_packed_window_never_starts_inside_a_victim() {
-        let mut arena = StagingArena::new(300, 1);
-        for (group, len) in [(10, 40), (11, 45), (12, 40)] {
-            cached(&mut arena, group, len);
-        }
-        let mut arena = arena.with_slot(100);
-        // 12 covers 85..125: 15 bytes below the boundary at 100, 25 above.
-        for (group, len, offset) in [(13, 40, 125), (14, 40, 200), (15, 60, 240), (16, 35, 165)] {
-            assert_eq!(cached(&mut arena, group, len), offset);
-        }
-        // No gap left. 12 is needed last, and its 25 bytes above 100 would hold 20, but a
-        // window there would free 85..100 outside the cover: 13's place is taken instead.
-        let next = table(&[
-            (10, 5),
-            (11, 5),
-            (12, 1000),
-            (13, 9),
-            (14, 5),
-            (15, 5),
-            (16, 5),
-        ]);
-        let placement = arena.place(17, 20, next, None).unwrap();
-        assert_eq!((placement.offset, placement.evicted), (125, vec![13]));
     }
 }
