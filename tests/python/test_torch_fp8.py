@@ -247,16 +247,19 @@ def test_fp8_attach_equals_the_8bit_resident_reference(
     handle.detach(release=True)
 
 
-def test_fp8_weights_are_dequantized_for_each_use(daemon, monkeypatch):
-    """Streamed and resident layers alike dequantize in forward and again in backward: no
-    w_hat is kept between calls (nor saved for backward)."""
+def counted(monkeypatch, name: str) -> list:
+    """A list that grows by one at each call of ``quantize.<name>``."""
     calls = []
-    real = quantize.dequantize
-    monkeypatch.setattr(quantize, "dequantize", lambda *a: calls.append(1) or real(*a))
-    model = make_model()
+    real = getattr(quantize, name)
+    monkeypatch.setattr(quantize, name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+def attach_fp8(daemon, model, where: str, **options):
+    """``model`` attached in 8 bits by block, with ``budget(..., where)``."""
     sizes = fp8_sizes(model, "block", daemon.client.info().alignment)
-    vram_budget, staging = budget(sizes, "mixed")
-    handle = wst.attach(
+    vram_budget, staging = budget(sizes, where)
+    return wst.attach(
         model,
         "cpu",
         client=daemon.client,
@@ -264,7 +267,16 @@ def test_fp8_weights_are_dequantized_for_each_use(daemon, monkeypatch):
         vram_budget=vram_budget,
         staging_bytes=staging,
         quantize="fp8",
+        **options,
     )
+
+
+def test_fp8_weights_are_dequantized_for_each_use(daemon, monkeypatch):
+    """Streamed and resident layers alike dequantize in forward and again in backward: no
+    w_hat is kept between calls (nor saved for backward)."""
+    calls = counted(monkeypatch, "dequantize")
+    model = make_model()
+    handle = attach_fp8(daemon, model, "mixed")
     assert any(layer.pinned is not None for layer in handle.streamed.values())
     assert all(layer.fixed is None for layer in handle.streamed.values()), "no w_hat kept"
     xs = inputs(2, torch.float32)
@@ -282,25 +294,12 @@ def test_group_dequantization_serves_a_pass_of_the_group_once(daemon, monkeypatc
     """dequantize="group": each streamed group's weights are dequantized once per pass (the
     forward, then the backward's recompute and input gradients together), against once per
     layer call: three per step for a layer of a checkpointed block, two for the others."""
-    calls = []
-    real = quantize.dequantize_weight
-    monkeypatch.setattr(quantize, "dequantize_weight", lambda *a: calls.append(1) or real(*a))
+    calls = counted(monkeypatch, "dequantize_weight")
     counts = {}
     for dequantize in ("layer", "group"):
         model = make_model()
         model.ckpt = ckpt
-        sizes = fp8_sizes(model, "block", daemon.client.info().alignment)
-        vram_budget, staging = budget(sizes, "streamed")
-        handle = wst.attach(
-            model,
-            "cpu",
-            client=daemon.client,
-            min_bytes=0,
-            vram_budget=vram_budget,
-            staging_bytes=staging,
-            quantize="fp8",
-            dequantize=dequantize,
-        )
+        handle = attach_fp8(daemon, model, "streamed", dequantize=dequantize)
         assert all(layer.pinned is None for layer in handle.streamed.values())
         xs = inputs(3, torch.float32)
         train(model, xs[:1])
