@@ -118,8 +118,10 @@ class Handle:
     #: See ``stats``.
     _dequant_peak: int = 0
     _dequant_scratch_peak: int = 0
-    #: ``dequantize="group"``: group -> its layers, in the order they were attached.
+    #: ``dequantize="group"``: group -> its layers, in the order they were attached; the
+    #: groups whose dequantization is in the peaks (the same at every pass, so counted once).
     _layers_by_group: dict | None = None
+    _groups_counted: set = field(default_factory=set)
 
     # --- used by the streamed layers ----------------------------------------------------
 
@@ -175,17 +177,26 @@ class Handle:
             weight = layer.views(held.ticket)[0]
             if isinstance(weight, Fp8Weight) and weight.format not in quantize.OWN_LINEAR:
                 by_dtype.setdefault(layer.dtype, []).append((layer, weight))
-        out, size, product = {}, 0, 0
+        out = {}
         for dtype, pairs in by_dtype.items():
             weights = quantize.dequantize_group([w for _, w in pairs], dtype)
-            for (layer, weight), w in zip(pairs, weights, strict=True):
-                out[layer.name] = w
-                size += w.numel() * w.element_size()
-                if not _fused_dequant.applies(weight.data, weight.scale, dtype):
-                    product = max(product, weight.data.numel() * 4 if dtype != torch.float32 else 0)
-        # Every weight of the group is held at once, and one torch-path product at a time.
-        self._dequant_peak = max(self._dequant_peak, size)
-        self._dequant_scratch_peak = max(self._dequant_scratch_peak, size + product)
+            out.update((layer.name, w) for (layer, _), w in zip(pairs, weights, strict=True))
+        if held.group not in self._groups_counted:
+            self._groups_counted.add(held.group)
+            # Every weight of the group is held at once, and one torch-path product at a time.
+            size = sum(w.numel() * w.element_size() for w in out.values())
+            product = max(
+                (
+                    weight.data.numel() * 4
+                    for pairs in by_dtype.values()
+                    for layer, weight in pairs
+                    if layer.dtype != torch.float32
+                    and not _fused_dequant.applies(weight.data, weight.scale, layer.dtype)
+                ),
+                default=0,
+            )
+            self._dequant_peak = max(self._dequant_peak, size)
+            self._dequant_scratch_peak = max(self._dequant_scratch_peak, size + product)
         return out
 
     def _acquire(self, layer: StreamedLayer, training: bool) -> tuple:
