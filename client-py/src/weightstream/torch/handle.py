@@ -373,8 +373,9 @@ class Handle:
         device's wait misses while earlier work keeps it busy); ``acquire_pending_ns`` is
         the daemon's time with an acquire pending, look-ahead ones included, which is not a
         wait of the trainer. The trainer's side of 8-bit streaming: ``dequant_peak_bytes``, the
-        largest dequantized weight so far, and ``dequant_scratch_peak_bytes``, the most device
-        memory one dequantization held at once (that weight and, below float32, its float32
+        largest dequantized weight so far (with ``dequantize="group"``, the largest group's
+        dequantized weights), and ``dequant_scratch_peak_bytes``, the most device memory one
+        dequantization held at once (that weight and, below float32, its float32
         product); with ``vram_budget="auto"`` the policy's decisions (``auto_*``:
         ``AutoBudget.stats``); where ``attach`` spent its time (``attach_*``:
         ``attach_phases``); with ``trainable="host"``, the host bytes of the trainable state
