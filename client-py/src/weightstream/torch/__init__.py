@@ -129,7 +129,8 @@ def attach(
     through the daemon; everything else moves to ``device`` as usual.
 
     - ``options``: ``StreamOptions`` (input gradient, grouping, ``min_bytes``, ``include``,
-      ``ignore``, lookahead); any of its fields may also be passed as a keyword here.
+      ``ignore``, lookahead, ``quantize``, ``dequantize``); any of its fields may also be
+      passed as a keyword here.
     - ``vram_budget``: device bytes the daemon may use for this session (default: a quarter
       of the streamed bytes, at least three times the largest group). ``"auto"`` (or an
       ``AutoBudget``, to choose its margin or probes): starts at two of the largest group,
@@ -149,7 +150,8 @@ def attach(
       memory by the daemon at commit; the same bytes either way); each layer
       dequantizes its weight on the device after it arrives, into a tensor of the weight's
       dtype from the trainer's allocator (one layer at a time, freed after use; the largest is
-      ``Handle.stats()["dequant_peak_bytes"]``), and runs its own operation on it. Results
+      ``Handle.stats()["dequant_peak_bytes"]``; ``dequantize="group"``: a group's weights at
+      once, kept while it is held), and runs its own operation on it. Results
       equal the model with each streamed weight replaced by its dequantization
       (``weightstream.quantize.to_fp8_resident``). A weight that is not bf16/f16/f32 raises
       ``ValueError`` naming the layer, before anything is uploaded.
