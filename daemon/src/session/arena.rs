@@ -115,6 +115,15 @@ impl Block {
     }
 }
 
+/// What the slots offer a block (`StagingArena::on_slot`).
+#[derive(Debug)]
+enum SlotOffer {
+    /// A free slot at this offset.
+    Free(u64),
+    /// The slot to evict for it, and the bytes the new block covers.
+    Evicting(Placement, u64),
+}
+
 /// One piece of the address space, as seen by the eviction search.
 #[derive(Debug, Clone, Copy)]
 struct Segment {
@@ -260,10 +269,15 @@ impl StagingArena {
             let evicted = Vec::new();
             (Placement { offset, evicted }, len)
         };
-        let placed = self
-            .on_slot(len, &next_use, evict_only_after, false)
-            .or_else(|| self.find_gap(len).map(gap))
-            .or_else(|| self.on_slot(len, &next_use, evict_only_after, true));
+        let slot = self.on_slot(len, &next_use, evict_only_after);
+        let placed = match slot {
+            Some(SlotOffer::Free(offset)) => Some(self.take_slot(gap(offset))),
+            _ => self.find_gap(len).map(gap),
+        }
+        .or_else(|| match slot {
+            Some(SlotOffer::Evicting(placement, cover)) => Some(self.take_slot((placement, cover))),
+            _ => None,
+        });
         let (placement, cover) = match placed {
             Some(placed) => placed,
             None => self.evict_for(len, &next_use, evict_only_after)?,
@@ -435,19 +449,19 @@ impl StagingArena {
             })
     }
 
-    /// A place at a multiple of `slot` for a block longer than half of it: a free slot in
-    /// ring order from the one after the last, else (`evicting`) the slot whose victims'
-    /// soonest next use is the latest (as `evict_for`); None where no slot can take it (a
-    /// held, copying or sooner-needed block is in it, or a block reaches into it from below:
-    /// evicting that one would free bytes below the slot that its readers may still read,
-    /// which the new block's cover cannot reach).
+    /// A place at a multiple of `slot` for a block longer than half of it, in one pass over
+    /// the slots: the first free slot in ring order from the one after the last, else the
+    /// slot whose victims' soonest next use is the latest (as `evict_for`); None where no
+    /// slot can take it (a held, copying or sooner-needed block is in it, or a block reaches
+    /// into it from below: evicting that one would free bytes below the slot that its
+    /// readers may still read, which the new block's cover cannot reach). Nothing is evicted
+    /// until `take_slot`.
     fn on_slot(
-        &mut self,
+        &self,
         len: u64,
         next_use: &impl Fn(GroupId) -> Option<u64>,
         evict_only_after: Option<u64>,
-        evicting: bool,
-    ) -> Option<(Placement, u64)> {
+    ) -> Option<SlotOffer> {
         if self.slot == 0 || len * 2 <= self.slot || len > self.slot {
             return None;
         }
@@ -455,8 +469,8 @@ impl StagingArena {
         if slots < 2 {
             return None;
         }
-        // The best slot so far: the soonest next use among its victims, the placement, and
-        // the bytes the new block covers (to the end of its last victim).
+        // The best slot to evict so far: the soonest next use among its victims, the
+        // placement, and the bytes the new block covers (to the end of its last victim).
         let mut best: Option<(u64, Placement, u64)> = None;
         for k in 0..slots {
             let offset = (self.next_slot + k) % slots * self.slot;
@@ -483,23 +497,27 @@ impl StagingArena {
                     }
                 }
             }
-            let free = evicted.is_empty();
-            if !feasible || (!free && !evicting) {
+            if !feasible {
                 continue;
             }
-            if free || best.as_ref().is_none_or(|(b, _, _)| score > *b) {
+            if evicted.is_empty() {
+                return Some(SlotOffer::Free(offset));
+            }
+            if best.as_ref().is_none_or(|(b, _, _)| score > *b) {
                 best = Some((score, Placement { offset, evicted }, cover));
-                if free {
-                    break;
-                }
             }
         }
-        let (_, placement, cover) = best?;
+        best.map(|(_, placement, cover)| SlotOffer::Evicting(placement, cover))
+    }
+
+    /// Takes the slot `on_slot` offered: evicts its victims and moves the ring past it.
+    fn take_slot(&mut self, (placement, cover): (Placement, u64)) -> (Placement, u64) {
         for &group in &placement.evicted {
             self.remove(group);
         }
+        let slots = self.capacity / self.slot;
         self.next_slot = (placement.offset / self.slot + 1) % slots;
-        Some((placement, cover))
+        (placement, cover)
     }
 
     /// Next-fit: the first gap from the cursor on, then, wrapping once, the
