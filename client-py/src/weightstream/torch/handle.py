@@ -56,9 +56,15 @@ class StreamedLayer:
         handle = self.handle
         if self.pinned is not None:
             return handle._dequantized(self, self.pinned)
-        views = handle._acquire(self, training)
-        if handle.options.dequantize == "group" and isinstance(views[0], Fp8Weight):
-            return handle._from_group(self, views)
+        held = handle._acquire(self, training)
+        views = self.views(held.ticket)
+        weight = views[0]
+        if (
+            handle.options.dequantize == "group"
+            and isinstance(weight, Fp8Weight)
+            and weight.format not in quantize.OWN_LINEAR
+        ):
+            return handle._from_group(self, held), views[1]
         return handle._dequantized(self, views)
 
     def views(self, ticket) -> tuple:
@@ -152,19 +158,14 @@ class Handle:
             return weight._replace(dtype=layer.dtype), bias
         return quantize.dequantize_weight(weight, layer.dtype), bias
 
-    def _from_group(self, layer: StreamedLayer, views: tuple) -> tuple:
-        """``dequantize="group"``: the layer's (weight, bias) with its weight from the held
-        group's dequantizations, made for every 8-bit weight of the group at the first call
-        (``quantize.dequantize_group``: one launch where the fused kernel can take them all);
-        a format with its own linear (``quantize.OWN_LINEAR``) as ``_dequantized`` gives it."""
-        weight, bias = views
-        with self._lock:
-            held = self._held
-        if weight.format in quantize.OWN_LINEAR or held is None or held.group != layer.group:
-            return self._dequantized(layer, views)
+    def _from_group(self, layer: StreamedLayer, held: _Held) -> torch.Tensor:
+        """``dequantize="group"``: the layer's dequantized weight from the held group's
+        dequantizations, made for every 8-bit weight of the group (but those of a format with
+        its own linear, ``quantize.OWN_LINEAR``) at the first call (``quantize.dequantize_group``:
+        one launch where the fused kernel can take them all)."""
         if held.dequantized is None:
             held.dequantized = self._dequantize_group(held)
-        return held.dequantized[layer.name], bias
+        return held.dequantized[layer.name]
 
     def _dequantize_group(self, held: _Held) -> dict:
         if self._layers_by_group is None:
@@ -199,14 +200,14 @@ class Handle:
             self._dequant_scratch_peak = max(self._dequant_scratch_peak, size + product)
         return out
 
-    def _acquire(self, layer: StreamedLayer, training: bool) -> tuple:
-        """The layer's (weight, bias) views, from the group's held ticket when it serves this
-        pass, else from a new acquire (the held ticket is given back first)."""
+    def _acquire(self, layer: StreamedLayer, training: bool) -> _Held:
+        """The layer's group held for this pass: the held ticket when it serves this pass, else
+        a new acquire (the held ticket is given back first)."""
         backward = ops.in_backward()
         with self._lock:
             held = self._held
             if held is not None and held.group == layer.group and held.backward == backward:
-                return layer.views(held.ticket)
+                return held
             self._held = None
         if held is not None:
             self.session.release(held.ticket)
@@ -229,9 +230,10 @@ class Handle:
                 ahead.drain()
                 number = self.session.submit(layer.group)
             ticket = self.session.wait(number)
+        held = _Held(layer.group, ticket, backward)
         with self._lock:
-            self._held = _Held(layer.group, ticket, backward)
-        return layer.views(ticket)
+            self._held = held
+        return held
 
     def _release_held(self):
         with self._lock:
