@@ -996,11 +996,11 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
         p = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, pass_fds=(go_r, back_w))
         os.close(go_r)
         os.close(back_w)
-        children.append((mode, p, go_w, back_r, log))
+        children.append((mode, base, p, go_w, back_r, log))
     deadline = time.monotonic() + args.timeout
     stopped = None
     for i in range(n):
-        for mode, _, go_w, back_r, _ in children:
+        for mode, _, _, go_w, back_r, _ in children:
             os.write(go_w, b"g")
             ready, _, _ = select.select([back_r], [], [], max(0.0, deadline - time.monotonic()))
             if not ready or os.read(back_r, 1) != b"d":
@@ -1009,7 +1009,7 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
         if stopped:
             break
     records = []
-    for mode, p, go_w, back_r, log in children:
+    for mode, base, p, go_w, back_r, log in children:
         os.close(go_w)  # a child still waiting for its turn stops
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -1019,7 +1019,7 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
         os.close(back_r)
         log.close()
         text = (out / f"flux-{mode}.log").read_text()
-        record = result_of(mode.partition("+")[0], text, f"no result: see flux-{mode}.log")
+        record = result_of(base, text, f"no result: see flux-{mode}.log")
         record["interleaved"] = True
         record["variant"] = mode
         records.append(record)
