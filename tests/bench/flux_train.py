@@ -1212,6 +1212,8 @@ def main(model: str = "flux1"):
     if args.modes is None:
         skip = {"job", "aitk", "aitk-float8"} | (set() if args.quantize else {"resident-fp8"})
         args.modes = [m for m in MODES if m not in skip]
+    if args.interleave is not None and len(args.interleave) < 2:
+        parser.error("--interleave times each mode against the first: give two modes or more")
     if args.interleave and (len(args.budgets) != 1 or args.min_blocks != 0):
         parser.error("--interleave times one budget: give one --budgets value and --min-blocks 0")
     if args.child:
