@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flux_gaps  # noqa: E402
 import flux_train as ft  # noqa: E402
 from provenance import commit  # noqa: E402
 
@@ -35,16 +36,20 @@ def timed_steps(model, n):
     opt = torch.optim.AdamW(params, lr=1e-4)
     inputs = ft.batch()
     rows = []
+    phase = torch.profiler.record_function  # ranges that flux_gaps splits the gaps by
     for _ in range(n):
         torch.cuda.synchronize()
         t0 = time.monotonic()
-        out = model(**inputs, return_dict=False)[0]
-        loss = out.float().pow(2).mean()
+        with phase("ws_forward"):
+            out = model(**inputs, return_dict=False)[0]
+            loss = out.float().pow(2).mean()
         t1 = time.monotonic()
-        loss.backward()
+        with phase("ws_backward"):
+            loss.backward()
         t2 = time.monotonic()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with phase("ws_optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         t3 = time.monotonic()
         torch.cuda.synchronize()
         t4 = time.monotonic()
@@ -61,8 +66,10 @@ def profile(model, out: Path, name: str, warmup: int, n: int) -> dict:
     summary = dict(zip(keys, med, strict=True))
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_steps(model, 1)
-    prof.export_chrome_trace(str(out / f"trace_{name}.json"))
-    subprocess.run(["gzip", "-f", str(out / f"trace_{name}.json")], check=False)
+    trace = out / f"trace_{name}.json"
+    prof.export_chrome_trace(str(trace))
+    summary["gaps"] = flux_gaps.gaps(str(trace))
+    subprocess.run(["gzip", "-f", str(trace)], check=False)
     return summary
 
 
@@ -94,6 +101,7 @@ def main():
         "commit": commit(),
         "budget_gib": args.budget,
         "quantize": args.quantize,
+        "dequantize": args.dequantize,
     }
     if args.only != "weightstream":
         model = ft.add_lora(ft.build())
@@ -117,7 +125,12 @@ def main():
         client = weightstream.connect(sock)
         budget = int((args.budget - args.trainer_gib) * GiB)
         handle = wst.attach(
-            model, "cuda", client=client, vram_budget=budget, quantize=args.quantize
+            model,
+            "cuda",
+            client=client,
+            vram_budget=budget,
+            quantize=args.quantize,
+            dequantize=args.dequantize,
         )
         results["weightstream"] = profile(model, out, "weightstream", args.warmup, args.steps)
         results["weightstream"]["stats"] = handle.stats()
