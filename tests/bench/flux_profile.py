@@ -88,6 +88,9 @@ def main():
         help="8 bits: the resident model holds each streamed weight's w_hat (flux_train's "
         "resident-fp8), weightstream streams fp8_e4m3_block64",
     )
+    parser.add_argument(
+        "--dequantize", choices=["layer", "group"], default="layer", help="attach's dequantize"
+    )
     args = parser.parse_args()
     import torch
     import weightstream
