@@ -89,7 +89,10 @@ def main():
         "resident-fp8), weightstream streams fp8_e4m3_block64",
     )
     parser.add_argument(
-        "--dequantize", choices=["layer", "group"], default="layer", help="attach's dequantize"
+        "--dequantize",
+        choices=["auto", "layer", "group"],
+        default="auto",
+        help="attach's dequantize",
     )
     args = parser.parse_args()
     import torch

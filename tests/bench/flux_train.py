@@ -393,9 +393,9 @@ def mode_resident_fp8(args, record):
 
 
 def dequant_probe(model, record):
-    """One more step with CUDA events around each dequantization (a weight's, or with
-    --dequantize group a group's launch): its device time per step (the events wait on nothing
-    else: each dequantization follows its group's ready event)."""
+    """One more step with CUDA events around each dequantization (a weight's, or a group's
+    launch where the group dequantizes at once): its device time per step (the events wait on
+    nothing else: each dequantization follows its group's ready event)."""
     import torch
     from weightstream import _fused_dequant, quantize
 
@@ -1173,9 +1173,10 @@ def main(model: str = "flux1"):
     parser.add_argument("--group-by", default="block", help="attach's group_by")
     parser.add_argument(
         "--dequantize",
-        choices=("layer", "group"),
-        default="layer",
-        help="attach's dequantize (8 bits: each layer's weight at each call, or a group's at once)",
+        choices=("auto", "layer", "group"),
+        default="auto",
+        help="attach's dequantize (8 bits: each layer's weight at each call, a group's at once, "
+        "or auto: by group for the groups of at most 768 MiB dequantized)",
     )
     parser.add_argument(
         "--staging-gib",

@@ -19,6 +19,8 @@ from weightstream.session import Ticket
 from weightstream.torch import policy
 
 FP8 = quantize.FP8_E4M3_BLOCK64
+#: The weights of one of ``make_model``'s blocks (q, k, v, o; fc1, fc2).
+BLOCK_WEIGHTS = 4 * 64 * 64 + 2 * 256 * 64
 
 
 class FakeSession:
@@ -31,7 +33,7 @@ class FakeSession:
         self.groups = [
             SimpleNamespace(
                 name=name,
-                tensors=[SimpleNamespace(name=t) for t in tensors],
+                tensors=[placement(t, store[t]) for t in tensors],
                 resident=name in resident,
                 nbytes=1,
             )
@@ -94,6 +96,13 @@ class FakeSession:
 
     def close(self):
         pass
+
+
+def placement(name, stored):
+    """A fake placement: the name, 8-bit format and shape ``attach`` reads."""
+    if isinstance(stored, tuple):
+        return SimpleNamespace(name=name, quantization=FP8, shape=list(stored[0].shape))
+    return SimpleNamespace(name=name, quantization="none", shape=list(stored.shape))
 
 
 class FakeClient:
@@ -313,6 +322,30 @@ def test_group_dequantization_serves_a_pass_of_the_group_once(daemon, monkeypatc
     assert counts == {"layer": 2 * layers + recomputed, "group": 2 * layers}
 
 
+@pytest.mark.parametrize("limit", [BLOCK_WEIGHTS * 4 - 1, BLOCK_WEIGHTS * 4])
+def test_auto_dequantizes_by_group_the_groups_within_the_limit(daemon, monkeypatch, limit):
+    """dequantize="auto" (the default): a streamed group whose weights take, dequantized, at
+    most GROUP_DEQUANTIZE_MAX_BYTES dequantizes by group, a larger one layer by layer; the
+    results are the same either way."""
+    from weightstream.torch import handle as handle_module
+
+    assert wst.StreamOptions().dequantize == "auto"
+    monkeypatch.setattr(handle_module, "GROUP_DEQUANTIZE_MAX_BYTES", limit)
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    handle = attach_fp8(daemon, model, "streamed")
+    blocks_by_group = limit >= BLOCK_WEIGHTS * 4  # float32
+    by_group = {n for n, layer in handle.streamed.items() if layer.by_group}
+    assert by_group == {n for n in handle.streamed if blocks_by_group or "blocks." not in n}
+    assert {n.split(".")[0] for n in by_group} >= {"conv_in", "proj_out"}
+    quantize.to_fp8_resident(ref, handle.streamed)
+    assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
+    # The largest dequantization held: a block's weights, or its largest layer's (fc1).
+    peak = BLOCK_WEIGHTS if blocks_by_group else 256 * 64
+    assert handle.stats()["dequant_peak_bytes"] == peak * 4
+    handle.detach(release=True)
+
+
 def test_attach_to_an_fp8_model_the_daemon_loaded(daemon, tmp_path):
     from safetensors.torch import save_file
 
@@ -336,7 +369,8 @@ def test_attach_to_an_fp8_model_the_daemon_loaded(daemon, tmp_path):
     assert len(daemon.client.list_models().models) == 1, "nothing was uploaded"
     quantize.to_fp8_resident(ref, handle.streamed)
     assert_equal_runs(run(ref, 2, torch.bfloat16), run(model, 2, torch.bfloat16))
-    assert handle.stats()["dequant_peak_bytes"] == 256 * 64 * 2
+    # dequantize="auto": a block's weights at once.
+    assert handle.stats()["dequant_peak_bytes"] == BLOCK_WEIGHTS * 2
     handle.detach()
     # Asking for 8 bits from a model loaded without them is refused, naming a tensor.
     plain = daemon.client.load_model([str(path)], "plain")
@@ -403,7 +437,10 @@ def test_fp8_glue_without_a_daemon(dtype, ckpt, autocast, resident):
         run(ref, 3, dtype, sample_between=True, autocast=autocast),
         run(streamed, 3, dtype, sample_between=True, autocast=autocast),
     )
-    assert handle.stats()["dequant_peak_bytes"] == 256 * 64 * ref.proj_out.weight.element_size()
+    # dequantize="auto": a streamed block's weights at once; a resident group's one at a time.
+    streamed_block = any(f"blocks.{i}" not in resident for i in range(3))
+    peak = BLOCK_WEIGHTS if streamed_block else 256 * 64
+    assert handle.stats()["dequant_peak_bytes"] == peak * ref.proj_out.weight.element_size()
     handle.close()
     assert client.session.held == 0
 

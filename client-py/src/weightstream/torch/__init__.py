@@ -282,6 +282,7 @@ def attach(
                 slot += 2 if m.bias is not None else 1
                 handle.streamed[name] = layer
                 hooks.install(name, m, functools.partial(ops.forward, layer))
+        handle._choose_dequantize()
         handle._pin_resident()
         _move_the_rest(module, handle.streamed, device)
         _free(selection.streamed, device)

@@ -5,6 +5,7 @@ discarded, only closes the session in ``close``)."""
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -20,6 +21,11 @@ from weightstream.torch import budget, ops, policy
 from weightstream.torch.hooks import HookRegistry
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.torchao_weights import Rebuild
+
+#: ``dequantize="auto"``: a group's 8-bit weights are dequantized together where, dequantized,
+#: they take at most this: FLUX.1's blocks (0.63 GiB in bf16) do; FLUX.2's (0.9–1.8 GiB), which
+#: a 24 GB card's trainer would hold at once, stay one layer at a time.
+GROUP_DEQUANTIZE_MAX_BYTES = 768 << 20
 
 
 @dataclass(eq=False)
@@ -44,6 +50,9 @@ class StreamedLayer:
     rebuild: Rebuild | None = None
     #: Whether its dequantization's memory is in the handle's peaks (``_dequantized``).
     counted: bool = False
+    #: Whether its 8-bit weight is dequantized with its group's (``StreamOptions.dequantize``:
+    #: ``Handle._choose_dequantize``).
+    by_group: bool = False
 
     @property
     def input_grad(self) -> str:
@@ -51,19 +60,14 @@ class StreamedLayer:
 
     def weights(self, training: bool) -> tuple:
         """The (weight, bias) this pass computes with: the views, or for an 8-bit weight its
-        dequantization (a new tensor per call, freed when the op is done with it; with
-        ``dequantize="group"`` the group's, kept while the group is held)."""
+        dequantization (a new tensor per call, freed when the op is done with it; where
+        ``by_group``, the group's, kept while the group is held)."""
         handle = self.handle
         if self.pinned is not None:
             return handle._dequantized(self, self.pinned)
         held = handle._acquire(self, training)
         views = self.views(held.ticket)
-        weight = views[0]
-        if (
-            handle.options.dequantize == "group"
-            and isinstance(weight, Fp8Weight)
-            and weight.format not in quantize.OWN_LINEAR
-        ):
+        if self.by_group:
             return handle._from_group(self, held), views[1]
         return handle._dequantized(self, views)
 
@@ -80,8 +84,8 @@ class _Held:
     group: int
     ticket: object
     backward: bool | None
-    #: ``dequantize="group"``: layer name -> its dequantized weight, made at the group's
-    #: first 8-bit layer call under this ticket (``Handle._from_group``).
+    #: A group whose layers dequantize by group: layer name -> its dequantized weight, made at
+    #: the group's first 8-bit layer call under this ticket (``Handle._from_group``).
     dequantized: dict | None = None
 
 
@@ -124,9 +128,10 @@ class Handle:
     #: See ``stats``.
     _dequant_peak: int = 0
     _dequant_scratch_peak: int = 0
-    #: ``dequantize="group"``: group -> its layers, in the order they were attached; the
-    #: groups whose dequantization is in the peaks (the same at every pass, so counted once).
-    _layers_by_group: dict | None = None
+    #: The groups that dequantize together -> their layers with an 8-bit weight (``by_group``),
+    #: in the order they were attached (``_choose_dequantize``); the groups whose
+    #: dequantization is in the peaks (the same at every pass, so counted once).
+    _layers_by_group: dict = field(default_factory=dict)
     _groups_counted: set = field(default_factory=set)
 
     # --- used by the streamed layers ----------------------------------------------------
@@ -158,26 +163,41 @@ class Handle:
             return weight._replace(dtype=layer.dtype), bias
         return quantize.dequantize_weight(weight, layer.dtype), bias
 
+    def _choose_dequantize(self):
+        """Marks the layers whose 8-bit weight (not of a format with its own linear,
+        ``quantize.OWN_LINEAR``) is dequantized with its group's (``by_group``): with
+        ``dequantize="group"`` every such layer; with ``"auto"`` those of a group whose such
+        weights take, dequantized, at most ``GROUP_DEQUANTIZE_MAX_BYTES``."""
+        if self.options.dequantize == "layer":
+            return
+        by_group: dict[int, list[StreamedLayer]] = {}
+        sizes: dict[int, int] = {}
+        for layer in self.streamed.values():
+            t = self.session.groups[layer.group].tensors[layer.slot]
+            if t.quantization in quantize.FORMATS and t.quantization not in quantize.OWN_LINEAR:
+                by_group.setdefault(layer.group, []).append(layer)
+                size = math.prod(t.shape) * layer.dtype.itemsize
+                sizes[layer.group] = sizes.get(layer.group, 0) + size
+        for group, layers in by_group.items():
+            if self.options.dequantize == "group" or sizes[group] <= GROUP_DEQUANTIZE_MAX_BYTES:
+                for layer in layers:
+                    layer.by_group = True
+                self._layers_by_group[group] = layers
+
     def _from_group(self, layer: StreamedLayer, held: _Held) -> torch.Tensor:
-        """``dequantize="group"``: the layer's dequantized weight from the held group's
-        dequantizations, made for every 8-bit weight of the group (but those of a format with
-        its own linear, ``quantize.OWN_LINEAR``) at the first call (``quantize.dequantize_group``:
-        one launch where the fused kernel can take them all)."""
+        """A ``by_group`` layer's dequantized weight from the held group's dequantizations,
+        made for every such weight of the group at the first call
+        (``quantize.dequantize_group``: one launch where the fused kernel can take them
+        all)."""
         if held.dequantized is None:
             held.dequantized = self._dequantize_group(held)
         return held.dequantized[layer.name]
 
     def _dequantize_group(self, held: _Held) -> dict:
-        if self._layers_by_group is None:
-            by_group = {}
-            for layer in self.streamed.values():
-                by_group.setdefault(layer.group, []).append(layer)
-            self._layers_by_group = by_group
         by_dtype = {}
         for layer in self._layers_by_group[held.group]:
             weight = layer.views(held.ticket)[0]
-            if isinstance(weight, Fp8Weight) and weight.format not in quantize.OWN_LINEAR:
-                by_dtype.setdefault(layer.dtype, []).append((layer, weight))
+            by_dtype.setdefault(layer.dtype, []).append((layer, weight))
         out = {}
         for dtype, pairs in by_dtype.items():
             weights = quantize.dequantize_group([w for _, w in pairs], dtype)

@@ -15,7 +15,7 @@ from weightstream import quantize as fp8
 DEFAULT_MIN_BYTES = 1 << 20
 
 INPUT_GRADS = ("formula", "recompute")
-DEQUANTIZE = ("layer", "group")
+DEQUANTIZE = ("auto", "layer", "group")
 
 
 @dataclass(frozen=True)
@@ -39,14 +39,18 @@ class StreamOptions:
       result is that of the model with each streamed weight replaced by its dequantization
       (``weightstream.quantize.to_fp8_resident``), bit for bit. Biases stay as they are.
       ``None``: the weights as they are.
-    - ``dequantize``: when an 8-bit group's weights are dequantized. ``"layer"``: each
-      layer's at each of its calls, so the device holds one layer's dequantized weight at a
-      time. ``"group"``: all of the group's at its first layer call of a pass, in one kernel
+    - ``dequantize``: when a streamed group's 8-bit weights are dequantized. ``"layer"``:
+      each layer's at each of its calls, so the device holds one layer's dequantized weight at
+      a time. ``"group"``: all of the group's at its first layer call of a pass, in one kernel
       launch on a CUDA device, kept until the group is released, so that the backward's
       recompute and input gradients share one dequantization: a launch per group and pass
       instead of up to three per layer, for the trainer's CPU, at the cost of the group's
       dequantized weights held at once (FLUX.1's double block: 0.63 GiB in bf16;
-      ``Handle.stats()["dequant_peak_bytes"]``). Same results, bit for bit.
+      ``Handle.stats()["dequant_peak_bytes"]``). ``"auto"`` (the default): ``"group"`` for
+      the groups whose dequantized weights take at most 768 MiB
+      (``handle.GROUP_DEQUANTIZE_MAX_BYTES``: FLUX.1's blocks), ``"layer"`` for larger ones
+      (FLUX.2's). Same results, bit for bit, in every mode. Resident groups and weights in a
+      format with its own linear (torchao's) are dequantized per call in every mode.
     """
 
     input_grad: Literal["formula", "recompute"] = "formula"
@@ -56,7 +60,7 @@ class StreamOptions:
     ignore: Iterable = field(default_factory=frozenset)
     lookahead: int | None = None
     quantize: Literal["fp8", "fp8_e4m3_block64"] | None = None
-    dequantize: Literal["layer", "group"] = "layer"
+    dequantize: Literal["auto", "layer", "group"] = "auto"
 
     def __post_init__(self):
         if self.input_grad not in INPUT_GRADS:
@@ -68,7 +72,7 @@ class StreamOptions:
         if self.lookahead is not None and self.lookahead < 0:
             raise ValueError(f"lookahead={self.lookahead}: expected None, 0 or more")
         if self.dequantize not in DEQUANTIZE:
-            raise ValueError(f"dequantize={self.dequantize!r}: expected 'layer' or 'group'")
+            raise ValueError(f"dequantize={self.dequantize!r}: expected 'auto', 'layer' or 'group'")
         fp8.format_name(self.quantize)  # raises for an unknown format
         # Callers pass lists and sets; a frozen value keeps the options hashable and shareable.
         object.__setattr__(self, "include", tuple(self.include))
