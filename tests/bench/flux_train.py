@@ -17,10 +17,14 @@ resident. Both 8-bit modes record the per-tensor SQNR of the quantized weights (
 and worst, dB); the weightstream mode also the device time of its dequantizations over one step
 (`dequant_ms_per_step`, CUDA events around each) and the largest dequantization's memory.
 
-Small ratios: `--interleave resident-fp8 weightstream --budgets 7 --min-blocks 0` runs both
-modes at once with their timed steps alternating one by one, and reports each streamed step over
-the resident step just before it (`interleaved`: per pair, median, min, max), so that the
-machine's drift between and within calls (steps of one mode spread ±20 % on the H200) cancels.
+Variants: `--interleave weightstream weightstream+layer --budgets 7 --min-blocks 0` runs both
+modes at once with their timed steps alternating one by one, and reports each later mode's step
+over the first mode's step just before it (`interleaved`: per pair, median, min, max), so that
+the machine's drift between and within calls (steps of one mode spread ±20 % on the H200)
+cancels. Each step then starts after the other process ran one: a step bound by the CPU pays
+for that more than one bound by the GPU (FLUX.1 8-bit streamed against resident: 1.17–1.27 ×
+interleaved, 1.06–1.09 × with `--modes`, each mode's steps back to back as a trainer runs
+them), so ratios against the resident step are taken with `--modes`.
 Each step also records when the CPU had issued the forward (`forward_issued_s_per_step`): near
 `forward_s_per_step`, the forward waits on the CPU, not the GPU.
 
