@@ -338,6 +338,8 @@ def test_auto_dequantizes_by_group_the_groups_within_the_limit(daemon, monkeypat
     by_group = {n for n, layer in handle.streamed.items() if layer.by_group}
     assert by_group == {n for n in handle.streamed if blocks_by_group or "blocks." not in n}
     assert {n.split(".")[0] for n in by_group} >= {"conv_in", "proj_out"}
+    blocks = ["blocks.0", "blocks.1", "blocks.2"] if blocks_by_group else []
+    assert handle.stats()["dequant_by_group"] == ["conv_in", *blocks, "proj_out"]
     quantize.to_fp8_resident(ref, handle.streamed)
     assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
     # The largest dequantization held: a block's weights, or its largest layer's (fc1).

@@ -394,15 +394,16 @@ class Handle:
         acquire (``Session.reply_wait``: on CUDA the host issues nothing meanwhile, which the
         device's wait misses while earlier work keeps it busy); ``acquire_pending_ns`` is
         the daemon's time with an acquire pending, look-ahead ones included, which is not a
-        wait of the trainer. The trainer's side of 8-bit streaming: ``dequant_peak_bytes``, the
-        largest dequantized weight so far (with ``dequantize="group"``, the largest group's
-        dequantized weights), and ``dequant_scratch_peak_bytes``, the most device memory one
-        dequantization held at once (that weight and, below float32, its float32
-        product); with ``vram_budget="auto"`` the policy's decisions (``auto_*``:
-        ``AutoBudget.stats``); where ``attach`` spent its time (``attach_*``:
-        ``attach_phases``); with ``trainable="host"``, the host bytes of the trainable state
-        (``trainable_host_bytes``) and where its path waited, in seconds since attach
-        (``trainable_*_s``: ``Trainable.times``)."""
+        wait of the trainer. The trainer's side of 8-bit streaming: ``dequant_by_group``, the
+        names of the groups whose 8-bit weights are dequantized together
+        (``StreamOptions.dequantize``), ``dequant_peak_bytes``, the largest dequantization
+        held so far (a weight's, or such a group's weights), and
+        ``dequant_scratch_peak_bytes``, the most device memory one dequantization held at once
+        (that and, below float32, the float32 product); with ``vram_budget="auto"`` the
+        policy's decisions (``auto_*``: ``AutoBudget.stats``); where ``attach`` spent its
+        time (``attach_*``: ``attach_phases``); with ``trainable="host"``, the host bytes of
+        the trainable state (``trainable_host_bytes``) and where its path waited, in seconds
+        since attach (``trainable_*_s``: ``Trainable.times``)."""
         out = {} if self._auto is None else self._auto.stats()
         out.update({f"attach_{k}": v for k, v in self.attach_phases.items()})
         s = self.session.stats()
@@ -422,6 +423,8 @@ class Handle:
         out["reply_wait_by_group"] = {
             g.name: ns for g, ns in zip(self.session.groups, replies.by_group, strict=True)
         }
+        groups = self.session.groups
+        out["dequant_by_group"] = [groups[g].name for g in sorted(self._layers_by_group)]
         out["dequant_peak_bytes"] = self._dequant_peak
         out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
         if self.trainable is not None:
