@@ -24,7 +24,8 @@ the machine's drift between and within calls (steps of one mode spread ±20 % on
 cancels. Each step then starts after the other process ran one: a step bound by the CPU pays
 for that more than one bound by the GPU (FLUX.1 8-bit streamed against resident: 1.17–1.27 ×
 interleaved, 1.06–1.09 × with `--modes`, each mode's steps back to back as a trainer runs
-them), so ratios against the resident step are taken with `--modes`.
+them), so ratios against the resident step are taken with `--modes`, or with `--turn K`:
+turns of K steps, the steps after a turn's first compared (`steady_ratio_of_medians`).
 Each step also records when the CPU had issued the forward (`forward_issued_s_per_step`): near
 `forward_s_per_step`, the forward waits on the CPU, not the GPU.
 
@@ -992,12 +993,16 @@ def timed_record(record: dict) -> dict:
 
 def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
     """``--interleave A B [C ...]``: the modes' children at once, their timed steps alternating
-    one by one (A's step i, then B's step i, ...: ``Lockstep``), so that a drift of the
-    machine's speed reaches all. A mode written ``MODE+group`` (or ``+layer``) runs MODE with
-    that ``--dequantize``. Returns the records (each with its ``variant``, the name as given)
-    and the summary: each later mode's step over A's step before it, per pair, and their
-    median (``ratios``, by name; the second mode's also at the top level)."""
+    in turns of ``--turn`` steps (A's steps i..i+turn-1, then B's, ...: ``Lockstep``), so that
+    a drift of the machine's speed reaches all. A mode written ``MODE+group`` (or ``+layer``)
+    runs MODE with that ``--dequantize``. Returns the records (each with its ``variant``, the
+    name as given) and the summary: each later mode's step over A's step of the same index,
+    per pair, and their median (``ratios``, by name; the second mode's also at the top level);
+    with turns of several steps also the ratio of the medians of the steps that are not a
+    turn's first (``steady_ratio_of_medians``: those follow a step of the same process, as a
+    trainer's steps do)."""
     n = args.warmup + args.measured
+    turn = args.turn
     children = []
     for mode in args.interleave:
         go_r, go_w = os.pipe()
@@ -1012,12 +1017,16 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
         children.append((mode, base, p, go_w, back_r, log))
     deadline = time.monotonic() + args.timeout
     stopped = None
-    for i in range(n):
+    for first in range(0, n, turn):
         for mode, _, _, go_w, back_r, _ in children:
-            os.write(go_w, b"g")
-            ready, _, _ = select.select([back_r], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready or os.read(back_r, 1) != b"d":
-                stopped = f"{mode} did not finish its step {i}"
+            for i in range(first, min(n, first + turn)):
+                os.write(go_w, b"g")
+                left = max(0.0, deadline - time.monotonic())
+                ready, _, _ = select.select([back_r], [], [], left)
+                if not ready or os.read(back_r, 1) != b"d":
+                    stopped = f"{mode} did not finish its step {i}"
+                    break
+            if stopped:
                 break
         if stopped:
             break
@@ -1036,7 +1045,7 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
         record["interleaved"] = True
         record["variant"] = mode
         records.append(record)
-    summary = {"modes": list(args.interleave)}
+    summary = {"modes": list(args.interleave), "turn": turn}
     if stopped:
         summary["error"] = stopped
     a = timed_record(records[0]).get("steps_s")
@@ -1052,6 +1061,12 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
                 "ratio_max": round(ratios[-1], 4),
                 "ratio_of_medians": round(statistics.median(b) / statistics.median(a), 4),
             }
+            # The measured steps that follow a step of their own process.
+            steady = [j for j in range(len(a)) if (args.warmup + j) % turn != 0]
+            if turn > 1 and steady:
+                sa = statistics.median(a[j] for j in steady)
+                sb = statistics.median(b[j] for j in steady)
+                summary["ratios"][mode]["steady_ratio_of_medians"] = round(sb / sa, 4)
     summary.update(summary["ratios"].get(args.interleave[1], {}))
     return records, summary
 
@@ -1215,6 +1230,13 @@ def main(model: str = "flux1"):
         "of --modes; one --budgets value, --min-blocks 0): each later mode's step over A's, pair "
         "by pair; MODE+group / MODE+layer runs MODE with that --dequantize",
     )
+    parser.add_argument(
+        "--turn",
+        type=int,
+        default=1,
+        help="with --interleave: each mode's steps per turn (more than 1: ratios also of the "
+        "steps that follow a step of their own process, as a trainer's do)",
+    )
     parser.add_argument("--lockstep", help=argparse.SUPPRESS)
     parser.add_argument("--det-budget", type=int, default=16)
     parser.add_argument("--det-steps", type=int, default=3)
@@ -1230,6 +1252,8 @@ def main(model: str = "flux1"):
         parser.error("--interleave times each mode against the first: give two modes or more")
     if args.interleave and (len(args.budgets) != 1 or args.min_blocks != 0):
         parser.error("--interleave times one budget: give one --budgets value and --min-blocks 0")
+    if args.turn < 1:
+        parser.error(f"--turn {args.turn}: give 1 or more steps per turn")
     if args.child:
         args.mode = args.child
         return child(args)

@@ -37,7 +37,7 @@ print("RESULT " + json.dumps({"mode": mode, "steps_s": times[2:], "det_losses": 
 """
 
 
-def run(tmp_path, monkeypatch, die: dict | None = None, modes=("a", "b")):
+def run(tmp_path, monkeypatch, die: dict | None = None, modes=("a", "b"), turn=1):
     log = tmp_path / "order.log"
     die = die or {}
 
@@ -45,7 +45,7 @@ def run(tmp_path, monkeypatch, die: dict | None = None, modes=("a", "b")):
         return [sys.executable, "-c", CHILD, mode, str(log), str(die.get(mode, -1))]
 
     monkeypatch.setattr(flux_train, "child_cmd", child_cmd)
-    args = SimpleNamespace(warmup=2, measured=3, interleave=list(modes), timeout=60)
+    args = SimpleNamespace(warmup=2, measured=3, interleave=list(modes), timeout=60, turn=turn)
     records, summary = flux_train.interleaved(args, "unused.sock", {}, tmp_path)
     return records, summary, log.read_text().splitlines()
 
@@ -62,6 +62,7 @@ def test_steps_alternate_and_each_b_step_is_over_the_a_step_before_it(tmp_path, 
     assert summary["ratio_median"] == pytest.approx(1.1)
     assert (summary["ratio_min"], summary["ratio_max"]) == (1.0, 1.3)
     assert summary["ratio_of_medians"] == 1.3
+    assert "steady_ratio_of_medians" not in summary, "every step follows another process's"
     assert "error" not in summary
 
 
@@ -92,3 +93,19 @@ def test_a_third_mode_with_another_dequantize_is_timed_against_the_first(tmp_pat
         "ratio_max": 2.4,
         "ratio_of_medians": 2.4,
     }
+
+
+def test_turns_of_several_steps_and_the_steps_after_one_of_the_same_process(tmp_path, monkeypatch):
+    """``--turn 2``: each child runs two steps per turn (a0 a1 b0 b1 a2 a3 b2 b3 a4 b4); pairs
+    are still of the same index, and the steady ratio takes the measured steps that are not a
+    turn's first (steps 3 of 2..4: a 1.0, b 1.0)."""
+    records, summary, order = run(tmp_path, monkeypatch, turn=2)
+    want = []
+    for first in (0, 2, 4):
+        for mode in "ab":
+            for i in range(first, min(5, first + 2)):
+                want += [f"{mode}{i} start", f"{mode}{i} end"]
+    assert order == want
+    assert summary["turn"] == 2
+    assert summary["ratio_per_pair"] == [1.3, 1.0, 1.1]
+    assert summary["ratios"]["b"]["steady_ratio_of_medians"] == 1.0
