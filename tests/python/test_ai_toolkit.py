@@ -546,6 +546,17 @@ def test_offload_percent_and_ignore_modules(daemon, toolkit):
         ({"quantize": "fp8"}, {}, Settings(quantize="fp8")),
         ({"quantize": "fp8"}, {"WEIGHTSTREAM_QUANTIZE": "none"}, Settings()),
         ({}, {"WEIGHTSTREAM_QUANTIZE": "fp8_e4m3_block64"}, Settings(quantize="fp8")),
+        ({"dequantize": "group"}, {}, Settings(dequantize="group")),
+        (
+            {"dequantize": "group"},
+            {"WEIGHTSTREAM_DEQUANTIZE": "layer"},
+            Settings(dequantize="layer"),
+        ),
+        (
+            {"dequantize": "block"},
+            {},
+            "weightstream.dequantize: 'block': expected one of auto, layer, group",
+        ),
         (
             {"quantize": "int4"},
             {},

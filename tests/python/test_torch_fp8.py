@@ -447,14 +447,16 @@ def test_fp8_glue_without_a_daemon(dtype, ckpt, autocast, resident):
     assert client.session.held == 0
 
 
-def test_ai_toolkit_streams_in_8_bits_when_configured(daemon):
+@pytest.mark.parametrize("dequantize", ["auto", "layer"])
+def test_ai_toolkit_streams_in_8_bits_when_configured(daemon, dequantize):
     from weightstream.integrations import ai_toolkit
     from weightstream.integrations.ai_toolkit import MemoryManager
     from weightstream.integrations.ai_toolkit.settings import Settings
 
     ref = make_model()
     model = copy.deepcopy(ref)
-    ai_toolkit.configure(Settings(socket=daemon.socket, quantize="fp8"))
+    settings = Settings(socket=daemon.socket, quantize="fp8", dequantize=dequantize)
+    ai_toolkit.configure(settings)
     try:
         manager = MemoryManager.attach(model, torch.device("cpu"), offload_percent=1.0)
     finally:
@@ -462,6 +464,8 @@ def test_ai_toolkit_streams_in_8_bits_when_configured(daemon):
     handle = manager.handle
     placed = {t.name: t.quantization for g in handle.session.groups for t in g.tensors}
     assert {placed[f"{n}.weight"] for n in handle.streamed} == {FP8}
+    # The setting reaches attach: by default the small groups dequantize together.
+    assert bool(handle.stats()["dequant_by_group"]) == (dequantize == "auto")
     quantize.to_fp8_resident(ref, handle.streamed)
     assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
     MemoryManager.detach(model, release=True)

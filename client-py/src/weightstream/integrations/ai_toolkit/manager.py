@@ -233,6 +233,7 @@ def _options(s: Settings, ignore: set[str]) -> wst.StreamOptions:
         lookahead=s.lookahead,
         ignore=ignore,
         quantize=s.quantize,
+        dequantize=s.dequantize,
     )
 
 

@@ -19,6 +19,7 @@ ENV = {
     "group_by": "WEIGHTSTREAM_GROUP_BY",
     "lookahead": "WEIGHTSTREAM_LOOKAHEAD",
     "quantize": "WEIGHTSTREAM_QUANTIZE",
+    "dequantize": "WEIGHTSTREAM_DEQUANTIZE",
     "trainable": "WEIGHTSTREAM_TRAINABLE",
     "trainable_delay": "WEIGHTSTREAM_TRAINABLE_DELAY",
     "trainable_master": "WEIGHTSTREAM_TRAINABLE_MASTER",
@@ -26,6 +27,8 @@ ENV = {
 
 #: The values of ``trainable``.
 TRAINABLE = ("device", "host")
+#: The values of ``dequantize`` (``StreamOptions.dequantize``).
+DEQUANTIZE = ("auto", "layer", "group")
 #: The values of ``trainable_master`` (``weightstream.torch.trainable.MASTERS``).
 MASTERS = ("fp32", "none")
 
@@ -101,6 +104,8 @@ class Settings:
     - ``lookahead``: ``StreamOptions.lookahead`` (``none``: as many as staging holds).
     - ``quantize``: ``fp8`` streams the weights in 8 bits (``StreamOptions.quantize``);
       ``none`` (the default): as they are.
+    - ``dequantize``: ``auto`` (the default), ``layer`` or ``group``: when the 8-bit weights
+      are dequantized (``StreamOptions.dequantize``).
     - ``trainable``: where the LoRA's weights and optimizer state live. ``device`` (the
       default): where ai-toolkit puts them. ``host``: in host memory
       (``weightstream.torch.stream_trainable``), the optimizer ai-toolkit asks for (``adamw``,
@@ -123,6 +128,7 @@ class Settings:
     group_by: str = "block"
     lookahead: int | None = None
     quantize: str | None = None
+    dequantize: str = "auto"
     trainable: str = "device"
     trainable_delay: bool = True
     trainable_master: str | None = None
@@ -170,6 +176,10 @@ def _convert(key: str, what: str, value):
         if value not in ("fp8", "fp8_e4m3_block64"):
             raise ValueError(f"{what}: {value!r}: expected 'fp8' or 'none'")
         return "fp8"
+    if key == "dequantize":
+        if value not in DEQUANTIZE:
+            raise ValueError(f"{what}: {value!r}: expected one of {', '.join(DEQUANTIZE)}")
+        return value
     if key == "trainable":
         if value not in TRAINABLE:
             raise ValueError(f"{what}: {value!r}: expected one of {', '.join(TRAINABLE)}")
