@@ -166,10 +166,13 @@ def fp8_sizes(model, group_by: str, alignment: int) -> list[int]:
 
 def budget(sizes: list[int], where: str) -> tuple[int, int]:
     """(vram_budget, staging_bytes): "streamed": all staging, three of the largest group;
-    "mixed": that staging and room for about half of the groups to stay resident."""
+    "mixed": that staging and room for about half of the groups to stay resident;
+    "resident": room for every group."""
     staging = 3 * max(sizes)
     if where == "streamed":
         return staging, staging
+    if where == "resident":
+        return staging + sum(sizes), staging
     return staging + sum(sorted(sizes)[: len(sizes) // 2]), staging
 
 
@@ -281,11 +284,11 @@ def attach_fp8(daemon, model, where: str, **options):
 
 
 def test_fp8_weights_are_dequantized_for_each_use(daemon, monkeypatch):
-    """Streamed and resident layers alike dequantize in forward and again in backward: no
-    w_hat is kept between calls (nor saved for backward)."""
+    """dequantize="layer": streamed and resident layers alike dequantize in forward and again
+    in backward: no w_hat is kept between calls (nor saved for backward)."""
     calls = counted(monkeypatch, "dequantize")
     model = make_model()
-    handle = attach_fp8(daemon, model, "mixed")
+    handle = attach_fp8(daemon, model, "mixed", dequantize="layer")
     assert any(layer.pinned is not None for layer in handle.streamed.values())
     assert all(layer.fixed is None for layer in handle.streamed.values()), "no w_hat kept"
     xs = inputs(2, torch.float32)
@@ -298,18 +301,21 @@ def test_fp8_weights_are_dequantized_for_each_use(daemon, monkeypatch):
     handle.detach(release=True)
 
 
+@pytest.mark.parametrize("where", ["streamed", "resident"])
 @pytest.mark.parametrize("ckpt", ["non-reentrant", "reentrant", None])
-def test_group_dequantization_serves_a_pass_of_the_group_once(daemon, monkeypatch, ckpt):
-    """dequantize="group": each streamed group's weights are dequantized once per pass (the
-    forward, then the backward's recompute and input gradients together), against once per
-    layer call: three per step for a layer of a checkpointed block, two for the others."""
+def test_group_dequantization_serves_a_pass_of_the_group_once(daemon, monkeypatch, ckpt, where):
+    """dequantize="group": each group's weights, streamed or resident, are dequantized once per
+    pass (the forward, then the backward's recompute and input gradients together), against
+    once per layer call: three per step for a layer of a checkpointed block, two for the
+    others."""
     calls = counted(monkeypatch, "dequantize_weight")
     counts = {}
     for dequantize in ("layer", "group"):
         model = make_model()
         model.ckpt = ckpt
-        handle = attach_fp8(daemon, model, "streamed", dequantize=dequantize)
-        assert all(layer.pinned is None for layer in handle.streamed.values())
+        handle = attach_fp8(daemon, model, where, dequantize=dequantize)
+        pinned = [layer.pinned is not None for layer in handle.streamed.values()]
+        assert all(pinned) if where == "resident" else not any(pinned)
         xs = inputs(3, torch.float32)
         train(model, xs[:1])
         calls.clear()
@@ -320,6 +326,34 @@ def test_group_dequantization_serves_a_pass_of_the_group_once(daemon, monkeypatc
         handle.detach(release=True)
     recomputed = in_blocks if ckpt else 0
     assert counts == {"layer": 2 * layers + recomputed, "group": 2 * layers}
+
+
+def test_one_groups_dequantization_is_kept_at_a_time(daemon, monkeypatch):
+    """dequantize="group" with streamed and resident groups in turn: before a group
+    dequantizes, the dequantizations kept for another group are dropped, so that the trainer
+    holds one group's at a time; the results stay the 8-bit reference's."""
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    model.ckpt = "non-reentrant"
+    handle = attach_fp8(daemon, model, "mixed", dequantize="group")
+    pinned = {layer.pinned is not None for layer in handle.streamed.values()}
+    assert pinned == {True, False}, "both kinds of group"
+    kept_counts = []
+    real = wst.handle.StreamedLayer.weights
+
+    def weights(layer, training):
+        out = real(layer, training)
+        held, resident = handle._held, handle._resident_held
+        kept = [h for h in (held, resident) if h is not None and h.dequantized is not None]
+        kept_counts.append(len(kept))
+        return out
+
+    monkeypatch.setattr(wst.handle.StreamedLayer, "weights", weights)
+    quantize.to_fp8_resident(ref, handle.streamed)
+    ref.ckpt = "non-reentrant"
+    assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
+    assert set(kept_counts) == {1}
+    handle.detach(release=True)
 
 
 @pytest.mark.parametrize("limit", [BLOCK_WEIGHTS * 4 - 1, BLOCK_WEIGHTS * 4])
@@ -439,10 +473,9 @@ def test_fp8_glue_without_a_daemon(dtype, ckpt, autocast, resident):
         run(ref, 3, dtype, sample_between=True, autocast=autocast),
         run(streamed, 3, dtype, sample_between=True, autocast=autocast),
     )
-    # dequantize="auto": a streamed block's weights at once; a resident group's one at a time.
-    streamed_block = any(f"blocks.{i}" not in resident for i in range(3))
-    peak = BLOCK_WEIGHTS if streamed_block else 256 * 64
-    assert handle.stats()["dequant_peak_bytes"] == peak * ref.proj_out.weight.element_size()
+    # dequantize="auto": a block's weights at once, streamed or resident.
+    size = ref.proj_out.weight.element_size()
+    assert handle.stats()["dequant_peak_bytes"] == BLOCK_WEIGHTS * size
     handle.close()
     assert client.session.held == 0
 

@@ -149,9 +149,10 @@ def attach(
       device are quantized there as they are copied, a chunk of rows at a time, those in host
       memory by the daemon at commit; the same bytes either way); each layer
       dequantizes its weight on the device after it arrives, into a tensor of the weight's
-      dtype from the trainer's allocator (one layer at a time, freed after use; the largest is
-      ``Handle.stats()["dequant_peak_bytes"]``; ``dequantize="group"``: a group's weights at
-      once, kept while it is held), and runs its own operation on it. Results
+      dtype from the trainer's allocator (``dequantize``: by default a block's weights at
+      once where they take at most 768 MiB, kept while the block runs in a pass, else one
+      layer at a time, freed after use; the largest is
+      ``Handle.stats()["dequant_peak_bytes"]``), and runs its own operation on it. Results
       equal the model with each streamed weight replaced by its dequantization
       (``weightstream.quantize.to_fp8_resident``). A weight that is not bf16/f16/f32 raises
       ``ValueError`` naming the layer, before anything is uploaded.

@@ -61,9 +61,12 @@ class StreamedLayer:
     def weights(self, training: bool) -> tuple:
         """The (weight, bias) this pass computes with: the views, or for an 8-bit weight its
         dequantization (a new tensor per call, freed when the op is done with it; where
-        ``by_group``, the group's, kept while the group is held)."""
+        ``by_group``, the group's, kept while the group is held, or for a resident group while
+        this pass runs it)."""
         handle = self.handle
         if self.pinned is not None:
+            if self.by_group:
+                return handle._from_resident_group(self), self.pinned[1]
             return handle._dequantized(self, self.pinned)
         held = handle._acquire(self, training)
         views = self.views(held.ticket)
@@ -79,7 +82,8 @@ class StreamedLayer:
 
 @dataclass
 class _Held:
-    """The group ticket the layers of one block share while they run."""
+    """The group ticket the layers of one block share while they run (none for a resident
+    group's dequantizations: ``Handle._resident_held``)."""
 
     group: int
     ticket: object
@@ -133,6 +137,10 @@ class Handle:
     #: dequantization is in the peaks (the same at every pass, so counted once).
     _layers_by_group: dict = field(default_factory=dict)
     _groups_counted: set = field(default_factory=set)
+    #: The resident group whose layers dequantize by group that runs now: its dequantizations,
+    #: kept until another resident group, or the next pass, needs its own. One group's
+    #: dequantizations are kept at a time, streamed or resident (``_keep_dequantized``).
+    _resident_held: _Held | None = None
 
     # --- used by the streamed layers ----------------------------------------------------
 
@@ -190,20 +198,47 @@ class Handle:
         (``quantize.dequantize_group``: one launch where the fused kernel can take them
         all)."""
         if held.dequantized is None:
-            held.dequantized = self._dequantize_group(held)
+            self._keep_dequantized(held)
+            ticket = held.ticket
+            held.dequantized = self._dequantize_group(held.group, lambda x: x.views(ticket)[0])
         return held.dequantized[layer.name]
 
-    def _dequantize_group(self, held: _Held) -> dict:
+    def _from_resident_group(self, layer: StreamedLayer) -> torch.Tensor:
+        """A ``by_group`` layer of a resident group: its dequantized weight from the group's
+        dequantizations for this pass, made at the pass's first call of the group."""
+        backward = ops.in_backward()
+        with self._lock:
+            held = self._resident_held
+        if held is None or held.group != layer.group or held.backward != backward:
+            held = _Held(layer.group, None, backward)
+            self._keep_dequantized(held)
+            held.dequantized = self._dequantize_group(layer.group, lambda x: x.pinned[0])
+            with self._lock:
+                self._resident_held = held
+        return held.dequantized[layer.name]
+
+    def _keep_dequantized(self, held: _Held):
+        """Before ``held``'s group dequantizes: drops the dequantizations kept for another
+        group (a resident one's, and the held streamed group's unless it is ``held``), so that
+        one group's are kept at a time; a group used again in the same pass dequantizes again."""
+        with self._lock:
+            if self._resident_held is not held:
+                self._resident_held = None
+            if self._held is not None and self._held is not held:
+                self._held.dequantized = None
+
+    def _dequantize_group(self, group: int, weight_of) -> dict:
+        """The dequantized weights of ``group``'s ``by_group`` layers (``weight_of(layer)``:
+        the layer's 8-bit weight), by layer name."""
         by_dtype = {}
-        for layer in self._layers_by_group[held.group]:
-            weight = layer.views(held.ticket)[0]
-            by_dtype.setdefault(layer.dtype, []).append((layer, weight))
+        for layer in self._layers_by_group[group]:
+            by_dtype.setdefault(layer.dtype, []).append((layer, weight_of(layer)))
         out = {}
         for dtype, pairs in by_dtype.items():
             weights = quantize.dequantize_group([w for _, w in pairs], dtype)
             out.update((layer.name, w) for (layer, _), w in zip(pairs, weights, strict=True))
-        if held.group not in self._groups_counted:
-            self._groups_counted.add(held.group)
+        if group not in self._groups_counted:
+            self._groups_counted.add(group)
             # Every weight of the group is held at once, and one torch-path product at a time.
             size = sum(w.numel() * w.element_size() for w in out.values())
             product = max(
@@ -303,6 +338,8 @@ class Handle:
         """Drops the resident views; gives their tickets back unless the session is gone."""
         for layer in self.streamed.values():
             layer.pinned = layer.fixed = None
+        with self._lock:
+            self._resident_held = None
         pinned, self._pinned = self._pinned, []
         for ticket in pinned if release else ():
             self.session.release(ticket)

@@ -39,7 +39,7 @@ class StreamOptions:
       result is that of the model with each streamed weight replaced by its dequantization
       (``weightstream.quantize.to_fp8_resident``), bit for bit. Biases stay as they are.
       ``None``: the weights as they are.
-    - ``dequantize``: when a streamed group's 8-bit weights are dequantized. ``"layer"``:
+    - ``dequantize``: when a group's 8-bit weights are dequantized. ``"layer"``:
       each layer's at each of its calls, so the device holds one layer's dequantized weight at
       a time. ``"group"``: all of the group's at its first layer call of a pass, in one kernel
       launch on a CUDA device, kept until the group is released, so that the backward's
@@ -49,8 +49,10 @@ class StreamOptions:
       ``Handle.stats()["dequant_peak_bytes"]``). ``"auto"`` (the default): ``"group"`` for
       the groups whose dequantized weights take at most 768 MiB
       (``handle.GROUP_DEQUANTIZE_MAX_BYTES``: FLUX.1's blocks), ``"layer"`` for larger ones
-      (FLUX.2's). Same results, bit for bit, in every mode. Resident groups and weights in a
-      format with its own linear (torchao's) are dequantized per call in every mode.
+      (FLUX.2's). A resident group dequantizes the same way, its weights kept for the pass
+      that runs it. One group's dequantized weights are kept at a time. Same results, bit for
+      bit, in every mode. Weights in a format with its own linear (torchao's) are not
+      dequantized.
     """
 
     input_grad: Literal["formula", "recompute"] = "formula"
