@@ -3,8 +3,9 @@ Linear(3072, 3072) layers in bf16 on 16 tokens (the GPU's share of each call is 
 microseconds, so the forward is bound by the CPU's issuing) is run forward with an input that
 requires grad, as under LoRA training: microseconds per layer for the layers in place, streamed
 with every group resident (no copies: what is left is the client's own work), and streamed in 8
-bits (dequantized per call: the fused kernel, and torch's three kernels); then a cProfile of the
-8-bit case, its functions by own time.
+bits (dequantized per call: the fused kernel, and torch's three kernels; and by group, the
+default: a block's weights in one launch); then a cProfile of the per-call 8-bit case, its
+functions by own time.
 
     python3 tests/bench/layer_overhead.py --bin target/release/weightstream --out $OUT
 """
@@ -128,7 +129,8 @@ def measure(args, client) -> dict:
     floor(model, x, args.reps, rows)
     del model
     everything = 4 << 30
-    for label, quantize in [("streamed, resident groups, bf16", None), ("8-bit", "fp8")]:
+
+    def attached(quantize=None, dequantize="auto"):
         model = make_model()
         handle = wst.attach(
             model,
@@ -136,26 +138,37 @@ def measure(args, client) -> dict:
             client=client,
             vram_budget=everything,
             quantize=quantize,
+            dequantize=dequantize,
             min_bytes=0,
         )
-        if quantize is None:
-            rows[label] = us_per_layer(model, x, args.reps)
-        else:
-            rows["streamed, resident groups, 8-bit, fused dequantization"] = us_per_layer(
-                model, x, args.reps
-            )
-            profile = cProfile.Profile()
-            profile.enable()
-            us_per_layer(model, x, args.reps)
-            profile.disable()
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-            (Path(args.out) / "layer_overhead_profile.txt").write_text(text.getvalue())
-            with torch_path():
-                rows["streamed, resident groups, 8-bit, torch dequantization"] = us_per_layer(
-                    model, x, args.reps
-                )
-        handle.detach(release=True)
+        return model, handle
+
+    model, handle = attached()
+    rows["streamed, resident groups, bf16"] = us_per_layer(model, x, args.reps)
+    handle.detach(release=True)
+    model, handle = attached("fp8", "layer")
+    rows["streamed, resident groups, 8-bit, fused dequantization"] = us_per_layer(
+        model, x, args.reps
+    )
+    profile = cProfile.Profile()
+    profile.enable()
+    us_per_layer(model, x, args.reps)
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    (Path(args.out) / "layer_overhead_profile.txt").write_text(text.getvalue())
+    with torch_path():
+        rows["streamed, resident groups, 8-bit, torch dequantization"] = us_per_layer(
+            model, x, args.reps
+        )
+    handle.detach(release=True)
+    # The default: a block's weights dequantized in one launch at its first call of a pass.
+    model, handle = attached("fp8", "auto")
+    assert handle.stats()["dequant_by_group"], "auto takes these blocks by group"
+    rows["streamed, resident groups, 8-bit, by group (the default)"] = us_per_layer(
+        model, x, args.reps
+    )
+    handle.detach(release=True)
     return rows
 
 
