@@ -178,19 +178,18 @@ class Handle:
         weights take, dequantized, at most ``GROUP_DEQUANTIZE_MAX_BYTES``."""
         if self.options.dequantize == "layer":
             return
-        by_group: dict[int, list[StreamedLayer]] = {}
-        sizes: dict[int, int] = {}
+        by_group: dict[int, list[tuple[StreamedLayer, int]]] = {}
         for layer in self.streamed.values():
             t = self.session.groups[layer.group].tensors[layer.slot]
             if t.quantization in quantize.FORMATS and t.quantization not in quantize.OWN_LINEAR:
-                by_group.setdefault(layer.group, []).append(layer)
                 size = math.prod(t.shape) * layer.dtype.itemsize
-                sizes[layer.group] = sizes.get(layer.group, 0) + size
-        for group, layers in by_group.items():
-            if self.options.dequantize == "group" or sizes[group] <= GROUP_DEQUANTIZE_MAX_BYTES:
-                for layer in layers:
+                by_group.setdefault(layer.group, []).append((layer, size))
+        for group, members in by_group.items():
+            size = sum(size for _, size in members)
+            if self.options.dequantize == "group" or size <= GROUP_DEQUANTIZE_MAX_BYTES:
+                self._layers_by_group[group] = [layer for layer, _ in members]
+                for layer, _ in members:
                     layer.by_group = True
-                self._layers_by_group[group] = layers
 
     def _from_group(self, layer: StreamedLayer, held: _Held) -> torch.Tensor:
         """A ``by_group`` layer's dequantized weight from the held group's dequantizations,
