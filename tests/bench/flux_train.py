@@ -1049,6 +1049,8 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
     if stopped:
         summary["error"] = stopped
     a = timed_record(records[0]).get("steps_s")
+    # The measured steps that follow a step of their own process (none in turns of one).
+    steady = [j for j in range(len(a or ())) if (args.warmup + j) % turn != 0]
     summary["ratios"] = {}
     for mode, record in zip(args.interleave[1:], records[1:], strict=True):
         b = timed_record(record).get("steps_s")
@@ -1061,9 +1063,7 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
                 "ratio_max": round(ratios[-1], 4),
                 "ratio_of_medians": round(statistics.median(b) / statistics.median(a), 4),
             }
-            # The measured steps that follow a step of their own process.
-            steady = [j for j in range(len(a)) if (args.warmup + j) % turn != 0]
-            if turn > 1 and steady:
+            if steady:
                 sa = statistics.median(a[j] for j in steady)
                 sb = statistics.median(b[j] for j in steady)
                 summary["ratios"][mode]["steady_ratio_of_medians"] = round(sb / sa, 4)
