@@ -22,6 +22,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "python"))
 import test_torch as t  # noqa: E402
+import test_torch_fp8 as t8  # noqa: E402
 import weightstream  # noqa: E402
 import weightstream.torch as wst  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -42,15 +43,27 @@ def start_daemon(binary: str, tmp: Path, out: Path):
 
 
 def equality(
-    client, dtype, ckpt, autocast=False, steps=4, group_by="layer", fp8=False, dequantize="layer"
+    client,
+    dtype,
+    ckpt,
+    autocast=False,
+    steps=4,
+    group_by="layer",
+    fp8=False,
+    dequantize="layer",
+    mixed=False,
 ):
     """The model streamed against the same model resident on the GPU. With ``fp8``: streamed
     in 8 bits (fused dequantization on the device) against the 8-bit resident reference, every
-    streamed weight replaced in place by its w_hat; ``dequantize``: attach's."""
+    streamed weight replaced in place by its w_hat; ``dequantize``: attach's. ``mixed`` (8 bits
+    only): a budget where about half of the groups stay resident, the rest streamed."""
     ref = t.make_model(dtype).cuda()
     streamed = copy.deepcopy(ref)
     ref.ckpt = streamed.ckpt = ckpt
     budget, staging = t.BUDGETS[group_by, dtype]
+    if mixed:
+        sizes = t8.fp8_sizes(streamed, group_by, client.info().alignment)
+        budget, staging = t8.budget(sizes, "mixed")
     handle = wst.attach(
         streamed,
         "cuda",
@@ -72,8 +85,17 @@ def equality(
     # Counted before detach, which clears them.
     stats, streamed, resident = handle.stats(), len(handle.streamed), len(handle.resident)
     assert streamed > 0, "nothing was streamed"
+    groups = [g.resident for g in handle.session.groups]
+    if mixed:
+        assert any(groups) and not all(groups), f"resident groups: {groups}"
+    if dequantize == "auto":
+        # The toy model's groups are far below the limit: every group with an 8-bit weight,
+        # resident or streamed, dequantizes at once.
+        layer_groups = {layer.group for layer in handle.streamed.values()}
+        assert len(stats["dequant_by_group"]) == len(layer_groups), stats["dequant_by_group"]
     handle.detach(release=True)
-    detail = f"{resident} resident, {stats['acquires']} acquires"
+    detail = f"{resident} resident ({sum(groups)} of {len(groups)} groups)"
+    detail += f", {stats['acquires']} acquires"
     if fp8:
         detail += (
             f", {streamed} streamed in 8 bits, scratch {stats['dequant_scratch_peak_bytes']} B"
@@ -496,6 +518,18 @@ def main():
                 group_by="block",
                 fp8=True,
                 dequantize="group",
+            ),
+        ),
+        (
+            "equal: fp8 dequantized by group (auto), resident and streamed groups, by block",
+            lambda: equality(
+                client,
+                torch.bfloat16,
+                "non-reentrant",
+                group_by="block",
+                fp8=True,
+                dequantize="auto",
+                mixed=True,
             ),
         ),
         (
