@@ -478,6 +478,13 @@ def main():
     torch.backends.cuda.enable_cudnn_sdp(False)
     torch.use_deterministic_algorithms(True)
     proc, client = start_daemon(binary, Path(tempfile.mkdtemp(prefix="ws-torch-")), out)
+
+    def by_block_8bit(**kwargs):
+        """8-bit streaming by block, bf16, non-reentrant checkpointing."""
+        return equality(
+            client, torch.bfloat16, "non-reentrant", group_by="block", fp8=True, **kwargs
+        )
+
     checks = [
         ("equal: bf16, no checkpointing", lambda: equality(client, torch.bfloat16, None)),
         (
@@ -511,26 +518,11 @@ def main():
         ),
         (
             "equal: fp8 streaming dequantized by group, bf16, checkpointing, by block",
-            lambda: equality(
-                client,
-                torch.bfloat16,
-                "non-reentrant",
-                group_by="block",
-                fp8=True,
-                dequantize="group",
-            ),
+            lambda: by_block_8bit(dequantize="group"),
         ),
         (
             "equal: fp8 dequantized by group (auto), resident and streamed groups, by block",
-            lambda: equality(
-                client,
-                torch.bfloat16,
-                "non-reentrant",
-                group_by="block",
-                fp8=True,
-                dequantize="auto",
-                mixed=True,
-            ),
+            lambda: by_block_8bit(dequantize="auto", mixed=True),
         ),
         (
             "fp8 quantized on the device as it is copied == the daemon's model",
