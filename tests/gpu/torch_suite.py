@@ -85,17 +85,17 @@ def equality(
     # Counted before detach, which clears them.
     stats, streamed, resident = handle.stats(), len(handle.streamed), len(handle.resident)
     assert streamed > 0, "nothing was streamed"
-    groups = [g.resident for g in handle.session.groups]
+    in_place = [g.resident for g in handle.session.groups]
     if mixed:
-        assert any(groups) and not all(groups), f"resident groups: {groups}"
+        assert any(in_place) and not all(in_place), f"resident groups: {in_place}"
     if dequantize == "auto":
         # The toy model's groups are far below the limit: every group with an 8-bit weight,
         # resident or streamed, dequantizes at once.
         layer_groups = {layer.group for layer in handle.streamed.values()}
         assert len(stats["dequant_by_group"]) == len(layer_groups), stats["dequant_by_group"]
     handle.detach(release=True)
-    detail = f"{resident} resident ({sum(groups)} of {len(groups)} groups)"
-    detail += f", {stats['acquires']} acquires"
+    detail = f"{resident} layers kept on the device, {sum(in_place)} of {len(in_place)} groups"
+    detail += f" resident, {stats['acquires']} acquires"
     if fp8:
         detail += (
             f", {streamed} streamed in 8 bits, scratch {stats['dequant_scratch_peak_bytes']} B"
