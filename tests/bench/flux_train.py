@@ -483,6 +483,7 @@ def measure_budget(args, handle, client, model, r):
     sess = [s for s in client.list_sessions() if s.session_id == handle.session.id][0]
     r["daemon_staging_gib"] = round(sess.staging_bytes / GiB, 2)
     r["daemon_resident_gib"] = round(sess.resident_bytes / GiB, 2)
+    r["daemon_resident_groups"] = [g.name for g in handle.session.groups if g.resident]
     r["gpu_total_gib"] = round(
         r["trainer_reserved_gib"] + r["daemon_staging_gib"] + r["daemon_resident_gib"], 2
     )
@@ -1080,6 +1081,7 @@ def parent(args):
     daemon = subprocess.Popen(
         [args.bin, "serve", "--backend", "cuda", "--socket", socket]
         + ["--metrics-listen", args.metrics]
+        + ["--resident-placement", args.resident_placement]
         + cap,
         stderr=open(out / "flux-daemon.log", "ab"),
     )
@@ -1095,6 +1097,7 @@ def parent(args):
         "rank": args.rank,
         "optimizer": args.optimizer,
         "copy_bandwidth_limit": args.copy_bandwidth_limit,
+        "resident_placement": args.resident_placement,
         "modes": [],
     }
     if os.environ.get("WS_CARD_GIB"):
@@ -1171,6 +1174,12 @@ def main(model: str = "flux1"):
         default=os.environ.get(LINK_ENV),
         help="the daemon's copy_bandwidth_limit (e.g. 25GB/s: a PCIe Gen4 x16 link, emulated; "
         f"default: ${LINK_ENV}, which tests/bench/card.py --link sets)",
+    )
+    parser.add_argument(
+        "--resident-placement",
+        choices=["spread", "first"],
+        default="first",
+        help="the daemon's resident_placement: which groups stay resident within a budget",
     )
     parser.add_argument("--bin", default="target/release/weightstream")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-flux-out"))
