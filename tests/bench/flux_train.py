@@ -211,9 +211,10 @@ def batch(device="cuda"):
     }
 
 
-def steps(model, n, lora_state=None, lockstep: bool = False):
+def steps(model, n, lora_state=None, lockstep: bool = False, before_step=None):
     """n AdamW steps on the LoRA parameters; returns per-step seconds and losses. With
-    ``lockstep`` and a ``Lockstep`` set up (``--interleave``), each step waits for its turn."""
+    ``lockstep`` and a ``Lockstep`` set up (``--interleave``), each step waits for its turn.
+    ``before_step(i)``, if given, runs before step i's clock starts (after its turn)."""
     import torch
 
     if lora_state is not None:
@@ -226,9 +227,11 @@ def steps(model, n, lora_state=None, lockstep: bool = False):
         values.clear()
     gate = LOCKSTEP if lockstep else None
     phase("training", training_label)
-    for _ in range(n):
+    for i in range(n):
         if gate is not None:
             gate.wait_turn()
+        if before_step is not None:
+            before_step(i)
         # The forward's end is an event on the stream, not a synchronisation: a trainer does
         # not wait for the device between forward and backward, and waiting there would cost
         # the backward the CPU's lead (a streamed step more than a resident one).
@@ -322,12 +325,21 @@ def deterministic(on: bool):
     torch.use_deterministic_algorithms(on)
 
 
-def timing(model, args, record):
+def timing(model, args, record, measuring=None):
+    """The warm-up and measured steps; per-step figures are of the measured ones.
+    ``measuring()``, if given, runs once the warm-up is done, before the first measured step
+    (where counters are read: the first step's cold copies and plan are warm-up)."""
     import torch
 
+    def before_step(i):
+        if i == args.warmup:
+            torch.cuda.synchronize()
+            torch.cuda.reset_accumulated_memory_stats()
+            if measuring is not None:
+                measuring()
+
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.reset_accumulated_memory_stats()
-    t, _ = steps(model, args.warmup + args.measured, lockstep=True)
+    t, _ = steps(model, args.warmup + args.measured, lockstep=True, before_step=before_step)
     measured = t[args.warmup :]
     record["s_per_step"] = round(statistics.median(measured), 4)
     record["steps_s"] = [round(x, 4) for x in measured]
@@ -338,11 +350,13 @@ def timing(model, args, record):
     stats = torch.cuda.memory_stats()
     # Allocations that hit the memory-fraction cap: each frees the cache and synchronises.
     record["alloc_retries"] = stats.get("num_alloc_retries", 0)
-    # The caching allocator's own device allocations and frees over these steps (a cudaFree
-    # synchronises the device: under a cap, blocks of changing sizes are freed to make room).
-    n = args.warmup + args.measured
+    # The caching allocator's own device allocations and frees over the measured steps (a
+    # cudaFree synchronises the device: under a cap, blocks of changing sizes are freed to make
+    # room).
     for key in ("num_device_alloc", "num_device_free"):
-        record[f"{key.removeprefix('num_')}s_per_step"] = round(stats.get(key, 0) / n, 2)
+        record[f"{key.removeprefix('num_')}s_per_step"] = round(
+            stats.get(key, 0) / args.measured, 2
+        )
 
 
 def mode_resident(args, record):
@@ -449,12 +463,18 @@ def rss_gib() -> float:
 
 
 def measure_budget(args, handle, client, model, r):
-    """One budget's timing, with the daemon's counters over the same steps."""
-    before = handle.stats()
-    busy = scrape(args, "weightstream_device_copy_busy_seconds")
-    timing(model, args, r)
+    """One budget's timing, with the daemon's and the client's counters over the measured
+    steps (the warm-up's first step copies every group cold and records the plan)."""
+    start = {}
+
+    def measuring():
+        start["stats"] = handle.stats()
+        start["busy"] = scrape(args, "weightstream_device_copy_busy_seconds")
+
+    timing(model, args, r, measuring)
     after = handle.stats()
-    n = args.warmup + args.measured
+    before, busy = start["stats"], start["busy"]
+    n = args.measured
     r["copy_busy_s_per_step"] = round(
         (scrape(args, "weightstream_device_copy_busy_seconds") - busy) / n, 4
     )
