@@ -517,6 +517,8 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                 .or_else(|| prefetch.pop_ready(ready));
             match next {
                 Some(r) => {
+                    tracing::debug!(target: crate::session::TIMELINE, session = r.session,
+                        group = r.tag, priority = ?r.priority, "copy dispatched");
                     if let Some(share) = shares.get_mut(&r.session) {
                         share.charge(now, r.work.bytes());
                     }

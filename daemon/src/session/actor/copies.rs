@@ -4,7 +4,7 @@ use super::{Actor, CopyDone};
 use crate::backend::CopyJob;
 use crate::scheduler::{CopyError, CopyOutcome, CopyRequest, Priority, Work};
 use crate::session::plan::GroupId;
-use crate::session::{FaultKind, SessionStats};
+use crate::session::{FaultKind, SessionStats, TIMELINE};
 
 impl Actor {
     /// Queues the copy of a freshly placed block (after the free events of the blocks it
@@ -36,6 +36,8 @@ impl Actor {
                 }
             }
         }
+        tracing::debug!(target: TIMELINE, session = self.p.shared.number, group, offset,
+            ?priority, evicted = ?evicted, "copy submitted");
         if priority == Priority::Prefetch {
             self.prefetch_inflight += 1;
             SessionStats::bump(&self.p.shared.stats.prefetches, 1);
@@ -133,6 +135,8 @@ impl Actor {
     }
 
     pub(super) fn on_copy_done(&mut self, done: CopyDone) {
+        tracing::debug!(target: TIMELINE, session = self.p.shared.number, group = done.group,
+            "copy queued");
         self.inflight -= 1;
         if let Some(book) = &mut self.events {
             book.give_back(&done.returns);

@@ -6,7 +6,7 @@ use super::{Actor, Place, Ticket};
 use crate::scheduler::Priority;
 use crate::session::arena::{AllocError, BlockState};
 use crate::session::plan::{CursorMove, GroupId, Plan};
-use crate::session::{Event, FaultKind, SessionStats};
+use crate::session::{Event, FaultKind, SessionStats, TIMELINE};
 
 pub(super) const EVENTS_EXHAUSTED: &str =
     "acquire: all interprocess events of the session are in use; release tickets first";
@@ -44,6 +44,8 @@ impl Actor {
             return self.fault(ticket, kind, message);
         }
         let stats = &self.p.shared.stats;
+        tracing::debug!(target: TIMELINE, session = self.p.shared.number, group, ticket,
+            state = ?self.arena.get(group).map(|b| b.state), "acquire");
         SessionStats::bump(&stats.acquires, 1);
         if let Some(plan) = &mut self.plan
             && let CursorMove::Resync { .. } = plan.on_acquire(group)
@@ -123,6 +125,8 @@ impl Actor {
         };
         match events {
             Ok((ready_event, free_event)) => {
+                tracing::debug!(target: TIMELINE, session = self.p.shared.number,
+                    group = t.group, ticket, "staged");
                 t.staged = true;
                 t.free_event = free_event;
                 self.stop_waiting(ticket);
@@ -223,6 +227,7 @@ impl Actor {
             return self.fault(ticket, FaultKind::FailedPrecondition, message);
         }
         let (group, place, free) = (t.group, t.place, t.free_event);
+        tracing::debug!(target: TIMELINE, session = self.p.shared.number, group, ticket, "release");
         self.tickets.remove(&ticket);
         if place == Place::Staging {
             self.arena.unhold(group);
