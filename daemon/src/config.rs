@@ -29,17 +29,6 @@ pub enum BackendChoice {
     Cuda,
 }
 
-/// Which groups a session keeps resident when its budget holds only some of them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum ResidentPlacement {
-    /// Spread along the declaration order: a pass's streamed copies run ahead while the
-    /// resident groups between them compute, all through the pass.
-    Spread,
-    /// The first groups in declaration order.
-    First,
-}
-
 /// A size with units ("64MiB") or a plain number, as bytes.
 fn bytes<'de, D: Deserializer<'de>>(de: D) -> Result<u64, D::Error> {
     ByteSize::deserialize(de).map(|b| b.as_u64())
@@ -349,8 +338,6 @@ pub struct ConfigFile {
     pub backend: BackendChoice,
     /// Copies a session may have queued ahead of its client.
     pub prefetch_depth: u32,
-    /// Which groups a session keeps resident when its budget holds only some.
-    pub resident_placement: ResidentPlacement,
     /// How long shutdown waits, from the stop request, for sessions and connections to end.
     pub drain_timeout_secs: u64,
     /// Host-to-device bytes per second each device's copies may use (a slower link, emulated);
@@ -369,7 +356,6 @@ impl Default for ConfigFile {
             socket_group: None,
             backend: BackendChoice::Auto,
             prefetch_depth: 16,
-            resident_placement: ResidentPlacement::First,
             drain_timeout_secs: 10,
             copy_bandwidth_limit: None,
             limits: Limits::default(),
@@ -389,7 +375,6 @@ pub struct Config {
     pub socket_gid: Option<u32>,
     pub backend: BackendChoice,
     pub prefetch_depth: u32,
-    pub resident_placement: ResidentPlacement,
     /// How long shutdown waits, from the stop request, for sessions to close and connections
     /// to finish before cutting them; the stop gives up on what is left 2 s after that.
     pub drain_timeout: Duration,
@@ -634,7 +619,6 @@ impl ConfigFile {
             socket_gid,
             backend: self.backend,
             prefetch_depth: self.prefetch_depth,
-            resident_placement: self.resident_placement,
             drain_timeout: Duration::from_secs(self.drain_timeout_secs),
             copy_bandwidth_limit,
             metrics_listen: self.metrics.enabled.then_some(listen),
@@ -838,8 +822,8 @@ mod tests {
             (
                 "sockets = \"/x\"",
                 "line 1: unknown field `sockets`, expected one of `socket`, `socket_group`, \
-                 `backend`, `prefetch_depth`, `resident_placement`, `drain_timeout_secs`, \
-                 `copy_bandwidth_limit`, `limits`, `metrics`, `access`, `quotas`",
+                 `backend`, `prefetch_depth`, `drain_timeout_secs`, `copy_bandwidth_limit`, \
+                 `limits`, `metrics`, `access`, `quotas`",
             ),
             (
                 "[limits]\nmax_sesions = 3",
@@ -857,10 +841,6 @@ mod tests {
             (
                 "backend = \"gpu\"",
                 "line 1: unknown variant `gpu`, expected one of `auto`, `host`, `cuda`",
-            ),
-            (
-                "resident_placement = \"last\"",
-                "line 1: unknown variant `last`, expected `spread` or `first`",
             ),
             (
                 "prefetch_depth = \"many\"",
@@ -926,8 +906,8 @@ mod tests {
             (
                 "shm_dir = \"/dev/shm\"",
                 "line 1: unknown field `shm_dir`, expected one of `socket`, `socket_group`, \
-                 `backend`, `prefetch_depth`, `resident_placement`, `drain_timeout_secs`, \
-                 `copy_bandwidth_limit`, `limits`, `metrics`, `access`, `quotas`",
+                 `backend`, `prefetch_depth`, `drain_timeout_secs`, `copy_bandwidth_limit`, \
+                 `limits`, `metrics`, `access`, `quotas`",
             ),
             (
                 "socket = \"ws.sock\"",

@@ -1101,7 +1101,6 @@ def parent(args):
     daemon = subprocess.Popen(
         [args.bin, "serve", "--backend", "cuda", "--socket", socket]
         + ["--metrics-listen", args.metrics]
-        + ["--resident-placement", args.resident_placement]
         + cap,
         stderr=open(out / "flux-daemon.log", "ab"),
     )
@@ -1117,7 +1116,6 @@ def parent(args):
         "rank": args.rank,
         "optimizer": args.optimizer,
         "copy_bandwidth_limit": args.copy_bandwidth_limit,
-        "resident_placement": args.resident_placement,
         "modes": [],
     }
     if os.environ.get("WS_CARD_GIB"):
@@ -1194,12 +1192,6 @@ def main(model: str = "flux1"):
         default=os.environ.get(LINK_ENV),
         help="the daemon's copy_bandwidth_limit (e.g. 25GB/s: a PCIe Gen4 x16 link, emulated; "
         f"default: ${LINK_ENV}, which tests/bench/card.py --link sets)",
-    )
-    parser.add_argument(
-        "--resident-placement",
-        choices=["spread", "first"],
-        default="first",
-        help="the daemon's resident_placement: which groups stay resident within a budget",
     )
     parser.add_argument("--bin", default="target/release/weightstream")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-flux-out"))

@@ -32,7 +32,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use weightstream_daemon::config::{BackendChoice, ResidentPlacement};
+use weightstream_daemon::config::BackendChoice;
 use weightstream_daemon::terminal::escape_controls;
 
 #[derive(Debug, Parser)]
@@ -100,24 +100,6 @@ impl From<Backend> for BackendChoice {
             Backend::Auto => BackendChoice::Auto,
             Backend::Host => BackendChoice::Host,
             Backend::Cuda => BackendChoice::Cuda,
-        }
-    }
-}
-
-/// `--resident-placement`: the config's [`ResidentPlacement`] with clap's names and help.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Placement {
-    /// Spread along the declaration order: copies run ahead while resident groups compute.
-    Spread,
-    /// The first groups in declaration order.
-    First,
-}
-
-impl From<Placement> for ResidentPlacement {
-    fn from(p: Placement) -> ResidentPlacement {
-        match p {
-            Placement::Spread => ResidentPlacement::Spread,
-            Placement::First => ResidentPlacement::First,
         }
     }
 }

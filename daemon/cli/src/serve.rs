@@ -14,7 +14,7 @@ use clap::ArgMatches;
 use clap::parser::ValueSource;
 use weightstream_daemon::config::{ConfigFile, DEFAULT_METRICS_LISTEN, Rate};
 
-use super::{Backend, CliResult, Placement};
+use super::{Backend, CliResult};
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -30,10 +30,6 @@ pub struct ServeArgs {
     #[arg(long, env = "WEIGHTSTREAM_PREFETCH_DEPTH",
           default_value_t = ConfigFile::default().prefetch_depth)]
     prefetch_depth: u32,
-    /// Which groups a session keeps resident when its budget holds only some: spread along
-    /// the declaration order, or the first ones.
-    #[arg(long, env = "WEIGHTSTREAM_RESIDENT_PLACEMENT", default_value = "first")]
-    resident_placement: Placement,
     /// Largest gRPC message accepted, e.g. 16MiB (4 KiB to 1 GiB).
     #[arg(long, env = "WEIGHTSTREAM_MAX_MESSAGE_BYTES", default_value = "16MiB")]
     max_message_bytes: ByteSize,
@@ -98,9 +94,6 @@ fn configure(socket: Option<PathBuf>, args: &ServeArgs, given: &Given) -> CliRes
     }
     if given.set("prefetch_depth") {
         config.prefetch_depth = args.prefetch_depth;
-    }
-    if given.set("resident_placement") {
-        config.resident_placement = args.resident_placement.into();
     }
     if given.set("max_message_bytes") {
         config.limits.max_message_bytes = args.max_message_bytes.as_u64();
@@ -167,7 +160,6 @@ fn notify(states: &[NotifyState]) {
 #[cfg(test)]
 mod tests {
     use clap::{CommandFactory, FromArgMatches, Parser};
-    use weightstream_daemon::config::ResidentPlacement;
 
     use super::*;
 
@@ -205,10 +197,6 @@ mod tests {
             config.backend
         );
         assert_eq!(shown.prefetch_depth, config.prefetch_depth);
-        assert_eq!(
-            ResidentPlacement::from(shown.resident_placement),
-            config.resident_placement
-        );
         assert_eq!(
             shown.max_message_bytes.as_u64(),
             config.limits.max_message_bytes

@@ -326,14 +326,7 @@ impl Daemon {
     ) -> Result<OpenedSession, CoreError> {
         let align = self.backend.alignment();
         let groups = layout_groups(&model, &req.groups, align)?;
-        let placement = self.config.resident_placement;
-        let split = split_budget(
-            &groups,
-            req.vram_budget,
-            req.staging_bytes,
-            align,
-            placement,
-        )?;
+        let split = split_budget(&groups, req.vram_budget, req.staging_bytes, align)?;
         // Charged before anything is allocated; given back when the session ends (the charge
         // moves into its teardown) or when opening fails below (the charge drops).
         let bytes = split.staging_bytes + split.resident_bytes;

@@ -2,7 +2,6 @@
 
 use std::collections::HashMap;
 
-use crate::config::ResidentPlacement;
 use crate::mem::align_up;
 use crate::store::Model;
 
@@ -118,13 +117,12 @@ pub struct BudgetSplit {
 
 /// Staging gets what was asked, or by default a quarter of the budget but at least three of the
 /// largest group (double buffering plus one for a re-acquire), capped by the budget. Resident
-/// groups fill the rest as `placement` says ([`resident_groups`]).
+/// groups fill the rest in declaration order, skipping those that do not fit.
 pub fn split_budget(
     groups: &[GroupPlacement],
     budget: u64,
     staging_request: u64,
     align: u64,
-    placement: ResidentPlacement,
 ) -> Result<BudgetSplit, BudgetError> {
     let largest = groups
         .iter()
@@ -154,13 +152,19 @@ pub fn split_budget(
         staging_request
     };
     let staging = align_up(staging, align).min(budget);
-    let resident = resident_groups(groups, budget - staging, placement);
-    let resident_bytes = groups
+    let mut left = budget - staging;
+    let mut resident_bytes = 0;
+    let resident = groups
         .iter()
-        .zip(&resident)
-        .filter(|(_, r)| **r)
-        .map(|(g, _)| g.nbytes)
-        .sum();
+        .map(|g| {
+            let fits = g.nbytes <= left;
+            if fits {
+                left -= g.nbytes;
+                resident_bytes += g.nbytes;
+            }
+            fits
+        })
+        .collect();
     Ok(BudgetSplit {
         staging_bytes: staging,
         resident,
@@ -168,50 +172,9 @@ pub fn split_budget(
     })
 }
 
-/// Which groups fit in `room` bytes. `First` takes them in declaration order, skipping those
-/// that do not fit. `Spread` gives each group its share of the room (room / all groups' bytes of
-/// its size) as credit and keeps it resident once the credit carried along reaches half its
-/// size, then fills what is left in declaration order: resident groups come at even intervals
-/// of the pass (declaration order being the order most models run their blocks), so the copy
-/// engine runs ahead while each computes, where resident groups all at the start leave it idle
-/// while the staging arena is full.
-fn resident_groups(
-    groups: &[GroupPlacement],
-    room: u64,
-    placement: ResidentPlacement,
-) -> Vec<bool> {
-    let mut left = room;
-    let mut resident = vec![false; groups.len()];
-    let mut take = |i: usize, left: &mut u64| {
-        let fits = !resident[i] && groups[i].nbytes <= *left;
-        if fits {
-            *left -= groups[i].nbytes;
-            resident[i] = true;
-        }
-        fits
-    };
-    if placement == ResidentPlacement::Spread {
-        let total: u128 = groups.iter().map(|g| u128::from(g.nbytes)).sum();
-        // Credit in units of 1 / total bytes: a group of n bytes earns n × room.
-        let mut credit: i128 = 0;
-        for (i, g) in groups.iter().enumerate() {
-            let n = i128::from(g.nbytes);
-            credit += n * i128::from(room);
-            if 2 * credit >= n * total as i128 && take(i, &mut left) {
-                credit -= n * total as i128;
-            }
-        }
-    }
-    for i in 0..groups.len() {
-        take(i, &mut left);
-    }
-    resident
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ResidentPlacement::{First, Spread};
 
     fn group(name: &str, nbytes: u64) -> GroupPlacement {
         GroupPlacement {
@@ -225,69 +188,34 @@ mod tests {
     #[test]
     fn default_split_keeps_a_quarter_or_three_largest_for_staging() {
         let groups: Vec<_> = (0..8).map(|i| group(&format!("g{i}"), 1024)).collect();
-        let s = split_budget(&groups, 16 * 1024, 0, 256, First).unwrap();
+        let s = split_budget(&groups, 16 * 1024, 0, 256).unwrap();
         assert_eq!(s.staging_bytes, 4096);
         assert_eq!(s.resident, [true; 8]);
         assert_eq!(s.resident_bytes, 8192);
-        let s = split_budget(&groups, 6 * 1024, 0, 256, First).unwrap();
+        let s = split_budget(&groups, 6 * 1024, 0, 256).unwrap();
         assert_eq!(s.staging_bytes, 3072);
         assert_eq!(
             s.resident,
             [true, true, true, false, false, false, false, false]
         );
-        let s = split_budget(&groups, 1024, 0, 256, First).unwrap();
+        let s = split_budget(&groups, 1024, 0, 256).unwrap();
         assert_eq!((s.staging_bytes, s.resident_bytes), (1024, 0));
-    }
-
-    fn resident_indices(s: &BudgetSplit) -> Vec<usize> {
-        (s.resident.iter().enumerate())
-            .filter_map(|(i, r)| r.then_some(i))
-            .collect()
-    }
-
-    #[test]
-    fn spread_keeps_resident_groups_at_even_intervals() {
-        let groups: Vec<_> = (0..12).map(|i| group(&format!("g{i}"), 1024)).collect();
-        // Staging of three groups, three more resident: one in every four.
-        let s = split_budget(&groups, 6 * 1024, 3 * 1024, 256, Spread).unwrap();
-        assert_eq!(resident_indices(&s), [1, 5, 9]);
-        assert_eq!(s.resident_bytes, 3 * 1024);
-        let s = split_budget(&groups, 6 * 1024, 3 * 1024, 256, First).unwrap();
-        assert_eq!(resident_indices(&s), [0, 1, 2]);
-        // Room for all: all, either way.
-        let s = split_budget(&groups, 16 * 1024, 0, 256, Spread).unwrap();
-        assert_eq!(s.resident, [true; 12]);
-    }
-
-    #[test]
-    fn spread_fills_the_room_with_groups_of_mixed_sizes() {
-        // FLUX.1-dev's 8-bit blocks in MiB: small embedders, 19 double blocks, 38 single ones.
-        let mut groups: Vec<_> = (0..7).map(|i| group(&format!("e{i}"), 8)).collect();
-        groups.extend((0..19).map(|i| group(&format!("d{i}"), 344)));
-        groups.extend((0..38).map(|i| group(&format!("s{i}"), 136)));
-        let s = split_budget(&groups, 1936, 1032, 8, Spread).unwrap();
-        // Double block 6, single blocks 0, 4, 17 and 30; two embedders fill the room exactly.
-        assert_eq!(resident_indices(&s), [0, 6, 13, 26, 30, 43, 56]);
-        assert_eq!(s.resident_bytes, 904);
-        let s = split_budget(&groups, 1936, 1032, 8, First).unwrap();
-        assert_eq!(resident_indices(&s), [0, 1, 2, 3, 4, 5, 6, 7, 8, 26]);
-        assert_eq!(s.resident_bytes, 7 * 8 + 2 * 344 + 136);
     }
 
     #[test]
     fn budget_errors_name_the_field_and_limit() {
         let groups = vec![group("small", 256), group("big", 4096)];
-        let e = split_budget(&groups, 1000, 0, 256, Spread).unwrap_err();
+        let e = split_budget(&groups, 1000, 0, 256).unwrap_err();
         assert_eq!(
             e.to_string(),
             "vram_budget 1000 is smaller than the largest group 'big' (4096 bytes, aligned)"
         );
-        let e = split_budget(&groups, 8192, 1024, 256, Spread).unwrap_err();
+        let e = split_budget(&groups, 8192, 1024, 256).unwrap_err();
         assert!(matches!(
             e,
             BudgetError::StagingTooSmall { staging: 1024, .. }
         ));
-        let e = split_budget(&groups, 8192, 9000, 256, Spread).unwrap_err();
+        let e = split_budget(&groups, 8192, 9000, 256).unwrap_err();
         assert_eq!(
             e,
             BudgetError::StagingOverBudget {
@@ -295,7 +223,7 @@ mod tests {
                 budget: 8192
             }
         );
-        let s = split_budget(&groups, 8192, 4096, 256, Spread).unwrap();
+        let s = split_budget(&groups, 8192, 4096, 256).unwrap();
         assert_eq!(s.resident, [true, false]);
     }
 }
