@@ -517,8 +517,12 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                 .or_else(|| prefetch.pop_ready(ready));
             match next {
                 Some(r) => {
+                    let what = match r.work {
+                        Work::Copy(_) => "copy",
+                        Work::Grant(_) => "grant",
+                    };
                     tracing::debug!(target: crate::session::TIMELINE, session = r.session,
-                        group = r.tag, priority = ?r.priority, "copy dispatched");
+                        group = r.tag, priority = ?r.priority, what, "copy dispatched");
                     if let Some(share) = shares.get_mut(&r.session) {
                         share.charge(now, r.work.bytes());
                     }

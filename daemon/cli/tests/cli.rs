@@ -45,6 +45,44 @@ fn demo_runs_to_completion_and_leaves_no_shared_memory() {
     assert!(!stdout.contains("plain memcpy"), "{stdout}");
 }
 
+/// `WEIGHTSTREAM_LOG=weightstream::timeline=debug` traces each session event, one line each;
+/// the default filter writes none of them.
+#[test]
+fn the_timeline_target_traces_acquires_releases_and_copies() {
+    let demo = |log: Option<&str>| {
+        let mut cmd = weightstream();
+        cmd.args([
+            "demo",
+            "--size",
+            "8MiB",
+            "--steps",
+            "2",
+            "--backend",
+            "host",
+        ]);
+        cmd.env_remove("WEIGHTSTREAM_LOG");
+        if let Some(filter) = log {
+            cmd.env("WEIGHTSTREAM_LOG", filter);
+        }
+        let out = cmd.output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let traced = demo(Some("warn,weightstream::timeline=debug"));
+    for event in [
+        "acquire session=1 group=",
+        "staged session=1 group=",
+        "release session=1 group=",
+        "copy submitted session=1 group=",
+        "copy dispatched session=1 group=",
+        "copy queued session=1 group=",
+    ] {
+        let lines = traced.lines().filter(|l| l.contains(event)).count();
+        assert!(lines > 0, "no {event:?} line:\n{traced}");
+    }
+    assert!(!demo(None).contains("weightstream::timeline"));
+}
+
 /// Without a daemon, every command that needs one fails at once with one line that names the
 /// socket and says what to do; `load` of a missing file says so before asking any daemon;
 /// `top` without a terminal says to use --once and exits 2.
