@@ -21,12 +21,12 @@ use std::time::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
 
 pub use self::actor::{ActorParts, spawn};
+pub use self::messages::{AttachError, Command, Direction, Event, FaultKind};
+pub use self::stats::{GpuWaitReport, SessionStats, StatsSnapshot};
 
 /// The target of the debug events that trace each session's acquires, releases and copies
 /// (`WEIGHTSTREAM_LOG=weightstream::timeline=debug`): a timeline to set against the client's.
 pub const TIMELINE: &str = "weightstream::timeline";
-pub use self::messages::{AttachError, Command, Direction, Event, FaultKind};
-pub use self::stats::{GpuWaitReport, SessionStats, StatsSnapshot};
 
 /// Why a session ends, as its client is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
