@@ -32,6 +32,10 @@ use std::time::{Duration, Instant};
 use crate::backend::{Backend, BackendError, CopyJob, CopyTiming};
 use crate::pacing::{Clock, SystemClock, TokenBucket};
 
+/// The target of the debug events that trace each session's acquires, releases and copies
+/// (`WEIGHTSTREAM_LOG=weightstream::timeline=debug`): a timeline to set against the client's.
+pub const TIMELINE: &str = "weightstream::timeline";
+
 /// Largest piece of a paced copy (about 0.34 ms at 25 GB/s; 4 MB copies already run at 53 of
 /// the H200's 55 GB/s, so pieces cost the link next to nothing).
 pub const PACED_CHUNK: u64 = 8 << 20;
@@ -521,7 +525,7 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                         Work::Copy(_) => "copy",
                         Work::Grant(_) => "grant",
                     };
-                    tracing::debug!(target: crate::session::TIMELINE, session = r.session,
+                    tracing::debug!(target: TIMELINE, session = r.session,
                         group = r.tag, priority = ?r.priority, what, "copy dispatched");
                     if let Some(share) = shares.get_mut(&r.session) {
                         share.charge(now, r.work.bytes());

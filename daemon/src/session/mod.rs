@@ -24,10 +24,6 @@ pub use self::actor::{ActorParts, spawn};
 pub use self::messages::{AttachError, Command, Direction, Event, FaultKind};
 pub use self::stats::{GpuWaitReport, SessionStats, StatsSnapshot};
 
-/// The target of the debug events that trace each session's acquires, releases and copies
-/// (`WEIGHTSTREAM_LOG=weightstream::timeline=debug`): a timeline to set against the client's.
-pub const TIMELINE: &str = "weightstream::timeline";
-
 /// Why a session ends, as its client is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CloseReason {

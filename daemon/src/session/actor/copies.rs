@@ -2,9 +2,9 @@
 
 use super::{Actor, CopyDone};
 use crate::backend::CopyJob;
-use crate::scheduler::{CopyError, CopyOutcome, CopyRequest, Priority, Work};
+use crate::scheduler::{CopyError, CopyOutcome, CopyRequest, Priority, TIMELINE, Work};
 use crate::session::plan::GroupId;
-use crate::session::{FaultKind, SessionStats, TIMELINE};
+use crate::session::{FaultKind, SessionStats};
 
 impl Actor {
     /// Queues the copy of a freshly placed block (after the free events of the blocks it

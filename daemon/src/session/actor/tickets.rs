@@ -3,10 +3,10 @@
 use std::sync::atomic::Ordering;
 
 use super::{Actor, Place, Ticket};
-use crate::scheduler::Priority;
+use crate::scheduler::{Priority, TIMELINE};
 use crate::session::arena::{AllocError, BlockState};
 use crate::session::plan::{CursorMove, GroupId, Plan};
-use crate::session::{Event, FaultKind, SessionStats, TIMELINE};
+use crate::session::{Event, FaultKind, SessionStats};
 
 pub(super) const EVENTS_EXHAUSTED: &str =
     "acquire: all interprocess events of the session are in use; release tickets first";
