@@ -4,8 +4,8 @@ microseconds, so the forward is bound by the CPU's issuing) is run forward with 
 requires grad, as under LoRA training: microseconds per layer for the layers in place, streamed
 with every group resident (no copies: what is left is the client's own work), and streamed in 8
 bits (dequantized per call: the fused kernel, and torch's three kernels; and by group, the
-default: a block's weights in one launch); then a cProfile of the per-call 8-bit case, its
-functions by own time.
+default: a block's weights in one launch); then a cProfile of the per-call 8-bit case and of
+the by-group one, their functions by own time.
 
     python3 tests/bench/layer_overhead.py --bin target/release/weightstream --out $OUT
 """
@@ -150,13 +150,7 @@ def measure(args, client) -> dict:
     rows["streamed, resident groups, 8-bit, fused dequantization"] = us_per_layer(
         model, x, args.reps
     )
-    profile = cProfile.Profile()
-    profile.enable()
-    us_per_layer(model, x, args.reps)
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-    (Path(args.out) / "layer_overhead_profile.txt").write_text(text.getvalue())
+    profiled(model, x, args, "layer_overhead_profile.txt")
     with torch_path():
         rows["streamed, resident groups, 8-bit, torch dequantization"] = us_per_layer(
             model, x, args.reps
@@ -168,8 +162,20 @@ def measure(args, client) -> dict:
     rows["streamed, resident groups, 8-bit, by group (the default)"] = us_per_layer(
         model, x, args.reps
     )
+    profiled(model, x, args, "layer_overhead_profile_group.txt")
     handle.detach(release=True)
     return rows
+
+
+def profiled(model, x, args, name: str):
+    """``us_per_layer`` again under cProfile; its functions by own time, into ``name``."""
+    profile = cProfile.Profile()
+    profile.enable()
+    us_per_layer(model, x, args.reps)
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    (Path(args.out) / name).write_text(text.getvalue())
 
 
 def main():
