@@ -521,12 +521,10 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                 .or_else(|| prefetch.pop_ready(ready));
             match next {
                 Some(r) => {
-                    let what = match r.work {
-                        Work::Copy(_) => "copy",
-                        Work::Grant(_) => "grant",
-                    };
-                    tracing::debug!(target: TIMELINE, session = r.session,
-                        group = r.tag, priority = ?r.priority, what, "copy dispatched");
+                    tracing::debug!(target: TIMELINE, session = r.session, group = r.tag,
+                        priority = ?r.priority,
+                        what = if matches!(r.work, Work::Grant(_)) { "grant" } else { "copy" },
+                        "copy dispatched");
                     if let Some(share) = shares.get_mut(&r.session) {
                         share.charge(now, r.work.bytes());
                     }
