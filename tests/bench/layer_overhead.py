@@ -4,8 +4,9 @@ microseconds, so the forward is bound by the CPU's issuing) is run forward with 
 requires grad, as under LoRA training: microseconds per layer for the layers in place, streamed
 with every group resident (no copies: what is left is the client's own work), and streamed in 8
 bits (dequantized per call: the fused kernel, and torch's three kernels; and by group, the
-default: a block's weights in one launch); then a cProfile of the per-call 8-bit case and of
-the by-group one, their functions by own time.
+default: a block's weights in one launch); a whole training step per layer, each block
+checkpointed as diffusers' models are, in place and streamed by group; then a cProfile of the
+per-call 8-bit case and of the by-group one, their functions by own time.
 
     python3 tests/bench/layer_overhead.py --bin target/release/weightstream --out $OUT
 """
@@ -28,6 +29,8 @@ from dequant_speed import torch_path
 from provenance import commit
 
 BLOCKS, PER_BLOCK, TOKENS = 16, 8, 16
+STEP_IN_PLACE = "in place, bf16: a checkpointed step (forward, recompute, backward)"
+STEP_BY_GROUP = "streamed, resident groups, 8-bit, by group: a checkpointed step"
 #: The layers' width (``--width``).
 WIDTH = 3072
 
@@ -53,11 +56,15 @@ def make_model():
 
         def forward(self, x):
             for block in self.blocks:
-                x = block(x)
+                x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
             return x
 
+    from torch.utils.checkpoint import checkpoint
+
     torch.manual_seed(0)
-    return Stack().to(torch.bfloat16).requires_grad_(False)
+    model = Stack().to(torch.bfloat16).requires_grad_(False)
+    model.checkpointed = False
+    return model
 
 
 def sync(device: str):
@@ -75,6 +82,28 @@ def us_per_layer(model, x, reps: int) -> float:
     for _ in range(reps):
         model(x)
     sync(x.device.type)
+    return (time.perf_counter() - t) / reps / (BLOCKS * PER_BLOCK) * 1e6
+
+
+def us_per_layer_step(model, x, reps: int) -> float:
+    """``us_per_layer`` of a training step: each block checkpointed (torch's non-reentrant
+    checkpoint, as diffusers' models do), forward and backward, so each layer runs its
+    forward, its recompute and its backward."""
+    model.checkpointed = True
+    try:
+
+        def step():
+            model(x).float().sum().backward()
+
+        for _ in range(3):
+            step()
+        sync(x.device.type)
+        t = time.perf_counter()
+        for _ in range(reps):
+            step()
+        sync(x.device.type)
+    finally:
+        model.checkpointed = False
     return (time.perf_counter() - t) / reps / (BLOCKS * PER_BLOCK) * 1e6
 
 
@@ -126,6 +155,7 @@ def measure(args, client) -> dict:
     rows = {}
     model = make_model().to(args.device)
     rows["in place, bf16"] = us_per_layer(model, x, args.reps)
+    rows[STEP_IN_PLACE] = us_per_layer_step(model, x, args.reps)
     floor(model, x, args.reps, rows)
     del model
     everything = 4 << 30
@@ -163,6 +193,7 @@ def measure(args, client) -> dict:
         model, x, args.reps
     )
     profiled(model, x, args, "layer_overhead_profile_group.txt")
+    rows[STEP_BY_GROUP] = us_per_layer_step(model, x, args.reps)
     handle.detach(release=True)
     return rows
 

@@ -144,16 +144,29 @@ def fused_dequant():
         qd.copy_(q)
         sd.copy_(s)
         weights.append((qd, sd))
+    # Each plan is run twice: the first launch goes through Triton's dispatch, the second
+    # starts the kernel Triton compiled (``GroupLaunch``); and after the buffer's data changed.
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        group = _fused_dequant.dequantize_group(weights, dtype)
-        assert group is not None, "the group kernel does not apply"
+        plan = _fused_dequant.plan_group(weights, dtype)
+        assert plan is not None, "the group kernel does not apply"
         bits = torch.int32 if dtype == torch.float32 else torch.int16
-        for i, ((qd, sd), got) in enumerate(zip(weights, group, strict=True)):
-            want = quantize.dequantize(qd, sd, dtype)
-            if not torch.equal(got.view(bits), want.view(bits)):
-                bad.append(f"group weight {i} {tuple(qd.shape)} {dtype}")
+        for launch in ("dispatched", "compiled", "new data"):
+            if launch == "new data":
+                for qd, sd in weights:
+                    qd.view(torch.uint8).copy_(qd.view(torch.uint8).flip(0))
+                    sd.copy_(sd.flip(0))
+            group = plan.run(weights[0], weights[-1])
+            if launch != "dispatched":
+                assert plan.compiled is not None, "the compiled kernel was not kept"
+            for i, ((qd, sd), got) in enumerate(zip(weights, group, strict=True)):
+                want = quantize.dequantize(qd, sd, dtype)
+                if not torch.equal(got.view(bits), want.view(bits)):
+                    bad.append(f"group weight {i} {tuple(qd.shape)} {dtype} {launch}")
     assert not bad, f"{len(bad)} differ: {bad[:10]}"
-    return f"{len(cases)} tensors x 3 dtypes bit for bit; a group of {len(pairs)} in one launch"
+    return (
+        f"{len(cases)} tensors x 3 dtypes bit for bit; a group of {len(pairs)} in one launch, "
+        "dispatched and compiled"
+    )
 
 
 def comfy_mixed_on_cuda():

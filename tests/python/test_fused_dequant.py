@@ -154,6 +154,12 @@ for dtype, bits in ((torch.float16, torch.int16), (torch.float32, torch.int32)):
         same = torch.equal(o.view(bits), want.view(bits))
         print(tuple(q.shape), str(dtype), "equal" if same else "DIFFER")
     print("one tensor", len({o.untyped_storage().data_ptr() for o in outs}))
+# A plan runs again on the same layout, and refuses weights placed otherwise.
+plan = _fused_dequant.plan_group(weights, torch.float32)
+again = plan.run(weights[0], weights[-1])
+want = _fused_dequant.launch_group(weights, torch.float32)
+print("again", all(torch.equal(a, b) for a, b in zip(again, want, strict=True)))
+print("moved", plan.run(weights[1], weights[-1]))
 # Scales 8 bytes off a 16-byte boundary: one launch cannot take them (its loads assume it).
 print("misaligned", _fused_dequant.launch_group(group(shift_scale=8), torch.float32))
 # Scale blocks of different sizes: no one kernel for both.
@@ -165,7 +171,8 @@ print("mixed blocks", _fused_dequant.launch_group([group()[0], rowwise], torch.f
 def test_the_group_kernel_computes_the_formula_for_each_weight_under_the_interpreter():
     """``launch_group``: the weights of one group (at offsets in one buffer, as a staging
     block holds them) dequantized in one launch into views of one tensor, each equal to the
-    formula; weights one launch cannot take are refused (None: dequantized one by one)."""
+    formula; its plan runs again on the same layout and refuses another; weights one launch
+    cannot take are refused (None: dequantized one by one)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run(
         [sys.executable, "-c", GROUP_CHILD],
@@ -179,4 +186,10 @@ def test_the_group_kernel_computes_the_formula_for_each_weight_under_the_interpr
     want = []
     for dtype in ("float16", "float32"):
         want += [f"{shape} torch.{dtype} equal" for shape in shapes] + ["one tensor 1"]
-    assert out.stdout.splitlines() == [*want, "misaligned None", "mixed blocks None"]
+    assert out.stdout.splitlines() == [
+        *want,
+        "again True",
+        "moved None",
+        "misaligned None",
+        "mixed blocks None",
+    ]

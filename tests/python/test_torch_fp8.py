@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -196,6 +197,7 @@ def frozen_weights(model) -> dict[str, torch.Tensor]:
         (torch.float32, "reentrant", True, "block", "mixed", "group"),
         (torch.bfloat16, None, False, "block", "mixed", "group"),
         (torch.float32, "non-reentrant", False, "layer", "streamed", "group"),
+        (torch.float32, "non-reentrant", True, "block", "mixed", "group"),
     ],
 )
 def test_fp8_attach_equals_the_8bit_resident_reference(
@@ -354,6 +356,81 @@ def test_one_groups_dequantization_is_kept_at_a_time(daemon, monkeypatch):
     assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
     assert set(kept_counts) == {1}
     handle.detach(release=True)
+
+
+@pytest.mark.parametrize("ckpt", ["non-reentrant", "reentrant", None])
+def test_checkpointed_layers_dequantized_by_group_run_without_a_function(daemon, monkeypatch, ckpt):
+    """Inside torch's non-reentrant checkpoint a layer dequantized by group runs its operation
+    as it is (autograd saves the dequantized weight, which the checkpoint drops): no
+    ``StreamedOp`` for the blocks' layers, only for those outside the checkpoint; without the
+    checkpoint, and in the reentrant one's recompute, every graph-recording call takes the
+    Function. Either way, after a forward the trainer holds one group's dequantized weights at
+    most, and the results are the 8-bit reference's."""
+    from weightstream.torch import ops
+
+    applied = []
+    real = ops.StreamedOp.apply
+    monkeypatch.setattr(
+        ops.StreamedOp, "apply", lambda layer, x: applied.append(layer.name) or real(layer, x)
+    )
+    kept = []
+    real_group = wst.handle.Handle._dequantize_group
+
+    def dequantize_group(handle, group, weight_of):
+        out = real_group(handle, group, weight_of)
+        kept.extend(weakref.ref(w) for w in out.values())
+        return out
+
+    monkeypatch.setattr(wst.handle.Handle, "_dequantize_group", dequantize_group)
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref.ckpt = model.ckpt = ckpt
+    handle = attach_fp8(daemon, model, "streamed", dequantize="group")
+    quantize.to_fp8_resident(ref, handle.streamed)
+    x = inputs(1, torch.float32)[0]
+    out = model(x)
+    alive = {w().data_ptr() for w in kept if w() is not None}
+    assert len(alive) == 1, "one group's dequantizations (views of one tensor) are kept"
+    out.float().pow(2).mean().backward()
+    in_blocks = {n for n in handle.streamed if n.startswith("blocks.")}
+    outside = set(handle.streamed) - in_blocks
+    if ckpt == "non-reentrant":
+        # The forward's calls and the recompute's: none of a block's layers.
+        assert set(applied) == outside
+    elif ckpt == "reentrant":
+        # The forward records no graph in the blocks; their recompute does, with the Function.
+        assert set(applied) == set(handle.streamed)
+        assert sorted(applied).count(next(iter(in_blocks))) == 1
+    else:
+        assert set(applied) == set(handle.streamed)
+    model.zero_grad(set_to_none=True)
+    assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
+    handle.detach(release=True)
+
+
+def test_in_checkpoint_recognises_torchs_non_reentrant_checkpoint():
+    """``ops.in_checkpoint``: true in the forward and in the recompute of torch's non-reentrant
+    checkpoint, false outside it, in the reentrant one and under other saved-tensor hooks."""
+    from torch.utils.checkpoint import checkpoint
+    from weightstream.torch import ops
+
+    seen = []
+
+    def probe(x):
+        seen.append((ops.in_backward(), ops.in_checkpoint()))
+        return x * x
+
+    x = torch.ones(3, requires_grad=True)
+    checkpoint(probe, x, use_reentrant=False).sum().backward()
+    assert seen == [(False, True), (True, True)], "the forward, then the recompute"
+    seen.clear()
+    checkpoint(probe, x, use_reentrant=True).sum().backward()
+    assert seen == [(False, False), (True, False)]
+    seen.clear()
+    with torch.autograd.graph.save_on_cpu():
+        probe(x)
+    probe(x)
+    assert seen == [(False, False), (False, False)]
 
 
 @pytest.mark.parametrize("limit", [BLOCK_WEIGHTS * 4 - 1, BLOCK_WEIGHTS * 4])

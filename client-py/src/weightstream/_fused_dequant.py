@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -142,7 +143,7 @@ _GROUP_ALIGN = 16
 
 @functools.cache
 def _group_kernel():
-    """The kernel of ``dequantize_group``: the block kernel over several weights in one launch.
+    """The kernel of ``launch_group``: the block kernel over several weights in one launch.
     A table row per weight (its first program, the offsets of its data, scales and output
     from the first weight's, its number of scale blocks) tells each program which weight it
     works on, by a scan over the rows (a group holds a few tens of weights at most). None
@@ -178,31 +179,96 @@ def _group_kernel():
     return group
 
 
-#: Device tables of ``dequantize_group``, per (device, the table's rows): a group's weights
-#: keep their places relative to each other in every ticket, so each group's table is made
-#: once (its first copy to the device waits for the stream; later launches reuse it).
-_tables: dict = {}
-#: More distinct tables than this (models attached one after another in one process): the
-#: cache starts again.
-_TABLES_KEPT = 4096
-
-
-def dequantize_group(weights: list, dtype: torch.dtype) -> list | None:
-    """The dequantizations of several 8-bit weights ``[(q, scale), ...]`` on one CUDA device
-    (``dequantize``'s formula, same bits) in one launch, each a view of one new tensor in
-    ``dtype``; None where one launch cannot do them all (then dequantize them one by one): see
-    ``launch_group``."""
-    if not weights or not weights[0][0].is_cuda:
-        return None
-    return launch_group(weights, dtype)
-
-
 def launch_group(weights: list, dtype: torch.dtype) -> list | None:
-    """``dequantize_group`` on the current stream of the weights' device (or, under Triton's
-    interpreter, on the CPU); None where Triton is missing or off, the weights are not all
-    fp8 with fp32 scales on one device, the scale block is not a power of two up to a
-    program's chunk or not the same for all, or an offset between them is not a multiple of
-    16 bytes."""
+    """The dequantizations of several 8-bit weights ``[(q, scale), ...]`` on one device
+    (``dequantize``'s formula, same bits) in one launch on its current stream (or, under
+    Triton's interpreter, on the CPU), each a view of one new tensor in ``dtype``; None where
+    one launch cannot do them all (``plan_group``). ``plan_group``, then its ``run``: for the
+    same weights at every call, keep the plan (``quantize.GroupDequantizer``)."""
+    plan = plan_group(weights, dtype)
+    return None if plan is None else plan.run(weights[0], weights[-1])
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
+@dataclass(eq=False)
+class GroupLaunch:
+    """What a group launch (``launch_group``) needs besides the first weight's data and
+    scales: the checks passed, the table on the device, the outputs' places. A group's weights
+    keep their places relative to each other in every ticket, so a trainer makes it once per
+    group and output dtype (``plan_group``), and ``run`` costs the CPU an allocation, a launch
+    and a view per weight: FLUX's steps are bound by the CPU's issuing."""
+
+    device: torch.device
+    dtype: torch.dtype
+    #: One row per weight (its first program, the offsets of its data, scales and output from
+    #: the first weight's, its number of scale blocks), on the device.
+    table: torch.Tensor
+    programs: int
+    out_len: int
+    #: Per weight, its output's (shape, contiguous strides, offset) in the one new tensor.
+    outs: tuple
+    #: The last weight's data and scales, in bytes from the first weight's: ``run`` checks
+    #: them (weights laid out otherwise than planned are refused).
+    last: tuple
+    #: The kernel's compile-time constants: the number of weights, the scale block, blocks
+    #: per program.
+    consts: tuple
+    #: The kernel as Triton compiled it for these constants, from the first launch whose
+    #: pointers were 16-byte aligned (``launch``'s reasoning); None until then, or once a
+    #: direct start failed.
+    compiled: object = None
+    direct: bool = True
+
+    def run(self, first: tuple, last: tuple) -> list | None:
+        """The planned weights dequantized in one launch on the current stream of their
+        device, given the first and the last as ``(q, scale)``; None where they are not laid
+        out as planned (the last placed otherwise relative to the first, or another device)."""
+        (q0, s0), (qn, sn) = first, last
+        if (
+            q0.device != self.device
+            or (qn.data_ptr() - q0.data_ptr(), sn.data_ptr() - s0.data_ptr()) != self.last
+        ):
+            return None
+        out = torch.empty(self.out_len, dtype=self.dtype, device=self.device)
+        if self.device.type != "cuda" or torch.cuda.current_device() == self.device.index:
+            self._start(q0, s0, out)
+        else:
+            with torch.cuda.device(self.device):
+                self._start(q0, s0, out)
+        return [out.as_strided(shape, strides, at) for shape, strides, at in self.outs]
+
+    def _start(self, q0, s0, out):
+        n, block, per_program = self.consts
+        aligned = self.device.type == "cuda" and (q0.data_ptr() | s0.data_ptr()) % 16 == 0
+        if aligned and self.direct and self.compiled is not None:
+            triton = _kernel()[0]
+            stream = triton.runtime.driver.active.get_current_stream(self.device.index)
+            try:
+                self.compiled[(self.programs, 1, 1)](
+                    q0, s0, out, self.table, n, block, per_program, stream=stream
+                )
+                return
+            except (AttributeError, TypeError):
+                self.direct, self.compiled = False, None  # the JIT's dispatch from now on
+        compiled = _group_kernel()[(self.programs,)](
+            q0, s0, out, self.table, N=n, BLOCK=block, BLOCKS=per_program
+        )
+        if aligned and self.direct:
+            self.compiled = compiled
+
+
+def plan_group(weights: list, dtype: torch.dtype) -> GroupLaunch | None:
+    """The ``GroupLaunch`` of weights ``[(q, scale), ...]`` laid out as these are; None where
+    Triton is missing or off, the weights are not all fp8 with fp32 scales on one device, the
+    scale block is not a power of two up to a program's chunk or not the same for all, or an
+    offset between them is not a multiple of 16 bytes."""
     kernel = _group_kernel()
     if kernel is None or not weights or dtype not in _OUT_DTYPES:
         return None
@@ -231,21 +297,17 @@ def launch_group(weights: list, dtype: torch.dtype) -> list | None:
             return None
         n_blocks = scale.numel()
         rows.append((first, q_off, s_off, out_len, n_blocks))
-        outs.append((out_len, q.shape))
+        outs.append((q.shape, _contiguous_strides(q.shape), out_len))
         first += -(-n_blocks // per_program)
         out_len += -(-q.numel() // _GROUP_ALIGN) * _GROUP_ALIGN
-    key = (str(device), tuple(rows))
-    table = _tables.get(key)
-    if table is None:
-        if len(_tables) >= _TABLES_KEPT:
-            _tables.clear()
-        table = _tables[key] = torch.tensor(rows, dtype=torch.int64).to(device)
-    out = torch.empty(out_len, dtype=dtype, device=device)
-    args = (q0, s0, out, table)
-    consts = {"N": len(rows), "BLOCK": block, "BLOCKS": per_program}
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            kernel[(first,)](*args, **consts)
-    else:
-        kernel[(first,)](*args, **consts)
-    return [out[o : o + shape.numel()].view(shape) for o, shape in outs]
+    qn, sn = weights[-1]
+    return GroupLaunch(
+        device=device,
+        dtype=dtype,
+        table=torch.tensor(rows, dtype=torch.int64).to(device),
+        programs=first,
+        out_len=out_len,
+        outs=tuple(outs),
+        last=(qn.data_ptr() - q0.data_ptr(), sn.data_ptr() - s0.data_ptr()),
+        consts=(len(rows), block, per_program),
+    )

@@ -205,12 +205,43 @@ def dequantize_weight(w: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
 def dequantize_group(weights: list[Fp8Weight], dtype: torch.dtype) -> list[torch.Tensor]:
     """``dequantize_weight`` of each weight, in ``dtype``: for weights all in
     ``fp8_e4m3_block64`` on a CUDA device with Triton, one launch of the fused kernel into one
-    new tensor (``_fused_dequant.dequantize_group``), else one by one. Same bits either way."""
-    if all(w.format == FP8_E4M3_BLOCK64 for w in weights):
-        out = _fused_dequant.dequantize_group([(w.data, w.scale) for w in weights], dtype)
-        if out is not None:
-            return out
-    return [dequantize_weight(w, dtype) for w in weights]
+    new tensor (``_fused_dequant.launch_group``), else one by one. Same bits either way. For the
+    same weights at every call (a group's), ``GroupDequantizer`` plans the launch once."""
+    return GroupDequantizer(dtype)(weights)
+
+
+class GroupDequantizer:
+    """``dequantize_group`` into ``dtype`` of weights that, at every call, keep their shapes,
+    formats and places relative to each other (a group's 8-bit weights in each of its tickets):
+    the fused launch is planned at the first call (``_fused_dequant.GroupLaunch``) and run as
+    planned after, planned again where the weights moved; weights it cannot take are
+    dequantized one by one from then on."""
+
+    __slots__ = ("dtype", "launch", "fused")
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.launch: _fused_dequant.GroupLaunch | None = None
+        self.fused = True
+
+    def __call__(self, weights: list[Fp8Weight]) -> list[torch.Tensor]:
+        if self.fused and weights:
+            first, last = weights[0], weights[-1]
+            first, last = (first.data, first.scale), (last.data, last.scale)
+            launch = self.launch
+            out = None if launch is None else launch.run(first, last)
+            if out is None:
+                launch = self.launch = self._plan(weights)
+                out = None if launch is None else launch.run(first, last)
+            if out is not None:
+                return out
+            self.fused = False
+        return [dequantize_weight(w, self.dtype) for w in weights]
+
+    def _plan(self, weights: list[Fp8Weight]) -> _fused_dequant.GroupLaunch | None:
+        if weights[0].data.is_cuda and all(w.format == FP8_E4M3_BLOCK64 for w in weights):
+            return _fused_dequant.plan_group([(w.data, w.scale) for w in weights], self.dtype)
+        return None
 
 
 def linear_as(w: Fp8Weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -133,8 +133,9 @@ class Handle:
     _dequant_peak: int = 0
     _dequant_scratch_peak: int = 0
     #: The groups that dequantize together -> their layers with an 8-bit weight (``by_group``),
-    #: in the order they were attached (``_choose_dequantize``); the groups whose
-    #: dequantization is in the peaks (the same at every pass, so counted once).
+    #: in the order they were attached, per the dtype they dequantize to, each with the
+    #: launch's plan (``(layers, quantize.GroupDequantizer)``: ``_choose_dequantize``); the
+    #: groups whose dequantization is in the peaks (the same at every pass, so counted once).
     _layers_by_group: dict = field(default_factory=dict)
     _groups_counted: set = field(default_factory=set)
     #: The resident group whose layers dequantize by group that runs now: its dequantizations,
@@ -187,14 +188,18 @@ class Handle:
         for group, members in by_group.items():
             size = sum(size for _, size in members)
             if self.options.dequantize == "group" or size <= GROUP_DEQUANTIZE_MAX_BYTES:
-                self._layers_by_group[group] = [layer for layer, _ in members]
+                by_dtype: dict[torch.dtype, list[StreamedLayer]] = {}
                 for layer, _ in members:
                     layer.by_group = True
+                    by_dtype.setdefault(layer.dtype, []).append(layer)
+                self._layers_by_group[group] = [
+                    (layers, quantize.GroupDequantizer(dtype)) for dtype, layers in by_dtype.items()
+                ]
 
     def _from_group(self, layer: StreamedLayer, held: _Held) -> torch.Tensor:
         """A ``by_group`` layer's dequantized weight from the held group's dequantizations,
         made for every such weight of the group at the first call
-        (``quantize.dequantize_group``: one launch where the fused kernel can take them
+        (``quantize.GroupDequantizer``: one launch where the fused kernel can take them
         all)."""
         if held.dequantized is None:
             self._keep_dequantized(held)
@@ -229,13 +234,10 @@ class Handle:
     def _dequantize_group(self, group: int, weight_of) -> dict:
         """The dequantized weights of ``group``'s ``by_group`` layers (``weight_of(layer)``:
         the layer's 8-bit weight), by layer name."""
-        by_dtype = {}
-        for layer in self._layers_by_group[group]:
-            by_dtype.setdefault(layer.dtype, []).append((layer, weight_of(layer)))
         out = {}
-        for dtype, pairs in by_dtype.items():
-            weights = quantize.dequantize_group([w for _, w in pairs], dtype)
-            out.update((layer.name, w) for (layer, _), w in zip(pairs, weights, strict=True))
+        for layers, dequantize in self._layers_by_group[group]:
+            weights = dequantize([weight_of(layer) for layer in layers])
+            out.update(zip([layer.name for layer in layers], weights, strict=True))
         if group not in self._groups_counted:
             self._groups_counted.add(group)
             # Every weight of the group is held at once, and one torch-path product at a time.
@@ -243,8 +245,8 @@ class Handle:
             product = max(
                 (
                     weight.data.numel() * 4
-                    for pairs in by_dtype.values()
-                    for layer, weight in pairs
+                    for layers, _ in self._layers_by_group[group]
+                    for layer, weight in zip(layers, map(weight_of, layers), strict=True)
                     if layer.dtype != torch.float32
                     and not _fused_dequant.applies(weight.data, weight.scale, layer.dtype)
                 ),

@@ -2,7 +2,9 @@
 forward and again in backward and saves no view of streamed memory (the staging space is
 reused once released) nor any dequantized weight (an 8-bit weight is dequantized again for
 backward), with backward's input gradient computed exactly as autograd computes it for the
-layer with its weights in place.
+layer with its weights in place. One exception needs no Function: inside torch's non-reentrant
+checkpoint, a layer whose 8-bit weight is dequantized with its group's runs its operation as
+it is (``forward``).
 
 ``forward(layer, x)`` is what runs in place of ``nn.Linear.forward``/``nn.Conv2d.forward``.
 ``layer`` is anything with the attributes of ``Layer``; ``op`` and ``input_grad`` are looked up
@@ -29,6 +31,9 @@ class Layer(Protocol):
     fixed: tuple | None
     #: "formula" or "recompute" (see ``StreamOptions.input_grad``).
     input_grad: str
+    #: Whether ``weights`` gives its group's dequantization of an 8-bit weight: a new tensor,
+    #: not streamed memory, that the group keeps for the pass anyway.
+    by_group: bool
 
     def weights(self, training: bool) -> tuple:
         """The (weight, bias) for this pass (views, or a dequantized weight); ``training``: the
@@ -43,6 +48,28 @@ def in_backward() -> bool | None:
     """True while autograd runs a backward pass (a checkpoint's recompute runs inside one);
     None where torch cannot tell (then the plan needs ``Handle.end_step``)."""
     return None if _GRAPH_TASK is None else _GRAPH_TASK() != -1
+
+
+_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+#: The pack hooks of torch's non-reentrant checkpoint (``torch.utils.checkpoint``,
+#: ``use_reentrant=False``): the forward's keeps no tensor, the recompute's keeps each until
+#: the backward unpacks it.
+CHECKPOINT_PACK_HOOKS = frozenset(
+    {
+        "_checkpoint_hook.__init__.<locals>.pack_hook",
+        "_recomputation_hook.__init__.<locals>.pack_hook",
+    }
+)
+
+
+def in_checkpoint() -> bool:
+    """True while the innermost saved-tensor hooks are torch's non-reentrant checkpoint's (its
+    forward, or its recompute in the backward); False elsewhere, and where this torch's
+    checkpoint cannot be recognised."""
+    if _TOP_SAVED_TENSORS_HOOKS is None:
+        return False
+    top = _TOP_SAVED_TENSORS_HOOKS(False)
+    return top is not None and getattr(top[0], "__qualname__", None) in CHECKPOINT_PACK_HOOKS
 
 
 def op(module: nn.Module, x, weight, bias):
@@ -159,4 +186,11 @@ def forward(layer: Layer, x, *args, **kwargs):
     if not x.requires_grad:
         # No graph is recorded (the weights never require grad): nothing keeps the views.
         return op(layer.module, x, *layer.weights(torch.is_grad_enabled()))
+    if layer.by_group and in_checkpoint():
+        # The weight is the group's dequantization, a new tensor: autograd may save it, and
+        # the checkpoint drops it after the forward and keeps it from the recompute to the
+        # backward, while the group keeps it anyway. No linear or convolution saves the bias
+        # (a view) for an input's gradient. So the op runs as it is, and its backward is
+        # autograd's own: no Function, no second acquire, as with the weights in place.
+        return op(layer.module, x, *layer.weights(True))
     return StreamedOp.apply(layer, x)
