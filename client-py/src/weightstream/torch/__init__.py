@@ -6,7 +6,9 @@ it, by an autograd Function that acquires the layer's group in forward and again
 and saves no view of streamed memory: backward applies autograd's own input-gradient formula
 to the re-acquired weight (or re-runs the layer's operation on the saved input and
 differentiates that), under the same autocast state, so the gradient is the one autograd
-computes for the original layer, bit for bit. Weights read other than through their layer's
+computes for the original layer, bit for bit (inside torch's non-reentrant checkpoint, a
+layer whose 8-bit weight is dequantized with its group's, a new tensor, runs its operation as
+it is: ``ops.forward``). Weights read other than through their layer's
 forward (tied weights, parametrizations, ``nn.MultiheadAttention``'s ``out_proj``) stay on the
 device.
 
