@@ -25,6 +25,7 @@ class FakeLayer:
         self.weight = module.weight.detach().clone()
         self.bias = None if module.bias is None else module.bias.detach().clone()
         self.acquires = 0
+        self.by_group = False  # its weight is handed out as it is, not a group's dequantization
 
     def weights(self, training: bool) -> tuple:
         self.acquires += 1
