@@ -408,9 +408,10 @@ def test_checkpointed_layers_dequantized_by_group_run_without_a_function(daemon,
     handle.detach(release=True)
 
 
-def test_in_checkpoint_recognises_torchs_non_reentrant_checkpoint():
+def test_in_checkpoint_recognises_torchs_non_reentrant_checkpoint(monkeypatch):
     """``ops.in_checkpoint``: true in the forward and in the recompute of torch's non-reentrant
-    checkpoint, false outside it, in the reentrant one and under other saved-tensor hooks."""
+    checkpoint, false outside it, in the reentrant one, under other saved-tensor hooks, and
+    where torch cannot say which hooks are innermost."""
     from torch.utils.checkpoint import checkpoint
     from weightstream.torch import ops
 
@@ -431,6 +432,10 @@ def test_in_checkpoint_recognises_torchs_non_reentrant_checkpoint():
         probe(x)
     probe(x)
     assert seen == [(False, False), (False, False)]
+    seen.clear()
+    monkeypatch.setattr(ops, "_TOP_SAVED_TENSORS_HOOKS", None)
+    checkpoint(probe, x, use_reentrant=False).sum().backward()
+    assert seen == [(False, False), (True, False)]
 
 
 @pytest.mark.parametrize("limit", [BLOCK_WEIGHTS * 4 - 1, BLOCK_WEIGHTS * 4])

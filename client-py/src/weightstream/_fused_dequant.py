@@ -124,15 +124,25 @@ def launch(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor):
         key = (q.device.index, out.dtype, block)
         compiled = _compiled.get(key)
         if compiled is not None:
-            stream = triton.runtime.driver.active.get_current_stream(q.device.index)
-            try:
-                compiled[grid](q, scale, out, n_scales, block, per_program, stream=stream)
+            args = (q, scale, out, n_scales, block, per_program)
+            if _start_compiled(compiled, grid, q.device.index, args):
                 return
-            except (AttributeError, TypeError):
-                _compiled = key = None  # the JIT's dispatch from now on
+            _compiled = key = None  # the JIT's dispatch from now on
     compiled = blocks[grid](q, scale, out, n_scales, BLOCK=block, BLOCKS=per_program)
     if key is not None and _compiled is not None:
         _compiled[key] = compiled
+
+
+def _start_compiled(compiled, grid: tuple, device_index: int, args: tuple) -> bool:
+    """Starts a kernel as Triton compiled it (all its arguments, constants included, in
+    order) on the current stream of the device; False where this Triton's compiled kernels do
+    not start so (its JIT's dispatch is then the way)."""
+    stream = _kernel()[0].runtime.driver.active.get_current_stream(device_index)
+    try:
+        compiled[grid](*args, stream=stream)
+        return True
+    except (AttributeError, TypeError):
+        return False
 
 
 #: Offsets a group launch needs to be multiples of, in elements: 16 bytes for the 8-bit data,
@@ -248,15 +258,10 @@ class GroupLaunch:
         n, block, per_program = self.consts
         aligned = self.device.type == "cuda" and (q0.data_ptr() | s0.data_ptr()) % 16 == 0
         if aligned and self.direct and self.compiled is not None:
-            triton = _kernel()[0]
-            stream = triton.runtime.driver.active.get_current_stream(self.device.index)
-            try:
-                self.compiled[(self.programs, 1, 1)](
-                    q0, s0, out, self.table, n, block, per_program, stream=stream
-                )
+            args = (q0, s0, out, self.table, n, block, per_program)
+            if _start_compiled(self.compiled, (self.programs, 1, 1), self.device.index, args):
                 return
-            except (AttributeError, TypeError):
-                self.direct, self.compiled = False, None  # the JIT's dispatch from now on
+            self.direct, self.compiled = False, None  # the JIT's dispatch from now on
         compiled = _group_kernel()[(self.programs,)](
             q0, s0, out, self.table, N=n, BLOCK=block, BLOCKS=per_program
         )

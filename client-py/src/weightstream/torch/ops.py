@@ -50,7 +50,18 @@ def in_backward() -> bool | None:
     return None if _GRAPH_TASK is None else _GRAPH_TASK() != -1
 
 
-_TOP_SAVED_TENSORS_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+def _top_saved_tensors_hooks():
+    """torch's query of the innermost saved-tensor hooks, called as torch 2.x takes it; None
+    where this torch has none such (then no checkpoint is recognised)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    try:
+        top(False)
+    except TypeError:
+        return None
+    return top
+
+
+_TOP_SAVED_TENSORS_HOOKS = _top_saved_tensors_hooks()
 #: The pack hooks of torch's non-reentrant checkpoint (``torch.utils.checkpoint``,
 #: ``use_reentrant=False``): the forward's keeps no tensor, the recompute's keeps each until
 #: the backward unpacks it.
