@@ -16,6 +16,9 @@ with it, the others' with `resident`, so one run compares fp8 streaming, 8-bit r
 resident. Both 8-bit modes record the per-tensor SQNR of the quantized weights (`sqnr`: median
 and worst, dB); the weightstream mode also the device time of its dequantizations over one step
 (`dequant_ms_per_step`, CUDA events around each) and the largest dequantization's memory.
+`--modes resident-fp8 resident-fp8-copying` times the 8-bit reference alone and again while a
+thread copies pinned host memory to the device without pause (`--copy-duty D`: that share of
+the time): what the link's traffic costs a step by itself, apart from weightstream's code.
 
 Variants: `--interleave weightstream weightstream+layer --budgets 7 --min-blocks 0` runs both
 modes at once with their timed steps alternating one by one, and reports each later mode's step
@@ -409,6 +412,50 @@ def mode_resident_fp8(args, record):
     deterministic(True)
     _, losses = steps(model, args.det_steps, init)
     record["det_losses"] = losses
+
+
+def mode_resident_fp8_copying(args, record):
+    """The 8-bit resident reference while a thread of this process copies 1 GiB of pinned host
+    memory to the device on its own stream without pause (``--copy-duty`` of the time; the
+    rest it sleeps): what the link's traffic alone costs a step, in the host's memory
+    bandwidth the copies take and on the device, against resident-fp8 in the same call
+    (weightstream's copies keep the link busy about half of a FLUX.1 8-bit step at 2 GiB).
+    Records the copies' rate (``copy_gbps``); no deterministic losses."""
+    import threading
+
+    import torch
+    from weightstream import quantize
+
+    model = add_lora(build())
+    quantize.to_fp8_resident(model, streamable(model))
+    src = torch.empty(GiB, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    stop = threading.Event()
+    copied = []
+
+    def copy_loop():
+        stream = torch.cuda.Stream()
+        while not stop.is_set():
+            started = time.perf_counter()
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+            busy = time.perf_counter() - started
+            copied.append(busy)
+            stop.wait(busy * (1 / args.copy_duty - 1))
+
+    thread = threading.Thread(target=copy_loop, name="copy-load", daemon=True)
+    started = time.perf_counter()
+    thread.start()
+    try:
+        timing(model, args, record)
+    finally:
+        stop.set()
+        thread.join()
+    elapsed = time.perf_counter() - started
+    record["copy_duty"] = args.copy_duty
+    record["copy_gbps"] = round(len(copied) * GiB / sum(copied) / 1e9, 1) if copied else 0.0
+    record["copy_busy_share"] = round(sum(copied) / elapsed, 3)
 
 
 def dequant_probe(model, record):
@@ -889,6 +936,8 @@ def mode_group_offload(args, record):
 MODES = {
     "resident": mode_resident,
     "resident-fp8": mode_resident_fp8,  # run by default only with --quantize fp8
+    # The same with the link kept busy by a copy loop: only with --modes.
+    "resident-fp8-copying": mode_resident_fp8_copying,
     "weightstream": mode_weightstream,
     "weightstream-auto": mode_weightstream_auto,
     "ramtorch": mode_ramtorch,
@@ -942,7 +991,7 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
     cmd += ["--dequantize", args.dequantize]
-    cmd += ["--staging-gib", str(args.staging_gib)]
+    cmd += ["--staging-gib", str(args.staging_gib), "--copy-duty", str(args.copy_duty)]
     cmd += ["--jobs-budget", str(args.jobs_budget), "--min-blocks", str(args.min_blocks)]
     cmd += ["--model", args.model, "--rank", str(args.rank), "--optimizer", args.optimizer]
     if args.aitk:
@@ -1259,6 +1308,12 @@ def main(model: str = "flux1"):
         "steps that follow a step of their own process, as a trainer's do)",
     )
     parser.add_argument("--lockstep", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--copy-duty",
+        type=float,
+        default=1.0,
+        help="resident-fp8-copying: the share of the time its copy loop copies (0 < d <= 1)",
+    )
     parser.add_argument("--det-budget", type=int, default=16)
     parser.add_argument("--det-steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
@@ -1267,7 +1322,8 @@ def main(model: str = "flux1"):
     args = parser.parse_args()
     MODEL, RANK, OPTIMIZER = args.model, args.rank, args.optimizer
     if args.modes is None:
-        skip = {"job", "aitk", "aitk-float8"} | (set() if args.quantize else {"resident-fp8"})
+        skip = {"job", "aitk", "aitk-float8", "resident-fp8-copying"}
+        skip |= set() if args.quantize else {"resident-fp8"}
         args.modes = [m for m in MODES if m not in skip]
     if args.interleave is not None and len(args.interleave) < 2:
         parser.error("--interleave times each mode against the first: give two modes or more")
@@ -1275,6 +1331,8 @@ def main(model: str = "flux1"):
         parser.error("--interleave times one budget: give one --budgets value and --min-blocks 0")
     if args.turn < 1:
         parser.error(f"--turn {args.turn}: give 1 or more steps per turn")
+    if not 0 < args.copy_duty <= 1:
+        parser.error(f"--copy-duty {args.copy_duty}: give a share of the time, 0 < d <= 1")
     if args.child:
         args.mode = args.child
         return child(args)
