@@ -16,6 +16,9 @@ with it, the others' with `resident`, so one run compares fp8 streaming, 8-bit r
 resident. Both 8-bit modes record the per-tensor SQNR of the quantized weights (`sqnr`: median
 and worst, dB); the weightstream mode also the device time of its dequantizations over one step
 (`dequant_ms_per_step`, CUDA events around each) and the largest dequantization's memory.
+Every weightstream mode then times one more step's client calls on the CPU, per pass
+(`client_cpu_ms_per_pass`: the streamed layers' forwards, the blocks for replies, the sends,
+the dequantization launches).
 `--modes resident-fp8 resident-fp8-copying` times the 8-bit reference alone and again while a
 thread copies pinned host memory to the device without pause (`--copy-duty D`: that share of
 the time): what the link's traffic costs a step by itself, apart from weightstream's code.
@@ -493,6 +496,55 @@ def dequant_probe(model, record):
     record["dequant_ms_per_step"] = round(sum(a.elapsed_time(b) for a, b in events), 2)
 
 
+def client_cpu_probe(model, record):
+    """One more step with the client's calls timed on the CPU, per pass (``forward``; and
+    ``backward``, its recompute included, on autograd's thread): milliseconds the calling
+    thread spent in the streamed layers' forwards (``layer``, which holds the rest),
+    blocked for replies (``Session.wait``), sending acquires and releases (``submit``,
+    ``release``), and launching groups' dequantizations (``dequantize_group``), each with
+    its number of calls. What ``layer`` leaves of a pass's issuing is the model's own work."""
+    import torch
+    from weightstream import session as ws_session
+    from weightstream.torch import handle as ws_handle
+    from weightstream.torch import hooks, ops
+
+    totals: dict = {}
+
+    def timed(real, key):
+        def call(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - started
+                cell = totals.setdefault("backward" if ops.in_backward() else "forward", {})
+                ms, calls = cell.get(key, (0.0, 0))
+                cell[key] = (ms + spent * 1e3, calls + 1)
+
+        return call
+
+    targets = [
+        (hooks.StreamedForward, "__call__", "layer"),
+        (ws_session.Session, "wait", "wait"),
+        (ws_session.Session, "submit", "submit"),
+        (ws_session.Session, "release", "release"),
+        (ws_handle.Handle, "_dequantize_group", "dequantize_group"),
+    ]
+    reals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    for (owner, name, real), (_, _, key) in zip(reals, targets, strict=True):
+        setattr(owner, name, timed(real, key))
+    try:
+        steps(model, 1)
+    finally:
+        for owner, name, real in reals:
+            setattr(owner, name, real)
+    torch.cuda.synchronize()
+    record["client_cpu_ms_per_pass"] = {
+        phase: {key: {"ms": round(ms, 2), "calls": calls} for key, (ms, calls) in cell.items()}
+        for phase, cell in totals.items()
+    }
+
+
 def scrape(args, name: str) -> float:
     """Sum of a metric's samples from the daemon's Prometheus endpoint."""
     import urllib.request
@@ -629,6 +681,7 @@ def mode_weightstream(args, record):
         # (at the deterministic budget most groups are resident, dequantized per call).
         dequant_probe(model, record)
         record["dequant_peak_gib"] = round(handle.stats()["dequant_scratch_peak_bytes"] / GiB, 3)
+    client_cpu_probe(model, record)
     torch.cuda.set_per_process_memory_fraction(1.0)
     handle.set_budget(daemon_part(args, args.det_budget))
     training_label = f"{args.mode} deterministic, {args.det_budget:g} GiB"

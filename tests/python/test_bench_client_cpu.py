@@ -1,0 +1,59 @@
+"""tests/bench/flux_train.py's ``client_cpu_probe`` on the CPU, against the daemon's host
+backend: one step of a small model streamed in 8 bits by block, its blocks in torch's
+non-reentrant checkpoint, with the client's calls timed per pass. The counts are exact (what
+each pass calls is known); the times are only checked to be there."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import weightstream.torch as wst
+from test_torch import inputs, make_model, train
+from test_torch_fp8 import budget, fp8_sizes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import flux_train  # noqa: E402
+
+
+def test_the_client_cpu_probe_counts_each_pass_s_calls(daemon, monkeypatch):
+    model = make_model()
+    model.ckpt = "non-reentrant"
+    sizes = fp8_sizes(model, "block", daemon.client.info().alignment)
+    vram_budget, staging = budget(sizes, "streamed")
+    handle = wst.attach(
+        model,
+        "cpu",
+        client=daemon.client,
+        min_bytes=0,
+        vram_budget=vram_budget,
+        staging_bytes=staging,
+        quantize="fp8",
+        dequantize="group",
+        lookahead=0,
+    )
+    xs = inputs(3, torch.float32)
+    train(model, xs[:2])  # the first step records the plan
+    monkeypatch.setattr(flux_train, "steps", lambda m, n: train(m, xs[2:3]))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    record = {}
+    flux_train.client_cpu_probe(model, record)
+    split = record["client_cpu_ms_per_pass"]
+    assert set(split) == {"forward", "backward"}
+    calls = {p: {k: v["calls"] for k, v in cell.items()} for p, cell in split.items()}
+    streamed = len(handle.streamed)
+    in_blocks = sum(n.startswith("blocks.") for n in handle.streamed)
+    groups = len(handle.session.groups)
+    # The forward calls every streamed layer and acquires each group once; the backward
+    # recomputes the checkpointed blocks' layers and acquires each group again.
+    assert calls["forward"]["layer"] == streamed
+    assert calls["backward"]["layer"] == in_blocks
+    for phase in ("forward", "backward"):
+        assert calls[phase]["submit"] == calls[phase]["wait"] == groups, (phase, calls)
+        assert calls[phase]["dequantize_group"] == groups, (phase, calls)
+    assert sum(c.get("release", 0) for c in calls.values()) == 2 * groups
+    assert all(v["ms"] > 0 for cell in split.values() for v in cell.values())
+    # The client's methods are its own again.
+    assert "call" not in wst.handle.Handle._dequantize_group.__qualname__
+    handle.detach(release=True)
