@@ -496,7 +496,7 @@ def dequant_probe(model, record):
     record["dequant_ms_per_step"] = round(sum(a.elapsed_time(b) for a, b in events), 2)
 
 
-def client_cpu_probe(model, record):
+def client_cpu_probe(model, handle, record):
     """One more step with the client's calls timed on the CPU, per pass (``forward``; and
     ``backward``, its recompute included, on autograd's thread): milliseconds the calling
     thread spent in the streamed layers' forwards (``layer``, which holds the rest),
@@ -530,6 +530,8 @@ def client_cpu_probe(model, record):
         (ws_session.Session, "release", "release"),
         (ws_handle.Handle, "_dequantize_group", "dequantize_group"),
     ]
+    if handle._lookahead is not None:  # it keeps the session's submit, bound at its start
+        targets.append((handle._lookahead, "submit", "submit"))
     reals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
     for (owner, name, real), (_, _, key) in zip(reals, targets, strict=True):
         setattr(owner, name, timed(real, key))
@@ -681,7 +683,7 @@ def mode_weightstream(args, record):
         # (at the deterministic budget most groups are resident, dequantized per call).
         dequant_probe(model, record)
         record["dequant_peak_gib"] = round(handle.stats()["dequant_scratch_peak_bytes"] / GiB, 3)
-    client_cpu_probe(model, record)
+    client_cpu_probe(model, handle, record)
     torch.cuda.set_per_process_memory_fraction(1.0)
     handle.set_budget(daemon_part(args, args.det_budget))
     training_label = f"{args.mode} deterministic, {args.det_budget:g} GiB"
