@@ -16,7 +16,7 @@ with it, the others' with `resident`, so one run compares fp8 streaming, 8-bit r
 resident. Both 8-bit modes record the per-tensor SQNR of the quantized weights (`sqnr`: median
 and worst, dB); the weightstream mode also the device time of its dequantizations over one step
 (`dequant_ms_per_step`, CUDA events around each) and the largest dequantization's memory.
-Every weightstream mode then times one more step's client calls on the CPU, per pass
+The weightstream mode then times one more step's client calls on the CPU, per pass
 (`client_cpu_ms_per_pass`: the streamed layers' forwards, the blocks for replies, the sends,
 the dequantization launches).
 `--modes resident-fp8 resident-fp8-copying` times the 8-bit reference alone and again while a
