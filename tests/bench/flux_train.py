@@ -45,6 +45,7 @@ tests/bench/aitk_memory_manager_cpu.py checks the mode's import and attach by ha
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import select
@@ -461,6 +462,19 @@ def mode_resident_fp8_copying(args, record):
     record["copy_busy_share"] = round(sum(copied) / elapsed, 3)
 
 
+def step_patched(model, patches):
+    """One step with each ``owner.name`` of ``patches`` (``(owner, name, wrap)``) replaced by
+    ``wrap(real)``, the real one put back after it."""
+    reals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for (owner, name, real), (_, _, wrap) in zip(reals, patches, strict=True):
+        setattr(owner, name, wrap(real))
+    try:
+        steps(model, 1)
+    finally:
+        for owner, name, real in reals:
+            setattr(owner, name, real)
+
+
 def dequant_probe(model, record):
     """One more step with CUDA events around each dequantization (a weight's, or a group's
     launch where the group dequantizes at once): its device time per step (the events wait on
@@ -482,15 +496,9 @@ def dequant_probe(model, record):
 
         return call
 
-    reals = [(quantize, "dequantize"), (_fused_dequant.GroupLaunch, "run")]
-    reals = [(module, name, getattr(module, name)) for module, name in reals]
-    for module, name, real in reals:
-        setattr(module, name, timed(real))
-    try:
-        steps(model, 1)
-    finally:
-        for module, name, real in reals:
-            setattr(module, name, real)
+    step_patched(
+        model, [(quantize, "dequantize", timed), (_fused_dequant.GroupLaunch, "run", timed)]
+    )
     torch.cuda.synchronize()
     record["dequant_calls_per_step"] = len(events)
     record["dequant_ms_per_step"] = round(sum(a.elapsed_time(b) for a, b in events), 2)
@@ -532,14 +540,10 @@ def client_cpu_probe(model, handle, record):
     ]
     if handle._lookahead is not None:  # it keeps the session's submit, bound at its start
         targets.append((handle._lookahead, "submit", "submit"))
-    reals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
-    for (owner, name, real), (_, _, key) in zip(reals, targets, strict=True):
-        setattr(owner, name, timed(real, key))
-    try:
-        steps(model, 1)
-    finally:
-        for owner, name, real in reals:
-            setattr(owner, name, real)
+    step_patched(
+        model,
+        [(owner, name, functools.partial(timed, key=key)) for owner, name, key in targets],
+    )
     torch.cuda.synchronize()
     record["client_cpu_ms_per_pass"] = {
         phase: {key: {"ms": round(ms, 2), "calls": calls} for key, (ms, calls) in cell.items()}

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import weightstream.torch as wst
 from test_torch import inputs, make_model, train
-from test_torch_fp8 import budget, fp8_sizes
+from test_torch_fp8 import attach_fp8
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import flux_train  # noqa: E402
@@ -20,18 +20,7 @@ import flux_train  # noqa: E402
 def test_the_client_cpu_probe_counts_each_pass_s_calls(daemon, monkeypatch):
     model = make_model()
     model.ckpt = "non-reentrant"
-    sizes = fp8_sizes(model, "block", daemon.client.info().alignment)
-    vram_budget, staging = budget(sizes, "streamed")
-    handle = wst.attach(
-        model,
-        "cpu",
-        client=daemon.client,
-        min_bytes=0,
-        vram_budget=vram_budget,
-        staging_bytes=staging,
-        quantize="fp8",
-        dequantize="group",
-    )
+    handle = attach_fp8(daemon, model, "streamed", dequantize="group")
     xs = inputs(3, torch.float32)
     train(model, xs[:2])  # the first step records the plan
     monkeypatch.setattr(flux_train, "steps", lambda m, n: train(m, xs[2:3]))
