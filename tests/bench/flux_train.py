@@ -654,8 +654,10 @@ def mode_weightstream(args, record):
         group_by=args.group_by,
         quantize=args.quantize,
         dequantize=args.dequantize,
+        early_release=args.early_release,
     )
     record["dequantize"] = args.dequantize
+    record["early_release"] = args.early_release
     record["attach_s"] = round(time.monotonic() - started, 1)
     record["streamed_modules"] = len(handle.streamed)
     record["groups"] = len(handle.session.groups)
@@ -1050,6 +1052,8 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
     cmd += ["--dequantize", args.dequantize]
+    if args.early_release:
+        cmd.append("--early-release")
     cmd += ["--staging-gib", str(args.staging_gib), "--copy-duty", str(args.copy_duty)]
     cmd += ["--jobs-budget", str(args.jobs_budget), "--min-blocks", str(args.min_blocks)]
     cmd += ["--model", args.model, "--rank", str(args.rank), "--optimizer", args.optimizer]
@@ -1124,12 +1128,12 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
     """``--interleave A B [C ...]``: the modes' children at once, their timed steps alternating
     in turns of ``--turn`` steps (A's steps i..i+turn-1, then B's, ...: ``Lockstep``), so that
     a drift of the machine's speed reaches all. A mode written ``MODE+group`` (or ``+layer``)
-    runs MODE with that ``--dequantize``. Returns the records (each with its ``variant``, the
-    name as given) and the summary: each later mode's step over A's step of the same index,
-    per pair, and their median (``ratios``, by name; the second mode's also at the top level);
-    with turns of several steps also the ratio of the medians of the steps that are not a
-    turn's first (``steady_ratio_of_medians``: those follow a step of the same process, as a
-    trainer's steps do)."""
+    runs MODE with that ``--dequantize``, ``MODE+early`` with ``--early-release``. Returns
+    the records (each with its ``variant``, the name as given) and the summary: each later
+    mode's step over A's step of the same index, per pair, and their median (``ratios``, by
+    name; the second mode's also at the top level); with turns of several steps also the
+    ratio of the medians of the steps that are not a turn's first (``steady_ratio_of_medians``:
+    those follow a step of the same process, as a trainer's steps do)."""
     n = args.warmup + args.measured
     turn = args.turn
     children = []
@@ -1137,8 +1141,8 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
         go_r, go_w = os.pipe()
         back_r, back_w = os.pipe()
         log = open(out / f"flux-{mode}.log", "w")
-        base, _, dequantize = mode.partition("+")
-        extra = ["--dequantize", dequantize] if dequantize else []
+        base, _, variant = mode.partition("+")
+        extra = {"": [], "early": ["--early-release"]}.get(variant, ["--dequantize", variant])
         cmd = child_cmd(args, base, socket) + extra + ["--lockstep", f"{go_r},{back_w}"]
         p = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, pass_fds=(go_r, back_w))
         os.close(go_r)
@@ -1329,6 +1333,12 @@ def main(model: str = "flux1"):
         "or auto: by group for the groups of at most 768 MiB dequantized)",
     )
     parser.add_argument(
+        "--early-release",
+        action="store_true",
+        help="attach's early_release (a group dequantized by group gives its staging back "
+        "once dequantized); with --interleave, MODE+early runs MODE with it",
+    )
+    parser.add_argument(
         "--staging-gib",
         type=float,
         default=0.0,
@@ -1357,7 +1367,8 @@ def main(model: str = "flux1"):
         metavar="MODE",
         help="run modes A B [C ...] at once, their timed steps alternating one by one (instead "
         "of --modes; one --budgets value, --min-blocks 0): each later mode's step over A's, pair "
-        "by pair; MODE+group / MODE+layer runs MODE with that --dequantize",
+        "by pair; MODE+group / MODE+layer runs MODE with that --dequantize, MODE+early with "
+        "--early-release",
     )
     parser.add_argument(
         "--turn",

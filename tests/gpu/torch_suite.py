@@ -52,11 +52,15 @@ def equality(
     fp8=False,
     dequantize="layer",
     mixed=False,
+    early_release=False,
 ):
     """The model streamed against the same model resident on the GPU. With ``fp8``: streamed
     in 8 bits (fused dequantization on the device) against the 8-bit resident reference, every
     streamed weight replaced in place by its w_hat; ``dequantize``: attach's. ``mixed`` (8 bits
-    only): a budget where about half of the groups stay resident, the rest streamed."""
+    only): a budget where about half of the groups stay resident, the rest streamed.
+    ``early_release``: attach's (a streamed group dequantized by group gives its ticket back
+    once its dequantization and bias copy are queued: the daemon may copy into that space
+    while the group's layers still run)."""
     ref = t.make_model(dtype).cuda()
     streamed = copy.deepcopy(ref)
     ref.ckpt = streamed.ckpt = ckpt
@@ -74,7 +78,10 @@ def equality(
         group_by=group_by,
         quantize="fp8" if fp8 else None,
         dequantize=dequantize,
+        early_release=early_release,
     )
+    if early_release:
+        assert handle._early_release, "no group gives its ticket back early"
     if fp8:
         quantize.to_fp8_resident(ref, handle.streamed)
     xs = t.inputs(steps, dtype, device="cuda")
@@ -536,6 +543,10 @@ def main():
         (
             "equal: fp8 dequantized by group (auto), resident and streamed groups, by block",
             lambda: by_block_8bit(dequantize="auto", mixed=True),
+        ),
+        (
+            "equal: fp8 by group with early release, resident and streamed groups, by block",
+            lambda: by_block_8bit(dequantize="auto", mixed=True, early_release=True),
         ),
         (
             "fp8 quantized on the device as it is copied == the daemon's model",

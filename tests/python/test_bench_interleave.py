@@ -22,7 +22,8 @@ times = {
     "a": [1.0, 2.0, 1.0, 1.0, 4.0],
     "b": [1.5, 2.2, 1.3, 1.0, 4.4],
     "c": [1.0, 1.0, 2.0, 2.4, 4.4],
-}[mode if "--dequantize" not in sys.argv else "c"]
+    "e": [1.0, 1.0, 3.0, 3.0, 4.0],
+}["c" if "--dequantize" in sys.argv else "e" if "--early-release" in sys.argv else mode]
 for i in range(5):
     if os.read(go, 1) != b"g":
         sys.exit("no turn")
@@ -93,6 +94,14 @@ def test_a_third_mode_with_another_dequantize_is_timed_against_the_first(tmp_pat
         "ratio_max": 2.4,
         "ratio_of_medians": 2.4,
     }
+
+
+def test_a_mode_with_early_release_runs_its_child_with_the_flag(tmp_path, monkeypatch):
+    """``--interleave a b+early``: b's child runs with ``--early-release`` (the stand-in then
+    times like ``e``) and its ratios are against a."""
+    records, summary, _ = run(tmp_path, monkeypatch, modes=("a", "b+early"))
+    assert [r["variant"] for r in records] == ["a", "b+early"]
+    assert summary["ratios"]["b+early"]["ratio_per_pair"] == [3.0, 3.0, 1.0]
 
 
 def test_turns_of_several_steps_and_the_steps_after_one_of_the_same_process(tmp_path, monkeypatch):

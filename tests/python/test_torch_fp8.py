@@ -200,8 +200,9 @@ def frozen_weights(model) -> dict[str, torch.Tensor]:
         (torch.float32, "non-reentrant", True, "block", "mixed", "group"),
     ],
 )
+@pytest.mark.parametrize("early_release", [False, True])
 def test_fp8_attach_equals_the_8bit_resident_reference(
-    daemon, dtype, ckpt, autocast, group_by, where, dequantize
+    daemon, dtype, ckpt, autocast, group_by, where, dequantize, early_release
 ):
     ref = make_model(dtype)
     original = frozen_weights(ref)
@@ -219,8 +220,10 @@ def test_fp8_attach_equals_the_8bit_resident_reference(
         group_by=group_by,
         quantize="fp8",
         dequantize=dequantize,
+        early_release=early_release,
     )
     assert [g.nbytes for g in handle.session.groups] == sizes
+    assert bool(handle._early_release) == (early_release and dequantize == "group")
     resident = [g.resident for g in handle.session.groups]
     if where == "streamed":
         assert not any(resident), resident
@@ -330,14 +333,16 @@ def test_group_dequantization_serves_a_pass_of_the_group_once(daemon, monkeypatc
     assert counts == {"layer": 2 * layers + recomputed, "group": 2 * layers}
 
 
-def test_one_groups_dequantization_is_kept_at_a_time(daemon, monkeypatch):
+@pytest.mark.parametrize("early_release", [False, True])
+def test_one_groups_dequantization_is_kept_at_a_time(daemon, monkeypatch, early_release):
     """dequantize="group" with streamed and resident groups in turn: before a group
     dequantizes, the dequantizations kept for another group are dropped, so that the trainer
-    holds one group's at a time; the results stay the 8-bit reference's."""
+    holds one group's at a time (with ``early_release``, a streamed group whose ticket went
+    back is then acquired again if used again); the results stay the 8-bit reference's."""
     ref = make_model()
     model = copy.deepcopy(ref)
     model.ckpt = "non-reentrant"
-    handle = attach_fp8(daemon, model, "mixed", dequantize="group")
+    handle = attach_fp8(daemon, model, "mixed", dequantize="group", early_release=early_release)
     pinned = {layer.pinned is not None for layer in handle.streamed.values()}
     assert pinned == {True, False}, "both kinds of group"
     kept_counts = []
@@ -355,6 +360,83 @@ def test_one_groups_dequantization_is_kept_at_a_time(daemon, monkeypatch):
     ref.ckpt = "non-reentrant"
     assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
     assert set(kept_counts) == {1}
+    handle.detach(release=True)
+
+
+@pytest.mark.parametrize("ckpt", ["non-reentrant", None])
+def test_early_release_gives_a_group_back_once_dequantized(daemon, monkeypatch, ckpt):
+    """early_release: a streamed group's ticket goes back at its first layer call of each
+    pass, before that layer's operation (or input gradient) runs, and every layer of the group
+    then computes with its dequantized weight and a copy of its bias, none of them in the
+    staging space; the
+    results stay the 8-bit reference's (a second release of a ticket would be the daemon's
+    error)."""
+    from weightstream.torch import ops
+
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    ref.ckpt = model.ckpt = ckpt
+    handle = attach_fp8(daemon, model, "streamed", dequantize="group", early_release=True)
+    assert handle._early_release == frozenset(range(len(handle.session.groups)))
+    group_of = {layer.module: layer.group for layer in handle.streamed.values()}
+    staging = handle.session._regions[0].bytes.untyped_storage().data_ptr()
+    log = []
+    real_op, real_grad, real_early = ops.op, ops.input_grad, handle._release_early
+
+    def used(module, *tensors):
+        for t in tensors:
+            assert t is None or t.untyped_storage().data_ptr() != staging, "not in staging"
+        log.append(("use", group_of[module]))
+
+    def op(module, x, weight, bias):
+        used(module, weight, bias)
+        return real_op(module, x, weight, bias)
+
+    def input_grad(module, x, grad_out, weight, *args):
+        used(module, weight)
+        return real_grad(module, x, grad_out, weight, *args)
+
+    def release_early(held):
+        log.append(("early", held.group))
+        return real_early(held)
+
+    released, real_release = set(), handle.session.release
+
+    def release(ticket, *args):
+        assert ticket.number not in released, f"ticket {ticket.number} given back twice"
+        released.add(ticket.number)
+        return real_release(ticket, *args)
+
+    monkeypatch.setattr(ops, "op", op)
+    monkeypatch.setattr(ops, "input_grad", input_grad)
+    monkeypatch.setattr(handle, "_release_early", release_early)
+    monkeypatch.setattr(handle.session, "release", release)
+    quantize.to_fp8_resident(ref, handle.streamed)
+    assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
+    early = [i for i, (what, _) in enumerate(log) if what == "early"]
+    # Each group once in each pass of the two steps.
+    assert len(early) == 2 * 2 * len(handle.session.groups)
+    for i in early:
+        assert log[i + 1] == ("use", log[i][1]), log[i - 2 : i + 3]
+    handle.detach(release=True)
+
+
+def test_a_group_given_back_early_is_acquired_again_after_a_resident_one(daemon):
+    """early_release: a streamed group's layer called again in a pass after a resident group
+    dequantized (which drops the streamed group's dequantizations) acquires its group again
+    rather than reading the ticket it gave back, and computes the same."""
+    model = make_model()
+    handle = attach_fp8(daemon, model, "mixed", dequantize="group", early_release=True)
+    linear = [x for x in handle.streamed.values() if isinstance(x.module, nn.Linear)]
+    streamed = next(x for x in linear if x.pinned is None)
+    resident = next(x for x in linear if x.pinned is not None)
+    x = torch.randn(2, streamed.module.in_features)
+    with torch.no_grad():
+        first = streamed.module(x)
+        assert handle._held.released
+        resident.module(torch.randn(2, resident.module.in_features))
+        assert handle._held is None
+        assert torch.equal(streamed.module(x), first)
     handle.detach(release=True)
 
 

@@ -69,10 +69,9 @@ class StreamedLayer:
                 return handle._from_resident_group(self), self.pinned[1]
             return handle._dequantized(self, self.pinned)
         held = handle._acquire(self, training)
-        views = self.views(held.ticket)
         if self.by_group:
-            return handle._from_group(self, held), views[1]
-        return handle._dequantized(self, views)
+            return handle._from_group(self, held)
+        return handle._dequantized(self, self.views(held.ticket))
 
     def views(self, ticket) -> tuple:
         """The layer's (weight, bias) views in its group's ticket."""
@@ -91,6 +90,12 @@ class _Held:
     #: A group whose layers dequantize by group: layer name -> its dequantized weight, made at
     #: the group's first 8-bit layer call under this ticket (``Handle._from_group``).
     dequantized: dict | None = None
+    #: With ``dequantized``: layer name -> its bias, a view of the ticket, or of a copy where
+    #: the ticket was given back early (``StreamOptions.early_release``).
+    biases: dict | None = None
+    #: The ticket was given back once the group was dequantized: nothing reads it any more,
+    #: and ``Handle`` drops this ``_Held`` with its dequantizations.
+    released: bool = False
 
 
 @dataclass
@@ -138,6 +143,9 @@ class Handle:
     #: groups whose dequantization is in the peaks (the same at every pass, so counted once).
     _layers_by_group: dict = field(default_factory=dict)
     _groups_counted: set = field(default_factory=set)
+    #: ``early_release``: the groups whose every streamed layer dequantizes by group, which
+    #: give their ticket back once dequantized (``_from_group``).
+    _early_release: frozenset = frozenset()
     #: The resident group whose layers dequantize by group that runs now: its dequantizations,
     #: kept until another resident group, or the next pass, needs its own. One group's
     #: dequantizations are kept at a time, streamed or resident (``_keep_dequantized``).
@@ -195,17 +203,40 @@ class Handle:
                 self._layers_by_group[group] = [
                     (layers, quantize.GroupDequantizer(dtype)) for dtype, layers in by_dtype.items()
                 ]
+        if self.options.early_release:
+            whole: dict[int, bool] = {}
+            for layer in self.streamed.values():
+                whole[layer.group] = whole.get(layer.group, True) and layer.by_group
+            self._early_release = frozenset(g for g, all_by_group in whole.items() if all_by_group)
 
-    def _from_group(self, layer: StreamedLayer, held: _Held) -> torch.Tensor:
-        """A ``by_group`` layer's dequantized weight from the held group's dequantizations,
-        made for every such weight of the group at the first call
-        (``quantize.GroupDequantizer``: one launch where the fused kernel can take them
-        all)."""
+    def _from_group(self, layer: StreamedLayer, held: _Held) -> tuple:
+        """A ``by_group`` layer's (weight, bias): its dequantized weight from the held group's
+        dequantizations, made for every such weight of the group at the first call
+        (``quantize.GroupDequantizer``: one launch where the fused kernel can take them all),
+        and its bias. With ``early_release`` (``_early_release``) the group's biases are
+        copied at that call too and the ticket is given back."""
         if held.dequantized is None:
             self._keep_dequantized(held)
             ticket = held.ticket
-            held.dequantized = self._dequantize_group(held.group, lambda x: x.views(ticket)[0])
-        return held.dequantized[layer.name]
+            views = {
+                x.name: x.views(ticket)
+                for layers, _ in self._layers_by_group[held.group]
+                for x in layers
+            }
+            held.dequantized = self._dequantize_group(held.group, lambda x: views[x.name][0])
+            biases = {name: bias for name, (_, bias) in views.items() if bias is not None}
+            if held.group in self._early_release:
+                biases = _copied(biases)
+                self._release_early(held)
+            held.biases = biases
+        return held.dequantized[layer.name], held.biases.get(layer.name)
+
+    def _release_early(self, held: _Held):
+        """Gives ``held``'s ticket back now that its group's dequantization and bias copy are
+        queued (its free event follows them on the stream): it stays the held group of the
+        pass for its other layers, which read only those."""
+        held.released = True
+        self.session.release(held.ticket)
 
     def _from_resident_group(self, layer: StreamedLayer) -> torch.Tensor:
         """A ``by_group`` layer of a resident group: its dequantized weight from the group's
@@ -229,7 +260,10 @@ class Handle:
             if self._resident_held is not held:
                 self._resident_held = None
             if self._held is not None and self._held is not held:
-                self._held.dequantized = None
+                self._held.dequantized = self._held.biases = None
+                if self._held.released:
+                    # Its ticket is gone: a later call of the group acquires it again.
+                    self._held = None
 
     def _dequantize_group(self, group: int, weight_of) -> dict:
         """The dequantized weights of ``group``'s ``by_group`` layers (``weight_of(layer)``:
@@ -265,7 +299,7 @@ class Handle:
             if held is not None and held.group == layer.group and held.backward == backward:
                 return held
             self._held = None
-        if held is not None:
+        if held is not None and not held.released:
             self.session.release(held.ticket)
         if training and self._recording is not None:
             if self._recording.add(layer.group, backward):
@@ -294,7 +328,7 @@ class Handle:
     def _release_held(self):
         with self._lock:
             held, self._held = self._held, None
-        if held is not None:
+        if held is not None and not held.released:
             self.session.release(held.ticket)
 
     def _give_back(self, number: int):
@@ -587,6 +621,20 @@ class Handle:
         self.session.close()
         if release:
             self.client.release_model(self.model_id)
+
+
+def _copied(tensors: dict) -> dict:
+    """Copies of ``tensors`` (a group's biases, by layer name): one kernel where all are 1-D of
+    one dtype on one device, else one per tensor."""
+    values = list(tensors.values())
+    if not values:
+        return {}
+    first = values[0]
+    if all(t.dim() == 1 and t.dtype == first.dtype and t.device == first.device for t in values):
+        parts = torch.cat(values).split([t.numel() for t in values])
+    else:
+        parts = [t.clone() for t in values]
+    return dict(zip(tensors, parts, strict=True))
 
 
 def _first_grad_tensor(output):

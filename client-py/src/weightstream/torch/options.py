@@ -53,6 +53,13 @@ class StreamOptions:
       that runs it. One group's dequantized weights are kept at a time. Same results, bit for
       bit, in every mode. Weights in a format with its own linear (torchao's) are not
       dequantized.
+    - ``early_release``: a streamed group whose every layer dequantizes by group gives its
+      staging space back as soon as its first layer call of a pass has dequantized its
+      weights and copied its biases (one more small kernel per group and pass), instead of
+      when the next group is acquired: the daemon's next copy into that space waits for those
+      kernels only, not for the whole block's work on the GPU, so the copies keep a block
+      more of lead over a pass whose blocks take about as long to compute as to copy. Off
+      by default (its effect on step times is not measured yet). Same results, bit for bit.
     """
 
     input_grad: Literal["formula", "recompute"] = "formula"
@@ -63,6 +70,7 @@ class StreamOptions:
     lookahead: int | None = None
     quantize: Literal["fp8", "fp8_e4m3_block64"] | None = None
     dequantize: Literal["auto", "layer", "group"] = "auto"
+    early_release: bool = False
 
     def __post_init__(self):
         if self.input_grad not in INPUT_GRADS:
