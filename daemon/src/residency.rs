@@ -12,7 +12,7 @@ use tokio::sync::{Mutex, oneshot};
 
 use crate::backend::{Backend, CopyJob, DeviceRegion};
 use crate::mem::{HostSlice, align_up};
-use crate::scheduler::{CopyError, CopyRequest, CopyScheduler, Priority, Work};
+use crate::scheduler::{CopyError, CopyRequest, CopyScheduler, NO_GROUP, Priority, Work};
 
 /// Identifies a group across sessions: its tensor names in order.
 pub type GroupKey = String;
@@ -143,7 +143,7 @@ async fn place_missing(
         device,
         CopyRequest {
             session,
-            tag: u32::MAX,
+            tag: NO_GROUP,
             priority: Priority::Demand,
             // Resident groups have no ready event: the copy completes before any Staged.
             work: Work::Copy(CopyJob {

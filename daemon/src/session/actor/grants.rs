@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use super::Actor;
-use crate::scheduler::{CopyError, CopyRequest, Priority, Work};
+use crate::scheduler::{CopyError, CopyRequest, NO_GROUP, Priority, Work};
 use crate::session::{Direction, Event, FaultKind, SessionStats};
 
 /// A grant the scheduler (or the pacing of the other direction) has let go.
@@ -38,7 +38,7 @@ impl Actor {
                 shared.device,
                 CopyRequest {
                     session: shared.number,
-                    tag: u32::MAX,
+                    tag: NO_GROUP,
                     priority: Priority::Prefetch,
                     work: Work::Grant(bytes),
                     done: Box::new(move |outcome| {
