@@ -62,7 +62,7 @@ class StreamedLayer:
         """The (weight, bias) this pass computes with: the views, or for an 8-bit weight its
         dequantization (a new tensor per call, freed when the op is done with it; where
         ``by_group``, the group's, kept while the group is held, or for a resident group while
-        this pass runs it)."""
+        this pass runs it; the bias then a copy where the group gave its ticket back early)."""
         handle = self.handle
         if self.pinned is not None:
             if self.by_group:
