@@ -557,6 +557,13 @@ def test_offload_percent_and_ignore_modules(daemon, toolkit):
             {},
             "weightstream.dequantize: 'block': expected one of auto, layer, group",
         ),
+        ({"early_release": True}, {}, Settings(early_release=True)),
+        ({"early_release": True}, {"WEIGHTSTREAM_EARLY_RELEASE": "no"}, Settings()),
+        (
+            {"early_release": "soon"},
+            {},
+            "weightstream.early_release: 'soon': expected true or false",
+        ),
         (
             {"quantize": "int4"},
             {},

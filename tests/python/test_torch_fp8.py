@@ -648,15 +648,17 @@ def test_fp8_glue_without_a_daemon(dtype, ckpt, autocast, resident):
     assert client.session.held == 0
 
 
-@pytest.mark.parametrize("dequantize", ["auto", "layer"])
-def test_ai_toolkit_streams_in_8_bits_when_configured(daemon, dequantize):
+@pytest.mark.parametrize("dequantize,early_release", [("auto", True), ("layer", False)])
+def test_ai_toolkit_streams_in_8_bits_when_configured(daemon, dequantize, early_release):
     from weightstream.integrations import ai_toolkit
     from weightstream.integrations.ai_toolkit import MemoryManager
     from weightstream.integrations.ai_toolkit.settings import Settings
 
     ref = make_model()
     model = copy.deepcopy(ref)
-    settings = Settings(socket=daemon.socket, quantize="fp8", dequantize=dequantize)
+    settings = Settings(
+        socket=daemon.socket, quantize="fp8", dequantize=dequantize, early_release=early_release
+    )
     ai_toolkit.configure(settings)
     try:
         manager = MemoryManager.attach(model, torch.device("cpu"), offload_percent=1.0)
@@ -667,6 +669,7 @@ def test_ai_toolkit_streams_in_8_bits_when_configured(daemon, dequantize):
     assert {placed[f"{n}.weight"] for n in handle.streamed} == {FP8}
     # The setting reaches attach: by default the small groups dequantize together.
     assert bool(handle.stats()["dequant_by_group"]) == (dequantize == "auto")
+    assert handle.options.early_release == early_release
     quantize.to_fp8_resident(ref, handle.streamed)
     assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
     MemoryManager.detach(model, release=True)

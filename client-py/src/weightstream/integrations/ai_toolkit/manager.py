@@ -234,6 +234,7 @@ def _options(s: Settings, ignore: set[str]) -> wst.StreamOptions:
         ignore=ignore,
         quantize=s.quantize,
         dequantize=s.dequantize,
+        early_release=s.early_release,
     )
 
 

@@ -20,6 +20,7 @@ ENV = {
     "lookahead": "WEIGHTSTREAM_LOOKAHEAD",
     "quantize": "WEIGHTSTREAM_QUANTIZE",
     "dequantize": "WEIGHTSTREAM_DEQUANTIZE",
+    "early_release": "WEIGHTSTREAM_EARLY_RELEASE",
     "trainable": "WEIGHTSTREAM_TRAINABLE",
     "trainable_delay": "WEIGHTSTREAM_TRAINABLE_DELAY",
     "trainable_master": "WEIGHTSTREAM_TRAINABLE_MASTER",
@@ -106,6 +107,8 @@ class Settings:
       ``none`` (the default): as they are.
     - ``dequantize``: ``auto`` (the default), ``layer`` or ``group``: when the 8-bit weights
       are dequantized (``StreamOptions.dequantize``).
+    - ``early_release``: ``true`` gives a block's staging back once its 8-bit weights are
+      dequantized together (``StreamOptions.early_release``). Default ``false``.
     - ``trainable``: where the LoRA's weights and optimizer state live. ``device`` (the
       default): where ai-toolkit puts them. ``host``: in host memory
       (``weightstream.torch.stream_trainable``), the optimizer ai-toolkit asks for (``adamw``,
@@ -129,6 +132,7 @@ class Settings:
     lookahead: int | None = None
     quantize: str | None = None
     dequantize: str = "auto"
+    early_release: bool = False
     trainable: str = "device"
     trainable_delay: bool = True
     trainable_master: str | None = None
@@ -184,7 +188,7 @@ def _convert(key: str, what: str, value):
         if value not in TRAINABLE:
             raise ValueError(f"{what}: {value!r}: expected one of {', '.join(TRAINABLE)}")
         return value
-    if key == "trainable_delay":
+    if key in ("trainable_delay", "early_release"):
         return parse_bool(what, value)
     if key == "trainable_master":
         if value not in MASTERS:
