@@ -235,8 +235,13 @@ class Handle:
         """Gives ``held``'s ticket back now that its group's dequantization and bias copy are
         queued (its free event follows them on the stream): it stays the held group of the
         pass for its other layers, which read only those."""
-        held.released = True
-        self.session.release(held.ticket)
+        self._release(held)
+
+    def _release(self, held: _Held | None):
+        """Gives ``held``'s ticket back, once: not again where it went back early."""
+        if held is not None and not held.released:
+            held.released = True
+            self.session.release(held.ticket)
 
     def _from_resident_group(self, layer: StreamedLayer) -> torch.Tensor:
         """A ``by_group`` layer of a resident group: its dequantized weight from the group's
@@ -299,8 +304,7 @@ class Handle:
             if held is not None and held.group == layer.group and held.backward == backward:
                 return held
             self._held = None
-        if held is not None and not held.released:
-            self.session.release(held.ticket)
+        self._release(held)
         if training and self._recording is not None:
             if self._recording.add(layer.group, backward):
                 self.end_step()
@@ -328,8 +332,7 @@ class Handle:
     def _release_held(self):
         with self._lock:
             held, self._held = self._held, None
-        if held is not None and not held.released:
-            self.session.release(held.ticket)
+        self._release(held)
 
     def _give_back(self, number: int):
         try:
