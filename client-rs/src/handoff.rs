@@ -8,6 +8,8 @@
 //! "PUT\n" + SCM_RIGHTS(1..=253 fds)   ->  "OK <token>\n"                 | "ERR <message>\n"
 //! "GET <secret>\n"                    ->  "OK <size>\n" + SCM_RIGHTS(fd)  | "ERR <message>\n"
 //! ```
+//! After its reply the daemon closes its copies of the fds it passed, then the connection;
+//! `get_fd` returns at that close, so that a region's charge ends when its client lets go.
 //! Tokens and secrets are 32 lowercase hex characters. Every read and write of an exchange is
 //! bounded by one 5 s deadline, so a peer that stalls is cut instead of holding a thread. The
 //! calls block: async callers run them in `spawn_blocking`.
@@ -126,7 +128,28 @@ pub fn get_fd(socket: &Path, secret: &str) -> Result<(OwnedFd, u64), HandoffErro
             actual.st_size
         )));
     }
+    wait_for_close(&stream, deadline);
     Ok((fd, size))
+}
+
+/// Waits, by `deadline`, for the daemon to close the connection, which it does once it has
+/// closed its own copy of the fd it passed: when [`get_fd`] returns, the fd's only copies are
+/// the caller's, and the region's charge ends as soon as the caller lets go of it. Anything
+/// else (bytes, a reset, the deadline) ends the wait too: the fd has arrived whole.
+fn wait_for_close(stream: &UnixStream, deadline: Instant) {
+    let mut byte = [0u8; 1];
+    loop {
+        let Ok(left) = remaining(deadline) else {
+            return;
+        };
+        if stream.set_read_timeout(Some(left)).is_err() {
+            return;
+        }
+        match rustix::net::recv(stream, &mut byte, RecvFlags::empty()) {
+            Err(rustix::io::Errno::INTR) => {}
+            _ => return,
+        }
+    }
 }
 
 fn connect(socket: &Path) -> Result<(UnixStream, Instant), HandoffError> {
@@ -589,6 +612,24 @@ mod tests {
         File::from(fd).read_to_string(&mut text).unwrap();
         assert_eq!((text.as_str(), size), ("region bytes", 12));
         assert!(matches!(server.join().unwrap(), Request::Get(s) if s == SECRET));
+    }
+
+    /// `get_fd` returns only once the daemon has closed the connection (after its own copy of
+    /// the fd): a server that waits a second for word that the client returned, before it
+    /// closes, never gets it.
+    #[test]
+    fn get_returns_once_the_daemon_has_closed_the_connection() {
+        let region = tempfile::tempfile().unwrap();
+        let (returned, heard) = std::sync::mpsc::channel::<()>();
+        let (_dir, socket, server) = serve(move |stream| {
+            let exchange = Exchange::begin(&stream);
+            exchange.read_request().unwrap();
+            exchange.reply_fd(region.as_fd(), 0).unwrap();
+            heard.recv_timeout(Duration::from_secs(1)).is_ok()
+        });
+        get_fd(&socket, SECRET).unwrap();
+        let _ = returned.send(());
+        assert!(!server.join().unwrap(), "get_fd returned before the close");
     }
 
     #[test]

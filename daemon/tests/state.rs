@@ -7,7 +7,7 @@ mod common;
 
 use std::os::unix::fs::FileExt;
 
-use attacker::{attack, attacker, daemon_for};
+use attacker::{attack, attacker, daemon_for, no_forks};
 use common::*;
 use tonic::Code;
 use weightstream_client::{Client, HandoffError, proto};
@@ -70,8 +70,11 @@ fn refused<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> (Code, String) {
 /// uid's and the daemon's host bytes and in its session's listing; FreeStateRegion frees one;
 /// CloseSession frees the rest, except what the client still maps, which stays charged until
 /// it is unmapped and closed.
+#[expect(clippy::await_holding_lock, reason = "see attacker::no_forks")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_state_region_is_charged_with_its_session_until_the_client_lets_go() {
+    // Its own last close is to free the region: no fork may hold a copy of it meanwhile.
+    let _no_forks = no_forks();
     let daemon = start_daemon().await;
     let (mut client, manifest) = with_model(&daemon, 60).await;
     let uid = me();
@@ -161,8 +164,11 @@ async fn a_state_region_is_charged_with_its_session_until_the_client_lets_go() {
 
 /// A connection that ends frees its sessions' state regions: one never fetched goes at once
 /// (its secret with it), one whose fd the client kept stays charged until that fd closes.
+#[expect(clippy::await_holding_lock, reason = "see attacker::no_forks")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_connection_frees_its_sessions_state_regions() {
+    // Its own last close is to free the region: no fork may hold a copy of it meanwhile.
+    let _no_forks = no_forks();
     let daemon = start_daemon().await;
     let (_client, manifest) = with_model(&daemon, 61).await;
     let uid = me();

@@ -126,6 +126,10 @@ impl Shm {
             let map = memmap2::MmapOptions::new()
                 .len(size as usize)
                 .map_raw(&file)?;
+            // A fork of this process (a library's; a test's, whose daemon runs in its own
+            // process) would hold a copy of the writable mapping until its exec, and
+            // CommitUpload's write seal is refused while any exists.
+            map.advise(Advice::DontFork)?;
             memfd.reserve_by(|offset, len| map.advise_range(Advice::PopulateWrite, offset, len))?;
         }
         Ok(Arc::new(memfd))

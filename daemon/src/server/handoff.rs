@@ -269,6 +269,8 @@ fn serve_exchange(
             Err(refused) => exchange.reply_error(&refused.to_string()),
         },
         Ok(Request::Get(secret)) => match daemon.secrets.fetch(&secret, peer.uid, peer.pid) {
+            // The daemon's copy of `fd` closes here, before the connection does: the
+            // client's `get_fd` returns at that close, holding the only copies.
             Ok((fd, size)) => exchange.reply_fd(fd.as_fd(), size),
             Err(refused) => {
                 if matches!(refused, SecretError::Unknown { .. }) {

@@ -14,6 +14,28 @@ use weightstream_daemon::config::ConfigFile;
 
 use super::common::*;
 
+/// Held shared by every fork of this test process (the attacker's), until its child has
+/// exec'd (std's `spawn` and `output` return no sooner): a forked child holds a copy of each of
+/// the test process's fds and mappings until then, so a region a test closes may outlive that
+/// close in another test's child for a moment. A test that checks that its own last close
+/// frees a region holds it exclusively from before it takes the region's fd ([`no_forks`]).
+static FORKS: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// No test of this binary forks while the guard lives (see [`FORKS`]). A test holds it across
+/// its awaits: only the other tests' threads, each running its own runtime, contend for it.
+#[allow(
+    dead_code,
+    reason = "not every binary that includes this module frees regions"
+)]
+pub fn no_forks() -> std::sync::RwLockWriteGuard<'static, ()> {
+    FORKS.write().unwrap_or_else(|p| p.into_inner())
+}
+
+fn forking<T>(fork: impl FnOnce() -> T) -> T {
+    let _shared = FORKS.read().unwrap_or_else(|p| p.into_inner());
+    fork()
+}
+
 /// The name of the attacker's test, as the test harness spells it.
 const ATTACKER_TEST: &str = "attacker::attacker_acts";
 
@@ -85,13 +107,12 @@ fn attacker_exe((uid, gid): (u32, u32)) -> &'static Path {
     static EXE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     EXE.get_or_init(|| {
         let exe = std::env::current_exe().unwrap();
-        let runs = Command::new(&exe)
-            .args(["--list", "--exact", ATTACKER_TEST])
+        let mut list = Command::new(&exe);
+        list.args(["--list", "--exact", ATTACKER_TEST])
             .current_dir("/")
             .uid(uid)
-            .gid(gid)
-            .output()
-            .is_ok_and(|o| o.status.success());
+            .gid(gid);
+        let runs = forking(|| list.output()).is_ok_and(|o| o.status.success());
         if runs {
             return exe;
         }
@@ -148,9 +169,8 @@ pub fn spawn_attacker_in(
         .env("WS_ARGS", args.join("\n"))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn the attacker")
+        .stderr(Stdio::inherit());
+    forking(|| command.spawn()).expect("spawn the attacker")
 }
 
 /// The attacker's first `RESULT` line (what it got). Its output is read to the end on a
