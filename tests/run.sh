@@ -21,7 +21,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step's heading shows the minutes and seconds since the start: where the time goes.
+step() { printf '\n==> [%d:%02d] %s\n' $((SECONDS / 60)) $((SECONDS % 60)) "$*"; }
 
 step "toolchain"
 cargo --version
