@@ -442,6 +442,9 @@ impl Daemon {
             share.keep();
         }
         crate::session::spawn(parts, control_rx, finished_tx, move || {
+            // Before the session leaves the list: whoever no longer sees it listed sees its
+            // model without it too (ListModels' `sessions`, the model's collection).
+            daemon.store.close_session(&model_id, owner.uid);
             // Under the sessions lock, so that a scrape sees the session either live or
             // retired, never both or neither (device counters must not jump).
             let mut sessions = daemon.sessions();
@@ -451,7 +454,6 @@ impl Daemon {
             drop(sessions);
             (daemon.secrets).revoke(&SecretOwner::Session(ended.id.clone()));
             daemon.free_state_of(&ended.id);
-            daemon.store.close_session(&model_id, owner.uid);
             // Before `finished` is sent: a CloseSession reply means the quota is free again.
             drop(charge);
         });
