@@ -406,6 +406,12 @@ async fn killed_clients_leak_nothing() {
         async move { session_ids(&mut client).await.len() == 1 }
     })
     .await;
+    // And their connections, which the daemon closes after their sessions: of the children's
+    // none is left, only this test's and the survivor's (else the base counts one that goes).
+    eventually("the warm-up connections are closed", || async {
+        served.connections() == 2
+    })
+    .await;
     let base_memfds = served.memfds();
     let base_fds = served.fds();
     let base_rss = served.rss_kib();

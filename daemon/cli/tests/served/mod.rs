@@ -118,6 +118,29 @@ impl Served {
             .count()
     }
 
+    /// Client connections the daemon holds open, gRPC and handoff: its sockets that are
+    /// connected (state 03 in `/proc/net/unix`) and carry its listeners' paths (the daemon's
+    /// own socket pairs carry none). One goes once the daemon has seen its client close it.
+    pub fn connections(&self) -> usize {
+        let inodes: std::collections::HashSet<String> =
+            std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+                .expect("/proc/PID/fd")
+                .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+                .filter_map(|link| {
+                    let link = link.to_string_lossy().into_owned();
+                    Some(link.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+                })
+                .collect();
+        // Num RefCount Protocol Flags Type St Inode [Path]
+        std::fs::read_to_string("/proc/net/unix")
+            .expect("/proc/net/unix")
+            .lines()
+            .skip(1)
+            .map(|line| line.split_whitespace().collect::<Vec<_>>())
+            .filter(|f| f.len() == 8 && f[5] == "03" && inodes.contains(f[6]))
+            .count()
+    }
+
     /// The daemon's resident memory (VmRSS), in KiB.
     pub fn rss_kib(&self) -> u64 {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
