@@ -128,7 +128,11 @@ impl Served {
                 .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
                 .filter_map(|link| {
                     let link = link.to_string_lossy().into_owned();
-                    Some(link.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+                    Some(
+                        link.strip_prefix("socket:[")?
+                            .strip_suffix(']')?
+                            .to_string(),
+                    )
                 })
                 .collect();
         // Num RefCount Protocol Flags Type St Inode [Path]
