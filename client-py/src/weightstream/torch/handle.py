@@ -227,15 +227,12 @@ class Handle:
             biases = {name: bias for name, (_, bias) in views.items() if bias is not None}
             if held.group in self._early_release:
                 biases = _copied(biases)
-                self._release_early(held)
+                # Its dequantization and bias copy are queued (the ticket's free event follows
+                # them on the stream): it stays the held group of the pass for its other
+                # layers, which read only those.
+                self._release(held)
             held.biases = biases
         return held.dequantized[layer.name], held.biases.get(layer.name)
-
-    def _release_early(self, held: _Held):
-        """Gives ``held``'s ticket back now that its group's dequantization and bias copy are
-        queued (its free event follows them on the stream): it stays the held group of the
-        pass for its other layers, which read only those."""
-        self._release(held)
 
     def _release(self, held: _Held | None):
         """Gives ``held``'s ticket back, once: not again where it went back early."""
