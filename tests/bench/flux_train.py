@@ -45,6 +45,8 @@ tests/bench/aitk_memory_manager_cpu.py checks the mode's import and attach by ha
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import json
 import os
@@ -128,9 +130,35 @@ def seeded_random(model, device):
     return model
 
 
+#: The lock file that makes concurrent children (``--interleave``, two jobs) build their models
+#: one at a time: FLUX.1's build peaks at ~45 GiB of GPU memory (built in fp32, then cast),
+#: and two at once overflow an 80 GB card.
+BUILD_LOCK_ENV = "WS_BENCH_BUILD_LOCK"
+
+
+@contextlib.contextmanager
+def one_build_at_a_time():
+    """Holds ``$WS_BENCH_BUILD_LOCK`` (when set) exclusively for the block."""
+    path = os.environ.get(BUILD_LOCK_ENV)
+    if not path:
+        yield
+        return
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def build(device="cuda", num_layers=19, num_single_layers=38):
     """The transformer with random weights, initialised on the GPU, seeded (FLUX.1: fewer
-    blocks, same width, for the equality probe)."""
+    blocks, same width, for the equality probe); one child at a time."""
+    with one_build_at_a_time():
+        return _build(device, num_layers, num_single_layers)
+
+
+def _build(device="cuda", num_layers=19, num_single_layers=38):
     if MODEL == "flux2":
         return build_flux2(device)
     import torch
@@ -168,12 +196,14 @@ def build_for_attach():
 
 
 def build_on_host():
-    """The same model, initialised on the GPU (fast) and moved to host memory."""
+    """The same model, initialised on the GPU (fast) and moved to host memory; the GPU's
+    memory is given back before another child builds."""
     import torch
 
-    model = build()
-    model.to("cpu")
-    torch.cuda.empty_cache()
+    with one_build_at_a_time():
+        model = _build()
+        model.to("cpu")
+        torch.cuda.empty_cache()
     return model
 
 
@@ -1153,7 +1183,11 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
     for first in range(0, n, turn):
         for mode, _, _, go_w, back_r, _ in children:
             for i in range(first, min(n, first + turn)):
-                os.write(go_w, b"g")
+                try:
+                    os.write(go_w, b"g")
+                except BrokenPipeError:  # gone already (its model did not fit, say)
+                    stopped = f"{mode} did not finish its step {i}"
+                    break
                 left = max(0.0, deadline - time.monotonic())
                 ready, _, _ = select.select([back_r], [], [], left)
                 if not ready or os.read(back_r, 1) != b"d":
@@ -1204,18 +1238,8 @@ def interleaved(args, socket, env, out) -> tuple[list[dict], dict]:
     return records, summary
 
 
-def parent(args):
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="ws-flux-"))
-    socket = str(tmp / "ws.sock")
-    cap = ["--copy-bandwidth-limit", args.copy_bandwidth_limit] if args.copy_bandwidth_limit else []
-    daemon = subprocess.Popen(
-        [args.bin, "serve", "--backend", "cuda", "--socket", socket]
-        + ["--metrics-listen", args.metrics]
-        + cap,
-        stderr=open(out / "flux-daemon.log", "ab"),
-    )
+def run_modes(args, socket: str, out: Path) -> dict:
+    """The modes (or the interleaved run) against the daemon at ``socket``: the results."""
     device, pinned = device_and_pinned_bandwidth()
     results = {
         "command": "python3 " + " ".join(sys.argv),
@@ -1234,6 +1258,7 @@ def parent(args):
         results["card_gib"] = float(os.environ["WS_CARD_GIB"])
     # The children time their steps without CUBLAS_WORKSPACE_CONFIG (see ``deterministic``).
     env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    env[BUILD_LOCK_ENV] = str(Path(socket).parent / "build.lock")
     if args.interleave:
         started = time.monotonic()
         records, summary = interleaved(args, socket, env, out)
@@ -1251,8 +1276,32 @@ def parent(args):
         results["modes"].append(record)
         (out / f"{results_name()}.json").write_text(json.dumps(results, indent=2))
         print(json.dumps(record)[:1500], flush=True)
-    daemon.terminate()
-    daemon.wait(timeout=60)
+    return results
+
+
+def parent(args):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="ws-flux-"))
+    socket = str(tmp / "ws.sock")
+    cap = ["--copy-bandwidth-limit", args.copy_bandwidth_limit] if args.copy_bandwidth_limit else []
+    daemon = subprocess.Popen(
+        [args.bin, "serve", "--backend", "cuda", "--socket", socket]
+        + ["--metrics-listen", args.metrics]
+        + cap,
+        stderr=open(out / "flux-daemon.log", "ab"),
+    )
+    try:
+        results = run_modes(args, socket, out)
+    finally:
+        # Also after a failure (a child gone mid-run): no daemon is left holding the metrics
+        # port and the GPU's memory for the next run.
+        daemon.terminate()
+        try:
+            daemon.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
     ok = check_equality(results)
     (out / f"{results_name()}.json").write_text(json.dumps(results, indent=2))
     # The device tool brings back at most 8 files from $OUT: pack the logs into one.

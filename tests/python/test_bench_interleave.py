@@ -1,10 +1,16 @@
 """tests/bench/flux_train.py's ``--interleave`` on the CPU, with stand-in children that speak the
 lockstep protocol: the two modes' steps alternate one by one (each child's step starts only
 after the other's step before it ended), the ratios are B's step over the A step before it, and
-a child that dies mid-run ends the run with the step it stopped at instead of hanging."""
+a child that dies mid-run (or before its first step) ends the run with the step it stopped at
+instead of hanging; the children build their models one at a time, and the parent stops its
+daemon also when the run fails."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import select
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +24,8 @@ CHILD = r"""
 import json, os, sys
 mode, log, die_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 go, back = map(int, sys.argv[sys.argv.index("--lockstep") + 1].split(","))
+if die_at == -2:  # gone before its first turn, as a child whose model does not fit
+    os._exit(3)
 times = {
     "a": [1.0, 2.0, 1.0, 1.0, 4.0],
     "b": [1.5, 2.2, 1.3, 1.0, 4.4],
@@ -118,3 +126,76 @@ def test_turns_of_several_steps_and_the_steps_after_one_of_the_same_process(tmp_
     assert summary["turn"] == 2
     assert summary["ratio_per_pair"] == [1.3, 1.0, 1.1]
     assert summary["ratios"]["b"]["steady_ratio_of_medians"] == 1.0
+
+
+def test_a_child_gone_before_its_first_step_ends_the_run_there(tmp_path, monkeypatch):
+    """The parent's turn to a child already gone, its pipe closed, ends the run at step 0 (not
+    with the write's BrokenPipeError): the parent's second write, b's first turn, waits until
+    b's end of the pipe is closed."""
+    writes = []
+
+    class Os:
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def write(fd, data):
+            writes.append(fd)
+            if len(writes) == 2:
+                poll = select.poll()
+                poll.register(fd, select.POLLERR)
+                assert poll.poll(30_000), "b's end of the pipe is still open"
+            return os.write(fd, data)
+
+    monkeypatch.setattr(flux_train, "os", Os())
+    records, summary, order = run(tmp_path, monkeypatch, die={"b": -2})
+    assert summary["error"] == "b did not finish its step 0"
+    assert order == ["a0 start", "a0 end"]
+    assert records[1]["error"] == "no result: see flux-b.log"
+
+
+def test_children_build_one_at_a_time(tmp_path, monkeypatch):
+    """With ``$WS_BENCH_BUILD_LOCK`` set (the parent sets it for every child), a build holds
+    the lock: another process's try to take it fails until the build is done."""
+    lock = tmp_path / "build.lock"
+    monkeypatch.setenv(flux_train.BUILD_LOCK_ENV, str(lock))
+
+    def taken() -> bool:
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
+    with flux_train.one_build_at_a_time():
+        assert taken()
+    assert not taken()
+
+
+def test_the_parent_stops_its_daemon_when_the_run_fails(tmp_path, monkeypatch):
+    """A run that raises (a child's pipe broken, say) still stops the daemon, which would
+    otherwise hold the metrics port and the GPU for the next run."""
+    daemon = tmp_path / "daemon"
+    daemon.write_text("#!/bin/sh\nexec sleep 600\n")
+    daemon.chmod(0o755)
+    started = []
+    popen = subprocess.Popen
+
+    def recording(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    def failing(args, socket, out):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(flux_train.subprocess, "Popen", recording)
+    monkeypatch.setattr(flux_train, "run_modes", failing)
+    args = SimpleNamespace(
+        out=str(tmp_path / "out"), bin=str(daemon), metrics="127.0.0.1:0", copy_bandwidth_limit=None
+    )
+    with pytest.raises(BrokenPipeError):
+        flux_train.parent(args)
+    assert len(started) == 1
+    assert started[0].returncode == -15, "the daemon was terminated and waited for"
