@@ -111,6 +111,16 @@ impl Served {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// What each of the daemon's open fds refers to (`/proc/PID/fd`'s link targets: a path,
+    /// `socket:[INODE]`, `/memfd:NAME (deleted)` ...).
+    fn fd_targets(&self) -> Vec<String> {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .expect("/proc/PID/fd")
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .map(|link| link.to_string_lossy().into_owned())
+            .collect()
+    }
+
     /// Open file descriptors of the daemon process.
     pub fn fds(&self) -> usize {
         std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
@@ -122,19 +132,17 @@ impl Served {
     /// connected (state 03 in `/proc/net/unix`) and carry its listeners' paths (the daemon's
     /// own socket pairs carry none). One goes once the daemon has seen its client close it.
     pub fn connections(&self) -> usize {
-        let inodes: std::collections::HashSet<String> =
-            std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
-                .expect("/proc/PID/fd")
-                .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-                .filter_map(|link| {
-                    let link = link.to_string_lossy().into_owned();
-                    Some(
-                        link.strip_prefix("socket:[")?
-                            .strip_suffix(']')?
-                            .to_string(),
-                    )
-                })
-                .collect();
+        let inodes: std::collections::HashSet<String> = self
+            .fd_targets()
+            .iter()
+            .filter_map(|link| {
+                Some(
+                    link.strip_prefix("socket:[")?
+                        .strip_suffix(']')?
+                        .to_string(),
+                )
+            })
+            .collect();
         // Num RefCount Protocol Flags Type St Inode [Path]
         std::fs::read_to_string("/proc/net/unix")
             .expect("/proc/net/unix")
@@ -160,11 +168,10 @@ impl Served {
     /// one as "/memfd:weightstream-KIND (deleted)"), sorted. A committed upload stays an
     /// "upload": it is its model's arena.
     pub fn memfds(&self) -> Vec<String> {
-        let mut kinds: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
-            .expect("/proc/PID/fd")
-            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        let mut kinds: Vec<String> = self
+            .fd_targets()
+            .iter()
             .filter_map(|link| {
-                let link = link.to_string_lossy().into_owned();
                 let name = link.strip_prefix("/memfd:")?;
                 let name = name.strip_suffix(" (deleted)").unwrap_or(name);
                 Some(
