@@ -546,13 +546,8 @@ class Run:
             time.sleep(0.05)
 
     def stop_daemon(self):
-        if self.daemon is not None and self.daemon.poll() is None:
-            self.daemon.terminate()
-            try:
-                self.daemon.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.daemon.kill()
-                self.daemon.wait(timeout=30)
+        if self.daemon is not None:
+            flux_train.stop(self.daemon)
 
     def store_bytes(self) -> int | None:
         try:

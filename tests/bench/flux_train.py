@@ -1279,6 +1279,17 @@ def run_modes(args, socket: str, out: Path) -> dict:
     return results
 
 
+def stop(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Terminates ``proc`` (nothing if it has ended) and waits for it, killing it if it has not
+    ended within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def parent(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -1296,12 +1307,7 @@ def parent(args):
     finally:
         # Also after a failure (a child gone mid-run): no daemon is left holding the metrics
         # port and the GPU's memory for the next run.
-        daemon.terminate()
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        stop(daemon)
     ok = check_equality(results)
     (out / f"{results_name()}.json").write_text(json.dumps(results, indent=2))
     # The device tool brings back at most 8 files from $OUT: pack the logs into one.
