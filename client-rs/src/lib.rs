@@ -27,9 +27,7 @@
 //! resumes at its next step without restarting.
 
 mod error;
-pub mod handoff;
 mod session;
-pub mod socket;
 mod sources;
 pub mod waits;
 
@@ -52,11 +50,9 @@ pub use crate::waits::WaitTotals;
 /// The gRPC status code of a [`ClientError::Rejected`].
 pub use tonic::Code;
 
-pub mod proto {
-    tonic::include_proto!("weightstream.v1");
-    pub const FILE_DESCRIPTOR_SET: &[u8] =
-        tonic::include_file_descriptor_set!("weightstream_descriptor");
-}
+/// The wire, from the crate both the daemon and its clients build on (`weightstream-proto`):
+/// the generated gRPC code, the handoff socket's framing and where the socket is.
+pub use weightstream_proto::{handoff, socket, v1 as proto};
 
 /// A tensor to upload: its name, dtype, shape and bytes, and whether it is quantized.
 ///

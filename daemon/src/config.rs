@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytesize::ByteSize;
 use serde::{Deserialize, Deserializer};
 
-use weightstream_client::SocketCandidates;
+use weightstream_proto::socket::SocketCandidates;
 
 /// Loopback by default: the numbers name models and trainers' labels, which are not for the
 /// network unless the operator says so.
@@ -632,7 +632,7 @@ impl ConfigFile {
 /// The socket of a daemon whose configuration names none: `$WEIGHTSTREAM_SOCKET`; else, run as
 /// root, the system socket (the service's); else the user's own (`$XDG_RUNTIME_DIR/
 /// weightstream.sock`, or `/tmp/weightstream-<uid>/weightstream.sock`). The clients look in
-/// the same places (`weightstream_client::socket`).
+/// the same places (`weightstream_proto::socket`).
 pub fn default_socket() -> PathBuf {
     SocketCandidates::from_env(None).for_daemon(rustix::process::geteuid().is_root())
 }

@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
-use weightstream_client::proto;
+use weightstream_proto::v1 as proto;
 use weightstream_daemon::config::Limits;
 use weightstream_daemon::server::validate::Validation;
 use weightstream_daemon::store::DeclQuant;

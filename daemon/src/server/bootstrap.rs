@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use rustix::fs::FlockOperation;
 use tokio::net::UnixListener;
-use weightstream_client::socket::fallback_dir;
+use weightstream_proto::socket::fallback_dir;
 
 use super::error::ServeError;
 use super::handoff;

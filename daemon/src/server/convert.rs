@@ -1,6 +1,6 @@
 //! Conversions from the core's types to the wire's (errors: see status.rs).
 
-use weightstream_client::proto as pb;
+use weightstream_proto::v1 as pb;
 
 use crate::backend::{BackendKind, RegionHandle};
 use crate::core::{Daemon, OpenedSession, Peer};

@@ -1,5 +1,5 @@
 //! The handoff socket, next to the gRPC socket (its path + `.fd`): file descriptors passed
-//! with `SCM_RIGHTS`. The wire format is `weightstream_client::handoff`'s, whose daemon half
+//! with `SCM_RIGHTS`. The wire format is `weightstream_proto::handoff`'s, whose daemon half
 //! this listener is built from: one request per connection, read and answered on a blocking
 //! thread within 5 s of the accept (an `Exchange`), so a peer that stalls holds nothing else.
 //!
@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
-use weightstream_client::handoff::{Exchange, HandoffError, Request, TIMEOUT, handoff_path};
+use weightstream_proto::handoff::{Exchange, HandoffError, Request, TIMEOUT, handoff_path};
 
 use super::access::AccessCheck;
 use super::conn::{Caller, Connections, Warning, identify};

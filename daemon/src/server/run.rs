@@ -9,9 +9,9 @@ use futures::{Stream, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
-use weightstream_client::proto as pb;
-use weightstream_client::proto::client_message::Msg;
-use weightstream_client::proto::server_message::Msg as Out;
+use weightstream_proto::v1 as pb;
+use weightstream_proto::v1::client_message::Msg;
+use weightstream_proto::v1::server_message::Msg as Out;
 
 use super::error::EdgeError;
 use super::status::{attach_status, status_of};

@@ -12,8 +12,8 @@ use tonic::service::Routes;
 use tonic::service::interceptor::InterceptedService;
 use tonic_health::server::HealthReporter;
 use tonic_reflection::server::Builder as Reflection;
-use weightstream_client::proto::FILE_DESCRIPTOR_SET;
-use weightstream_client::proto::weight_stream_server::WeightStreamServer;
+use weightstream_proto::v1::FILE_DESCRIPTOR_SET;
+use weightstream_proto::v1::weight_stream_server::WeightStreamServer;
 
 use super::access::AccessCheck;
 use super::blocking::BlockingTasks;

@@ -8,8 +8,8 @@ use futures::Stream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
-use weightstream_client::proto as pb;
-use weightstream_client::proto::weight_stream_server::WeightStream;
+use weightstream_proto::v1 as pb;
+use weightstream_proto::v1::weight_stream_server::WeightStream;
 
 use super::blocking::BlockingTasks;
 use super::conn::Caller;

@@ -5,8 +5,8 @@
 use std::collections::HashSet;
 use std::num::NonZeroU64;
 
-use weightstream_client::handoff;
-use weightstream_client::proto as pb;
+use weightstream_proto::handoff;
+use weightstream_proto::v1 as pb;
 
 use super::convert::{dtype_from_pb, quantization_from_pb, retention_from_pb};
 use crate::config::{Limits, MIN_COPY_BANDWIDTH, Rate};

@@ -313,7 +313,7 @@ fn check_file(index: usize, fd: BorrowedFd<'_>) -> Result<(), HandoffError> {
 }
 
 /// What a file is, for messages: "a FIFO", "a directory", ….
-pub(crate) fn describe(kind: FileType) -> &'static str {
+pub fn describe(kind: FileType) -> &'static str {
     match kind {
         FileType::RegularFile => "a regular file",
         FileType::Directory => "a directory",
