@@ -14,7 +14,7 @@ use weightstream_client::{self as ws, SessionOptions, TensorData, proto};
 use crate::errors::IntoPy;
 use crate::records;
 use crate::runtime::{block_on, generation, runtime};
-use crate::session::Session;
+use crate::session::{Connection, Session};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -88,6 +88,17 @@ impl Client {
         let mut conn = lock(&self.conn);
         conn.follow_fork();
         conn.client = Some(fresh);
+    }
+}
+
+/// A Python `Client` where a connection is wanted (`Session.reopen(client, …)`): its connection
+/// in this process, made now if there is none yet.
+impl<'a, 'py> FromPyObject<'a, 'py> for Connection {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Connection> {
+        let client = obj.cast::<Client>()?;
+        Ok(Connection(client.get().client(obj.py())?))
     }
 }
 

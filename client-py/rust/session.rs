@@ -16,10 +16,14 @@ use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use weightstream_client as ws;
 
-use crate::client::Client;
 use crate::errors::{DaemonUnavailable, IntoPy, WeightstreamError};
 use crate::records;
 use crate::runtime::{block_on, generation, park_on};
+
+/// What `reopen` needs of the `Client` it is given: that client's connection in this process.
+/// The client module makes it from a Python `Client` (`FromPyObject`), so that a session need
+/// not know the client that opened it.
+pub(crate) struct Connection(pub(crate) ws::Client);
 
 /// Locked only while holding the GIL, never across a call that releases it.
 struct State {
@@ -340,8 +344,8 @@ impl Session {
 
     /// Opens the session again through `client` (same groups, budget, staging, device, label;
     /// the plan last sent is sent again) with `model_id`, which the daemon must have.
-    fn reopen(&self, py: Python<'_>, client: &Bound<'_, Client>, model_id: String) -> PyResult<()> {
-        let c = client.get().client(py)?;
+    fn reopen(&self, py: Python<'_>, client: Connection, model_id: String) -> PyResult<()> {
+        let Connection(c) = client;
         let mut session = {
             let mut state = self.state()?;
             state.layout = None;
