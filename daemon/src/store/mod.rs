@@ -23,6 +23,7 @@ mod pin;
 pub mod prequantized;
 pub mod quantize;
 mod registry;
+mod reserve;
 pub mod safetensors;
 mod state;
 #[cfg(test)]
@@ -37,7 +38,7 @@ pub use self::load::{LoadSource, Progress};
 pub use self::phases::{Phases, Stored};
 use self::quantize::{NonFinite, Quantization, QuantizeError, StoredLayout};
 use self::registry::Inner;
-pub use self::registry::{Holder, HostUse, ModelEntry, Retention};
+pub use self::registry::{Holder, HostUse, ModelEntry};
 use self::safetensors::{DType, HeaderError};
 pub use self::state::{STATE_ALIGN, StateTicket, StateUse};
 pub use self::upload::{DeclQuant, TensorDecl, UploadTicket};
@@ -73,6 +74,21 @@ pub struct StoreLimits {
 pub struct Owner {
     pub conn: u64,
     pub uid: u32,
+}
+
+/// How long a model reference (LoadModel, CommitUpload) lasts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Retention {
+    /// Kept after the connection that took it closes (the command that loaded a model exits,
+    /// the model stays for the next job); from then on it holds the model as a cache entry
+    /// only: one that no session, no pin and no open connection's reference holds is evicted,
+    /// least recently used first, when a load or upload needs its memory.
+    #[default]
+    Cached,
+    /// Given back when the connection that took it closes: when its process is gone.
+    Connection,
+    /// Kept, never evicted, until released.
+    Pinned,
 }
 
 /// Every error of the store. Files are named by the display names their clients gave

@@ -7,25 +7,11 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use super::reserve::{Pending, Reservation};
 use super::state::StateRegion;
 use super::upload::Upload;
-use super::{Model, Owner, Store, StoreError};
+use super::{Model, Owner, Retention, Store, StoreError};
 use crate::quota::{HostQuota, check_count};
-
-/// How long a model reference (LoadModel, CommitUpload) lasts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Retention {
-    /// Kept after the connection that took it closes (the command that loaded a model exits,
-    /// the model stays for the next job); from then on it holds the model as a cache entry
-    /// only: one that no session, no pin and no open connection's reference holds is evicted,
-    /// least recently used first, when a load or upload needs its memory.
-    #[default]
-    Cached,
-    /// Given back when the connection that took it closes: when its process is gone.
-    Connection,
-    /// Kept, never evicted, until released.
-    Pinned,
-}
 
 /// One load reference: whose, taken by which connection (while it is open), how long it lasts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -193,14 +179,6 @@ impl ModelEntry {
     }
 }
 
-/// Host bytes promised to a load or upload that is being made: counted like the real thing so
-/// that two requests at once cannot both pass a quota.
-pub(super) struct Pending {
-    pub(super) uid: u32,
-    pub(super) bytes: u64,
-    pub(super) upload: bool,
-}
-
 /// The store's state, behind its one lock.
 #[derive(Default)]
 pub(super) struct Inner {
@@ -281,6 +259,10 @@ impl Inner {
         self.next_pending
     }
 
+    pub(super) fn remove_pending(&mut self, id: u64) {
+        self.pending.remove(&id);
+    }
+
     pub(super) fn collect(&mut self, id: &str) {
         if self
             .models
@@ -289,19 +271,6 @@ impl Inner {
         {
             self.models.remove(id);
         }
-    }
-}
-
-/// A `Pending` entry, removed on drop (the model or upload it stood for now counts itself, or
-/// was never made).
-pub(super) struct Reservation<'a> {
-    pub(super) store: &'a Store,
-    pub(super) id: u64,
-}
-
-impl Drop for Reservation<'_> {
-    fn drop(&mut self) {
-        self.store.inner().pending.remove(&self.id);
     }
 }
 

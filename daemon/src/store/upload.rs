@@ -21,7 +21,7 @@ use super::phases::{Phases, Stored};
 use super::quantize::{
     Quantization, StoredLayout, TensorIn, TensorOut, first_non_finite_scale, quantize_all_into,
 };
-use super::registry::{Pending, Reservation};
+use super::reserve::{Pending, Reservation};
 use super::safetensors::DType;
 use super::{
     Model, ModelSource, Owner, QuantizedLayout, Retention, Store, StoreError, StoredTensor,
