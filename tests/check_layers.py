@@ -1,13 +1,18 @@
 #!/usr/bin/env python3
-"""Checks that the daemon's modules import only the layers below them (see DESIGN.md, "Module map").
+"""The daemon's module map, and the check that daemon/src keeps it: this file is its one source.
 
     python3 tests/check_layers.py              # check daemon/src; exit 1 listing every violation
     python3 tests/check_layers.py --self-test  # the checker's own table of cases
 
-Every `crate::…` (or `weightstream_daemon::…`, `super::…` leaving the module) path in
-daemon/src/**/*.rs names a top-level module; the table below says which ones each module may name.
+Layers: every `crate::…` (or `weightstream_daemon::…`, `super::…` leaving the module) path in
+daemon/src/**/*.rs names a top-level module; ALLOWED below says which ones each module may name.
 Paths in comments and string literals do not count; grouped and multi-line `use` trees do. Modules
-below the edge must not name the wire either: `tonic*` or `weightstream_client::proto`.
+below the edge (WIRE_FREE) must not name the wire either: `tonic*` or `weightstream_proto::v1`.
+
+Cycles: no two modules of daemon/src import each other, directly or around a loop, counted file by
+file (store/registry.rs and store/upload.rs are two modules). A module's own submodules are part of
+it (a `mod.rs` declares and re-exports them, they use its types): edges between a module and its
+ancestors do not count. A name a module re-exports (`pub use self::x::Name`) counts as `x`'s.
 Standard library only.
 """
 
@@ -19,12 +24,17 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "daemon" / "src"
 
-# The data path, top to bottom: cli/main -> server -> (metrics) -> core -> session ->
-# residency -> scheduler -> store -> mem, and backend -> mem beside the store. A module may name
-# any module below it, and nothing else. config, quota, pacing and terminal are leaves that others
-# read: pacing (the copy token bucket) and terminal (names escaped for terminals) import nothing,
-# config
-# imports nothing, quota only config (what they import today).
+# The module map. The data path, top to bottom: server (the gRPC edge and the handoff socket:
+# validation, status mapping, start-up, drain) -> core (shared state, peers, the fds clients pass
+# and fetch) -> session (actors, staging arenas, plans) -> residency -> scheduler -> store
+# (registry, load, upload, state regions, pin) -> mem (memfd mappings, host arenas and slices,
+# the HostPinner seam); backend (host, CUDA: the only FFI) -> mem, beside the store. metrics (the
+# Prometheus collector and endpoint) sits between server and core: the server starts it, it reads
+# the core. A module may name any module below it, and nothing else. config, quota, pacing and
+# terminal are leaves that others read: config (the daemon's settings) and pacing (the copy token
+# bucket and its clock) import nothing, quota (per-uid limits) only config, terminal (names
+# escaped for people's terminals) nothing. The `weightstream` binary (crate weightstream-cli,
+# daemon/cli/) sits on top; "main" and "cli" are its rows.
 _BELOW_SCHEDULER = {"store", "backend", "mem", "config", "quota", "pacing", "terminal"}
 _BELOW_CORE = {"session", "residency", "scheduler"} | _BELOW_SCHEDULER
 ALLOWED = {
@@ -44,7 +54,7 @@ ALLOWED = {
     "pacing": set(),
     "terminal": set(),
 }
-# Below the edge: no tonic, no generated proto (the server converts at the edge).
+# Below the edge: no tonic, no generated gRPC code (the server converts at the edge).
 WIRE_FREE = {
     "core",
     "session",
@@ -57,36 +67,23 @@ WIRE_FREE = {
     "terminal",
 }
 
-# Violations that other branches of the architecture issue remove; listed apart, still failures.
-PENDING = [
-    (
-        lambda v: v.kind == "layer" and v.src in {"core", "session"} and v.dst == "server",
-        "Peer moves out of server/ (the Peer/stats/Run branch)",
-    ),
-    (
-        lambda v: v.kind == "wire" and v.src == "session",
-        "session speaks Command/Event, not pb (the Peer/stats/Run and server branches)",
-    ),
-]
-
 
 class Violation(NamedTuple):
     file: str
     line: int
-    kind: str  # "layer", "wire" or "unknown" (a module the table does not place)
+    kind: str  # "layer", "wire", "unknown" (a module the table does not place) or "cycle"
     src: str
     dst: str
     path: str
 
     def rule(self):
+        if self.kind == "cycle":
+            return f"cycle: {self.path}"
         if self.kind == "wire":
             return f"{self.src}: wire type"
         if self.kind == "unknown":
             return f"{self.src if self.dst == '?' else self.dst}: not in the layer table"
         return f"{self.src} -> {self.dst}"
-
-    def pending(self):
-        return next((note for match, note in PENDING if match(self)), None)
 
 
 # --- a small Rust tokenizer: identifiers, `::` and punctuation, with line numbers; comments,
@@ -187,19 +184,23 @@ def component_of(rel):
     return parts[0], mod_path
 
 
-def check_source(rel, text):
-    """Every violation in one file (`rel` relative to daemon/src)."""
+class Use(NamedTuple):
+    line: int
+    head: str  # "crate", "weightstream_daemon", "super", "self", or a wire crate's name
+    full: list  # crate/super/self: the path from the crate root; a wire crate: as written
+    public: bool  # in a `pub use` (a re-export)
+    test: bool  # in an inline `#[cfg(test)] mod`
+
+
+def scan(rel, text):
+    """Every path in one file (`rel` relative to daemon/src) that starts at the crate, `super`,
+    `self` (in a `use` only) or a wire crate (`tonic*`, `weightstream_proto`): one Use a leaf."""
     src, file_mod = component_of(rel)
-    shown = f"daemon/src/{rel}"
-    if src == "lib":
-        return []
-    out = []
-    if src not in ALLOWED:
-        out.append(Violation(shown, 1, "unknown", src, "?", "(this module)"))
-        return out
     toks = tokenize(text)
-    inline = []  # (name, brace depth) of the inline `mod name { … }` blocks we are in
+    inline = []  # (name, brace depth, #[cfg(test)]) of the inline `mod name { … }` we are in
     depth = 0
+    public_at = -1  # the token index where the last `pub use` tree starts
+    out = []
     i = 0
     while i < len(toks) - 4:
         tok, line = toks[i]
@@ -212,12 +213,16 @@ def check_source(rel, text):
                 inline.pop()
             depth -= 1
         elif tok == "mod" and _is_ident(toks[i + 1][0]) and toks[i + 2][0] == "{":
-            inline.append((toks[i + 1][0], depth + 1))
+            attr = "".join(t for t, _ in toks[max(i - 7, 0) : i])
+            inline.append((toks[i + 1][0], depth + 1, attr == "#[cfg(test)]"))
+        elif tok == "use" and (prev == "pub" or (prev == ")" and toks[i - 3][0] == "pub")):
+            public_at = i + 1
         if not starts_path or toks[i + 1][0] != "::":
             i += 1
             continue
-        here = file_mod + [name for name, _ in inline]
-        if tok in ("crate", "weightstream_daemon") or tok == "super":
+        here = file_mod + [name for name, _, _ in inline]
+        test = any(t for _, _, t in inline)
+        if tok in ("crate", "weightstream_daemon", "super") or (tok == "self" and prev == "use"):
             base, j = [], i + 2
             if tok == "super":
                 ups = 1
@@ -227,74 +232,143 @@ def check_source(rel, text):
                     i = j
                     continue
                 base = here[: len(here) - ups]
+            elif tok == "self":
+                base = here
             leaves, j = parse_tree(toks, j)
             for leaf in leaves:
                 full = base + [s for s, _ in leaf]
-                at = leaf[0][1]
-                dst = full[0] if full else ""
-                if not _is_ident(dst) or dst in ("self", "super") or dst == src:
-                    continue
-                # In main.rs `crate` is the binary; the library there is `weightstream_daemon`.
-                if (src == "main") != (tok == "weightstream_daemon") and tok != "super":
-                    continue
-                path = "crate::" + "::".join(full)
-                if dst not in ALLOWED:
-                    if (SRC / dst).is_dir() or (SRC / f"{dst}.rs").is_file():
-                        out.append(Violation(shown, at, "unknown", src, dst, path))
-                elif dst not in ALLOWED[src]:
-                    out.append(Violation(shown, at, "layer", src, dst, path))
+                out.append(Use(leaf[-1][1], tok, full, i == public_at, test))
             i = max(j, i + 1)
             continue
-        if src in WIRE_FREE and (tok == "tonic" or tok.startswith("tonic_")):
+        if tok == "tonic" or tok.startswith("tonic_") or tok == "weightstream_proto":
             leaves, j = parse_tree(toks, i)
-            path = ", ".join("::".join(s for s, _ in leaf) for leaf in leaves)
-            out.append(Violation(shown, line, "wire", src, tok, path))
-            i = max(j, i + 1)
-            continue
-        elif src in WIRE_FREE and tok == "weightstream_client":
-            leaves, j = parse_tree(toks, i + 2)
             for leaf in leaves:
-                if leaf[0][0] == "proto":
-                    path = "weightstream_client::" + "::".join(s for s, _ in leaf)
-                    out.append(Violation(shown, leaf[0][1], "wire", src, "proto", path))
+                out.append(Use(leaf[-1][1], tok, [s for s, _ in leaf], False, test))
             i = max(j, i + 1)
             continue
         i += 1
     return out
 
 
-def check_tree():
+def check_source(rel, text):
+    """Every layer and wire violation in one file (`rel` relative to daemon/src)."""
+    src, _ = component_of(rel)
+    shown = f"daemon/src/{rel}"
+    if src == "lib":
+        return []
+    if src not in ALLOWED:
+        return [Violation(shown, 1, "unknown", src, "?", "(this module)")]
     out = []
-    for path in sorted(SRC.rglob("*.rs")):
-        out += check_source(path.relative_to(SRC), path.read_text(encoding="utf-8"))
+    for use in scan(rel, text):
+        if use.head == "self":
+            continue
+        if use.head in ("crate", "weightstream_daemon", "super"):
+            dst = use.full[0] if use.full else ""
+            if not _is_ident(dst) or dst in ("self", "super") or dst == src:
+                continue
+            # In main.rs `crate` is the binary; the library there is `weightstream_daemon`.
+            if (src == "main") != (use.head == "weightstream_daemon") and use.head != "super":
+                continue
+            path = "crate::" + "::".join(use.full)
+            if dst not in ALLOWED:
+                if (SRC / dst).is_dir() or (SRC / f"{dst}.rs").is_file():
+                    out.append(Violation(shown, use.line, "unknown", src, dst, path))
+            elif dst not in ALLOWED[src]:
+                out.append(Violation(shown, use.line, "layer", src, dst, path))
+        elif src in WIRE_FREE and (use.head != "weightstream_proto" or use.full[1:2] == ["v1"]):
+            out.append(Violation(shown, use.line, "wire", src, use.head, "::".join(use.full)))
     return out
+
+
+def module_graph(sources):
+    """{module: {module it imports: (file, line) of the first such path}} over `sources`
+    ({path relative to daemon/src: text}), one module per file; a module's imports of its own
+    ancestors and descendants left out, and those of its inline `#[cfg(test)]` modules (tests
+    sit above the code they test)."""
+    mods = [component_of(rel)[1] for rel in sources]
+    files = {tuple(mod[:n]) for mod in mods for n in range(len(mod) + 1)}
+    uses = {rel: scan(rel, text) for rel, text in sources.items()}
+    reexports = {}  # (module, name) -> the path it re-exports
+    for rel, found in uses.items():
+        here = tuple(component_of(rel)[1])
+        for use in found:
+            if use.public and use.head == "self" and len(use.full) > len(here) + 1:
+                reexports[(here, use.full[-1])] = use.full
+
+    def resolve(path):
+        for _ in range(8):  # a re-export of a re-export, a few deep
+            mod = ()
+            for seg in path:
+                if mod + (seg,) not in files:
+                    break
+                mod += (seg,)
+            target = reexports.get((mod, path[len(mod)] if len(path) > len(mod) else None))
+            if target is None or target == path:
+                return mod
+            path = target
+        return mod
+
+    graph = {}
+    for rel, found in uses.items():
+        here = tuple(component_of(rel)[1])
+        edges = graph.setdefault(here, {})
+        for use in found:
+            if use.test or use.head not in ("crate", "super", "self"):
+                continue
+            dst = resolve(use.full)
+            if dst[: len(here)] != here and here[: len(dst)] != dst:
+                edges.setdefault(dst, (f"daemon/src/{rel}", use.line))
+    return graph
+
+
+def find_cycles(graph):
+    """One Violation per cycle of `graph` (each found from its smallest module, once)."""
+    out, seen = [], set()
+
+    def walk(start, node, trail):
+        for nxt in sorted(graph.get(node, {})):
+            if nxt == start:
+                if frozenset(trail) not in seen:
+                    seen.add(frozenset(trail))
+                    file, line = graph[start][trail[1] if len(trail) > 1 else start]
+                    shown = " -> ".join("::".join(m) for m in trail + [start])
+                    out.append(Violation(file, line, "cycle", "::".join(start), "", shown))
+            elif nxt > start and nxt not in trail:
+                walk(start, nxt, trail + [nxt])
+
+    for start in sorted(graph):
+        walk(start, start, [start])
+    return out
+
+
+def check_tree():
+    sources = {p.relative_to(SRC): p.read_text(encoding="utf-8") for p in sorted(SRC.rglob("*.rs"))}
+    out = []
+    for rel, text in sources.items():
+        out += check_source(rel, text)
+    return out + find_cycles(module_graph(sources))
 
 
 def report(violations):
     if not violations:
-        print("check_layers: daemon/src keeps its layers (every import points down)")
+        print("check_layers: daemon/src keeps its layers (every import points down, no cycle)")
         return 0
-    violations.sort(key=lambda v: (v.pending() is not None, v.file, v.line))
+    violations.sort(key=lambda v: (v.file, v.line))
     width = max(len(f"{v.file}:{v.line}") for v in violations)
     rwidth = max(len(v.rule()) for v in violations)
-    new = [v for v in violations if v.pending() is None]
-    pending = [v for v in violations if v.pending() is not None]
-    for title, group in (("violations", new), ("expected until other branches land", pending)):
-        if not group:
-            continue
-        print(f"{title} ({len(group)}):")
-        for v in group:
-            note = f"  [{v.pending()}]" if v.pending() else ""
-            print(f"  {f'{v.file}:{v.line}':<{width}}  {v.rule():<{rwidth}}  {v.path}{note}")
-    print("allowed imports of the modules above:")
+    print(f"violations ({len(violations)}):")
+    for v in violations:
+        shown = "" if v.kind == "cycle" else v.path
+        print(f"  {f'{v.file}:{v.line}':<{width}}  {v.rule():<{rwidth}}  {shown}".rstrip())
+    if any(v.kind == "layer" for v in violations):
+        print("allowed imports of the modules above:")
     for src in sorted({v.src for v in violations if v.kind == "layer"}):
         print(f"  {src} -> {', '.join(sorted(ALLOWED[src])) or '(nothing)'}")
     if any(v.kind == "wire" for v in violations):
-        print(f"  no tonic / weightstream_client::proto in: {', '.join(sorted(WIRE_FREE))}")
-    print(
-        f"check_layers: FAILED: {len(violations)} violations "
-        f"({len(new)} new, {len(pending)} expected until other branches land)"
-    )
+        print(f"  no tonic / weightstream_proto::v1 in: {', '.join(sorted(WIRE_FREE))}")
+    if any(v.kind == "cycle" for v in violations):
+        print("  a cycle: move what both sides name below them, so that imports go one way")
+    print(f"check_layers: FAILED: {len(violations)} violations")
     return 1
 
 
@@ -339,14 +413,92 @@ SELF_TEST = [
         {(2, "metrics -> server")},
     ),
     ("session/actor.rs", "use tonic::{Status, Streaming};", {(1, "session: wire type")}),
-    ("store/mod.rs", "use weightstream_client::{Client,\n proto};", {(2, "store: wire type")}),
-    ("store/mod.rs", "use weightstream_client::Client;", set()),
-    ("server/mod.rs", "use tonic::Status;\nuse weightstream_client::proto as pb;", set()),
+    ("store/mod.rs", "use weightstream_proto::{handoff,\n v1};", {(2, "store: wire type")}),
+    ("store/mod.rs", "use weightstream_proto::v1::Dtype;", {(1, "store: wire type")}),
+    ("config.rs", "use weightstream_proto::socket::SocketCandidates;", set()),
+    ("server/mod.rs", "use tonic::Status;\nuse weightstream_proto::v1 as pb;", set()),
     ("main.rs", "fn main() { weightstream_daemon::cli::main() }", set()),
     ("main.rs", "use weightstream_daemon::store::x;", set()),
     ("core.rs", "use crate::server::conn::Peer;", {(1, "core -> server")}),
     ("wire.rs", "use crate::mem::align_up;", {(1, "wire: not in the layer table")}),
     ("store/mod.rs", "use crate::no_such_module::X;", set()),
+]
+
+
+# ({file under daemon/src: source}, expected {(file, line, rule)}): one behaviour per case.
+CYCLE_TEST = [
+    (  # two files of one module that import each other
+        {
+            "store/registry.rs": "use super::upload::Upload;",
+            "store/upload.rs": "use super::registry::{Pending, Reservation};",
+        },
+        {
+            (
+                "daemon/src/store/registry.rs",
+                1,
+                "cycle: store::registry -> store::upload -> store::registry",
+            )
+        },
+    ),
+    (  # one way only
+        {
+            "store/registry.rs": "use super::upload::Upload;\nuse super::reserve::Pending;",
+            "store/upload.rs": "use super::reserve::{Pending, Reservation};",
+            "store/reserve.rs": "use super::Store;",
+        },
+        set(),
+    ),
+    (  # a module and its parent: the parent declares and re-exports it
+        {
+            "store/mod.rs": "mod registry;\npub use self::registry::HostUse;\n"
+            "use self::registry::Inner;",
+            "store/registry.rs": "use super::{Model, Store};\nuse crate::store::Owner;",
+        },
+        set(),
+    ),
+    (  # around a loop of three, through a name re-exported by the parent, in a grouped `use`
+        {
+            "store/mod.rs": "pub use self::load::{LoadSource, Progress};",
+            "store/load.rs": "use super::cache::Evict;",
+            "store/cache.rs": "use crate::store::{\n    Owner,\n    state::StateRegion,\n};",
+            "store/state.rs": "use super::LoadSource;",
+        },
+        {
+            (
+                "daemon/src/store/cache.rs",
+                3,
+                "cycle: store::cache -> store::state -> store::load -> store::cache",
+            )
+        },
+    ),
+    (  # across top-level modules, file by file
+        {
+            "session/actor.rs": "use crate::scheduler::CopyScheduler;",
+            "scheduler.rs": "use crate::session::actor::Actor;",
+        },
+        {("daemon/src/scheduler.rs", 1, "cycle: scheduler -> session::actor -> scheduler")},
+    ),
+    (  # a test module may use what uses its module; comments and strings do not count
+        {
+            "store/load.rs": "#[cfg(test)]\nmod tests {\n    use crate::store::test_support::f;\n}",
+            "store/test_support.rs": "use super::load::LoadSource;\n// use super::upload::X;",
+            "store/upload.rs": 'let s = "super::test_support::f";',
+        },
+        set(),
+    ),
+    (  # a test module that is not cfg(test) counts
+        {
+            "store/load.rs": "mod helpers {\n    use crate::store::test_support::f;\n}",
+            "store/test_support.rs": "use super::load::LoadSource;",
+        },
+        {
+            (
+                "daemon/src/store/load.rs",
+                2,
+                "cycle: store::load -> store::test_support -> store::load",
+            )
+        },
+    ),
 ]
 
 
@@ -357,7 +509,14 @@ def self_test():
         if got != expected:
             failed += 1
             print(f"FAIL {rel}: {text!r}\n  expected {sorted(expected)}\n  got      {sorted(got)}")
-    print(f"check_layers self-test: {len(SELF_TEST) - failed}/{len(SELF_TEST)} cases pass")
+    for sources, expected in CYCLE_TEST:
+        graph = module_graph({Path(rel): text for rel, text in sources.items()})
+        got = {(v.file, v.line, v.rule()) for v in find_cycles(graph)}
+        if got != expected:
+            failed += 1
+            print(f"FAIL {sorted(sources)}\n  expected {sorted(expected)}\n  got {sorted(got)}")
+    total = len(SELF_TEST) + len(CYCLE_TEST)
+    print(f"check_layers self-test: {total - failed}/{total} cases pass")
     return 1 if failed else 0
 
 

@@ -360,8 +360,8 @@ impl std::fmt::Debug for ShmSegment {
     }
 }
 
-/// Maps all of `memfd`. The one place in the daemon outside the CUDA FFI layer that needs
-/// `unsafe`.
+/// Maps all of `memfd`. One of the four places in the daemon that allow `unsafe` (`lib.rs`
+/// names them).
 #[allow(unsafe_code)]
 fn map(memfd: &Memfd, access: Access) -> io::Result<Map> {
     let len = memfd.size as usize;
