@@ -296,7 +296,6 @@ record! {
         bytes_copied: u64,
         copies: u64,
         prefetches: u64,
-        stall_ns: u64,
         resyncs: u64,
         releases: u64,
         evictions: u64,
@@ -326,7 +325,6 @@ record! {
         live_tickets: u32,
         stats: Option<Py<SessionStats>>,
         age_ms: u64,
-        group_stall_ns: Vec<u64>,
         group_acquire_pending_ns: Vec<u64>,
         group_gpu_wait_ns: Vec<u64>,
         state_bytes: u64,
@@ -514,8 +512,6 @@ pub(crate) fn wait_totals(t: weightstream_client::WaitTotals) -> WaitTotals {
     }
 }
 
-// The deprecated aliases are passed on for code that still reads them.
-#[allow(deprecated)]
 pub(crate) fn session_info(py: Python<'_>, s: proto::SessionInfo) -> PyResult<SessionInfo> {
     Ok(SessionInfo {
         session_id: s.session_id,
@@ -533,7 +529,6 @@ pub(crate) fn session_info(py: Python<'_>, s: proto::SessionInfo) -> PyResult<Se
         live_tickets: s.live_tickets,
         stats: s.stats.map(|st| Py::new(py, stats(st))).transpose()?,
         age_ms: s.age_ms,
-        group_stall_ns: s.group_stall_ns,
         group_acquire_pending_ns: s.group_acquire_pending_ns,
         group_gpu_wait_ns: s.group_gpu_wait_ns,
         state_bytes: s.state_bytes,
@@ -541,7 +536,6 @@ pub(crate) fn session_info(py: Python<'_>, s: proto::SessionInfo) -> PyResult<Se
     })
 }
 
-#[allow(deprecated)]
 fn stats(s: proto::SessionStats) -> SessionStats {
     SessionStats {
         acquires: s.acquires,
@@ -552,7 +546,6 @@ fn stats(s: proto::SessionStats) -> SessionStats {
         bytes_copied: s.bytes_copied,
         copies: s.copies,
         prefetches: s.prefetches,
-        stall_ns: s.stall_ns,
         resyncs: s.resyncs,
         releases: s.releases,
         evictions: s.evictions,

@@ -115,7 +115,7 @@ impl Collector for DaemonCollector {
                 .map(|(i, dev)| (vec![("device", dev.uuid.as_str())], f(i)))
                 .collect()
         };
-        let device_counters: [Series; 12] = [
+        let device_counters: [Series; 11] = [
             (
                 "weightstream_device_streamed_bytes",
                 "Bytes copied host to device (staging and resident copies).",
@@ -172,11 +172,6 @@ impl Collector for DaemonCollector {
                 "weightstream_device_acquire_pending_seconds",
                 "Sum over the device's sessions of each one's time with an Acquire (look-ahead \
                  ones included) waiting for its Staged in the daemon.",
-                &|i| totals[i].acquire_pending_ns as f64 * NS,
-            ),
-            (
-                "weightstream_device_stall_seconds",
-                "Deprecated: the same as weightstream_device_acquire_pending_seconds.",
                 &|i| totals[i].acquire_pending_ns as f64 * NS,
             ),
         ];
@@ -239,7 +234,7 @@ impl Collector for DaemonCollector {
         let per_session = |f: &dyn Fn(usize) -> f64| -> Vec<([(&str, &str); 4], f64)> {
             labels.iter().enumerate().map(|(i, l)| (*l, f(i))).collect()
         };
-        let session_counters: [Series; 9] = [
+        let session_counters: [Series; 8] = [
             (
                 "weightstream_session_streamed_bytes",
                 "Bytes copied to the device for the session.",
@@ -280,11 +275,6 @@ impl Collector for DaemonCollector {
                 "weightstream_session_acquire_pending_seconds",
                 "Wall-clock time with at least one Acquire (look-ahead ones included) waiting \
                  for its Staged in the daemon.",
-                &|i| stats[i].acquire_pending_ns as f64 * NS,
-            ),
-            (
-                "weightstream_session_stall_seconds",
-                "Deprecated: the same as weightstream_session_acquire_pending_seconds.",
                 &|i| stats[i].acquire_pending_ns as f64 * NS,
             ),
         ];

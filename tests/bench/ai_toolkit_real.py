@@ -1014,8 +1014,7 @@ def _streaming_lines(r: dict) -> list[str]:
                 f" {s.get('hits')} | {s.get('misses')} | {s.get('copies')} |"
                 f" {s.get('bytes_copied', 0):,} | {s.get('prefetches')} |"
                 f" {s.get('gpu_wait_ns', 0) / 1e6:.1f} ms |"
-                # Results before the rename call it stall_ns.
-                f" {s.get('acquire_pending_ns', s.get('stall_ns', 0)) / 1e6:.1f} ms |"
+                f" {s.get('acquire_pending_ns', 0) / 1e6:.1f} ms |"
             )
     check = r.get("streaming")
     if check:

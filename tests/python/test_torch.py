@@ -662,10 +662,15 @@ def test_stream_options_choose_the_input_gradient_and_the_lookahead(daemon, monk
         wst.attach(make_model(), "cpu", client=daemon.client, min_byte=0)
 
 
-def test_the_deprecated_input_grad_global_is_honoured_with_a_warning(daemon, monkeypatch):
-    monkeypatch.setattr(wst, "INPUT_GRAD", "recompute")
-    with pytest.warns(DeprecationWarning, match=r"pass StreamOptions\(input_grad='recompute'\)"):
-        handle = wst.attach(make_model(), "cpu", client=daemon.client, min_bytes=0)
+def test_input_grad_is_an_attach_option_not_a_module_global(daemon):
+    import warnings
+
+    assert not hasattr(wst, "INPUT_GRAD"), "the deprecated global went"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle = wst.attach(
+            make_model(), "cpu", client=daemon.client, min_bytes=0, input_grad="recompute"
+        )
     assert handle.options.input_grad == "recompute"
     handle.detach(release=True)
 

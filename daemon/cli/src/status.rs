@@ -60,8 +60,6 @@ pub fn gpu_wait_text(s: &proto::SessionStats) -> String {
     }
 }
 
-// The JSON keeps `stall_ns` (= acquire_pending_ns) for scripts that read it.
-#[allow(deprecated)]
 fn to_json(
     info: &proto::GetInfoResponse,
     models: &proto::ListModelsResponse,
@@ -112,7 +110,7 @@ fn to_json(
                     "hit_rate": hit_rate(&st),
                     "gpu_wait_ns": st.gpu_wait_ns, "gpu_waits": st.gpu_waits,
                     "gpu_wait_reports": st.gpu_wait_reports,
-                    "acquire_pending_ns": st.acquire_pending_ns, "stall_ns": st.stall_ns,
+                    "acquire_pending_ns": st.acquire_pending_ns,
                 },
                 "group_gpu_wait_ns": s.group_gpu_wait_ns,
                 "group_acquire_pending_ns": s.group_acquire_pending_ns,

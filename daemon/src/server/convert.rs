@@ -285,9 +285,6 @@ pub fn opened(o: &OpenedSession) -> pb::OpenSessionResponse {
     }
 }
 
-// `stall_ns` is filled for clients that still read it: the deprecated alias of
-// `acquire_pending_ns`.
-#[allow(deprecated)]
 pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
     pb::SessionStats {
         acquires: s.acquires,
@@ -298,7 +295,6 @@ pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
         bytes_copied: s.bytes_copied,
         copies: s.copies,
         prefetches: s.prefetches,
-        stall_ns: s.acquire_pending_ns,
         acquire_pending_ns: s.acquire_pending_ns,
         resyncs: s.resyncs,
         releases: s.releases,
@@ -311,8 +307,6 @@ pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
     }
 }
 
-// `group_stall_ns`: the deprecated alias of `group_acquire_pending_ns`, as in `session_stats`.
-#[allow(deprecated)]
 pub fn session_info(owner: &Peer, s: &SessionShared, state: StateUse) -> pb::SessionInfo {
     use std::sync::atomic::Ordering::Relaxed;
     pb::SessionInfo {
@@ -331,7 +325,6 @@ pub fn session_info(owner: &Peer, s: &SessionShared, state: StateUse) -> pb::Ses
         live_tickets: s.live_tickets.load(Relaxed),
         stats: Some(session_stats(&s.stats.snapshot())),
         age_ms: s.created.elapsed().as_millis() as u64,
-        group_stall_ns: s.stats.group_acquire_pending_ns(),
         group_acquire_pending_ns: s.stats.group_acquire_pending_ns(),
         group_gpu_wait_ns: s.stats.group_gpu_wait_ns(),
         state_bytes: state.bytes,
@@ -348,9 +341,7 @@ mod tests {
     use crate::session::pending::Pending;
     use crate::session::{GpuWaitReport, SessionStats};
 
-    /// The old names carry the new figures for clients that read them.
     #[test]
-    #[allow(deprecated)]
     fn session_info_lists_pending_and_gpu_wait_per_group() {
         let (control, _control_rx) = tokio::sync::mpsc::unbounded_channel();
         let (_finished_tx, finished) = tokio::sync::watch::channel(false);
@@ -393,10 +384,9 @@ mod tests {
         let info = session_info(&owner, &shared, state);
         assert_eq!((info.state_bytes, info.state_regions), (8192, 2));
         assert_eq!(info.group_acquire_pending_ns, vec![5, 0, 70]);
-        assert_eq!(info.group_stall_ns, info.group_acquire_pending_ns);
         assert_eq!(info.group_gpu_wait_ns, vec![0, 9, 0]);
         let stats = info.stats.unwrap();
-        assert_eq!((stats.acquire_pending_ns, stats.stall_ns), (75, 75));
+        assert_eq!(stats.acquire_pending_ns, 75);
         assert_eq!(
             (stats.gpu_wait_ns, stats.gpu_waits, stats.gpu_wait_reports),
             (9, 2, 1)

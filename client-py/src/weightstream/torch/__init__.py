@@ -53,15 +53,10 @@ from weightstream.torch.options import DEFAULT_MIN_BYTES, StreamOptions
 from weightstream.torch.placeholder import Placeholder, is_placeholder
 from weightstream.torch.policy import QuantizedWeight
 
-#: Deprecated: pass ``StreamOptions(input_grad=...)`` to ``attach``. A value other than
-#: "formula" set here is still honoured by ``attach``, with a ``DeprecationWarning``.
-INPUT_GRAD = "formula"
-
 __all__ = [
     "DEFAULT_MIN_BYTES",
     "AutoBudget",
     "AutoBudgetError",
-    "INPUT_GRAD",
     "Handle",
     "HookConflict",
     "Placeholder",
@@ -93,22 +88,12 @@ def ddp_ignore_streamed(model: nn.Module) -> list[str]:
 
 
 def _options(options: StreamOptions | None, overrides: dict) -> StreamOptions:
-    """``options`` with ``attach``'s keyword overrides, and the deprecated module global."""
+    """``options`` with ``attach``'s keyword overrides."""
     known = {f.name for f in dataclasses.fields(StreamOptions)}
     for key in overrides:
         if key not in known:
             raise TypeError(f"attach() got an unexpected keyword argument {key!r}")
-    options = dataclasses.replace(options or StreamOptions(), **overrides)
-    legacy = INPUT_GRAD
-    if legacy != "formula" and options.input_grad == "formula":
-        warnings.warn(
-            "weightstream.torch.INPUT_GRAD is deprecated: pass "
-            f"StreamOptions(input_grad={legacy!r}) (or input_grad={legacy!r}) to attach",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        options = dataclasses.replace(options, input_grad=legacy)
-    return options
+    return dataclasses.replace(options or StreamOptions(), **overrides)
 
 
 def attach(
