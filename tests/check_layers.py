@@ -31,9 +31,9 @@ SRC = ROOT / "daemon" / "src"
 # the HostPinner seam); backend (host, CUDA: the only FFI) -> mem, beside the store. metrics (the
 # Prometheus collector and endpoint) sits between server and core: the server starts it, it reads
 # the core. A module may name any module below it, and nothing else. config, quota, pacing and
-# terminal are leaves that others read: config (the daemon's settings) and pacing (the copy token
-# bucket and its clock) import nothing, quota (per-uid limits) only config, terminal (names
-# escaped for people's terminals) nothing. The `weightstream` binary (crate weightstream-cli,
+# terminal are leaves that others read: config (the daemon's settings, and the checked copy rate)
+# imports nothing, pacing (the copy token bucket and its clock) and quota (per-uid limits) only
+# config, terminal (names escaped for people's terminals) nothing. The `weightstream` binary (crate weightstream-cli,
 # daemon/cli/) sits on top; "main" and "cli" are its rows.
 _BELOW_SCHEDULER = {"store", "backend", "mem", "config", "quota", "pacing", "terminal"}
 _BELOW_CORE = {"session", "residency", "scheduler"} | _BELOW_SCHEDULER
@@ -51,7 +51,7 @@ ALLOWED = {
     "mem": set(),
     "quota": {"config"},
     "config": set(),
-    "pacing": set(),
+    "pacing": {"config"},
     "terminal": set(),
 }
 # Below the edge: no tonic, no generated gRPC code (the server converts at the edge).

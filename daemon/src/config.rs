@@ -86,6 +86,32 @@ impl std::fmt::Display for Rate {
     }
 }
 
+/// A copy bandwidth limit in bytes per second, at least [`MIN_COPY_BANDWIDTH`]: the
+/// configuration's `copy_bandwidth_limit` and a session's are checked into it once, where they
+/// are read, and the scheduler's token buckets pace at it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyRate(NonZeroU64);
+
+impl CopyRate {
+    /// `bytes_per_sec`, if it is at least [`MIN_COPY_BANDWIDTH`].
+    pub fn new(bytes_per_sec: u64) -> Option<CopyRate> {
+        NonZeroU64::new(bytes_per_sec)
+            .filter(|r| r.get() >= MIN_COPY_BANDWIDTH)
+            .map(CopyRate)
+    }
+
+    /// Bytes per second.
+    pub fn get(self) -> u64 {
+        self.0.get()
+    }
+}
+
+impl std::fmt::Display for CopyRate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        Rate(self.get()).fmt(f)
+    }
+}
+
 /// `n` bytes in the largest unit that divides it exactly ("25GB", "24GiB"); None for 0 and for
 /// sizes no unit divides.
 fn exact_units(n: u64) -> Option<String> {
@@ -378,8 +404,8 @@ pub struct Config {
     /// How long shutdown waits, from the stop request, for sessions to close and connections
     /// to finish before cutting them; the stop gives up on what is left 2 s after that.
     pub drain_timeout: Duration,
-    /// Bytes per second each device's copy thread may issue, at least [`MIN_COPY_BANDWIDTH`].
-    pub copy_bandwidth_limit: Option<NonZeroU64>,
+    /// Bytes per second each device's copy thread may issue.
+    pub copy_bandwidth_limit: Option<CopyRate>,
     /// Where `/metrics` is served; `None` when metrics are off.
     pub metrics_listen: Option<SocketAddr>,
     pub limits: Limits,
@@ -493,9 +519,9 @@ impl ConfigFile {
         )?;
         let copy_bandwidth_limit = match self.copy_bandwidth_limit {
             None => None,
-            Some(rate) => match NonZeroU64::new(rate.0) {
-                Some(r) if rate.0 >= MIN_COPY_BANDWIDTH => Some(r),
-                _ => {
+            Some(rate) => match CopyRate::new(rate.0) {
+                Some(r) => Some(r),
+                None => {
                     return Err(ConfigError::OutOfRange {
                         key: "copy_bandwidth_limit",
                         value: rate.to_string(),
@@ -790,7 +816,7 @@ mod tests {
         let mut failures = Vec::new();
         for (value, want) in cases {
             let got = config(&format!("copy_bandwidth_limit = {value}"))
-                .map(|c| c.copy_bandwidth_limit.map(NonZeroU64::get));
+                .map(|c| c.copy_bandwidth_limit.map(CopyRate::get));
             if !matches!(got, Ok(Some(g)) if g == *want) {
                 failures.push(format!("{value}: {got:?}, want {want}"));
             }

@@ -11,9 +11,10 @@
 //! rounded up to a whole ns, and what that oversleeps is credited back as long as the burst
 //! holds more than a ns of the rate, which any real burst does).
 
-use std::num::NonZeroU64;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use crate::config::CopyRate;
 
 /// Monotonic time for the copy thread: `now` since the clock's own origin, and `sleep`.
 pub trait Clock: Send + Sync {
@@ -68,7 +69,7 @@ const NANO: i128 = 1_000_000_000;
 /// out (see [`TokenBucket::delay`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TokenBucket {
-    rate: NonZeroU64,
+    rate: CopyRate,
     /// In nano-bytes.
     burst: i128,
     /// In nano-bytes, as of `at`; negative while in debt.
@@ -81,7 +82,7 @@ pub struct TokenBucket {
 
 impl TokenBucket {
     /// A full bucket at `now`.
-    pub fn new(rate: NonZeroU64, burst: u64, now: Duration) -> TokenBucket {
+    pub fn new(rate: CopyRate, burst: u64, now: Duration) -> TokenBucket {
         let burst = i128::from(burst) * NANO;
         TokenBucket {
             rate,
@@ -92,7 +93,7 @@ impl TokenBucket {
         }
     }
 
-    pub fn rate(&self) -> NonZeroU64 {
+    pub fn rate(&self) -> CopyRate {
         self.rate
     }
 
@@ -157,8 +158,8 @@ mod tests {
 
     const GB: u64 = 1_000_000_000;
 
-    fn rate(bytes_per_sec: u64) -> NonZeroU64 {
-        NonZeroU64::new(bytes_per_sec).unwrap()
+    fn rate(bytes_per_sec: u64) -> CopyRate {
+        CopyRate::new(bytes_per_sec).unwrap()
     }
 
     fn ms(n: u64) -> Duration {

@@ -24,12 +24,12 @@
 //! earns while it waits for another session's copy is kept past the burst, for its next copy.
 
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::num::NonZeroU64;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BackendError, CopyJob, CopyTiming};
+use crate::config::CopyRate;
 use crate::pacing::{Clock, SystemClock, TokenBucket};
 
 /// The target of the debug events that trace each session's acquires, releases and copies
@@ -63,7 +63,7 @@ pub const PACING_BURST: u64 = 2 * PACED_CHUNK;
 /// speed) and the clock they read and sleep on.
 #[derive(Clone)]
 pub struct Pacing {
-    pub device_limit: Option<NonZeroU64>,
+    pub device_limit: Option<CopyRate>,
     pub clock: Arc<dyn Clock>,
 }
 
@@ -233,7 +233,7 @@ struct QueueState {
 struct DeviceQueue {
     state: Mutex<QueueState>,
     wake: Condvar,
-    limit: Option<NonZeroU64>,
+    limit: Option<CopyRate>,
     /// The link's other direction under the device's limit: clients' own device-to-host copies
     /// (CopyGrant), which take no turn in the queue (the daemon copies nothing that way).
     back: Option<Mutex<TokenBucket>>,
@@ -316,18 +316,13 @@ impl CopyScheduler {
     }
 
     /// The device's copy bandwidth limit, bytes per second.
-    pub fn limit(&self, device: usize) -> Option<NonZeroU64> {
+    pub fn limit(&self, device: usize) -> Option<CopyRate> {
         self.queues[device].limit
     }
 
     /// Caps a session's copies to the device at `rate` bytes per second (within the device's
     /// own limit), until [`cancel_session`](Self::cancel_session) or the guard's drop.
-    pub fn set_share(
-        self: &Arc<Self>,
-        device: usize,
-        session: u64,
-        rate: NonZeroU64,
-    ) -> ShareGuard {
+    pub fn set_share(self: &Arc<Self>, device: usize, session: u64, rate: CopyRate) -> ShareGuard {
         let bucket = TokenBucket::new(rate, PACING_BURST, self.clock.now());
         self.queues[device].lock().shares.insert(session, bucket);
         ShareGuard {
@@ -355,7 +350,7 @@ impl CopyScheduler {
     }
 
     /// The session's share, bytes per second, if it has one.
-    pub fn share(&self, device: usize, session: u64) -> Option<NonZeroU64> {
+    pub fn share(&self, device: usize, session: u64) -> Option<CopyRate> {
         let state = self.queues[device].lock();
         state.shares.get(&session).map(TokenBucket::rate)
     }
@@ -1048,8 +1043,8 @@ mod pacing_tests {
 
     const MIB: u64 = 1 << 20;
 
-    fn rate(bytes_per_sec: u64) -> Option<NonZeroU64> {
-        NonZeroU64::new(bytes_per_sec)
+    fn rate(bytes_per_sec: u64) -> Option<CopyRate> {
+        CopyRate::new(bytes_per_sec)
     }
 
     /// A job of `mib` MiB: the 1 MiB tensor copied `mib` times, end to end.
@@ -1114,7 +1109,7 @@ mod pacing_tests {
     /// Runs `jobs` (session, MiB) through a scheduler on a fake clock; returns, per job in
     /// submission order, (session, fake time its copy reported done), and the device's stats.
     fn run_on_fake_clock(
-        device_limit: Option<NonZeroU64>,
+        device_limit: Option<CopyRate>,
         shares: &[(u64, u64)],
         jobs: &[(u64, u64)],
     ) -> (Vec<(u64, Duration)>, DeviceCopyStats, Arc<FakeClock>) {

@@ -16,7 +16,7 @@ use tokio::sync::{mpsc, watch};
 pub use self::drops::{DropError, FdDrops, FdTokenError, MAX_DROPS_PER_UID, TOKEN_TTL, shown_name};
 pub use self::secrets::{FdSecrets, SecretError, SecretOwner};
 use crate::backend::{Backend, BackendError, RegionExport, RegionHandle};
-use crate::config::Config;
+use crate::config::{Config, CopyRate};
 use crate::mem::held::Charge;
 use crate::mem::shm::{Access, Shm, UploadPages};
 use crate::quota::{Held, HostQuota, QuotaError, SessionLedger};
@@ -87,15 +87,20 @@ pub struct OpenedSession {
 /// a training step; clients open each handle the first time a Staged names it.
 pub const EVENTS_PER_SESSION: u32 = 1024;
 
+/// OpenSession as the edge validated it (`server::validate`): groups as (name, tensor names),
+/// each with at least one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpenRequest {
     pub model_id: String,
+    /// Empty: the daemon picks the device.
     pub device_uuid: String,
-    pub vram_budget: u64,
+    pub vram_budget: NonZeroU64,
+    /// 0: the daemon sizes the staging arena.
     pub staging_bytes: u64,
     pub groups: Vec<(String, Vec<String>)>,
     pub label: String,
-    /// The session's share of the device's copy bandwidth, bytes per second.
-    pub copy_bandwidth_limit: Option<NonZeroU64>,
+    /// The session's share of the device's copy bandwidth.
+    pub copy_bandwidth_limit: Option<CopyRate>,
 }
 
 /// A live session and the peer whose connection drives it: ownership is the core's business,
@@ -326,7 +331,7 @@ impl Daemon {
     ) -> Result<OpenedSession, CoreError> {
         let align = self.backend.alignment();
         let groups = layout_groups(&model, &req.groups, align)?;
-        let split = split_budget(&groups, req.vram_budget, req.staging_bytes, align)?;
+        let split = split_budget(&groups, req.vram_budget.get(), req.staging_bytes, align)?;
         // Charged before anything is allocated; given back when the session ends (the charge
         // moves into its teardown) or when opening fails below (the charge drops).
         let bytes = split.staging_bytes + split.resident_bytes;
@@ -395,7 +400,7 @@ impl Daemon {
             device,
             device_uuid,
             label: req.label,
-            vram_budget: req.vram_budget,
+            vram_budget: req.vram_budget.get(),
             staging_bytes: split.staging_bytes,
             resident_bytes: split.resident_bytes,
             created: Instant::now(),

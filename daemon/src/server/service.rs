@@ -275,7 +275,7 @@ impl WeightStream for Service {
     ) -> Result<Response<pb::OpenSessionResponse>, Status> {
         let peer = peer(&req)?;
         let req = self.validation.open_session(req.into_inner())?;
-        let opened = self.daemon.open_session(peer, req.into()).await?;
+        let opened = self.daemon.open_session(peer, req).await?;
         Ok(Response::new(convert::opened(&opened)))
     }
 

@@ -9,7 +9,7 @@ use weightstream_proto::handoff;
 use weightstream_proto::v1 as pb;
 
 use super::convert::{dtype_from_pb, quantization_from_pb, retention_from_pb};
-use crate::config::{Limits, MIN_COPY_BANDWIDTH, Rate};
+use crate::config::{CopyRate, Limits, MIN_COPY_BANDWIDTH, Rate};
 use crate::core::OpenRequest;
 use crate::mem::shm::UploadPages;
 use crate::store::prequantized::torchao_layout;
@@ -205,35 +205,6 @@ pub struct ValidReleaseModel {
     pub all_references: bool,
 }
 
-/// OpenSession: groups as (name, tensor names), each with at least one tensor.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ValidOpenSession {
-    pub model_id: String,
-    /// Empty: the daemon picks the device.
-    pub device_uuid: String,
-    pub vram_budget: NonZeroU64,
-    /// 0: the daemon sizes the staging arena.
-    pub staging_bytes: u64,
-    pub groups: Vec<(String, Vec<String>)>,
-    pub label: String,
-    /// The session's share of the device's copy bandwidth, bytes per second.
-    pub copy_bandwidth_limit: Option<NonZeroU64>,
-}
-
-impl From<ValidOpenSession> for OpenRequest {
-    fn from(v: ValidOpenSession) -> OpenRequest {
-        OpenRequest {
-            model_id: v.model_id,
-            device_uuid: v.device_uuid,
-            vram_budget: v.vram_budget.get(),
-            staging_bytes: v.staging_bytes,
-            groups: v.groups,
-            label: v.label,
-            copy_bandwidth_limit: v.copy_bandwidth_limit,
-        }
-    }
-}
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValidCloseSession {
     pub session_id: String,
@@ -371,21 +342,21 @@ impl Validation {
         })
     }
 
-    pub fn open_session(&self, req: pb::OpenSessionRequest) -> Result<ValidOpenSession> {
+    pub fn open_session(&self, req: pb::OpenSessionRequest) -> Result<OpenRequest> {
         text("model_id", &req.model_id, MAX_ID_BYTES)?;
         text_opt("device_uuid", &req.device_uuid, MAX_ID_BYTES)?;
         self.name("label", &req.label)?;
         let vram_budget = NonZeroU64::new(req.vram_budget).ok_or(ValidationError::Zero {
             field: "vram_budget",
         })?;
-        let copy_bandwidth_limit = NonZeroU64::new(req.copy_bandwidth_limit);
-        if copy_bandwidth_limit.is_some_and(|r| r.get() < MIN_COPY_BANDWIDTH) {
-            return Err(ValidationError::TooSlow {
+        let copy_bandwidth_limit = match req.copy_bandwidth_limit {
+            0 => None,
+            rate => Some(CopyRate::new(rate).ok_or(ValidationError::TooSlow {
                 field: "copy_bandwidth_limit",
-                value: Rate(req.copy_bandwidth_limit),
+                value: Rate(rate),
                 min: Rate(MIN_COPY_BANDWIDTH),
-            });
-        }
+            })?),
+        };
         count("groups", req.groups.len(), 1, self.max_groups)?;
         let mut groups = Vec::with_capacity(req.groups.len());
         for (i, g) in req.groups.into_iter().enumerate() {
@@ -398,7 +369,7 @@ impl Validation {
             )?;
             groups.push((g.name, g.tensors));
         }
-        Ok(ValidOpenSession {
+        Ok(OpenRequest {
             model_id: req.model_id,
             device_uuid: req.device_uuid,
             vram_budget,
