@@ -67,8 +67,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import ai_toolkit_real as real
-from provenance import commit
+from tests.bench import ai_toolkit_real as real
+from tests.bench.provenance import commit
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "ai_toolkit_24g.yaml"
@@ -497,7 +497,15 @@ def card_command(run: dict, args, spec_path: Path, card_json: Path) -> list[str]
     card = shlex.split(
         args.card_cmd.format(python=sys.executable, gib=args.card, link=link, json=card_json)
     )
-    return [*card, "--", sys.executable, str(Path(__file__).resolve()), "--one", str(spec_path)]
+    return [
+        *card,
+        "--",
+        sys.executable,
+        "-m",
+        "tests.bench.ai_toolkit_24g",
+        "--one",
+        str(spec_path),
+    ]
 
 
 def launch(run: dict, common: dict, args, cuda: bool) -> dict:

@@ -69,7 +69,7 @@ import threading
 import time
 from pathlib import Path
 
-from card import phase
+from tests.bench.card import phase
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import commit
+from tests.bench.provenance import commit
 
 #: FLUX.1's streamed weight shapes (out, in), and how many of each one step dequantizes
 #: (19 double blocks, 38 single ones).

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from flux_train import main
+from tests.bench.flux_train import main
 
 if __name__ == "__main__":
     sys.exit(main(model="flux2"))

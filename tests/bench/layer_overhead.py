@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dequant_speed import torch_path
-from provenance import commit
+from tests.bench.dequant_speed import torch_path
+from tests.bench.provenance import commit
 
 BLOCKS, PER_BLOCK, TOKENS = 16, 8, 16
 STEP_IN_PLACE = "in place, bf16: a checkpointed step (forward, recompute, backward)"

@@ -35,10 +35,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import wsgpu  # noqa: E402
-from card import parse_rate  # noqa: E402
+from tests.bench.card import parse_rate  # noqa: E402
+from tests.gpu import wsgpu
 
 MiB = 1 << 20
 GiB = 1 << 30

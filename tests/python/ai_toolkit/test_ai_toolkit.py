@@ -725,7 +725,7 @@ def test_the_console_script_is_the_launcher(tmp_path):
     package is installed (tests/run.sh installs it), the script itself runs it."""
     import tomllib
 
-    pyproject = Path(__file__).parents[2] / "client-py" / "pyproject.toml"
+    pyproject = Path(__file__).parents[3] / "client-py" / "pyproject.toml"
     target = tomllib.loads(pyproject.read_text())["project"]["scripts"]["weightstream-aitk"]
     assert target == "weightstream.integrations.ai_toolkit.launcher:main"
     script = Path(sys.executable).parent / "weightstream-aitk"

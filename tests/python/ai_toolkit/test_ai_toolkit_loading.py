@@ -29,7 +29,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_ai_toolkit import (
+from torch import nn
+from weightstream.integrations import ai_toolkit
+from weightstream.integrations.ai_toolkit import launcher, loading
+from weightstream.integrations.ai_toolkit.settings import Settings
+
+from tests.python.ai_toolkit.test_ai_toolkit import (
     DTYPE,
     LoRANetwork,
     Run,
@@ -39,10 +44,6 @@ from test_ai_toolkit import (
     prompts,
     transformer_inputs,
 )
-from torch import nn
-from weightstream.integrations import ai_toolkit
-from weightstream.integrations.ai_toolkit import launcher, loading
-from weightstream.integrations.ai_toolkit.settings import Settings
 
 META = torch.device("meta")
 

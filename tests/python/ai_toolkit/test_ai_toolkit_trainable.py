@@ -25,7 +25,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_ai_toolkit import DTYPE, make_transformer, transformer_inputs
 from torch import nn
 from weightstream.integrations import ai_toolkit
 from weightstream.integrations.ai_toolkit import launcher
@@ -34,6 +33,8 @@ from weightstream.integrations.ai_toolkit.settings import Settings
 from weightstream.torch.hooks import StreamedForward
 from weightstream.torch.host_optim import HostAdamW, reference_adamw
 from weightstream.torch.trainable import TrainableError, stream_trainable
+
+from tests.python.ai_toolkit.test_ai_toolkit import DTYPE, make_transformer, transformer_inputs
 
 DIM, RANK = 32, 4
 LR, WD, MAX_NORM = 1e-2, 1e-2, 0.05

@@ -9,11 +9,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import ROOT
 
-sys.path.insert(0, str(ROOT / "tests" / "bench"))
-import ai_toolkit_24g as bench  # noqa: E402
-import ai_toolkit_real as real  # noqa: E402
+from tests.bench import ai_toolkit_24g as bench
+from tests.bench import ai_toolkit_real as real
+from tests.daemon import ROOT
 
 pytestmark = pytest.mark.no_daemon
 

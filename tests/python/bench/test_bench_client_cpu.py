@@ -5,16 +5,12 @@ each pass calls is known); the times are only checked to be there."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import weightstream.torch as wst
-from test_torch import inputs, make_model, train
-from test_torch_fp8 import attach_fp8
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import flux_train  # noqa: E402
+from tests.bench.benchlib import modes
+from tests.python.torch.test_torch import inputs, make_model, train
+from tests.python.torch.test_torch_fp8 import attach_fp8
 
 
 def test_the_client_cpu_probe_counts_each_pass_s_calls(daemon, monkeypatch):
@@ -23,10 +19,10 @@ def test_the_client_cpu_probe_counts_each_pass_s_calls(daemon, monkeypatch):
     handle = attach_fp8(daemon, model, "streamed", dequantize="group")
     xs = inputs(3, torch.float32)
     train(model, xs[:2])  # the first step records the plan
-    monkeypatch.setattr(flux_train, "steps", lambda m, n: train(m, xs[2:3]))
+    monkeypatch.setattr(modes, "steps", lambda m, n: train(m, xs[2:3]))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     record = {}
-    flux_train.client_cpu_probe(model, handle, record)
+    modes.client_cpu_probe(model, handle, record)
     split = record["client_cpu_ms_per_pass"]
     assert set(split) == {"forward", "backward"}
     calls = {p: {k: v["calls"] for k, v in cell.items()} for p, cell in split.items()}

@@ -5,14 +5,11 @@ and waits for each."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import flux_train  # noqa: E402
+from tests.bench.benchlib import modes
 
 GROUPS = ("transformer_blocks.0", "single_transformer_blocks.0")
 #: What the cold first step adds to each counter, and what each step after it adds.
@@ -90,16 +87,16 @@ def test_counters_cover_the_measured_steps_not_the_cold_warm_up(monkeypatch):
         "memory_stats": lambda: {"num_device_alloc": 0},
     }.items():
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(flux_train, "batch", lambda: {})
-    monkeypatch.setattr(flux_train, "scrape", lambda args, name: counters.busy)
-    monkeypatch.setattr(flux_train, "nvidia_smi_used_gib", lambda: None)
+    monkeypatch.setattr(modes, "batch", lambda: {})
+    monkeypatch.setattr(modes, "scrape", lambda args, name: counters.busy)
+    monkeypatch.setattr(modes, "nvidia_smi_used_gib", lambda: None)
     session = SimpleNamespace(id="s-1", groups=[SimpleNamespace(name="g", resident=False)])
     handle = SimpleNamespace(stats=counters.stats, session=session)
     listed = SimpleNamespace(session_id="s-1", staging_bytes=0, resident_bytes=0)
     client = SimpleNamespace(list_sessions=lambda: [listed])
     args = SimpleNamespace(warmup=3, measured=10)
     r = {}
-    flux_train.measure_budget(args, handle, client, Model(counters), r)
+    modes.measure_budget(args, handle, client, Model(counters), r)
     assert counters.steps == 13
     assert len(r["steps_s"]) == 10
     # The steady steps' figures exactly: none of the cold step's.

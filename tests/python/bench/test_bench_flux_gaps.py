@@ -5,11 +5,8 @@ late kernel's launch was still to come."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import flux_gaps  # noqa: E402
+from tests.bench import flux_gaps
 
 
 def x(cat, name, ts, dur, tid=1, **args):

@@ -12,13 +12,11 @@ import os
 import select
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import flux_train  # noqa: E402
+from tests.bench.benchlib import runner
 
 CHILD = r"""
 import json, os, sys
@@ -53,9 +51,9 @@ def run(tmp_path, monkeypatch, die: dict | None = None, modes=("a", "b"), turn=1
     def child_cmd(args, mode, socket):
         return [sys.executable, "-c", CHILD, mode, str(log), str(die.get(mode, -1))]
 
-    monkeypatch.setattr(flux_train, "child_cmd", child_cmd)
+    monkeypatch.setattr(runner, "child_cmd", child_cmd)
     args = SimpleNamespace(warmup=2, measured=3, interleave=list(modes), timeout=60, turn=turn)
-    records, summary = flux_train.interleaved(args, "unused.sock", {}, tmp_path)
+    records, summary = runner.interleaved(args, "unused.sock", {}, tmp_path)
     return records, summary, log.read_text().splitlines()
 
 
@@ -147,7 +145,7 @@ def test_a_child_gone_before_its_first_step_ends_the_run_there(tmp_path, monkeyp
                 assert poll.poll(30_000), "b's end of the pipe is still open"
             return os.write(fd, data)
 
-    monkeypatch.setattr(flux_train, "os", Os())
+    monkeypatch.setattr(runner, "os", Os())
     records, summary, order = run(tmp_path, monkeypatch, die={"b": -2})
     assert summary["error"] == "b did not finish its step 0"
     assert order == ["a0 start", "a0 end"]
@@ -158,7 +156,7 @@ def test_children_build_one_at_a_time(tmp_path, monkeypatch):
     """With ``$WS_BENCH_BUILD_LOCK`` set (the parent sets it for every child), a build holds
     the lock: another process's try to take it fails until the build is done."""
     lock = tmp_path / "build.lock"
-    monkeypatch.setenv(flux_train.BUILD_LOCK_ENV, str(lock))
+    monkeypatch.setenv(runner.BUILD_LOCK_ENV, str(lock))
 
     def taken() -> bool:
         with open(lock, "a") as f:
@@ -169,7 +167,7 @@ def test_children_build_one_at_a_time(tmp_path, monkeypatch):
             fcntl.flock(f, fcntl.LOCK_UN)
             return False
 
-    with flux_train.one_build_at_a_time():
+    with runner.one_build_at_a_time():
         assert taken()
     assert not taken()
 
@@ -190,12 +188,12 @@ def test_the_parent_stops_its_daemon_when_the_run_fails(tmp_path, monkeypatch):
     def failing(args, socket, out):
         raise BrokenPipeError(32, "Broken pipe")
 
-    monkeypatch.setattr(flux_train.subprocess, "Popen", recording)
-    monkeypatch.setattr(flux_train, "run_modes", failing)
+    monkeypatch.setattr(runner.subprocess, "Popen", recording)
+    monkeypatch.setattr(runner, "run_modes", failing)
     args = SimpleNamespace(
         out=str(tmp_path / "out"), bin=str(daemon), metrics="127.0.0.1:0", copy_bandwidth_limit=None
     )
     with pytest.raises(BrokenPipeError):
-        flux_train.parent(args)
+        runner.parent(args)
     assert len(started) == 1
     assert started[0].returncode == -15, "the daemon was terminated and waited for"

@@ -4,11 +4,7 @@ per stack however often it recurs, and the shares of stacks naming a frame."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import spy_summary  # noqa: E402
+from tests.bench import spy_summary
 
 P1 = 'process 7:"python3 a.py"'
 P2 = 'process 9:"python3 b.py"'

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import card  # noqa: E402
-from card import CardError, GiB, Marker, MiB, Sample  # noqa: E402
+from tests.bench import card
+from tests.bench.card import CardError, GiB, Marker, MiB, Sample
 
 
 def test_rates_read_in_the_daemons_units():

@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 import weightstream
-from conftest import Daemon
+
+from tests.daemon import Daemon
 
 
 def start(tmp_path, config: str) -> Daemon:

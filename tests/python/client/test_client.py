@@ -505,7 +505,7 @@ def test_load_model_from_safetensors_and_idempotence(daemon, tmp_path):
 def test_list_models_reads_pages_that_fit_a_message(tmp_path):
     """Manifests too large for more than two in one message: the daemon cuts its pages to fit,
     and ``list_models`` reads every page."""
-    from conftest import Daemon
+    from tests.daemon import Daemon
 
     d = Daemon(tmp_path, "--max-message-bytes", "64KiB")
     try:

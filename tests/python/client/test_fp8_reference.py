@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-import gen_fp8_vectors as gen
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch import nn
 from weightstream import quantize
+
+from tests.python.client import gen_fp8_vectors as gen
 
 
 @pytest.fixture(scope="module")

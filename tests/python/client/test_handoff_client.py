@@ -32,7 +32,7 @@ protoc = pytest.importorskip("grpc_tools.protoc")
 
 pytestmark = pytest.mark.no_daemon
 
-PROTO = Path(__file__).resolve().parents[2] / "proto" / "weightstream" / "v1" / "weightstream.proto"
+PROTO = Path(__file__).resolve().parents[3] / "proto" / "weightstream" / "v1" / "weightstream.proto"
 
 
 def _stubs():

@@ -11,8 +11,9 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import ROOT, Daemon
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.daemon import ROOT, Daemon
 
 LAYERS = 4
 LAYER_BYTES = 64 << 10  # a multiple of the daemon's alignment: a group is exactly this

@@ -6,18 +6,17 @@ memory: ``daemon/cli/tests/faults.rs``.)"""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import weightstream
-from conftest import BIN, memfds
 from safetensors.torch import save_file
+
+from tests.daemon import Daemon, memfds
 
 #: How long a failure may take to reach the trainer once the daemon is gone.
 FAIL_FAST = 5.0
@@ -33,40 +32,14 @@ def wait_until(what: str, cond, deadline: float = DEADLINE):
         time.sleep(0.02)
 
 
-def serve(daemon) -> subprocess.Popen:
-    """Starts another daemon on the fixture's socket (a restart) and waits until it answers."""
-    log = open(Path(daemon.socket).parent / "restarted.log", "ab")
-    proc = subprocess.Popen(
-        [
-            BIN,
-            "serve",
-            "--backend",
-            "host",
-            "--socket",
-            daemon.socket,
-        ],
-        stderr=log,
-        env={**os.environ, "WEIGHTSTREAM_LOG": "warn"},
-    )
-    log.close()
-    probe = weightstream.connect(daemon.socket)
-
-    def answers():
-        assert proc.poll() is None, "the restarted daemon exited"
-        try:
-            probe.info()
-            return True
-        except weightstream.DaemonUnavailable:
-            return False
-
-    wait_until("restarted daemon", answers)
-    return proc
+def serve(daemon) -> Daemon:
+    """Another daemon on the fixture's socket (a restart), answering."""
+    return Daemon(daemon.tmp, socket=daemon.socket, log=daemon.tmp / "restarted.log")
 
 
-def stop(proc: subprocess.Popen):
-    if proc.poll() is None:
-        proc.terminate()
-        assert proc.wait(timeout=30) == 0
+def stop(restarted: Daemon):
+    if restarted.proc.poll() is None:
+        assert restarted.stop() == 0
 
 
 def layers(seed: int, n: int = 6) -> dict[str, torch.Tensor]:

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 import weightstream
-from conftest import Daemon
+
+from tests.daemon import Daemon
 
 #: The attacker runs the client's native module alone (an abi3 extension, with the exceptions
 #: it raises): it needs no torch, so any Python >= 3.10 the attacker may execute will do (the

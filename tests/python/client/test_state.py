@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 import weightstream
-from conftest import Daemon
 from weightstream.state import StateRegion
+
+from tests.daemon import Daemon
 
 
 def _session(client: weightstream.Client):

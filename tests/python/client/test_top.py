@@ -11,7 +11,8 @@ import uuid
 
 import pytest
 import torch
-from conftest import BIN
+
+from tests.daemon import BIN
 
 needs_tmux = pytest.mark.skipif(
     shutil.which("tmux") is None and os.environ.get("WEIGHTSTREAM_REQUIRE_TMUX") != "1",

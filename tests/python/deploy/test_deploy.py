@@ -6,7 +6,8 @@ tests/run.sh.)"""
 from __future__ import annotations
 
 import yaml
-from conftest import ROOT
+
+from tests.daemon import ROOT
 
 DEPLOY = ROOT / "deploy"
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 import weightstream.torch as wst
 from peft import LoraConfig, inject_adapter_in_model
-from test_torch import Block, assert_equal_runs, inputs, train
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from weightstream.torch.budget import AutoBudget, AutoBudgetError, TrainerMemory, default_margin
+
+from tests.python.torch.test_torch import Block, assert_equal_runs, inputs, train
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -11,9 +11,10 @@ import time
 import pytest
 import torch
 import weightstream.torch as wst
-from conftest import BIN
-from test_torch import inputs, make_model, train
 from weightstream._wait_timer import WaitTimer
+
+from tests.daemon import BIN
+from tests.python.torch.test_torch import inputs, make_model, train
 
 # --- the CUDA timer, against fake events --------------------------------------------------
 

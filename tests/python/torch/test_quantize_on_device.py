@@ -12,10 +12,11 @@ import pytest
 import torch
 import weightstream
 import weightstream.torch as wst
-from test_torch import make_model
-from test_torch_fp8 import assert_equal_runs, budget, fp8_sizes, run
 from torch import nn
 from weightstream import _upload, quantize
+
+from tests.python.torch.test_torch import make_model
+from tests.python.torch.test_torch_fp8 import assert_equal_runs, budget, fp8_sizes, run
 
 FP8 = quantize.FP8_E4M3_BLOCK64
 

@@ -334,7 +334,7 @@ def test_a_failed_attach_releases_its_upload(tmp_path):
     """A session refused after the upload (here by the device quota) leaves the daemon's host
     bytes where they were: the next attach is not refused by the host quota, which holds one
     model (before the fix, the first upload stayed and took it)."""
-    from conftest import Daemon
+    from tests.daemon import Daemon
 
     model_bytes = 8 * 256 * 256 * 4
     config = tmp_path / "config.toml"

@@ -13,11 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 import weightstream.torch as wst
-from test_torch import inputs, make_model, train
 from torch import nn
 from weightstream import quantize
 from weightstream.session import Ticket
 from weightstream.torch import policy
+
+from tests.python.torch.test_torch import inputs, make_model, train
 
 FP8 = quantize.FP8_E4M3_BLOCK64
 #: The weights of one of ``make_model``'s blocks (q, k, v, o; fc1, fc2).

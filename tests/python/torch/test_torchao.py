@@ -22,8 +22,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import weightstream.torch as wst
-from test_torch import make_model
-from test_torch_fp8 import assert_equal_runs, run
 from torch import nn
 from torchao.quantization import (
     Float8Tensor,
@@ -40,6 +38,9 @@ from weightstream import _dtypes, quantize
 from weightstream.errors import RequestRejected
 from weightstream.integrations.ai_toolkit import MemoryManager
 from weightstream.torch import ops, policy, torchao_weights
+
+from tests.python.torch.test_torch import make_model
+from tests.python.torch.test_torch_fp8 import assert_equal_runs, run
 
 FLOAT8, INT8 = quantize.TORCHAO_FLOAT8_ROWWISE, quantize.TORCHAO_INT8_ROWWISE
 CONFIGS = {FLOAT8: Float8WeightOnlyConfig, INT8: Int8WeightOnlyConfig}

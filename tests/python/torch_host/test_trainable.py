@@ -294,7 +294,7 @@ QUOTA = 128 << 10
 
 @pytest.fixture
 def quota_daemon(tmp_path):
-    from conftest import Daemon
+    from tests.daemon import Daemon
 
     config = tmp_path / "config.toml"
     config.write_text(f"[quotas]\nper_uid_host_bytes = {QUOTA}\n")
@@ -703,7 +703,7 @@ sys.path.insert(0, sys.argv[2])
 import torch, weightstream
 import weightstream
 import weightstream.torch as wst
-from test_trainable import batches, loss_of, make
+from tests.python.torch_host.test_trainable import batches, loss_of, make
 from weightstream.torch.host_optim import HostAdamW
 from weightstream.torch.trainable import stream_trainable
 
@@ -735,7 +735,7 @@ def test_a_trainer_killed_mid_step_leaves_no_state_behind(daemon):
     from test_reliability import wait_until
 
     worker = subprocess.Popen(
-        [sys.executable, "-c", KILLED_MID_STEP, daemon.socket, str(Path(__file__).parent)],
+        [sys.executable, "-c", KILLED_MID_STEP, daemon.socket, str(Path(__file__).parents[3])],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -858,7 +858,7 @@ def test_a_session_with_a_share_grants_the_trainers_own_copies(daemon):
 
 @pytest.fixture
 def paced_daemon(tmp_path):
-    from conftest import Daemon
+    from tests.daemon import Daemon
 
     d = Daemon(tmp_path, "--copy-bandwidth-limit", "10GB/s")
     yield d
