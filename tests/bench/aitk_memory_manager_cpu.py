@@ -7,7 +7,7 @@ Linear takes its CPU branch (`device.type != "cuda"`: F.linear forward, `grad_ou
 backward); its CUDA branch (the ring of staging buffers, the transfer streams, pinning) and the
 mode's timing and memory records run only on the GPU machine.
 
-    python3 tests/bench/aitk_memory_manager_cpu.py [--aitk .aitk]
+    python3 -m tests.bench.aitk_memory_manager_cpu [--aitk .aitk]
 
 Also shown: attaching after peft's LoRA would take the LoRA over (its wrapper and lora_A/lora_B
 are classes named `Linear`), and the `aitk-float8` mode records "torchao not installed" where

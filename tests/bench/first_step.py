@@ -5,7 +5,7 @@ into its phases.
 One command on the GPU machine (the release binary and the wheel built from the same commit;
 full FLUX.2 needs the two-GPU machine's 256 GiB: the file in /dev/shm and the daemon's copy of
 it are 2 x 60 GiB at once; on the 128 GiB machine add --scale 0.5):
-    python3 tests/bench/first_step.py --bin target/release/weightstream --out $OUT
+    python3 -m tests.bench.first_step --bin target/release/weightstream --out $OUT
 
 Parts, in this order (``--parts``), each in its own process under a timeout, its error recorded
 and never fatal to the others; the daemon is stopped and the file deleted however it ends:
@@ -36,7 +36,7 @@ $OUT/first_step.json is written after each part; a Markdown table is printed (an
 $OUT/first_step.md) at the end; the logs are packed into $OUT/first-step-logs.tgz.
 
 A dry run without a GPU (the daemon's host backend, FLUX.1 cut to two blocks, few tokens):
-    python3 tests/bench/first_step.py --bin target/debug/weightstream --backend host \\
+    python3 -m tests.bench.first_step --bin target/debug/weightstream --backend host \\
         --device cpu --model flux1 --scale 0.02 --tokens 64 16 --dir /tmp --out /tmp/fs
 """
 
@@ -56,6 +56,7 @@ import traceback
 from pathlib import Path
 
 from tests.bench.benchlib import flux
+from tests.bench.provenance import command
 from tests.daemon import Daemon
 
 GiB = 1 << 30
@@ -509,7 +510,7 @@ class Run:
         self.daemon: subprocess.Popen | None = None
         self.loaded: dict[str, str] = {}  # part -> model id this run loaded and still holds
         self.results = {
-            "command": "python3 " + " ".join(sys.argv),
+            "command": command(),
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "model": args.model,
             "scale": args.scale,

@@ -4,7 +4,7 @@ weightstream (layer and block groups, either input-gradient path) in determinist
 every streamed weight read checked against the module's own weight on the device. Exits 1
 unless all losses are equal and no read saw wrong bytes. Run on the GPU machine:
     PYTHONPATH=$PWD/client-py/src:/tmp/site CUBLAS_WORKSPACE_CONFIG=:4096:8 \\
-        python3 tests/bench/flux_equality_probe.py
+        python3 -m tests.bench.flux_equality_probe
 """
 
 import os

@@ -3,7 +3,7 @@ when the CPU finished issuing forward, backward and the optimizer step against w
 finished; then one step under torch.profiler (CPU and CUDA), written as a Chrome trace for
 tests/bench/flux_gaps.py to find the GPU's idle gaps and what each waited for.
 
-    python3 tests/bench/flux_profile.py --bin target/release/weightstream --out $OUT \\
+    python3 -m tests.bench.flux_profile --bin target/release/weightstream --out $OUT \\
         [--budget 24] [--trainer-gib 4] [--quantize fp8]
 """
 
@@ -14,14 +14,13 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from tests.bench import flux_gaps
 from tests.bench.benchlib import flux, modes
-from tests.bench.provenance import commit  # noqa: E402
+from tests.bench.provenance import command, commit  # noqa: E402
 
 GiB = 1 << 30
 
@@ -102,7 +101,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {
-        "command": "python3 " + " ".join(sys.argv),
+        "command": command(),
         "commit": commit(),
         "budget_gib": args.budget,
         "quantize": args.quantize,

@@ -3,10 +3,10 @@ H200, resident against weightstream at several budgets (and the in-process peers
 deterministic pass that checks weightstream's losses equal the resident ones bit for bit.
 
 One command on the GPU machine (diffusers and ramtorch come as wheels in .whl/):
-    python3 tests/bench/flux_train.py --bin target/release/weightstream --out $OUT
+    python3 -m tests.bench.flux_train --bin target/release/weightstream --out $OUT
 Each mode runs in its own process (clean GPU memory, its own memory fraction); results are
 appended to $OUT/flux_train.json as they come (the children's logs end up in flux-logs.tgz).
-`python3 tests/bench/flux_report.py` turns tests/bench/results/flux_train.json into the tables
+`python3 -m tests.bench.flux_report` turns tests/bench/results/flux_train.json into the tables
 of flux_train.md and the plot flux_train.png.
 
 8 bits: `--quantize fp8` streams the weights in fp8_e4m3_block64 in the weightstream modes and

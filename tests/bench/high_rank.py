@@ -3,7 +3,7 @@ streamed in 8 bits, its LoRA's weights, gradients and optimizer state in host me
 daemon (``stream_trainable`` + ``HostAdamW``), on an emulated card, against the LoRA trained
 with its weights in place (the bf16 model resident on the GPU, torch's AdamW on the device).
 
-    python3 tests/bench/high_rank.py --bin target/release/weightstream --out $OUT \\
+    python3 -m tests.bench.high_rank --bin target/release/weightstream --out $OUT \\
         [--ranks 16 128 512 1024 1280] [--links full 25GB/s] [--card 24] [--master none]
 
 Per link, one daemon (``--copy-bandwidth-limit`` for a link other than "full") and one child
@@ -331,7 +331,7 @@ def parent(args):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="ws-high-rank-"))
-    command = "python3 tests/bench/high_rank.py " + " ".join(sys.argv[1:])
+    command = "python3 -m tests.bench.high_rank " + " ".join(sys.argv[1:])
     runs, extra = [], []
     for i, link in enumerate(args.links):
         baseline = card.open_device(0).sample().used

@@ -44,7 +44,7 @@ from tests.bench.benchlib.modes import (
     scrape,
 )
 from tests.bench.card import phase
-from tests.bench.provenance import commit
+from tests.bench.provenance import command, commit
 from tests.daemon import Daemon
 
 #: The script the children run (``python -m SCRIPT --child MODE``).
@@ -277,7 +277,7 @@ def run_modes(args, socket: str, out: Path) -> dict:
     """The modes (or the interleaved run) against the daemon at ``socket``: the results."""
     device, pinned = device_and_pinned_bandwidth()
     results = {
-        "command": "python3 " + " ".join(sys.argv),
+        "command": command(),
         "date": time.strftime("%Y-%m-%d"),
         "commit": commit(),
         "device": device,
