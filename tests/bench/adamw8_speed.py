@@ -3,7 +3,7 @@ master, bf16 gradient, bf16 copy out) against torch.optim.AdamW(fused=True) on f
 gradients and moments, both over N parameters (one flat tensor), in G parameters per second
 (best and median of --steps steps after one warm-up). Needs no GPU and no daemon.
 
-    PYTHONPATH=$PWD/client-py/src python3 tests/bench/adamw8_speed.py [--n 200000000]
+    PYTHONPATH=$PWD/client-py/src python3 -m tests.bench.adamw8_speed [--n 200000000]
         [--threads T] [--out DIR]
 
 --threads sets the kernel's pool (RAYON_NUM_THREADS) and torch's; by default all cores. Memory:

@@ -4,15 +4,15 @@ card: ai-toolkit's MemoryManager against weightstream-aitk, with one YAML
 `layer_offloading: true`, LoRA, 1024 px, gradient checkpointing, adamw8bit).
 
     # on the GPU machine, one call per architecture (tests/bench/README.md has the commands)
-    python3 tests/bench/ai_toolkit_24g.py --aitk .aitk --bin target/release/weightstream \\
+    python3 -m tests.bench.ai_toolkit_24g --aitk .aitk --bin target/release/weightstream \\
         --arch flux2 --size dev --card 24 --budget-s 500 --out $OUT
     # rank 1024 with the LoRA in host memory (ai-toolkit's own manager is expected not to fit
     # rank 1024 on the card: its comparison is at rank 128)
-    python3 tests/bench/ai_toolkit_24g.py --aitk .aitk --bin target/release/weightstream \\
+    python3 -m tests.bench.ai_toolkit_24g --aitk .aitk --bin target/release/weightstream \\
         --arch flux2 --size dev --card 24 --runs host:r1024:25GB/s,host:r1024:full,aitk:r128 \\
         --budget-s 500 --out $OUT
     # the whole flow on a tiny model, no card (CPU or GPU)
-    python3 tests/bench/ai_toolkit_24g.py --aitk .aitk --bin target/debug/weightstream \\
+    python3 -m tests.bench.ai_toolkit_24g --aitk .aitk --bin target/debug/weightstream \\
         --smoke --out /tmp/aitk-smoke
 
 What runs, unchanged: ai-toolkit's `run.py` and everything under it (tests/bench/
@@ -67,8 +67,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import ai_toolkit_real as real
-from provenance import commit
+from tests.bench import ai_toolkit_real as real
+from tests.bench.provenance import commit
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE = HERE / "ai_toolkit_24g.yaml"
@@ -497,7 +497,15 @@ def card_command(run: dict, args, spec_path: Path, card_json: Path) -> list[str]
     card = shlex.split(
         args.card_cmd.format(python=sys.executable, gib=args.card, link=link, json=card_json)
     )
-    return [*card, "--", sys.executable, str(Path(__file__).resolve()), "--one", str(spec_path)]
+    return [
+        *card,
+        "--",
+        sys.executable,
+        "-m",
+        "tests.bench.ai_toolkit_24g",
+        "--one",
+        str(spec_path),
+    ]
 
 
 def launch(run: dict, common: dict, args, cuda: bool) -> dict:

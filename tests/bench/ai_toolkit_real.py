@@ -2,10 +2,10 @@
 launcher, with the same YAML.
 
     # FLUX.2 klein 4B: the loader attaches the transformer and the Qwen3 text encoder
-    python3 tests/bench/ai_toolkit_real.py --aitk .aitk --bin target/release/weightstream \\
+    python3 -m tests.bench.ai_toolkit_real --aitk .aitk --bin target/release/weightstream \\
         --arch flux2_klein_4b --size klein4b --out $OUT          # -> $OUT/ai_toolkit.{json,md}
     # FLUX.1: the loader attaches nothing at the pinned commit
-    python3 tests/bench/ai_toolkit_real.py --aitk .aitk --bin target/release/weightstream \\
+    python3 -m tests.bench.ai_toolkit_real --aitk .aitk --bin target/release/weightstream \\
         --arch flux1 --size flux1 --out $OUT                     # -> $OUT/ai_toolkit_flux1.*
 
 What runs, unchanged: ai-toolkit's `run.py` (given by --aitk, a checkout of ostris/ai-toolkit,
@@ -69,7 +69,7 @@ import threading
 import time
 from pathlib import Path
 
-from card import phase
+from tests.bench.card import phase
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -7,7 +7,7 @@ Linear takes its CPU branch (`device.type != "cuda"`: F.linear forward, `grad_ou
 backward); its CUDA branch (the ring of staging buffers, the transfer streams, pinning) and the
 mode's timing and memory records run only on the GPU machine.
 
-    python3 tests/bench/aitk_memory_manager_cpu.py [--aitk .aitk]
+    python3 -m tests.bench.aitk_memory_manager_cpu [--aitk .aitk]
 
 Also shown: attaching after peft's LoRA would take the LoRA over (its wrapper and lora_A/lora_B
 are classes named `Linear`), and the `aitk-float8` mode records "torchao not installed" where
@@ -21,10 +21,8 @@ import argparse
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import flux_train as ft
+from tests.bench.benchlib import baselines, flux
 
 TINY = {
     "in_channels": 8,
@@ -64,7 +62,7 @@ def tiny_batch():
 
 
 def train(model, n=3):
-    """flux_train.steps' loop on the CPU: AdamW on the LoRA, loss = mean square of the output."""
+    """flux.steps' loop on the CPU: AdamW on the LoRA, loss = mean square of the output."""
     import torch
 
     params = [p for p in model.parameters() if p.requires_grad]
@@ -110,20 +108,20 @@ def main() -> int:
     parser.add_argument("--aitk", default=None, help="default: .aitk in the repo root")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    ft.MODEL, ft.RANK = "flux2", 4
+    flux.MODEL, flux.RANK = "flux2", 4
     torch.use_deterministic_algorithms(True)
     record: dict = {}
-    manager = ft.aitk_memory_manager(args.aitk, record)
+    manager = baselines.aitk_memory_manager(args.aitk, record)
     from toolkit.memory_management import manager_modules
 
     calls = counting(manager_modules)
     checks = {}
 
     base_linears = sum(type(m) is torch.nn.Linear for m in tiny_model().modules())
-    resident = ft.add_lora(tiny_model())
+    resident = flux.add_lora(tiny_model())
     ref_losses, ref_grads, n_lora = train(resident, args.steps)
 
-    model = ft.aitk_offload(manager, tiny_model(), torch.device("cpu"), record)
+    model = baselines.aitk_offload(manager, tiny_model(), torch.device("cpu"), record)
     record["modules_managed"] = sorted(
         {type(m).__name__ for m in model.modules() if hasattr(m, "_layer_memory_manager")}
     )
@@ -147,7 +145,7 @@ def main() -> int:
     )
 
     # The other order: attach after peft's LoRA takes the LoRA over too.
-    late = ft.add_lora(tiny_model())
+    late = flux.add_lora(tiny_model())
     manager.attach(late, torch.device("cpu"), offload_percent=1.0)
     taken = [n for n, m in late.named_modules() if hasattr(m, "_layer_memory_manager")]
     record["attach_after_lora_takes"] = sum(".lora_" in n for n in taken)
@@ -155,7 +153,7 @@ def main() -> int:
 
     if importlib.util.find_spec("torchao") is None:
         float8: dict = {"mode": "aitk-float8"}
-        ft.mode_aitk_float8(argparse.Namespace(aitk=args.aitk), float8)
+        baselines.mode_aitk_float8(argparse.Namespace(aitk=args.aitk), float8)
         record["aitk_float8"] = float8
         checks["float8_skipped_without_torchao"] = float8 == {
             "mode": "aitk-float8",

@@ -2,8 +2,8 @@
 helper process and the weightstream daemon's copy bandwidth capped at --link, and reports the
 device's peak memory use while CMD loads and while it trains.
 
-    python3 tests/bench/card.py --gib 24 --link 25GB/s --json $OUT/card.json -- \\
-        python3 tests/bench/flux2_train.py --bin target/release/weightstream ...
+    python3 -m tests.bench.card --gib 24 --link 25GB/s --json $OUT/card.json -- \\
+        python3 -m tests.bench.flux2_train --bin target/release/weightstream ...
 
 - The card: a helper process (this script with ``--hold``) makes its CUDA context, allocates
   (cudaMalloc, through torch) the device's free memory but --gib GiB, checks with cudaMemGetInfo

@@ -17,7 +17,7 @@ client, or the grpcio client of an older commit (``git archive 573cf88 client-py
 its own daemon (``--bin``) on a temporary socket. Merges its result into ``--out``
 (client_overhead.json, under ``--label``) and rewrites client_overhead.md next to it.
 
-    PYTHONPATH=client-py/src python tests/bench/client_overhead.py \\
+    PYTHONPATH=client-py/src python -m tests.bench.client_overhead \\
         --bin target/debug/weightstream --label native \\
         --out tests/bench/results/client_overhead.json
 

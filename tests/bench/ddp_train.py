@@ -21,13 +21,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import flux_train  # noqa: E402  (its models, LoRA and batch)
+from tests.bench.benchlib import flux, modes
 
 GiB = 1 << 30
 
@@ -50,7 +47,7 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--out", default="multi_gpu.json")
     args = p.parse_args()
-    flux_train.MODEL, flux_train.RANK = args.model, args.lora_rank
+    flux.MODEL, flux.RANK = args.model, args.lora_rank
 
     import torch
     import torch.distributed as dist
@@ -66,15 +63,15 @@ def main():
     mine = {"rank": rank, "device": torch.cuda.get_device_name(local)}
     handle = client = None
     if args.resident:
-        model = flux_train.add_lora(flux_train.build(str(device)))
+        model = flux.add_lora(flux.build(str(device)))
     else:
         import weightstream
         import weightstream.torch as wst
 
         client = weightstream.connect(args.socket)
         on_host = rank == 0 and args.model == "flux1"  # FLUX.2 uploads from the GPU by DMA
-        model = flux_train.build_on_host() if on_host else flux_train.build(str(device))
-        model = flux_train.add_lora(model)
+        model = flux.build_on_host() if on_host else flux.build(str(device))
+        model = flux.add_lora(model)
         budget = int((args.job_gib - args.trainer_gib) * GiB)
         started = time.monotonic()
         ids = [None]
@@ -93,7 +90,7 @@ def main():
     after_attach = mem_available_gib()
     ddp = DDP(model, device_ids=[local])
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    inputs = flux_train.batch(str(device))
+    inputs = flux.batch(str(device))
     torch.cuda.reset_peak_memory_stats(local)
     times, copied0 = [], 0
     for step in range(args.warmup + args.steps):
@@ -112,7 +109,7 @@ def main():
     mine["steps_s"] = [round(x, 4) for x in measured]
     mine["measured_s"] = round(sum(measured), 4)
     mine["trainer_reserved_gib"] = round(torch.cuda.max_memory_reserved(local) / GiB, 2)
-    mine["nvidia_smi_used_gib"] = flux_train.nvidia_smi_used_gib(local)
+    mine["nvidia_smi_used_gib"] = modes.nvidia_smi_used_gib(local)
     if handle is not None:
         mine["h2d_bytes"] = handle.stats()["bytes_copied"] - copied0
         mine["h2d_gb_s"] = round(mine["h2d_bytes"] / mine["measured_s"] / 1e9, 2)

@@ -4,7 +4,7 @@ FLUX.1's weight shapes against the torch path it replaces: device time per call 
 whether the two are equal bit for bit, and what one call costs the trainer's CPU (a small tensor,
 ``--calls`` launches without synchronising).
 
-    python3 tests/bench/dequant_speed.py --out $OUT
+    python3 -m tests.bench.dequant_speed --out $OUT
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import commit
+from tests.bench.provenance import command, commit
 
 #: FLUX.1's streamed weight shapes (out, in), and how many of each one step dequantizes
 #: (19 double blocks, 38 single ones).
@@ -101,7 +101,7 @@ def main():
     issued = (time.perf_counter() - t) / args.calls * 1e6
     torch.cuda.synchronize()
     result = {
-        "command": "python3 " + " ".join(sys.argv),
+        "command": command(),
         "commit": commit(),
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(0),

@@ -5,7 +5,7 @@ into its phases.
 One command on the GPU machine (the release binary and the wheel built from the same commit;
 full FLUX.2 needs the two-GPU machine's 256 GiB: the file in /dev/shm and the daemon's copy of
 it are 2 x 60 GiB at once; on the 128 GiB machine add --scale 0.5):
-    python3 tests/bench/first_step.py --bin target/release/weightstream --out $OUT
+    python3 -m tests.bench.first_step --bin target/release/weightstream --out $OUT
 
 Parts, in this order (``--parts``), each in its own process under a timeout, its error recorded
 and never fatal to the others; the daemon is stopped and the file deleted however it ends:
@@ -36,7 +36,7 @@ $OUT/first_step.json is written after each part; a Markdown table is printed (an
 $OUT/first_step.md) at the end; the logs are packed into $OUT/first-step-logs.tgz.
 
 A dry run without a GPU (the daemon's host backend, FLUX.1 cut to two blocks, few tokens):
-    python3 tests/bench/first_step.py --bin target/debug/weightstream --backend host \\
+    python3 -m tests.bench.first_step --bin target/debug/weightstream --backend host \\
         --device cpu --model flux1 --scale 0.02 --tokens 64 16 --dir /tmp --out /tmp/fs
 """
 
@@ -55,11 +55,12 @@ import time
 import traceback
 from pathlib import Path
 
+from tests.bench.benchlib import flux
+from tests.bench.provenance import command
+from tests.daemon import Daemon
+
 GiB = 1 << 30
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import flux_train  # noqa: E402  (its FLUX.1 config, seeded weights, LoRA and batch)
 
 PARTS = ["register", "gen", "load", "attach-id", "load-fp8", "upload"]
 OPTIONAL = ["attach-id-fp8", "upload-fp8", "upload-fp8-daemon", "upload-daemon-reserves"]
@@ -97,9 +98,7 @@ def build_meta(args):
             from diffusers import FluxTransformer2DModel
 
             n, s = layers(19, 38, args.scale)
-            model = FluxTransformer2DModel(
-                num_layers=n, num_single_layers=s, **flux_train.FLUX1_CONFIG
-            )
+            model = FluxTransformer2DModel(num_layers=n, num_single_layers=s, **flux.FLUX1_CONFIG)
     model = model.to(torch.bfloat16)
     model.requires_grad_(False)
     return model
@@ -110,15 +109,15 @@ def build(args):
     LoRA."""
     import torch
 
-    model = flux_train.seeded_random(build_meta(args), args.device)
+    model = flux.seeded_random(build_meta(args), args.device)
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
     return add_lora(args, model)
 
 
 def add_lora(args, model):
-    flux_train.MODEL, flux_train.RANK = args.model, args.rank
-    return flux_train.add_lora(model)
+    flux.MODEL, flux.RANK = args.model, args.rank
+    return flux.add_lora(model)
 
 
 def frozen_tensors(args) -> list[tuple[str, tuple[int, ...]]]:
@@ -511,7 +510,7 @@ class Run:
         self.daemon: subprocess.Popen | None = None
         self.loaded: dict[str, str] = {}  # part -> model id this run loaded and still holds
         self.results = {
-            "command": "python3 " + " ".join(sys.argv),
+            "command": command(),
             "date": time.strftime("%Y-%m-%d %H:%M"),
             "model": args.model,
             "scale": args.scale,
@@ -533,21 +532,19 @@ class Run:
         )
 
     def start_daemon(self):
-        log = open(self.out / "first-step-daemon.log", "ab")
-        env = {**os.environ, "WEIGHTSTREAM_LOG": os.environ.get("WEIGHTSTREAM_LOG", "info")}
-        cmd = [self.args.bin, "serve", "--backend", self.args.backend, "--socket", self.socket]
-        self.daemon = subprocess.Popen(cmd, stderr=log, stdout=log, env=env)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(self.socket):
-            if self.daemon.poll() is not None:
-                raise RuntimeError("the daemon exited at start: see first-step-daemon.log")
-            if time.monotonic() > deadline:
-                raise RuntimeError("the daemon did not open its socket in 60 s")
-            time.sleep(0.05)
+        self.daemon = Daemon(
+            self.tmp,
+            binary=self.args.bin,
+            backend=self.args.backend,
+            socket=self.socket,
+            log=self.out / "first-step-daemon.log",
+            log_level=os.environ.get("WEIGHTSTREAM_LOG", "info"),
+            ready_s=60,
+        )
 
     def stop_daemon(self):
         if self.daemon is not None:
-            flux_train.stop(self.daemon)
+            self.daemon.stop(timeout=60)
 
     def store_bytes(self) -> int | None:
         try:
@@ -567,7 +564,15 @@ class Run:
 
     def child(self, part: str, timeout: float, **extra) -> dict:
         a = self.args
-        cmd = [sys.executable, __file__, "--child", part, "--socket", self.socket]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.bench.first_step",
+            "--child",
+            part,
+            "--socket",
+            self.socket,
+        ]
         cmd += ["--model", a.model, "--scale", str(a.scale), "--rank", str(a.rank)]
         cmd += ["--device", a.device, "--dir", a.dir, "--file", a.file]
         cmd += ["--tokens", *map(str, a.tokens), "--budget-gib", str(a.budget_gib)]

@@ -5,7 +5,7 @@ default config, 32 B parameters, random bf16 weights) on the GPU machine: `flux_
 The whole job held to 24 GiB (trainer + daemon + CUDA contexts as nvidia-smi sees them): the
 trainer's share is `--trainer-gib`, the daemon's the rest of each `--budgets` entry, and every
 budget also records `nvidia_smi_used_gib`:
-    python3 tests/bench/flux2_train.py --bin target/release/weightstream --out $OUT \\
+    python3 -m tests.bench.flux2_train --bin target/release/weightstream --out $OUT \\
         --modes resident weightstream --budgets 24 16 --trainer-gib 7 --min-blocks 0
 A PCIe Gen4 x16 link, emulated: add `--copy-bandwidth-limit 25GB/s`; 8 bits: `--quantize fp8`.
 LoRA rank: `--rank R`; where its AdamW state outgrows `--trainer-gib`, `--optimizer adamw8bit`
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from flux_train import main
+from tests.bench.flux_train import main
 
 if __name__ == "__main__":
     sys.exit(main(model="flux2"))

@@ -4,7 +4,7 @@ weightstream (layer and block groups, either input-gradient path) in determinist
 every streamed weight read checked against the module's own weight on the device. Exits 1
 unless all losses are equal and no read saw wrong bytes. Run on the GPU machine:
     PYTHONPATH=$PWD/client-py/src:/tmp/site CUBLAS_WORKSPACE_CONFIG=:4096:8 \\
-        python3 tests/bench/flux_equality_probe.py
+        python3 -m tests.bench.flux_equality_probe
 """
 
 import os
@@ -14,13 +14,12 @@ import tempfile
 import time
 
 import torch
-
-sys.path.insert(0, "tests/bench")
-import flux_train as ft
 import weightstream
 import weightstream.torch as wst
 from diffusers import FluxTransformer2DModel
 from weightstream.torch import ops
+
+from tests.bench.benchlib import flux
 
 torch.backends.cuda.enable_cudnn_sdp(False)
 tmp = tempfile.mkdtemp()
@@ -36,7 +35,7 @@ client = weightstream.connect(sock)
 
 def build(big):
     if big:
-        return ft.add_lora(ft.build(num_layers=2, num_single_layers=2))
+        return flux.add_lora(flux.build(num_layers=2, num_single_layers=2))
     torch.manual_seed(0)
     with torch.device("cuda"):
         m = FluxTransformer2DModel(
@@ -53,7 +52,7 @@ def build(big):
         )
     m = m.to(torch.bfloat16)
     m.requires_grad_(False)
-    return ft.add_lora(m)
+    return flux.add_lora(m)
 
 
 def batch(big):

@@ -6,7 +6,7 @@ records; a kernel belongs to the phase its launch was issued in), and, for the l
 the launching thread ran meanwhile: the CPU ops overlapping each gap's interval (inclusive
 time, so nested ops count in each), and the part no op covered (Python between ops).
 
-    python3 tests/bench/flux_gaps.py trace_resident.json.gz trace_weightstream.json.gz
+    python3 -m tests.bench.flux_gaps trace_resident.json.gz trace_weightstream.json.gz
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ when the CPU finished issuing forward, backward and the optimizer step against w
 finished; then one step under torch.profiler (CPU and CUDA), written as a Chrome trace for
 tests/bench/flux_gaps.py to find the GPU's idle gaps and what each waited for.
 
-    python3 tests/bench/flux_profile.py --bin target/release/weightstream --out $OUT \\
+    python3 -m tests.bench.flux_profile --bin target/release/weightstream --out $OUT \\
         [--budget 24] [--trainer-gib 4] [--quantize fp8]
 """
 
@@ -14,15 +14,13 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import flux_gaps  # noqa: E402
-import flux_train as ft  # noqa: E402
-from provenance import commit  # noqa: E402
+from tests.bench import flux_gaps
+from tests.bench.benchlib import flux, modes
+from tests.bench.provenance import command, commit  # noqa: E402
 
 GiB = 1 << 30
 
@@ -34,7 +32,7 @@ def timed_steps(model, n):
 
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
-    inputs = ft.batch()
+    inputs = flux.batch()
     rows = []
     phase = torch.profiler.record_function  # ranges that flux_gaps splits the gaps by
     for _ in range(n):
@@ -103,18 +101,18 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {
-        "command": "python3 " + " ".join(sys.argv),
+        "command": command(),
         "commit": commit(),
         "budget_gib": args.budget,
         "quantize": args.quantize,
         "dequantize": args.dequantize,
     }
     if args.only != "weightstream":
-        model = ft.add_lora(ft.build())
+        model = flux.add_lora(flux.build())
         if args.quantize:
             from weightstream import quantize
 
-            quantize.to_fp8_resident(model, ft.streamable(model))
+            quantize.to_fp8_resident(model, modes.streamable(model))
         results["resident"] = profile(model, out, "resident", args.warmup, args.steps)
         print("resident", results["resident"], flush=True)
         del model
@@ -127,7 +125,7 @@ def main():
         )
         while not os.path.exists(sock):
             time.sleep(0.05)
-        model = ft.add_lora(ft.build_on_host())
+        model = flux.add_lora(flux.build_on_host())
         client = weightstream.connect(sock)
         budget = int((args.budget - args.trainer_gib) * GiB)
         handle = wst.attach(

@@ -1,7 +1,7 @@
 """Tables and plot of tests/bench/results/flux_train.json (written by flux_train.py runs on the
 GPU machine): prints the Markdown tables used in flux_train.md and draws flux_train.png.
 
-    python3 tests/bench/flux_report.py [tests/bench/results/flux_train.json]
+    python3 -m tests.bench.flux_report [tests/bench/results/flux_train.json]
 (needs matplotlib, which the benchmark itself does not)
 """
 

@@ -3,7 +3,7 @@ streamed in 8 bits, its LoRA's weights, gradients and optimizer state in host me
 daemon (``stream_trainable`` + ``HostAdamW``), on an emulated card, against the LoRA trained
 with its weights in place (the bf16 model resident on the GPU, torch's AdamW on the device).
 
-    python3 tests/bench/high_rank.py --bin target/release/weightstream --out $OUT \\
+    python3 -m tests.bench.high_rank --bin target/release/weightstream --out $OUT \\
         [--ranks 16 128 512 1024 1280] [--links full 25GB/s] [--card 24] [--master none]
 
 Per link, one daemon (``--copy-bandwidth-limit`` for a link other than "full") and one child
@@ -38,26 +38,26 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path.insert(0, str(HERE))
-from provenance import commit  # noqa: E402
+from tests.bench.provenance import commit  # noqa: E402
 
 GiB = 1 << 30
 
 
 def targets(model) -> list[tuple[str, object]]:
-    """The linears FLUX.2's LoRA targets (``flux_train.FLUX2_TARGETS``, the regex peft is given
+    """The linears FLUX.2's LoRA targets (``flux.FLUX2_TARGETS``, the regex peft is given
     there): attention and MLP of both block kinds."""
     import re
 
-    import flux_train
     from torch import nn
+
+    from tests.bench.benchlib import flux
 
     return [
         (name, m)
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear)
         and "lora" not in name
-        and re.fullmatch(flux_train.FLUX2_TARGETS, name)
+        and re.fullmatch(flux.FLUX2_TARGETS, name)
     ]
 
 
@@ -116,10 +116,11 @@ def lora_params(added) -> list:
 
 
 def timed_steps(model, opt, n: int):
-    import flux_train
     import torch
 
-    inputs = flux_train.batch()
+    from tests.bench.benchlib import flux
+
+    inputs = flux.batch()
     times, losses = [], []
     for _ in range(n):
         torch.cuda.synchronize()
@@ -171,10 +172,11 @@ def resident(args, model, rank: int, emit):
 
 
 def streamed(args, model, handle, rank: int, link: str, baseline_used: int, emit):
-    import card
     import torch
     from weightstream.torch.host_optim import HostAdamW
     from weightstream.torch.trainable import stream_trainable
+
+    from tests.bench import card
 
     rec = {
         "rank": rank,
@@ -263,18 +265,19 @@ def link_gbps(link: str) -> float | None:
 
 
 def child(args):
-    import flux_train
     import torch
     import weightstream
     import weightstream.torch as wst
 
-    flux_train.MODEL = "flux2"
+    from tests.bench.benchlib import flux
+
+    flux.MODEL = "flux2"
 
     def emit(rec):
         print("RESULT " + json.dumps(rec), flush=True)
 
     torch.backends.cuda.enable_cudnn_sdp(False)
-    model = flux_train.build_flux2()
+    model = flux.build_flux2()
     model.enable_gradient_checkpointing()
     for rank in args.resident_ranks:
         resident(args, model, rank, emit)
@@ -323,19 +326,20 @@ def start_daemon(args, link: str, tmp: Path):
 
 
 def parent(args):
-    import card
+    from tests.bench import card
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="ws-high-rank-"))
-    command = "python3 tests/bench/high_rank.py " + " ".join(sys.argv[1:])
+    command = "python3 -m tests.bench.high_rank " + " ".join(sys.argv[1:])
     runs, extra = [], []
     for i, link in enumerate(args.links):
         baseline = card.open_device(0).sample().used
         proc, socket = start_daemon(args, link, tmp)
         cmd = [
             sys.executable,
-            __file__,
+            "-m",
+            "tests.bench.high_rank",
             "--child",
             "--socket",
             socket,

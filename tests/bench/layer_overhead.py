@@ -8,7 +8,7 @@ default: a block's weights in one launch); a whole training step per layer, each
 checkpointed as diffusers' models are, in place and streamed by group; then a cProfile of the
 per-call 8-bit case and of the by-group one, their functions by own time.
 
-    python3 tests/bench/layer_overhead.py --bin target/release/weightstream --out $OUT
+    python3 -m tests.bench.layer_overhead --bin target/release/weightstream --out $OUT
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dequant_speed import torch_path
-from provenance import commit
+from tests.bench.dequant_speed import torch_path
+from tests.bench.provenance import command, commit
 
 BLOCKS, PER_BLOCK, TOKENS = 16, 8, 16
 STEP_IN_PLACE = "in place, bf16: a checkpointed step (forward, recompute, backward)"
@@ -245,7 +245,7 @@ def main():
         daemon.terminate()
         daemon.wait(timeout=60)
     result = {
-        "command": "python3 " + " ".join(sys.argv),
+        "command": command(),
         "commit": commit(),
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name(0) if args.device != "cpu" else "cpu",

@@ -2,7 +2,7 @@
 shared host copy against one local copy per socket, and DDP LoRA training (ddp_train.py under
 torchrun) against one GPU alone and against every rank resident. One invocation per model:
 
-    python3 tests/bench/multi_gpu.py --bin target/release/weightstream --model flux1 \
+    python3 -m tests.bench.multi_gpu --bin target/release/weightstream --model flux1 \
         --runs resident:2 weightstream:1 weightstream:2 --job-gib 24 --trainer-gib 5 --out $OUT
 
 Writes ``multi_gpu_<model>.json`` under --out (the command, the date, the topology, the
@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tests.bench.provenance import command
 
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
@@ -194,7 +196,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"multi_gpu_{args.model}.json"
     results = {
-        "command": "python3 " + " ".join(sys.argv),
+        "command": command(),
         "date": time.strftime("%Y-%m-%d"),
         "topology": topology(),
         "runs": [],

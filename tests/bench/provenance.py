@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,3 +20,14 @@ def commit() -> str:
     except OSError:
         return "unknown"
     return out.stdout.strip() or "unknown"
+
+
+def command() -> str:
+    """The command line that ran this benchmark, as one runs it again from the repository root
+    (``python3 -m tests.bench.X ARGS``; ``sys.argv[0]`` is the module's file under ``-m``)."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        module = ".".join(script.relative_to(ROOT).with_suffix("").parts)
+    except ValueError:
+        return "python3 " + " ".join(sys.argv)
+    return " ".join(["python3", "-m", module, *sys.argv[1:]])

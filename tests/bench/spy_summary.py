@@ -7,8 +7,8 @@ function's inclusive samples (the largest ``--top``) and of the stacks containin
 ``--match`` string.
 
     py-spy record -r 50 --native --subprocesses -f raw -o spy.txt -- \
-        python3 tests/bench/flux_train.py ...
-    python3 tests/bench/spy_summary.py spy.txt --match parseChosenWorkspaceSize
+        python3 -m tests.bench.flux_train ...
+    python3 -m tests.bench.spy_summary spy.txt --match parseChosenWorkspaceSize
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
-import wsgpu  # noqa: E402
+from tests.gpu import wsgpu
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -3,7 +3,7 @@ The parent plays the daemon (it creates the event and exports it), the child pla
 (it opens the handle). One side records the event behind a kernel of ~50 ms and tells the
 other over a pipe; the other side then queries the event, or makes a stream wait on it.
 
-    python3 tests/gpu/ipc_event_probe.py [--out DIR]
+    python3 -m tests.gpu.ipc_event_probe [--out DIR]
 
 Per direction, over TRIALS trials: whether a query right after the record says "not ready"
 (it must: the daemon overwrites staged bytes once a free event says done), and how long after

@@ -16,7 +16,7 @@ the bytes), so it reads above the limit (27.7 GB/s at a 25 GB/s limit).
 Prints the numbers (and the daemon's throttle metrics), writes link_cap.json under --out, and
 exits non-zero if a check fails. Needs the release binary and the client's wheel (run.sh):
 
-    python3 tests/gpu/link_cap.py --bin target/release/weightstream --out $OUT
+    python3 -m tests.gpu.link_cap --bin target/release/weightstream --out $OUT
 """
 
 from __future__ import annotations
@@ -35,10 +35,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import wsgpu  # noqa: E402
-from card import parse_rate  # noqa: E402
+from tests.bench.card import parse_rate  # noqa: E402
+from tests.gpu import wsgpu
 
 MiB = 1 << 20
 GiB = 1 << 30

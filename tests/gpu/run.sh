@@ -30,17 +30,17 @@ export PYTHONUNBUFFERED=1
 BIN=${WEIGHTSTREAM_BIN:-target/release/weightstream}
 status=0
 nvidia-smi --query-gpu=name,uuid,pci.bus_id,memory.total,memory.used --format=csv | tee "$OUT/gpu.txt"
-python3 tests/gpu/suite.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/suite.log" || status=1
-python3 tests/gpu/torch_suite.py "$BIN" 2>&1 | tee "$OUT/torch_suite.log" || status=1
+python3 -m tests.gpu.suite --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/suite.log" || status=1
+python3 -m tests.gpu.torch_suite "$BIN" 2>&1 | tee "$OUT/torch_suite.log" || status=1
 # What the daemon assumes of CUDA interprocess events (query and stream-wait across processes).
-python3 tests/gpu/ipc_event_probe.py --out "$OUT" 2>&1 | tee "$OUT/ipc_event_probe.log" || status=1
+python3 -m tests.gpu.ipc_event_probe --out "$OUT" 2>&1 | tee "$OUT/ipc_event_probe.log" || status=1
 # The copy bandwidth limit: 25 GB/s (a Gen4 link emulated) and 12 GB/s, one and two sessions,
 # the bytes the daemon copied within 5 % of the limit.
-python3 tests/gpu/link_cap.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/link_cap.log" || status=1
+python3 -m tests.gpu.link_cap --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/link_cap.log" || status=1
 # The README's first command, on this machine's backend (CUDA here).
 "$BIN" demo --size 4GiB --steps 4 2>&1 | tee "$OUT/demo.log" || status=1
 if [ "${WS_SKIP_BENCH:-0}" != 1 ]; then
-  python3 tests/bench/stream_bandwidth.py --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
+  python3 -m tests.bench.stream_bandwidth --bin "$BIN" --out "$OUT" 2>&1 | tee "$OUT/bench.log" || status=1
 fi
 # The device tool brings back at most 8 files from $OUT: keep the results, pack the logs.
 (cd "$OUT" && logs=$(ls -- *.log *.txt 2>/dev/null) && [ -n "$logs" ] &&

@@ -25,9 +25,8 @@ import torch
 import weightstream
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import wsgpu  # noqa: E402
-from wsgpu import pb  # noqa: E402
+from tests.gpu import wsgpu
+from tests.gpu.wsgpu import pb
 
 MiB = 1 << 20
 
@@ -182,7 +181,7 @@ class Suite:
 
     def spawn(self, role, *extra):
         return subprocess.Popen(
-            [sys.executable, __file__, "--role", role, "--socket", self.socket]
+            [sys.executable, "-m", "tests.gpu.suite", "--role", role, "--socket", self.socket]
             + ["--model", self.model_path, "--out", str(self.out), *extra],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

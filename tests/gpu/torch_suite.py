@@ -20,13 +20,13 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "python"))
-import test_torch as t  # noqa: E402
-import test_torch_fp8 as t8  # noqa: E402
 import weightstream  # noqa: E402
 import weightstream.torch as wst  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from weightstream import _fused_dequant, _upload, quantize  # noqa: E402
+
+from tests.python.torch import test_torch as t  # noqa: E402
+from tests.python.torch import test_torch_fp8 as t8  # noqa: E402
 
 
 def start_daemon(binary: str, tmp: Path, out: Path):

@@ -1,75 +1,46 @@
-"""Fixtures of the Python tests: a real daemon (the binary built by tests/run.sh) on its host
-backend, on a private socket; its shared memory is memfds, counted among its open fds."""
+"""Fixtures of the Python tests: a real daemon (the binary built by tests/run.sh, see
+tests/daemon.py) on its host backend, on a private socket; its shared memory is memfds, counted
+among its open fds. A failed test's report shows the log of every daemon it started.
+
+tests/, tests/python/ and its folders are packages, so pytest puts the repository root on
+``sys.path`` and names each test file by its path (``tests.python.torch.test_torch``): the
+folder ``tests/python/torch`` never shadows the ``torch`` package."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
-import weightstream
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = os.environ.get("WEIGHTSTREAM_BIN", str(ROOT / "target" / "debug" / "weightstream"))
-
-
-def memfds(pid: int) -> list[str]:
-    """The kinds of the memfds among process ``pid``'s open fds ("model", "upload", "staging",
-    "resident"; /proc shows one as "/memfd:weightstream-KIND (deleted)"), sorted. A committed
-    upload stays an "upload": it is its model's arena."""
-    kinds = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except FileNotFoundError:
-            continue
-        if link.startswith("/memfd:"):
-            name = link.removeprefix("/memfd:").removesuffix(" (deleted)")
-            kinds.append(name.removeprefix("weightstream-"))
-    return sorted(kinds)
-
-
-class Daemon:
-    def __init__(self, tmp: Path, *extra_args: str):
-        self.tmp = tmp
-        self.socket = str(tmp / "ws.sock")
-        self.log = open(tmp / "daemon.log", "wb")
-        self.proc = subprocess.Popen(
-            [
-                BIN,
-                "serve",
-                "--backend",
-                "host",
-                "--socket",
-                self.socket,
-                *extra_args,
-            ],
-            stderr=self.log,
-            env={**os.environ, "WEIGHTSTREAM_LOG": "warn"},
-        )
-        deadline = time.monotonic() + 30
-        while not os.path.exists(self.socket):
-            assert self.proc.poll() is None, "the daemon exited at start"
-            assert time.monotonic() < deadline, "the daemon did not start"
-            time.sleep(0.02)
-        self.client = weightstream.connect(self.socket)
-
-    def memfds(self) -> list[str]:
-        """The daemon's shared memory (see ``memfds``)."""
-        return memfds(self.proc.pid)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-        self.log.close()
+from tests import daemon as daemons
+from tests.daemon import Daemon
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_daemon: runs without the daemon binary")
+
+
+#: Where this test's daemons begin in ``tests.daemon.STARTED``.
+FIRST_DAEMON = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[FIRST_DAEMON] = len(daemons.STARTED)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report shows the logs of the daemons it started and of those still
+    running (a module's shared daemon)."""
+    report = yield
+    if report.failed:
+        first = item.stash.get(FIRST_DAEMON, 0)
+        for i, d in enumerate(daemons.STARTED):
+            if i >= first or d.proc.poll() is None:
+                report.sections.append((f"daemon log ({d.log_path})", d.log_tail()))
+    return report
 
 
 @pytest.fixture

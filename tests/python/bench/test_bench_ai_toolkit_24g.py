@@ -1,0 +1,338 @@
+"""The pure parts of tests/bench/ai_toolkit_24g.py (the runs it is told to make, the YAML it
+writes, the figures it takes from a run), on the CPU; the bench itself runs ai-toolkit."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.bench import ai_toolkit_24g as bench
+from tests.bench import ai_toolkit_real as real
+from tests.daemon import ROOT
+
+pytestmark = pytest.mark.no_daemon
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [
+        (
+            "weightstream:r32:25GB/s,aitk:r128",
+            [
+                ("weightstream", 32, "25GB/s", "weightstream r32 25GB/s"),
+                ("aitk", 128, "full", "aitk r128"),
+            ],
+        ),
+        ("weightstream:r4", [("weightstream", 4, "full", "weightstream r4 full")]),
+        (" aitk , ", [("aitk", 32, "full", "aitk r32")]),
+        (
+            "host:r1024:25GB/s,host:r1024:full,aitk:r128",
+            [
+                ("host", 1024, "25GB/s", "weightstream host r1024 25GB/s"),
+                ("host", 1024, "full", "weightstream host r1024 full"),
+                ("aitk", 128, "full", "aitk r128"),
+            ],
+        ),
+        (
+            "host:r8,weightstream:r8",
+            [
+                ("host", 8, "full", "weightstream host r8 full"),
+                ("weightstream", 8, "full", "weightstream r8 full"),
+            ],
+        ),
+        ("aitk:r32:25GB/s", "--runs 'aitk:r32:25GB/s': the link cap reaches weightstream's"),
+        (
+            "resident:r32,aitk:r32",
+            [
+                ("resident", 32, "full", "resident r32"),
+                ("aitk", 32, "full", "aitk r32"),
+            ],
+        ),
+        ("resident:r32:25GB/s", "--runs 'resident:r32:25GB/s': the link cap reaches weightstream"),
+        (
+            "plain:r32",
+            "--runs 'plain:r32': expected aitk|weightstream|host|resident|resident16:rRANK[:LINK",
+        ),
+        (
+            "weightstream:32",
+            "--runs 'weightstream:32': expected aitk|weightstream|host|resident|resident16",
+        ),
+        ("host:rx", "--runs 'host:rx': expected aitk|weightstream|host|resident|resident16:rRANK"),
+        ("host:r0", "--runs 'host:r0': expected aitk|weightstream|host|resident|resident16:rRANK"),
+        (
+            "host:r-4",
+            "--runs 'host:r-4': expected aitk|weightstream|host|resident|resident16:rRANK",
+        ),
+        (
+            "weightstream:r32:25GB/s:x",
+            "expected aitk|weightstream|host|resident|resident16:rRANK[:LINK|full] (RANK",
+        ),
+        ("host:r64,aitk:r8,host:r64:full", "'weightstream host r64 full' is listed twice"),
+    ],
+)
+def test_runs(text, want):
+    if isinstance(want, str):
+        with pytest.raises(ValueError) as e:
+            bench.parse_runs(text)
+        assert want in str(e.value)
+    else:
+        got = [(r["mode"], r["rank"], r["link"], r["label"]) for r in bench.parse_runs(text)]
+        assert got == want
+
+
+def test_reuse_takes_only_what_the_same_settings_built(tmp_path):
+    what = {"arch": "flux2", "size": {"transformer": {"depth_single_blocks": 33}}, "seed": 42}
+    assert bench.reused(tmp_path, what) is None  # nothing built yet
+    (tmp_path / bench.BUILT).write_text(json.dumps({"what": what, "built": {"params": 7}}))
+    assert bench.reused(tmp_path, what) == {"params": 7}
+    assert bench.reused(tmp_path, {**what, "seed": 43}) is None
+    (tmp_path / bench.BUILT).write_text("{not json")
+    assert bench.reused(tmp_path, what) is None
+
+
+def test_every_default_run_parses():
+    labels = [r["label"] for r in bench.parse_runs(bench.DEFAULT_RUNS)]
+    assert labels[:2] == ["aitk r32", "weightstream r32 25GB/s"]
+    assert len(labels) == len(set(labels)) == 6
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_the_yaml_is_the_recipe_with_every_placeholder_filled(quantize):
+    text = bench.job_yaml("flux2", "cuda:0", 6, 1024, 128, "adamw8bit", quantize, "bf16")
+    assert "@" not in text.replace("[name]", "")
+    for line in (
+        'device: "cuda:0"',
+        "network: {type: lora, linear: 128, linear_alpha: 128}",
+        "resolution: [1024]",
+        "steps: 6",
+        "optimizer: adamw8bit",
+        "arch: flux2",
+        "gradient_checkpointing: true",
+        "low_vram: true",
+        "layer_offloading: true",
+        f"quantize: {str(quantize).lower()}",
+        f"quantize_te: {str(quantize).lower()}",
+        "qtype: qfloat8",
+        "save: {dtype: bf16, save_every: 100000, max_step_saves_to_keep: 1}",
+    ):
+        assert line in text, line
+
+
+def test_a_runs_figures():
+    result = {
+        "step_gaps_s": [9.0, 2.0, 4.0, 3.0],  # the first gap holds the warm-up
+        "first_step_s": 120.5,
+        "torch_stats": {
+            "loading": {"max_memory_allocated": 1 << 30},
+            "training": {"max_memory_allocated": 20 << 30},
+        },
+        "trainer_peak_rss": 5,
+        "daemon_peak_rss": 7,
+        "log_tail": "step 3\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n",
+    }
+    got = bench.summarize(result)
+    assert got["s_per_step"] == 3.0 and got["steps_timed"] == 3
+    assert (got["torch_loading_peak"], got["torch_training_peak"]) == (1 << 30, 20 << 30)
+    assert (got["host_trainer_peak"], got["host_daemon_peak"]) == (5, 7)
+    assert got["oom"].startswith("torch.OutOfMemoryError: CUDA out of memory.")
+    quiet = bench.summarize({"step_gaps_s": [1.0], "card": {"oom": {"lines": ["out of memory"]}}})
+    assert quiet["s_per_step"] is None and quiet["oom"] == "out of memory"
+
+
+def test_card_phases_read_card_pys_report():
+    card = {"phases": {"loading": {"peak_card_gib": 3.25}, "training": {"peak_card_gib": 23.5}}}
+    assert bench._card_phases(card) == ("3.25", "23.50")
+    assert bench._card_phases({"phases": {"loading": {"peak_card_gib": 1}}}) == ("1.00", "-")
+    assert bench._card_phases(None) == ("-", "-")
+
+
+def _spec_inputs():
+    common = {
+        "arch": "flux2",
+        "device": "cuda:0",
+        "resolution": 1024,
+        "work": "/w",
+        "env": {"HF_HOME": "/w/hf"},
+    }
+    args = SimpleNamespace(
+        steps=6,
+        optimizer=None,
+        no_quantize=False,
+        card=24,
+        card_cmd=bench.CARD_CMD,
+        save_dtype="float32",
+    )
+    return common, args
+
+
+def test_a_host_run_is_a_weightstream_run_with_the_lora_in_host_memory():
+    common, args = _spec_inputs()
+    host, ws, aitk = bench.parse_runs("host:r1024:25GB/s,weightstream:r1024:25GB/s,aitk:r128")
+    spec = bench.run_spec(host, common, args, cuda=True)
+    assert (spec["mode"], spec["kind"], spec["link"]) == ("host", "weightstream", "25GB/s")
+    assert spec["folder_name"] == "weightstream-host-r1024-25GBps"
+    assert spec["result"] == "/w/weightstream-host-r1024-25GBps.result.json"
+    assert spec["env"] == {
+        "HF_HOME": "/w/hf",
+        "WEIGHTSTREAM_TRAINABLE": "host",
+        "WEIGHTSTREAM_TRAINABLE_DELAY": "true",
+    }
+    assert "network: {type: lora, linear: 1024, linear_alpha: 1024}" in spec["yaml"]
+    assert "optimizer: adamw8bit" in spec["yaml"]
+    plain = bench.run_spec(ws, common, args, cuda=True)
+    assert (plain["kind"], plain["env"]) == ("weightstream", {"HF_HOME": "/w/hf"})
+    assert plain["yaml"] == spec["yaml"]  # the same job; only the environment differs
+    theirs = bench.run_spec(aitk, common, args, cuda=True)
+    assert (theirs["kind"], theirs["env"]) == ("aitk", {"HF_HOME": "/w/hf"})
+    assert common["env"] == {"HF_HOME": "/w/hf"}  # the call's environment is left as it was
+
+
+def test_host_delay_false_reaches_the_runs_environment_and_label():
+    common, args = _spec_inputs()
+    (run,) = bench.parse_runs("host:r256", host_delay=False)
+    assert run["label"] == "weightstream host r256 full delay off"
+    assert bench.run_spec(run, common, args, cuda=False)["env"] == {
+        "HF_HOME": "/w/hf",
+        "WEIGHTSTREAM_TRAINABLE": "host",
+        "WEIGHTSTREAM_TRAINABLE_DELAY": "false",
+    }
+    (plain,) = bench.parse_runs("weightstream:r256", host_delay=False)
+    assert plain["run_env"] == {}
+
+
+def test_card_py_caps_the_link_of_weightstreams_runs_only():
+    _, args = _spec_inputs()
+    host, full, aitk = bench.parse_runs("host:r1024:25GB/s,host:r1024:full,aitk:r128")
+    cmd = bench.card_command(host, args, Path("/w/s.json"), Path("/w/c.json"))
+    card = cmd[: cmd.index("--")]
+    assert card == [
+        sys.executable,
+        "tests/bench/card.py",
+        "--gib",
+        "24",
+        "--link",
+        "25GB/s",
+        "--json",
+        "/w/c.json",
+    ]
+    assert cmd[cmd.index("--") + 1 :] == [
+        sys.executable,
+        str(ROOT / "tests" / "bench" / "ai_toolkit_24g.py"),
+        "--one",
+        "/w/s.json",
+    ]
+    for run in (full, aitk):
+        assert "--link" not in bench.card_command(run, args, Path("/s"), Path("/c"))
+
+
+#: As weightstream-aitk prints it (weightstream.integrations.ai_toolkit.trainable).
+HOST_LINE = (
+    "weightstream-aitk: trainable: host: 504 LoRA layers and their adamw8bit state in 61.87 GB"
+    " of host memory (held by the daemon for the session of Flux2); computing on cuda:0;"
+    " delayed update off"
+)
+
+
+def test_the_trainable_host_line_is_read_from_the_trainers_log():
+    log = f"loading\n{HOST_LINE}\nstep 1\n"
+    assert bench.trainable_report(log) == {
+        "layers": 504,
+        "optimizer": "adamw8bit",
+        "host_gb": 61.87,
+        "where": "held by the daemon for the session of Flux2",
+        "device": "cuda:0",
+        "delay": False,
+    }
+    assert bench.trainable_report("loading\nstep 1\n") is None
+    # the line tests/python/test_ai_toolkit_trainable.py has the launcher print
+    own = bench.trainable_report(
+        "weightstream-aitk: trainable: host: 12 LoRA layers and their adamw state in 0.00 GB "
+        "of host memory (the trainer's own: no attached model holds the layers the LoRA wraps); "
+        "computing on cpu; delayed update on\n"
+    )
+    assert own == {
+        "layers": 12,
+        "optimizer": "adamw",
+        "host_gb": 0.0,
+        "where": "the trainer's own: no attached model holds the layers the LoRA wraps",
+        "device": "cpu",
+        "delay": True,
+    }
+    got = bench.summarize({"trainable_host": bench.trainable_report(log)})
+    assert got["trainable_host"]["host_gb"] == 61.87
+
+
+def test_the_report_gives_a_host_runs_lora_memory():
+    (run,) = bench.parse_runs("host:r1024:25GB/s")
+    result = dict(run, rc=0, trainable_host=bench.trainable_report(HOST_LINE))
+    result["summary"] = bench.summarize(result)
+    missing = dict(run, label="weightstream host r1024 full", rc=0)
+    missing["summary"] = bench.summarize(missing)
+    call = {
+        "arch": "flux",
+        "size": "tiny",
+        "machine": "CPU",
+        "commit": "abc",
+        "command": "x",
+        "ai_toolkit": "def",
+        "card_gib": None,
+        "steps": 4,
+        "resolution": 64,
+        "images": 1,
+        "disk_dtype": "fp8",
+        "built": {"transformer": {"params": 10, "bytes_on_disk": 20}},
+        "sizes": {},
+        "runs": [result, missing],
+    }
+    text = bench.markdown({"calls": [call]})
+    assert (
+        "- weightstream host r1024 25GB/s: `trainable: host`: 504 LoRA layers and their adamw8bit"
+        " state in 61.87 GB of host memory (held by the daemon for the session of Flux2),"
+        " delayed update off\n"
+    ) in text
+    assert (
+        "- weightstream host r1024 full: no `trainable: host` line in the trainer's log\n" in text
+    )
+
+
+def test_the_host_memory_at_a_runs_end_is_its_last_sample():
+    timeline = [
+        {"t": 0.0, "RssAnon": 1.0, "RssFile": 0.5, "RssShmem": 0.0, "MemAvailable": 120.0},
+        {"t": 60.0, "RssAnon": 70.0, "RssFile": 25.0, "RssShmem": 0.0, "MemAvailable": 30.0},
+        {"t": 220.0, "RssAnon": 60.0, "RssFile": 1.0, "RssShmem": 45.0, "MemAvailable": 2.5},
+    ]
+    assert bench.host_at_end({"trainer_rss_timeline": timeline}) == (
+        "the trainer's host memory at 220 s, its last sample: RssAnon 60.00, RssFile 1.00,"
+        " RssShmem 45.00 GiB; the host had 2.50 GiB available"
+    )
+    # A point after the trainer exited has the host's memory only: the last sample stays.
+    timeline.append({"t": 222.0, "MemAvailable": 90.0})
+    assert bench.host_at_end({"trainer_rss_timeline": timeline}) == (
+        "the trainer's host memory at 220 s, its last sample: RssAnon 60.00, RssFile 1.00,"
+        " RssShmem 45.00 GiB; the host had 2.50 GiB available"
+    )
+    timeline[1]["RssAnon"], timeline[1]["MemAvailable"] = 100.0, 1.5
+    assert bench.host_at_end({"trainer_rss_timeline": timeline}).endswith(
+        " GiB available, 1.50 at the least (60 s)"
+        " (largest at 60 s: RssAnon 100.00, RssFile 25.00, RssShmem 0.00)"
+    )
+    assert bench.host_at_end({}) is None
+    assert bench.host_at_end({"trainer_rss_timeline": [{"t": 1.0, "MemAvailable": 9.0}]}) is None
+
+
+def test_the_sampler_reads_the_rss_fields_of_a_status():
+    sampler = real.Sampler(0, False)
+    status = "Name:\tpython\nVmHWM:\t 4096 kB\nRssAnon:\t 2097152 kB\nRssFile:\t 1048576 kB\n"
+    status += "RssShmem:\t 0 kB\n"
+    sampler._point(status, 3.04)
+    point = sampler.timeline[0]
+    assert {k: point[k] for k in ("t", *real.RSS_FIELDS)} == {
+        "t": 3.0,
+        "RssAnon": 2.0,
+        "RssFile": 1.0,
+        "RssShmem": 0.0,
+    }
