@@ -11,7 +11,7 @@ import pytest
 import torch
 import weightstream
 from conftest import Daemon
-from weightstream.state import StateRegion
+from weightstream.regions import StateRegion
 
 
 def _session(client: weightstream.Client):

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from weightstream.quantize import Fp8Weight
     from weightstream.session import Session
-    from weightstream.state import StateRegion
+    from weightstream.regions import StateRegion
 
 SYSTEM_SOCKET = _native.SYSTEM_SOCKET
 SOCKET_ENV = _native.SOCKET_ENV
@@ -368,9 +368,9 @@ class Client:
 
     def alloc_state_region(self, session_id: str, nbytes: int, label: str = "") -> StateRegion:
         """A state region of ``nbytes`` (rounded up to whole pages) for session ``session_id``,
-        one this client opened, mapped read-write (``weightstream.state``; usually through
+        one this client opened, mapped read-write (``weightstream.regions``; usually through
         ``Session.alloc_state_region``). ``label`` names it in the daemon's log."""
-        from weightstream.state import StateRegion
+        from weightstream.regions import StateRegion
 
         region_id, size, fd = self._native.alloc_state_region(session_id, nbytes, label)
         return StateRegion(self, session_id, region_id, size, fd, label)
