@@ -460,7 +460,9 @@ def py_imports(module: str, is_package: bool, text: str, known: set[str]):
                 up = package.split(".")
                 up = up[: len(up) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         else:
             continue
         for name in names:
@@ -577,35 +579,87 @@ def report_py(violations):
 # ({module: source}, expected {(module, line, rule)}): one behaviour per case. A module with
 # another one under it is a package.
 PY_SELF_TEST = [
-    ({"weightstream.session": "from weightstream.client import Client\n", "weightstream.client": ""},
-     {("weightstream.session", 1, "session -> client")}),
-    ({"weightstream.client": "def f():\n    from weightstream.session import Session\n",
-      "weightstream.session": ""}, set()),
-    ({"weightstream.session": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-      "    from weightstream import client\n", "weightstream.client": ""},
-     {("weightstream.session", 3, "session -> client")}),
-    ({"weightstream.torch.host.layers": "from weightstream.torch.handle import Handle\n",
-      "weightstream.torch.handle": ""},
-     {("weightstream.torch.host.layers", 1, "torch.host -> torch")}),
-    ({"weightstream.torch.host.layers": "from weightstream.torch import ops, policy\n",
-      "weightstream.torch.ops": "", "weightstream.torch.policy": "", "weightstream.torch": ""},
-     set()),
-    ({"weightstream.torch.host.layers": "from .. import hooks\n",
-      "weightstream.torch.hooks": ""}, set()),
-    ({"weightstream.regions": "import weightstream.torch as wst\n", "weightstream.torch": ""},
-     {("weightstream.regions", 1, "regions -> torch")}),
-    ({"weightstream.wire": "import os\n"}, {("weightstream.wire", 1, "weightstream.wire: not in the Python layer table")}),
-    ({"weightstream.torch.attach": "import weightstream.torch.handle\n",
-      "weightstream.torch.handle": "def f():\n    from weightstream.torch import attach\n"},
-     {("weightstream.torch.attach", 1,
-       "import cycle: weightstream.torch.attach <-> weightstream.torch.handle")}),
-    ({"weightstream.integrations.ai_toolkit.loading": "def f():\n"
-      "    from weightstream.integrations.ai_toolkit.manager import M\n",
-      "weightstream.integrations.ai_toolkit.manager":
-      "from weightstream.integrations.ai_toolkit import loading\n"},
-     {("weightstream.integrations.ai_toolkit.loading", 1,
-       "import cycle: weightstream.integrations.ai_toolkit.loading <-> "
-       "weightstream.integrations.ai_toolkit.manager")}),
+    (
+        {
+            "weightstream.session": "from weightstream.client import Client\n",
+            "weightstream.client": "",
+        },
+        {("weightstream.session", 1, "session -> client")},
+    ),
+    (
+        {
+            "weightstream.client": "def f():\n    from weightstream.session import Session\n",
+            "weightstream.session": "",
+        },
+        set(),
+    ),
+    (
+        {
+            "weightstream.session": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from weightstream import client\n",
+            "weightstream.client": "",
+        },
+        {("weightstream.session", 3, "session -> client")},
+    ),
+    (
+        {
+            "weightstream.torch.host.layers": "from weightstream.torch.handle import Handle\n",
+            "weightstream.torch.handle": "",
+        },
+        {("weightstream.torch.host.layers", 1, "torch.host -> torch")},
+    ),
+    (
+        {
+            "weightstream.torch.host.layers": "from weightstream.torch import ops, policy\n",
+            "weightstream.torch.ops": "",
+            "weightstream.torch.policy": "",
+            "weightstream.torch": "",
+        },
+        set(),
+    ),
+    (
+        {
+            "weightstream.torch.host.layers": "from .. import hooks\n",
+            "weightstream.torch.hooks": "",
+        },
+        set(),
+    ),
+    (
+        {"weightstream.regions": "import weightstream.torch as wst\n", "weightstream.torch": ""},
+        {("weightstream.regions", 1, "regions -> torch")},
+    ),
+    (
+        {"weightstream.wire": "import os\n"},
+        {("weightstream.wire", 1, "weightstream.wire: not in the Python layer table")},
+    ),
+    (
+        {
+            "weightstream.torch.attach": "import weightstream.torch.handle\n",
+            "weightstream.torch.handle": "def f():\n    from weightstream.torch import attach\n",
+        },
+        {
+            (
+                "weightstream.torch.attach",
+                1,
+                "import cycle: weightstream.torch.attach <-> weightstream.torch.handle",
+            )
+        },
+    ),
+    (
+        {
+            "weightstream.integrations.ai_toolkit.loading": "def f():\n"
+            "    from weightstream.integrations.ai_toolkit.manager import M\n",
+            "weightstream.integrations.ai_toolkit.manager": "from . import loading\n",
+        },
+        {
+            (
+                "weightstream.integrations.ai_toolkit.loading",
+                1,
+                "import cycle: weightstream.integrations.ai_toolkit.loading <-> "
+                "weightstream.integrations.ai_toolkit.manager",
+            )
+        },
+    ),
 ]
 
 
@@ -620,7 +674,8 @@ def py_self_test():
         if got != expected:
             failed += 1
             print(f"FAIL {sources!r}\n  expected {sorted(expected)}\n  got      {sorted(got)}")
-    print(f"check_layers Python self-test: {len(PY_SELF_TEST) - failed}/{len(PY_SELF_TEST)} cases pass")
+    passed = len(PY_SELF_TEST) - failed
+    print(f"check_layers Python self-test: {passed}/{len(PY_SELF_TEST)} cases pass")
     return 1 if failed else 0
 
 

@@ -551,7 +551,6 @@ def test_a_stopped_daemon_fails_the_next_acquire(daemon):
     assert pb.FAULT_SHUTTING_DOWN  # the fault the daemon sends on its way out
 
 
-
 def test_the_upload_charge_is_the_daemons(daemon):
     """``_upload.upload_charge`` (what ``attach`` checks beside the trainable state before it
     uploads) mirrors the store's accounting: ``TENSOR_ALIGN`` as daemon/src/store/mod.rs

@@ -16,8 +16,13 @@ import weightstream.torch as wst
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from weightstream.sizes import size_text
-from weightstream.torch.host import HostAdamW, TrainableError, host_bytes, reference_adamw
-from weightstream.torch.host import stream_trainable
+from weightstream.torch.host import (
+    HostAdamW,
+    TrainableError,
+    host_bytes,
+    reference_adamw,
+    stream_trainable,
+)
 from weightstream.torch.host.storage import BounceRing
 
 DIM, RANK, TOKENS = 48, 8, 6

@@ -1,6 +1,6 @@
-"""Deprecated: ``weightstream.regions`` (HostRegion, CudaRegion). This path is that module, for one release."""
+"""Deprecated: ``weightstream.regions`` (HostRegion, CudaRegion).
+This path is that module, for one release."""
 
-from weightstream import _deprecated
-from weightstream import regions
+from weightstream import _deprecated, regions
 
 _deprecated.moved(__name__, regions)

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     import torch
 
     from weightstream.quantize import Fp8Weight
-    from weightstream.session import Session
     from weightstream.regions import StateRegion
+    from weightstream.session import Session
 
 SYSTEM_SOCKET = _native.SYSTEM_SOCKET
 SOCKET_ENV = _native.SOCKET_ENV
@@ -373,7 +373,7 @@ class Client:
         from weightstream.regions import StateRegion
 
         region_id, size, fd = self._native.alloc_state_region(session_id, nbytes, label)
-        return StateRegion(self, session_id, region_id, size, fd, label)
+        return StateRegion(self.free_state_region, session_id, region_id, size, fd, label)
 
     def free_state_region(self, session_id: str, region_id: str):
         """Frees a state region in the daemon before its session ends (``StateRegion.close``

@@ -1,4 +1,5 @@
-"""Deprecated: ``weightstream.torch.host.adamw8``. This path is that module, for one release."""
+"""Deprecated: ``weightstream.torch.host.adamw8``.
+This path is that module, for one release."""
 
 from weightstream import _deprecated
 from weightstream.torch.host import adamw8

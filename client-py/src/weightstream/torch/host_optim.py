@@ -1,4 +1,5 @@
-"""Deprecated: ``weightstream.torch.host.optim`` (HostAdamW). This path is that module, for one release."""
+"""Deprecated: ``weightstream.torch.host.optim`` (HostAdamW).
+This path is that module, for one release."""
 
 from weightstream import _deprecated
 from weightstream.torch.host import optim

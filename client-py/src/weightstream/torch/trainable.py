@@ -3,6 +3,7 @@ its modules. This path re-exports them for one release."""
 
 import warnings
 
+from weightstream.sizes import size_text  # noqa: F401
 from weightstream.torch.host.layers import TIMES, Slot, Trainable  # noqa: F401
 from weightstream.torch.host.plan import HostPlan, stream_trainable  # noqa: F401
 from weightstream.torch.host.sizing import (  # noqa: F401
@@ -27,7 +28,6 @@ from weightstream.torch.host.storage import (  # noqa: F401
     HostStorage,
     TrainableError,
 )
-from weightstream.sizes import size_text  # noqa: F401
 
 warnings.warn(
     "weightstream.torch.trainable is deprecated: import from weightstream.torch.host",

@@ -423,9 +423,7 @@ def hook_model_class(cls, manager_cls):
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         if "load_model" not in vars(self):
-            self.load_model = functools.partial(
-                run_load_model, self, self.load_model, manager_cls
-            )
+            self.load_model = functools.partial(run_load_model, self, self.load_model, manager_cls)
 
     cls.__init__ = __init__
     cls._weightstream_loading = True

@@ -137,8 +137,8 @@ class HostAdamW(torch.optim.Optimizer):
         if self.kind == "adamw8bit":
             if self.master == "none":
                 return (
-                    "weightstream.torch.host.adamw8.reference_step (the bf16 weight itself, updated "
-                    "in place; fp32 weights: their own master; 8-bit moments)"
+                    "weightstream.torch.host.adamw8.reference_step (the bf16 weight itself, "
+                    "updated in place; fp32 weights: their own master; 8-bit moments)"
                 )
             return "weightstream.torch.host.adamw8.reference_step (fp32 master, 8-bit moments)"
         how = "fused=True" if FUSED else "foreach=False"

@@ -55,7 +55,14 @@ class HostPlan:
         )
 
     def check(
-        self, handle=None, *, device=None, group_by="block", lookahead=1, optimizer=None, master="fp32"
+        self,
+        handle=None,
+        *,
+        device=None,
+        group_by="block",
+        lookahead=1,
+        optimizer=None,
+        master="fp32",
     ) -> HostPlan:
         """Settles the rest of the plan (``stream_trainable``'s keywords, which say what each
         takes) and checks it: the optimizer, the master, where the layers compute, and, with
