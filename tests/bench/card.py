@@ -49,6 +49,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightstream import sizes
+
 MiB = 1 << 20
 GiB = 1 << 30
 #: The daemon's lowest copy bandwidth limit (config.rs MIN_COPY_BANDWIDTH).
@@ -76,14 +78,9 @@ class CardError(Exception):
 
 def parse_rate(text: str) -> int:
     """Bytes per second of "25GB/s", "25 GiB/s", "1.5GB/s" or a plain number, in the daemon's
-    units (GB = 10^9 bytes, GiB = 2^30)."""
-    t = str(text).strip().removesuffix("/s").strip()
-    units = {"GIB": GiB, "MIB": MiB, "KIB": 1 << 10, "GB": 10**9, "MB": 10**6, "KB": 10**3}
+    units (GB = 10^9 bytes, GiB = 2^30): ``weightstream.sizes.parse_rate``."""
     try:
-        for unit, factor in units.items():
-            if t.upper().endswith(unit):
-                return int(float(t[: -len(unit)].strip()) * factor)
-        return int(t)
+        return sizes.parse_rate("--link", text)
     except ValueError:
         raise CardError(
             f"{text!r} is not a rate like '25GB/s', '25GiB/s' or bytes per second"

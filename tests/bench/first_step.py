@@ -426,11 +426,12 @@ def part_upload(args, record):
     import torch
     import weightstream
     import weightstream.torch as wst
+    from weightstream.torch import options as ws_options
     from weightstream import _upload
 
     quantize = "fp8" if "fp8" in args.child else None
     at_commit = args.child.endswith("daemon")
-    wst._QUANTIZE_ON = "daemon" if at_commit else "auto"
+    ws_options.QUANTIZE_ON = "daemon" if at_commit else "auto"
     _upload.CLIENT_RESERVES = args.child != "upload-daemon-reserves"
     nbytes = sum(2 * torch.Size(s).numel() for _, s in frozen_tensors(args))
     # Quantized at commit: the bf16 region and the 8-bit arena at once, for a while; on the

@@ -20,8 +20,6 @@ so the device holds one chunk's temporaries at a time, never the quantized model
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import math
 import mmap
 import os
@@ -34,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightstream import _cuda
 from weightstream.quantize import (
     FP8_E4M3_BLOCK64,
     QUANTIZABLE,
@@ -57,9 +56,6 @@ _PORTABLE = 1
 #: registering threads, while earlier windows are copied, instead of the whole region before
 #: the daemon answers (the largest part of a bf16 attach). A benchmark turns it off to compare.
 CLIENT_RESERVES = True
-#: ``MADV_POPULATE_WRITE`` (Linux 5.14): faults a range in writable, allocating its pages.
-_MADV_POPULATE_WRITE = 23
-_libc = None
 #: Float32 bytes of one chunk of rows of a weight quantized at copy time (``QuantizeAtCopy``):
 #: the quantizer's temporaries are a few of these. A row larger than this is a chunk of its own.
 QUANTIZE_CHUNK = 64 << 20
@@ -181,36 +177,33 @@ def first_non_finite(tensors) -> str | None:
     return None
 
 
-def populate(ptr: int, size: int) -> bool:
-    """Faults ``size`` bytes at ``ptr`` (a shared mapping of the upload region) in, allocating
-    their pages (``MADV_POPULATE_WRITE``; the GIL is released while the kernel works). False
-    where the kernel lacks the advice (before 5.14): page-locking then faults them in, slower.
-    A full tmpfs or memory cgroup is an ``OSError`` saying so (a write would be a SIGBUS)."""
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(None, use_errno=True)
-        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc = lib
-    if _libc.madvise(ptr, size, _MADV_POPULATE_WRITE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err == errno.EINVAL:
-        return False
-    raise OSError(
-        err,
-        f"reserving {size} bytes of the upload region failed ({os.strerror(err)}): the host's "
-        "shared memory (tmpfs, or this process's memory cgroup) has no room for the model",
-    )
+#: The daemon's tensor alignment in a model's arena: ``TENSOR_ALIGN`` of daemon/src/store/mod.rs
+#: (pinned by tests/python/test_client.py, against the source and a daemon's charge).
+TENSOR_ALIGN = 4096
+
+
+def upload_charge(label: str, tensors: list[tuple[str, int, int]]) -> int:
+    """Host bytes the daemon charges for an upload of ``(name, rank, nbytes)`` tensors named
+    ``label``: its arena (each tensor page-aligned, the end rounded up) and its description
+    (per tensor the name, 8 bytes per dimension and 64; the model's name), as
+    ``metadata_bytes`` (daemon/src/store/mod.rs) and ``begin_upload`` (daemon/src/store/upload.rs)
+    count them: what the daemon charges is known only once the upload begins, and ``attach``
+    checks it beside the trainable state before anything is uploaded."""
+    end = 0
+    for _, _, nbytes in tensors:
+        end = -(-end // TENSOR_ALIGN) * TENSOR_ALIGN + nbytes
+    arena = -(-end // TENSOR_ALIGN) * TENSOR_ALIGN
+    description = sum(len(n.encode()) + 8 * rank + 64 for n, rank, _ in tensors)
+    return arena + description + len(label.encode())
 
 
 def _register(ptr: int, size: int, flags: int):
-    err = torch.cuda.cudart().cudaHostRegister(ptr, size, flags)
+    err = _cuda.host_register(ptr, size, flags)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {size} bytes of the upload region failed: {err}")
 
 
-def _unregister(ptr: int):
-    torch.cuda.cudart().cudaHostUnregister(ptr)
+_unregister = _cuda.host_unregister
 
 
 def windows(placements: Sequence, limit: int = WINDOW) -> list[list[int]]:
@@ -421,7 +414,7 @@ def _copy_pinned(
         lo, hi = spans[k]
         if reserve:
             t = time.monotonic()
-            populate(base + lo, hi - lo)
+            _cuda.populate(base + lo, hi - lo)
             add("populate", t)
         t = time.monotonic()
         _register(base + lo, hi - lo, flags)

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     import torch
 
     from weightstream.quantize import Fp8Weight
+    from weightstream.regions import StateRegion
     from weightstream.session import Session
-    from weightstream.state import StateRegion
 
 SYSTEM_SOCKET = _native.SYSTEM_SOCKET
 SOCKET_ENV = _native.SOCKET_ENV
@@ -368,12 +368,12 @@ class Client:
 
     def alloc_state_region(self, session_id: str, nbytes: int, label: str = "") -> StateRegion:
         """A state region of ``nbytes`` (rounded up to whole pages) for session ``session_id``,
-        one this client opened, mapped read-write (``weightstream.state``; usually through
+        one this client opened, mapped read-write (``weightstream.regions``; usually through
         ``Session.alloc_state_region``). ``label`` names it in the daemon's log."""
-        from weightstream.state import StateRegion
+        from weightstream.regions import StateRegion
 
         region_id, size, fd = self._native.alloc_state_region(session_id, nbytes, label)
-        return StateRegion(self, session_id, region_id, size, fd, label)
+        return StateRegion(self.free_state_region, session_id, region_id, size, fd, label)
 
     def free_state_region(self, session_id: str, region_id: str):
         """Frees a state region in the daemon before its session ends (``StateRegion.close``

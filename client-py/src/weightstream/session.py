@@ -5,7 +5,7 @@ The protocol is the native client's (``weightstream._native.Session``, over clie
 runtime's reader task routes each ``Staged`` or ``Fault`` to its ticket; ``wait`` blocks in
 Rust with the GIL released. No Python thread runs on this path. What stays here is the torch
 glue: mapping the regions (host shared memory from the fd the native client fetched, CUDA IPC
-handles through ``_ipc``), the tensor views of a staged group, and the CUDA events a ticket is
+handles through ``regions``), the tensor views of a staged group, and the CUDA events a ticket is
 ordered by. A daemon that stops or dies fails every waiting ticket and the next ``submit`` at
 once with ``DaemonUnavailable``; ``Session.reconnect`` re-opens the session against the daemon
 that comes back on the socket.
@@ -22,16 +22,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from weightstream import _dtypes
-from weightstream._ipc import CudaRegion, HostRegion
 from weightstream._wait_timer import WaitTimer
-from weightstream.client import Client
 from weightstream.protocol import OpenSessionResponse, SessionStats, Staged
 from weightstream.quantize import FORMATS, Fp8Weight
-from weightstream.state import StateRegion
+from weightstream.regions import CudaRegion, HostRegion, StateRegion
 
 
 def device_uuid(device: torch.device) -> str:
@@ -83,10 +82,26 @@ class Ticket:
     generation: int = 0
 
 
+class SessionClient(Protocol):
+    """What a ``Session`` needs of the client that opened it (``weightstream.Client``): its
+    native client (to open and reopen the session), the daemon's sessions, reconnecting and
+    restoring a model after a restart, and state regions."""
+
+    _native: Any
+
+    def list_sessions(self) -> list: ...
+
+    def reconnect(self, timeout: float = 30.0): ...
+
+    def restore_model(self, model_id: str): ...
+
+    def alloc_state_region(self, session_id: str, nbytes: int, label: str = "") -> StateRegion: ...
+
+
 class Session:
     def __init__(
         self,
-        client: Client,
+        client: SessionClient,
         model_id: str,
         groups: list[tuple[str, list[str]]],
         vram_budget: int,
@@ -348,7 +363,7 @@ class Session:
         self,
         model_id: str | None = None,
         *,
-        restore: Callable[[Client], object] | None = None,
+        restore: Callable[[SessionClient], object] | None = None,
         timeout: float = 30.0,
     ) -> Session:
         """Opens this session again, for a trainer to resume at its next step after the daemon
@@ -380,7 +395,7 @@ class Session:
         """Host memory for this session's own state (master weights, optimizer moments):
         ``nbytes`` rounded up to whole pages, zero-filled, mapped read-write here
         (``StateRegion.buffer``, ``StateRegion.tensor(dtype)``), charged to this uid's host
-        bytes and freed by the daemon with the session (see ``weightstream.state``). Raises
+        bytes and freed by the daemon with the session (see ``weightstream.regions``). Raises
         ``RequestRejected`` ("RESOURCE_EXHAUSTED") when a host quota would pass. A region of
         an opening that ``reconnect`` replaced is no longer the daemon's: allocate again."""
         region = self.client.alloc_state_region(self.id, nbytes, label)

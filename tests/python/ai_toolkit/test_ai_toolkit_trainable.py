@@ -1,4 +1,4 @@
-"""``trainable: host`` under weightstream-aitk (``weightstream.integrations.ai_toolkit.trainable``),
+"""``trainable: host`` under weightstream-aitk (``integrations.ai_toolkit.optimizer``),
 on the CPU: ai-toolkit's trainer, reduced and re-enacted in its order, asks for its optimizer,
 trains, saves, resumes and samples; the LoRA's weights and optimizer state live in host memory.
 
@@ -28,11 +28,10 @@ import torch
 from torch import nn
 from weightstream.integrations import ai_toolkit
 from weightstream.integrations.ai_toolkit import launcher
-from weightstream.integrations.ai_toolkit import trainable as aitk_trainable
+from weightstream.integrations.ai_toolkit import optimizer as aitk_trainable
 from weightstream.integrations.ai_toolkit.settings import Settings
 from weightstream.torch.hooks import StreamedForward
-from weightstream.torch.host_optim import HostAdamW, reference_adamw
-from weightstream.torch.trainable import TrainableError, stream_trainable
+from weightstream.torch.host import HostAdamW, TrainableError, reference_adamw, stream_trainable
 
 from tests.python.ai_toolkit.test_ai_toolkit import DTYPE, make_transformer, transformer_inputs
 
@@ -613,7 +612,7 @@ def test_an_optimizer_pt_of_another_optimizer_is_refused_and_training_goes_on(ai
 
 
 class Region:
-    """Stands for ``weightstream.state.StateRegion`` (``Session.alloc_state_region``)."""
+    """Stands for ``weightstream.regions.StateRegion`` (``Session.alloc_state_region``)."""
 
     def __init__(self, nbytes: int, label: str):
         self.buffer, self.label, self.closed = bytearray(nbytes), label, False
@@ -707,12 +706,12 @@ def test_adamw8bit_runs_as_host_adamws_8bit_kind_where_this_weightstream_has_it(
 
     aitk(trainable="host")
     process = new_process(tmp_path, train_config(optimizer="adamw8bit", steps=1))
-    if importlib.util.find_spec("weightstream.torch.adamw8") is None:
+    if importlib.util.find_spec("weightstream.torch.host.adamw8") is None:
         with pytest.raises(TrainableError) as e:
             process.run()
         assert str(e.value) == (
             "train.optimizer: 'adamw8bit' runs as HostAdamW's adamw8bit, which this "
-            "weightstream lacks (weightstream.torch.adamw8): use adamw"
+            "weightstream lacks (weightstream.torch.host.adamw8): use adamw"
         )
         assert not any("_apply" in vars(m) for m in process.network.modules())
     else:

@@ -262,14 +262,14 @@ def test_a_writer_that_reserves_faults_each_window_in_before_locking_it(daemon, 
 
 
 def test_a_window_the_host_cannot_back_is_an_error_that_says_so():
-    """``_upload.populate`` past the end of a memfd (what a full tmpfs or memory cgroup does to
+    """``_cuda.populate`` past the end of a memfd (what a full tmpfs or memory cgroup does to
     MADV_POPULATE_WRITE: EFAULT where a write would be a SIGBUS) raises an OSError naming the
     bytes and the cause; a kernel without the advice (EINVAL) leaves the faults to the
     page-locking."""
     import ctypes
     import errno
 
-    from weightstream import _upload
+    from weightstream import _cuda
 
     page = mmap.PAGESIZE
     fd = os.memfd_create("ws-test")
@@ -282,10 +282,10 @@ def test_a_window_the_host_cannot_back_is_an_error_that_says_so():
     view = (ctypes.c_char * (2 * page)).from_buffer(m)
     base = ctypes.addressof(view)
     try:
-        assert _upload.populate(base, page) is True
+        assert _cuda.populate(base, page) is True
         assert resident_pages(base, page) == 1
         with pytest.raises(OSError) as e:
-            _upload.populate(base, 2 * page)
+            _cuda.populate(base, 2 * page)
         assert e.value.errno == errno.EFAULT
         assert str(e.value) == (
             f"[Errno {errno.EFAULT}] reserving {2 * page} bytes of the upload region failed "
@@ -301,11 +301,11 @@ def test_a_window_the_host_cannot_back_is_an_error_that_says_so():
             ctypes.set_errno(errno.EINVAL)
             return -1
 
-    real, _upload._libc = _upload._libc, OldKernel()
+    real, _cuda._libc = _cuda._libc, OldKernel()
     try:
-        assert _upload.populate(0, page) is False
+        assert _cuda.populate(0, page) is False
     finally:
-        _upload._libc = real
+        _cuda._libc = real
 
 
 def test_an_uploads_progress_line_shows_the_rate_then_the_commit_then_the_time(capsys):
@@ -549,3 +549,28 @@ def test_a_stopped_daemon_fails_the_next_acquire(daemon):
         session.acquire(0)
     assert time.monotonic() - started < 5
     assert pb.FAULT_SHUTTING_DOWN  # the fault the daemon sends on its way out
+
+
+def test_the_upload_charge_is_the_daemons(daemon):
+    """``_upload.upload_charge`` (what ``attach`` checks beside the trainable state before it
+    uploads) mirrors the store's accounting: ``TENSOR_ALIGN`` as daemon/src/store/mod.rs
+    defines it, and the host bytes a daemon charges for an upload, to the byte."""
+    import re
+    from pathlib import Path
+
+    from weightstream import _upload
+
+    rust = Path(__file__).resolve().parents[2] / "daemon" / "src" / "store" / "mod.rs"
+    found = re.search(r"pub const TENSOR_ALIGN: u64 = (\d+);", rust.read_text())
+    assert int(found.group(1)) == _upload.TENSOR_ALIGN == 4096
+    tensors = {
+        "blocks.0.weight": torch.ones(3, 5, dtype=torch.bfloat16),
+        "blocks.0.bias": torch.ones(5000),
+        "scale": torch.ones(()),
+    }
+    before = daemon.client.info().usage.host_bytes
+    daemon.client.upload_model("charged model", tensors)
+    charged = daemon.client.info().usage.host_bytes - before
+    assert charged == _upload.upload_charge(
+        "charged model", [(n, t.ndim, t.nbytes) for n, t in tensors.items()]
+    )

@@ -87,7 +87,7 @@ def test_a_view_outlives_its_closed_host_region():
 
     code = (
         "import mmap, os, torch\n"
-        "from weightstream._ipc import HostRegion\n"
+        "from weightstream.regions import HostRegion\n"
         "fd = os.memfd_create('t')\n"
         "os.ftruncate(fd, 1 << 20)\n"
         "os.pwrite(fd, bytes(range(10, 20)), 10)\n"

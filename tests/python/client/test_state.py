@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 import weightstream
-from weightstream.state import StateRegion
+from weightstream.regions import StateRegion
 
 from tests.daemon import Daemon
 

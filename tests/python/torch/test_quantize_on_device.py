@@ -12,6 +12,7 @@ import pytest
 import torch
 import weightstream
 import weightstream.torch as wst
+from weightstream.torch import options as ws_options
 from torch import nn
 from weightstream import _upload, quantize
 
@@ -158,14 +159,14 @@ def test_attach_quantized_here_is_the_daemons_model_and_the_resident_reference(
         staging_bytes=staging,
         quantize="fp8",
     )
-    monkeypatch.setattr(wst, "_QUANTIZE_ON", "daemon")
+    monkeypatch.setattr(ws_options, "QUANTIZE_ON", "daemon")
     first = wst.attach(copy.deepcopy(ref), "cpu", **kwargs)
     model_id = first.model_id
     assert first.stats()["attach_upload_daemon_quantize_s"] > 0
     first.detach(release=True)
     assert daemon.client.list_models().models == []
 
-    monkeypatch.setattr(wst, "_QUANTIZE_ON", "client")
+    monkeypatch.setattr(ws_options, "QUANTIZE_ON", "client")
     monkeypatch.setattr(_upload, "QUANTIZE_CHUNK", 4 * WIDEST)  # one row of fc2, 4 of fc1
     handle = wst.attach(streamed, "cpu", **kwargs)
     assert handle.model_id == model_id
@@ -200,7 +201,7 @@ def test_a_non_finite_weight_is_refused_alike_and_leaves_nothing(daemon, monkeyp
     monkeypatch.setattr(_upload, "QUANTIZE_CHUNK", 2 * 64 * 4)
     messages = []
     for side in ("daemon", "client"):
-        monkeypatch.setattr(wst, "_QUANTIZE_ON", side)
+        monkeypatch.setattr(ws_options, "QUANTIZE_ON", side)
         model = three_layers()
         kept = [m.weight for m in model]
         with pytest.raises(weightstream.RequestRejected) as e:
@@ -221,7 +222,7 @@ def test_an_attach_that_fails_mid_write_leaves_nothing(daemon, monkeypatch):
     were written (a device out of memory): the error is the caller's as it was, the module keeps
     its weights, the upload is aborted (no model, no upload, no host bytes, no region, with the
     client's connection open), and the same process attaches again."""
-    monkeypatch.setattr(wst, "_QUANTIZE_ON", "client")
+    monkeypatch.setattr(ws_options, "QUANTIZE_ON", "client")
     monkeypatch.setattr(_upload, "QUANTIZE_CHUNK", 2 * 64 * 4)
     real = _upload.quantize_fp8_block64
     calls = []

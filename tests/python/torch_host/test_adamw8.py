@@ -1,4 +1,4 @@
-"""The 8-bit AdamW step (weightstream.torch.adamw8): the native kernel gives the bits of the
+"""The 8-bit AdamW step (weightstream.torch.host.adamw8): the native kernel gives the bits of the
 torch reference over several steps (sizes around the block, both gradient types, weight decay,
 gradient scale, extreme and non-finite values, every compiled variant), the reference's
 float32 operations are the single IEEE roundings its formula says, arguments are checked at
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 from weightstream import _native
-from weightstream.torch import adamw8
+from weightstream.torch.host import adamw8
 
 pytestmark = pytest.mark.no_daemon
 

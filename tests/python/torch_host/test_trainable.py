@@ -15,14 +15,15 @@ import weightstream
 import weightstream.torch as wst
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from weightstream.torch.host_optim import HostAdamW, reference_adamw
-from weightstream.torch.trainable import (
-    BounceRing,
+from weightstream.sizes import size_text
+from weightstream.torch.host import (
+    HostAdamW,
     TrainableError,
     host_bytes,
-    size_text,
+    reference_adamw,
     stream_trainable,
 )
+from weightstream.torch.host.storage import BounceRing
 
 DIM, RANK, TOKENS = 48, 8, 6
 
@@ -152,7 +153,7 @@ class Reference:
                 m.grad = g.to(m.dtype)
             self.opt.step()
         else:
-            from weightstream.torch import adamw8
+            from weightstream.torch.host import adamw8
 
             if self.state8 is None:
                 self.state8 = [adamw8.new_state(m.numel()) for m in self.masters]
@@ -401,7 +402,7 @@ def stub_client(room: int):
 def test_the_host_check_counts_each_master_mode():
     """``check_host_fits``: 1 Mi bf16 elements with adamw8bit are 10 MiB + 32 KiB with the fp32
     master, 6 MiB + 32 KiB without; the refusal with the master says when none would fit."""
-    from weightstream.torch.trainable import check_host_fits
+    from weightstream.torch.host import check_host_fits
 
     params = [torch.empty(1 << 20, dtype=torch.bfloat16)]
     full, lean = (10 << 20) + (32 << 10), (6 << 20) + (32 << 10)
@@ -704,8 +705,7 @@ import torch, weightstream
 import weightstream
 import weightstream.torch as wst
 from tests.python.torch_host.test_trainable import batches, loss_of, make
-from weightstream.torch.host_optim import HostAdamW
-from weightstream.torch.trainable import stream_trainable
+from weightstream.torch.host import HostAdamW, stream_trainable
 
 client = weightstream.connect(sys.argv[1])
 model = make(ckpt=True)
@@ -828,7 +828,7 @@ def test_a_session_with_a_share_grants_the_trainers_own_copies(daemon):
     before each copy of its own: ``HostStorage.grant`` (what the trainable's device copies
     call) waits for the daemon, which counts the bytes by direction; without a share nothing
     is asked or counted."""
-    from weightstream.torch.trainable import HostStorage
+    from weightstream.torch.host.storage import HostStorage
 
     manifest, _ = daemon.client.upload_model("w", {"w": torch.zeros(1024)})
 

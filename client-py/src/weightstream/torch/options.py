@@ -16,6 +16,12 @@ DEFAULT_MIN_BYTES = 1 << 20
 
 INPUT_GRADS = ("formula", "recompute")
 DEQUANTIZE = ("auto", "layer", "group")
+#: Where an upload's 8-bit weights are quantized (``Client.upload_model(quantize_on=)``):
+#: ``"auto"``, on their device for weights on a CUDA device (half the bytes to write, nothing
+#: to quantize at commit), by the daemon for weights in host memory (its quantizer on every
+#: core is faster than torch's on the CPU). Tests and benches set it here to compare the two;
+#: ``attach`` reads it here at each call.
+QUANTIZE_ON = "auto"
 
 
 @dataclass(frozen=True)

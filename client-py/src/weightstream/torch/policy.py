@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from weightstream import quantize as fp8
+from weightstream.sizes import size_text
 from weightstream.torch import torchao_weights
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.placeholder import is_placeholder
@@ -163,15 +164,8 @@ def select(root: nn.Module, options: StreamOptions) -> Selection:
     return out
 
 
-def size_text(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} bytes"
-
-
 def reason_text(key: str, options: StreamOptions) -> str:
-    return REASONS[key].format(min_bytes=size_text(options.min_bytes))
+    return REASONS[key].format(min_bytes=size_text(options.min_bytes, whole=True))
 
 
 def nothing_to_stream(selection: Selection, options: StreamOptions, root: nn.Module) -> str:

@@ -13,7 +13,7 @@ once they are imported: with ``layer_offloading`` their ``load_model`` keeps the
 weights off the device and attaches what the loader left unattached (``loading``). It also
 hooks ai-toolkit's trainer (``jobs.process.BaseSDTrainProcess``) once imported: with
 ``trainable: host`` the LoRA's weights and optimizer state live in host memory
-(``trainable``).
+(``optimizer``).
 
 Settings: a top-level ``weightstream:`` section of the job's YAML (ai-toolkit reads only
 ``job``, ``config`` and ``meta``) and ``WEIGHTSTREAM_*`` variables, which win (``settings``).
@@ -29,7 +29,7 @@ import os
 import runpy
 import sys
 
-from weightstream.integrations.ai_toolkit.settings import ENV, Settings, configure
+from weightstream.integrations.ai_toolkit.settings import ENV, Settings, configure, current
 
 PACKAGE = "toolkit.memory_management"
 #: What each module of the package gives ai-toolkit, by attribute of ``manager``.
@@ -87,7 +87,7 @@ class ModelClassHook(importlib.abc.MetaPathFinder):
     the module has run: the model base classes (``MODEL_BASES``, ``loading.hook_model_class``:
     ``load_model`` with ``layer_offloading`` keeps the streamable weights off the device and
     attaches what the loader left unattached) and the trainer
-    (``trainable.hook_trainer_module``: ``trainable: host``)."""
+    (``optimizer.hook_trainer_module``: ``trainable: host``)."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in HOOKS:
@@ -125,13 +125,14 @@ TRAINER = "jobs.process.BaseSDTrainProcess"
 
 
 def hook_trainer(module):
-    from weightstream.integrations.ai_toolkit import trainable
+    from weightstream.integrations.ai_toolkit import optimizer
 
-    trainable.hook_trainer_module(module)
+    optimizer.hook_trainer_module(module, current)
 
 
 def hook_classes(module):
     from weightstream.integrations.ai_toolkit import loading
+    from weightstream.integrations.ai_toolkit.manager import MemoryManager
 
     for name in MODEL_BASES[module.__name__]:
         cls = getattr(module, name, None)
@@ -141,7 +142,7 @@ def hook_classes(module):
                 "classes as of ostris/ai-toolkit 27a03a91",
                 name=module.__name__,
             )
-        loading.hook_model_class(cls)
+        loading.hook_model_class(cls, MemoryManager)
 
 
 #: The hook of each ai-toolkit module, run once the module has run.

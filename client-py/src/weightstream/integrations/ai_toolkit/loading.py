@@ -410,11 +410,11 @@ def _has_layers(module: nn.Module) -> bool:
     return any(isinstance(m, STREAMABLE) for m in module.modules())
 
 
-def hook_model_class(cls):
+def hook_model_class(cls, manager_cls):
     """Makes every instance of ``cls`` (ai-toolkit's ``BaseModel`` or ``StableDiffusion``, and
-    so every architecture's class) run its ``load_model`` through ``run_load_model``: the
-    instance's own ``load_model``, whichever subclass defines it, is wrapped once, in
-    ``__init__``."""
+    so every architecture's class) run its ``load_model`` through ``run_load_model`` with
+    ``manager_cls`` (``MemoryManager``): the instance's own ``load_model``, whichever subclass
+    defines it, is wrapped once, in ``__init__``."""
     if getattr(cls, "_weightstream_loading", False):
         return
     init = cls.__init__
@@ -423,11 +423,7 @@ def hook_model_class(cls):
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
         if "load_model" not in vars(self):
-            from weightstream.integrations.ai_toolkit.manager import MemoryManager
-
-            self.load_model = functools.partial(
-                run_load_model, self, self.load_model, MemoryManager
-            )
+            self.load_model = functools.partial(run_load_model, self, self.load_model, manager_cls)
 
     cls.__init__ = __init__
     cls._weightstream_loading = True

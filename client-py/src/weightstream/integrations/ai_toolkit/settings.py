@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from weightstream.sizes import parse_size
 
 #: The environment variable of each setting.
 ENV = {
@@ -32,45 +33,6 @@ TRAINABLE = ("device", "host")
 DEQUANTIZE = ("auto", "layer", "group")
 #: The values of ``trainable_master`` (``weightstream.torch.trainable.MASTERS``).
 MASTERS = ("fp32", "none")
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(what: str, value) -> int:
-    """Bytes from an int or a string like ``8GiB``, ``512 MiB``, ``1.5GB``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a size, got {value!r}")
-    if isinstance(value, int):
-        n = value
-    else:
-        m = _SIZE.match(str(value))
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
-            raise ValueError(
-                f"{what}: {value!r} is not a size (bytes, or a number with B, KiB, MiB, GiB, "
-                "TiB, KB, MB, GB or TB)"
-            )
-        n = int(float(m.group(1)) * _UNITS[unit])
-    if n < 0:
-        raise ValueError(f"{what}: {value!r} is negative")
-    return n
-
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
