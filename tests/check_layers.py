@@ -34,8 +34,8 @@ SRC = ROOT / "daemon" / "src"
 # the core. A module may name any module below it, and nothing else. config, quota, pacing and
 # terminal are leaves that others read: config (the daemon's settings, and the checked copy rate)
 # imports nothing, pacing (the copy token bucket and its clock) and quota (per-uid limits) only
-# config, terminal (names escaped for people's terminals) nothing. The `weightstream` binary (crate weightstream-cli,
-# daemon/cli/) sits on top; "main" and "cli" are its rows.
+# config, terminal (names escaped for people's terminals) nothing. The `weightstream` binary
+# (crate weightstream-cli, daemon/cli/) sits on top; "main" and "cli" are its rows.
 _BELOW_SCHEDULER = {"store", "backend", "mem", "config", "quota", "pacing", "terminal"}
 _BELOW_CORE = {"session", "residency", "scheduler"} | _BELOW_SCHEDULER
 ALLOWED = {

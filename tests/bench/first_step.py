@@ -426,8 +426,8 @@ def part_upload(args, record):
     import torch
     import weightstream
     import weightstream.torch as wst
-    from weightstream.torch import options as ws_options
     from weightstream import _upload
+    from weightstream.torch import options as ws_options
 
     quantize = "fp8" if "fp8" in args.child else None
     at_commit = args.child.endswith("daemon")

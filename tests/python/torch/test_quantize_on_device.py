@@ -12,9 +12,9 @@ import pytest
 import torch
 import weightstream
 import weightstream.torch as wst
-from weightstream.torch import options as ws_options
 from torch import nn
 from weightstream import _upload, quantize
+from weightstream.torch import options as ws_options
 
 from tests.python.torch.test_torch import make_model
 from tests.python.torch.test_torch_fp8 import assert_equal_runs, budget, fp8_sizes, run
