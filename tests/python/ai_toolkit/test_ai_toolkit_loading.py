@@ -536,7 +536,7 @@ def test_a_renamed_model_class_is_an_error_naming_it(tmp_path):
 def toolkit(tmp_path, daemon):
     """test_ai_toolkit's fixture: a ``toolkit`` package whose own memory manager fails if
     imported, the launcher's finders installed, each session's budget all staging."""
-    from test_ai_toolkit import BUDGET
+    from tests.python.ai_toolkit.test_ai_toolkit import BUDGET
 
     root = tmp_path / "aitk"
     (root / "toolkit" / "memory_management").mkdir(parents=True)

@@ -12,7 +12,6 @@ import pytest
 
 from tests.bench import ai_toolkit_24g as bench
 from tests.bench import ai_toolkit_real as real
-from tests.daemon import ROOT
 
 pytestmark = pytest.mark.no_daemon
 
@@ -221,7 +220,8 @@ def test_card_py_caps_the_link_of_weightstreams_runs_only():
     ]
     assert cmd[cmd.index("--") + 1 :] == [
         sys.executable,
-        str(ROOT / "tests" / "bench" / "ai_toolkit_24g.py"),
+        "-m",
+        "tests.bench.ai_toolkit_24g",
         "--one",
         "/w/s.json",
     ]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from tests.bench.benchlib import modes
+from tests.bench.benchlib import flux, modes
 
 GROUPS = ("transformer_blocks.0", "single_transformer_blocks.0")
 #: What the cold first step adds to each counter, and what each step after it adds.
@@ -87,7 +87,7 @@ def test_counters_cover_the_measured_steps_not_the_cold_warm_up(monkeypatch):
         "memory_stats": lambda: {"num_device_alloc": 0},
     }.items():
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(modes, "batch", lambda: {})
+    monkeypatch.setattr(flux, "batch", lambda: {})
     monkeypatch.setattr(modes, "scrape", lambda args, name: counters.busy)
     monkeypatch.setattr(modes, "nvidia_smi_used_gib", lambda: None)
     session = SimpleNamespace(id="s-1", groups=[SimpleNamespace(name="g", resident=False)])

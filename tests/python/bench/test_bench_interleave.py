@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.bench.benchlib import runner
+from tests.bench.benchlib import flux, runner
 
 CHILD = r"""
 import json, os, sys
@@ -167,7 +167,7 @@ def test_children_build_one_at_a_time(tmp_path, monkeypatch):
             fcntl.flock(f, fcntl.LOCK_UN)
             return False
 
-    with runner.one_build_at_a_time():
+    with flux.one_build_at_a_time():
         assert taken()
     assert not taken()
 

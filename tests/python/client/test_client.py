@@ -560,7 +560,7 @@ def test_the_upload_charge_is_the_daemons(daemon):
 
     from weightstream import _upload
 
-    rust = Path(__file__).resolve().parents[2] / "daemon" / "src" / "store" / "mod.rs"
+    rust = Path(__file__).resolve().parents[3] / "daemon" / "src" / "store" / "mod.rs"
     found = re.search(r"pub const TENSOR_ALIGN: u64 = (\d+);", rust.read_text())
     assert int(found.group(1)) == _upload.TENSOR_ALIGN == 4096
     tensors = {

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
-from ddp_worker import STEPS, make_model, reference
+from tests.python.torch.ddp_worker import STEPS, make_model, reference
 
 WORLD = 2
 WORKER = Path(__file__).with_name("ddp_worker.py")

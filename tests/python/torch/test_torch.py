@@ -557,7 +557,7 @@ def make_wrapped_model():
     """make_model with two more libraries' forwards on its frozen layers: ai-toolkit's LoRA
     on proj_out (``org_forward``) and an accelerate hook on blocks.1.fc1's base layer."""
     from accelerate.hooks import add_hook_to_module
-    from test_torch_hooks import CountingHook, OrgForwardLoRA
+    from tests.python.torch.test_torch_hooks import CountingHook, OrgForwardLoRA
 
     model = make_model()
     lora = OrgForwardLoRA(model.proj_out)
@@ -605,7 +605,7 @@ def test_attach_streams_inside_other_libraries_forwards(daemon):
 
 
 def test_attach_refuses_a_forward_it_cannot_chain_before_uploading(daemon):
-    from test_torch_hooks import ReadsTheWeight
+    from tests.python.torch.test_torch_hooks import ReadsTheWeight
 
     model = make_model()
     ReadsTheWeight(model.proj_out)

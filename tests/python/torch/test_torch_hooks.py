@@ -177,7 +177,7 @@ def test_a_forward_that_keeps_nothing_to_chain_onto_is_refused():
 def test_a_closure_is_refused_naming_its_library():
     m = layer()
     m.forward = lambda x: x
-    with pytest.raises(HookConflict, match="^cannot stream 'fc': test_torch_hooks replaced"):
+    with pytest.raises(HookConflict, match="^cannot stream 'fc': tests replaced"):
         HookRegistry().check("fc", m)
 
 

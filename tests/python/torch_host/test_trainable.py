@@ -732,7 +732,7 @@ def test_a_trainer_killed_mid_step_leaves_no_state_behind(daemon):
     import sys
     from pathlib import Path
 
-    from test_reliability import wait_until
+    from tests.python.client.test_reliability import wait_until
 
     worker = subprocess.Popen(
         [sys.executable, "-c", KILLED_MID_STEP, daemon.socket, str(Path(__file__).parents[3])],
