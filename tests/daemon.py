@@ -55,8 +55,10 @@ class Daemon:
     ``tmp``: the directory of the socket and, unless ``log`` names another file, of the log
     (``daemon.log``, appended to). ``socket``: another socket path (a restart on the socket of
     a daemon that died). ``log_level``: ``WEIGHTSTREAM_LOG`` for the daemon (None: the
-    environment's). ``env``: more variables for the daemon. ``ready_s``: how long it may take
-    to answer; None: not waited for (a caller whose clients wait for the daemon themselves)."""
+    environment's). ``env``: more variables for the daemon, None for one of the caller's that
+    it must not see. ``log_stdout``: its stdout into the log too (else it shares the caller's).
+    ``ready_s``: how long it may take to answer; None: not waited for (a caller whose clients
+    wait for the daemon themselves)."""
 
     def __init__(
         self,
@@ -67,19 +69,21 @@ class Daemon:
         socket: str | None = None,
         log: Path | str | None = None,
         log_level: str | None = "warn",
-        env: dict[str, str] | None = None,
+        env: dict[str, str | None] | None = None,
+        log_stdout: bool = False,
         ready_s: float | None = 30.0,
     ):
         self.tmp = Path(tmp)
         self.socket = socket or str(self.tmp / "ws.sock")
         self.log_path = Path(log) if log is not None else self.tmp / "daemon.log"
         self.args = [binary, "serve", "--backend", backend, "--socket", self.socket, *extra_args]
-        env = {**os.environ, **(env or {})}
+        env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
         if log_level is not None:
             env["WEIGHTSTREAM_LOG"] = log_level
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         with open(self.log_path, "ab") as log_file:
-            self.proc = subprocess.Popen(self.args, stderr=log_file, env=env)
+            stdout = log_file if log_stdout else None
+            self.proc = subprocess.Popen(self.args, stdout=stdout, stderr=log_file, env=env)
         STARTED.append(self)
         self.client = weightstream.connect(self.socket)
         if ready_s is None:

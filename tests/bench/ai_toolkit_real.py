@@ -61,7 +61,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -70,6 +69,7 @@ import time
 from pathlib import Path
 
 from tests.bench.card import phase
+from tests.daemon import Daemon
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -578,27 +578,6 @@ def lora_tensors(output: Path) -> dict:
     return load_file(files[-1])
 
 
-def start_daemon(binary: str, folder: Path, backend: str, link: str | None = None):
-    """The daemon on ``folder/ws.sock``; ``link`` (e.g. ``25GB/s``) caps its copies."""
-    sock = folder / "ws.sock"
-    log = open(folder / "daemon.log", "wb")
-    cap = ["--copy-bandwidth-limit", link] if link else []
-    proc = subprocess.Popen(
-        [binary, "serve", "--backend", backend, "--socket", str(sock), *cap],
-        stderr=log,
-        stdout=log,
-        env={**os.environ, "WEIGHTSTREAM_LOG": os.environ.get("WEIGHTSTREAM_LOG", "warn")},
-    )
-    deadline = time.monotonic() + 60
-    while not sock.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"the daemon exited: {(folder / 'daemon.log').read_text()[-2000:]}")
-        if time.monotonic() > deadline:
-            raise RuntimeError("the daemon did not start")
-        time.sleep(0.05)
-    return proc, sock
-
-
 def run_one(
     mode: str,
     args,
@@ -660,8 +639,17 @@ def run_one(
     if kind in ("aitk", "resident"):
         cmd = [sys.executable, str(aitk / "run.py"), "job.yaml"]
     else:
-        daemon, sock = start_daemon(args.bin, folder, "cuda" if cuda else "host", link)
-        env["WEIGHTSTREAM_SOCKET"] = str(sock)
+        # ``link`` (e.g. ``25GB/s``) caps the daemon's copies.
+        daemon = Daemon(
+            folder,
+            *(["--copy-bandwidth-limit", link] if link else []),
+            binary=args.bin,
+            backend="cuda" if cuda else "host",
+            log_level=os.environ.get("WEIGHTSTREAM_LOG", "warn"),
+            log_stdout=True,
+            ready_s=60,
+        )
+        env["WEIGHTSTREAM_SOCKET"] = daemon.socket
         cmd = [
             sys.executable,
             "-m",
@@ -691,11 +679,7 @@ def run_one(
             dsampler.stop.set()
             dsampler.join()
     if daemon:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        daemon.stop(timeout=30)
     tail = (folder / "trainer.log").read_text(errors="replace")[-6000:]
     result = {
         "mode": mode,

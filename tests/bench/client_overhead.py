@@ -41,23 +41,9 @@ from pathlib import Path
 
 import torch
 
+from tests.daemon import Daemon
+
 GROUP_BYTES = 64 << 10
-
-
-def start_daemon(args, tmp: str) -> tuple[subprocess.Popen, str]:
-    sock = os.path.join(tmp, "ws.sock")
-    log = open(os.path.join(tmp, "daemon.log"), "wb")
-    proc = subprocess.Popen(
-        [args.bin, "serve", "--backend", args.backend, "--socket", sock],
-        stderr=log,
-        env={**os.environ, "WEIGHTSTREAM_LOG": "warn"},
-    )
-    deadline = time.monotonic() + 60
-    while not os.path.exists(sock):
-        assert proc.poll() is None, "the daemon exited at start"
-        assert time.monotonic() < deadline, "the daemon did not start"
-        time.sleep(0.02)
-    return proc, sock
 
 
 class Probe:
@@ -203,9 +189,9 @@ def main():
         os.path.join(os.path.dirname(weightstream.__file__), "_native.abi3.so")
     )
     with tempfile.TemporaryDirectory() as tmp:
-        proc, sock = start_daemon(args, tmp)
+        daemon = Daemon(tmp, binary=args.bin, backend=args.backend, ready_s=60)
         try:
-            client = weightstream.connect(sock)
+            client = daemon.client
             tensors = {
                 f"g{i}": torch.full((GROUP_BYTES // 4,), float(i)) for i in range(args.groups)
             }
@@ -226,8 +212,7 @@ def main():
             stats = session.stats()
             session.close()
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            daemon.stop(timeout=30)
     result.update(
         {
             "backend": args.backend,

@@ -7,30 +7,26 @@ unless all losses are equal and no read saw wrong bytes. Run on the GPU machine:
         python3 -m tests.bench.flux_equality_probe
 """
 
-import os
-import subprocess
 import sys
 import tempfile
-import time
 
 import torch
-import weightstream
 import weightstream.torch as wst
 from diffusers import FluxTransformer2DModel
 from weightstream.torch import ops
 
 from tests.bench.benchlib import flux
+from tests.daemon import Daemon
 
 torch.backends.cuda.enable_cudnn_sdp(False)
-tmp = tempfile.mkdtemp()
-sock = f"{tmp}/ws.sock"
-d = subprocess.Popen(
-    ["target/release/weightstream", "serve", "--backend", "cuda", "--socket", sock],
-    stderr=subprocess.DEVNULL,
+d = Daemon(
+    tempfile.mkdtemp(),
+    binary="target/release/weightstream",
+    backend="cuda",
+    log_level=None,
+    ready_s=60,
 )
-while not os.path.exists(sock):
-    time.sleep(0.05)
-client = weightstream.connect(sock)
+client = d.client
 
 
 def build(big):
@@ -172,6 +168,6 @@ for big in (True,) if "--big-only" in sys.argv else (False, True):
         for mode in ("formula", "recompute"):
             name = f"{group_by}, {mode}, reads checked"
             ok &= variant(big, name, lr, gr, group_by, check=True, mode=mode)
-d.terminate()
+d.stop(timeout=30)
 print("all equal:", ok)
 sys.exit(0 if ok else 1)

@@ -94,8 +94,9 @@ def main():
     )
     args = parser.parse_args()
     import torch
-    import weightstream
     import weightstream.torch as wst
+
+    from tests.daemon import Daemon
 
     torch.backends.cuda.enable_cudnn_sdp(False)
     out = Path(args.out)
@@ -118,15 +119,16 @@ def main():
         del model
         torch.cuda.empty_cache()
     if args.only != "resident":
-        sock = str(Path(tempfile.mkdtemp(prefix="ws-prof-")) / "ws.sock")
-        daemon = subprocess.Popen(
-            [args.bin, "serve", "--backend", "cuda", "--socket", sock],
-            stderr=open(out / "prof-daemon.log", "ab"),
+        daemon = Daemon(
+            tempfile.mkdtemp(prefix="ws-prof-"),
+            binary=args.bin,
+            backend="cuda",
+            log=out / "prof-daemon.log",
+            log_level=None,
+            ready_s=60,
         )
-        while not os.path.exists(sock):
-            time.sleep(0.05)
         model = flux.add_lora(flux.build_on_host())
-        client = weightstream.connect(sock)
+        client = daemon.client
         budget = int((args.budget - args.trainer_gib) * GiB)
         handle = wst.attach(
             model,
@@ -140,7 +142,7 @@ def main():
         results["weightstream"]["stats"] = handle.stats()
         print("weightstream", results["weightstream"], flush=True)
         handle.detach(release=True)
-        daemon.terminate()
+        daemon.stop(timeout=30)
     (out / "flux_profile.json").write_text(json.dumps(results, indent=2, default=str))
 
 

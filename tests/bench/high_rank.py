@@ -39,6 +39,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 from tests.bench.provenance import commit  # noqa: E402
+from tests.daemon import Daemon  # noqa: E402
 
 GiB = 1 << 30
 
@@ -303,28 +304,6 @@ def child(args):
     handle.close(release=True)
 
 
-def start_daemon(args, link: str, tmp: Path):
-    socket = str(tmp / f"ws-{len(os.listdir(tmp))}.sock")
-    cmd = [args.bin, "serve", "--backend", "cuda", "--socket", socket]
-    if args.max_host:
-        config = tmp / "config.toml"
-        config.write_text(f'[quotas]\nmax_host_bytes = "{args.max_host}"\n')
-        cmd += ["--config", str(config)]
-    if link != "full":
-        cmd += ["--copy-bandwidth-limit", link]
-    env = {k: v for k, v in os.environ.items() if k != "WEIGHTSTREAM_COPY_BANDWIDTH_LIMIT"}
-    with open(tmp / "daemon.log", "ab") as log:
-        proc = subprocess.Popen(cmd, stderr=log, env=env)
-    deadline = time.monotonic() + 60
-    while not os.path.exists(socket):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(
-                f"the daemon did not start: {(tmp / 'daemon.log').read_text()[-2000:]}"
-            )
-        time.sleep(0.05)
-    return proc, socket
-
-
 def parent(args):
     from tests.bench import card
 
@@ -335,14 +314,31 @@ def parent(args):
     runs, extra = [], []
     for i, link in enumerate(args.links):
         baseline = card.open_device(0).sample().used
-        proc, socket = start_daemon(args, link, tmp)
+        serve = []
+        if args.max_host:
+            config = tmp / "config.toml"
+            config.write_text(f'[quotas]\nmax_host_bytes = "{args.max_host}"\n')
+            serve += ["--config", str(config)]
+        if link != "full":
+            serve += ["--copy-bandwidth-limit", link]
+        daemon = Daemon(
+            tmp,
+            *serve,
+            binary=args.bin,
+            backend="cuda",
+            socket=str(tmp / f"ws-{len(os.listdir(tmp))}.sock"),
+            log_level=None,
+            # A link of the environment's would cap the "full" one.
+            env={"WEIGHTSTREAM_COPY_BANDWIDTH_LIMIT": None},
+            ready_s=60,
+        )
         cmd = [
             sys.executable,
             "-m",
             "tests.bench.high_rank",
             "--child",
             "--socket",
-            socket,
+            daemon.socket,
             "--link",
             link,
             "--baseline-used",
@@ -364,8 +360,7 @@ def parent(args):
                 "timeout",
             )
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            daemon.stop(timeout=60)
         for line in stdout.splitlines():
             if line.startswith("RESULT "):
                 rec = json.loads(line[7:])

@@ -19,7 +19,6 @@ import io
 import json
 import os
 import pstats
-import subprocess
 import sys
 import tempfile
 import time
@@ -227,23 +226,23 @@ def main():
     args = parser.parse_args()
     WIDTH = args.width
     import torch
-    import weightstream
+
+    from tests.daemon import Daemon
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sock = str(Path(tempfile.mkdtemp(prefix="ws-layer-")) / "ws.sock")
-    daemon = subprocess.Popen(
-        [args.bin, "serve", "--backend", "host" if args.device == "cpu" else "cuda"]
-        + ["--socket", sock],
-        stderr=open(out / "layer-daemon.log", "ab"),
+    daemon = Daemon(
+        tempfile.mkdtemp(prefix="ws-layer-"),
+        binary=args.bin,
+        backend="host" if args.device == "cpu" else "cuda",
+        log=out / "layer-daemon.log",
+        log_level=None,
+        ready_s=60,
     )
-    while not os.path.exists(sock):
-        time.sleep(0.05)
     try:
-        rows = measure(args, weightstream.connect(sock))
+        rows = measure(args, daemon.client)
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
+        daemon.stop(timeout=60)
     result = {
         "command": command(),
         "commit": commit(),

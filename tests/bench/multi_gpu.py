@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from tests.bench.provenance import command
+from tests.daemon import Daemon
 
 HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
@@ -133,21 +134,6 @@ def bandwidth(topo: dict, size: int = 2 * GiB, reps: int = 8) -> list[dict]:
     return rows
 
 
-def start_daemon(args, out: Path):
-    tmp = Path(tempfile.mkdtemp(prefix="ws-multi-"))
-    socket = str(tmp / "ws.sock")
-    proc = subprocess.Popen(
-        [args.bin, "serve", "--backend", "cuda", "--socket", socket],
-        stderr=open(out / "multi-daemon.log", "ab"),
-    )
-    deadline = time.monotonic() + 120
-    while not os.path.exists(socket):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("the daemon did not start: see multi-daemon.log")
-        time.sleep(0.1)
-    return proc, socket
-
-
 def ddp_run(args, kind: str, world: int, socket: str, out: Path) -> dict:
     result = out / f"ddp-{kind}-{world}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -217,17 +203,23 @@ def main():
         results["bandwidth"] = json.loads(lines[-1][7:]) if lines else {"error": p.stderr[-800:]}
         print(json.dumps(results["bandwidth"]), flush=True)
         path.write_text(json.dumps(results, indent=1))
-    daemon, socket = start_daemon(args, out)
+    daemon = Daemon(
+        tempfile.mkdtemp(prefix="ws-multi-"),
+        binary=args.bin,
+        backend="cuda",
+        log=out / "multi-daemon.log",
+        log_level=None,
+        ready_s=120,
+    )
     try:
         for run in args.runs:
             kind, _, world = run.partition(":")
-            record = ddp_run(args, kind, int(world), socket, out)
+            record = ddp_run(args, kind, int(world), daemon.socket, out)
             results["runs"].append(record)
             path.write_text(json.dumps(results, indent=1))
             print(json.dumps(record)[:2000], flush=True)
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
+        daemon.stop(timeout=60)
     logs = sorted(x.name for x in out.glob("multi-*.log"))
     if logs:
         subprocess.run(

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tests.daemon import Daemon
 from tests.gpu import wsgpu
 
 MiB = 1 << 20
@@ -114,15 +114,16 @@ def main():
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="ws-bench-"))
-    socket = str(tmp / "ws.sock")
-    daemon = subprocess.Popen(
-        [args.bin, "serve", "--backend", "cuda", "--socket", socket],
-        stderr=open(out / "bench-daemon.log", "ab"),
+    daemon = Daemon(
+        tempfile.mkdtemp(prefix="ws-bench-"),
+        binary=args.bin,
+        backend="cuda",
+        log=out / "bench-daemon.log",
+        log_level=None,
+        ready_s=60,
     )
     try:
-        wsgpu.wait_for("the socket", lambda: os.path.exists(socket), 60)
-        client = wsgpu.connect(socket)
+        client = daemon.client
         pinned = wsgpu.pinned_h2d_gbps(reps=10)
         rate = matmul_rate()
         manifest, upload_s = upload_model(client, int(args.size_gib * GiB))
@@ -191,8 +192,7 @@ def main():
             print("probe", probe, flush=True)
         session.close()
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
+        daemon.stop(timeout=60)
 
     result = {
         "device": torch.cuda.get_device_name(0),

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import socket as pysocket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 from tests.bench.card import parse_rate  # noqa: E402
+from tests.daemon import Daemon
 from tests.gpu import wsgpu
 
 MiB = 1 << 20
@@ -142,38 +142,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_daemon(binary: str, limit: str, out: Path):
-    """A daemon on the CUDA backend with the device's limit; its socket and metrics URL."""
-    tmp = Path(tempfile.mkdtemp(prefix="ws-linkcap-"))
-    sock = str(tmp / "ws.sock")
-    port = free_port()
-    daemon = subprocess.Popen(
-        [
-            binary,
-            "serve",
-            "--backend",
-            "cuda",
-            "--socket",
-            sock,
-            "--copy-bandwidth-limit",
-            limit,
-            "--metrics-listen",
-            f"127.0.0.1:{port}",
-        ],
-        stderr=open(out / "link-cap-daemon.log", "ab"),
-    )
-    return daemon, sock, f"http://127.0.0.1:{port}/metrics"
-
-
 def check_limit(args, limit_text: str, tensors: dict, out: Path, failures: list) -> dict:
     """Both checks under one device limit (its own daemon); appends what failed."""
     limit, share = parse_rate(limit_text), parse_rate(args.share)
-    daemon, sock, metrics_url = start_daemon(args.bin, limit_text, out)
+    port = free_port()
+    daemon = Daemon(
+        tempfile.mkdtemp(prefix="ws-linkcap-"),
+        "--copy-bandwidth-limit",
+        limit_text,
+        "--metrics-listen",
+        f"127.0.0.1:{port}",
+        binary=args.bin,
+        backend="cuda",
+        log=out / "link-cap-daemon.log",
+        log_level=None,
+        ready_s=60,
+    )
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
     result: dict = {"limit_bytes_per_s": limit, "share_bytes_per_s": share}
     at = f"at {limit / 1e9:g} GB/s"
     try:
-        wsgpu.wait_for("the socket", lambda: os.path.exists(sock), 60)
-        client = wsgpu.connect(sock)
+        client = daemon.client
         manifest, _ = client.upload_model("link-cap", tensors)
         nbytes = [t.nbytes for t in manifest.tensors]
         staging = int(args.staging_gib * GiB)
@@ -267,8 +256,7 @@ def check_limit(args, limit_text: str, tensors: dict, out: Path, failures: list)
         print(f"two sessions {at}: {result['two_sessions']}")
         return result
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
+        daemon.stop(timeout=60)
 
 
 def main() -> int:

@@ -25,6 +25,7 @@ import torch
 import weightstream
 from safetensors.torch import load_file, save_file
 
+from tests.daemon import Daemon
 from tests.gpu import wsgpu
 from tests.gpu.wsgpu import pb
 
@@ -66,14 +67,16 @@ class Suite:
         self.daemon = None
 
     def start_daemon(self):
-        log = open(self.out / "daemon.log", "ab")
-        self.daemon = subprocess.Popen(
-            [self.args.bin, "serve", "--backend", "cuda", "--socket", self.socket],
-            stderr=log,
-            env={**os.environ, "WEIGHTSTREAM_LOG": "info"},
+        self.daemon = Daemon(
+            self.tmp,
+            binary=self.args.bin,
+            backend="cuda",
+            socket=self.socket,
+            log=self.out / "daemon.log",
+            log_level="info",
+            ready_s=60,
         )
-        wsgpu.wait_for("the daemon's socket", lambda: os.path.exists(self.socket), 60)
-        self.client = wsgpu.connect(self.socket)
+        self.client = self.daemon.client
 
     def check(self, name, fn):
         started = time.monotonic()
@@ -246,8 +249,7 @@ class Suite:
     def shutdown(self):
         session = self.small_session()
         assert self.run_steps(session, 1) == 0
-        self.daemon.send_signal(signal.SIGTERM)
-        code = self.daemon.wait(timeout=30)
+        code = self.daemon.stop(timeout=30)
         started = time.monotonic()
         try:
             session.acquire(0)
@@ -282,9 +284,8 @@ class Suite:
         return self.finish()
 
     def finish(self):
-        if self.daemon and self.daemon.poll() is None:
-            self.daemon.terminate()
-            self.daemon.wait(timeout=30)
+        if self.daemon is not None:
+            self.daemon.stop(timeout=30)
         passed = sum(r["ok"] for r in self.results)
         failed = len(self.results) - passed
         (self.out / "gpu_suite.json").write_text(json.dumps(self.results, indent=2))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,21 +24,9 @@ import weightstream.torch as wst  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from weightstream import _fused_dequant, _upload, quantize  # noqa: E402
 
+from tests.daemon import Daemon  # noqa: E402
 from tests.python.torch import test_torch as t  # noqa: E402
 from tests.python.torch import test_torch_fp8 as t8  # noqa: E402
-
-
-def start_daemon(binary: str, tmp: Path, out: Path):
-    socket = str(tmp / "ws.sock")
-    proc = subprocess.Popen(
-        [binary, "serve", "--backend", "cuda", "--socket", socket],
-        stderr=open(out / "torch-daemon.log", "ab"),
-    )
-    deadline = time.monotonic() + 60
-    while not os.path.exists(socket):
-        assert proc.poll() is None and time.monotonic() < deadline, "daemon did not start"
-        time.sleep(0.05)
-    return proc, weightstream.connect(socket)
 
 
 def equality(
@@ -497,7 +484,15 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     torch.backends.cuda.enable_cudnn_sdp(False)
     torch.use_deterministic_algorithms(True)
-    proc, client = start_daemon(binary, Path(tempfile.mkdtemp(prefix="ws-torch-")), out)
+    daemon = Daemon(
+        tempfile.mkdtemp(prefix="ws-torch-"),
+        binary=binary,
+        backend="cuda",
+        log=out / "torch-daemon.log",
+        log_level=None,
+        ready_s=60,
+    )
+    client = daemon.client
 
     def by_block_8bit(**kwargs):
         """8-bit streaming by block, bf16, non-reentrant checkpointing."""
@@ -605,8 +600,7 @@ def main():
             failed += 1
             print(f"FAIL {name}: {e!r}", flush=True)
             traceback.print_exc()
-    proc.terminate()
-    proc.wait(timeout=60)
+    daemon.stop(timeout=60)
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
 

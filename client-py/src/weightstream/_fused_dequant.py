@@ -11,7 +11,7 @@ and edge tensors; ``WEIGHTSTREAM_FUSED_DEQUANT=0`` turns it off (the torch path 
 
 Triton is optional: where it cannot be imported (CPU-only installs), or the tensors are not on a
 CUDA device, ``quantize.dequantize`` keeps its torch path. The kernels' indexing is tested on
-the CPU too, by Triton's interpreter (``tests/python/test_fused_dequant.py``: float16 and
+the CPU too, by Triton's interpreter (``tests/python/torch/test_fused_dequant.py``: float16 and
 float32 only, as the interpreter does not round to bfloat16 as the GPU does).
 """
 
