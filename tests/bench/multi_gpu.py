@@ -23,7 +23,6 @@ from pathlib import Path
 from tests.bench.provenance import command
 from tests.daemon import Daemon
 
-HERE = Path(__file__).resolve().parent
 GiB = 1 << 30
 
 
@@ -137,7 +136,8 @@ def bandwidth(topo: dict, size: int = 2 * GiB, reps: int = 8) -> list[dict]:
 def ddp_run(args, kind: str, world: int, socket: str, out: Path) -> dict:
     result = out / f"ddp-{kind}-{world}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd += [f"--nproc-per-node={world}", str(HERE / "ddp_train.py")]
+    # -m: ddp_train imports tests.bench.*, run from the repository root like this script.
+    cmd += [f"--nproc-per-node={world}", "-m", "tests.bench.ddp_train"]
     cmd += ["--model", args.model, "--lora-rank", str(args.lora_rank), "--out", str(result)]
     cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
     if kind == "resident":
@@ -194,7 +194,7 @@ def main():
     if not args.no_bandwidth:
         # In a child: the runs below should find no CUDA context of this process on the GPUs.
         p = subprocess.run(
-            [sys.executable, __file__, "--bandwidth-only"],
+            [sys.executable, "-m", "tests.bench.multi_gpu", "--bandwidth-only"],
             capture_output=True,
             text=True,
             timeout=args.timeout,

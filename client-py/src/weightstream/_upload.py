@@ -178,7 +178,7 @@ def first_non_finite(tensors) -> str | None:
 
 
 #: The daemon's tensor alignment in a model's arena: ``TENSOR_ALIGN`` of daemon/src/store/mod.rs
-#: (pinned by tests/python/test_client.py, against the source and a daemon's charge).
+#: (pinned by tests/python/client/test_client.py, against the source and a daemon's charge).
 TENSOR_ALIGN = 4096
 
 

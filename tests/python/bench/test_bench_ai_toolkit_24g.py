@@ -248,7 +248,7 @@ def test_the_trainable_host_line_is_read_from_the_trainers_log():
         "delay": False,
     }
     assert bench.trainable_report("loading\nstep 1\n") is None
-    # the line tests/python/test_ai_toolkit_trainable.py has the launcher print
+    # the line tests/python/ai_toolkit/test_ai_toolkit_trainable.py has the launcher print
     own = bench.trainable_report(
         "weightstream-aitk: trainable: host: 12 LoRA layers and their adamw state in 0.00 GB "
         "of host memory (the trainer's own: no attached model holds the layers the LoRA wraps); "

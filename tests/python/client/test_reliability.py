@@ -242,6 +242,7 @@ def test_an_attached_model_resumes_after_a_daemon_restart(daemon):
     import signal
 
     import weightstream.torch as wst
+
     from tests.python.torch.test_torch import assert_equal_runs, inputs, make_model, train
 
     ref = make_model()

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from tests.python.torch.ddp_worker import STEPS, make_model, reference
 
 WORLD = 2

@@ -557,6 +557,7 @@ def make_wrapped_model():
     """make_model with two more libraries' forwards on its frozen layers: ai-toolkit's LoRA
     on proj_out (``org_forward``) and an accelerate hook on blocks.1.fc1's base layer."""
     from accelerate.hooks import add_hook_to_module
+
     from tests.python.torch.test_torch_hooks import CountingHook, OrgForwardLoRA
 
     model = make_model()

@@ -42,7 +42,7 @@ device→host copy is done.
 
 Exactness: the layer's forward and gradients are those of the same weights on the device; the
 accumulation is a bf16 (or the working dtype's) add, as autograd's; the step is ``HostAdamW``'s
-(see there). Tests: ``tests/python/test_trainable.py``.
+(see there). Tests: ``tests/python/torch_host/test_trainable.py``.
 
 Modules: ``storage`` (``HostStorage``, ``Carver``, ``BounceRing``: the host memory),
 ``sizing`` (what it takes and costs, checked before anything moves), ``transfers`` (the
