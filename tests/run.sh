@@ -39,7 +39,7 @@ if ! command -v systemd-analyze >/dev/null || ! command -v tmux >/dev/null; then
 fi
 
 step "a second uid for the security tests: user ws-attacker"
-# daemon/tests/security.rs, daemon/tests/security_store.rs and tests/python/client/test_security.py
+# daemon/e2e/tests/security.rs, daemon/e2e/tests/security_store.rs and tests/python/client/test_security.py
 # attack the daemon as another uid;
 # with WEIGHTSTREAM_REQUIRE_ROOT=1 they fail (rather than skip) without root and that user.
 # CI runs as root; as a user, run WEIGHTSTREAM_REQUIRE_ROOT=0 tests/run.sh to skip them.

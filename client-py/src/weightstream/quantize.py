@@ -13,7 +13,7 @@ and formulas: ``dequantize_as``, and for the formats whose library does not comp
 layer from the dequantized weight, ``linear_as``.
 
 The daemon quantizes in Rust (``daemon/src/store/quantize.rs``), byte for byte as
-``quantize_fp8_block64`` here (``daemon/tests/data/fp8_vectors.safetensors``, written by
+``quantize_fp8_block64`` here (``daemon/e2e/tests/data/fp8_vectors.safetensors``, written by
 ``tests/python/client/gen_fp8_vectors.py`` from this module, pins both). The exactness contract
 of 8-bit streaming: a model streamed in this format equals, bit for bit, the same model with
 each streamed weight replaced in place by its w_hat (``to_fp8_resident``).

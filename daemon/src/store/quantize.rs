@@ -13,7 +13,7 @@
 //! `q` is stored as e4m3fn bytes in the weight's own shape, the scales as little-endian fp32 of
 //! shape `[rows, cols/64]` (or `[rows, 1]`). The arithmetic is torch's reference step for step
 //! (`w.float()`, `amax`, `/ 448`, `w / scale`, `clamp`, `.to(torch.float8_e4m3fn)`), and the
-//! results equal it bit for bit (`daemon/tests/quantize.rs` against a fixture torch wrote).
+//! results equal it bit for bit (`daemon/e2e/tests/quantize.rs` against a fixture torch wrote).
 //! The division stays a division: `w * (1 / scale)` rounds twice and differs from torch in the
 //! last bit of some quotients, which moves some of them across a rounding boundary of e4m3.
 

@@ -1,14 +1,15 @@
-"""Writes daemon/tests/data/fp8_vectors.safetensors: fp8_e4m3_block64 inputs and torch's outputs.
+"""Writes daemon/e2e/tests/data/fp8_vectors.safetensors: fp8_e4m3_block64 inputs and torch's
+outputs.
 
-    /work/main/.venv/bin/python tests/python/client/gen_fp8_vectors.py    # (re)write the fixture
+    .venv/bin/python -m tests.python.client.gen_fp8_vectors    # (re)write the fixture
 
 For each case `C` the file holds `C.w` (the weight: BF16, F16 or F32, rank >= 2), `C.q` (torch's
 float8_e4m3fn bytes as U8, the weight's shape) and `C.scale` (F32, [rows, cols/64] or [rows, 1]);
 `convert.x` (F32) and `convert.q` (U8) pin the bare f32 -> e4m3fn conversion, including inputs
 past 448 that the quantizer clamps away. The Rust quantizer must reproduce every byte
-(daemon/tests/quantize.rs); tests/python/client/test_fp8_reference.py checks that this script still
-writes the committed file. The quantizer is the package's (``weightstream.quantize``): needs the
-package installed, torch (CPU) and safetensors; deterministic (seeded generators).
+(daemon/e2e/tests/quantize.rs); tests/python/client/test_fp8_reference.py checks that this script
+still writes the committed file. The quantizer is the package's (``weightstream.quantize``): needs
+the package installed, torch (CPU) and safetensors; deterministic (seeded generators).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from safetensors.torch import save_file
 from weightstream.quantize import E4M3_MAX, quantize_fp8_block64
 
 ROOT = Path(__file__).resolve().parents[3]
-FIXTURE = ROOT / "daemon" / "tests" / "data" / "fp8_vectors.safetensors"
+FIXTURE = ROOT / "daemon" / "e2e" / "tests" / "data" / "fp8_vectors.safetensors"
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
 

@@ -4,7 +4,7 @@ regions nor an upload's region through the handoff socket, even holding their se
 an uploader cannot truncate its region, nor commit it while mapped, nor write it once
 committed. Without root or that user the attacker tests are skipped, and fail when
 WEIGHTSTREAM_REQUIRE_ROOT=1 (tests/run.sh sets it). (The daemon end to end, with more
-attacks: ``daemon/tests/security.rs``.)"""
+attacks: ``daemon/e2e/tests/security.rs``.)"""
 
 from __future__ import annotations
 

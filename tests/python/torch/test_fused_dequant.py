@@ -71,7 +71,7 @@ for name, q, scale in cases:
 
 
 def test_the_kernels_compute_the_formula_under_the_interpreter():
-    vectors = ROOT / "daemon" / "tests" / "data" / "fp8_vectors.safetensors"
+    vectors = ROOT / "daemon" / "e2e" / "tests" / "data" / "fp8_vectors.safetensors"
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(vectors)],

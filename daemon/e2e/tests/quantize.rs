@@ -3,7 +3,7 @@
 //! word for word, and an ignored throughput bench:
 //!
 //! ```text
-//! cargo test --release -p weightstream-daemon --test quantize -- --ignored --nocapture
+//! cargo test --release -p weightstream-e2e --test quantize -- --ignored --nocapture
 //! ```
 
 use std::num::NonZeroUsize;
