@@ -538,7 +538,8 @@ async fn descriptions_are_charged_and_uploads_in_progress_are_bounded() {
 
 /// ListModels and ListSessions come in pages: `page_size` entries (100 by default, at most
 /// 1000), then a `next_page_token` that is empty on the last page; a token no list gave is
-/// refused.
+/// refused: one made up from an id (`m-123`, `s-0`, `s-00001`, a listed model's id), or one
+/// the other list gave.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lists_come_in_pages() {
     let daemon = start_daemon().await;
@@ -558,6 +559,7 @@ async fn lists_come_in_pages() {
     let mut raw = raw_client(&daemon.socket).await;
     let mut pages = Vec::new();
     let mut token = String::new();
+    let mut models_token = String::new();
     loop {
         let page = raw
             .list_models(proto::ListModelsRequest {
@@ -573,6 +575,7 @@ async fn lists_come_in_pages() {
             break;
         }
         token = page.next_page_token;
+        models_token.clone_from(&token);
     }
     assert_eq!(
         pages,
@@ -604,7 +607,7 @@ async fn lists_come_in_pages() {
         .map(|s| s.session_id.as_str())
         .collect();
     assert_eq!(listed, [sessions[0].id(), sessions[1].id()]);
-    assert_eq!(page.next_page_token, sessions[1].id());
+    assert!(!page.next_page_token.is_empty());
     let rest = raw
         .list_sessions(proto::ListSessionsRequest {
             page_size: 2,
@@ -628,20 +631,58 @@ async fn lists_come_in_pages() {
         (too_big.code(), too_big.message()),
         (Code::InvalidArgument, "page_size: 1001, the limit is 1000")
     );
-    let bad_token = raw
+    let session_token = page_token_of_sessions(&mut raw).await;
+    let made_up = ["m-123", &ids[0], "s-0", "s-00001", "0", &session_token];
+    for token in made_up {
+        let refused = raw
+            .list_models(proto::ListModelsRequest {
+                page_size: 0,
+                page_token: token.to_string(),
+            })
+            .await
+            .unwrap_err();
+        // Named by its first 64 characters at most.
+        let shown: String = token.chars().take(64).collect();
+        let want = format!("page_token: '{shown}' is not a token this list gave");
+        assert_eq!(
+            (refused.code(), refused.message()),
+            (Code::InvalidArgument, &*want)
+        );
+    }
+    let made_up = ["m-123", "s-0", "s-00001", sessions[0].id(), &models_token];
+    for token in made_up {
+        let refused = raw
+            .list_sessions(proto::ListSessionsRequest {
+                page_size: 0,
+                page_token: token.to_string(),
+            })
+            .await
+            .unwrap_err();
+        // Named by its first 64 characters at most.
+        let shown: String = token.chars().take(64).collect();
+        let want = format!("page_token: '{shown}' is not a token this list gave");
+        assert_eq!(
+            (refused.code(), refused.message()),
+            (Code::InvalidArgument, &*want)
+        );
+    }
+}
+
+/// The first page's token of ListSessions at one session a page.
+async fn page_token_of_sessions(
+    raw: &mut weightstream_client::proto::weight_stream_client::WeightStreamClient<
+        tonic::transport::Channel,
+    >,
+) -> String {
+    let page = raw
         .list_sessions(proto::ListSessionsRequest {
-            page_size: 0,
-            page_token: "m-123".into(),
+            page_size: 1,
+            page_token: String::new(),
         })
         .await
-        .unwrap_err();
-    assert_eq!(
-        (bad_token.code(), bad_token.message()),
-        (
-            Code::InvalidArgument,
-            "page_token: 'm-123' is not a token this list gave"
-        )
-    );
+        .unwrap()
+        .into_inner();
+    page.next_page_token
 }
 
 /// A BeginUpload declaring 200 000 tensors (3.4 MB; the daemon takes up to 16 MiB) is checked on a blocking thread, not on

@@ -3,6 +3,7 @@
 //! host regions and state regions that their owners fetch.
 
 mod drops;
+pub use drops::random_secret;
 mod secrets;
 
 use std::collections::HashMap;
