@@ -547,7 +547,7 @@ impl Client {
     pub async fn list_models(&mut self) -> Result<proto::ListModelsResponse, ClientError> {
         let mut all = proto::ListModelsResponse::default();
         let mut page_token = String::new();
-        loop {
+        for _ in 0..MAX_LIST_PAGES {
             let request = proto::ListModelsRequest {
                 page_size: 0,
                 page_token: page_token.clone(),
@@ -562,13 +562,14 @@ impl Client {
             repeated_token(&page_token, &page.next_page_token, "ListModels")?;
             page_token = page.next_page_token;
         }
+        Err(too_many_pages("ListModels"))
     }
 
     /// Every session (all pages).
     pub async fn list_sessions(&mut self) -> Result<Vec<proto::SessionInfo>, ClientError> {
         let mut sessions = Vec::new();
         let mut page_token = String::new();
-        loop {
+        for _ in 0..MAX_LIST_PAGES {
             let request = proto::ListSessionsRequest {
                 page_size: 0,
                 page_token: page_token.clone(),
@@ -582,6 +583,7 @@ impl Client {
             repeated_token(&page_token, &page.next_page_token, "ListSessions")?;
             page_token = page.next_page_token;
         }
+        Err(too_many_pages("ListSessions"))
     }
 
     /// Makes sure the daemon has `model_id`: opens and loads again the paths this client loaded
@@ -680,6 +682,18 @@ impl Client {
         r.map_err(|s| self.status(s))?;
         Ok(())
     }
+}
+
+/// The most pages a list is read in: 100 000 entries at the daemon's default page size, far
+/// past any store or session count; a daemon that keeps giving fresh tokens is not followed
+/// forever (nor into all of this process's memory).
+pub const MAX_LIST_PAGES: u32 = 1000;
+
+fn too_many_pages(call: &str) -> ClientError {
+    ClientError::Protocol(format!(
+        "{call} gave a next page after {MAX_LIST_PAGES} pages, the most a client reads: the \
+         process at this socket does not behave as a weightstream daemon"
+    ))
 }
 
 /// A daemon that hands back the page token it was given would be paged forever.
