@@ -268,6 +268,55 @@ async fn an_upload_is_sealed_by_the_daemon() {
     run_step(&session, &[0], &expected).await;
 }
 
+/// An uploader that closes its region's seals (F_SEAL_SEAL) before the commit has the commit
+/// refused as its own doing, FAILED_PRECONDITION naming the seal and what to do (not INTERNAL);
+/// it aborts and uploads again. The limit on uploads in progress speaks of one in the singular.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uploader_that_closes_the_seals_is_told_so() {
+    let daemon = start_daemon_with(|c| c.limits.max_uploads = 1).await;
+    let tensors = uniform_model(77, 1, 4096);
+    let mut raw = raw_client(&daemon.socket).await;
+    let begun = raw
+        .begin_upload(upload_request("sealed-shut", &tensors))
+        .await
+        .unwrap()
+        .into_inner();
+    let second = raw
+        .begin_upload(upload_request("second", &tensors))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (second.code(), second.message()),
+        (
+            Code::ResourceExhausted,
+            "limits.max_uploads = 1 reached: the daemon has 1 upload in progress"
+        )
+    );
+    let (fd, _) = fetch_fd(&daemon.socket, &begun.fd_secret).await.unwrap();
+    rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SEAL).unwrap();
+    let commit = proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
+        upload_id: begun.upload_id.clone(),
+    };
+    let status = raw.commit_upload(commit).await.unwrap_err();
+    let closed = format!(
+        "upload_id '{}': the client closed the upload region's seals (F_SEAL_SEAL), so the \
+         daemon cannot seal it against writes: abort the upload and upload again without \
+         F_SEAL_SEAL",
+        begun.upload_id
+    );
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::FailedPrecondition, closed.as_str())
+    );
+    raw.abort_upload(proto::AbortUploadRequest {
+        upload_id: begun.upload_id.clone(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(daemon.uploads(), 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // (d) no names
 
