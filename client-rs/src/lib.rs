@@ -203,7 +203,7 @@ impl Client {
     /// [`Client::connect`] to a socket already resolved.
     pub async fn connect_to(socket: ResolvedSocket) -> Result<Client, ClientError> {
         let channel = Client::endpoint()
-            .connect_with_connector(Client::dialer(&socket.path))
+            .connect_with_connector(Client::dialer(&socket))
             .await
             .map_err(|e| error::unreachable(&socket, &e))?;
         Ok(Client::with_channel(channel, socket))
@@ -217,7 +217,7 @@ impl Client {
 
     /// [`Client::connect_lazy`] to a socket already resolved.
     pub fn connect_lazy_to(socket: ResolvedSocket) -> Client {
-        let channel = Client::endpoint().connect_with_connector_lazy(Client::dialer(&socket.path));
+        let channel = Client::endpoint().connect_with_connector_lazy(Client::dialer(&socket));
         Client::with_channel(channel, socket)
     }
 
@@ -226,8 +226,10 @@ impl Client {
         Endpoint::from_static("http://weightstream.local").connect_timeout(Duration::from_secs(5))
     }
 
+    /// Connects as [`ResolvedSocket::connect_checked`] says: never through another user's
+    /// socket directory, never to another user's daemon.
     fn dialer(
-        socket: &Path,
+        socket: &ResolvedSocket,
     ) -> impl tower::Service<
         Uri,
         Response = hyper_util::rt::TokioIo<UnixStream>,
@@ -236,11 +238,11 @@ impl Client {
     > + Clone
     + Send
     + 'static {
-        let path = socket.to_path_buf();
+        let socket = socket.clone();
         tower::service_fn(move |_: Uri| {
-            let path = path.clone();
+            let socket = socket.clone();
             async move {
-                let stream = UnixStream::connect(path).await?;
+                let stream = socket.connect_checked().await?;
                 Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
             }
         })

@@ -268,6 +268,50 @@ async fn an_upload_is_sealed_by_the_daemon() {
     run_step(&session, &[0], &expected).await;
 }
 
+/// A client never goes through a socket directory another user made: with no --socket, no
+/// XDG_RUNTIME_DIR and no system socket it falls back to `/tmp/weightstream-<uid>`, and refuses
+/// it when another user owns it (here root made it and serves a daemon there, as a squatter
+/// would), naming the directory, its owner and what to do, before it connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_refuses_a_socket_directory_another_user_made() {
+    let Some(ids) = attacker() else { return };
+    if std::path::Path::new(weightstream_client::socket::SYSTEM_SOCKET).exists() {
+        eprintln!("skipped: a system socket exists, so clients do not fall back");
+        return;
+    }
+    let dir = weightstream_client::socket::fallback_dir(ids.0);
+    /// Removes the squatted directory however the test ends.
+    struct Gone(std::path::PathBuf);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    std::fs::create_dir(&dir).unwrap();
+    let _gone = Gone(dir.clone());
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let socket = dir.join(weightstream_client::socket::SOCKET_NAME);
+    let _daemon = start_daemon_with(|c| {
+        c.socket = Some(socket.clone());
+        c.socket_group = Some(ids.1.to_string());
+    })
+    .await;
+    let got = attack(ids, &socket, "list-implicit", &[]).await;
+    assert_eq!(
+        got,
+        format!(
+            "failed: cannot reach the weightstream daemon at {}: refusing the socket directory \
+             {}: owned by \
+             uid 0, not by this user (uid {}); a daemon of this user makes it mode 0700: \
+             remove it (another user's daemon may be serving there), or pass --socket (or set \
+             WEIGHTSTREAM_SOCKET, XDG_RUNTIME_DIR)",
+            socket.display(),
+            dir.display(),
+            ids.0
+        )
+    );
+}
+
 /// An uploader that closes its region's seals (F_SEAL_SEAL) before the commit has the commit
 /// refused as its own doing, FAILED_PRECONDITION naming the seal and what to do (not INTERNAL);
 /// it aborts and uploads again. The limit on uploads in progress speaks of one in the singular.
