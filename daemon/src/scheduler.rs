@@ -22,6 +22,13 @@
 //! charged a whole copy when the copy starts. A session its share allows goes before those
 //! without a share (its share holds it to its part; the others get the rest), and what its share
 //! earns while it waits for another session's copy is kept past the burst, for its next copy.
+//! While every ready copy is held back by its session's share the thread sleeps until the first
+//! share allows one (a submission, a cancel or a stop wakes it sooner), and a held session is
+//! passed over without a look at its queue: the thread's cost is in sessions, not in requests.
+//!
+//! Clients' own copies (grants, [`Work::Grant`]) go the same way, 8 MiB a turn in each
+//! direction (device to host on a thread of its own), so one session's grants cost another at
+//! most a piece; a session's end drops them, the piece being let go included.
 
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroU64;

@@ -248,7 +248,10 @@ mod tests {
         std::os::unix::fs::symlink(parent.path(), &link).unwrap();
         assert_eq!(
             refused(&link, uid),
-            format!("{}: a symbolic link, not a directory: {tail}", link.display())
+            format!(
+                "{}: a symbolic link, not a directory: {tail}",
+                link.display()
+            )
         );
     }
 
