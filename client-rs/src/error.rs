@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use crate::handoff::HandoffError;
 use crate::proto;
-use crate::socket::ResolvedSocket;
+use crate::socket::{self, ResolvedSocket};
 use crate::sources::SourceError;
 
 #[derive(Debug, thiserror::Error)]
@@ -101,7 +101,13 @@ pub(crate) fn unreachable(
     ClientError::Unavailable {
         socket: socket.path.clone(),
         reason: match io_cause(e) {
-            Some(io) => socket.unreachable(io),
+            Some(io) => match io
+                .get_ref()
+                .and_then(|c| c.downcast_ref::<socket::Refused>())
+            {
+                Some(refused) => refused.0.clone(),
+                None => socket.unreachable(io),
+            },
             None => source_chain(e),
         },
     }

@@ -199,7 +199,7 @@ impl Client {
     /// [`Client::connect`] to a socket already resolved.
     pub async fn connect_to(socket: ResolvedSocket) -> Result<Client, ClientError> {
         let channel = Client::endpoint()
-            .connect_with_connector(Client::dialer(&socket.path))
+            .connect_with_connector(Client::dialer(&socket))
             .await
             .map_err(|e| error::unreachable(&socket, &e))?;
         Ok(Client::with_channel(channel, socket))
@@ -213,7 +213,7 @@ impl Client {
 
     /// [`Client::connect_lazy`] to a socket already resolved.
     pub fn connect_lazy_to(socket: ResolvedSocket) -> Client {
-        let channel = Client::endpoint().connect_with_connector_lazy(Client::dialer(&socket.path));
+        let channel = Client::endpoint().connect_with_connector_lazy(Client::dialer(&socket));
         Client::with_channel(channel, socket)
     }
 
@@ -222,8 +222,10 @@ impl Client {
         Endpoint::from_static("http://weightstream.local").connect_timeout(Duration::from_secs(5))
     }
 
+    /// Connects as [`ResolvedSocket::connect_checked`] says: never through another user's
+    /// socket directory, never to another user's daemon.
     fn dialer(
-        socket: &Path,
+        socket: &ResolvedSocket,
     ) -> impl tower::Service<
         Uri,
         Response = hyper_util::rt::TokioIo<UnixStream>,
@@ -232,11 +234,11 @@ impl Client {
     > + Clone
     + Send
     + 'static {
-        let path = socket.to_path_buf();
+        let socket = socket.clone();
         tower::service_fn(move |_: Uri| {
-            let path = path.clone();
+            let socket = socket.clone();
             async move {
-                let stream = UnixStream::connect(path).await?;
+                let stream = socket.connect_checked().await?;
                 Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
             }
         })
@@ -543,7 +545,7 @@ impl Client {
     pub async fn list_models(&mut self) -> Result<proto::ListModelsResponse, ClientError> {
         let mut all = proto::ListModelsResponse::default();
         let mut page_token = String::new();
-        loop {
+        for _ in 0..MAX_LIST_PAGES {
             let request = proto::ListModelsRequest {
                 page_size: 0,
                 page_token: page_token.clone(),
@@ -558,13 +560,14 @@ impl Client {
             repeated_token(&page_token, &page.next_page_token, "ListModels")?;
             page_token = page.next_page_token;
         }
+        Err(too_many_pages("ListModels"))
     }
 
     /// Every session (all pages).
     pub async fn list_sessions(&mut self) -> Result<Vec<proto::SessionInfo>, ClientError> {
         let mut sessions = Vec::new();
         let mut page_token = String::new();
-        loop {
+        for _ in 0..MAX_LIST_PAGES {
             let request = proto::ListSessionsRequest {
                 page_size: 0,
                 page_token: page_token.clone(),
@@ -578,6 +581,7 @@ impl Client {
             repeated_token(&page_token, &page.next_page_token, "ListSessions")?;
             page_token = page.next_page_token;
         }
+        Err(too_many_pages("ListSessions"))
     }
 
     /// Makes sure the daemon has `model_id`: opens and loads again the paths this client loaded
@@ -676,6 +680,18 @@ impl Client {
         r.map_err(|s| self.status(s))?;
         Ok(())
     }
+}
+
+/// The most pages a list is read in: 100 000 entries at the daemon's default page size, far
+/// past any store or session count; a daemon that keeps giving fresh tokens is not followed
+/// forever (nor into all of this process's memory).
+pub const MAX_LIST_PAGES: u32 = 1000;
+
+fn too_many_pages(call: &str) -> ClientError {
+    ClientError::Protocol(format!(
+        "{call} gave a next page after {MAX_LIST_PAGES} pages, the most a client reads: the \
+         process at this socket does not behave as a weightstream daemon"
+    ))
 }
 
 /// A daemon that hands back the page token it was given would be paged forever.

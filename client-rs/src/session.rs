@@ -372,11 +372,24 @@ impl Session {
     }
 
     /// Sends a CopyGrant and returns at once: the answer comes to the returned [`Granting`]
-    /// (already granted where the daemon does not pace this client's copies).
+    /// (already granted where the daemon does not pace this client's copies). A copy larger
+    /// than the session's `max_grant_bytes` is asked for in several grants, answered together.
     pub fn submit_grant(&self, bytes: u64, to_device: bool) -> Result<Granting, ClientError> {
         if !self.opened.paces_client_copies {
-            return Ok(Granting(None));
+            return Ok(Granting(Vec::new()));
         }
+        let mut answers = Vec::new();
+        for part in grant_parts(bytes, self.opened.max_grant_bytes) {
+            answers.push(self.submit_one_grant(part, to_device)?);
+        }
+        Ok(Granting(answers))
+    }
+
+    fn submit_one_grant(
+        &self,
+        bytes: u64,
+        to_device: bool,
+    ) -> Result<oneshot::Receiver<Result<(), ClientError>>, ClientError> {
         let (tx, rx) = oneshot::channel();
         let id = self.number(|routes, id| {
             routes.grants.insert(id, tx);
@@ -395,7 +408,7 @@ impl Session {
             lock(&self.routes).grants.remove(&id);
             return Err(e);
         }
-        Ok(Granting(Some(rx)))
+        Ok(rx)
     }
 
     /// The next number for a ticket or a grant (one sequence, so that a fault naming it names
@@ -727,9 +740,9 @@ impl Submitted {
     }
 }
 
-/// A grant sent by [`Session::submit_grant`], its answer not yet taken (`None`: nothing to
-/// wait for).
-pub struct Granting(Option<oneshot::Receiver<Result<(), ClientError>>>);
+/// A grant sent by [`Session::submit_grant`], its answers not yet taken (none: nothing to wait
+/// for): ready once every part is granted, or at the first part refused.
+pub struct Granting(Vec<oneshot::Receiver<Result<(), ClientError>>>);
 
 impl std::future::Future for Granting {
     type Output = Result<(), ClientError>;
@@ -738,13 +751,31 @@ impl std::future::Future for Granting {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
-        match &mut self.0 {
-            None => std::task::Poll::Ready(Ok(())),
-            Some(rx) => std::pin::Pin::new(rx).poll(cx).map(|r| {
-                r.map_err(|_| ClientError::SessionEnded("the stream reader stopped".into()))?
-            }),
+        while let Some(rx) = self.0.first_mut() {
+            match std::pin::Pin::new(rx).poll(cx) {
+                std::task::Poll::Pending => return std::task::Poll::Pending,
+                std::task::Poll::Ready(answer) => {
+                    self.0.remove(0);
+                    let answer = answer.map_err(|_| {
+                        ClientError::SessionEnded("the stream reader stopped".into())
+                    })?;
+                    answer?;
+                }
+            }
         }
+        std::task::Poll::Ready(Ok(()))
     }
+}
+
+/// The sizes of the grants a copy of `bytes` is asked for in: parts of at most `most` bytes
+/// (0: a daemon that states no bound, one grant).
+fn grant_parts(bytes: u64, most: u64) -> impl Iterator<Item = u64> {
+    let most = if most == 0 { bytes.max(1) } else { most };
+    let whole = bytes / most;
+    let rest = bytes % most;
+    let parts = std::iter::repeat_n(most, whole as usize);
+    // A zero-byte copy is still one grant: the daemon refuses it, naming the field.
+    parts.chain((rest > 0 || bytes == 0).then_some(rest))
 }
 
 impl std::future::Future for Submitted {
@@ -853,4 +884,19 @@ pub(crate) fn write_upload(
     }
     drop(map);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::grant_parts;
+
+    #[test]
+    fn a_copy_past_the_largest_grant_is_asked_for_in_parts() {
+        let parts = |bytes, most| grant_parts(bytes, most).collect::<Vec<u64>>();
+        assert_eq!(parts(10, 4), [4, 4, 2]);
+        assert_eq!(parts(8, 4), [4, 4]);
+        assert_eq!(parts(3, 4), [3]);
+        assert_eq!(parts(0, 4), [0]);
+        assert_eq!(parts(1 << 40, 0), [1 << 40]);
+    }
 }

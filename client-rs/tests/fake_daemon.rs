@@ -39,6 +39,8 @@ struct State {
     /// State regions by id, and those freed.
     state: HashMap<String, Arc<OwnedFd>>,
     freed: Vec<(String, String)>,
+    /// ListSessions pages given.
+    session_pages: u32,
 }
 
 impl State {
@@ -277,11 +279,20 @@ impl WeightStream for Fake {
         Ok(Response::new(proto::CloseSessionResponse {}))
     }
 
+    /// A hostile list: every page has one session and a fresh token, forever.
     async fn list_sessions(
         &self,
         _: Request<proto::ListSessionsRequest>,
     ) -> Result<Response<proto::ListSessionsResponse>, Status> {
-        Err(Status::unimplemented("fake"))
+        let token = {
+            let mut state = self.0.lock().unwrap();
+            state.session_pages += 1;
+            state.mint()
+        };
+        Ok(Response::new(proto::ListSessionsResponse {
+            sessions: vec![proto::SessionInfo::default()],
+            next_page_token: token,
+        }))
     }
 
     /// A region of `bytes`; a label "lie" answers a size the fd does not have.
@@ -553,6 +564,27 @@ async fn lists_are_read_page_by_page() {
     assert_eq!(
         (listed.store_bytes, listed.next_page_token.as_str()),
         (7, "")
+    );
+}
+
+/// A daemon that gives a fresh page token with every page is followed for
+/// `MAX_LIST_PAGES` pages, then the list fails naming the bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn endless_pages_are_followed_only_so_far() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, mut client) = start(dir.path()).await;
+    let listed = tokio::time::timeout(std::time::Duration::from_secs(60), client.list_sessions());
+    match listed.await.expect("the list ends") {
+        Err(ClientError::Protocol(message)) => assert_eq!(
+            message,
+            "ListSessions gave a next page after 1000 pages, the most a client reads: the \
+             process at this socket does not behave as a weightstream daemon"
+        ),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        state.lock().unwrap().session_pages,
+        weightstream_client::MAX_LIST_PAGES
     );
 }
 

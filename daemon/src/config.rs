@@ -144,6 +144,8 @@ pub struct Limits {
     pub max_groups_per_session: u32,
     pub max_plan_length: u32,
     pub max_live_tickets: u32,
+    /// Grants (CopyGrant) one session may have waiting for an answer at once.
+    pub max_waiting_grants: u32,
     #[serde(deserialize_with = "bytes")]
     pub max_upload_bytes: u64,
     pub max_sessions: u32,
@@ -184,6 +186,7 @@ impl Default for Limits {
             max_groups_per_session: 65_536,
             max_plan_length: 1_048_576,
             max_live_tickets: 4096,
+            max_waiting_grants: 256,
             max_upload_bytes: 1 << 40,
             max_sessions: 256,
             max_name_bytes: 1024,
@@ -551,6 +554,12 @@ impl ConfigFile {
             "1 to 1048576",
         )?;
         range(
+            "limits.max_waiting_grants",
+            l.max_waiting_grants.into(),
+            (1..=1 << 20).contains(&l.max_waiting_grants),
+            "1 to 1048576",
+        )?;
+        range(
             "limits.max_sessions",
             l.max_sessions.into(),
             l.max_sessions >= 1,
@@ -748,6 +757,7 @@ mod tests {
             "max_groups_per_session =",
             "max_plan_length =",
             "max_live_tickets =",
+            "max_waiting_grants =",
             "max_upload_bytes =",
             "max_sessions =",
             "max_name_bytes =",
@@ -855,9 +865,9 @@ mod tests {
                 "[limits]\nmax_sesions = 3",
                 "line 2: unknown field `max_sesions`, expected one of `max_message_bytes`, \
                  `max_tensors_per_model`, `max_groups_per_session`, `max_plan_length`, \
-                 `max_live_tickets`, `max_upload_bytes`, `max_sessions`, `max_name_bytes`, \
-                 `max_uploads`, `client_send_timeout_secs`, `attach_timeout_secs`, \
-                 `max_connections_per_uid`, `max_state_region_bytes`, \
+                 `max_live_tickets`, `max_waiting_grants`, `max_upload_bytes`, `max_sessions`, \
+                 `max_name_bytes`, `max_uploads`, `client_send_timeout_secs`, \
+                 `attach_timeout_secs`, `max_connections_per_uid`, `max_state_region_bytes`, \
                  `max_state_regions_per_session`",
             ),
             (

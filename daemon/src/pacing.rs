@@ -20,6 +20,10 @@ use crate::config::CopyRate;
 pub trait Clock: Send + Sync {
     fn now(&self) -> Duration;
     fn sleep(&self, d: Duration);
+    /// How long in real time to block (on a condition variable, so that others can wake the
+    /// caller sooner) for `d` of this clock's time to pass; zero when the clock has moved by
+    /// `d` itself.
+    fn block_for(&self, d: Duration) -> Duration;
 }
 
 /// The machine's monotonic clock.
@@ -38,6 +42,10 @@ impl Clock for SystemClock {
 
     fn sleep(&self, d: Duration) {
         std::thread::sleep(d);
+    }
+
+    fn block_for(&self, d: Duration) -> Duration {
+        d
     }
 }
 
@@ -58,6 +66,11 @@ impl Clock for FakeClock {
 
     fn sleep(&self, d: Duration) {
         self.advance(d);
+    }
+
+    fn block_for(&self, d: Duration) -> Duration {
+        self.advance(d);
+        Duration::ZERO
     }
 }
 

@@ -22,8 +22,15 @@
 //! charged a whole copy when the copy starts. A session its share allows goes before those
 //! without a share (its share holds it to its part; the others get the rest), and what its share
 //! earns while it waits for another session's copy is kept past the burst, for its next copy.
+//! While every ready copy is held back by its session's share the thread sleeps until the first
+//! share allows one (a submission, a cancel or a stop wakes it sooner), and a held session is
+//! passed over without a look at its queue: the thread's cost is in sessions, not in requests.
+//!
+//! Clients' own copies (grants, [`Work::Grant`]) go the same way, 8 MiB a turn in each
+//! direction (device to host on a thread of its own), so one session's grants cost another at
+//! most a piece; a session's end drops them, the piece being let go included.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -114,27 +121,46 @@ pub struct CopyRequest {
 pub enum Work {
     /// A copy the copy thread issues.
     Copy(CopyJob),
-    /// A client's own copy of this many bytes to the device (a CopyGrant): charged to the
-    /// device's limit and the session's share as a copy of that size, then answered; the client
-    /// issues the copy itself.
-    Grant(u64),
+    /// A client's own copy of `bytes` (a CopyGrant), `left` of them not yet let go: let go
+    /// piece by piece, each piece charged to the device's limit (and, to the device, the
+    /// session's share) when its turn comes, the session going to the back of the line after
+    /// each; answered once the last piece may go. The client issues the copy itself.
+    Grant { bytes: u64, left: u64 },
 }
 
 impl Work {
+    /// A grant of `bytes`, none of them let go yet.
+    pub fn grant(bytes: u64) -> Work {
+        Work::Grant { bytes, left: bytes }
+    }
+
     fn ready(&self) -> bool {
         match self {
             Work::Copy(job) => job.ready(),
-            Work::Grant(_) => true,
+            Work::Grant { .. } => true,
         }
     }
 
     fn bytes(&self) -> u64 {
         match self {
             Work::Copy(job) => job.bytes(),
-            Work::Grant(bytes) => *bytes,
+            Work::Grant { bytes, .. } => *bytes,
+        }
+    }
+
+    /// What its next turn charges: a whole copy, or a grant's next piece.
+    fn turn_bytes(&self) -> u64 {
+        match self {
+            Work::Copy(job) => job.bytes(),
+            Work::Grant { left, .. } => (*left).min(PACED_CHUNK),
         }
     }
 }
+
+/// The largest grant a client may ask for (CopyGrant.bytes), within the bytes its session is
+/// charged for: clients split larger copies into several grants. It bounds what one grant keeps
+/// queued, not what it holds the link for: that is one piece ([`PACED_CHUNK`]) per turn.
+pub const MAX_GRANT_BYTES: u64 = 256 << 20;
 
 /// Per-device counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -169,16 +195,35 @@ impl Lanes {
         queue.push_back(req);
     }
 
-    /// The next request, one session at a time in turn.
-    fn pop(&mut self) -> Option<CopyRequest> {
-        self.pop_ready(|_| true)
+    /// Puts a request back at the head of its session's queue, the session at the back of the
+    /// line (a grant's pieces go in turn with the other sessions, in order within its own).
+    fn requeue(&mut self, req: CopyRequest) {
+        let queue = self.per_session.entry(req.session).or_default();
+        if queue.is_empty() {
+            self.order.push_back(req.session);
+        }
+        queue.push_front(req);
     }
 
-    /// The next request that `ready` accepts: sessions in turn, and within a session the
-    /// oldest ready one (a copy still waiting on its client's reads lets the others pass).
-    fn pop_ready(&mut self, ready: impl Fn(&CopyRequest) -> bool) -> Option<CopyRequest> {
+    /// The next request, one session at a time in turn.
+    fn pop(&mut self) -> Option<CopyRequest> {
+        self.pop_ready(|_| true, |_| true)
+    }
+
+    /// The next request that `ready` accepts from a session that `session_ok` accepts: sessions
+    /// in turn, and within a session the oldest ready one (a copy still waiting on its client's
+    /// reads lets the others pass). A session held back is passed over without looking at its
+    /// requests: the cost is in sessions, not in what they have queued.
+    fn pop_ready(
+        &mut self,
+        session_ok: impl Fn(u64) -> bool,
+        ready: impl Fn(&CopyRequest) -> bool,
+    ) -> Option<CopyRequest> {
         for turn in 0..self.order.len() {
             let session = self.order[turn];
+            if !session_ok(session) {
+                continue;
+            }
             let queue = self.per_session.get_mut(&session)?;
             let Some(at) = queue.iter().position(&ready) else {
                 continue;
@@ -211,12 +256,35 @@ impl Lanes {
         self.per_session.remove(&session).unwrap_or_default()
     }
 
+    /// Whether the session has a request `ready` accepts (looking no further than the first).
+    fn has_ready(&self, session: u64, ready: impl Fn(&CopyRequest) -> bool) -> bool {
+        self.per_session
+            .get(&session)
+            .is_some_and(|queue| queue.iter().any(ready))
+    }
+
     fn len(&self) -> usize {
         self.per_session.values().map(VecDeque::len).sum()
     }
+}
 
-    fn iter(&self) -> impl Iterator<Item = &CopyRequest> {
-        self.per_session.values().flatten()
+/// The request a thread is running, by session: a cancel of its session marks it, so that a
+/// grant's rest is not put back in the queue.
+#[derive(Clone, Copy)]
+struct Running {
+    session: u64,
+    cancelled: bool,
+}
+
+impl Running {
+    fn mark(running: &mut Option<Running>, session: u64) {
+        if let Some(r) = running.as_mut().filter(|r| r.session == session) {
+            r.cancelled = true;
+        }
+    }
+
+    fn cancelled(running: Option<Running>) -> bool {
+        running.is_some_and(|r| r.cancelled)
     }
 }
 
@@ -224,6 +292,12 @@ impl Lanes {
 struct QueueState {
     demand: Lanes,
     prefetch: Lanes,
+    /// Grants of clients' own copies from the device: the link's other direction, which the
+    /// daemon's copies never use, served by its own thread.
+    back: Lanes,
+    /// What the copy thread and the back thread are running.
+    running: Option<Running>,
+    running_back: Option<Running>,
     stopping: bool,
     stats: DeviceCopyStats,
     /// Sessions' shares of the device's copy bandwidth, by session.
@@ -232,11 +306,11 @@ struct QueueState {
 
 struct DeviceQueue {
     state: Mutex<QueueState>,
+    /// Wakes the copy thread: a submission, a cancel, a stop.
     wake: Condvar,
+    /// Wakes the back thread likewise.
+    back_wake: Condvar,
     limit: Option<CopyRate>,
-    /// The link's other direction under the device's limit: clients' own device-to-host copies
-    /// (CopyGrant), which take no turn in the queue (the daemon copies nothing that way).
-    back: Option<Mutex<TokenBucket>>,
 }
 
 impl DeviceQueue {
@@ -254,10 +328,17 @@ pub struct CopyScheduler {
     clock: Arc<dyn Clock>,
 }
 
-/// Counts its copy thread out when the thread ends, however it ends.
-struct Running(Arc<tokio::sync::watch::Sender<usize>>);
+/// Counts its thread out when the thread ends, however it ends.
+struct Counted(Arc<tokio::sync::watch::Sender<usize>>);
 
-impl Drop for Running {
+impl Counted {
+    fn new(running: &Arc<tokio::sync::watch::Sender<usize>>) -> Counted {
+        running.send_modify(|n| *n += 1);
+        Counted(running.clone())
+    }
+}
+
+impl Drop for Counted {
     fn drop(&mut self) {
         self.0.send_modify(|n| *n -= 1);
     }
@@ -282,30 +363,43 @@ impl CopyScheduler {
             let queue = Arc::new(DeviceQueue {
                 state: Mutex::new(QueueState::default()),
                 wake: Condvar::new(),
+                back_wake: Condvar::new(),
                 limit: pacing.device_limit,
-                back: (pacing.device_limit).map(|rate| {
-                    Mutex::new(TokenBucket::new(rate, PACING_BURST, pacing.clock.now()))
-                }),
             });
+            queues.push(queue.clone());
             let (q, b, clock) = (queue.clone(), backend.clone(), pacing.clock.clone());
-            running.send_modify(|n| *n += 1);
-            let counted = Running(running.clone());
-            let thread = std::thread::Builder::new()
+            let counted = Counted::new(&running);
+            let copy = std::thread::Builder::new()
                 .name(format!("ws-copy-{device}"))
                 .spawn(move || {
                     let _counted = counted;
                     copy_loop(device, &q, b.as_ref(), clock.as_ref());
                 });
-            let thread = match thread {
-                Ok(t) => t,
-                Err(e) => {
+            // Without a limit a grant from the device is answered at once: no thread.
+            let back = pacing.device_limit.map(|rate| {
+                let (q, clock) = (queue.clone(), pacing.clock.clone());
+                let counted = Counted::new(&running);
+                std::thread::Builder::new()
+                    .name(format!("ws-grant-back-{device}"))
+                    .spawn(move || {
+                        let _counted = counted;
+                        let bucket = TokenBucket::new(rate, PACING_BURST, clock.now());
+                        back_loop(&q, clock.as_ref(), bucket);
+                    })
+            });
+            match (copy, back.transpose()) {
+                (Ok(copy), Ok(back)) => threads.extend([Some(copy), back].into_iter().flatten()),
+                (copy, back) => {
                     // Threads already started end with the queues they serve.
                     queues.iter().for_each(|q: &Arc<DeviceQueue>| q.stop());
-                    return Err(e);
+                    let error = copy.as_ref().err().or(back.as_ref().err());
+                    let error = error.map_or_else(
+                        || std::io::Error::other("a thread failed to start"),
+                        |e| std::io::Error::new(e.kind(), e.to_string()),
+                    );
+                    return Err(error);
                 }
-            };
-            queues.push(queue);
-            threads.push(thread);
+            }
         }
         Ok(Arc::new(CopyScheduler {
             queues,
@@ -333,20 +427,29 @@ impl CopyScheduler {
         }
     }
 
-    /// Grants a client's own copy of `bytes` from the device (CopyGrant, device to host):
-    /// charged to the device's limit on the link's other direction. Returns how long the client
-    /// must wait before it copies (zero without a limit).
-    pub fn grant_from_device(&self, device: usize, bytes: u64) -> Duration {
+    /// Queues a grant of a client's own copy from the device (CopyGrant, device to host, in
+    /// `req.work`): under the device's limit, its pieces go in turn with other sessions' on the
+    /// link's other direction, each charged to that direction's bucket when it goes, and `done`
+    /// reports once the last may go; without a limit, at once.
+    pub fn submit_from_device(&self, device: usize, req: CopyRequest) {
         let queue = &self.queues[device];
-        let wait = match &queue.back {
-            None => Duration::ZERO,
-            Some(bucket) => {
-                let mut bucket = bucket.lock().unwrap_or_else(|p| p.into_inner());
-                bucket.reserve(self.clock.now(), bytes)
-            }
-        };
-        queue.lock().stats.granted_d2h_bytes += bytes;
-        wait
+        let mut state = queue.lock();
+        if state.stopping {
+            drop(state);
+            return cancel(req);
+        }
+        if queue.limit.is_none() {
+            let bytes = req.work.bytes();
+            state.stats.granted_d2h_bytes += bytes;
+            drop(state);
+            return (req.done)(CopyOutcome {
+                result: Ok(()),
+                bytes,
+                elapsed: Duration::ZERO,
+            });
+        }
+        state.back.push(req);
+        queue.back_wake.notify_one();
     }
 
     /// The session's share, bytes per second, if it has one.
@@ -386,14 +489,21 @@ impl CopyScheduler {
 
     /// Drops a session's queued copies (each reports `Cancelled`) and its share; a copy
     /// already running finishes and reports as usual. Returns how many were dropped.
+    /// A grant being let go ends with its current piece.
     pub fn cancel_session(&self, device: usize, session: u64) -> usize {
+        let queue = &self.queues[device];
         let dropped: Vec<CopyRequest> = {
-            let mut state = self.queues[device].lock();
+            let mut state = queue.lock();
             state.shares.remove(&session);
+            Running::mark(&mut state.running, session);
+            Running::mark(&mut state.running_back, session);
             let mut d: Vec<_> = state.demand.take_session(session).into();
             d.extend(state.prefetch.take_session(session));
+            d.extend(state.back.take_session(session));
             d
         };
+        queue.wake.notify_all();
+        queue.back_wake.notify_all();
         let n = dropped.len();
         dropped.into_iter().for_each(cancel);
         n
@@ -402,7 +512,7 @@ impl CopyScheduler {
     pub fn stats(&self, device: usize) -> DeviceCopyStats {
         let state = self.queues[device].lock();
         DeviceCopyStats {
-            queued: (state.demand.len() + state.prefetch.len()) as u64,
+            queued: (state.demand.len() + state.prefetch.len() + state.back.len()) as u64,
             ..state.stats
         }
     }
@@ -468,13 +578,17 @@ impl DeviceQueue {
             let mut state = self.lock();
             state.stopping = true;
             let mut d = Vec::new();
-            while let Some(r) = state.demand.pop().or_else(|| state.prefetch.pop()) {
+            while let Some(r) = (state.demand.pop())
+                .or_else(|| state.prefetch.pop())
+                .or_else(|| state.back.pop())
+            {
                 d.push(r);
             }
             d
         };
         dropped.into_iter().for_each(cancel);
         self.wake.notify_all();
+        self.back_wake.notify_all();
     }
 }
 
@@ -496,6 +610,33 @@ fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
+fn relock<'a, T>(
+    waited: std::sync::LockResult<(MutexGuard<'a, T>, std::sync::WaitTimeoutResult)>,
+) -> MutexGuard<'a, T> {
+    waited.map_or_else(|p| p.into_inner().0, |(guard, _)| guard)
+}
+
+/// Waits on `wake` until `clock` reads `until` or `done` holds of the state; returns its guard.
+/// On a fake clock the time moves at once (tests see the whole wait, never a real one).
+fn wait_until<'a, T>(
+    clock: &dyn Clock,
+    wake: &Condvar,
+    mut state: MutexGuard<'a, T>,
+    until: Duration,
+    done: impl Fn(&T) -> bool,
+) -> MutexGuard<'a, T> {
+    loop {
+        let now = clock.now();
+        if done(&state) || now >= until {
+            return state;
+        }
+        let block = clock.block_for(until - now);
+        if !block.is_zero() {
+            state = relock(wake.wait_timeout(state, block));
+        }
+    }
+}
+
 fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &dyn Clock) {
     let mut link = queue
         .limit
@@ -514,70 +655,65 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                 shares,
                 ..
             } = &mut *state;
-            let allowed = |r: &CopyRequest| {
-                shares
-                    .get(&r.session)
-                    .is_none_or(|b| b.delay(now).is_zero())
-            };
-            let ready = |r: &CopyRequest| r.work.ready() && allowed(r);
+            // A session in debt with its share is passed over whole: what it has queued costs
+            // nothing while it waits.
+            let allowed = |s: u64| shares.get(&s).is_none_or(|b| b.delay(now).is_zero());
+            let ready = |r: &CopyRequest| r.work.ready();
             // Within a class, a session whose share allows a copy goes before those without a
             // share: its share already holds it to its part of the link, and taking turns copy
             // by copy would hold it to the others' copy sizes instead (one 8 MiB copy per
             // 64 MiB of theirs), whatever its share.
-            let shared = |r: &CopyRequest| shares.contains_key(&r.session) && ready(r);
+            let shared = |s: u64| shares.contains_key(&s) && allowed(s);
             let next = demand
-                .pop_ready(shared)
-                .or_else(|| demand.pop_ready(ready))
-                .or_else(|| prefetch.pop_ready(shared))
-                .or_else(|| prefetch.pop_ready(ready));
+                .pop_ready(shared, ready)
+                .or_else(|| demand.pop_ready(allowed, ready))
+                .or_else(|| prefetch.pop_ready(shared, ready))
+                .or_else(|| prefetch.pop_ready(allowed, ready));
+            let has_ready = |s: u64| demand.has_ready(s, ready) || prefetch.has_ready(s, ready);
             match next {
                 Some(r) => {
                     tracing::debug!(target: TIMELINE, session = r.session,
                         group = %TagLabel(r.tag),
                         priority = ?r.priority,
-                        what = if matches!(r.work, Work::Grant(_)) { "grant" } else { "copy" },
+                        what = if matches!(r.work, Work::Grant { .. }) { "grant" } else { "copy" },
                         "copy dispatched");
                     if let Some(share) = shares.get_mut(&r.session) {
-                        share.charge(now, r.work.bytes());
+                        share.charge(now, r.work.turn_bytes());
                     }
                     // The other sessions with shares and copies ready now wait for the link
                     // (this copy), not for their shares: what their shares earn meanwhile is
                     // theirs, not cut at the burst as if they were idle.
-                    if shares.len() > usize::from(shares.contains_key(&r.session)) {
-                        let waiting: HashSet<u64> = demand
-                            .iter()
-                            .chain(prefetch.iter())
-                            .filter(|q| q.work.ready())
-                            .map(|q| q.session)
-                            .collect();
-                        for (session, share) in shares.iter_mut() {
-                            if *session == r.session {
-                                continue;
-                            }
-                            if waiting.contains(session) {
-                                share.waiting_from(now);
-                            } else {
-                                share.not_waiting();
-                            }
+                    for (&session, share) in shares.iter_mut() {
+                        if session == r.session {
+                            continue;
+                        }
+                        if has_ready(session) {
+                            share.waiting_from(now);
+                        } else {
+                            share.not_waiting();
                         }
                     }
+                    state.running = Some(Running {
+                        session: r.session,
+                        cancelled: false,
+                    });
                     r
                 }
                 None => {
-                    // Copies that could run but for their sessions' shares: wait for the first
-                    // share to allow one (on the clock, so that tests can fake it; at most a
-                    // poll's time, so that a new submission is seen as soon as it would be).
-                    let held = demand
-                        .iter()
-                        .chain(prefetch.iter())
-                        .filter(|r| r.work.ready())
-                        .filter_map(|r| shares.get(&r.session).map(|b| b.delay(now)))
+                    // Copies that could run but for their sessions' shares: sleep until the
+                    // first share allows one, or a submission, a cancel or a stop wakes us (on
+                    // the clock, so that tests can fake it).
+                    let held = (shares.iter())
+                        .filter(|(s, _)| has_ready(**s))
+                        .map(|(_, b)| b.delay(now))
                         .min();
                     if let Some(wait) = held.filter(|_| !state.stopping) {
-                        drop(state);
-                        let wait = wait.min(POLL);
-                        clock.sleep(wait);
-                        queue.lock().stats.share_throttled_ns += nanos(wait);
+                        let block = clock.block_for(wait);
+                        if !block.is_zero() {
+                            state = relock(queue.wake.wait_timeout(state, block));
+                        }
+                        let waited = clock.now().saturating_sub(now);
+                        state.stats.share_throttled_ns += nanos(waited);
                         continue;
                     }
                     let queued = state.demand.len() + state.prefetch.len();
@@ -599,33 +735,115 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
             }
         };
         let bytes = req.work.bytes();
+        let turn = req.work.turn_bytes();
+        let CopyRequest {
+            session,
+            tag,
+            priority,
+            work,
+            done,
+        } = req;
         let started = Instant::now();
-        let granted = matches!(req.work, Work::Grant(_));
-        let ran = match (req.work, &mut link) {
-            (Work::Copy(job), None) => Ran::once(backend.copy(device, job)),
+        let (ran, grant_left) = match (work, &mut link) {
+            (Work::Copy(job), None) => (Ran::once(backend.copy(device, job)), None),
             (Work::Copy(job), Some(bucket)) => {
-                run_paced(device, queue, backend, clock, bucket, job)
+                let ran = run_paced(device, queue, backend, clock, bucket, job);
+                (ran, None)
             }
-            (Work::Grant(_), None) => Ran::nothing(),
-            (Work::Grant(bytes), Some(bucket)) => pace_grant(queue, clock, bucket, bytes),
+            (Work::Grant { left, .. }, None) => (Ran::nothing(), Some(left - turn)),
+            (Work::Grant { left, .. }, Some(bucket)) => {
+                let ran = pace_grant_piece(queue, clock, bucket, turn);
+                (ran, Some(left - turn))
+            }
         };
         let elapsed = started.elapsed();
-        {
-            let mut state = queue.lock();
-            if granted {
-                state.stats.granted_h2d_bytes += bytes;
-            } else {
+        let mut state = queue.lock();
+        let cancelled = Running::cancelled(state.running.take());
+        state.stats.busy_ns += nanos(ran.busy);
+        state.stats.throttled_ns += nanos(ran.throttled);
+        let mut result = ran.result;
+        match grant_left {
+            Some(left) => {
+                state.stats.granted_h2d_bytes += turn;
+                if cancelled || state.stopping {
+                    result = Err(CopyError::Cancelled);
+                } else if left > 0 && result.is_ok() {
+                    let rest = CopyRequest {
+                        session,
+                        tag,
+                        priority,
+                        work: Work::Grant { bytes, left },
+                        done,
+                    };
+                    match priority {
+                        Priority::Demand => state.demand.requeue(rest),
+                        Priority::Prefetch => state.prefetch.requeue(rest),
+                    }
+                    continue;
+                }
+            }
+            None => {
                 state.stats.copies += 1;
                 state.stats.bytes += bytes;
             }
-            state.stats.busy_ns += nanos(ran.busy);
-            state.stats.throttled_ns += nanos(ran.throttled);
         }
-        (req.done)(CopyOutcome {
-            result: ran.result,
+        drop(state);
+        done(CopyOutcome {
+            result,
             bytes,
             elapsed,
         });
+    }
+}
+
+/// The link's other direction: grants of clients' own copies from the device, a piece at a
+/// time, sessions in turn, each piece charged to `bucket` when it goes. A cancel or a stop
+/// ends a grant's wait at once.
+fn back_loop(queue: &DeviceQueue, clock: &dyn Clock, mut bucket: TokenBucket) {
+    let mut state = queue.lock();
+    loop {
+        if state.stopping {
+            return;
+        }
+        let Some(mut req) = state.back.pop() else {
+            state = queue
+                .back_wake
+                .wait(state)
+                .unwrap_or_else(|p| p.into_inner());
+            continue;
+        };
+        let piece = req.work.turn_bytes();
+        state.running_back = Some(Running {
+            session: req.session,
+            cancelled: false,
+        });
+        let until = clock.now() + bucket.reserve(clock.now(), piece);
+        state = wait_until(clock, &queue.back_wake, state, until, |s| {
+            s.stopping || Running::cancelled(s.running_back)
+        });
+        let cancelled = Running::cancelled(state.running_back.take()) || state.stopping;
+        state.stats.granted_d2h_bytes += piece;
+        let Work::Grant { left, bytes } = &mut req.work else {
+            unreachable!("only grants go from the device");
+        };
+        *left -= piece;
+        let bytes = *bytes;
+        if !cancelled && *left > 0 {
+            state.back.requeue(req);
+            continue;
+        }
+        drop(state);
+        let result = if cancelled {
+            Err(CopyError::Cancelled)
+        } else {
+            Ok(())
+        };
+        (req.done)(CopyOutcome {
+            result,
+            bytes,
+            elapsed: Duration::ZERO,
+        });
+        state = queue.lock();
     }
 }
 
@@ -674,7 +892,7 @@ fn run_paced(
 ) -> Ran {
     let mut ran = Ran::nothing();
     for piece in split_job(job, PACED_CHUNK) {
-        if !let_piece_go(queue, clock, bucket, piece.bytes(), &mut ran) {
+        if !let_piece_go(queue, clock, bucket, piece.bytes(), &mut ran, false) {
             break;
         }
         let once = Ran::once(backend.copy(device, piece));
@@ -687,36 +905,38 @@ fn run_paced(
     ran
 }
 
-/// A grant of `bytes` to the device, paced as a copy of that size would be (piece by piece, so
-/// that the link's schedule is the same), with nothing issued: the client copies once answered.
-fn pace_grant(queue: &DeviceQueue, clock: &dyn Clock, bucket: &mut TokenBucket, bytes: u64) -> Ran {
+/// One piece of a grant to the device, paced as a copy's piece of that size would be, with
+/// nothing issued: the client copies once the whole grant is answered. Its session's end cuts
+/// the wait short.
+fn pace_grant_piece(
+    queue: &DeviceQueue,
+    clock: &dyn Clock,
+    bucket: &mut TokenBucket,
+    bytes: u64,
+) -> Ran {
     let mut ran = Ran::nothing();
-    let mut left = bytes;
-    while left > 0 {
-        let piece = left.min(PACED_CHUNK);
-        if !let_piece_go(queue, clock, bucket, piece, &mut ran) {
-            break;
-        }
-        left -= piece;
-    }
+    let_piece_go(queue, clock, bucket, bytes, &mut ran, true);
     ran
 }
 
 /// Waits until the device's bucket lets a piece of `bytes` go, adding the wait to
-/// `ran.throttled`; false (and `ran` cancelled) once the queue is stopping.
+/// `ran.throttled`; false (and `ran` cancelled) once the queue is stopping, or, for a grant
+/// (`grant`), once its session has ended.
 fn let_piece_go(
     queue: &DeviceQueue,
     clock: &dyn Clock,
     bucket: &mut TokenBucket,
     bytes: u64,
     ran: &mut Ran,
+    grant: bool,
 ) -> bool {
-    let wait = bucket.reserve(clock.now(), bytes);
-    if !wait.is_zero() {
-        clock.sleep(wait);
-        ran.throttled += wait;
-    }
-    if queue.lock().stopping {
+    let now = clock.now();
+    let until = now + bucket.reserve(now, bytes);
+    let state = wait_until(clock, &queue.wake, queue.lock(), until, |s| {
+        s.stopping || (grant && Running::cancelled(s.running))
+    });
+    ran.throttled += clock.now().saturating_sub(now).min(until - now);
+    if state.stopping || (grant && Running::cancelled(state.running)) {
         ran.result = Err(CopyError::Cancelled);
         return false;
     }
@@ -829,11 +1049,38 @@ mod tests {
             lanes.push(req(s, t));
         }
         let not_10 = |r: &CopyRequest| r.tag != 10;
-        assert_eq!(lanes.pop_ready(not_10).map(|r| r.tag), Some(11));
-        assert_eq!(lanes.pop_ready(not_10).map(|r| r.tag), Some(20));
-        assert!(lanes.pop_ready(not_10).is_none());
+        let any = |_| true;
+        assert_eq!(lanes.pop_ready(any, not_10).map(|r| r.tag), Some(11));
+        assert_eq!(lanes.pop_ready(any, not_10).map(|r| r.tag), Some(20));
+        assert!(lanes.pop_ready(any, not_10).is_none());
         assert_eq!(lanes.pop().map(|r| r.tag), Some(10));
         assert_eq!(lanes.len(), 0);
+    }
+
+    /// A session held back is passed over without a look at its requests, and a request put
+    /// back goes first in its session but after the other sessions.
+    #[test]
+    fn a_held_session_is_passed_over_whole_and_a_requeued_request_waits_its_turn() {
+        let mut lanes = Lanes::default();
+        for (s, t) in [(1, 10), (1, 11), (2, 20), (2, 21)] {
+            lanes.push(req(s, t));
+        }
+        let looked = std::cell::Cell::new(0);
+        let counted = |_: &CopyRequest| {
+            looked.set(looked.get() + 1);
+            true
+        };
+        assert_eq!(
+            lanes.pop_ready(|s| s != 1, counted).map(|r| r.tag),
+            Some(20)
+        );
+        assert_eq!(looked.get(), 1);
+        let first = lanes.pop().unwrap();
+        assert_eq!(first.tag, 10);
+        lanes.requeue(first);
+        let order: Vec<u32> = std::iter::from_fn(|| lanes.pop()).map(|r| r.tag).collect();
+        assert_eq!(order, vec![21, 10, 11]);
+        assert!(!lanes.has_ready(1, |_| true));
     }
 
     #[test]
@@ -1181,11 +1428,32 @@ mod pacing_tests {
         assert_eq!((clock.now(), stats.throttled_ns), (Duration::ZERO, 0));
     }
 
+    /// A grant of `bytes` for `session` that reports (tag, result, fake time) to `tx`.
+    fn grant_request(
+        session: u64,
+        tag: u32,
+        bytes: u64,
+        tx: &mpsc::Sender<(u32, Result<(), CopyError>, Duration)>,
+        clock: &Arc<FakeClock>,
+    ) -> CopyRequest {
+        let (tx, clock) = (tx.clone(), clock.clone());
+        CopyRequest {
+            session,
+            tag,
+            priority: Priority::Prefetch,
+            work: Work::grant(bytes),
+            done: Box::new(move |outcome| {
+                tx.send((tag, outcome.result, clock.now())).unwrap();
+            }),
+        }
+    }
+
     /// A client's own copy to the device (a grant) takes its turn in the queue and is paced as
     /// a copy of its size: 8 MiB copy, 16 MiB grant, 16 MiB copy at 100 MB/s take the same
     /// (fake) time as 40 MiB of copies, the grant answered in its place, counted apart from the
     /// copies. A grant from the device is charged to the link's other direction (its own
-    /// 16 MiB burst): 8 MiB go at once, 24 MiB more wait for 16 MiB at the rate.
+    /// 16 MiB burst) piece by piece as it goes: 8 MiB go at once, 24 MiB more wait for 16 MiB
+    /// at the rate.
     #[test]
     fn a_grant_is_paced_in_the_queue_as_a_copy_of_its_size() {
         let (backend, tensor) = backend_and_tensor();
@@ -1199,7 +1467,7 @@ mod pacing_tests {
         let (tx, rx) = mpsc::channel();
         let works = [
             Work::Copy(job_of(&region, &tensor, 8)),
-            Work::Grant(16 * MIB),
+            Work::grant(16 * MIB),
             Work::Copy(job_of(&region, &tensor, 16)),
         ];
         for (i, work) in works.into_iter().enumerate() {
@@ -1238,27 +1506,147 @@ mod pacing_tests {
             "{:?}",
             done[1].2
         );
+        let stats = scheduler.stats(0);
+        assert_eq!(Duration::from_nanos(stats.throttled_ns), clock.now());
 
-        assert_eq!(scheduler.grant_from_device(0, 8 * MIB), Duration::ZERO);
-        let wait = scheduler.grant_from_device(0, 24 * MIB);
-        assert!(wait.abs_diff(nanos_for(16 * MIB, 100_000_000)) <= Duration::from_nanos(1));
+        let start = clock.now();
+        let (tx, rx) = mpsc::channel();
+        for (tag, bytes) in [(0, 8 * MIB), (1, 24 * MIB)] {
+            scheduler.submit_from_device(0, grant_request(1, tag, bytes, &tx, &clock));
+        }
+        let done: Vec<_> = (0..2)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap())
+            .collect();
+        assert_eq!((done[0].0, done[0].1.is_ok(), done[0].2), (0, true, start));
+        let (tag, result, at) = &done[1];
+        assert_eq!((tag, result.is_ok()), (&1, true));
+        let wait = nanos_for(16 * MIB, 100_000_000);
+        assert!(
+            at.abs_diff(start + wait) <= Duration::from_nanos(2),
+            "{at:?}"
+        );
         let stats = scheduler.stats(0);
         assert_eq!(
             (
                 stats.copies,
                 stats.bytes,
                 stats.granted_h2d_bytes,
-                stats.granted_d2h_bytes
+                stats.granted_d2h_bytes,
+                stats.queued,
             ),
-            (2, 24 * MIB, 16 * MIB, 32 * MIB)
+            (2, 24 * MIB, 16 * MIB, 32 * MIB, 0)
         );
-        assert_eq!(Duration::from_nanos(stats.throttled_ns), clock.now());
         scheduler.shutdown();
 
-        // Without a limit a grant from the device waits for nothing.
+        // Without a limit a grant from the device waits for nothing: answered as it is asked.
         let unpaced = CopyScheduler::start(backend_and_tensor().0, 1).unwrap();
-        assert_eq!(unpaced.grant_from_device(0, 1 << 40), Duration::ZERO);
+        let (tx, rx) = mpsc::channel();
+        unpaced.submit_from_device(0, grant_request(1, 0, 1 << 40, &tx, &clock));
+        assert!(rx.try_recv().unwrap().1.is_ok());
         unpaced.shutdown();
+    }
+
+    /// A real clock for the tests whose point is what happens while a grant is being let go.
+    fn paced_scheduler(limit: u64) -> Arc<CopyScheduler> {
+        let pacing = Pacing {
+            device_limit: rate(limit),
+            clock: Arc::new(SystemClock::default()),
+        };
+        CopyScheduler::start_paced(backend_and_tensor().0, 1, pacing).unwrap()
+    }
+
+    /// Another session's copy asked while a 256 MiB grant is being let go (1 GB/s: about
+    /// 270 ms) goes after at most one of its pieces, not after the whole grant: its answer
+    /// comes first. The same on the link's other direction, between two sessions' grants.
+    #[test]
+    fn another_sessions_copy_goes_between_the_pieces_of_a_grant() {
+        let (backend, tensor) = backend_and_tensor();
+        let region = backend.alloc_region(0, 8 * MIB, "staging").unwrap();
+        let scheduler = paced_scheduler(1_000_000_000);
+        let (tx, rx) = mpsc::channel();
+        let (first_tx, first_rx) = mpsc::channel();
+        let big = {
+            let tx = tx.clone();
+            CopyRequest {
+                session: 1,
+                tag: 1,
+                priority: Priority::Prefetch,
+                work: Work::grant(256 * MIB),
+                done: Box::new(move |o| tx.send(("grant", o.result.is_ok())).unwrap()),
+            }
+        };
+        scheduler.submit(0, big);
+        // A 1 MiB copy of session 3 in the grant's wake: its turn comes after the grant's
+        // first piece, so its answer says the grant is being let go.
+        let marker = CopyRequest {
+            session: 3,
+            tag: 3,
+            priority: Priority::Prefetch,
+            work: Work::Copy(job_of(&region, &tensor, 1)),
+            done: Box::new(move |_| first_tx.send(()).unwrap()),
+        };
+        scheduler.submit(0, marker);
+        first_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+        let copy = CopyRequest {
+            session: 2,
+            tag: 2,
+            priority: Priority::Demand,
+            work: Work::Copy(job_of(&region, &tensor, 8)),
+            done: Box::new(move |o| tx.send(("copy", o.result.is_ok())).unwrap()),
+        };
+        scheduler.submit(0, copy);
+        let order: Vec<_> = (0..2)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap())
+            .collect();
+        assert_eq!(order, [("copy", true), ("grant", true)]);
+
+        let (tx, rx) = mpsc::channel();
+        let clock = Arc::new(FakeClock::default());
+        scheduler.submit_from_device(0, grant_request(1, 1, 256 * MIB, &tx, &clock));
+        scheduler.submit_from_device(0, grant_request(2, 2, MIB, &tx, &clock));
+        let order: Vec<u32> = (0..2)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap().0)
+            .collect();
+        assert_eq!(order, [2, 1]);
+        scheduler.shutdown();
+    }
+
+    /// A session's end drops its grants at once, the one being let go included, in both
+    /// directions: at 100 MB/s a 256 MiB grant would take 2.5 s more.
+    #[test]
+    fn a_sessions_end_drops_its_grants_the_one_being_let_go_included() {
+        let scheduler = paced_scheduler(100_000_000);
+        let clock = Arc::new(FakeClock::default());
+        let (tx, rx) = mpsc::channel();
+        scheduler.submit(0, grant_request(1, 1, 256 * MIB, &tx, &clock));
+        scheduler.submit(0, grant_request(1, 2, MIB, &tx, &clock));
+        scheduler.submit_from_device(0, grant_request(1, 3, 256 * MIB, &tx, &clock));
+        scheduler.submit_from_device(0, grant_request(1, 4, MIB, &tx, &clock));
+        // Past both bursts: both threads are in the midst of a grant's pieces.
+        let in_midst = |s: DeviceCopyStats| {
+            s.granted_h2d_bytes > PACING_BURST && s.granted_d2h_bytes > PACING_BURST
+        };
+        let started = Instant::now();
+        while !in_midst(scheduler.stats(0)) {
+            assert!(started.elapsed() < Duration::from_secs(10));
+            std::thread::yield_now();
+        }
+        let cancelled_at = Instant::now();
+        // The two grants queued behind, and either of the others if it was back in the queue
+        // between two pieces.
+        assert!((2..=4).contains(&scheduler.cancel_session(0, 1)));
+        let mut done: Vec<_> = (0..4)
+            .map(|_| {
+                let (tag, result, _) = rx.recv_timeout(Duration::from_secs(10)).unwrap();
+                (tag, matches!(result, Err(CopyError::Cancelled)))
+            })
+            .collect();
+        done.sort();
+        assert_eq!(done, [(1, true), (2, true), (3, true), (4, true)]);
+        // At most the piece each thread had begun: 8 MiB at 100 MB/s.
+        assert!(cancelled_at.elapsed() < Duration::from_millis(500));
+        assert_eq!(scheduler.stats(0).queued, 0);
+        scheduler.shutdown();
     }
 
     /// Session 1's share (100 MB/s, 16 MiB burst) lets its first three 8 MiB copies go at once

@@ -158,7 +158,28 @@ fn connect(socket: &Path) -> Result<(UnixStream, Instant), HandoffError> {
         path: socket.to_path_buf(),
         source,
     })?;
+    check_daemon(socket, &stream)?;
     Ok((stream, deadline))
+}
+
+/// The handoff socket under the gRPC socket's rules: its directory, when it is the fallback
+/// one, as [`ResolvedSocket::check_dir`] says; its peer as [`ResolvedSocket::check_peer`] says
+/// of a socket the caller named (the caller, root, the system socket's owner, or the socket
+/// file's owner). Fds go out and come in here: never to or from a place another user made.
+///
+/// [`ResolvedSocket::check_dir`]: crate::socket::ResolvedSocket::check_dir
+/// [`ResolvedSocket::check_peer`]: crate::socket::ResolvedSocket::check_peer
+fn check_daemon(socket: &Path, stream: &UnixStream) -> Result<(), HandoffError> {
+    let caller = rustix::process::getuid().as_raw();
+    let named = crate::socket::ResolvedSocket::explicit(socket);
+    let found = crate::socket::ResolvedSocket {
+        explicit: false,
+        ..named.clone()
+    };
+    found.check_dir(caller).map_err(HandoffError::Invalid)?;
+    let peer = crate::socket::peer_uid(stream).map_err(HandoffError::Io)?;
+    let system = Path::new(crate::socket::SYSTEM_SOCKET);
+    (named.check_peer(peer, caller, system)).map_err(HandoffError::Invalid)
 }
 
 /// The text after `OK ` and the fds that came with it, or the daemon's `ERR` as an error.

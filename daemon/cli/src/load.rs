@@ -2,14 +2,19 @@
 //! say where the time went (the daemon's phases: allocating, reading, page-locking).
 #![forbid(unsafe_code)]
 
+use std::cell::Cell;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use weightstream_client::{Client, proto, quantization_name, resolve_sources};
 
-use super::{CliResult, human, parse_quantize, saved, shown};
+use super::{CliResult, Deadline, human, parse_quantize, saved, shown};
+
+/// The longest a load may go without a progress report: a phase reports once when it begins
+/// (page-locking a large model takes a while), however short `--timeout` is.
+const LOAD_SILENCE: Duration = Duration::from_secs(600);
 
 #[derive(Debug, clap::Args)]
 pub struct LoadArgs {
@@ -39,7 +44,7 @@ pub struct LoadArgs {
     pin: bool,
 }
 
-pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
+pub async fn run(socket: Option<PathBuf>, args: LoadArgs, deadline: Deadline) -> CliResult {
     let paths = args
         .files
         .iter()
@@ -52,7 +57,9 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
     } else {
         proto::Retention::Cached
     };
-    let client = Client::connect(socket.as_deref()).await?;
+    let client = deadline
+        .on("connecting", Client::connect(socket.as_deref()))
+        .await?;
     let mut client = client.with_retention(retention);
     let name = args.name.as_deref().unwrap_or_default();
     let started = Instant::now();
@@ -75,8 +82,12 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
     };
     bar.set_message(verb);
     let mut file_bytes = 0;
-    let manifest = client
-        .load_model(&paths, name, args.quantize, |p| {
+    // The daemon takes the files within the deadline, then reports as it goes.
+    let silence = deadline.0.max(LOAD_SILENCE);
+    let heard = Cell::new(Instant::now() + deadline.0);
+    let manifest = {
+        let load = client.load_model(&paths, name, args.quantize, |p| {
+            heard.set(Instant::now() + silence);
             file_bytes = p.bytes_total;
             bar.set_length(p.bytes_total);
             bar.set_position(p.bytes_done);
@@ -87,8 +98,21 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs) -> CliResult {
             } else {
                 verb.into()
             });
-        })
-        .await;
+        });
+        tokio::pin!(load);
+        loop {
+            let until = tokio::time::Instant::from_std(heard.get());
+            tokio::select! {
+                manifest = &mut load => break manifest,
+                () = tokio::time::sleep_until(until) => {
+                    if heard.get() <= Instant::now() {
+                        bar.finish_and_clear();
+                        return Err(deadline.missed("LoadModel").into());
+                    }
+                }
+            }
+        }
+    };
     bar.finish_and_clear();
     let manifest = manifest?;
     let wall = started.elapsed().as_secs_f64();

@@ -57,6 +57,12 @@ struct Cli {
         default_value = "text"
     )]
     log_format: LogFormat,
+    /// Seconds a command waits for each answer from the daemon (connecting, each call; `load`:
+    /// taking the files, then each progress report, at least 10 minutes apart). A daemon that
+    /// is stuck, or a socket that accepts and never answers, ends the command with an error.
+    #[arg(long, global = true, env = "WEIGHTSTREAM_TIMEOUT", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    timeout: u64,
     #[command(subcommand)]
     command: Command,
 }
@@ -159,16 +165,17 @@ fn main() -> ExitCode {
         }
     };
     let socket = cli.socket;
+    let deadline = Deadline(std::time::Duration::from_secs(cli.timeout));
     let result = rt.block_on(async move {
         match cli.command {
             Command::Serve(args) => {
                 let given = serve::Given::new(matches.subcommand_matches("serve"));
                 serve::run(socket, args, given).await
             }
-            Command::Status(args) => status::run(socket, args).await,
-            Command::Top(args) => top::run(socket, args).await,
-            Command::Load(args) => load::run(socket, args).await,
-            Command::Release(args) => release::run(socket, args).await,
+            Command::Status(args) => status::run(socket, args, deadline).await,
+            Command::Top(args) => top::run(socket, args, deadline).await,
+            Command::Load(args) => load::run(socket, args, deadline).await,
+            Command::Release(args) => release::run(socket, args, deadline).await,
             Command::Demo(args) => demo::run(args).await,
         }
     });
@@ -200,6 +207,32 @@ impl std::fmt::Display for UsageError {
 }
 
 impl std::error::Error for UsageError {}
+
+/// How long a command waits for each answer from the daemon (`--timeout`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadline(std::time::Duration);
+
+impl Deadline {
+    /// `call`'s answer, or, past the deadline, an error that names `what` and the wait.
+    pub(crate) async fn on<T, E: Into<BoxError>>(
+        self,
+        what: &str,
+        call: impl std::future::Future<Output = Result<T, E>>,
+    ) -> CliResult<T> {
+        match tokio::time::timeout(self.0, call).await {
+            Ok(answer) => answer.map_err(Into::into),
+            Err(_) => Err(self.missed(what).into()),
+        }
+    }
+
+    pub(crate) fn missed(self, what: &str) -> String {
+        format!(
+            "no answer from the daemon to {what} within {} s: it is stuck, or the socket is \
+             not a weightstream daemon's (--timeout / WEIGHTSTREAM_TIMEOUT sets the wait)",
+            self.0.as_secs()
+        )
+    }
+}
 
 /// How long the runtime waits, at exit, for tasks still running (see `main`).
 const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_millis(250);

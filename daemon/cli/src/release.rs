@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use weightstream_client::Client;
 
-use super::{CliResult, shown};
+use super::{CliResult, Deadline, shown};
 
 #[derive(Debug, clap::Args)]
 pub struct ReleaseArgs {
@@ -21,15 +21,17 @@ pub struct ReleaseArgs {
     all: bool,
 }
 
-pub async fn run(socket: Option<PathBuf>, args: ReleaseArgs) -> CliResult {
-    let mut client = Client::connect(socket.as_deref()).await?;
+pub async fn run(socket: Option<PathBuf>, args: ReleaseArgs, deadline: Deadline) -> CliResult {
+    let connect = Client::connect(socket.as_deref());
+    let mut client = deadline.on("connecting", connect).await?;
     let id = shown(&args.model_id);
     if args.all {
-        client.release_model_for_all(&args.model_id).await?;
+        let release = client.release_model_for_all(&args.model_id);
+        deadline.on("ReleaseModel", release).await?;
         out!("{id}  released for every uid  (it leaves the store once no session uses it)");
         return Ok(());
     }
-    let left = client.release_model(&args.model_id).await?;
+    let left = (deadline.on("ReleaseModel", client.release_model(&args.model_id))).await?;
     let fate = if left == 0 {
         "no references left: it leaves the store once no session uses it"
     } else {

@@ -9,7 +9,7 @@ use weightstream_client::Client;
 use weightstream_client::proto;
 use weightstream_client::quantization_name;
 
-use super::{CliResult, human, shown};
+use super::{CliResult, Deadline, human, shown};
 
 #[derive(Debug, clap::Args)]
 pub struct StatusArgs {
@@ -18,11 +18,12 @@ pub struct StatusArgs {
     json: bool,
 }
 
-pub async fn run(socket: Option<PathBuf>, args: StatusArgs) -> CliResult {
-    let mut client = Client::connect(socket.as_deref()).await?;
-    let info = client.info().await?;
-    let models = client.list_models().await?;
-    let sessions = client.list_sessions().await?;
+pub async fn run(socket: Option<PathBuf>, args: StatusArgs, deadline: Deadline) -> CliResult {
+    let connect = Client::connect(socket.as_deref());
+    let mut client = deadline.on("connecting", connect).await?;
+    let info = deadline.on("GetInfo", client.info()).await?;
+    let models = deadline.on("ListModels", client.list_models()).await?;
+    let sessions = deadline.on("ListSessions", client.list_sessions()).await?;
     if args.json {
         out!(
             "{}",

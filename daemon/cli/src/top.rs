@@ -17,7 +17,7 @@ use ratatui::widgets::{Block, Borders, Paragraph, Row, Sparkline, Table};
 use tokio::sync::mpsc;
 use weightstream_client::{Client, ResolvedSocket, proto};
 
-use super::{CliResult, UsageError, human, shown};
+use super::{CliResult, Deadline, UsageError, human, shown};
 
 #[derive(Debug, clap::Args)]
 pub struct TopArgs {
@@ -86,12 +86,14 @@ struct Poller {
     previous: HashMap<String, proto::SessionStats>,
     at: Instant,
     history: usize,
+    deadline: Deadline,
 }
 
 impl Poller {
     async fn refresh(&mut self, view: &mut View) {
         if self.client.is_none() {
-            match Client::connect_to(self.socket.clone()).await {
+            let connect = Client::connect_to(self.socket.clone());
+            match self.deadline.on("connecting", connect).await {
                 Ok(c) => self.client = Some(c),
                 Err(e) => {
                     view.error = Some(e.to_string());
@@ -103,7 +105,7 @@ impl Poller {
             return;
         };
         if view.devices.is_empty() {
-            match client.info().await {
+            match self.deadline.on("GetInfo", client.info()).await {
                 Ok(info) => {
                     view.backend = match proto::Backend::try_from(info.backend) {
                         Ok(proto::Backend::Cuda) => "cuda".into(),
@@ -119,7 +121,11 @@ impl Poller {
                 }
             }
         }
-        let sessions = match client.list_sessions().await {
+        let sessions = match self
+            .deadline
+            .on("ListSessions", client.list_sessions())
+            .await
+        {
             Ok(s) => s,
             Err(e) => {
                 view.error = Some(e.to_string());
@@ -391,7 +397,7 @@ fn spawn_keys() -> mpsc::UnboundedReceiver<()> {
     rx
 }
 
-pub async fn run(socket: Option<PathBuf>, args: TopArgs) -> CliResult {
+pub async fn run(socket: Option<PathBuf>, args: TopArgs, deadline: Deadline) -> CliResult {
     let resolved = ResolvedSocket::from_env(socket.as_deref());
     let mut poller = Poller {
         client: None,
@@ -399,6 +405,7 @@ pub async fn run(socket: Option<PathBuf>, args: TopArgs) -> CliResult {
         previous: HashMap::new(),
         at: Instant::now(),
         history: args.history as usize,
+        deadline,
     };
     let mut view = View {
         socket: resolved.path.display().to_string(),

@@ -1,7 +1,7 @@
 //! Bad input that could take the daemon down: run against `weightstream serve` as its own
 //! process, so that its death is observed rather than shared with the test.
 
-#[path = "../../tests/common/mod.rs"]
+#[path = "../../e2e/tests/common/mod.rs"]
 mod common;
 
 use common::*;
@@ -46,4 +46,53 @@ async fn truncating_an_uploaded_model_does_not_kill_the_daemon() {
         .expect("the daemon still accepts");
     probe.info().await.expect("the daemon still answers");
     assert!(daemon.0.try_wait().unwrap().is_none(), "the daemon died");
+}
+
+/// A socket that accepts connections and never answers (a stuck daemon, or not one) ends every
+/// command within its `--timeout`, with an error naming the call it waited for and the wait.
+#[test]
+fn every_command_gives_up_on_a_socket_that_never_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ws.sock");
+    // Never accepted: the kernel completes the connections and queues them, and nothing
+    // answers on them.
+    let _listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let commands: [&[&str]; 4] = [
+        &["status"],
+        &["status", "--json"],
+        &["top", "--once"],
+        &["release", "m-0123456789abcdef0123456789abcdef"],
+    ];
+    for args in commands {
+        let started = std::time::Instant::now();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_weightstream"))
+            .args(["--timeout", "1", "--socket"])
+            .arg(&socket)
+            .args(args)
+            .output()
+            .unwrap();
+        let took = started.elapsed();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let call = if args[0] == "release" {
+            "ReleaseModel"
+        } else {
+            "GetInfo"
+        };
+        assert_eq!(
+            (out.status.code(), stderr.trim_end()),
+            (
+                Some(1),
+                &*format!(
+                    "error: no answer from the daemon to {call} within 1 s: it is stuck, or the \
+                     socket is not a weightstream daemon's (--timeout / WEIGHTSTREAM_TIMEOUT \
+                     sets the wait)"
+                )
+            ),
+            "{args:?}"
+        );
+        assert!(
+            took < std::time::Duration::from_secs(10),
+            "{args:?}: {took:?}"
+        );
+    }
 }

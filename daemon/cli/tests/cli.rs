@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-#[path = "../../tests/common/mod.rs"]
+#[path = "../../e2e/tests/common/mod.rs"]
 mod common;
 
 use common::Reaped;

@@ -9,7 +9,7 @@
 //! The killed trainers are this test binary run again as a child (`fault_client`, an ignored
 //! test that does nothing unless `WS_CHILD_SOCKET` is set).
 
-#[path = "../../tests/common/mod.rs"]
+#[path = "../../e2e/tests/common/mod.rs"]
 mod common;
 mod served;
 

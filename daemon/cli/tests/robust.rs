@@ -7,7 +7,7 @@
 //! No test measures a duration: they wait for an event (a log line, an exit, a reply) under a
 //! generous ceiling, and the CPU check counts clock ticks against wall ticks.
 
-#[path = "../../tests/common/mod.rs"]
+#[path = "../../e2e/tests/common/mod.rs"]
 mod common;
 mod served;
 

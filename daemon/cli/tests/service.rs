@@ -2,7 +2,7 @@
 //! NOTIFY_SOCKET, a clean exit on SIGTERM with a session open (its client told why, no shared
 //! memory left), the socket's group, and the metrics endpoint's lifetime.
 
-#[path = "../../tests/common/mod.rs"]
+#[path = "../../e2e/tests/common/mod.rs"]
 mod common;
 
 use std::os::unix::fs::MetadataExt;

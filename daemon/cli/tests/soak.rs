@@ -8,7 +8,7 @@
 //! `WEIGHTSTREAM_SOAK_SECS=300 WEIGHTSTREAM_SOAK_OUT=tests/bench/results/soak.json \
 //!  cargo test --release -p weightstream-cli --test soak -- --nocapture`
 
-#[path = "../../tests/common/mod.rs"]
+#[path = "../../e2e/tests/common/mod.rs"]
 mod common;
 mod served;
 

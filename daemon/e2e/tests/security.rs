@@ -268,6 +268,99 @@ async fn an_upload_is_sealed_by_the_daemon() {
     run_step(&session, &[0], &expected).await;
 }
 
+/// A client never goes through a socket directory another user made: with no --socket, no
+/// XDG_RUNTIME_DIR and no system socket it falls back to `/tmp/weightstream-<uid>`, and refuses
+/// it when another user owns it (here root made it and serves a daemon there, as a squatter
+/// would), naming the directory, its owner and what to do, before it connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_refuses_a_socket_directory_another_user_made() {
+    let Some(ids) = attacker() else { return };
+    if std::path::Path::new(weightstream_client::socket::SYSTEM_SOCKET).exists() {
+        eprintln!("skipped: a system socket exists, so clients do not fall back");
+        return;
+    }
+    let dir = weightstream_client::socket::fallback_dir(ids.0);
+    /// Removes the squatted directory however the test ends.
+    struct Gone(std::path::PathBuf);
+    impl Drop for Gone {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    std::fs::create_dir(&dir).unwrap();
+    let _gone = Gone(dir.clone());
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let socket = dir.join(weightstream_client::socket::SOCKET_NAME);
+    let _daemon = start_daemon_with(|c| {
+        c.socket = Some(socket.clone());
+        c.socket_group = Some(ids.1.to_string());
+    })
+    .await;
+    let got = attack(ids, &socket, "list-implicit", &[]).await;
+    assert_eq!(
+        got,
+        format!(
+            "failed: cannot reach the weightstream daemon at {}: refusing the socket directory \
+             {}: owned by \
+             uid 0, not by this user (uid {}); a daemon of this user makes it mode 0700: \
+             remove it (another user's daemon may be serving there), or pass --socket (or set \
+             WEIGHTSTREAM_SOCKET, XDG_RUNTIME_DIR)",
+            socket.display(),
+            dir.display(),
+            ids.0
+        )
+    );
+}
+
+/// An uploader that closes its region's seals (F_SEAL_SEAL) before the commit has the commit
+/// refused as its own doing, FAILED_PRECONDITION naming the seal and what to do (not INTERNAL);
+/// it aborts and uploads again. The limit on uploads in progress speaks of one in the singular.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uploader_that_closes_the_seals_is_told_so() {
+    let daemon = start_daemon_with(|c| c.limits.max_uploads = 1).await;
+    let tensors = uniform_model(77, 1, 4096);
+    let mut raw = raw_client(&daemon.socket).await;
+    let begun = raw
+        .begin_upload(upload_request("sealed-shut", &tensors))
+        .await
+        .unwrap()
+        .into_inner();
+    let second = raw
+        .begin_upload(upload_request("second", &tensors))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (second.code(), second.message()),
+        (
+            Code::ResourceExhausted,
+            "limits.max_uploads = 1 reached: the daemon has 1 upload in progress"
+        )
+    );
+    let (fd, _) = fetch_fd(&daemon.socket, &begun.fd_secret).await.unwrap();
+    rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SEAL).unwrap();
+    let commit = proto::CommitUploadRequest {
+        retention: proto::Retention::Cached as i32,
+        upload_id: begun.upload_id.clone(),
+    };
+    let status = raw.commit_upload(commit).await.unwrap_err();
+    let closed = format!(
+        "upload_id '{}': the client closed the upload region's seals (F_SEAL_SEAL), so the \
+         daemon cannot seal it against writes: abort the upload and upload again without \
+         F_SEAL_SEAL",
+        begun.upload_id
+    );
+    assert_eq!(
+        (status.code(), status.message()),
+        (Code::FailedPrecondition, closed.as_str())
+    );
+    raw.abort_upload(proto::AbortUploadRequest {
+        upload_id: begun.upload_id.clone(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(daemon.uploads(), 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // (d) no names
 
@@ -538,7 +631,8 @@ async fn descriptions_are_charged_and_uploads_in_progress_are_bounded() {
 
 /// ListModels and ListSessions come in pages: `page_size` entries (100 by default, at most
 /// 1000), then a `next_page_token` that is empty on the last page; a token no list gave is
-/// refused.
+/// refused: one made up from an id (`m-123`, `s-0`, `s-00001`, a listed model's id), or one
+/// the other list gave.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lists_come_in_pages() {
     let daemon = start_daemon().await;
@@ -558,6 +652,7 @@ async fn lists_come_in_pages() {
     let mut raw = raw_client(&daemon.socket).await;
     let mut pages = Vec::new();
     let mut token = String::new();
+    let mut models_token = String::new();
     loop {
         let page = raw
             .list_models(proto::ListModelsRequest {
@@ -573,6 +668,7 @@ async fn lists_come_in_pages() {
             break;
         }
         token = page.next_page_token;
+        models_token.clone_from(&token);
     }
     assert_eq!(
         pages,
@@ -604,7 +700,7 @@ async fn lists_come_in_pages() {
         .map(|s| s.session_id.as_str())
         .collect();
     assert_eq!(listed, [sessions[0].id(), sessions[1].id()]);
-    assert_eq!(page.next_page_token, sessions[1].id());
+    assert!(!page.next_page_token.is_empty());
     let rest = raw
         .list_sessions(proto::ListSessionsRequest {
             page_size: 2,
@@ -628,20 +724,58 @@ async fn lists_come_in_pages() {
         (too_big.code(), too_big.message()),
         (Code::InvalidArgument, "page_size: 1001, the limit is 1000")
     );
-    let bad_token = raw
+    let session_token = page_token_of_sessions(&mut raw).await;
+    let made_up = ["m-123", &ids[0], "s-0", "s-00001", "0", &session_token];
+    for token in made_up {
+        let refused = raw
+            .list_models(proto::ListModelsRequest {
+                page_size: 0,
+                page_token: token.to_string(),
+            })
+            .await
+            .unwrap_err();
+        // Named by its first 64 characters at most.
+        let shown: String = token.chars().take(64).collect();
+        let want = format!("page_token: '{shown}' is not a token this list gave");
+        assert_eq!(
+            (refused.code(), refused.message()),
+            (Code::InvalidArgument, &*want)
+        );
+    }
+    let made_up = ["m-123", "s-0", "s-00001", sessions[0].id(), &models_token];
+    for token in made_up {
+        let refused = raw
+            .list_sessions(proto::ListSessionsRequest {
+                page_size: 0,
+                page_token: token.to_string(),
+            })
+            .await
+            .unwrap_err();
+        // Named by its first 64 characters at most.
+        let shown: String = token.chars().take(64).collect();
+        let want = format!("page_token: '{shown}' is not a token this list gave");
+        assert_eq!(
+            (refused.code(), refused.message()),
+            (Code::InvalidArgument, &*want)
+        );
+    }
+}
+
+/// The first page's token of ListSessions at one session a page.
+async fn page_token_of_sessions(
+    raw: &mut weightstream_client::proto::weight_stream_client::WeightStreamClient<
+        tonic::transport::Channel,
+    >,
+) -> String {
+    let page = raw
         .list_sessions(proto::ListSessionsRequest {
-            page_size: 0,
-            page_token: "m-123".into(),
+            page_size: 1,
+            page_token: String::new(),
         })
         .await
-        .unwrap_err();
-    assert_eq!(
-        (bad_token.code(), bad_token.message()),
-        (
-            Code::InvalidArgument,
-            "page_token: 'm-123' is not a token this list gave"
-        )
-    );
+        .unwrap()
+        .into_inner();
+    page.next_page_token
 }
 
 /// A BeginUpload declaring 200 000 tensors (3.4 MB; the daemon takes up to 16 MiB) is checked on a blocking thread, not on

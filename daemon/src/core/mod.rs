@@ -3,6 +3,7 @@
 //! host regions and state regions that their owners fetch.
 
 mod drops;
+pub use drops::random_secret;
 mod secrets;
 
 use std::collections::HashMap;
@@ -330,6 +331,16 @@ impl Daemon {
         device_uuid: String,
     ) -> Result<OpenedSession, CoreError> {
         let align = self.backend.alignment();
+        // What a session may grant is bounded by what it is charged, and what it is charged by
+        // the budget: a budget past the device's memory is no budget at all.
+        let device_bytes = self.backend.devices()[device].total_memory;
+        if req.vram_budget.get() > device_bytes {
+            return Err(BudgetError::OverDevice {
+                budget: req.vram_budget.get(),
+                device: device_bytes,
+            }
+            .into());
+        }
         let groups = layout_groups(&model, &req.groups, align)?;
         let split = split_budget(&groups, req.vram_budget.get(), req.staging_bytes, align)?;
         // Charged before anything is allocated; given back when the session ends (the charge
@@ -423,6 +434,7 @@ impl Daemon {
             resident_of,
             scheduler: self.scheduler.clone(),
             max_live_tickets: self.config.limits.max_live_tickets,
+            max_waiting_grants: self.config.limits.max_waiting_grants,
             max_plan_length: self.config.limits.max_plan_length,
             prefetch_depth: self.config.prefetch_depth as usize,
             events: events.clone(),

@@ -192,6 +192,9 @@ pub enum SealError {
     /// EBUSY: someone still maps the memfd writable.
     #[error("the region is still mapped writable")]
     MappedWritable,
+    /// EPERM with F_SEAL_SEAL set: a holder of the fd (the uploader) closed its seals.
+    #[error("the region's seals were closed (F_SEAL_SEAL) by a holder of its fd")]
+    SealsClosed,
     #[error(transparent)]
     Io(#[from] io::Error),
 }
@@ -313,6 +316,9 @@ impl Memfd {
     pub fn seal_writes(&self) -> Result<(), SealError> {
         match rustix::fs::fcntl_add_seals(&self.fd, SealFlags::WRITE) {
             Err(rustix::io::Errno::BUSY) => return Err(SealError::MappedWritable),
+            Err(rustix::io::Errno::PERM) if self.seals()?.contains(SealFlags::SEAL) => {
+                return Err(SealError::SealsClosed);
+            }
             other => other.map_err(io::Error::from)?,
         }
         Ok(self.reserve()?)

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use rustix::fs::FlockOperation;
 use tokio::net::UnixListener;
-use weightstream_proto::socket::fallback_dir;
+use weightstream_proto::socket::{check_private_dir, fallback_dir};
 
 use super::error::ServeError;
 use super::handoff;
@@ -126,24 +126,8 @@ fn private_dir(dir: &Path, uid: u32) -> Result<(), ServeError> {
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
         Err(e) => return Err(refuse(e.to_string())),
     }
-    let meta = std::fs::symlink_metadata(dir).map_err(|e| refuse(e.to_string()))?;
-    if !meta.file_type().is_dir() {
-        return Err(refuse("not a directory".into()));
-    }
-    if meta.uid() != uid {
-        return Err(refuse(format!(
-            "owned by uid {}, not by this user (uid {uid})",
-            meta.uid()
-        )));
-    }
-    let mode = meta.mode() & 0o777;
-    if mode & 0o022 != 0 {
-        return Err(refuse(format!(
-            "mode {mode:04o} lets others write to it (`chmod 700 {}`)",
-            dir.display()
-        )));
-    }
-    Ok(())
+    // The clients hold the directory to the same rule before they connect through it.
+    check_private_dir(dir, uid).map_err(refuse)
 }
 
 /// The socket file this daemon bound, and the lock that makes it this daemon's.
@@ -264,7 +248,10 @@ mod tests {
         std::os::unix::fs::symlink(parent.path(), &link).unwrap();
         assert_eq!(
             refused(&link, uid),
-            format!("{}: not a directory: {tail}", link.display())
+            format!(
+                "{}: a symbolic link, not a directory: {tail}",
+                link.display()
+            )
         );
     }
 

@@ -121,6 +121,7 @@ pub fn info(d: &Daemon, uid: u32) -> pb::GetInfoResponse {
             max_groups_per_session: l.max_groups_per_session,
             max_plan_length: l.max_plan_length,
             max_live_tickets: l.max_live_tickets,
+            max_waiting_grants: l.max_waiting_grants,
             max_upload_bytes: l.max_upload_bytes,
             max_sessions: l.max_sessions,
             max_name_bytes: l.max_name_bytes,
@@ -282,6 +283,7 @@ pub fn opened(o: &OpenedSession) -> pb::OpenSessionResponse {
         event_handles: o.event_handles.clone(),
         accepts_gpu_wait: true,
         paces_client_copies: o.paces_client_copies,
+        max_grant_bytes: o.shared.max_grant_bytes(),
     }
 }
 

@@ -16,7 +16,7 @@ use super::conn::Caller;
 use super::convert::{self, manifest, session_info, stored_manifest};
 use super::error::EdgeError;
 use super::heap;
-use super::validate::Validation;
+use super::validate::{PageList, Validation};
 use crate::core::{Daemon, Peer, shown_name};
 use crate::session::CloseReason;
 use crate::store::LoadSource;
@@ -259,7 +259,9 @@ impl WeightStream for Service {
             .saturating_sub(crate::store::MESSAGE_ENVELOPE);
         let (models, cut) = fill_page(entries.iter().map(|e| manifest(&e.model, Some(e))), room);
         let next_page_token = match models.last() {
-            Some(last) if more || cut => last.model_id.clone(),
+            Some(last) if more || cut => {
+                (self.validation).page_token(PageList::Models, &last.model_id)
+            }
             _ => String::new(),
         };
         Ok(Response::new(pb::ListModelsResponse {
@@ -297,7 +299,10 @@ impl WeightStream for Service {
         let page = self.validation.list_sessions(req.into_inner())?;
         let (sessions, more) = self.daemon.sessions_page(page.after, page.size);
         let next_page_token = match sessions.last() {
-            Some(last) if more => last.shared.id.clone(),
+            Some(last) if more => {
+                let position = last.shared.number.to_string();
+                (self.validation).page_token(PageList::Sessions, &position)
+            }
             _ => String::new(),
         };
         let state = self.daemon.store.state_use();

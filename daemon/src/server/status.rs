@@ -56,7 +56,9 @@ pub fn status_of(e: &CoreError) -> Status {
             | StoreError::DescriptionTooLarge { .. }
             | StoreError::Quantize(_)
             | StoreError::Scale { .. } => Status::invalid_argument(msg),
-            StoreError::Io { .. } | StoreError::UploadMapped(_) => Status::failed_precondition(msg),
+            StoreError::Io { .. }
+            | StoreError::UploadMapped(_)
+            | StoreError::UploadSealsClosed(_) => Status::failed_precondition(msg),
             StoreError::Seal { .. } => Status::internal(msg),
             StoreError::Arena { .. }
             | StoreError::UploadTooLarge { .. }

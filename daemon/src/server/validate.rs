@@ -11,6 +11,7 @@ use weightstream_proto::v1 as pb;
 use super::convert::{dtype_from_pb, quantization_from_pb, retention_from_pb};
 use crate::config::{CopyRate, Limits, MIN_COPY_BANDWIDTH, Rate};
 use crate::core::OpenRequest;
+use crate::core::random_secret;
 use crate::mem::shm::UploadPages;
 use crate::store::prequantized::torchao_layout;
 use crate::store::quantize::{Quantization, QuantizeError, StoredLayout};
@@ -172,6 +173,22 @@ pub struct ValidLoadModel {
     pub retention: Retention,
 }
 
+/// The lists that come in pages: a token of one is not a token of the other.
+#[derive(Debug, Clone, Copy)]
+pub enum PageList {
+    Models,
+    Sessions,
+}
+
+impl PageList {
+    fn name(self) -> &'static str {
+        match self {
+            PageList::Models => "models",
+            PageList::Sessions => "sessions",
+        }
+    }
+}
+
 /// A page of a list: how many entries, and after which (`T::default()`: from the start).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValidPage<T> {
@@ -227,6 +244,10 @@ pub struct ValidFreeStateRegion {
 /// The checks, with the configured limits.
 #[derive(Debug, Clone, Copy)]
 pub struct Validation {
+    /// The key of the page tokens this daemon gives: a token is the position it names and a
+    /// keyed hash of it, so that a token no list gave is told apart (and refused) rather than
+    /// read as a position.
+    page_key: [u8; 32],
     max_name: usize,
     max_groups: usize,
     max_tensors: usize,
@@ -235,7 +256,10 @@ pub struct Validation {
 
 impl Validation {
     pub fn new(limits: &Limits) -> Validation {
+        // 256 bits from the kernel.
+        let key = format!("{}{}", random_secret(), random_secret());
         Validation {
+            page_key: *blake3::hash(key.as_bytes()).as_bytes(),
             max_name: limits.max_name_bytes as usize,
             max_groups: limits.max_groups_per_session as usize,
             max_tensors: limits.max_tensors_per_model as usize,
@@ -271,23 +295,54 @@ impl Validation {
         })
     }
 
+    /// The token of the page of `list` after `position`: opaque to clients.
+    pub fn page_token(&self, list: PageList, position: &str) -> String {
+        format!("{position}.{}", self.page_mac(list, position))
+    }
+
+    fn page_mac(&self, list: PageList, position: &str) -> String {
+        let mut hasher = blake3::Hasher::new_keyed(&self.page_key);
+        hasher.update(list.name().as_bytes());
+        hasher.update(&[0]);
+        hasher.update(position.as_bytes());
+        let mac = hasher.finalize();
+        mac.as_bytes()[..16]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    /// The position a token of `list` names, if this daemon gave it (empty: the first page).
+    fn page_position<'a>(&self, list: PageList, token: &'a str) -> Result<&'a str> {
+        if token.is_empty() {
+            return Ok("");
+        }
+        let refused = || ValidationError::PageToken(token.chars().take(64).collect());
+        let (position, mac) = token.rsplit_once('.').ok_or_else(refused)?;
+        if position.is_empty() || mac != self.page_mac(list, position) {
+            return Err(refused());
+        }
+        Ok(position)
+    }
+
     /// ListModels: after the model id the token names.
     pub fn list_models(&self, req: pb::ListModelsRequest) -> Result<ValidPage<String>> {
-        text_opt("page_token", &req.page_token, MAX_ID_BYTES)?;
+        text_opt("page_token", &req.page_token, MAX_ID_BYTES + 64)?;
+        let after = self.page_position(PageList::Models, &req.page_token)?;
         Ok(ValidPage {
             size: page_size(req.page_size)?,
-            after: req.page_token,
+            after: after.to_string(),
         })
     }
 
-    /// ListSessions: after the session the token names (`s-N`: its number).
+    /// ListSessions: after the session the token names (by number).
     pub fn list_sessions(&self, req: pb::ListSessionsRequest) -> Result<ValidPage<u64>> {
-        let after = match req.page_token.as_str() {
+        text_opt("page_token", &req.page_token, MAX_ID_BYTES + 64)?;
+        let after = match self.page_position(PageList::Sessions, &req.page_token)? {
             "" => 0,
-            token => token
-                .strip_prefix("s-")
-                .and_then(|n| n.parse().ok())
-                .ok_or_else(|| ValidationError::PageToken(token.chars().take(64).collect()))?,
+            position => position.parse().map_err(|_| {
+                ValidationError::PageToken(req.page_token.chars().take(64).collect())
+            })?,
         };
         Ok(ValidPage {
             size: page_size(req.page_size)?,

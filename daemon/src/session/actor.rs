@@ -43,6 +43,7 @@ pub struct ActorParts {
     pub resident_of: Vec<Option<(u32, u64)>>,
     pub scheduler: Arc<CopyScheduler>,
     pub max_live_tickets: u32,
+    pub max_waiting_grants: u32,
     pub max_plan_length: u32,
     pub prefetch_depth: usize,
     /// The session's interprocess events (CUDA); None on the host backend.

@@ -56,6 +56,10 @@ pub enum BudgetError {
     },
     #[error("staging_bytes {staging} exceeds vram_budget {budget}")]
     StagingOverBudget { staging: u64, budget: u64 },
+    #[error(
+        "vram_budget {budget} exceeds the device's memory ({device} bytes): ask for at most that"
+    )]
+    OverDevice { budget: u64, device: u64 },
 }
 
 pub fn layout_groups(

@@ -90,6 +90,12 @@ pub struct SessionShared {
 }
 
 impl SessionShared {
+    /// The largest grant (CopyGrant) the session may ask for: the daemon's largest, within the
+    /// device bytes the session is charged for (what a grant may cost the others is paid for).
+    pub fn max_grant_bytes(&self) -> u64 {
+        crate::scheduler::MAX_GRANT_BYTES.min(self.staging_bytes + self.resident_bytes)
+    }
+
     /// Asks the session to end and waits until its teardown is complete.
     pub async fn close(&self, reason: CloseReason) {
         self.request_close(reason);

@@ -100,11 +100,9 @@ impl Inner {
             .collect();
         if !uploads.is_empty() {
             let bytes = uploads.iter().sum();
-            parts.push(format!(
-                "{} uploads in progress ({})",
-                uploads.len(),
-                human(bytes)
-            ));
+            let n = uploads.len() as u64;
+            let what = super::uploads_in_progress(n);
+            parts.push(format!("{n} {what} ({})", human(bytes)));
         }
         let state: Vec<u64> = (self.state.values())
             .filter(|r| !own || r.uid == uid)

@@ -132,6 +132,12 @@ pub enum StoreError {
          before CommitUpload"
     )]
     UploadMapped(String),
+    #[error(
+        "upload_id '{0}': the client closed the upload region's seals (F_SEAL_SEAL), so the \
+         daemon cannot seal it against writes: abort the upload and upload again without \
+         F_SEAL_SEAL"
+    )]
+    UploadSealsClosed(String),
     #[error("upload_id '{upload_id}': cannot seal the upload region: {source}")]
     Seal {
         upload_id: String,
@@ -139,7 +145,10 @@ pub enum StoreError {
     },
     #[error("upload of {bytes} bytes exceeds max_upload_bytes = {limit}")]
     UploadTooLarge { bytes: u64, limit: u64 },
-    #[error("limits.max_uploads = {limit} reached: the daemon has {used} uploads in progress")]
+    #[error(
+        "limits.max_uploads = {limit} reached: the daemon has {used} {}",
+        uploads_in_progress(u64::from(*used))
+    )]
     TooManyUploads { limit: u32, used: u32 },
     #[error(
         "limits.max_state_regions_per_session = {limit} reached: session '{session}' holds \
@@ -394,5 +403,14 @@ impl Store {
     fn held_host(&self, uid: u32) -> Held {
         let host = |c| c == Charge::Host;
         held_by_clients(&self.shm, uid, host, host)
+    }
+}
+
+/// "upload in progress" or "uploads in progress", for `n` of them.
+pub(crate) fn uploads_in_progress(n: u64) -> &'static str {
+    if n == 1 {
+        "upload in progress"
+    } else {
+        "uploads in progress"
     }
 }

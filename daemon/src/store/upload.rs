@@ -194,6 +194,7 @@ impl Store {
             .time(|p| &mut p.seal, || memfd.seal_writes())
             .map_err(|e| match e {
                 SealError::MappedWritable => StoreError::UploadMapped(upload_id.to_string()),
+                SealError::SealsClosed => StoreError::UploadSealsClosed(upload_id.to_string()),
                 SealError::Io(source) => StoreError::Seal {
                     upload_id: upload_id.to_string(),
                     source,

@@ -848,7 +848,13 @@ def test_a_session_with_a_share_grants_the_trainers_own_copies(daemon):
         assert granted(session) == (4097, 1000)
         with pytest.raises(weightstream.SessionFault) as e:
             session.grant(0, True)
-        assert "grant.bytes: 0 is outside 1 to the session's vram_budget (1048576)" in str(e.value)
+        # Bounded by the bytes the session is charged for (staging plus resident).
+        most = session.opened.staging_bytes + session.opened.resident_bytes
+        assert (
+            f"grant.bytes: 0 is outside 1 to {most} (the smaller of the daemon's largest grant, "
+            f"268435456, and the {most} device bytes the session is charged for): split the "
+            f"copy into grants of at most {most} bytes"
+        ) in str(e.value)
         assert granted(session) == (4097, 1000)
     with daemon.client.open_session(manifest.model_id, groups, 1 << 20) as session:
         assert not session.paces_client_copies

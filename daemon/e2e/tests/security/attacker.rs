@@ -258,6 +258,20 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                 Err(s) => status_line(&s),
             }
         }
+        // ListModels through the client at the socket it finds itself (no --socket, no
+        // XDG_RUNTIME_DIR, no system socket: the fallback directory).
+        "list-implicit" => {
+            use weightstream_client::socket::{SYSTEM_SOCKET, SocketCandidates};
+            let uid = rustix::process::getuid().as_raw();
+            let found = SocketCandidates::new(None, Path::new(SYSTEM_SOCKET), None, uid);
+            match weightstream_client::Client::connect_to(found.for_client()).await {
+                Ok(mut client) => match client.list_models().await {
+                    Ok(listed) => format!("listed {} models", listed.models.len()),
+                    Err(e) => format!("failed: {e}"),
+                },
+                Err(e) => format!("failed: {e}"),
+            }
+        }
         // GetInfo: whether the daemon serves it.
         "info" => match raw_client(socket)
             .await
