@@ -4,10 +4,10 @@
 
 use libfuzzer_sys::fuzz_target;
 use prost::Message;
-use weightstream_proto::v1 as proto;
 use weightstream_daemon::config::Limits;
 use weightstream_daemon::server::validate::Validation;
 use weightstream_daemon::store::DeclQuant;
+use weightstream_proto::v1 as proto;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(req) = proto::BeginUploadRequest::decode(data) else {
