@@ -106,7 +106,7 @@ def train(mode: str, args) -> list[float]:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
