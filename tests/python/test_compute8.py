@@ -244,6 +244,10 @@ def test_weights_prepared_from_8_bit_formats():
     want = compute8.prepare(qdata.float() * scale, "int8")
     got = compute8.prepare(ao, "int8")
     assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
+    want = compute8.prepare(qdata.float() * scale, "fp8", rotation=32)
+    got = compute8.prepare(ao, "fp8", rotation=32)
+    assert torch.equal(got.data.view(torch.int8), want.data.view(torch.int8))
+    assert torch.equal(got.scale, want.scale) and got.rotation == 32
     # fp8_e4m3_block64: dequantized, then quantized per row.
     q, s = quantize.quantize_fp8_block64(w)
     got = compute8.prepare(quantize.Fp8Weight(q, s), "fp8")

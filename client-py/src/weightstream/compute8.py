@@ -260,9 +260,11 @@ def prepare(
     n, k = w.shape
     check_rotation(rotation, k, name)
     fallback = untileable(mode, n, k)
-    if as_is is not None and not rotation:
+    if as_is is not None:
         data, scale = as_is
-        return W8Weight(data, scale.reshape(n).float(), mode, 0, fallback)
+        if not rotation:
+            return W8Weight(data, scale.reshape(n).float(), mode, 0, fallback)
+        w = data.float() * scale.reshape(n, 1).float()  # torchao's dequantization
     if w.dtype not in ACT_DTYPES:
         raise ValueError(
             f"{name}: cannot quantize a {w.dtype} weight for compute={mode!r}: 8-bit compute "
