@@ -534,7 +534,8 @@ PY_SRC = ROOT / "client-py" / "src" / "weightstream"
 #: The most lines a module of the package may have.
 PY_MAX_LINES = 800
 _PY_LEAVES = {"_native", "errors", "protocol", "sizes", "_dtypes", "_deprecated"}
-_PY_CORE = _PY_LEAVES | {"_cuda", "_fused_dequant", "quantize", "_wait_timer", "regions", "_upload"}
+_PY_CORE = _PY_LEAVES | {"_cuda", "_fused_dequant", "_quant8", "quantize", "_wait_timer"}
+_PY_CORE |= {"regions", "_upload"}
 _PY_CLIENT = _PY_CORE | {"session", "client"}
 PY_ALLOWED = {
     "weightstream": {"client", "errors", "protocol"},
@@ -547,6 +548,7 @@ PY_ALLOWED = {
     "regions": _PY_LEAVES | {"_cuda"},
     "quantize": _PY_LEAVES | {"_fused_dequant"},
     "_fused_dequant": _PY_LEAVES,
+    "_quant8": set(),
     "_wait_timer": _PY_LEAVES,
     "_cuda": set(),
     "_dtypes": {"_native", "protocol"},

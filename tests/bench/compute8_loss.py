@@ -1,4 +1,4 @@
-"""LoRA training on a frozen base computed in 8 bits (``weightstream.compute8``) against the
+"""LoRA training on a frozen base computed in 8 bits (``weightstream.torch.compute8``) against the
 same training with the base in bf16 and in float32, on a model that fits the CPU: the loss
 curves side by side and how far each departs from the float32 one.
 
@@ -95,7 +95,7 @@ def floor(mode: str, args) -> float:
 def in_mode(mode: str, bases: list):
     """Makes the linears ``bases`` compute in ``mode`` (``MODES``)."""
     import torch
-    from weightstream import compute8
+    from weightstream.torch import compute8
 
     if mode == "bf16":
         for b in bases:

@@ -1,8 +1,8 @@
-"""Quality of 8-bit compute (``weightstream.compute8``), per layer: the signal to noise ratio in
-dB of each mode's output and input gradient against the exact (float64-accumulated, on the
-GPU float32 without TF32) product of the same bf16 operands, at FLUX.2-dev's and FLUX.1's GEMM
-shapes, with activations that have realistic outlier channels (a few channels 20-100 × the
-rest, as diffusion transformers' residual streams do) and weights with heavy tails.
+"""Quality of 8-bit compute (``weightstream.torch.compute8``), per layer: the signal to noise ratio
+in dB of each mode's output and input gradient against the exact (float64-accumulated, on the GPU
+float32 without TF32) product of the same bf16 operands, at FLUX.2-dev's and FLUX.1's GEMM shapes,
+with activations that have realistic outlier channels (a few channels 20-100 × the rest, as
+diffusion transformers' residual streams do) and weights with heavy tails.
 
 Modes: the bf16 layer itself (its output rounded to bf16), today's streamed 8-bit layer
 (``fp8_e4m3_block64`` weights dequantized, bf16 matmul: weight-only), fp8 and int8 W8A8, and
@@ -90,7 +90,8 @@ def sqnr(ref, got) -> float:
 def run_shape(n, k, m, rotation, g, device) -> dict:
     import torch
     import torch.nn.functional as F
-    from weightstream import compute8, quantize
+    from weightstream import quantize
+    from weightstream.torch import compute8
 
     x, w, gy = activations(m, k, g, device), weights(n, k, g, device), output_grads(m, n, g, device)
     exact_dtype = torch.float64 if device == "cpu" else torch.float32

@@ -1,4 +1,4 @@
-"""Benchmark (GPU machine): 8-bit matmuls (``weightstream.compute8``) at FLUX.2-dev's GEMM
+"""Benchmark (GPU machine): 8-bit matmuls (``weightstream.torch.compute8``) at FLUX.2-dev's GEMM
 shapes (4608 tokens), each against bf16 cuBLAS in the same call: bf16 ``F.linear``,
 dequantize-then-bf16 (today's streamed 8-bit layer: ``fp8_e4m3_block64`` dequantized by the
 fused kernel, then ``F.linear``), fp8 ``_scaled_mm`` and int8 ``_int_mm`` alone (activations
@@ -57,7 +57,8 @@ def checks() -> dict:
     """Bit-equality checks of the GPU path (see the module doc)."""
     import torch
     from torch import nn
-    from weightstream import _quant8, compute8
+    from weightstream import _quant8
+    from weightstream.torch import compute8
 
     g = torch.Generator(device="cuda").manual_seed(0)
     out = {"triton_kernels": _quant8.available()}
@@ -167,7 +168,8 @@ def time_shape(n: int, k: int, what: str, m: int, reps: int, rotation: int) -> d
     """Device µs per call of each variant at one shape (the module doc's list)."""
     import torch
     import torch.nn.functional as F
-    from weightstream import compute8, quantize
+    from weightstream import quantize
+    from weightstream.torch import compute8
 
     torch.manual_seed(0)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -203,7 +205,7 @@ def time_shape(n: int, k: int, what: str, m: int, reps: int, rotation: int) -> d
 def time_mode(x, gy, w8, reps: int) -> dict:
     """The variants of one 8-bit mode at one shape."""
     import torch
-    from weightstream import compute8
+    from weightstream.torch import compute8
 
     mode, t = w8.mode, {}
     qx, sx = compute8.quantize_rows(x, mode)

@@ -1,4 +1,4 @@
-"""Triton kernels of 8-bit compute (``weightstream.compute8``): the per-row quantization of
+"""Triton kernels of 8-bit compute (``weightstream.torch.compute8``): the per-row quantization of
 activations (and of output gradients, with a per-column pre-scale) in one kernel, and the
 scale epilogue of an int8 matmul, each bit for bit the torch formula ``compute8`` documents.
 

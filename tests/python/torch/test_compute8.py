@@ -1,8 +1,8 @@
-"""8-bit compute (``weightstream.compute8``) on the CPU: the fused activation quantizer and the
-int8 epilogue under Triton's interpreter equal the torch formulas bit for bit; the reference
+"""8-bit compute (``weightstream.torch.compute8``) on the CPU: the fused activation quantizer and
+the int8 epilogue under Triton's interpreter equal the torch formulas bit for bit; the reference
 matmul equals exact arithmetic where exactness holds; shapes the kernels cannot take fall back,
-counted; bad modes, formats and widths are refused with what to use; the layer's backward is
-the documented input-gradient formula, exactly."""
+counted; bad modes, formats and widths are refused with what to use; the layer's backward is the
+documented input-gradient formula, exactly."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from weightstream import compute8, quantize
+from weightstream import quantize
+from weightstream.torch import compute8
 
 INTERPRETED = r"""
 import torch
-from weightstream import _quant8, compute8
+from weightstream import _quant8
+from weightstream.torch import compute8
 
 used = []
 real = _quant8._kernels()
