@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import commit
+from tests.bench.provenance import commit
 
 MODES = ["fp32", "bf16", "fp8", "int8", "int8+rot64"]
 

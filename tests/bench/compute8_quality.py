@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from provenance import commit
+from tests.bench.provenance import commit
 
 #: (out, in, what) of each model's streamed linears, and its tokens per sample at 1024².
 MODELS = {
