@@ -276,3 +276,26 @@ def test_a_model_by_id_in_block64_is_refused_naming_the_format_to_load(daemon, t
     assert [m.model_id for m in daemon.client.list_models().models] == [manifest.model_id]
     assert daemon.client.info().usage.uploads == 0
     assert model.blocks[0].attn.q.base_layer.weight.device.type == "cpu"
+
+
+def test_ai_toolkit_computes_in_8_bits_when_configured(daemon):
+    from weightstream.integrations import ai_toolkit
+    from weightstream.integrations.ai_toolkit import MemoryManager
+    from weightstream.integrations.ai_toolkit.settings import Settings
+
+    ref = make_model()
+    model = copy.deepcopy(ref)
+    settings = Settings(socket=daemon.socket, compute="int8", grad_compute="bf16", rotation=16)
+    ai_toolkit.configure(settings)
+    try:
+        with pytest.warns(UserWarning, match=r"attach\(compute='int8'\): 2 streamed layers"):
+            manager = MemoryManager.attach(model, torch.device("cpu"), offload_percent=1.0)
+    finally:
+        ai_toolkit.configure(None)
+    handle = manager.handle
+    options = handle.options
+    assert (options.compute, options.grad_compute, options.rotation) == ("int8", "bf16", 16)
+    assert [n for n, layer in handle.streamed.items() if layer.compute8] == BASE
+    compute8.to_w8a8_resident(ref, "int8", BASE, rotation=16, grad_compute="bf16")
+    assert_equal_runs(run(ref, 2, torch.float32), run(model, 2, torch.float32))
+    MemoryManager.detach(model, release=True)
