@@ -109,7 +109,7 @@ def plan(streamed, options, device: torch.device) -> Plan:
     grad_compute = compute8.check_grad_compute(mode, options.grad_compute)
     out = Plan(mode)
     for name, m in streamed:
-        why = _fallback(mode, m)
+        why = fallback_reason(mode, m)
         if why is not None:
             out.fallbacks[name] = why
             continue
@@ -126,7 +126,7 @@ def plan(streamed, options, device: torch.device) -> Plan:
     return out
 
 
-def _fallback(mode: str, m: nn.Module) -> str | None:
+def fallback_reason(mode: str, m: nn.Module) -> str | None:
     if isinstance(m, nn.Conv2d):
         return "Conv2d: 8-bit compute takes nn.Linear layers"
     if not isinstance(m, nn.Linear):
