@@ -35,6 +35,12 @@ turns of K steps, the steps after a turn's first compared (`steady_ratio_of_medi
 Each step also records when the CPU had issued the forward (`forward_issued_s_per_step`): near
 `forward_s_per_step`, the forward waits on the CPU, not the GPU.
 
+8-bit compute (W8A8, attach's `compute=`): `--modes resident resident-w8a8-fp8
+weightstream-w8a8-fp8` (or `-int8`) compares the bf16 resident step, the same W8A8 layers in
+place (`compute8.to_w8a8_resident`) and streamed W8A8 in one call; `--rotation B` and
+`--grad-compute` apply to both W8A8 modes, whose deterministic losses are compared with each
+other (`losses_equal_resident`). Not among the default modes.
+
 ai-toolkit's own layer offloading: `--modes ... aitk` runs its `MemoryManager` (its
 toolkit/memory_management at AITK_COMMIT, laid out in .aitk/ by tests/bench/ai_toolkit_prepare.sh,
 or `--aitk DIR`) at 100 % offload in bf16; `aitk-float8` the same over torchao float8 weights
@@ -98,6 +104,19 @@ def main(model: str = "flux1"):
         "or auto: by group for the groups of at most 768 MiB dequantized)",
     )
     parser.add_argument(
+        "--rotation",
+        type=int,
+        default=0,
+        help="8-bit compute modes (resident-w8a8-*, weightstream-w8a8-*): the block-Hadamard "
+        "rotation (0: none)",
+    )
+    parser.add_argument(
+        "--grad-compute",
+        choices=("fp8", "int8", "bf16"),
+        default=None,
+        help="8-bit compute modes: the input gradient's mode (default: the mode's own)",
+    )
+    parser.add_argument(
         "--early-release",
         action="store_true",
         help="attach's early_release (a group dequantized by group gives its staging back "
@@ -158,6 +177,7 @@ def main(model: str = "flux1"):
     flux.MODEL, flux.RANK, flux.OPTIMIZER = args.model, args.rank, args.optimizer
     if args.modes is None:
         skip = {"job", "aitk", "aitk-float8", "resident-fp8-copying"}
+        skip |= {m for m in MODES if "w8a8" in m}
         skip |= set() if args.quantize else {"resident-fp8"}
         args.modes = [m for m in MODES if m not in skip]
     if args.interleave is not None and len(args.interleave) < 2:

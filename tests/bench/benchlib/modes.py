@@ -1,8 +1,8 @@
 """The modes of tests/bench/flux_train.py that train in one process with weightstream or the
-weights in place: resident (bf16, 8 bits, 8 bits under a copy loop), weightstream (fixed and
-auto budgets, one of two jobs), their timing and per-step counters, and the probes
-(dequantization time, the client's CPU per pass, SQNR). Each ``mode_X(args, record)`` fills
-``record``; the in-process peers are in ``baselines``."""
+weights in place: resident (bf16, 8 bits, 8 bits under a copy loop, W8A8 8-bit compute),
+weightstream (fixed and auto budgets, 8-bit compute, one of two jobs), their timing and
+per-step counters, and the probes (dequantization time, the client's CPU per pass, SQNR).
+Each ``mode_X(args, record)`` fills ``record``; the in-process peers are in ``baselines``."""
 
 from __future__ import annotations
 
@@ -107,6 +107,46 @@ def mode_resident_fp8(args, record):
     record["quantized_layers"] = len(quantize.to_fp8_resident(model, names))
     init = lora_state(model)
     timing(model, args, record)
+    deterministic(True)
+    _, losses = steps(model, args.det_steps, init)
+    record["det_losses"] = losses
+
+
+def compute8_layers(model, mode: str) -> list[str]:
+    """The layers ``attach(compute=mode)`` computes in 8 bits: those it streams, less the ones
+    that keep the trainer's dtype (``compute_plan.fallback_reason``)."""
+    from weightstream.torch import compute_plan
+
+    modules = dict(model.named_modules())
+    return [n for n in streamable(model) if compute_plan.fallback_reason(mode, modules[n]) is None]
+
+
+def mode_resident_w8a8(args, record, compute: str):
+    """The W8A8 reference with the weights in place: the layers that ``weightstream-w8a8-MODE``
+    computes in 8 bits, prepared on the GPU (``compute8.to_w8a8_resident``, after
+    ``to_fp8_resident`` with ``--quantize fp8``: the weights that mode streams)."""
+    from weightstream import quantize
+    from weightstream.torch import compute8
+
+    model = add_lora(build())
+    names = compute8_layers(model, compute)
+    if args.quantize:
+        record["quantize"] = args.quantize
+        quantize.to_fp8_resident(model, streamable(model))
+    stats = compute8.Stats()
+    changed = compute8.to_w8a8_resident(
+        model,
+        compute,
+        names,
+        rotation=args.rotation,
+        grad_compute=args.grad_compute,
+        stats=stats,
+    )
+    record.update(compute=compute, rotation=args.rotation, grad_compute=args.grad_compute)
+    record["w8a8_layers"] = len(changed)
+    init = lora_state(model)
+    timing(model, args, record)
+    record["gemm8"] = stats.gemm8
     deterministic(True)
     _, losses = steps(model, args.det_steps, init)
     record["det_losses"] = losses
@@ -324,7 +364,8 @@ def nvidia_smi_used_gib(index: int = 0) -> float | None:
         return None
 
 
-def mode_weightstream(args, record):
+def mode_weightstream(args, record, compute: str = "bf16"):
+    """``compute``: ``attach``'s (``--rotation`` and ``--grad-compute`` with it where 8-bit)."""
     import torch
     import weightstream
     import weightstream.torch as wst
@@ -338,6 +379,12 @@ def mode_weightstream(args, record):
     total = torch.cuda.get_device_properties(0).total_memory
     started = time.monotonic()
     first = args.budgets[0]
+    compute_options = {}
+    if compute != "bf16":
+        compute_options = dict(
+            compute=compute, rotation=args.rotation, grad_compute=args.grad_compute
+        )
+        record.update(compute_options)
     handle = wst.attach(
         model,
         "cuda",
@@ -348,6 +395,7 @@ def mode_weightstream(args, record):
         quantize=args.quantize,
         dequantize=args.dequantize,
         early_release=args.early_release,
+        **compute_options,
     )
     record["dequantize"] = args.dequantize
     record["early_release"] = args.early_release
@@ -383,6 +431,10 @@ def mode_weightstream(args, record):
         dequant_probe(model, record)
         record["dequant_peak_gib"] = round(handle.stats()["dequant_scratch_peak_bytes"] / GiB, 3)
     client_cpu_probe(model, handle, record)
+    if compute_options:
+        stats = handle.stats()
+        record["w8a8_layers"] = sum(1 for layer in handle.streamed.values() if layer.compute8)
+        record["compute_fallback_layers"] = stats["compute_fallback_layers"]
     torch.cuda.set_per_process_memory_fraction(1.0)
     handle.set_budget(daemon_part(args, args.det_budget))
     flux.training_label = f"{args.mode} deterministic, {args.det_budget:g} GiB"

@@ -8,6 +8,7 @@ and with the environment of the parent (the repository root)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import select
@@ -39,6 +40,7 @@ from tests.bench.benchlib.modes import (
     mode_resident,
     mode_resident_fp8,
     mode_resident_fp8_copying,
+    mode_resident_w8a8,
     mode_weightstream,
     mode_weightstream_auto,
     scrape,
@@ -57,6 +59,12 @@ MODES = {
     "resident-fp8-copying": mode_resident_fp8_copying,
     "weightstream": mode_weightstream,
     "weightstream-auto": mode_weightstream_auto,
+    # 8-bit compute (attach's compute=, --rotation, --grad-compute), each against the same
+    # W8A8 layers in place: only with --modes.
+    "resident-w8a8-fp8": functools.partial(mode_resident_w8a8, compute="fp8"),
+    "resident-w8a8-int8": functools.partial(mode_resident_w8a8, compute="int8"),
+    "weightstream-w8a8-fp8": functools.partial(mode_weightstream, compute="fp8"),
+    "weightstream-w8a8-int8": functools.partial(mode_weightstream, compute="int8"),
     "ramtorch": mode_ramtorch,
     "accelerate-offload": mode_accelerate,
     "diffusers-group-offload": mode_group_offload,
@@ -116,7 +124,9 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
     cmd += ["--det-steps", str(args.det_steps)]
     cmd += ["--warmup", str(args.warmup), "--measured", str(args.measured)]
     cmd += ["--trainer-gib", str(args.trainer_gib), "--group-by", args.group_by]
-    cmd += ["--dequantize", args.dequantize]
+    cmd += ["--dequantize", args.dequantize, "--rotation", str(args.rotation)]
+    if args.grad_compute:
+        cmd += ["--grad-compute", args.grad_compute]
     if args.early_release:
         cmd.append("--early-release")
     cmd += ["--staging-gib", str(args.staging_gib), "--copy-duty", str(args.copy_duty)]
@@ -348,16 +358,26 @@ def parent(args):
 
 def check_equality(results):
     """Each mode's deterministic losses against the resident reference of its format: bf16
-    resident, or for 8-bit streaming (and resident-fp8 itself) the 8-bit resident reference."""
+    resident, or for 8-bit streaming (and resident-fp8 itself) the 8-bit resident reference;
+    for 8-bit compute (``W8A8_STREAMED``), the same W8A8 layers in place."""
     modes = {m["mode"]: m for m in results["modes"]}
     refs = {fmt: modes.get(mode, {}).get("det_losses") for fmt, mode in REFERENCE.items()}
     ok = True
     for m in results["modes"]:
+        if "w8a8" in m["mode"]:
+            continue
         ref = refs[m.get("quantize") or ("fp8" if m["mode"] == "resident-fp8" else None)]
         if "det_losses" in m and ref is not None and m["mode"] != "resident-fp8":
             m["losses_equal_resident"] = m["det_losses"] == ref
             if m["mode"] == "weightstream" and not m["losses_equal_resident"]:
                 ok = False
+    # 8-bit compute: streamed against the same W8A8 layers in place.
+    for m in results["modes"]:
+        if m["mode"].startswith(W8A8_STREAMED) and "det_losses" in m:
+            ref = modes.get(m["mode"].replace(W8A8_STREAMED, "resident-w8a8-", 1), {})
+            if "det_losses" in ref:
+                m["losses_equal_resident"] = m["det_losses"] == ref["det_losses"]
+                ok = ok and m["losses_equal_resident"]
     # Every weightstream record (an interleaved run may hold several: ``MODE+group``).
     equal = [
         m.get("losses_equal_resident") for m in results["modes"] if m["mode"] == "weightstream"
@@ -367,5 +387,7 @@ def check_equality(results):
     return ok
 
 
+#: The prefix of the 8-bit compute streamed modes (their reference: ``resident-w8a8-MODE``).
+W8A8_STREAMED = "weightstream-w8a8-"
 #: The reference mode of each weight format (the key: ``--quantize``).
 REFERENCE = {None: "resident", "fp8": "resident-fp8"}

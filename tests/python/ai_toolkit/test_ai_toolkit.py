@@ -570,6 +570,28 @@ def test_offload_percent_and_ignore_modules(daemon, toolkit):
             "weightstream.quantize: 'int4': expected 'fp8' or 'none'",
         ),
         (
+            {"compute": "int8", "grad_compute": "bf16", "rotation": 64},
+            {},
+            Settings(compute="int8", grad_compute="bf16", rotation=64),
+        ),
+        (
+            {"compute": "int8", "grad_compute": "bf16"},
+            {"WEIGHTSTREAM_COMPUTE": "fp8", "WEIGHTSTREAM_GRAD_COMPUTE": "none"},
+            Settings(compute="fp8"),
+        ),
+        ({}, {"WEIGHTSTREAM_ROTATION": "128"}, Settings(rotation=128)),
+        (
+            {"compute": "fp4"},
+            {},
+            "weightstream.compute: 'fp4': expected one of bf16, fp8, int8",
+        ),
+        (
+            {},
+            {"WEIGHTSTREAM_GRAD_COMPUTE": "int4"},
+            "WEIGHTSTREAM_GRAD_COMPUTE: 'int4': expected one of bf16, fp8, int8",
+        ),
+        ({"rotation": "big"}, {}, "weightstream.rotation: 'big': expected 0 or a block size"),
+        (
             {"trainable": "host", "trainable_delay": False},
             {},
             Settings(trainable="host", trainable_delay=False),

@@ -26,6 +26,7 @@ class FakeLayer:
         self.bias = None if module.bias is None else module.bias.detach().clone()
         self.acquires = 0
         self.by_group = False  # its weight is handed out as it is, not a group's dequantization
+        self.compute8 = self.compute_fallback = None  # computes in its own dtype
 
     def weights(self, training: bool) -> tuple:
         self.acquires += 1

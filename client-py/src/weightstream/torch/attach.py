@@ -17,7 +17,7 @@ from torch import nn
 import weightstream
 from weightstream import _upload, quantize
 from weightstream.client import Client
-from weightstream.torch import budget, ops, placeholder, policy, torchao_weights
+from weightstream.torch import budget, compute_plan, ops, placeholder, policy, torchao_weights
 from weightstream.torch import options as options_module
 from weightstream.torch.budget import AutoBudget
 from weightstream.torch.handle import Handle, StreamedLayer
@@ -149,6 +149,7 @@ def attach(
         for name, m in selection.streamed:
             if name not in rebuilds:
                 quantize.check_quantizable(name, m.weight)
+    compute = compute_plan.plan(selection.streamed, options, device)
     client = client or weightstream.connect()
     alignment = client.info().alignment or 1
     if trainable not in ("device", "host"):
@@ -158,7 +159,16 @@ def attach(
     plan = None
     if trainable == "host":
         plan = _check_host_room(
-            client, module, selection.streamed, model, fmt, set(rebuilds), optimizer, master, label
+            client,
+            module,
+            selection.streamed,
+            model,
+            fmt,
+            set(rebuilds),
+            optimizer,
+            master,
+            label,
+            compute.rowwise(),
         )
     auto = budget.resolve(vram_budget)
     if auto is not None:
@@ -167,8 +177,24 @@ def attach(
         vram_budget = None  # the groups are chosen as for a budget that fits blocks
     upload_phases: dict = {}
     t = time.monotonic()
+    prepared = (
+        {}
+        if model is not None
+        else compute_plan.upload_forms(compute, selection.streamed, fmt, set(rebuilds))
+    )
+    for name in prepared:
+        rebuilds.pop(name, None)  # requantized: detach gives the dequantization back
     manifest, uploaded = _model_of(
-        client, selection.streamed, model, label, fmt, set(rebuilds), upload_phases, pin
+        client,
+        selection.streamed,
+        model,
+        label,
+        fmt,
+        set(rebuilds),
+        upload_phases,
+        pin,
+        compute,
+        prepared,
     )
     phases = {"model_s": time.monotonic() - t}
     phases.update({f"upload_{k}": v for k, v in upload_phases.items()})
@@ -185,6 +211,7 @@ def attach(
             vram_budget,
             staging_bytes,
             quantized,
+            compute.rowwise(),
         )
         if grouping.fallback:
             warnings.warn(grouping.fallback, stacklevel=2)
@@ -214,6 +241,7 @@ def attach(
         phases["open_session_s"] = time.monotonic() - t
         resident = {n: policy.reason_text(why, options) for n, why in selection.resident.items()}
         handle = Handle(client, session, manifest.model_id, device, options, resident=resident)
+        handle._compute = compute
         handle._hooks = hooks
         for gname, members in grouping.members.items():
             group, slot = session.group_index(gname), 0
@@ -227,6 +255,8 @@ def attach(
                     slot,
                     dtype=m.weight.dtype,
                     rebuild=rebuilds.get(name),
+                    compute8=compute.layers.get(name),
+                    compute_fallback=compute.fallback(name),
                 )
                 slot += 2 if m.bias is not None else 1
                 handle.streamed[name] = layer
@@ -251,7 +281,16 @@ def attach(
 
 
 def _check_host_room(
-    client, module, streamed, model, fmt, torchao: set[str], optimizer, master: str, label: str
+    client,
+    module,
+    streamed,
+    model,
+    fmt,
+    torchao: set[str],
+    optimizer,
+    master: str,
+    label: str,
+    rowwise: frozenset[str],
 ) -> HostPlan:
     """``trainable="host"``: the upload and the trainable state together against the host
     memory the daemon allows this uid, before anything is uploaded. Returns the plan that
@@ -270,7 +309,7 @@ def _check_host_room(
         upload = _upload.upload_charge(
             label,
             [
-                (t, w.ndim, policy.tensor_nbytes(t, w, quantized))
+                (t, w.ndim, policy.tensor_nbytes(t, w, quantized, rowwise))
                 for n, m in streamed
                 for t, w in policy.layer_tensors(n, m)
             ],
@@ -288,20 +327,30 @@ def _model_of(
     torchao: set[str],
     phases: dict,
     pin: bool,
+    compute: compute_plan.Plan,
+    prepared: dict,
 ):
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
     release if attach fails; ``phases`` filled as ``Client.upload_model`` says; kept as long
     as this process's connection, or pinned), with the
     weights quantized to ``fmt`` (on their CUDA device as they are copied, or by the daemon
-    at commit: ``options.QUANTIZE_ON``) and those of the layers in ``torchao`` written in their
-    torchao format, or ``model``, checked against them."""
+    at commit: ``options.QUANTIZE_ON``), those of the layers in ``torchao`` written in their
+    torchao format and those ``prepared`` for 8-bit compute in theirs
+    (``compute_plan.upload_forms``), or ``model``, checked against them."""
     tensors = {}
     for name, m in streamed:
         for tname, t in policy.layer_tensors(name, m):
             as_is = name in torchao and t is m.weight
             tensors[tname] = torchao_weights.upload_form(t) if as_is else t.detach()
-    weights = [f"{name}.weight" for name, _ in streamed if name not in torchao]
+        if name in prepared:
+            tensors[f"{name}.weight"] = prepared[name]
+    weights = [
+        f"{name}.weight"
+        for name, _ in streamed
+        if name not in torchao and name not in compute.layers
+    ]
     if model is not None:
+        compute_plan.check_model(compute, model, _listed(client, model))
         return _match(client, model, tensors, weights if fmt else ()), None
     manifest, _ = client.upload_model(
         label,
@@ -362,13 +411,18 @@ def _move_the_rest(module: nn.Module, streamed, device: torch.device):
                 m.register_buffer(bname, b.to(device))
 
 
-def _match(client: Client, model_id: str, tensors: dict[str, torch.Tensor], quantized=()):
-    """The daemon's loaded model, checked against the module's weights (names and shapes), and
-    the tensors named in ``quantized`` against the 8-bit format."""
+def _listed(client: Client, model_id: str):
+    """The manifest of the daemon's model ``model_id``."""
     listed = {m.model_id: m for m in client.list_models().models}
     if model_id not in listed:
         raise ValueError(f"model={model_id!r}: the daemon has no such model")
-    manifest = listed[model_id]
+    return listed[model_id]
+
+
+def _match(client: Client, model_id: str, tensors: dict[str, torch.Tensor], quantized=()):
+    """The daemon's loaded model, checked against the module's weights (names and shapes), and
+    the tensors named in ``quantized`` against the 8-bit format."""
+    manifest = _listed(client, model_id)
     have = {t.name: t for t in manifest.tensors}
     for name, t in tensors.items():
         info = have.get(name)

@@ -17,7 +17,7 @@ from weightstream.client import Client
 from weightstream.errors import SessionFault
 from weightstream.quantize import Fp8Weight
 from weightstream.session import Session
-from weightstream.torch import budget, ops, policy
+from weightstream.torch import budget, compute8, compute_plan, ops, policy
 from weightstream.torch.hooks import HookRegistry
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.torchao_weights import Rebuild
@@ -53,6 +53,11 @@ class StreamedLayer:
     #: Whether its 8-bit weight is dequantized with its group's (``StreamOptions.dequantize``:
     #: ``Handle._choose_dequantize``).
     by_group: bool = False
+    #: ``StreamOptions.compute`` in 8 bits: how this layer computes so (its weight is then a
+    #: ``compute8.W8Weight`` from the views); None where it computes in the trainer's dtype.
+    compute8: compute_plan.Layer8 | None = None
+    #: A layer of an 8-bit compute session that computes in the trainer's dtype; else None.
+    compute_fallback: compute_plan.Fallback | None = None
 
     @property
     def input_grad(self) -> str:
@@ -62,8 +67,15 @@ class StreamedLayer:
         """The (weight, bias) this pass computes with: the views, or for an 8-bit weight its
         dequantization (a new tensor per call, freed when the op is done with it; where
         ``by_group``, the group's, kept while the group is held, or for a resident group while
-        this pass runs it; the bias then a copy where the group gave its ticket back early)."""
+        this pass runs it; the bias then a copy where the group gave its ticket back early).
+        A layer in 8-bit compute gets its ``compute8.W8Weight``: the views, not dequantized."""
         handle = self.handle
+        if self.compute8 is not None:
+            if self.pinned is not None:
+                weight, bias = self.pinned
+            else:
+                weight, bias = self.views(handle._acquire(self, training).ticket)
+            return self.compute8.weight(weight), bias
         if self.pinned is not None:
             if self.by_group:
                 return handle._from_resident_group(self), self.pinned[1]
@@ -150,6 +162,9 @@ class Handle:
     #: kept until another resident group, or the next pass, needs its own. One group's
     #: dequantizations are kept at a time, streamed or resident (``_keep_dequantized``).
     _resident_held: _Held | None = None
+    #: ``StreamOptions.compute``: the layers that compute in 8 bits, those that fall back, and
+    #: their counters (``compute_plan.Plan``).
+    _compute: compute_plan.Plan = field(default_factory=compute_plan.Plan)
 
     # --- used by the streamed layers ----------------------------------------------------
 
@@ -366,6 +381,10 @@ class Handle:
             self._pinned.append(ticket)
             for layer in layers:
                 layer.pinned = layer.views(ticket)
+                if layer.compute8 is not None:
+                    # The 8-bit op saves no activation, and the views outlive any pass.
+                    layer.fixed = layer.weights(False)
+                    continue
                 quantized = isinstance(layer.pinned[0], Fp8Weight)
                 layer.fixed = None if quantized else layer.pinned
 
@@ -475,7 +494,8 @@ class Handle:
         policy's decisions (``auto_*``: ``AutoBudget.stats``); where ``attach`` spent its
         time (``attach_*``: ``attach_phases``); with ``trainable="host"``, the host bytes of
         the trainable state (``trainable_host_bytes``) and where its path waited, in seconds
-        since attach (``trainable_*_s``: ``Trainable.times``)."""
+        since attach (``trainable_*_s``: ``Trainable.times``); with 8-bit compute
+        (``StreamOptions.compute``), ``compute_*`` (``_compute_stats``)."""
         out = {} if self._auto is None else self._auto.stats()
         out.update({f"attach_{k}": v for k, v in self.attach_phases.items()})
         s = self.session.stats()
@@ -499,10 +519,28 @@ class Handle:
         out["dequant_by_group"] = [groups[g].name for g in sorted(self._layers_by_group)]
         out["dequant_peak_bytes"] = self._dequant_peak
         out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
+        if self._compute.mode is not None:
+            out.update(self._compute_stats())
         if self.trainable is not None:
             out["trainable_host_bytes"] = self.trainable.host_bytes
             out.update({f"trainable_{k}": v for k, v in self.trainable.times.items()})
         return out
+
+    def _compute_stats(self) -> dict:
+        """``StreamOptions.compute`` in 8 bits (``stats``): ``compute``, the mode;
+        ``compute_gemm8``, the 8-bit matmuls run (forward and input gradient);
+        ``compute_fallbacks``, reason -> the calls of layers that computed in the trainer's
+        dtype for it; ``compute_fallback_layers``, layer name -> its reason."""
+        plan = self._compute
+        by_reason: dict[str, int] = {}
+        for (_, reason), calls in plan.stats.fallbacks.items():
+            by_reason[reason] = by_reason.get(reason, 0) + calls
+        return {
+            "compute": plan.mode,
+            "compute_gemm8": plan.stats.gemm8,
+            "compute_fallbacks": by_reason,
+            "compute_fallback_layers": dict(plan.fallbacks),
+        }
 
     # --- vram_budget="auto" -------------------------------------------------------------
 
@@ -592,6 +630,9 @@ class Handle:
                 weight = layer.rebuild(
                     weight.data.to(device, copy=True), weight.scale.to(device, copy=True)
                 )
+            elif layer.compute8 is not None:
+                weight = compute8.dequantize(layer.compute8.weight(weight), layer.dtype)
+                weight = weight.to(device, copy=True)
             else:
                 weight, _ = self._dequantized(layer, (weight, bias))
                 weight = weight.to(device, copy=True)

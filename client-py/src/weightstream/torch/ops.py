@@ -4,7 +4,10 @@ reused once released) nor any dequantized weight (an 8-bit weight is dequantized
 backward), with backward's input gradient computed exactly as autograd computes it for the
 layer with its weights in place. One exception needs no Function: inside torch's non-reentrant
 checkpoint, a layer whose 8-bit weight is dequantized with its group's runs its operation as
-it is (``forward``).
+it is (``forward``). A layer in 8-bit compute (``StreamOptions.compute``) gets a
+``compute8.W8Weight`` from ``weights`` and computes ``compute8``'s forward and input gradient
+(always through ``StreamedOp``, or ``compute8``'s own Function on a resident group's views):
+autograd cannot differentiate an 8-bit matmul, and the input gradient needs no saved input.
 
 ``forward(layer, x)`` is what runs in place of ``nn.Linear.forward``/``nn.Conv2d.forward``.
 ``layer`` is anything with the attributes of ``Layer``; ``op`` and ``input_grad`` are looked up
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weightstream import quantize
+from weightstream.torch import compute8
 
 
 class Layer(Protocol):
@@ -34,6 +38,12 @@ class Layer(Protocol):
     #: Whether ``weights`` gives its group's dequantization of an 8-bit weight: a new tensor,
     #: not streamed memory, that the group keeps for the pass anyway.
     by_group: bool
+    #: How the layer computes in 8 bits (``compute_plan.Layer8``: mode, input gradient's mode,
+    #: counters), its weight then a ``compute8.W8Weight``; None in the trainer's dtype.
+    compute8: object
+    #: In an 8-bit compute session, a layer that computes in the trainer's dtype
+    #: (``compute_plan.Fallback``: ``count()`` per call); else None.
+    compute_fallback: object
 
     def weights(self, training: bool) -> tuple:
         """The (weight, bias) for this pass (views, or a dequantized weight); ``training``: the
@@ -83,10 +93,13 @@ def in_checkpoint() -> bool:
     return top is not None and getattr(top[0], "__qualname__", None) in CHECKPOINT_PACK_HOOKS
 
 
-def op(module: nn.Module, x, weight, bias):
+def op(module: nn.Module, x, weight, bias, compute=None):
     """The module's own operation with the given weight and bias; for an 8-bit weight whose
     library computes its own linear (a torchao weight: ``quantize.OWN_LINEAR``), that
-    library's operation (``quantize.linear_as``)."""
+    library's operation (``quantize.linear_as``); for a ``compute8.W8Weight``, the 8-bit
+    linear (``compute8.linear``; ``compute``: the layer's ``compute_plan.Layer8``)."""
+    if isinstance(weight, compute8.W8Weight):
+        return compute8.linear(x, weight, bias, compute.grad_compute, compute.stats, compute.name)
     if isinstance(weight, quantize.Fp8Weight):
         return quantize.linear_as(weight, x, bias)
     if isinstance(module, nn.Linear):
@@ -105,18 +118,29 @@ def autocast_state(x: torch.Tensor) -> tuple[bool, torch.dtype]:
 class StreamedOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer: Layer, x: torch.Tensor):
-        out = op(layer.module, x, *layer.weights(True))
+        weight, bias = layer.weights(True)
         ctx.layer = layer
+        if isinstance(weight, compute8.W8Weight):
+            # dY·W needs the weight alone: no input saved.
+            ctx.x_dtype = x.dtype
+            return op(layer.module, x, weight, bias, layer.compute8)
+        out = op(layer.module, x, weight, bias)
         ctx.autocast = autocast_state(x)
         ctx.save_for_backward(x)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        (x,) = ctx.saved_tensors
         layer: Layer = ctx.layer
-        enabled, dtype = ctx.autocast
         weights = layer.weights(True)
+        if isinstance(weights[0], compute8.W8Weight):
+            c = layer.compute8
+            grad_x = compute8.input_grad(
+                grad_out, weights[0], c.grad_compute, ctx.x_dtype, c.stats, c.name
+            )
+            return None, grad_x
+        (x,) = ctx.saved_tensors
+        enabled, dtype = ctx.autocast
         grad_x = None
         if layer.input_grad == "formula":
             grad_x = input_grad(layer.module, x, grad_out, weights[0], enabled, dtype)
@@ -190,13 +214,21 @@ def forward(layer: Layer, x, *args, **kwargs):
     """Runs in place of the layer's own forward."""
     if args or kwargs:
         raise TypeError(f"{layer.name}: streamed modules take one input")
+    if layer.compute_fallback is not None:
+        layer.compute_fallback.count()
     if layer.fixed is not None:
         # A resident group: its views stay valid for the whole session, so the module's own
-        # operation runs on them as is (autograd may keep them for backward).
+        # operation runs on them as is (autograd may keep them for backward); in 8-bit
+        # compute, compute8's linear, which keeps the weight for its input gradient.
+        if layer.compute8 is not None:
+            return op(layer.module, x, *layer.fixed, layer.compute8)
         return op(layer.module, x, *layer.fixed)
     if not x.requires_grad:
         # No graph is recorded (the weights never require grad): nothing keeps the views.
-        return op(layer.module, x, *layer.weights(torch.is_grad_enabled()))
+        weight, bias = layer.weights(torch.is_grad_enabled())
+        if layer.compute8 is not None:
+            return op(layer.module, x, weight, bias, layer.compute8)
+        return op(layer.module, x, weight, bias)
     if layer.by_group and in_checkpoint():
         # The weight is the group's dequantization, a new tensor: autograd may save it, and
         # the checkpoint drops it after the forward and keeps it from the recompute to the

@@ -10,11 +10,15 @@ from typing import Literal
 from torch import nn
 
 from weightstream import quantize as fp8
+from weightstream.torch import compute8
 
 #: Layers smaller than this stay on the device by default: not worth a round trip.
 DEFAULT_MIN_BYTES = 1 << 20
 
 INPUT_GRADS = ("formula", "recompute")
+#: ``compute``: the trainer's dtype (the weight, dequantized where it streams in 8 bits), or
+#: the 8-bit modes of ``compute8``.
+COMPUTES = ("bf16", "fp8", "int8")
 DEQUANTIZE = ("auto", "layer", "group")
 #: Where an upload's 8-bit weights are quantized (``Client.upload_model(quantize_on=)``):
 #: ``"auto"``, on their device for weights on a CUDA device (half the bytes to write, nothing
@@ -66,6 +70,26 @@ class StreamOptions:
       kernels only, not for the whole block's work on the GPU, so the copies keep a block
       more of lead over a pass whose blocks take about as long to compute as to copy. Off
       by default (its effect on step times is not measured yet). Same results, bit for bit.
+    - ``compute``: how a streamed ``nn.Linear`` multiplies. ``"bf16"`` (the default): its own
+      operation on the weight in the trainer's dtype (an 8-bit weight dequantized first).
+      ``"fp8"`` / ``"int8"``: W8A8 (``weightstream.torch.compute8``): the weight streams in
+      8 bits with one float32 scale per output row, prepared once at attach (a torchao per-row
+      weight of the mode is taken as it is; ``quantize="fp8"``'s block-scaled weights are
+      requantized per row from their dequantization), the activations are quantized per token
+      at each call and multiplied in 8 bits (``_scaled_mm``: Ada, Hopper, Blackwell; ``_int_mm``:
+      Ampere and newer; the CPU runs the reference arithmetic). Results equal the same model
+      with ``compute8.to_w8a8_resident`` in place, bit for bit; they are not those of the bf16
+      layer (plain int8 loses quality where activations have outlier channels: use
+      ``rotation``). Conv2d layers and Linear shapes the kernels cannot take keep the
+      ``"bf16"`` path (``Handle.stats()["compute_fallbacks"]``, and a warning at attach).
+      ``input_grad`` does not apply to the 8-bit layers: their input gradient is
+      ``grad_compute``'s.
+    - ``grad_compute``: the 8-bit layers' input gradient (dY·W): ``None`` or the mode itself
+      (in 8 bits, dY scaled per row), or ``"bf16"`` (dY times the dequantized weight in the
+      trainer's dtype).
+    - ``rotation``: 0, or a block-Hadamard rotation of that block (16 to 512, dividing each
+      8-bit layer's input width) applied to the weights once at attach and to the activations
+      at each call: spreads outlier channels before the per-row scales are taken.
     """
 
     input_grad: Literal["formula", "recompute"] = "formula"
@@ -77,6 +101,9 @@ class StreamOptions:
     quantize: Literal["fp8", "fp8_e4m3_block64"] | None = None
     dequantize: Literal["auto", "layer", "group"] = "auto"
     early_release: bool = False
+    compute: Literal["bf16", "fp8", "int8"] = "bf16"
+    grad_compute: Literal["bf16", "fp8", "int8"] | None = None
+    rotation: int = 0
 
     def __post_init__(self):
         if self.input_grad not in INPUT_GRADS:
@@ -90,6 +117,32 @@ class StreamOptions:
         if self.dequantize not in DEQUANTIZE:
             raise ValueError(f"dequantize={self.dequantize!r}: expected 'auto', 'layer' or 'group'")
         fp8.format_name(self.quantize)  # raises for an unknown format
+        self._check_compute()
         # Callers pass lists and sets; a frozen value keeps the options hashable and shareable.
         object.__setattr__(self, "include", tuple(self.include))
         object.__setattr__(self, "ignore", frozenset(self.ignore))
+
+    def _check_compute(self):
+        if self.compute not in COMPUTES:
+            raise ValueError(
+                f"compute={self.compute!r}: expected 'bf16' (the trainer's dtype), 'fp8' or "
+                "'int8' (8-bit matmuls: weightstream.torch.compute8)"
+            )
+        if self.compute == "bf16":
+            if self.grad_compute not in (None, "bf16"):
+                raise ValueError(
+                    f"grad_compute={self.grad_compute!r} with compute='bf16': an 8-bit input "
+                    f"gradient needs the 8-bit forward; use compute={self.grad_compute!r}"
+                )
+            if self.rotation:
+                raise ValueError(
+                    f"rotation={self.rotation!r} with compute='bf16': the rotation is part of "
+                    "8-bit compute; use compute='int8' or 'fp8', or rotation=0"
+                )
+            return
+        compute8.check_grad_compute(self.compute, self.grad_compute)
+        if self.rotation != 0 and self.rotation not in compute8.ROTATIONS:
+            raise ValueError(
+                f"rotation={self.rotation!r}: expected 0 (none) or a block of "
+                f"{', '.join(map(str, compute8.ROTATIONS))}"
+            )

@@ -222,11 +222,16 @@ def layer_tensors(name: str, m: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def tensor_nbytes(name: str, t: torch.Tensor, quantized: frozenset[str] = frozenset()) -> int:
+def tensor_nbytes(
+    name: str,
+    t: torch.Tensor,
+    quantized: frozenset[str] = frozenset(),
+    rowwise: frozenset[str] = frozenset(),
+) -> int:
     """Bytes of a streamed tensor in the daemon's store: its own, those of its 8-bit form
-    when the daemon keeps it quantized (``name`` in ``quantized``), or a torchao weight's data
-    and scales."""
-    if torchao_weights.format_of(t) is not None:
+    when the daemon keeps it quantized (``name`` in ``quantized``), or of a torchao weight or
+    one prepared for 8-bit compute (``name`` in ``rowwise``): data and one scale per row."""
+    if name in rowwise or torchao_weights.format_of(t) is not None:
         return fp8.rowwise_nbytes(t.shape)
     if name in quantized:
         return fp8.fp8_nbytes(t.shape)
@@ -258,8 +263,10 @@ def choose_groups(
     vram_budget: int | None,
     staging_bytes: int,
     quantized: frozenset[str] = frozenset(),
+    rowwise: frozenset[str] = frozenset(),
 ) -> Grouping:
-    """The groups and their sizes (``quantized``: the tensors the daemon keeps in 8 bits).
+    """The groups and their sizes (``quantized``: the tensors the daemon keeps in 8 bits;
+    ``rowwise``: those it keeps with one scale per row, ``tensor_nbytes``).
     Blocks need staging for three of the largest (the one in use, the next, and one
     re-acquired); a smaller budget without an explicit staging size streams layer by layer
     instead."""
@@ -269,7 +276,7 @@ def choose_groups(
         sizes = [
             group_nbytes(
                 [
-                    tensor_nbytes(tname, t, quantized)
+                    tensor_nbytes(tname, t, quantized, rowwise)
                     for n, m in ms
                     for tname, t in layer_tensors(n, m)
                 ],

@@ -235,6 +235,9 @@ def _options(s: Settings, ignore: set[str]) -> wst.StreamOptions:
         quantize=s.quantize,
         dequantize=s.dequantize,
         early_release=s.early_release,
+        compute=s.compute,
+        grad_compute=s.grad_compute,
+        rotation=s.rotation,
     )
 
 

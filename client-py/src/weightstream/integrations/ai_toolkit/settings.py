@@ -22,6 +22,9 @@ ENV = {
     "quantize": "WEIGHTSTREAM_QUANTIZE",
     "dequantize": "WEIGHTSTREAM_DEQUANTIZE",
     "early_release": "WEIGHTSTREAM_EARLY_RELEASE",
+    "compute": "WEIGHTSTREAM_COMPUTE",
+    "grad_compute": "WEIGHTSTREAM_GRAD_COMPUTE",
+    "rotation": "WEIGHTSTREAM_ROTATION",
     "trainable": "WEIGHTSTREAM_TRAINABLE",
     "trainable_delay": "WEIGHTSTREAM_TRAINABLE_DELAY",
     "trainable_master": "WEIGHTSTREAM_TRAINABLE_MASTER",
@@ -31,6 +34,8 @@ ENV = {
 TRAINABLE = ("device", "host")
 #: The values of ``dequantize`` (``StreamOptions.dequantize``).
 DEQUANTIZE = ("auto", "layer", "group")
+#: The values of ``compute`` (``StreamOptions.compute``) and ``grad_compute``.
+COMPUTE = ("bf16", "fp8", "int8")
 #: The values of ``trainable_master`` (``weightstream.torch.trainable.MASTERS``).
 MASTERS = ("fp32", "none")
 
@@ -71,6 +76,13 @@ class Settings:
       are dequantized (``StreamOptions.dequantize``).
     - ``early_release``: ``true`` gives a block's staging back once its 8-bit weights are
       dequantized together (``StreamOptions.early_release``). Default ``false``.
+    - ``compute``: ``bf16`` (the default), ``fp8`` or ``int8``: how the streamed Linear layers
+      multiply (``StreamOptions.compute``: ``fp8``/``int8`` are 8-bit matmuls on weights
+      prepared once, row-scaled; a ``qfloat8`` base computes as it is in ``fp8``).
+    - ``grad_compute``: the 8-bit layers' input gradient: ``none`` (the default: the same
+      mode as ``compute``), that mode, or ``bf16`` (``StreamOptions.grad_compute``).
+    - ``rotation``: 0 (the default) or a block-Hadamard rotation of that block for 8-bit
+      compute (``StreamOptions.rotation``; advised with ``int8``).
     - ``trainable``: where the LoRA's weights and optimizer state live. ``device`` (the
       default): where ai-toolkit puts them. ``host``: in host memory
       (``weightstream.torch.stream_trainable``), the optimizer ai-toolkit asks for (``adamw``,
@@ -95,6 +107,9 @@ class Settings:
     quantize: str | None = None
     dequantize: str = "auto"
     early_release: bool = False
+    compute: str = "bf16"
+    grad_compute: str | None = None
+    rotation: int = 0
     trainable: str = "device"
     trainable_delay: bool = True
     trainable_master: str | None = None
@@ -146,6 +161,17 @@ def _convert(key: str, what: str, value):
         if value not in DEQUANTIZE:
             raise ValueError(f"{what}: {value!r}: expected one of {', '.join(DEQUANTIZE)}")
         return value
+    if key in ("compute", "grad_compute"):
+        if key == "grad_compute" and (value is None or str(value).lower() in ("none", "")):
+            return None
+        if value not in COMPUTE:
+            raise ValueError(f"{what}: {value!r}: expected one of {', '.join(COMPUTE)}")
+        return value
+    if key == "rotation":
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{what}: {value!r}: expected 0 or a block size") from None
     if key == "trainable":
         if value not in TRAINABLE:
             raise ValueError(f"{what}: {value!r}: expected one of {', '.join(TRAINABLE)}")
