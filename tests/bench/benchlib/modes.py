@@ -125,6 +125,7 @@ def mode_resident_w8a8(args, record, compute: str):
     """The W8A8 reference with the weights in place: the layers that ``weightstream-w8a8-MODE``
     computes in 8 bits, prepared on the GPU (``compute8.to_w8a8_resident``, after
     ``to_fp8_resident`` with ``--quantize fp8``: the weights that mode streams)."""
+    import torch
     from weightstream import quantize
     from weightstream.torch import compute8
 
@@ -134,14 +135,25 @@ def mode_resident_w8a8(args, record, compute: str):
         record["quantize"] = args.quantize
         quantize.to_fp8_resident(model, streamable(model))
     stats = compute8.Stats()
-    changed = compute8.to_w8a8_resident(
-        model,
-        compute,
-        names,
-        rotation=args.rotation,
-        grad_compute=args.grad_compute,
-        stats=stats,
-    )
+    modules = dict(model.named_modules())
+    changed = []
+    # A block's worth of layers at a time, each bf16 weight given back once its 8-bit form is
+    # made: FLUX.2's 64 GB of bf16 and 32 GB of 8-bit weights do not fit an 80 GB card together.
+    # The weight keeps its shape, dtype and device (the LoRA wrapper reads them) over no memory.
+    for start in range(0, len(names), 16):
+        chunk = names[start : start + 16]
+        changed += compute8.to_w8a8_resident(
+            model,
+            compute,
+            chunk,
+            rotation=args.rotation,
+            grad_compute=args.grad_compute,
+            stats=stats,
+        )
+        for name in chunk:
+            w = modules[name].weight
+            w.data = w.data.new_zeros(()).expand(w.shape)
+        torch.cuda.empty_cache()
     record.update(compute=compute, rotation=args.rotation, grad_compute=args.grad_compute)
     record["w8a8_layers"] = len(changed)
     init = lora_state(model)

@@ -155,9 +155,13 @@ def upload_forms(plan_: Plan, streamed, fmt: str | None, torchao: set[str]) -> d
             if fmt is not None:
                 w = quantize.w_hat(w)
         w8 = compute8.prepare(w, layer.mode, rotation=layer.rotation, name=name)
-        out[name] = Fp8Weight(
-            w8.data, w8.scale.reshape(-1, 1), UPLOAD_FORMATS[layer.mode], m.weight.dtype
-        )
+        data, scale = w8.data, w8.scale.reshape(-1, 1)
+        if data.device.type != "cpu":
+            # Prepared where the weight is (fast), held in host memory until the upload copies
+            # it: the 8-bit forms of a model on the device beside its own weights (32 GB beside
+            # FLUX.2's 64 GB) would not fit the card while attach has both.
+            data, scale = data.cpu(), scale.cpu()
+        out[name] = Fp8Weight(data, scale, UPLOAD_FORMATS[layer.mode], m.weight.dtype)
     return out
 
 
