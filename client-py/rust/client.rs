@@ -311,8 +311,8 @@ impl Client {
                     let q = ws::prequantized_format(&format).ok_or_else(|| {
                         PyValueError::new_err(format!(
                             "prequantized: tensor {tname:?}: {format:?} is not a format written \
-                             pre-quantized (fp8_e4m3_block64, torchao_float8_rowwise, \
-                             torchao_int8_rowwise)"
+                             pre-quantized (fp8_e4m3_block64, fp8_e4m3_row, int8_row, \
+                             torchao_float8_rowwise, torchao_int8_rowwise)"
                         ))
                     })?;
                     (q, scale_shape)
@@ -476,12 +476,13 @@ impl Client {
     }
 }
 
-/// `quantize=` of `load_model`: "none", "fp8_e4m3_block64" or "fp8".
+/// `quantize=` of `load_model`: "none", "fp8_e4m3_block64", "fp8", "fp8_e4m3_row" or
+/// "int8_row".
 fn quantization(value: &str) -> PyResult<proto::Quantization> {
     ws::parse_quantization(value).ok_or_else(|| {
         PyValueError::new_err(format!(
             "quantize: {value:?} is not supported: the accepted values are None, \"none\", \
-             \"fp8_e4m3_block64\", \"fp8\" (its alias)"
+             \"fp8_e4m3_block64\", \"fp8\" (its alias), \"fp8_e4m3_row\", \"int8_row\""
         ))
     })
 }

@@ -56,9 +56,10 @@ pub use weightstream_proto::{handoff, socket, v1 as proto};
 
 /// A tensor to upload: its name, dtype, shape and bytes, and whether it is quantized.
 ///
-/// `quantization` FP8_E4M3_BLOCK64 with a float dtype: the daemon quantizes `bytes` at commit;
-/// with [`proto::Dtype::F8E4m3`]: `bytes` are already data, padding and scales (the store's
-/// layout, see [`fp8_layout`]) and `scale_shape` says the scales' shape. TORCHAO_FLOAT8_ROWWISE
+/// `quantization` FP8_E4M3_BLOCK64 (or FP8_E4M3_ROW, INT8_ROW) with a float dtype: the daemon
+/// quantizes `bytes` at commit; with the format's data dtype ([`proto::Dtype::F8E4m3`], I8 for
+/// INT8_ROW): `bytes` are already data, padding and scales (the store's layout, see
+/// [`fp8_layout`] and [`row_layout`]) and `scale_shape` says the scales' shape. TORCHAO_FLOAT8_ROWWISE
 /// (F8E4m3) and TORCHAO_INT8_ROWWISE (I8): `bytes` are a torchao weight's data, padding and
 /// fp32 scales laid out the same way, `scale_shape` [out, 1].
 pub struct TensorData<'a> {
@@ -85,8 +86,14 @@ impl<'a> TensorData<'a> {
 
     /// The same tensor, quantized by the daemon at commit (fp8_e4m3_block64).
     pub fn quantized_at_commit(self) -> Self {
+        self.quantized_at_commit_as(proto::Quantization::Fp8E4m3Block64)
+    }
+
+    /// The same tensor, quantized by the daemon at commit into `format` (fp8_e4m3_block64,
+    /// fp8_e4m3_row or int8_row).
+    pub fn quantized_at_commit_as(self, format: proto::Quantization) -> Self {
         TensorData {
-            quantization: proto::Quantization::Fp8E4m3Block64,
+            quantization: format,
             ..self
         }
     }
@@ -105,22 +112,29 @@ impl<'a> TensorData<'a> {
     }
 }
 
+/// The spellings [`parse_quantization`] accepts, for messages and help texts.
+pub const QUANTIZATIONS: &str = "none, fp8_e4m3_block64, fp8 (its alias), fp8_e4m3_row, int8_row";
+
 /// Parses a quantization as the CLI and the Python client spell it: "none",
-/// "fp8_e4m3_block64", or "fp8" (an alias of it).
+/// "fp8_e4m3_block64", "fp8" (an alias of it), "fp8_e4m3_row" or "int8_row".
 pub fn parse_quantization(value: &str) -> Option<proto::Quantization> {
     match value {
         "none" => Some(proto::Quantization::None),
         "fp8" | "fp8_e4m3_block64" => Some(proto::Quantization::Fp8E4m3Block64),
+        "fp8_e4m3_row" => Some(proto::Quantization::Fp8E4m3Row),
+        "int8_row" => Some(proto::Quantization::Int8Row),
         _ => None,
     }
 }
 
 /// The formats a client may write pre-quantized into an upload, by the names
-/// [`quantization_name`] gives them: "fp8_e4m3_block64", "torchao_float8_rowwise",
-/// "torchao_int8_rowwise".
+/// [`quantization_name`] gives them: "fp8_e4m3_block64", "fp8_e4m3_row", "int8_row",
+/// "torchao_float8_rowwise", "torchao_int8_rowwise".
 pub fn prequantized_format(name: &str) -> Option<proto::Quantization> {
     match name {
         "fp8_e4m3_block64" => Some(proto::Quantization::Fp8E4m3Block64),
+        "fp8_e4m3_row" => Some(proto::Quantization::Fp8E4m3Row),
+        "int8_row" => Some(proto::Quantization::Int8Row),
         "torchao_float8_rowwise" => Some(proto::Quantization::TorchaoFloat8Rowwise),
         "torchao_int8_rowwise" => Some(proto::Quantization::TorchaoInt8Rowwise),
         _ => None,
@@ -133,6 +147,8 @@ pub fn quantization_name(value: i32) -> String {
     match proto::Quantization::try_from(value) {
         Ok(proto::Quantization::None) => "none".into(),
         Ok(proto::Quantization::Fp8E4m3Block64) => "fp8_e4m3_block64".into(),
+        Ok(proto::Quantization::Fp8E4m3Row) => "fp8_e4m3_row".into(),
+        Ok(proto::Quantization::Int8Row) => "int8_row".into(),
         Ok(proto::Quantization::Fp8ScaledMusubi) => "fp8_scaled_musubi".into(),
         Ok(proto::Quantization::Fp8ScaledComfy) => "fp8_scaled_comfy".into(),
         Ok(proto::Quantization::TorchaoFloat8Rowwise) => "torchao_float8_rowwise".into(),
@@ -154,6 +170,21 @@ pub fn fp8_layout(shape: &[u64]) -> Option<([u64; 2], u64, u64)> {
     } else {
         1
     };
+    let data = rows.checked_mul(cols)?;
+    let scale_offset = data.div_ceil(16).checked_mul(16)?;
+    let nbytes = scale_offset.checked_add(rows.checked_mul(blocks)?.checked_mul(4)?)?;
+    Some(([rows, blocks], scale_offset, nbytes))
+}
+
+/// The store's layout of a weight of `shape` (rank >= 2) in a row format (fp8_e4m3_row,
+/// int8_row): (scale_shape [rows, 1], scale_offset, nbytes), laid out as [`fp8_layout`] says.
+pub fn row_layout(shape: &[u64]) -> Option<([u64; 2], u64, u64)> {
+    let (&rows, rest) = shape.split_first()?;
+    if rest.is_empty() {
+        return None;
+    }
+    let cols = rest.iter().try_fold(1u64, |a, &d| a.checked_mul(d))?;
+    let blocks = u64::from(cols != 0);
     let data = rows.checked_mul(cols)?;
     let scale_offset = data.div_ceil(16).checked_mul(16)?;
     let nbytes = scale_offset.checked_add(rows.checked_mul(blocks)?.checked_mul(4)?)?;

@@ -1,10 +1,18 @@
-"""The 8-bit weight format, in torch (no daemon): ``fp8_e4m3_block64``.
+"""The 8-bit weight formats, in torch (no daemon): ``fp8_e4m3_block64``, and the others a
+placement may name (``FORMATS``).
 
 A weight of shape S (rank >= 2; rows = S[0], cols = prod(S[1:])) is kept as ``q``, float8_e4m3fn
 in shape S, and ``scale``, float32 [rows, cols / 64] (one per 64 inputs of a row), or [rows, 1]
 when cols is not a multiple of 64 (one per row). scale = amax / 448 of its block (1 where that is
 0), q = e4m3(clamp(w / scale, -448, 448)); the weight a layer computes with is
 ``w_hat = (q.float() * scale).to(compute dtype)``.
+
+The daemon makes two more formats the same way (a load's ``quantize``, or an upload's tensor
+declared in one), with one block per row whatever its width, scale float32 [rows, 1]:
+``fp8_e4m3_row`` (e4m3fn, scale = amax / 448) and ``int8_row`` (int8, scale = amax / 127, q =
+round half to even of clamp(w / scale, -127, 127)): the rows 8-bit compute multiplies, bit for
+bit ``weightstream.torch.compute8.quantize_rows_reference`` of the weight viewed as [rows,
+cols]. Their w_hat is the same formula.
 
 Pre-quantized files read as published (``fp8_scaled_musubi``, ``fp8_scaled_comfy``) and torchao's
 weights uploaded as torchao holds them (``torchao_float8_rowwise``, ``torchao_int8_rowwise``:
@@ -14,7 +22,8 @@ layer from the dequantized weight, ``linear_as``.
 
 The daemon quantizes in Rust (``daemon/src/store/quantize.rs``), byte for byte as
 ``quantize_fp8_block64`` here (``daemon/e2e/tests/data/fp8_vectors.safetensors``, written by
-``tests/python/client/gen_fp8_vectors.py`` from this module, pins both). The exactness contract
+``tests/python/client/gen_fp8_vectors.py`` from this module, pins both; the row formats it pins
+against ``compute8.quantize_rows_reference``). The exactness contract
 of 8-bit streaming: a model streamed in this format equals, bit for bit, the same model with
 each streamed weight replaced in place by its w_hat (``to_fp8_resident``).
 """
@@ -33,6 +42,16 @@ from weightstream import _fused_dequant
 FP8_E4M3_BLOCK64 = "fp8_e4m3_block64"
 #: Names a caller may use for it.
 ALIASES = {"fp8": FP8_E4M3_BLOCK64, FP8_E4M3_BLOCK64: FP8_E4M3_BLOCK64}
+#: The daemon's per-row formats (a load's ``quantize``): e4m3fn or int8 data, one float32
+#: scale per row ([rows, 1]).
+FP8_E4M3_ROW = "fp8_e4m3_row"
+INT8_ROW = "int8_row"
+#: The formats the daemon makes itself from float weights, and the dtype of their data.
+DAEMON_FORMATS = {
+    FP8_E4M3_BLOCK64: torch.float8_e4m3fn,
+    FP8_E4M3_ROW: torch.float8_e4m3fn,
+    INT8_ROW: torch.int8,
+}
 BLOCK = 64
 E4M3_MAX = 448.0
 #: The weight dtypes the format quantizes.
@@ -54,13 +73,21 @@ TORCHAO_INT8_ROWWISE = "torchao_int8_rowwise"
 #: layer streaming one computes ``linear_as``.
 OWN_LINEAR = (TORCHAO_FLOAT8_ROWWISE, TORCHAO_INT8_ROWWISE)
 #: Every 8-bit format a placement may name.
-FORMATS = (FP8_E4M3_BLOCK64, FP8_SCALED_MUSUBI, FP8_SCALED_COMFY, *OWN_LINEAR)
+FORMATS = (
+    FP8_E4M3_BLOCK64,
+    FP8_SCALED_MUSUBI,
+    FP8_SCALED_COMFY,
+    *OWN_LINEAR,
+    FP8_E4M3_ROW,
+    INT8_ROW,
+)
 
 
 class Fp8Weight(NamedTuple):
     """An 8-bit weight: ``data`` in the weight's shape (float8_e4m3fn; int8 for
-    ``torchao_int8_rowwise``), ``scale`` float32 (of ``fp8_e4m3_block64``: [rows, blocks per
-    row]; of a pre-quantized format: the file's scale shape; of torchao's: [out, 1]),
+    ``torchao_int8_rowwise`` and ``int8_row``), ``scale`` float32 (of ``fp8_e4m3_block64``:
+    [rows, blocks per row]; of ``fp8_e4m3_row``, ``int8_row`` and torchao's: [rows, 1]; of a
+    pre-quantized format: the file's scale shape),
     ``format`` one of ``FORMATS``; ``dtype``: for a format of ``OWN_LINEAR``, the dtype its
     library dequantizes it to (the torchao tensor's ``dtype``), set by the layer that streams
     it."""
@@ -161,7 +188,8 @@ def dequantize_as(
 ) -> torch.Tensor:
     """w_hat of an 8-bit weight in format ``fmt``, in ``dtype``, with that format's own formula.
 
-    - ``fp8_e4m3_block64``: ``dequantize`` (``(q.float() * scale).to(dtype)``).
+    - ``fp8_e4m3_block64``, ``fp8_e4m3_row``, ``int8_row``: ``dequantize`` (``(q.float() *
+      scale).to(dtype)``).
     - ``fp8_scaled_musubi``: musubi-tuner's ``fp8_linear_forward_patch`` (non-scaled_mm branch,
       ``src/musubi_tuner/modules/fp8_optimization_utils.py``): ``q.to(D) * scale`` with the
       weight viewed as [out, blocks, in / blocks] for a per-block scale [out, blocks, 1], where
@@ -183,7 +211,7 @@ def dequantize_as(
       torchao's symmetric quantization; ``torchao_weights`` refuses others), times the float32
       scale, which promotes the product to float32, then ``.to(dtype)``: int8 values are exact
       in every float dtype, so this too is ``(q.to(float32) * scale).to(dtype)``."""
-    if fmt in (FP8_E4M3_BLOCK64, TORCHAO_FLOAT8_ROWWISE, TORCHAO_INT8_ROWWISE):
+    if fmt in DAEMON_FORMATS or fmt in OWN_LINEAR:
         return dequantize(q, scale, dtype)
     if fmt == FP8_SCALED_MUSUBI:
         s = scale.to(dtype)

@@ -20,7 +20,7 @@ use weightstream_daemon::core::Daemon;
 use weightstream_daemon::scheduler::{CopyOutcome, CopyRequest, DeviceCopyStats, Priority, Work};
 use weightstream_daemon::server::{self, ServerHandle};
 
-use weightstream_daemon::store::quantize::{TensorIn, quantize_all};
+use weightstream_daemon::store::quantize::{Quantization, Target, TensorIn, quantize_all};
 use weightstream_daemon::store::safetensors::DType;
 
 use super::{Backend, BoxError, CliResult, human, parse_quantize, saved};
@@ -44,8 +44,9 @@ pub struct DemoArgs {
     /// present, else host.
     #[arg(long, env = "WEIGHTSTREAM_BACKEND", default_value = "auto")]
     backend: Backend,
-    /// Stream the model quantized by the daemon at load: none, fp8 (= fp8_e4m3_block64). The
-    /// synthetic weights are then 2-D and finite, and the report says how many bytes that saved.
+    /// Stream the model quantized by the daemon at load: none, fp8 (= fp8_e4m3_block64),
+    /// fp8_e4m3_row, int8_row. The synthetic weights are then 2-D and finite, and the report
+    /// says how many bytes that saved.
     #[arg(long, default_value = "none", value_parser = parse_quantize)]
     quantize: proto::Quantization,
     /// Simulated compute per group, in milliseconds: the client sleeps this long with each
@@ -183,9 +184,9 @@ pub async fn run(args: DemoArgs) -> CliResult {
     spinner.enable_steady_tick(Duration::from_millis(100));
     let quantize = args.quantize != proto::Quantization::None;
     let (path, mut data) = write_model(dir.path(), &p, quantize)?;
-    if quantize {
+    if let Some(target) = target_of(args.quantize) {
         spinner.set_message("quantizing the expected bytes");
-        data = expected_fp8(&p, &data)?;
+        data = expected_quantized(&p, &data, target)?;
     }
     spinner.finish_and_clear();
 
@@ -210,11 +211,23 @@ pub async fn run(args: DemoArgs) -> CliResult {
     }
 }
 
+/// The daemon's format of a quantization the CLI accepts (none: none).
+fn target_of(quantize: proto::Quantization) -> Option<Target> {
+    Quantization::parse(&weightstream_client::quantization_name(quantize as i32))
+        .ok()
+        .and_then(Target::of)
+}
+
 /// What the daemon should stage for each weight quantized: data, padding, scales.
-fn expected_fp8(p: &Plan, data: &[Vec<u8>]) -> Result<Vec<Vec<u8>>, BoxError> {
+fn expected_quantized(
+    p: &Plan,
+    data: &[Vec<u8>],
+    target: Target,
+) -> Result<Vec<Vec<u8>>, BoxError> {
     let shape = shape(p, true);
     let inputs: Vec<TensorIn<'_>> = (data.iter())
         .map(|bytes| TensorIn {
+            target,
             name: "demo",
             dtype: DType::BF16,
             shape: &shape,
@@ -242,7 +255,7 @@ struct Measured {
     reference: f64,
     backend: &'static str,
     /// Quantized: the model's bytes in the files and in the store.
-    model_bytes: Option<(u64, u64)>,
+    model_bytes: Option<(u64, u64, String)>,
     /// The largest group as stored (what one copy moves).
     group_bytes: u64,
 }
@@ -448,8 +461,10 @@ async fn drive(
         work_default,
         reference,
         backend,
-        model_bytes: (quantize != proto::Quantization::None)
-            .then_some((p.size, manifest.total_bytes)),
+        model_bytes: (quantize != proto::Quantization::None).then(|| {
+            let format = weightstream_client::quantization_name(quantize as i32);
+            (p.size, manifest.total_bytes, format)
+        }),
         group_bytes,
     };
     session.close().await?;
@@ -551,16 +566,17 @@ fn report(p: &Plan, steps: u32, m: &Measured) -> Table {
     for (k, v) in rows {
         t.add_row(vec![k.to_string(), v]);
     }
-    if let Some((file, stored)) = m.model_bytes {
+    if let Some((file, stored, format)) = &m.model_bytes {
+        let (file, stored) = (*file, *stored);
         // Each copy moves one group, which is one weight.
         let per_group = stored / p.groups as u64;
         let streamed_bf16 = s.copies * p.group;
         t.add_row(vec![
-            "model, bf16 -> fp8_e4m3_block64".to_string(),
+            format!("model, bf16 -> {format}"),
             saved(file, stored),
         ]);
         t.add_row(vec![
-            "bytes copied, bf16 -> fp8_e4m3_block64".to_string(),
+            format!("bytes copied, bf16 -> {format}"),
             saved(streamed_bf16, s.copies * per_group),
         ]);
     }

@@ -28,7 +28,9 @@ pub struct LoadArgs {
     #[arg(long)]
     name: Option<String>,
     /// Quantize the weights (".weight" tensors of rank >= 2 in BF16/F16/F32) while loading:
-    /// none, fp8 (= fp8_e4m3_block64: e4m3fn data, one fp32 scale per 64 inputs of a row).
+    /// none, fp8 (= fp8_e4m3_block64: e4m3fn data, one fp32 scale per 64 inputs of a row),
+    /// fp8_e4m3_row (e4m3fn data, one fp32 scale per row), int8_row (int8 data, one fp32
+    /// scale per row).
     /// The store keeps only the quantized copy; the other tensors keep their dtype.
     #[arg(long, env = "WEIGHTSTREAM_QUANTIZE", default_value = "none", value_parser = parse_quantize)]
     quantize: proto::Quantization,

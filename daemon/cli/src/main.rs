@@ -241,10 +241,13 @@ const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_millis(2
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type CliResult<T = ()> = Result<T, BoxError>;
 
-/// `--quantize`: none, fp8_e4m3_block64, or fp8 (its alias).
+/// `--quantize`: none, fp8_e4m3_block64, fp8 (its alias), fp8_e4m3_row, int8_row.
 fn parse_quantize(value: &str) -> Result<weightstream_client::proto::Quantization, String> {
     weightstream_client::parse_quantization(value).ok_or_else(|| {
-        format!("'{value}': the accepted values are none, fp8_e4m3_block64, fp8 (its alias)")
+        format!(
+            "'{value}': the accepted values are {}",
+            weightstream_client::QUANTIZATIONS
+        )
     })
 }
 

@@ -1,6 +1,7 @@
 //! `store::quantize` against torch, byte for byte: `tests/data/fp8_vectors.safetensors` holds
-//! inputs and torch's outputs (written by `tests/python/gen_fp8_vectors.py`). Then the errors,
-//! word for word, and an ignored throughput bench:
+//! inputs and torch's outputs (written by `tests/python/client/gen_fp8_vectors.py`), of
+//! fp8_e4m3_block64 and of the row formats (fp8_e4m3_row, int8_row: 8-bit compute's per-row
+//! quantization). Then the errors, word for word, and an ignored throughput bench:
 //!
 //! ```text
 //! cargo test --release -p weightstream-e2e --test quantize -- --ignored --nocapture
@@ -11,7 +12,8 @@ use std::time::Instant;
 
 use safetensors::{Dtype, SafeTensors};
 use weightstream_daemon::store::quantize::{
-    QuantizeError, TensorIn, TensorOut, f32_to_e4m3fn, quantize, quantize_all, quantize_all_into,
+    QuantizeError, Target, TensorIn, TensorOut, f32_to_e4m3fn, quantize, quantize_all,
+    quantize_all_into, quantize_as,
 };
 use weightstream_daemon::store::safetensors::DType;
 
@@ -97,6 +99,83 @@ fn quantization_equals_torch_byte_for_byte_on_every_case() {
 }
 
 #[test]
+fn row_quantizations_equal_compute8_byte_for_byte_on_every_case() {
+    let st = SafeTensors::deserialize(FIXTURE).expect("the fixture parses");
+    let mut cases: Vec<&str> = st
+        .names()
+        .into_iter()
+        .filter_map(|n| n.strip_suffix(".rw"))
+        .collect();
+    cases.sort_unstable();
+    assert!(cases.len() >= 30, "only {} row cases", cases.len());
+    let mut failures = Vec::new();
+    for case in &cases {
+        let w = st.tensor(&format!("{case}.rw")).unwrap();
+        let shape: Vec<u64> = w.shape().iter().map(|&d| d as u64).collect();
+        for (target, suffix) in [(Target::Fp8Row, "fp8_row"), (Target::Int8Row, "int8_row")] {
+            let q = st.tensor(&format!("{case}.{suffix}")).unwrap();
+            let s = st.tensor(&format!("{case}.{suffix}_scale")).unwrap();
+            let got = match quantize_as(target, case, dtype(w.dtype()), &shape, w.data()) {
+                Ok(got) => got,
+                Err(e) => {
+                    failures.push(format!("{case} {suffix}: {e}"));
+                    continue;
+                }
+            };
+            let scale_shape: Vec<u64> = s.shape().iter().map(|&d| d as u64).collect();
+            if got.scale_shape[..] != scale_shape[..] || scale_shape != [shape[0], 1] {
+                failures.push(format!(
+                    "{case} {suffix}: scale shape {:?} != {scale_shape:?}",
+                    got.scale_shape
+                ));
+            }
+            if let Some(d) = diff(&got.scales, s.data(), 4) {
+                failures.push(format!("{case} {suffix}: scales: {d}"));
+            }
+            if let Some(d) = diff(&got.data, q.data(), 1) {
+                failures.push(format!("{case} {suffix}: q: {d}"));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} differ from torch:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+#[test]
+fn row_formats_refuse_what_block64_refuses_naming_the_tensor() {
+    let nan = bf16_bytes(&with(100, 42, f32::NAN));
+    let inf = f32_bytes(&with(128, 127, f32::NEG_INFINITY));
+    let norm = bf16_bytes(&[1.0; 64]);
+    for target in [Target::Fp8Row, Target::Int8Row] {
+        let name = target.name();
+        let e = quantize_as(target, "a.weight", DType::BF16, &[2, 50], &nan).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tensor 'a.weight': NaN at index 42: cannot quantize"
+        );
+        let e = quantize_as(target, "b", DType::F32, &[1, 128], &inf).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tensor 'b': -inf at index 127: cannot quantize"
+        );
+        let e = quantize_as(target, "norm.weight", DType::BF16, &[64], &norm).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            format!("tensor 'norm.weight' has rank 1: {name} quantizes only rank ≥ 2 weights")
+        );
+        let e = quantize_as(target, "ids", DType::I64, &[2, 2], &[0; 32]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tensor 'ids' has dtype I64: only BF16, F16 and F32 can be quantized"
+        );
+    }
+}
+
+#[test]
 fn all_cases_at_once_on_several_threads_equal_one_by_one() {
     let st = SafeTensors::deserialize(FIXTURE).unwrap();
     let views: Vec<(String, Vec<u64>, safetensors::tensor::TensorView<'_>)> = st
@@ -112,6 +191,7 @@ fn all_cases_at_once_on_several_threads_equal_one_by_one() {
     let tensors: Vec<TensorIn<'_>> = views
         .iter()
         .map(|(name, shape, v)| TensorIn {
+            target: Target::Fp8Block64,
             name,
             dtype: dtype(v.dtype()),
             shape,
@@ -266,6 +346,7 @@ fn the_first_non_finite_in_input_order_is_reported_whatever_the_threads() {
     let (a, b, c) = (f32_bytes(&a), f32_bytes(&b), f32_bytes(&c));
     let a_shape = [rows as u64, 128];
     let t = |name, shape, bytes| TensorIn {
+        target: Target::Fp8Block64,
         name,
         dtype: DType::F32,
         shape,
@@ -293,6 +374,7 @@ fn outputs_of_the_wrong_size_are_refused() {
     let (mut data, mut scales) = (vec![0u8; 128], vec![0u8; 4]);
     let work = vec![(
         TensorIn {
+            target: Target::Fp8Block64,
             name: "w",
             dtype: DType::BF16,
             shape: &[1, 128],
@@ -343,6 +425,7 @@ fn bench_bf16_throughput() {
         .iter()
         .zip(&bytes)
         .map(|(s, b)| TensorIn {
+            target: Target::Fp8Block64,
             name: "w",
             dtype: DType::BF16,
             shape: s,

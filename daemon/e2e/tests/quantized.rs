@@ -2,7 +2,8 @@
 //! stores, lists and stages exactly what `store::quantize` makes of each weight (data, zero
 //! padding, scales), dedupes by source and format, counts the quantized bytes against quotas,
 //! and refuses what it cannot quantize with a status that names the tensor and the rule,
-//! leaving nothing behind.
+//! leaving nothing behind. The row formats (fp8_e4m3_row, int8_row), loaded and uploaded, stage
+//! the bytes torch computes (the fixture `tests/data/fp8_vectors.safetensors`).
 
 mod common;
 
@@ -457,7 +458,7 @@ async fn what_cannot_be_quantized_is_refused_by_name_and_leaves_nothing() {
             name: "w".into(),
             dtype: proto::Dtype::F32 as i32,
             shape: vec![4, 128],
-            quantization: 7,
+            quantization: 8,
             ..Default::default()
         }],
         client_reserves: false,
@@ -467,8 +468,9 @@ async fn what_cannot_be_quantized_is_refused_by_name_and_leaves_nothing() {
         (status.code(), status.message()),
         (
             Code::InvalidArgument,
-            "tensors[0].quantization: 7 is not a known quantization (QUANTIZATION_NONE = 0, \
-             QUANTIZATION_FP8_E4M3_BLOCK64 = 1; in BeginUpload also \
+            "tensors[0].quantization: 8 is not a known quantization (QUANTIZATION_NONE = 0, \
+             QUANTIZATION_FP8_E4M3_BLOCK64 = 1, QUANTIZATION_FP8_E4M3_ROW = 6, \
+             QUANTIZATION_INT8_ROW = 7; in BeginUpload also \
              QUANTIZATION_TORCHAO_FLOAT8_ROWWISE = 4, QUANTIZATION_TORCHAO_INT8_ROWWISE = 5)"
         )
     );
@@ -488,7 +490,8 @@ async fn what_cannot_be_quantized_is_refused_by_name_and_leaves_nothing() {
         (
             Code::InvalidArgument,
             "quantization: 9 is not a known quantization (QUANTIZATION_NONE = 0, \
-             QUANTIZATION_FP8_E4M3_BLOCK64 = 1; in BeginUpload also \
+             QUANTIZATION_FP8_E4M3_BLOCK64 = 1, QUANTIZATION_FP8_E4M3_ROW = 6, \
+             QUANTIZATION_INT8_ROW = 7; in BeginUpload also \
              QUANTIZATION_TORCHAO_FLOAT8_ROWWISE = 4, QUANTIZATION_TORCHAO_INT8_ROWWISE = 5)"
         )
     );
@@ -515,4 +518,108 @@ async fn what_cannot_be_quantized_is_refused_by_name_and_leaves_nothing() {
     // The same file without quantization loads: infinities are fine as bf16/f32 bytes.
     load_as(&mut client, &bad, Q::None).await;
     assert_still_serves(&daemon, 7).await;
+}
+
+/// The fixture's row cases (torch's quantization, `gen_fp8_vectors.py`): each input as a
+/// `<case>.weight` tensor, and per row format what the store holds of it, built from torch's
+/// data and scales (data, zero padding to 16, scales).
+fn row_cases() -> (Vec<Tensor>, Vec<(Q, BTreeMap<String, Vec<u8>>)>) {
+    let fixture: &[u8] = include_bytes!("data/fp8_vectors.safetensors");
+    let st = safetensors::SafeTensors::deserialize(fixture).unwrap();
+    let mut cases: Vec<&str> = (st.names().into_iter())
+        .filter_map(|n| n.strip_suffix(".rw"))
+        .collect();
+    cases.sort_unstable();
+    let tensors: Vec<Tensor> = (cases.iter())
+        .map(|case| {
+            let w = st.tensor(&format!("{case}.rw")).unwrap();
+            let name = format!("{case}.weight");
+            Tensor::new(&name, w.dtype(), w.shape(), w.data().to_vec())
+        })
+        .collect();
+    let formats = [(Q::Fp8E4m3Row, "fp8_row"), (Q::Int8Row, "int8_row")];
+    let expected = (formats.into_iter())
+        .map(|(q, suffix)| {
+            let stored = (cases.iter())
+                .map(|case| {
+                    let data = st.tensor(&format!("{case}.{suffix}")).unwrap().data();
+                    let scales = st.tensor(&format!("{case}.{suffix}_scale")).unwrap().data();
+                    let mut bytes = data.to_vec();
+                    bytes.resize(data.len().div_ceil(16) * 16, 0);
+                    bytes.extend_from_slice(scales);
+                    (format!("{case}.weight"), bytes)
+                })
+                .collect();
+            (q, stored)
+        })
+        .collect();
+    (tensors, expected)
+}
+
+/// What a manifest should list of a weight of `shape` in a row format: (dtype, quantization,
+/// scale_shape, scale_offset, nbytes).
+fn row_listed(q: Q, shape: &[u64]) -> (i32, i32, Vec<u64>, u64, u64) {
+    let (scale_shape, offset, nbytes) = weightstream_client::row_layout(shape).unwrap();
+    let dtype = match q {
+        Q::Int8Row => proto::Dtype::I8,
+        _ => proto::Dtype::F8E4m3,
+    };
+    (dtype as i32, q as i32, scale_shape.to_vec(), offset, nbytes)
+}
+
+/// A load with fp8_e4m3_row or int8_row, and an upload quantized at commit into either, stage
+/// torch's bytes of every weight (8-bit compute's per-row quantization); the same bytes
+/// uploaded pre-quantized are the same model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_row_formats_stage_the_bytes_torch_computes_loaded_or_uploaded() {
+    let daemon = start_daemon().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (tensors, formats) = row_cases();
+    assert!(tensors.len() >= 30, "{} row cases", tensors.len());
+    let path = write_model(dir.path(), "rows.safetensors", &tensors);
+    let mut client = daemon.client().await;
+    let mut ids = Vec::new();
+    for (q, expected) in &formats {
+        let manifest = load_as(&mut client, &path, *q).await;
+        for info in &manifest.tensors {
+            assert_eq!(
+                (
+                    info.dtype,
+                    info.quantization,
+                    info.scale_shape.clone(),
+                    info.scale_offset,
+                    info.nbytes
+                ),
+                row_listed(*q, &info.shape),
+                "{}",
+                info.name
+            );
+        }
+        check_staged(&mut client, &manifest, expected).await;
+        ids.push(manifest.model_id.clone());
+
+        let data: Vec<TensorData<'_>> = (tensors.iter())
+            .map(|t| t.as_upload().quantized_at_commit_as(*q))
+            .collect();
+        let (uploaded, dedup) = client.upload_model("rows", &data).await.unwrap();
+        assert!(!dedup);
+        check_staged(&mut client, &uploaded, expected).await;
+
+        let dtype = row_listed(*q, &[1, 1]).0;
+        let dtype = proto::Dtype::try_from(dtype).unwrap();
+        let scale_shapes: Vec<[u64; 2]> = (tensors.iter())
+            .map(|t| weightstream_client::row_layout(&t.dims).unwrap().0)
+            .collect();
+        let prequantized: Vec<TensorData<'_>> = (tensors.iter().zip(&scale_shapes))
+            .map(|(t, scale_shape)| TensorData {
+                quantization: *q,
+                scale_shape,
+                ..TensorData::new(&t.name, dtype, &t.dims, &expected[&t.name])
+            })
+            .collect();
+        let (again, dedup) = client.upload_model("rows", &prequantized).await.unwrap();
+        assert!(dedup, "{q:?}: pre-quantized equals quantized at commit");
+        assert_eq!(again.model_id, uploaded.model_id);
+    }
+    assert_ne!(ids[0], ids[1], "each format is its own model");
 }

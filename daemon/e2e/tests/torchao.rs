@@ -352,8 +352,9 @@ async fn torchao_declarations_that_break_the_rules_are_refused_and_leave_nothing
                 Code::InvalidArgument,
                 format!(
                     "quantization: {name} is uploaded pre-quantized (BeginUpload with the \
-                     weight's data and scales), not made by a load: load with QUANTIZATION_NONE \
-                     or QUANTIZATION_FP8_E4M3_BLOCK64"
+                     weight's data and scales), not made by a load: load with QUANTIZATION_NONE, \
+                     QUANTIZATION_FP8_E4M3_BLOCK64, QUANTIZATION_FP8_E4M3_ROW or \
+                     QUANTIZATION_INT8_ROW"
                 )
             )
         );

@@ -36,6 +36,8 @@ pub fn quantization_to_pb(q: Quantization) -> pb::Quantization {
     match q {
         Quantization::None => pb::Quantization::None,
         Quantization::Fp8E4m3Block64 => pb::Quantization::Fp8E4m3Block64,
+        Quantization::Fp8E4m3Row => pb::Quantization::Fp8E4m3Row,
+        Quantization::Int8Row => pb::Quantization::Int8Row,
         Quantization::Fp8ScaledMusubi => pb::Quantization::Fp8ScaledMusubi,
         Quantization::Fp8ScaledComfy => pb::Quantization::Fp8ScaledComfy,
         Quantization::TorchaoFloat8Rowwise => pb::Quantization::TorchaoFloat8Rowwise,
@@ -47,6 +49,8 @@ pub fn quantization_from_pb(value: i32) -> Option<Quantization> {
     match pb::Quantization::try_from(value).ok()? {
         pb::Quantization::None => Some(Quantization::None),
         pb::Quantization::Fp8E4m3Block64 => Some(Quantization::Fp8E4m3Block64),
+        pb::Quantization::Fp8E4m3Row => Some(Quantization::Fp8E4m3Row),
+        pb::Quantization::Int8Row => Some(Quantization::Int8Row),
         pb::Quantization::Fp8ScaledMusubi => Some(Quantization::Fp8ScaledMusubi),
         pb::Quantization::Fp8ScaledComfy => Some(Quantization::Fp8ScaledComfy),
         pb::Quantization::TorchaoFloat8Rowwise => Some(Quantization::TorchaoFloat8Rowwise),

@@ -14,7 +14,7 @@ use crate::core::OpenRequest;
 use crate::core::random_secret;
 use crate::mem::shm::UploadPages;
 use crate::store::prequantized::torchao_layout;
-use crate::store::quantize::{Quantization, QuantizeError, StoredLayout};
+use crate::store::quantize::{Quantization, QuantizeError, StoredLayout, Target};
 use crate::store::safetensors::{DType, tensor_nbytes};
 use crate::store::{DeclQuant, QuantizedLayout, Retention, TensorDecl};
 
@@ -68,7 +68,8 @@ pub enum ValidationError {
     UnknownDtype { field: String, value: i32 },
     #[error(
         "{field}: {value} is not a known quantization (QUANTIZATION_NONE = 0, \
-         QUANTIZATION_FP8_E4M3_BLOCK64 = 1; in BeginUpload also \
+         QUANTIZATION_FP8_E4M3_BLOCK64 = 1, QUANTIZATION_FP8_E4M3_ROW = 6, \
+         QUANTIZATION_INT8_ROW = 7; in BeginUpload also \
          QUANTIZATION_TORCHAO_FLOAT8_ROWWISE = 4, QUANTIZATION_TORCHAO_INT8_ROWWISE = 5)"
     )]
     UnknownQuantization { field: String, value: i32 },
@@ -76,8 +77,8 @@ pub enum ValidationError {
     /// the daemon from a file.
     #[error(
         "{field}: {name} is uploaded pre-quantized (BeginUpload with the weight's data and \
-         scales), not made by a load: load with QUANTIZATION_NONE or \
-         QUANTIZATION_FP8_E4M3_BLOCK64"
+         scales), not made by a load: load with QUANTIZATION_NONE, \
+         QUANTIZATION_FP8_E4M3_BLOCK64, QUANTIZATION_FP8_E4M3_ROW or QUANTIZATION_INT8_ROW"
     )]
     UploadOnlyQuantization { field: String, name: &'static str },
     #[error(
@@ -99,21 +100,25 @@ pub enum ValidationError {
         source: QuantizeError,
     },
     #[error(
-        "{field}: tensor '{name}' declares fp8 data without scales: pre-quantized \
-         fp8_e4m3_block64 needs scale_shape {expected:?}"
+        "{field}: tensor '{name}' declares {data} data without scales: pre-quantized \
+         {format} needs scale_shape {expected:?}"
     )]
     NoScales {
         field: String,
         name: String,
+        /// "fp8" or "int8".
+        data: &'static str,
+        format: Quantization,
         expected: [u64; 2],
     },
     #[error(
         "{field}: tensor '{name}': scale shape {given:?} does not match {expected:?}, the scales \
-         of fp8_e4m3_block64 of shape {shape:?}"
+         of {format} of shape {shape:?}"
     )]
     ScaleShape {
         field: String,
         name: String,
+        format: Quantization,
         given: Vec<u64>,
         expected: [u64; 2],
         shape: Vec<u64>,
@@ -565,8 +570,9 @@ enum Declared {
 }
 
 /// How an upload tensor (`field`, of known `dtype`) is quantized: not; at commit (a float
-/// weight of rank >= 2); or already (fp8_e4m3_block64's F8_E4M3 data with the scales its shape
-/// needs, or a torchao format's data and scales, `prequantized::torchao_layout`).
+/// weight of rank >= 2); or already (the data of a format the daemon makes, F8_E4M3 or I8, with
+/// the scales its shape needs, or a torchao format's data and scales,
+/// `prequantized::torchao_layout`).
 fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<Declared> {
     let q_field = format!("{field}.quantization");
     let scales_field = format!("{field}.scale_shape");
@@ -605,14 +611,17 @@ fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<
         };
         return Ok(Declared::Prequantized(stored, layout.nbytes));
     }
-    if !matches!(dtype, DType::F8E4M3 | DType::BF16 | DType::F16 | DType::F32) {
+    // Requestable, not upload-only and not none: a format the daemon makes.
+    let target = Target::of(q).expect("a format the daemon makes");
+    let data = target.data_dtype();
+    if dtype != data && !matches!(dtype, DType::BF16 | DType::F16 | DType::F32) {
         return Err(quantize_error(QuantizeError::DType {
             name: t.name.clone(),
             dtype,
         }));
     }
-    let layout = StoredLayout::of(&t.name, &t.shape).map_err(quantize_error)?;
-    if dtype != DType::F8E4M3 {
+    let layout = StoredLayout::of(target, &t.name, &t.shape).map_err(quantize_error)?;
+    if dtype != data {
         if !t.scale_shape.is_empty() || t.scale_offset != 0 {
             return Err(not_expected("the daemon quantizes at commit"));
         }
@@ -623,6 +632,8 @@ fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<
         return Err(ValidationError::NoScales {
             field: scales_field,
             name: t.name.clone(),
+            data: if data == DType::I8 { "int8" } else { "fp8" },
+            format: q,
             expected,
         });
     }
@@ -630,6 +641,7 @@ fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<
         return Err(ValidationError::ScaleShape {
             field: scales_field,
             name: t.name.clone(),
+            format: q,
             given: t.scale_shape.clone(),
             expected,
             shape: t.shape.clone(),
@@ -645,7 +657,7 @@ fn upload_quantization(field: &str, t: &pb::TensorInfo, dtype: DType) -> Result<
         });
     }
     Ok(Declared::Prequantized(
-        QuantizedLayout::fp8(&layout),
+        QuantizedLayout::made(&layout),
         layout.nbytes,
     ))
 }

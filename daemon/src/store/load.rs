@@ -23,7 +23,7 @@ use rustix::fs::FileType;
 use super::phases::{Phases, Stored};
 use super::prequantized::{self, PreLayout};
 use super::quantize::{
-    Quantization, QuantizeError, StoredLayout, TensorIn, TensorOut, quantize_all_into,
+    Quantization, QuantizeError, StoredLayout, Target, TensorIn, TensorOut, quantize_all_into,
     quantizes_on_load,
 };
 use super::safetensors::{self, TensorEntry};
@@ -269,7 +269,10 @@ impl Store {
             });
             let quantized = (pre.is_none()
                 && quantizes_on_load(quantization, &entry.name, entry.dtype, entry.shape.len()))
-            .then(|| StoredLayout::of(&entry.name, &entry.shape))
+            .then(|| {
+                let target = Target::of(quantization).expect("quantizes_on_load checked it");
+                StoredLayout::of(target, &entry.name, &entry.shape)
+            })
             .transpose()?;
             offset = align_up(offset, TENSOR_ALIGN);
             let planned = Planned {
@@ -293,7 +296,7 @@ fn stored_tensors(plan: Plan<'_>) -> Vec<StoredTensor> {
             nbytes: p.nbytes(),
             name: p.entry.name,
             dtype: match p.quantized {
-                Some(_) => safetensors::DType::F8E4M3,
+                Some(layout) => layout.block.target.data_dtype(),
                 None => p.entry.dtype,
             },
             shape: p.entry.shape,
@@ -304,7 +307,7 @@ fn stored_tensors(plan: Plan<'_>) -> Vec<StoredTensor> {
                     scale_shape: pre.layout.scale_shape,
                     scale_offset: pre.layout.scale_offset,
                 }),
-                None => p.quantized.as_ref().map(QuantizedLayout::fp8),
+                None => p.quantized.as_ref().map(QuantizedLayout::made),
             },
         })
         .collect()
@@ -722,6 +725,7 @@ fn quantize_batch(
     for (piece, shape) in batch.iter().zip(&shapes) {
         let n = piece.input_bytes();
         let input = TensorIn {
+            target: piece.layout().block.target,
             name: &piece.tensor.entry.name,
             dtype: piece.tensor.entry.dtype,
             shape,

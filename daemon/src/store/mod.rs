@@ -197,20 +197,22 @@ pub struct StoredTensor {
 }
 
 /// A quantized tensor's format and where its scales are (see [`StoredLayout`]): its dtype is
-/// then the data's (F8_E4M3), its shape the weight's.
+/// then the data's (F8_E4M3, or I8), its shape the weight's.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QuantizedLayout {
     pub quantization: Quantization,
-    /// Of fp8_e4m3_block64: [rows, blocks]; of a pre-quantized format: the file's.
+    /// Of a format the daemon makes: [rows, blocks] ([rows, 1] in the row formats); of a
+    /// pre-quantized format: the file's.
     pub scale_shape: Vec<u64>,
     /// The scales' offset from the tensor's own start.
     pub scale_offset: u64,
 }
 
 impl QuantizedLayout {
-    pub fn fp8(layout: &StoredLayout) -> QuantizedLayout {
+    /// The layout of a weight in a format the daemon makes (its target's).
+    pub fn made(layout: &StoredLayout) -> QuantizedLayout {
         QuantizedLayout {
-            quantization: Quantization::Fp8E4m3Block64,
+            quantization: layout.block.target.quantization(),
             scale_shape: layout.block.scale_shape().to_vec(),
             scale_offset: layout.scale_offset,
         }

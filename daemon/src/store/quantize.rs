@@ -1,21 +1,26 @@
-//! 8-bit weights, the numerical core: `fp8_e4m3_block64` (pure: no I/O, no store state).
+//! 8-bit weights, the numerical core: the formats the daemon makes itself ([`Target`]:
+//! `fp8_e4m3_block64`, `fp8_e4m3_row`, `int8_row`; pure: no I/O, no store state).
 //!
 //! A tensor of rank ≥ 2 is viewed as a matrix, rows = `shape[0]`, cols = the product of the
-//! rest (a Conv2d weight `[out, in, kh, kw]` is `[out, in·kh·kw]`). Each row is cut into blocks
-//! of 64 consecutive elements, or is one block when cols is not a multiple of 64. Per block:
+//! rest (a Conv2d weight `[out, in, kh, kw]` is `[out, in·kh·kw]`). Each row is cut into blocks:
+//! of 64 consecutive elements in `fp8_e4m3_block64` (one block per row when cols is not a
+//! multiple of 64), one block per row in `fp8_e4m3_row` and `int8_row`. Per block, with qmax
+//! 448 (e4m3fn) or 127 (int8):
 //!
 //! ```text
-//! scale = amax(|w_block|) / 448          fp32; 1 when that is 0 (all zeros, or underflow)
-//! q     = e4m3fn(clamp(w / scale, ±448))  fp32 division, round to nearest even
+//! scale = amax(|w_block|) / qmax              fp32; 1 when that is 0 (all zeros, or underflow)
+//! q     = e4m3fn(clamp(w / scale, ±448))       fp32 division, round to nearest even
+//! q     = int8(round(clamp(w / scale, ±127)))  the same, rounded half to even (int8_row)
 //! w_hat = (q.to(float32) * scale).to(compute dtype)      the documented dequantization
 //! ```
 //!
-//! `q` is stored as e4m3fn bytes in the weight's own shape, the scales as little-endian fp32 of
-//! shape `[rows, cols/64]` (or `[rows, 1]`). The arithmetic is torch's reference step for step
-//! (`w.float()`, `amax`, `/ 448`, `w / scale`, `clamp`, `.to(torch.float8_e4m3fn)`), and the
-//! results equal it bit for bit (`daemon/e2e/tests/quantize.rs` against a fixture torch wrote).
-//! The division stays a division: `w * (1 / scale)` rounds twice and differs from torch in the
-//! last bit of some quotients, which moves some of them across a rounding boundary of e4m3.
+//! `q` is stored as e4m3fn (or int8) bytes in the weight's own shape, the scales as
+//! little-endian fp32 of shape `[rows, cols/64]` (or `[rows, 1]`). The arithmetic is torch's
+//! reference step for step (`w.float()`, `amax`, `/ qmax`, `w / scale`, `clamp`, `round`,
+//! `.to(torch.float8_e4m3fn)` or `.to(torch.int8)`), and the results equal it bit for bit
+//! (`daemon/e2e/tests/quantize.rs` against a fixture torch wrote). The division stays a
+//! division: `w * (1 / scale)` rounds twice and differs from torch in the last bit of some
+//! quotients, which moves some of them across a rounding boundary of the 8-bit grid.
 
 use std::fmt;
 use std::num::NonZeroUsize;
@@ -28,6 +33,8 @@ use super::safetensors::DType;
 pub const BLOCK: usize = 64;
 /// Largest finite float8_e4m3fn value: the scale maps each block's amax onto it.
 pub const E4M3_MAX: f32 = 448.0;
+/// The int8 grid's bound in `int8_row` (symmetric: -128 is never used).
+pub const INT8_MAX: f32 = 127.0;
 /// The e4m3fn code torch gives NaN (and, unclamped, magnitudes above 464).
 pub const E4M3_NAN: u8 = 0x7F;
 
@@ -40,6 +47,11 @@ pub enum Quantization {
     /// float8_e4m3fn with one fp32 scale per 64 inputs of a row (per row when the width is not
     /// a multiple of 64).
     Fp8E4m3Block64,
+    /// float8_e4m3fn with one fp32 scale per row (scale shape `[rows, 1]`): the rows 8-bit
+    /// compute multiplies as they are.
+    Fp8E4m3Row,
+    /// int8 with one fp32 scale per row (symmetric, amax / 127, rounded half to even).
+    Int8Row,
     /// Read as published: musubi-tuner `--fp8_scaled` weights (see [`super::prequantized`]).
     Fp8ScaledMusubi,
     /// Read as published: ComfyUI scaled-fp8 weights (see [`super::prequantized`]).
@@ -54,13 +66,16 @@ pub enum Quantization {
 
 impl Quantization {
     /// The spellings [`Quantization::parse`] accepts, for messages and help texts.
-    pub const ACCEPTED: &str = "none, fp8_e4m3_block64, fp8 (an alias of fp8_e4m3_block64)";
+    pub const ACCEPTED: &str =
+        "none, fp8_e4m3_block64, fp8 (an alias of fp8_e4m3_block64), fp8_e4m3_row, int8_row";
 
     /// Parses the `quantization` field of a config or request.
     pub fn parse(value: &str) -> Result<Quantization, QuantizeError> {
         match value {
             "none" => Ok(Quantization::None),
             "fp8_e4m3_block64" | "fp8" => Ok(Quantization::Fp8E4m3Block64),
+            "fp8_e4m3_row" => Ok(Quantization::Fp8E4m3Row),
+            "int8_row" => Ok(Quantization::Int8Row),
             other => Err(QuantizeError::UnknownQuantization {
                 value: other.chars().take(64).collect(),
             }),
@@ -72,6 +87,8 @@ impl Quantization {
         match self {
             Quantization::None => "none",
             Quantization::Fp8E4m3Block64 => "fp8_e4m3_block64",
+            Quantization::Fp8E4m3Row => "fp8_e4m3_row",
+            Quantization::Int8Row => "int8_row",
             Quantization::Fp8ScaledMusubi => "fp8_scaled_musubi",
             Quantization::Fp8ScaledComfy => "fp8_scaled_comfy",
             Quantization::TorchaoFloat8Rowwise => "torchao_float8_rowwise",
@@ -96,6 +113,55 @@ impl Quantization {
             self,
             Quantization::TorchaoFloat8Rowwise | Quantization::TorchaoInt8Rowwise
         )
+    }
+}
+
+/// A format the daemon quantizes into itself: while loading (LoadModel), or at commit (an
+/// upload's float tensor declared in it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    Fp8Block64,
+    Fp8Row,
+    Int8Row,
+}
+
+impl Target {
+    /// The target of `quantization`, if the daemon makes it.
+    pub fn of(quantization: Quantization) -> Option<Target> {
+        match quantization {
+            Quantization::Fp8E4m3Block64 => Some(Target::Fp8Block64),
+            Quantization::Fp8E4m3Row => Some(Target::Fp8Row),
+            Quantization::Int8Row => Some(Target::Int8Row),
+            _ => None,
+        }
+    }
+
+    pub fn quantization(self) -> Quantization {
+        match self {
+            Target::Fp8Block64 => Quantization::Fp8E4m3Block64,
+            Target::Fp8Row => Quantization::Fp8E4m3Row,
+            Target::Int8Row => Quantization::Int8Row,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        self.quantization().name()
+    }
+
+    /// The dtype of the quantized data (one byte per element).
+    pub fn data_dtype(self) -> DType {
+        match self {
+            Target::Fp8Block64 | Target::Fp8Row => DType::F8E4M3,
+            Target::Int8Row => DType::I8,
+        }
+    }
+
+    /// Elements per scale in a row of `cols`.
+    fn block(self, cols: usize) -> usize {
+        match self {
+            Target::Fp8Block64 if cols.is_multiple_of(BLOCK) => BLOCK,
+            _ => cols,
+        }
     }
 }
 
@@ -138,8 +204,12 @@ pub enum QuantizeError {
         accepted = Quantization::ACCEPTED
     )]
     UnknownQuantization { value: String },
-    #[error("tensor '{name}' has rank {rank}: fp8_e4m3_block64 quantizes only rank ≥ 2 weights")]
-    Rank { name: String, rank: usize },
+    #[error("tensor '{name}' has rank {rank}: {format} quantizes only rank ≥ 2 weights")]
+    Rank {
+        name: String,
+        rank: usize,
+        format: &'static str,
+    },
     #[error("tensor '{name}' has dtype {dtype}: only BF16, F16 and F32 can be quantized")]
     DType { name: String, dtype: DType },
     #[error("tensor '{name}': shape {shape:?} has more elements than this machine can address")]
@@ -174,19 +244,23 @@ pub enum QuantizeError {
 /// How a weight's shape maps to blocks and scales.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockLayout {
+    pub target: Target,
     pub rows: usize,
     pub cols: usize,
-    /// Elements per scale: 64, or `cols` when `cols` is not a multiple of 64.
+    /// Elements per scale: in `fp8_e4m3_block64` 64, or `cols` when `cols` is not a multiple
+    /// of 64; in the row formats `cols`.
     pub block: usize,
 }
 
 impl BlockLayout {
-    /// The layout of a weight of `shape`: rank ≥ 2, rows = `shape[0]`, cols = the rest.
-    pub fn of(name: &str, shape: &[u64]) -> Result<BlockLayout, QuantizeError> {
+    /// The layout in `target` of a weight of `shape`: rank ≥ 2, rows = `shape[0]`, cols = the
+    /// rest.
+    pub fn of(target: Target, name: &str, shape: &[u64]) -> Result<BlockLayout, QuantizeError> {
         if shape.len() < 2 {
             return Err(QuantizeError::Rank {
                 name: name.to_owned(),
                 rank: shape.len(),
+                format: target.name(),
             });
         }
         let overflow = || QuantizeError::ShapeOverflow {
@@ -202,8 +276,12 @@ impl BlockLayout {
         rows.checked_mul(cols)
             .and_then(|n| n.checked_mul(4))
             .ok_or_else(overflow)?;
-        let block = if cols % BLOCK == 0 { BLOCK } else { cols };
-        Ok(BlockLayout { rows, cols, block })
+        Ok(BlockLayout {
+            target,
+            rows,
+            cols,
+            block: target.block(cols),
+        })
     }
 
     pub fn elements(&self) -> usize {
@@ -211,7 +289,8 @@ impl BlockLayout {
     }
 
     pub fn blocks_per_row(&self) -> usize {
-        self.cols / self.block // `block` is never 0: a width of 0 is a multiple of 64
+        // A width of 0 has no blocks in any format (`block` is 0 in the row formats).
+        self.cols.checked_div(self.block).unwrap_or(0)
     }
 
     /// The shape of the scales: `[rows, cols / 64]`, or `[rows, 1]`.
@@ -231,7 +310,7 @@ impl BlockLayout {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StoredLayout {
     pub block: BlockLayout,
-    /// Bytes of e4m3fn data (one per element).
+    /// Bytes of e4m3fn or int8 data (one per element).
     pub data_bytes: u64,
     /// The scales' byte offset from the slice's start: the data rounded up to [`SCALE_ALIGN`].
     pub scale_offset: u64,
@@ -243,9 +322,9 @@ pub struct StoredLayout {
 pub const SCALE_ALIGN: u64 = 16;
 
 impl StoredLayout {
-    /// The slice layout of a weight of `shape` (rank ≥ 2).
-    pub fn of(name: &str, shape: &[u64]) -> Result<StoredLayout, QuantizeError> {
-        let block = BlockLayout::of(name, shape)?;
+    /// The slice layout in `target` of a weight of `shape` (rank ≥ 2).
+    pub fn of(target: Target, name: &str, shape: &[u64]) -> Result<StoredLayout, QuantizeError> {
+        let block = BlockLayout::of(target, name, shape)?;
         // `BlockLayout::of` checked that 4 bytes per element fit: these cannot overflow.
         let data_bytes = block.elements() as u64;
         let scale_offset = data_bytes.div_ceil(SCALE_ALIGN) * SCALE_ALIGN;
@@ -277,14 +356,15 @@ impl Quantized {
 }
 
 /// Whether a load with `quantization` quantizes this tensor: a weight (the name ends in
-/// ".weight") of rank ≥ 2 in BF16, F16 or F32. The others keep their dtype and bytes.
+/// ".weight") of rank ≥ 2 in BF16, F16 or F32, in a format the daemon makes. The others keep
+/// their dtype and bytes.
 pub fn quantizes_on_load(
     quantization: Quantization,
     name: &str,
     dtype: DType,
     rank: usize,
 ) -> bool {
-    quantization == Quantization::Fp8E4m3Block64
+    Target::of(quantization).is_some()
         && name.ends_with(".weight")
         && rank >= 2
         && Input::of(dtype).is_some()
@@ -302,9 +382,11 @@ pub fn first_non_finite_scale(scales: &[u8]) -> Option<(u64, NonFinite)> {
         })
 }
 
-/// One weight to quantize: its bytes as in safetensors (little-endian, row-major).
+/// One weight to quantize into `target`: its bytes as in safetensors (little-endian,
+/// row-major).
 #[derive(Debug, Clone, Copy)]
 pub struct TensorIn<'a> {
+    pub target: Target,
     pub name: &'a str,
     pub dtype: DType,
     pub shape: &'a [u64],
@@ -319,7 +401,8 @@ pub struct TensorOut<'a> {
     pub scales: &'a mut [u8],
 }
 
-/// A quantized weight: e4m3fn bytes in the weight's shape, fp32 scales (little-endian).
+/// A quantized weight: e4m3fn (or int8) bytes in the weight's shape, fp32 scales
+/// (little-endian).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Quantized {
     pub data: Vec<u8>,
@@ -327,14 +410,26 @@ pub struct Quantized {
     pub scale_shape: [u64; 2],
 }
 
-/// Quantizes one weight on the calling thread.
+/// Quantizes one weight into `fp8_e4m3_block64` on the calling thread.
 pub fn quantize(
     name: &str,
     dtype: DType,
     shape: &[u64],
     bytes: &[u8],
 ) -> Result<Quantized, QuantizeError> {
+    quantize_as(Target::Fp8Block64, name, dtype, shape, bytes)
+}
+
+/// Quantizes one weight into `target` on the calling thread.
+pub fn quantize_as(
+    target: Target,
+    name: &str,
+    dtype: DType,
+    shape: &[u64],
+    bytes: &[u8],
+) -> Result<Quantized, QuantizeError> {
     let tensor = TensorIn {
+        target,
         name,
         dtype,
         shape,
@@ -417,7 +512,7 @@ pub fn quantize_all_into(
 
 /// The layout of a weight, after checking its dtype and byte length.
 fn check(t: &TensorIn<'_>) -> Result<BlockLayout, QuantizeError> {
-    let layout = BlockLayout::of(t.name, t.shape)?;
+    let layout = BlockLayout::of(t.target, t.name, t.shape)?;
     if Input::of(t.dtype).is_none() {
         return Err(QuantizeError::DType {
             name: t.name.to_owned(),
@@ -447,6 +542,7 @@ struct Job<'a> {
     tensor: usize,
     /// Index in the tensor of the job's first element (for error messages).
     first: u64,
+    target: Target,
     input: Input,
     block: usize,
     src: &'a [u8],
@@ -475,6 +571,7 @@ fn split<'a>(
         jobs.push(Job {
             tensor,
             first: (i * elems) as u64,
+            target: layout.target,
             input,
             block: layout.block,
             src,
@@ -524,20 +621,25 @@ fn run_jobs(jobs: Vec<Job<'_>>, threads: NonZeroUsize) -> Option<(usize, u64, No
 
 impl Job<'_> {
     fn run(self, scratch: &mut Vec<f32>) -> Result<(), (u64, NonFinite)> {
-        match self.input {
-            Input::BF16 => self.run_as(scratch, bf16_to_f32),
-            Input::F16 => self.run_as(scratch, f16_to_f32),
-            Input::F32 => self.run_as(scratch, f32::from_le_bytes),
+        match (self.target, self.input) {
+            (Target::Int8Row, Input::BF16) => self.run_as(scratch, bf16_to_f32, Int8),
+            (Target::Int8Row, Input::F16) => self.run_as(scratch, f16_to_f32, Int8),
+            (Target::Int8Row, Input::F32) => self.run_as(scratch, f32::from_le_bytes, Int8),
+            (_, Input::BF16) => self.run_as(scratch, bf16_to_f32, E4m3),
+            (_, Input::F16) => self.run_as(scratch, f16_to_f32, E4m3),
+            (_, Input::F32) => self.run_as(scratch, f32::from_le_bytes, E4m3),
         }
     }
 
-    /// The loop over blocks, for one input type. Blocks of 64 (the common case) get chunks of
-    /// a constant size and a fixed array, so that the compiler vectorizes without remainders.
+    /// The loop over blocks, for one input type and one grid. Blocks of 64 (the common case)
+    /// get chunks of a constant size and a fixed array, so that the compiler vectorizes without
+    /// remainders.
     #[inline(always)]
     fn run_as<const N: usize>(
         self,
         scratch: &mut Vec<f32>,
         widen: impl Fn([u8; N]) -> f32 + Copy,
+        grid: impl Grid,
     ) -> Result<(), (u64, NonFinite)> {
         let (first, block) = (self.first, self.block);
         let fail = |i: usize, w: &[f32], at: usize| {
@@ -551,7 +653,7 @@ impl Job<'_> {
             for (i, ((src, q), scale)) in blocks.zip(data).zip(scales).enumerate() {
                 let mut w = [0f32; BLOCK];
                 widen_into(src, &mut w, widen);
-                let s = quantize_block(&w, q).map_err(|at| fail(i, &w, at))?;
+                let s = quantize_block(&w, q, grid).map_err(|at| fail(i, &w, at))?;
                 scale.copy_from_slice(&s.to_le_bytes());
             }
         } else {
@@ -561,7 +663,7 @@ impl Job<'_> {
             let data = self.data.chunks_exact_mut(block);
             for (i, ((src, q), scale)) in blocks.zip(data).zip(scales).enumerate() {
                 widen_into(src, scratch, widen);
-                let s = quantize_block(scratch, q).map_err(|at| fail(i, scratch, at))?;
+                let s = quantize_block(scratch, q, grid).map_err(|at| fail(i, scratch, at))?;
                 scale.copy_from_slice(&s.to_le_bytes());
             }
         }
@@ -637,23 +739,56 @@ fn classify(x: f32) -> NonFinite {
     }
 }
 
-/// Quantizes one block of fp32 weights into `q`; returns its scale, or the position of the first
-/// non-finite weight.
+/// The 8-bit grid a block is quantized onto: its bound and how a quotient, clamped to it,
+/// becomes a byte.
+trait Grid: Copy {
+    const MAX: f32;
+    fn encode(self, x: f32) -> u8;
+}
+
+/// float8_e4m3fn (`fp8_e4m3_block64`, `fp8_e4m3_row`).
+#[derive(Clone, Copy)]
+struct E4m3;
+
+impl Grid for E4m3 {
+    const MAX: f32 = E4M3_MAX;
+    #[inline(always)]
+    fn encode(self, x: f32) -> u8 {
+        e4m3fn_below_480(x)
+    }
+}
+
+/// int8, rounded half to even as torch's `round` (`int8_row`).
+#[derive(Clone, Copy)]
+struct Int8;
+
+impl Grid for Int8 {
+    const MAX: f32 = INT8_MAX;
+    #[inline(always)]
+    fn encode(self, x: f32) -> u8 {
+        // `x` is within ±127, so the cast is exact and the byte is the two's complement code.
+        x.round_ties_even() as i8 as u8
+    }
+}
+
+/// Quantizes one block of fp32 weights onto `grid` into `q`; returns its scale, or the
+/// position of the first non-finite weight.
 #[inline(always)]
-fn quantize_block(w: &[f32], q: &mut [u8]) -> Result<f32, usize> {
+fn quantize_block<G: Grid>(w: &[f32], q: &mut [u8], grid: G) -> Result<f32, usize> {
     // amax on the bits: with the sign cleared, the order of finite floats is that of their bits,
     // and every infinity or NaN is at or above 0x7F80_0000: one integer max checks both.
     let amax_bits = w.iter().fold(0u32, |m, x| m.max(x.to_bits() & 0x7FFF_FFFF));
     if amax_bits >= 0x7F80_0000 {
         return Err(w.iter().position(|x| !x.is_finite()).expect("a non-finite"));
     }
-    let scale = f32::from_bits(amax_bits) / E4M3_MAX;
-    // All zeros, or an amax below 448 × 2^-150 that underflows: 1 keeps q = e4m3(w) finite
-    // (0 for such weights) where a zero scale would make 0/0 = NaN.
+    let max = G::MAX;
+    let scale = f32::from_bits(amax_bits) / max;
+    // All zeros, or an amax below qmax × 2^-150 that underflows: 1 keeps q finite (0 for such
+    // weights) where a zero scale would make 0/0 = NaN.
     let scale = if scale == 0.0 { 1.0 } else { scale };
     for (q, &x) in q.iter_mut().zip(w) {
         // A division, as torch does; `x * (1 / scale)` is not the same number.
-        *q = e4m3fn_below_480((x / scale).clamp(-E4M3_MAX, E4M3_MAX));
+        *q = grid.encode((x / scale).clamp(-max, max));
     }
     Ok(scale)
 }
@@ -867,12 +1002,16 @@ mod tests {
             ("none", Quantization::None),
             ("fp8_e4m3_block64", Quantization::Fp8E4m3Block64),
             ("fp8", Quantization::Fp8E4m3Block64),
+            ("fp8_e4m3_row", Quantization::Fp8E4m3Row),
+            ("int8_row", Quantization::Int8Row),
         ];
         for (s, want) in cases {
             assert_eq!(Quantization::parse(s), Ok(want), "{s}");
             assert_eq!(s.parse::<Quantization>(), Ok(want), "{s}");
         }
         assert_eq!(Quantization::Fp8E4m3Block64.to_string(), "fp8_e4m3_block64");
+        assert_eq!(Quantization::Fp8E4m3Row.to_string(), "fp8_e4m3_row");
+        assert_eq!(Quantization::Int8Row.to_string(), "int8_row");
         assert_eq!(Quantization::default(), Quantization::None);
     }
 
@@ -882,11 +1021,11 @@ mod tests {
         assert_eq!(
             e.to_string(),
             "quantization \"FP8\" is not supported: the accepted values are none, \
-             fp8_e4m3_block64, fp8 (an alias of fp8_e4m3_block64)"
+             fp8_e4m3_block64, fp8 (an alias of fp8_e4m3_block64), fp8_e4m3_row, int8_row"
         );
         let long = "x".repeat(1000);
         let e = Quantization::parse(&long).unwrap_err().to_string();
-        assert!(e.len() < 200, "{e}");
+        assert!(e.len() < 250, "{e}");
     }
 
     #[test]
@@ -904,21 +1043,60 @@ mod tests {
         let bad: Vec<String> = cases
             .iter()
             .filter_map(|&(shape, rows, cols, block, scales)| {
-                let l = BlockLayout::of("w", shape).unwrap();
+                let l = BlockLayout::of(Target::Fp8Block64, "w", shape).unwrap();
                 let got = (l.rows, l.cols, l.block, l.scale_shape());
                 let want = (rows, cols, block, scales);
                 (got != want).then(|| format!("{shape:?}: {got:?} != {want:?}"))
             })
             .collect();
         assert!(bad.is_empty(), "{}", bad.join("\n"));
-        assert_eq!(BlockLayout::of("w", &[4, 0]).unwrap().scale_shape(), [4, 0]);
+        assert_eq!(
+            BlockLayout::of(Target::Fp8Block64, "w", &[4, 0])
+                .unwrap()
+                .scale_shape(),
+            [4, 0]
+        );
+    }
+
+    #[test]
+    fn the_row_formats_have_one_scale_per_row_at_any_width() {
+        for target in [Target::Fp8Row, Target::Int8Row] {
+            for (shape, cols, scales) in [
+                (&[3u64, 128][..], 128, [3, 1]),
+                (&[3, 100], 100, [3, 1]),
+                (&[8, 4, 3, 3], 36, [8, 1]),
+                (&[4, 0], 0, [4, 0]),
+            ] {
+                let l = BlockLayout::of(target, "w", shape).unwrap();
+                assert_eq!((l.cols, l.block, l.scale_shape()), (cols, cols, scales));
+            }
+        }
+        let e = BlockLayout::of(Target::Int8Row, "b", &[4]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "tensor 'b' has rank 1: int8_row quantizes only rank ≥ 2 weights"
+        );
+    }
+
+    #[test]
+    fn int8_rows_map_their_amax_to_127_and_round_ties_to_even() {
+        // amax 254: scale 2; 1.0 / 2 = 0.5 → 0, 3.0 / 2 = 1.5 → 2, -5.0 / 2 = -2.5 → -2.
+        let w = [254.0f32, 1.0, 3.0, -5.0, 0.0, -0.0, 0.0, 0.0];
+        let q = quantize_as(Target::Int8Row, "w", DType::F32, &[2, 4], &f32_bytes(&w)).unwrap();
+        assert_eq!(q.scale_shape, [2, 1]);
+        let scales: Vec<f32> = (q.scales.chunks(4))
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(scales, [2.0, 1.0]);
+        let data: Vec<i8> = q.data.iter().map(|&b| b as i8).collect();
+        assert_eq!(data, [127, 0, 2, -2, 0, 0, 0, 0]);
     }
 
     #[test]
     fn layout_rejects_shapes_past_the_address_space() {
-        let e = BlockLayout::of("huge", &[u64::MAX, 2]).unwrap_err();
+        let e = BlockLayout::of(Target::Fp8Block64, "huge", &[u64::MAX, 2]).unwrap_err();
         assert!(matches!(e, QuantizeError::ShapeOverflow { .. }), "{e}");
-        let e = BlockLayout::of("huge", &[1 << 40, 1 << 40]).unwrap_err();
+        let e = BlockLayout::of(Target::Fp8Block64, "huge", &[1 << 40, 1 << 40]).unwrap_err();
         assert!(matches!(e, QuantizeError::ShapeOverflow { .. }), "{e}");
     }
 
@@ -960,12 +1138,14 @@ mod tests {
         let big_shape = [(JOB_ELEMENTS * 2 + 640) as u64 / 128, 128];
         let tensors = [
             TensorIn {
+                target: Target::Fp8Block64,
                 name: "big",
                 dtype: DType::F32,
                 shape: &big_shape,
                 bytes: &big,
             },
             TensorIn {
+                target: Target::Int8Row,
                 name: "odd",
                 dtype: DType::F32,
                 shape: &[7, 1000],

@@ -363,6 +363,7 @@ impl Store {
                 Some(layout) => {
                     let (data, _pad, scales) = layout.split_mut(slice);
                     let tensor = TensorIn {
+                        target: layout.block.target,
                         name: &w.name,
                         dtype: w.dtype,
                         shape: &w.shape,
@@ -408,9 +409,9 @@ fn quantized_placement(
             let mut placed = t.clone();
             placed.offset = offset;
             if let Some(layout) = layout {
-                placed.dtype = DType::F8E4M3;
+                placed.dtype = layout.block.target.data_dtype();
                 placed.nbytes = layout.nbytes;
-                placed.quantized = Some(QuantizedLayout::fp8(layout));
+                placed.quantized = Some(QuantizedLayout::made(layout));
             }
             offset += placed.nbytes;
             placed

@@ -1,12 +1,16 @@
-"""Writes daemon/e2e/tests/data/fp8_vectors.safetensors: fp8_e4m3_block64 inputs and torch's
-outputs.
+"""Writes daemon/e2e/tests/data/fp8_vectors.safetensors: inputs and torch's outputs of the
+formats the daemon quantizes into (fp8_e4m3_block64, fp8_e4m3_row, int8_row).
 
     .venv/bin/python -m tests.python.client.gen_fp8_vectors    # (re)write the fixture
 
 For each case `C` the file holds `C.w` (the weight: BF16, F16 or F32, rank >= 2), `C.q` (torch's
 float8_e4m3fn bytes as U8, the weight's shape) and `C.scale` (F32, [rows, cols/64] or [rows, 1]);
 `convert.x` (F32) and `convert.q` (U8) pin the bare f32 -> e4m3fn conversion, including inputs
-past 448 that the quantizer clamps away. The Rust quantizer must reproduce every byte
+past 448 that the quantizer clamps away. For each row case `R` (name starting with "row_"):
+`R.rw` (the weight), `R.fp8_row` (e4m3fn bytes as U8) with `R.fp8_row_scale` (F32 [rows, 1]), and
+`R.int8_row` (I8) with `R.int8_row_scale`: 8-bit compute's per-row quantization
+(``weightstream.torch.compute8.quantize_rows_reference``) of the weight viewed as [rows, cols].
+The Rust quantizer must reproduce every byte
 (daemon/e2e/tests/quantize.rs); tests/python/client/test_fp8_reference.py checks that this script
 still writes the committed file. The quantizer is the package's (``weightstream.quantize``): needs
 the package installed, torch (CPU) and safetensors; deterministic (seeded generators).
@@ -20,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from weightstream.quantize import E4M3_MAX, quantize_fp8_block64
+from weightstream.torch.compute8 import quantize_rows_reference
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT / "daemon" / "e2e" / "tests" / "data" / "fp8_vectors.safetensors"
@@ -31,6 +36,20 @@ def reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales)."""
     q, scale = quantize_fp8_block64(w)
     return q.view(torch.uint8), scale
+
+
+#: The row formats: (suffix of the outputs, compute8's mode).
+ROW_FORMATS = (("fp8_row", "fp8"), ("int8_row", "int8"))
+
+
+def row_reference(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit compute's per-row quantization of ``w`` viewed as [rows, cols]: (q in w's shape,
+    e4m3fn bytes as uint8 or int8; f32 scales [rows, 1])."""
+    rows = w.shape[0]
+    q, scale = quantize_rows_reference(w.reshape(rows, -1), mode)
+    if q.dtype == torch.float8_e4m3fn:
+        q = q.view(torch.uint8)
+    return q.reshape(w.shape), scale.reshape(rows, 1)
 
 
 def e4m3_values() -> torch.Tensor:
@@ -133,6 +152,143 @@ def _conversion_inputs() -> torch.Tensor:
     return torch.cat([x, -x])
 
 
+def _int8(x: torch.Tensor) -> torch.Tensor:
+    return x.clamp(-127.0, 127.0).round().to(torch.int8)
+
+
+def _grid(mode: str):
+    """(qmax, encode, the grid's non-negative rounding ties) of compute8's ``mode``."""
+    if mode == "fp8":
+        return E4M3_MAX, _e4m3, midpoints()
+    return 127.0, _int8, torch.arange(0, 127, dtype=torch.float32) + 0.5
+
+
+def _rows(amax: list[float], picks: list[torch.Tensor], dtype, gen, width: int) -> torch.Tensor:
+    """As `_blocks`, one row of ``width`` per amax."""
+    rows = []
+    for a, p in zip(amax, picks, strict=True):
+        p = p[: width - 1]
+        pad = torch.rand(width - 1 - len(p), generator=gen) * a
+        row = torch.cat([torch.tensor([a]), p, pad])
+        signs = torch.where(torch.rand(width, generator=gen) < 0.5, -1.0, 1.0)
+        signs[0] = 1.0
+        rows.append(row * signs)
+    out = torch.stack(rows).to(dtype)
+    assert out.abs().amax(dim=1).tolist() == torch.tensor(amax).to(dtype).tolist(), "amax moved"
+    return out
+
+
+def _row_discriminating(dtype, gen, want_rows: int, mode: str, itype=torch.int16):
+    """As `_discriminating`, on ``mode``'s grid with the row's amax / qmax as the scale."""
+    qmax, encode, mids = _grid(mode)
+    amaxs, picks = [], []
+    while len(amaxs) < want_rows:
+        a = (torch.rand(1, generator=gen) * 20 + 0.05).to(dtype)
+        hi = int(a.view(itype))
+        lo = int((a.float() * 2**-17).to(dtype).view(itype))
+        x = torch.arange(lo, hi, dtype=torch.int32).to(itype).view(dtype).float()
+        s = a.float() / torch.full_like(a.float(), qmax)
+        quotient = x / s
+        differs = encode(quotient) != encode(x * torch.reciprocal(s))
+        ties = torch.isin(quotient, mids)
+        chosen = torch.cat([x[differs], x[ties][torch.randperm(int(ties.sum()), generator=gen)]])
+        if int(differs.sum()) == 0:
+            continue
+        amaxs.append(float(a.float()))
+        picks.append(chosen[torch.randperm(len(chosen), generator=gen)])
+    return amaxs, picks
+
+
+def _row_discriminating_f32(gen, rows: int, mode: str):
+    """As `_discriminating_f32`, on ``mode``'s grid."""
+    qmax, encode, mids = _grid(mode)
+    amaxs, picks = [], []
+    while len(amaxs) < rows:
+        a = torch.rand(1, generator=gen) * 20 + 0.05
+        s = a / torch.full_like(a, qmax)
+        near = (mids * s).view(torch.int32)
+        x = torch.cat([near + k for k in (-2, -1, 0, 1, 2)]).view(torch.float32)
+        x = x[(x > 0) & (x < a)]
+        quotient = x / s
+        differs = encode(quotient) != encode(x * torch.reciprocal(s))
+        ties = torch.isin(quotient, mids)
+        chosen = torch.cat([x[differs], x[ties & ~differs]])
+        if int(differs.sum()) == 0:
+            continue
+        amaxs.append(float(a))
+        picks.append(chosen[torch.randperm(len(chosen), generator=gen)])
+    return amaxs, picks
+
+
+def _int8_ties_pow2(dtype, k: int) -> torch.Tensor:
+    """[2, 128]: scale exactly 2^k (amax 127 * 2^k first in each row), then every tie of the
+    int8 grid, n + 1/2 for n in 0..126, times 2^k: positive in row 0, negative in row 1."""
+    m = (torch.arange(0, 127, dtype=torch.float32) + 0.5) * 2.0**k
+    amax = torch.full((2, 1), 127.0 * 2.0**k)
+    return torch.cat([amax, torch.stack([m, -m])], dim=1).to(dtype)
+
+
+def build_rows() -> dict[str, torch.Tensor]:
+    """The row cases' weights (compute8's per-row quantization, both modes, on each)."""
+    cases: dict[str, torch.Tensor] = {}
+    gen = torch.Generator().manual_seed(20261206)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    for name, dt in DTYPES.items():
+        for tag, mag in (("1e-3", 1e-3), ("30", 30.0)):
+            cases[f"row_normal_{name}_x{tag}"] = (randn(8, 256) * mag).to(dt)
+        # Zeros, some negative: scale 1; -0.0 stays 0x80 in e4m3fn, 0 in int8.
+        z = torch.zeros(4, 128)
+        z[1, ::3] = -0.0
+        z[3] = randn(128)
+        cases[f"row_zeros_{name}"] = z.to(dt)
+        # Exact ties under power-of-two scales: of the int8 grid (half to even), of e4m3's.
+        for k in (0, -3, 4):
+            cases[f"row_int8_ties_{name}_2^{k}"] = _int8_ties_pow2(dt, k)
+        cases[f"row_e4m3_ties_{name}_2^-2"] = _ties_pow2(dt, -2)
+    # Quotients a division and a multiplication by the reciprocal round differently.
+    for mode in ("int8", "fp8"):
+        for name, dt, width in (("bf16", torch.bfloat16, 200), ("f16", torch.float16, 96)):
+            amax, picks = _row_discriminating(dt, gen, 6, mode)
+            cases[f"row_div_{mode}_{name}"] = _rows(amax, picks, dt, gen, width)
+        amax, picks = _row_discriminating_f32(gen, 6, mode)
+        cases[f"row_div_{mode}_f32"] = _rows(amax, picks, torch.float32, gen, 300)
+    # +-max: both signs of the amax in a row, and amax * (1 - 2^-k).
+    w = randn(4, 64)
+    w[:, 0] = 7.0
+    w[:, 1] = -7.0
+    w[:, 2:10] = 7.0 * (1 - 2.0 ** -torch.arange(1, 9, dtype=torch.float32))
+    cases["row_at_max_f32"] = w
+    cases["row_at_max_bf16"] = w.to(torch.bfloat16)
+    # Widths that are not multiples of 64 (and some that are: one scale per row all the same).
+    cases["row_w100_bf16"] = randn(5, 100).to(torch.bfloat16)
+    cases["row_w63_f16"] = randn(3, 63).to(torch.float16)
+    cases["row_w1_f32"] = randn(4, 1)
+    cases["row_w65_bf16"] = randn(2, 65).to(torch.bfloat16)
+    cases["row_w1000_f32"] = randn(3, 1000) * 0.02
+    cases["row_w192_bf16"] = randn(3, 192).to(torch.bfloat16)
+    # f32 extremes: tiny and huge rows, amaxes whose scale is an f32 subnormal or underflows
+    # to 0 (scale 1), the f32 maximum; bf16 subnormals.
+    w = randn(8, 128)
+    w[0] *= 1e-30
+    w[1] *= 1e30
+    w[2] = randn(128) * 1e-40
+    w[3] = randn(128).sign() * torch.arange(128).float() * 2.0**-149
+    w[4] = randn(128).sign() * torch.arange(128).float() * 63 / 127 * 2.0**-149
+    w[5] = randn(128).sign() * torch.arange(128).float() * 300 / 127 * 2.0**-149
+    w[6] = randn(128) * 1e37
+    w[6, 7] = 3.4028234663852886e38
+    w[7] = randn(128) * 2.0**-130
+    cases["row_extremes_f32"] = w
+    cases["row_subnormal_bf16"] = (randn(4, 96) * 2.0**-128).to(torch.bfloat16)
+    # Higher ranks: a Conv2d weight [out, in, kh, kw] is [out, in * kh * kw].
+    cases["row_conv_8x4x3x3_bf16"] = (randn(8, 4, 3, 3) * 0.1).to(torch.bfloat16)
+    cases["row_rank3_2x3x128_f32"] = randn(2, 3, 128)
+    return cases
+
+
 def build() -> dict[str, torch.Tensor]:
     cases: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(20261201)
@@ -210,6 +366,13 @@ def build() -> dict[str, torch.Tensor]:
         out[f"{name}.w"] = w.contiguous()
         out[f"{name}.q"] = q.contiguous()
         out[f"{name}.scale"] = scale.contiguous()
+    for name, w in build_rows().items():
+        assert bool(torch.isfinite(w).all()), name
+        out[f"{name}.rw"] = w.contiguous()
+        for suffix, mode in ROW_FORMATS:
+            q, scale = row_reference(w, mode)
+            out[f"{name}.{suffix}"] = q.contiguous()
+            out[f"{name}.{suffix}_scale"] = scale.contiguous()
     x = _conversion_inputs()
     out["convert.x"] = x
     out["convert.q"] = x.to(torch.float8_e4m3fn).view(torch.uint8)
@@ -217,7 +380,9 @@ def build() -> dict[str, torch.Tensor]:
 
 
 METADATA = {
-    "format": "fp8_e4m3_block64 test vectors: C.w (input), C.q (e4m3fn bytes), C.scale (f32)",
+    "format": "fp8_e4m3_block64 test vectors: C.w (input), C.q (e4m3fn bytes), C.scale (f32); "
+    "fp8_e4m3_row and int8_row: R.rw (input), R.fp8_row (e4m3fn bytes), R.int8_row (int8), "
+    "R.fp8_row_scale and R.int8_row_scale (f32 [rows, 1])",
     "generator": "tests/python/client/gen_fp8_vectors.py",
 }
 
