@@ -16,7 +16,7 @@ card: ai-toolkit's MemoryManager against weightstream-aitk, with one YAML
         --smoke --out /tmp/aitk-smoke
 
 What runs, unchanged: ai-toolkit's `run.py` and everything under it (tests/bench/
-ai_toolkit_real.py's `run_one`, its stubs and shim), once per run of `--runs`:
+aitk/measure.py's `run_one`, its stubs and shim), once per run of `--runs`:
 `MODE:rRANK[:LINK]`, MODE `aitk` (`python run.py job.yaml`) or `weightstream`
 (`python -m weightstream.integrations.ai_toolkit run.py job.yaml` against a daemon started for
 the run, its copies capped at LINK, e.g. `25GB/s`, or `full`), or `host` (a `weightstream` run
@@ -48,7 +48,7 @@ report):
   attention and MLP and a tiny vision tower.
 - flux (FLUX.1-dev, `toolkit/stable_diffusion_model.py`): a diffusers folder, the transformer at
   FLUX.1-dev's size (Linear weights float8 on disk), T5-XXL's encoder at its real size (bf16),
-  one-layer CLIP, a small VAE (tests/bench/ai_toolkit_real.py's `build_model`).
+  one-layer CLIP, a small VAE (tests/bench/aitk/build.py's `build_model`).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.bench import ai_toolkit_real as real
+from tests.bench.aitk import build, measure
 from tests.bench.provenance import commit
 
 HERE = Path(__file__).resolve().parent
@@ -118,9 +118,9 @@ SIZES = {
         },
     },
     "flux": {
-        "tiny": {"transformer": real.SIZES["tiny"], "te": None},
+        "tiny": {"transformer": build.SIZES["tiny"], "te": None},
         "dev": {  # FLUX.1-dev's transformer; T5-XXL's encoder (google/t5-v1_1-xxl)
-            "transformer": real.SIZES["flux1"],
+            "transformer": build.SIZES["flux1"],
             "te": dict(d_ff=10240, num_layers=24, num_heads=64, d_kv=64),
         },
     },
@@ -179,7 +179,7 @@ def flux2_singles_for_host(aitk: Path, fields: dict, host_gib: float, fp8: bool)
     stay under 80 % of the host's memory."""
     import torch
 
-    src = real._aitk_flux2_src(aitk, "model")
+    src = build.flux2_src(aitk, "model")
 
     def params(singles: int) -> int:
         with torch.device("meta"):
@@ -198,7 +198,7 @@ def build_flux2(root: Path, aitk: Path, size: dict, seed: int, device: str, fp8:
 
     t0 = time.monotonic()
     root.mkdir(parents=True)
-    src = real._aitk_flux2_src(aitk, "model")
+    src = build.flux2_src(aitk, "model")
     with torch.device("meta"):
         transformer = src.Flux2(src.Flux2Params(**size["transformer"]))
     info = {
@@ -206,10 +206,10 @@ def build_flux2(root: Path, aitk: Path, size: dict, seed: int, device: str, fp8:
             random_state(_shapes(transformer), seed, device, fp8), root / FLUX2_FILE
         )
     }
-    ae = real._aitk_flux2_src(aitk, "autoencoder")
+    ae = build.flux2_src(aitk, "autoencoder")
     torch.manual_seed(seed + 1)
     vae = ae.AutoEncoder(ae.AutoEncoderParams()).to(torch.bfloat16)
-    info["vae_params"], _ = real._save(vae, root / real.KLEIN_VAE_FILE)
+    info["vae_params"], _ = build.save_module(vae, root / build.KLEIN_VAE_FILE)
     del vae
     info["text_encoder"] = mistral3(root.parent / "hf", size["te"], seed + 2, device)
     info["build_s"] = time.monotonic() - t0
@@ -222,10 +222,10 @@ def build_flux1(root: Path, size: dict, seed: int, device: str, fp8: bool) -> di
 
     t0 = time.monotonic()
     cfg = dict(size["transformer"])
-    real.build_model(
+    build.build_model(
         root,
         dict(
-            real.SIZES["tiny"],
+            build.SIZES["tiny"],
             **{k: cfg[k] for k in ("joint_attention_dim", "pooled_projection_dim")},
         ),
         seed,
@@ -314,7 +314,7 @@ def mistral3(hf_home: Path, te: dict, seed: int, device: str) -> dict:
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(rev)
     vocab = {t: i for i, t in enumerate(MISTRAL_SPECIALS)}
-    vocab.update({c: len(MISTRAL_SPECIALS) + i for i, c in enumerate(real._byte_chars())})
+    vocab.update({c: len(MISTRAL_SPECIALS) + i for i, c in enumerate(build.byte_chars())})
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
@@ -449,11 +449,11 @@ def job_yaml(arch, device, steps, resolution, rank, optimizer, quantize, save_dt
 
 
 def one(spec_path: str) -> int:
-    """A run by itself (``--one SPEC``, under card.py): ai_toolkit_real's ``run_one``, its
+    """A run by itself (``--one SPEC``, under card.py): aitk.measure's ``run_one``, its
     result written beside the spec."""
     spec = json.loads(Path(spec_path).read_text())
     args = SimpleNamespace(**spec["args"])
-    result, _ = real.run_one(
+    result, _ = measure.run_one(
         spec["folder_name"],
         args,
         Path(spec["work"]),
@@ -514,7 +514,7 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
     name = spec["folder_name"]
     work = Path(common["work"])
     if not args.card or run["kind"] == "resident":
-        result, _ = real.run_one(
+        result, _ = measure.run_one(
             name,
             SimpleNamespace(**spec["args"]),
             work,
@@ -534,7 +534,7 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
         print(f"[{run['label']}] {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
         try:  # the run inside has its own --timeout; this one is for card.py itself
-            rc = subprocess.run(cmd, cwd=real.REPO, timeout=args.timeout + 120).returncode
+            rc = subprocess.run(cmd, cwd=measure.REPO, timeout=args.timeout + 120).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
         result_path = Path(spec["result"])
@@ -710,7 +710,7 @@ def main(argv=None) -> int:
             built = build_flux2(work / "model", aitk, size, args.seed, device, fp8)
         else:
             built = build_flux1(work / "model", size, args.seed, device, fp8)
-        real.build_data(work / "data", args.images, args.resolution, args.seed)
+        build.build_data(work / "data", args.images, args.resolution, args.seed)
         (work / BUILT).write_text(json.dumps({"what": what, "built": built}))
     else:
         print(f"reusing {args.arch} {args.size} in {work}", flush=True)
@@ -756,7 +756,7 @@ def main(argv=None) -> int:
         "host": platform.node(),
         "torch": torch.__version__,
         "commit": commit(),
-        "ai_toolkit": real.AITK_COMMIT,
+        "ai_toolkit": measure.AITK_COMMIT,
         "command": " ".join(sys.argv),
         "arch": args.arch,
         "size": args.size,
@@ -770,7 +770,7 @@ def main(argv=None) -> int:
         "resolution": args.resolution,
         "images": args.images,
         "runs": [{k: v for k, v in r.items() if k not in ("stubs", "probe")} for r in results],
-        "stubs_called_outside_imports": {r["label"]: real.stubs_called(r) for r in results},
+        "stubs_called_outside_imports": {r["label"]: measure.stubs_called(r) for r in results},
         "wall_s": time.monotonic() - started,
     }
     calls = [c for path in args.merge for c in json.loads(Path(path).read_text())["calls"]]
@@ -809,16 +809,16 @@ def reused(work: Path, what: dict) -> dict | None:
 
 
 def host_at_end(result: dict) -> str | None:
-    """The trainer's host memory at the last point of its RSS timeline (ai_toolkit_real's
+    """The trainer's host memory at the last point of its RSS timeline (aitk.measure's
     Sampler) that has it (a point after the trainer exited has the host's available memory
     only), the host's available memory then, its least over the run, and the trainer's largest
     point: where a run's memory was when it ended, and how close the host came to full."""
     timeline = result.get("trainer_rss_timeline") or []
-    samples = [p for p in timeline if any(k in p for k in real.RSS_FIELDS)]
+    samples = [p for p in timeline if any(k in p for k in measure.RSS_FIELDS)]
     if not samples:
         return None
     last = samples[-1]
-    parts = [f"{k} {last[k]:.2f}" for k in real.RSS_FIELDS if k in last]
+    parts = [f"{k} {last[k]:.2f}" for k in measure.RSS_FIELDS if k in last]
     text = (
         f"the trainer's host memory at {last['t']:.0f} s, its last sample: {', '.join(parts)} GiB"
     )
@@ -828,9 +828,9 @@ def host_at_end(result: dict) -> str | None:
     least = min(available, key=lambda p: p["MemAvailable"], default=last)
     if least is not last:
         text += f", {least['MemAvailable']:.2f} at the least ({least['t']:.0f} s)"
-    peak = max(samples, key=lambda p: sum(p.get(k, 0) for k in real.RSS_FIELDS))
+    peak = max(samples, key=lambda p: sum(p.get(k, 0) for k in measure.RSS_FIELDS))
     if peak is not last:
-        parts = [f"{k} {peak[k]:.2f}" for k in real.RSS_FIELDS if k in peak]
+        parts = [f"{k} {peak[k]:.2f}" for k in measure.RSS_FIELDS if k in peak]
         text += f" (largest at {peak['t']:.0f} s: {', '.join(parts)})"
     return text
 

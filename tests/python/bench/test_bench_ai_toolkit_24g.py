@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.bench import ai_toolkit_24g as bench
-from tests.bench import ai_toolkit_real as real
+from tests.bench.aitk.measure import RSS_FIELDS, Sampler
 
 pytestmark = pytest.mark.no_daemon
 
@@ -325,12 +325,12 @@ def test_the_host_memory_at_a_runs_end_is_its_last_sample():
 
 
 def test_the_sampler_reads_the_rss_fields_of_a_status():
-    sampler = real.Sampler(0, False)
+    sampler = Sampler(0, False)
     status = "Name:\tpython\nVmHWM:\t 4096 kB\nRssAnon:\t 2097152 kB\nRssFile:\t 1048576 kB\n"
     status += "RssShmem:\t 0 kB\n"
     sampler._point(status, 3.04)
     point = sampler.timeline[0]
-    assert {k: point[k] for k in ("t", *real.RSS_FIELDS)} == {
+    assert {k: point[k] for k in ("t", *RSS_FIELDS)} == {
         "t": 3.0,
         "RssAnon": 2.0,
         "RssFile": 1.0,
