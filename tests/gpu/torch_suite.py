@@ -465,7 +465,7 @@ def trainable_equality(ckpt: bool, delay: bool, kind: str = "adamw", master: str
     """LoRA weights in host memory (``stream_trainable`` + ``HostAdamW``, clipping on) against
     the LoRA on the device with the same optimizer formula on fp32 masters on the CPU: equal
     losses every step, equal weights after."""
-    from tests.python.torch_host import test_trainable as tt
+    from tests.python.torch_host import trainable_pair as tt
 
     ref_model, model, tr, _, _ = tt.train_pair(
         steps=4, ckpt=ckpt, device="cuda", delay=delay, kind=kind, max_norm=0.05, master=master

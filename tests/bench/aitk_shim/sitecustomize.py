@@ -1,11 +1,11 @@
 """Import stubs for ai-toolkit's dependencies that the bench machine lacks.
 
-tests/bench/ai_toolkit_real.py puts this folder first on PYTHONPATH for ai-toolkit's `run.py`
-(plain and through weightstream's launcher alike), so Python imports it at start-up. It serves
-the modules named in WS_AITK_STUBS (comma-separated top-level names) *only when they cannot be
-imported for real*: the finder sits at the end of `sys.meta_path`. ai-toolkit imports every
-extension and every model class at start-up (`toolkit/extension.py`), so most of these are
-imported but never run by an SDTrainer LoRA job on FLUX.1.
+tests/bench/aitk/measure.py's `run_one` puts this folder first on PYTHONPATH for ai-toolkit's
+`run.py` (plain and through weightstream's launcher alike), so Python imports it at start-up. It
+serves the modules named in WS_AITK_STUBS (comma-separated top-level names) *only when they cannot
+be imported for real*: the finder sits at the end of `sys.meta_path`. ai-toolkit imports every
+extension and every model class at start-up (`toolkit/extension.py`), so most of these are imported
+but never run by an SDTrainer LoRA job on FLUX.1.
 
 A stub's attributes are placeholder classes that can be subclassed, compared with `isinstance`
 and used in annotations. Calling one (ai-toolkit builds a few torchao configs at import time)

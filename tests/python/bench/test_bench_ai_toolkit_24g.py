@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.bench import ai_toolkit_24g as bench
-from tests.bench import ai_toolkit_real as real
+from tests.bench.aitk import report_24g, runs_24g
+from tests.bench.aitk.measure import RSS_FIELDS, Sampler
 
 pytestmark = pytest.mark.no_daemon
 
@@ -76,32 +76,32 @@ pytestmark = pytest.mark.no_daemon
 def test_runs(text, want):
     if isinstance(want, str):
         with pytest.raises(ValueError) as e:
-            bench.parse_runs(text)
+            runs_24g.parse_runs(text)
         assert want in str(e.value)
     else:
-        got = [(r["mode"], r["rank"], r["link"], r["label"]) for r in bench.parse_runs(text)]
+        got = [(r["mode"], r["rank"], r["link"], r["label"]) for r in runs_24g.parse_runs(text)]
         assert got == want
 
 
 def test_reuse_takes_only_what_the_same_settings_built(tmp_path):
     what = {"arch": "flux2", "size": {"transformer": {"depth_single_blocks": 33}}, "seed": 42}
-    assert bench.reused(tmp_path, what) is None  # nothing built yet
-    (tmp_path / bench.BUILT).write_text(json.dumps({"what": what, "built": {"params": 7}}))
-    assert bench.reused(tmp_path, what) == {"params": 7}
-    assert bench.reused(tmp_path, {**what, "seed": 43}) is None
-    (tmp_path / bench.BUILT).write_text("{not json")
-    assert bench.reused(tmp_path, what) is None
+    assert runs_24g.reused(tmp_path, what) is None  # nothing built yet
+    (tmp_path / runs_24g.BUILT).write_text(json.dumps({"what": what, "built": {"params": 7}}))
+    assert runs_24g.reused(tmp_path, what) == {"params": 7}
+    assert runs_24g.reused(tmp_path, {**what, "seed": 43}) is None
+    (tmp_path / runs_24g.BUILT).write_text("{not json")
+    assert runs_24g.reused(tmp_path, what) is None
 
 
 def test_every_default_run_parses():
-    labels = [r["label"] for r in bench.parse_runs(bench.DEFAULT_RUNS)]
+    labels = [r["label"] for r in runs_24g.parse_runs(runs_24g.DEFAULT_RUNS)]
     assert labels[:2] == ["aitk r32", "weightstream r32 25GB/s"]
     assert len(labels) == len(set(labels)) == 6
 
 
 @pytest.mark.parametrize("quantize", [True, False])
 def test_the_yaml_is_the_recipe_with_every_placeholder_filled(quantize):
-    text = bench.job_yaml("flux2", "cuda:0", 6, 1024, 128, "adamw8bit", quantize, "bf16")
+    text = runs_24g.job_yaml("flux2", "cuda:0", 6, 1024, 128, "adamw8bit", quantize, "bf16")
     assert "@" not in text.replace("[name]", "")
     for line in (
         'device: "cuda:0"',
@@ -133,20 +133,22 @@ def test_a_runs_figures():
         "daemon_peak_rss": 7,
         "log_tail": "step 3\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB\n",
     }
-    got = bench.summarize(result)
+    got = runs_24g.summarize(result)
     assert got["s_per_step"] == 3.0 and got["steps_timed"] == 3
     assert (got["torch_loading_peak"], got["torch_training_peak"]) == (1 << 30, 20 << 30)
     assert (got["host_trainer_peak"], got["host_daemon_peak"]) == (5, 7)
     assert got["oom"].startswith("torch.OutOfMemoryError: CUDA out of memory.")
-    quiet = bench.summarize({"step_gaps_s": [1.0], "card": {"oom": {"lines": ["out of memory"]}}})
+    quiet = runs_24g.summarize(
+        {"step_gaps_s": [1.0], "card": {"oom": {"lines": ["out of memory"]}}}
+    )
     assert quiet["s_per_step"] is None and quiet["oom"] == "out of memory"
 
 
 def test_card_phases_read_card_pys_report():
     card = {"phases": {"loading": {"peak_card_gib": 3.25}, "training": {"peak_card_gib": 23.5}}}
-    assert bench._card_phases(card) == ("3.25", "23.50")
-    assert bench._card_phases({"phases": {"loading": {"peak_card_gib": 1}}}) == ("1.00", "-")
-    assert bench._card_phases(None) == ("-", "-")
+    assert report_24g._card_phases(card) == ("3.25", "23.50")
+    assert report_24g._card_phases({"phases": {"loading": {"peak_card_gib": 1}}}) == ("1.00", "-")
+    assert report_24g._card_phases(None) == ("-", "-")
 
 
 def _spec_inputs():
@@ -162,7 +164,7 @@ def _spec_inputs():
         optimizer=None,
         no_quantize=False,
         card=24,
-        card_cmd=bench.CARD_CMD,
+        card_cmd=runs_24g.CARD_CMD,
         save_dtype="float32",
     )
     return common, args
@@ -170,8 +172,8 @@ def _spec_inputs():
 
 def test_a_host_run_is_a_weightstream_run_with_the_lora_in_host_memory():
     common, args = _spec_inputs()
-    host, ws, aitk = bench.parse_runs("host:r1024:25GB/s,weightstream:r1024:25GB/s,aitk:r128")
-    spec = bench.run_spec(host, common, args, cuda=True)
+    host, ws, aitk = runs_24g.parse_runs("host:r1024:25GB/s,weightstream:r1024:25GB/s,aitk:r128")
+    spec = runs_24g.run_spec(host, common, args, cuda=True)
     assert (spec["mode"], spec["kind"], spec["link"]) == ("host", "weightstream", "25GB/s")
     assert spec["folder_name"] == "weightstream-host-r1024-25GBps"
     assert spec["result"] == "/w/weightstream-host-r1024-25GBps.result.json"
@@ -182,31 +184,31 @@ def test_a_host_run_is_a_weightstream_run_with_the_lora_in_host_memory():
     }
     assert "network: {type: lora, linear: 1024, linear_alpha: 1024}" in spec["yaml"]
     assert "optimizer: adamw8bit" in spec["yaml"]
-    plain = bench.run_spec(ws, common, args, cuda=True)
+    plain = runs_24g.run_spec(ws, common, args, cuda=True)
     assert (plain["kind"], plain["env"]) == ("weightstream", {"HF_HOME": "/w/hf"})
     assert plain["yaml"] == spec["yaml"]  # the same job; only the environment differs
-    theirs = bench.run_spec(aitk, common, args, cuda=True)
+    theirs = runs_24g.run_spec(aitk, common, args, cuda=True)
     assert (theirs["kind"], theirs["env"]) == ("aitk", {"HF_HOME": "/w/hf"})
     assert common["env"] == {"HF_HOME": "/w/hf"}  # the call's environment is left as it was
 
 
 def test_host_delay_false_reaches_the_runs_environment_and_label():
     common, args = _spec_inputs()
-    (run,) = bench.parse_runs("host:r256", host_delay=False)
+    (run,) = runs_24g.parse_runs("host:r256", host_delay=False)
     assert run["label"] == "weightstream host r256 full delay off"
-    assert bench.run_spec(run, common, args, cuda=False)["env"] == {
+    assert runs_24g.run_spec(run, common, args, cuda=False)["env"] == {
         "HF_HOME": "/w/hf",
         "WEIGHTSTREAM_TRAINABLE": "host",
         "WEIGHTSTREAM_TRAINABLE_DELAY": "false",
     }
-    (plain,) = bench.parse_runs("weightstream:r256", host_delay=False)
+    (plain,) = runs_24g.parse_runs("weightstream:r256", host_delay=False)
     assert plain["run_env"] == {}
 
 
 def test_card_py_caps_the_link_of_weightstreams_runs_only():
     _, args = _spec_inputs()
-    host, full, aitk = bench.parse_runs("host:r1024:25GB/s,host:r1024:full,aitk:r128")
-    cmd = bench.card_command(host, args, Path("/w/s.json"), Path("/w/c.json"))
+    host, full, aitk = runs_24g.parse_runs("host:r1024:25GB/s,host:r1024:full,aitk:r128")
+    cmd = runs_24g.card_command(host, args, Path("/w/s.json"), Path("/w/c.json"))
     card = cmd[: cmd.index("--")]
     assert card == [
         sys.executable,
@@ -226,7 +228,7 @@ def test_card_py_caps_the_link_of_weightstreams_runs_only():
         "/w/s.json",
     ]
     for run in (full, aitk):
-        assert "--link" not in bench.card_command(run, args, Path("/s"), Path("/c"))
+        assert "--link" not in runs_24g.card_command(run, args, Path("/s"), Path("/c"))
 
 
 #: As weightstream-aitk prints it (weightstream.integrations.ai_toolkit.trainable).
@@ -239,7 +241,7 @@ HOST_LINE = (
 
 def test_the_trainable_host_line_is_read_from_the_trainers_log():
     log = f"loading\n{HOST_LINE}\nstep 1\n"
-    assert bench.trainable_report(log) == {
+    assert runs_24g.trainable_report(log) == {
         "layers": 504,
         "optimizer": "adamw8bit",
         "host_gb": 61.87,
@@ -247,9 +249,9 @@ def test_the_trainable_host_line_is_read_from_the_trainers_log():
         "device": "cuda:0",
         "delay": False,
     }
-    assert bench.trainable_report("loading\nstep 1\n") is None
+    assert runs_24g.trainable_report("loading\nstep 1\n") is None
     # the line tests/python/ai_toolkit/test_ai_toolkit_trainable.py has the launcher print
-    own = bench.trainable_report(
+    own = runs_24g.trainable_report(
         "weightstream-aitk: trainable: host: 12 LoRA layers and their adamw state in 0.00 GB "
         "of host memory (the trainer's own: no attached model holds the layers the LoRA wraps); "
         "computing on cpu; delayed update on\n"
@@ -262,16 +264,16 @@ def test_the_trainable_host_line_is_read_from_the_trainers_log():
         "device": "cpu",
         "delay": True,
     }
-    got = bench.summarize({"trainable_host": bench.trainable_report(log)})
+    got = runs_24g.summarize({"trainable_host": runs_24g.trainable_report(log)})
     assert got["trainable_host"]["host_gb"] == 61.87
 
 
 def test_the_report_gives_a_host_runs_lora_memory():
-    (run,) = bench.parse_runs("host:r1024:25GB/s")
-    result = dict(run, rc=0, trainable_host=bench.trainable_report(HOST_LINE))
-    result["summary"] = bench.summarize(result)
+    (run,) = runs_24g.parse_runs("host:r1024:25GB/s")
+    result = dict(run, rc=0, trainable_host=runs_24g.trainable_report(HOST_LINE))
+    result["summary"] = runs_24g.summarize(result)
     missing = dict(run, label="weightstream host r1024 full", rc=0)
-    missing["summary"] = bench.summarize(missing)
+    missing["summary"] = runs_24g.summarize(missing)
     call = {
         "arch": "flux",
         "size": "tiny",
@@ -288,7 +290,7 @@ def test_the_report_gives_a_host_runs_lora_memory():
         "sizes": {},
         "runs": [result, missing],
     }
-    text = bench.markdown({"calls": [call]})
+    text = report_24g.markdown({"calls": [call]})
     assert (
         "- weightstream host r1024 25GB/s: `trainable: host`: 504 LoRA layers and their adamw8bit"
         " state in 61.87 GB of host memory (held by the daemon for the session of Flux2),"
@@ -305,32 +307,34 @@ def test_the_host_memory_at_a_runs_end_is_its_last_sample():
         {"t": 60.0, "RssAnon": 70.0, "RssFile": 25.0, "RssShmem": 0.0, "MemAvailable": 30.0},
         {"t": 220.0, "RssAnon": 60.0, "RssFile": 1.0, "RssShmem": 45.0, "MemAvailable": 2.5},
     ]
-    assert bench.host_at_end({"trainer_rss_timeline": timeline}) == (
+    assert report_24g.host_at_end({"trainer_rss_timeline": timeline}) == (
         "the trainer's host memory at 220 s, its last sample: RssAnon 60.00, RssFile 1.00,"
         " RssShmem 45.00 GiB; the host had 2.50 GiB available"
     )
     # A point after the trainer exited has the host's memory only: the last sample stays.
     timeline.append({"t": 222.0, "MemAvailable": 90.0})
-    assert bench.host_at_end({"trainer_rss_timeline": timeline}) == (
+    assert report_24g.host_at_end({"trainer_rss_timeline": timeline}) == (
         "the trainer's host memory at 220 s, its last sample: RssAnon 60.00, RssFile 1.00,"
         " RssShmem 45.00 GiB; the host had 2.50 GiB available"
     )
     timeline[1]["RssAnon"], timeline[1]["MemAvailable"] = 100.0, 1.5
-    assert bench.host_at_end({"trainer_rss_timeline": timeline}).endswith(
+    assert report_24g.host_at_end({"trainer_rss_timeline": timeline}).endswith(
         " GiB available, 1.50 at the least (60 s)"
         " (largest at 60 s: RssAnon 100.00, RssFile 25.00, RssShmem 0.00)"
     )
-    assert bench.host_at_end({}) is None
-    assert bench.host_at_end({"trainer_rss_timeline": [{"t": 1.0, "MemAvailable": 9.0}]}) is None
+    assert report_24g.host_at_end({}) is None
+    assert (
+        report_24g.host_at_end({"trainer_rss_timeline": [{"t": 1.0, "MemAvailable": 9.0}]}) is None
+    )
 
 
 def test_the_sampler_reads_the_rss_fields_of_a_status():
-    sampler = real.Sampler(0, False)
+    sampler = Sampler(0, False)
     status = "Name:\tpython\nVmHWM:\t 4096 kB\nRssAnon:\t 2097152 kB\nRssFile:\t 1048576 kB\n"
     status += "RssShmem:\t 0 kB\n"
     sampler._point(status, 3.04)
     point = sampler.timeline[0]
-    assert {k: point[k] for k in ("t", *real.RSS_FIELDS)} == {
+    assert {k: point[k] for k in ("t", *RSS_FIELDS)} == {
         "t": 3.0,
         "RssAnon": 2.0,
         "RssFile": 1.0,

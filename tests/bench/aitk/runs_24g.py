@@ -1,0 +1,281 @@
+"""The runs tests/bench/ai_toolkit_24g.py is told to make (``parse_runs``), what each one is given
+(``run_spec``: its folder, job.yaml and environment), how it is started (``launch``: in this
+process, or under tests/bench/card.py as ``--one``), and the figures taken from it
+(``summarize``, ``trainable_report``)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from tests.bench.aitk import measure
+
+BENCH = Path(__file__).resolve().parent.parent  # tests/bench
+
+TEMPLATE = BENCH / "ai_toolkit_24g.yaml"
+
+#: In the order they are worth the device time: the comparison at rank 32 first (ai-toolkit's
+#: run is the shorter: it quantizes on the device), then the full link, then rank 128.
+DEFAULT_RUNS = (
+    "aitk:r32,weightstream:r32:25GB/s,weightstream:r32:full,weightstream:r128:25GB/s,"
+    "aitk:r128,weightstream:r128:full"
+)
+
+CARD_CMD = "{python} tests/bench/card.py --gib {gib}{link} --json {json}"
+
+#: ``--runs`` modes: how each one runs (``run_one``'s kind) and the environment it adds.
+MODES = {
+    "aitk": ("aitk", {}),
+    "weightstream": ("weightstream", {}),
+    "host": ("weightstream", {"WEIGHTSTREAM_TRAINABLE": "host"}),
+    "resident": ("resident", {}),
+    "resident16": ("resident", {}),  # and the bf16 weights (quantize: false)
+}
+
+
+def parse_runs(text: str, host_delay: bool = True) -> list[dict]:
+    """``MODE:rRANK[:LINK]`` comma-separated: e.g. ``weightstream:r32:25GB/s,aitk:r32``.
+
+    ``host`` is a ``weightstream`` run with ``WEIGHTSTREAM_TRAINABLE=host`` (the LoRA's weights,
+    gradients and optimizer state in host memory) and ``WEIGHTSTREAM_TRAINABLE_DELAY`` from
+    ``host_delay`` (its label ends in ``delay off`` when that is false)."""
+    runs = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        parts = item.split(":")
+        mode, rank = parts[0], parts[1] if len(parts) > 1 else "r32"
+        link = parts[2] if len(parts) > 2 else "full"
+        if (
+            mode not in MODES
+            or not rank.startswith("r")
+            or not rank[1:].isdigit()
+            or int(rank[1:]) < 1
+            or len(parts) > 3
+        ):
+            raise ValueError(
+                f"--runs {item!r}: expected aitk|weightstream|host|resident|resident16:rRANK"
+                "[:LINK|full] (RANK 1 or more)"
+            )
+        if mode in ("aitk", "resident", "resident16") and link != "full":
+            raise ValueError(f"--runs {item!r}: the link cap reaches weightstream's daemon only")
+        kind, env = MODES[mode]
+        env = dict(env)
+        label = f"{mode} r{int(rank[1:])}"
+        if kind == "weightstream":
+            label = f"weightstream{' host' if mode == 'host' else ''} r{int(rank[1:])} {link}"
+        if mode == "host":
+            env["WEIGHTSTREAM_TRAINABLE_DELAY"] = "true" if host_delay else "false"
+            label += "" if host_delay else " delay off"
+        if any(r["label"] == label for r in runs):
+            raise ValueError(f"--runs {item!r}: {label!r} is listed twice")
+        runs.append(
+            {
+                "mode": mode,
+                "kind": kind,
+                "rank": int(rank[1:]),
+                "link": link,
+                "label": label,
+                "run_env": env,
+            }
+        )
+    return runs
+
+
+def job_yaml(arch, device, steps, resolution, rank, optimizer, quantize, save_dtype) -> str:
+    text = TEMPLATE.read_text()
+    text = text.replace("save: {dtype: float32,", f"save: {{dtype: {save_dtype},")
+    for key, value in {
+        "@DEVICE@": device,
+        "@ARCH@": arch,
+        "@STEPS@": steps,
+        "@RESOLUTION@": resolution,
+        "@RANK@": rank,
+        "@OPTIMIZER@": optimizer,
+    }.items():
+        text = text.replace(key, str(value))
+    if not quantize:  # the flow without ai-toolkit's 8-bit bases (CPU checks, or a reference)
+        for key in ("quantize", "quantize_te"):
+            text = text.replace(f"        {key}: true", f"        {key}: false")
+    return text
+
+
+def one(spec_path: str) -> int:
+    """A run by itself (``--one SPEC``, under card.py): aitk.measure's ``run_one``, its
+    result written beside the spec."""
+    spec = json.loads(Path(spec_path).read_text())
+    args = SimpleNamespace(**spec["args"])
+    result, _ = measure.run_one(
+        spec["folder_name"],
+        args,
+        Path(spec["work"]),
+        Path(spec["model"]),
+        Path(spec["data"]),
+        spec["yaml"],
+        spec["cuda"],
+        spec["env"],
+        kind=spec["kind"],
+        link=None if spec["link"] == "full" else spec["link"],
+    )
+    Path(spec["result"]).write_text(json.dumps(result, default=str))
+    return 0 if result["rc"] == 0 else 1
+
+
+def run_spec(run: dict, common: dict, args, cuda: bool) -> dict:
+    """What one run is given: its folder's name, ``run_one``'s kind and link, its job.yaml, and
+    the environment: the call's (``common["env"]``) and the mode's (``run["run_env"]``)."""
+    name = run["label"].replace(" ", "-").replace("/", "p")
+    spec = dict(common, mode=run["mode"], kind=run["kind"], link=run["link"], folder_name=name)
+    spec["env"] = {**common["env"], **run["run_env"]}
+    spec["yaml"] = job_yaml(
+        common["arch"],
+        common["device"],
+        args.steps,
+        common["resolution"],
+        run["rank"],
+        args.optimizer or ("adamw8bit" if cuda else "adamw"),
+        not args.no_quantize and run["mode"] != "resident16",
+        args.save_dtype,
+    )
+    spec["result"] = str(Path(common["work"]) / f"{name}.result.json")
+    return spec
+
+
+def card_command(run: dict, args, spec_path: Path, card_json: Path) -> list[str]:
+    """card.py (``--card-cmd``) around ``--one SPEC``; its ``--link`` for weightstream's runs
+    with a link cap (ai-toolkit's own manager copies with its own streams)."""
+    capped = run["kind"] == "weightstream" and run["link"] != "full"
+    link = f" --link {run['link']}" if capped else ""
+    card = shlex.split(
+        args.card_cmd.format(python=sys.executable, gib=args.card, link=link, json=card_json)
+    )
+    return [
+        *card,
+        "--",
+        sys.executable,
+        "-m",
+        "tests.bench.ai_toolkit_24g",
+        "--one",
+        str(spec_path),
+    ]
+
+
+def launch(run: dict, common: dict, args, cuda: bool) -> dict:
+    """One run: in this process, or under card.py (``--card``) as ``--one``."""
+    spec = run_spec(run, common, args, cuda)
+    name = spec["folder_name"]
+    work = Path(common["work"])
+    if not args.card or run["kind"] == "resident":
+        result, _ = measure.run_one(
+            name,
+            SimpleNamespace(**spec["args"]),
+            work,
+            Path(spec["model"]),
+            Path(spec["data"]),
+            spec["yaml"],
+            cuda,
+            spec["env"],
+            kind=spec["kind"],
+            link=None if run["link"] == "full" else run["link"],
+        )
+    else:
+        spec_path = work / f"{name}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        card_json = work / f"{name}.card.json"
+        cmd = card_command(run, args, spec_path, card_json)
+        print(f"[{run['label']}] {' '.join(cmd)}", flush=True)
+        t0 = time.monotonic()
+        try:  # the run inside has its own --timeout; this one is for card.py itself
+            rc = subprocess.run(cmd, cwd=measure.REPO, timeout=args.timeout + 120).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        result_path = Path(spec["result"])
+        if result_path.exists():
+            result = json.loads(result_path.read_text())
+        else:
+            result = {"mode": name, "rc": rc, "wall_s": time.monotonic() - t0}
+        result["card_rc"] = rc
+        result["card_command"] = cmd
+        if card_json.exists():
+            result["card"] = json.loads(card_json.read_text())
+    log = work / name / "trainer.log"
+    if log.exists():
+        result["trainable_host"] = trainable_report(log.read_text(errors="replace"))
+    result.update(run)
+    result["yaml"] = spec["yaml"]
+    return result
+
+
+#: The line weightstream-aitk prints when ``trainable: host`` takes the LoRA
+#: (weightstream.integrations.ai_toolkit.trainable).
+TRAINABLE_LINE = re.compile(
+    r"weightstream-aitk: trainable: host: (?P<layers>\d+) LoRA layers and their (?P<optimizer>\S+)"
+    r" state in (?P<gb>[\d.]+) GB of host memory \((?P<where>.*)\); computing on (?P<device>\S+);"
+    r" delayed update (?P<delay>on|off)"
+)
+
+
+def trainable_report(log: str) -> dict | None:
+    """weightstream-aitk's ``trainable: host`` line in a trainer's log: the LoRA layers, the
+    optimizer, the host memory of their weights, gradients and optimizer state (GB), where
+    that memory is (the daemon's session or the trainer's own), the delayed update; ``None``
+    when the log has no such line (the LoRA stayed on the device)."""
+    found = list(TRAINABLE_LINE.finditer(log))
+    if not found:
+        return None
+    m = found[-1]
+    return {
+        "layers": int(m["layers"]),
+        "optimizer": m["optimizer"],
+        "host_gb": float(m["gb"]),
+        "where": m["where"],
+        "device": m["device"],
+        "delay": m["delay"] == "on",
+    }
+
+
+def summarize(result: dict) -> dict:
+    """The figures of one run: s/step (median of the logged steps' gaps after the first, the
+    first holding the warm-up), time to the first step, torch's peaks while loading and while
+    training, host memory (with ``trainable: host``, the LoRA's as weightstream-aitk reports
+    it), an out-of-memory error if the run ended with one."""
+    gaps = result.get("step_gaps_s") or []
+    stats = result.get("torch_stats") or {}
+    loading = (result.get("stubs") or {}).get("memory_manager", {}).get("loading") or []
+    out = {
+        "s_per_step": statistics.median(gaps[1:]) if len(gaps) > 1 else None,
+        "steps_timed": max(0, len(gaps) - 1),
+        "first_step_s": result.get("first_step_s"),
+        "torch_loading_peak": (stats.get("loading") or {}).get("max_memory_allocated"),
+        "torch_training_peak": (stats.get("training") or {}).get("max_memory_allocated"),
+        "host_trainer_peak": result.get("trainer_peak_rss"),
+        "host_daemon_peak": result.get("daemon_peak_rss"),
+        "launcher_loading": loading,
+        "trainable_host": result.get("trainable_host"),
+    }
+    tail = result.get("log_tail") or ""
+    for line in tail.splitlines():
+        if "out of memory" in line.lower() or "OutOfMemoryError" in line:
+            out["oom"] = line.strip()[:400]
+    card_oom = ((result.get("card") or {}).get("oom") or {}).get("lines")
+    if card_oom and "oom" not in out:
+        out["oom"] = str(card_oom[-1])[:400]
+    return out
+
+
+#: What ``--work`` was built from and what was built, beside the model (``--reuse``).
+BUILT = "built.json"
+
+
+def reused(work: Path, what: dict) -> dict | None:
+    """What an earlier call built in ``work`` from the same ``what`` (``--reuse``), or None."""
+    try:
+        old = json.loads((work / BUILT).read_text())
+    except (OSError, ValueError):
+        return None
+    return old["built"] if old.get("what") == json.loads(json.dumps(what)) else None
