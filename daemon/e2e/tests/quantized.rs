@@ -520,10 +520,13 @@ async fn what_cannot_be_quantized_is_refused_by_name_and_leaves_nothing() {
     assert_still_serves(&daemon, 7).await;
 }
 
+/// What the store holds of each weight, by tensor name.
+type StoredBytes = BTreeMap<String, Vec<u8>>;
+
 /// The fixture's row cases (torch's quantization, `gen_fp8_vectors.py`): each input as a
 /// `<case>.weight` tensor, and per row format what the store holds of it, built from torch's
 /// data and scales (data, zero padding to 16, scales).
-fn row_cases() -> (Vec<Tensor>, Vec<(Q, BTreeMap<String, Vec<u8>>)>) {
+fn row_cases() -> (Vec<Tensor>, Vec<(Q, StoredBytes)>) {
     let fixture: &[u8] = include_bytes!("data/fp8_vectors.safetensors");
     let st = safetensors::SafeTensors::deserialize(fixture).unwrap();
     let mut cases: Vec<&str> = (st.names().into_iter())
