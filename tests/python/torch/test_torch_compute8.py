@@ -278,6 +278,82 @@ def test_a_model_by_id_in_block64_is_refused_naming_the_format_to_load(daemon, t
     assert model.blocks[0].attn.q.base_layer.weight.device.type == "cpu"
 
 
+def _loaded(daemon, tmp_path, model, quantize_as):
+    """The model's frozen tensors saved as safetensors and loaded by the daemon in
+    ``quantize_as``: the manifest."""
+    from safetensors.torch import save_file
+
+    frozen = {
+        n: p.detach().contiguous()
+        for n, p in model.named_parameters()
+        if not p.requires_grad and not n.startswith("mha.")
+    }
+    path = tmp_path / "base.safetensors"
+    save_file(frozen, str(path))
+    return daemon.client.load_model([str(path)], "base", quantize=quantize_as)
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8"])
+def test_a_model_by_id_in_its_row_format_equals_the_w8a8_resident_reference(daemon, tmp_path, mode):
+    """The daemon's own row format (``weightstream load --quantize fp8_e4m3_row|int8_row``)
+    streams as it is: the same bits as the weights prepared in place."""
+    ref = make_model(torch.bfloat16)
+    streamed = copy.deepcopy(ref)
+    manifest = _loaded(daemon, tmp_path, ref, compute_plan.LOAD_AS[mode])
+    vram_budget, staging = budget(
+        sizes(streamed, mode, "block", daemon.client.info().alignment, False), "streamed"
+    )
+    with pytest.warns(UserWarning, match=rf"attach\(compute='{mode}'\): 2 streamed layers"):
+        handle = wst.attach(
+            streamed,
+            "cpu",
+            client=daemon.client,
+            min_bytes=0,
+            vram_budget=vram_budget,
+            staging_bytes=staging,
+            model=manifest.model_id,
+            compute=mode,
+        )
+    placed = {t.name: t.quantization for g in handle.session.groups for t in g.tensors}
+    assert {placed[f"{n}.weight"] for n in BASE} == {compute_plan.LOAD_AS[mode]}
+    compute8.to_w8a8_resident(ref, mode, BASE)
+    # The daemon holds every weight of the file in the row format: the layers that keep the
+    # trainer's dtype (conv_in, proj_out) compute with its dequantization.
+    for name in FALLBACKS[mode]:
+        w = ref.get_submodule(name).weight
+        q, scale = compute8.quantize_rows_reference(w.detach().reshape(w.shape[0], -1), mode)
+        w.data = (q.float() * scale[:, None]).to(w.dtype).reshape(w.shape)
+    assert_equal_runs(
+        run(ref, 2, torch.bfloat16, sample_between=True),
+        run(streamed, 2, torch.bfloat16, sample_between=True),
+    )
+    assert handle.stats()["compute_gemm8"] > 0
+    handle.detach(release=True)
+
+
+def test_a_rotation_with_a_model_by_id_is_refused(daemon, tmp_path):
+    model = make_model(torch.bfloat16)
+    manifest = _loaded(daemon, tmp_path, model, "int8_row")
+    with pytest.warns(UserWarning, match="compute in the trainer's dtype"):
+        with pytest.raises(ValueError) as e:
+            wst.attach(
+                model,
+                "cpu",
+                client=daemon.client,
+                min_bytes=0,
+                model=manifest.model_id,
+                compute="int8",
+                rotation=16,
+            )
+    assert str(e.value) == (
+        f"model={manifest.model_id!r}: rotation=16 needs the weights rotated before they are "
+        "quantized, and a model the daemon loaded is not; use rotation=0, or attach without "
+        "model= to upload the weights rotated"
+    )
+    assert daemon.client.info().usage.uploads == 0
+    assert model.blocks[0].attn.q.base_layer.weight.device.type == "cpu"
+
+
 def test_ai_toolkit_computes_in_8_bits_when_configured(daemon):
     from weightstream.integrations import ai_toolkit
     from weightstream.integrations.ai_toolkit import MemoryManager

@@ -171,6 +171,14 @@ def check_model(plan_: Plan, model_id: str, manifest):
     call."""
     held = {t.name: t.quantization for t in manifest.tensors}
     for name, layer in plan_.layers.items():
+        if layer.rotation:
+            # The daemon quantized the weights as they are in the files: a rotation of the
+            # activations alone would multiply them by weights it never rotated.
+            raise ValueError(
+                f"model={model_id!r}: rotation={layer.rotation} needs the weights rotated before "
+                "they are quantized, and a model the daemon loaded is not; use rotation=0, or "
+                "attach without model= to upload the weights rotated"
+            )
         tname = f"{name}.weight"
         got = held.get(tname)
         if got is None or got in ROW_FORMATS[layer.mode]:
