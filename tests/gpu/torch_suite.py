@@ -286,6 +286,51 @@ def torchao_equality(client, fmt, dtype, ckpt, autocast=False, group_by="layer",
     return f"{len(as_is)} torchao weights streamed, {stats['acquires']} acquires"
 
 
+def compute8_equality(client, mode, dtype, ckpt, group_by="block", rotation=0, grad=None):
+    """8-bit compute (``attach(compute=mode)``) streamed on the GPU against the same W8A8
+    layers in place (``compute8.to_w8a8_resident``): the contract on the device, where the
+    staging views' alignment could pick another cuBLASLt kernel than the weights in place."""
+    from weightstream.torch import compute8, policy
+
+    ref = t.make_model(dtype).cuda()
+    streamed = copy.deepcopy(ref)
+    ref.ckpt = streamed.ckpt = ckpt
+    # The LoRA-wrapped base layers of make_model: those that compute in 8 bits.
+    base = [
+        f"blocks.{b}.{n}.base_layer"
+        for b in range(3)
+        for n in ("attn.q", "attn.k", "attn.v", "attn.o", "fc1", "fc2")
+    ]
+    layers = policy.select(streamed, wst.StreamOptions(min_bytes=0)).streamed
+    rowwise = frozenset(f"{n}.weight" for n in base)
+    sizes = policy.choose_groups(
+        streamed, layers, group_by, client.info().alignment, None, 0, frozenset(), rowwise
+    ).sizes
+    budget, staging = t8.budget(sizes, "streamed")
+    handle = wst.attach(
+        streamed,
+        "cuda",
+        client=client,
+        min_bytes=0,
+        vram_budget=budget,
+        staging_bytes=staging,
+        group_by=group_by,
+        compute=mode,
+        rotation=rotation,
+        grad_compute=grad,
+    )
+    assert [n for n, layer in handle.streamed.items() if layer.compute8] == base
+    compute8.to_w8a8_resident(ref, mode, base, rotation=rotation, grad_compute=grad)
+    xs = t.inputs(4, dtype, device="cuda")
+    t.assert_equal_runs(
+        t.train(ref, xs, sample_between=True),
+        t.train(streamed, xs, sample_between=True),
+    )
+    stats = handle.stats()
+    handle.detach(release=True)
+    return f"{stats['compute_gemm8']} 8-bit matmuls, fallbacks {stats['compute_fallbacks']}"
+
+
 def hit_rate(client):
     model = t.make_model(torch.bfloat16).cuda()
     model.ckpt = "non-reentrant"
@@ -582,6 +627,18 @@ def main():
         (
             "equal: LoRA in host memory, no fp32 master, 8-bit AdamW, delayed, checkpointing",
             lambda: trainable_equality(True, True, "adamw8bit", "none"),
+        ),
+        (
+            "equal: 8-bit compute fp8, bf16, non-reentrant checkpointing, by block",
+            lambda: compute8_equality(client, "fp8", torch.bfloat16, "non-reentrant"),
+        ),
+        (
+            "equal: 8-bit compute fp8, bf16 input gradient, by layer",
+            lambda: compute8_equality(client, "fp8", torch.bfloat16, None, "layer", grad="bf16"),
+        ),
+        (
+            "equal: 8-bit compute int8, rotation 64, reentrant checkpointing",
+            lambda: compute8_equality(client, "int8", torch.bfloat16, "reentrant", rotation=64),
         ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
         (
