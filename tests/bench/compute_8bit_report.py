@@ -47,8 +47,10 @@ def rows(run: dict, card_gib: float) -> list[dict]:
                     "s_per_step": r["s_per_step"],
                     "steps_s": r.get("steps_s"),
                     "x_bf16_resident": round(r["s_per_step"] / base, 3),
-                    "losses_equal_reference": m.get("losses_equal_resident")
-                    if budget is None
+                    # None where the call compared no losses (--det-steps 0) and for the
+                    # reference itself.
+                    "losses_equal_reference": None
+                    if m["mode"] == "resident"
                     else r.get("losses_equal_resident", m.get("losses_equal_resident")),
                 }
             )
@@ -74,7 +76,7 @@ def markdown(doc: dict) -> str:
                 f"{r['s_per_step']:.3f} | {r['x_bf16_resident']:.3f} | "
                 f"{r['losses_equal_reference']} |"
             )
-        lines.append("")
+        lines += ["", call.get("commit") or "", "", call.get("note") or "", ""]
     return "\n".join(lines)
 
 
@@ -84,6 +86,7 @@ def main():
     p.add_argument("--card-gib", type=float, default=24)
     p.add_argument("--label", required=True)
     p.add_argument("--device", default="")
+    p.add_argument("--note", default="", help="what the call found, in Markdown")
     p.add_argument("--out", type=Path, default=Path("tests/bench/results"))
     args = p.parse_args()
     src = args.source / "flux2_train.json" if args.source.is_dir() else args.source
@@ -97,6 +100,7 @@ def main():
         "date": run.get("date"),
         "device": args.device,
         "commit": run.get("commit"),
+        "note": args.note,
     }
     path.write_text(json.dumps(doc, indent=1) + "\n")
     (args.out / "compute_8bit.md").write_text(markdown(doc))
