@@ -29,6 +29,20 @@ from tests.python.torch import test_torch as t  # noqa: E402
 from tests.python.torch import test_torch_fp8 as t8  # noqa: E402
 
 
+def attach_cuda(client, model, budget, staging, group_by, **options):
+    """``attach`` of the suite's models on the GPU: every Linear and Conv2d streamed."""
+    return wst.attach(
+        model,
+        "cuda",
+        client=client,
+        min_bytes=0,
+        vram_budget=budget,
+        staging_bytes=staging,
+        group_by=group_by,
+        **options,
+    )
+
+
 def equality(
     client,
     dtype,
@@ -55,14 +69,12 @@ def equality(
     if mixed:
         sizes = t8.fp8_sizes(streamed, group_by, client.info().alignment)
         budget, staging = t8.budget(sizes, "mixed")
-    handle = wst.attach(
+    handle = attach_cuda(
+        client,
         streamed,
-        "cuda",
-        client=client,
-        min_bytes=0,
-        vram_budget=budget,
-        staging_bytes=staging,
-        group_by=group_by,
+        budget,
+        staging,
+        group_by,
         quantize="fp8" if fp8 else None,
         dequantize=dequantize,
         early_release=early_release,
@@ -264,15 +276,7 @@ def torchao_equality(client, fmt, dtype, ckpt, autocast=False, group_by="layer",
     streamed = copy.deepcopy(ref)
     ref.ckpt = streamed.ckpt = ckpt
     budget, staging = t.BUDGETS[group_by, dtype]
-    handle = wst.attach(
-        streamed,
-        "cuda",
-        client=client,
-        min_bytes=0,
-        vram_budget=budget,
-        staging_bytes=staging,
-        group_by=group_by,
-    )
+    handle = attach_cuda(client, streamed, budget, staging, group_by)
     placed = {p.name: p.quantization for g in handle.session.groups for p in g.tensors}
     as_is = [n for n, q in placed.items() if q == fmt]
     assert len(as_is) == 18, f"{len(as_is)} weights streamed as {fmt}"
@@ -307,14 +311,12 @@ def compute8_equality(client, mode, dtype, ckpt, group_by="block", rotation=0, g
         streamed, layers, group_by, client.info().alignment, None, 0, frozenset(), rowwise
     ).sizes
     budget, staging = t8.budget(sizes, "streamed")
-    handle = wst.attach(
+    handle = attach_cuda(
+        client,
         streamed,
-        "cuda",
-        client=client,
-        min_bytes=0,
-        vram_budget=budget,
-        staging_bytes=staging,
-        group_by=group_by,
+        budget,
+        staging,
+        group_by,
         compute=mode,
         rotation=rotation,
         grad_compute=grad,
