@@ -114,7 +114,7 @@ def main(model: str = "flux1"):
         "--grad-compute",
         choices=("fp8", "int8", "bf16"),
         default=None,
-        help="8-bit compute modes: the input gradient's mode (default: the mode's own)",
+        help="8-bit compute modes: the input gradient's mode (default: bf16)",
     )
     parser.add_argument(
         "--early-release",

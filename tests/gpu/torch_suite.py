@@ -631,16 +631,18 @@ def main():
             lambda: trainable_equality(True, True, "adamw8bit", "none"),
         ),
         (
-            "equal: 8-bit compute fp8, bf16, non-reentrant checkpointing, by block",
-            lambda: compute8_equality(client, "fp8", torch.bfloat16, "non-reentrant"),
+            "equal: 8-bit compute fp8, fp8 input gradient, non-reentrant checkpointing, by block",
+            lambda: compute8_equality(client, "fp8", torch.bfloat16, "non-reentrant", grad="fp8"),
         ),
         (
             "equal: 8-bit compute fp8, bf16 input gradient, by layer",
             lambda: compute8_equality(client, "fp8", torch.bfloat16, None, "layer", grad="bf16"),
         ),
         (
-            "equal: 8-bit compute int8, rotation 64, reentrant checkpointing",
-            lambda: compute8_equality(client, "int8", torch.bfloat16, "reentrant", rotation=64),
+            "equal: 8-bit compute int8, int8 input gradient, rotation 64, reentrant checkpointing",
+            lambda: compute8_equality(
+                client, "int8", torch.bfloat16, "reentrant", rotation=64, grad="int8"
+            ),
         ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
         (

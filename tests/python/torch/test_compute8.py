@@ -278,8 +278,9 @@ def test_rotation_recovers_accuracy_on_outlier_channels():
 
 
 @pytest.mark.parametrize(("mode", "rotation"), [("fp8", 0), ("int8", 0), ("int8", 64)])
-@pytest.mark.parametrize("grad_compute", [None, "bf16"])
+@pytest.mark.parametrize("grad_compute", [None, "bf16", "mode"])
 def test_backward_is_the_input_gradient_formula(mode, rotation, grad_compute):
+    grad_compute = mode if grad_compute == "mode" else grad_compute
     model = nn.Sequential(_linear(128, 64, seed=1), nn.GELU(), _linear(64, 32, seed=2))
     model[0].bias.requires_grad_(True)
     model[2].bias.requires_grad_(False)
@@ -297,7 +298,7 @@ def test_backward_is_the_input_gradient_formula(mode, rotation, grad_compute):
     gy = torch.randn_like(y)
     y.backward(gy)
     w0, w2 = model[0].w8a8, model[2].w8a8
-    gc = grad_compute or mode
+    gc = grad_compute or "bf16"
 
     def formula(g, w):
         g2 = g.reshape(-1, g.shape[-1])

@@ -68,13 +68,13 @@ def attach8(daemon, model, mode, group_by="block", where="streamed", quantized=F
 
 #: (mode, rotation, grad_compute, dtype, ckpt, autocast, group_by, where)
 CASES = [
-    ("fp8", 0, None, torch.float32, None, False, "layer", "streamed"),
+    ("fp8", 0, "fp8", torch.float32, None, False, "layer", "streamed"),
     ("fp8", 0, "bf16", torch.bfloat16, "non-reentrant", False, "block", "mixed"),
-    ("fp8", 64, None, torch.bfloat16, "reentrant", False, "block", "streamed"),
+    ("fp8", 64, "fp8", torch.bfloat16, "reentrant", False, "block", "streamed"),
     ("fp8", 16, "bf16", torch.float32, None, True, "layer", "mixed"),
     ("int8", 0, None, torch.bfloat16, None, False, "block", "streamed"),
     ("int8", 0, "bf16", torch.float32, "reentrant", False, "layer", "mixed"),
-    ("int8", 64, None, torch.float32, "non-reentrant", True, "block", "mixed"),
+    ("int8", 64, "int8", torch.float32, "non-reentrant", True, "block", "mixed"),
     ("int8", 32, "bf16", torch.bfloat16, "non-reentrant", False, "layer", "streamed"),
 ]
 

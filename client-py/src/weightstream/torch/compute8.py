@@ -103,8 +103,13 @@ def check_mode(mode: str, where: str = "compute") -> str:
 
 
 def check_grad_compute(mode: str, grad_compute: str | None) -> str:
-    """The input gradient's mode: ``mode`` (None means it) or ``"bf16"``."""
-    if grad_compute is None or grad_compute == mode:
+    """The input gradient's mode: ``"bf16"`` (None means it: dY times the dequantized weight)
+    or ``mode`` itself. bf16 is the default because the 8-bit input gradient needs the weight
+    in the other major order: transposed per call it is slower than bf16 on an H100 (0.71-0.90 x
+    at FLUX.2's shapes, tests/bench/results/compute8_gemm.md), and bf16 is also the exact one."""
+    if grad_compute is None:
+        return "bf16"
+    if grad_compute == mode:
         return mode
     if grad_compute in GRAD_MODES:
         return grad_compute

@@ -84,9 +84,9 @@ class StreamOptions:
       ``"bf16"`` path (``Handle.stats()["compute_fallbacks"]``, and a warning at attach).
       ``input_grad`` does not apply to the 8-bit layers: their input gradient is
       ``grad_compute``'s.
-    - ``grad_compute``: the 8-bit layers' input gradient (dY·W): ``None`` or the mode itself
-      (in 8 bits, dY scaled per row), or ``"bf16"`` (dY times the dequantized weight in the
-      trainer's dtype).
+    - ``grad_compute``: the 8-bit layers' input gradient (dY·W): ``None`` or ``"bf16"`` (the
+      default: dY times the dequantized weight in the trainer's dtype), or the mode itself (in
+      8 bits, dY scaled per row; slower than bf16 while the weight is transposed per call).
     - ``rotation``: 0, or a block-Hadamard rotation of that block (16 to 512, dividing each
       8-bit layer's input width) applied to the weights once at attach and to the activations
       at each call: spreads outlier channels before the per-row scales are taken.

@@ -79,8 +79,8 @@ class Settings:
     - ``compute``: ``bf16`` (the default), ``fp8`` or ``int8``: how the streamed Linear layers
       multiply (``StreamOptions.compute``: ``fp8``/``int8`` are 8-bit matmuls on weights
       prepared once, row-scaled; a ``qfloat8`` base computes as it is in ``fp8``).
-    - ``grad_compute``: the 8-bit layers' input gradient: ``none`` (the default: the same
-      mode as ``compute``), that mode, or ``bf16`` (``StreamOptions.grad_compute``).
+    - ``grad_compute``: the 8-bit layers' input gradient: ``none`` or ``bf16`` (the default:
+      in the trainer's dtype), or the mode itself (``StreamOptions.grad_compute``).
     - ``rotation``: 0 (the default) or a block-Hadamard rotation of that block for 8-bit
       compute (``StreamOptions.rotation``; advised with ``int8``).
     - ``trainable``: where the LoRA's weights and optimizer state live. ``device`` (the
