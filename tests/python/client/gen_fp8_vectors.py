@@ -107,28 +107,6 @@ def _discriminating(dtype, gen, want_rows: int, itype=torch.int16):
     return amaxs, picks
 
 
-def _discriminating_f32(gen, rows: int):
-    """As `_discriminating`, for f32: candidates are the products m * scale of every tie m,
-    and their neighbours up to 2 ulps away."""
-    mids = midpoints()
-    amaxs, picks = [], []
-    while len(amaxs) < rows:
-        a = torch.rand(1, generator=gen) * 20 + 0.05
-        s = a / E4M3_MAX
-        near = (mids * s).view(torch.int32)
-        x = torch.cat([near + k for k in (-2, -1, 0, 1, 2)]).view(torch.float32)
-        x = x[(x > 0) & (x < a)]
-        quotient = x / s
-        differs = _e4m3(quotient) != _e4m3(x * torch.reciprocal(s))
-        ties = torch.isin(quotient, mids)
-        chosen = torch.cat([x[differs], x[ties & ~differs]])
-        if int(differs.sum()) == 0:
-            continue
-        amaxs.append(float(a))
-        picks.append(chosen[torch.randperm(len(chosen), generator=gen)])
-    return amaxs, picks
-
-
 def _ties_pow2(dtype, k: int) -> torch.Tensor:
     """[4, 64]: scale exactly 2^k (amax 448 * 2^k first in each row), then every tie of the
     e4m3 grid times 2^k, positive and negative (126 * 2 = 252 = 4 * 63)."""
@@ -199,8 +177,9 @@ def _row_discriminating(dtype, gen, want_rows: int, mode: str, itype=torch.int16
     return amaxs, picks
 
 
-def _row_discriminating_f32(gen, rows: int, mode: str):
-    """As `_discriminating_f32`, on ``mode``'s grid."""
+def _discriminating_f32(gen, rows: int, mode: str = "fp8"):
+    """As `_discriminating`, for f32 on ``mode``'s grid: candidates are the products m * scale
+    of every tie m, and their neighbours up to 2 ulps away."""
     qmax, encode, mids = _grid(mode)
     amaxs, picks = [], []
     while len(amaxs) < rows:
@@ -253,7 +232,7 @@ def build_rows() -> dict[str, torch.Tensor]:
         for name, dt, width in (("bf16", torch.bfloat16, 200), ("f16", torch.float16, 96)):
             amax, picks = _row_discriminating(dt, gen, 6, mode)
             cases[f"row_div_{mode}_{name}"] = _rows(amax, picks, dt, gen, width)
-        amax, picks = _row_discriminating_f32(gen, 6, mode)
+        amax, picks = _discriminating_f32(gen, 6, mode)
         cases[f"row_div_{mode}_f32"] = _rows(amax, picks, torch.float32, gen, 300)
     # +-max: both signs of the amax in a row, and amax * (1 - 2^-k).
     w = randn(4, 64)
