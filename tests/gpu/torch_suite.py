@@ -294,22 +294,14 @@ def compute8_equality(client, mode, dtype, ckpt, group_by="block", rotation=0, g
     """8-bit compute (``attach(compute=mode)``) streamed on the GPU against the same W8A8
     layers in place (``compute8.to_w8a8_resident``): the contract on the device, where the
     staging views' alignment could pick another cuBLASLt kernel than the weights in place."""
-    from weightstream.torch import compute8, policy
+    from weightstream.torch import compute8
+
+    from tests.python.torch import test_torch_compute8 as tc
 
     ref = t.make_model(dtype).cuda()
     streamed = copy.deepcopy(ref)
     ref.ckpt = streamed.ckpt = ckpt
-    # The LoRA-wrapped base layers of make_model: those that compute in 8 bits.
-    base = [
-        f"blocks.{b}.{n}.base_layer"
-        for b in range(3)
-        for n in ("attn.q", "attn.k", "attn.v", "attn.o", "fc1", "fc2")
-    ]
-    layers = policy.select(streamed, wst.StreamOptions(min_bytes=0)).streamed
-    rowwise = frozenset(f"{n}.weight" for n in base)
-    sizes = policy.choose_groups(
-        streamed, layers, group_by, client.info().alignment, None, 0, frozenset(), rowwise
-    ).sizes
+    sizes = tc.sizes(streamed, mode, group_by, client.info().alignment)
     budget, staging = t8.budget(sizes, "streamed")
     handle = attach_cuda(
         client,
@@ -321,8 +313,8 @@ def compute8_equality(client, mode, dtype, ckpt, group_by="block", rotation=0, g
         rotation=rotation,
         grad_compute=grad,
     )
-    assert [n for n, layer in handle.streamed.items() if layer.compute8] == base
-    compute8.to_w8a8_resident(ref, mode, base, rotation=rotation, grad_compute=grad)
+    assert [n for n, layer in handle.streamed.items() if layer.compute8] == tc.BASE
+    compute8.to_w8a8_resident(ref, mode, tc.BASE, rotation=rotation, grad_compute=grad)
     xs = t.inputs(4, dtype, device="cuda")
     t.assert_equal_runs(
         t.train(ref, xs, sample_between=True),

@@ -12,7 +12,6 @@ import copy
 import pytest
 import torch
 import weightstream.torch as wst
-from torchao.quantization import Float8WeightOnlyConfig, quantize_
 from weightstream import quantize
 from weightstream.torch import compute8, compute_plan, policy
 
@@ -171,6 +170,10 @@ def test_quantize_fp8_weights_are_requantized_per_row_once_at_upload(daemon):
 def test_a_torchao_float8_model_computes_as_it_is(daemon, monkeypatch):
     """ai-toolkit's qfloat8 (torchao's per-row Float8Tensor) in compute="fp8": its qdata and
     scales stream as they are and are the 8-bit operands, with no requantization."""
+    # Imported here: tests/gpu/torch_suite.py takes BASE and sizes from this module on a
+    # machine without torchao.
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
     ref = make_model(torch.bfloat16)
     quantize_(ref, Float8WeightOnlyConfig(), filter_fn=lambda m, fqn: fqn.endswith("base_layer"))
     model = copy.deepcopy(ref)
