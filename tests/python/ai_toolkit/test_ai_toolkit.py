@@ -31,9 +31,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -516,7 +513,7 @@ def test_offload_percent_and_ignore_modules(daemon, toolkit):
     assert daemon.client.list_models().models == []
 
 
-# --- settings and the launcher ----------------------------------------------------------------
+# --- settings ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -653,118 +650,6 @@ def test_the_settings_default_socket_is_the_client_s(monkeypatch, tmp_path):
     assert weightstream.connect(settings.socket).socket == socket_path()
     named = Settings.load({"socket": "/srv/ws.sock"}, {})
     assert weightstream.connect(named.socket).socket == "/srv/ws.sock"
-
-
-RUN_PY = '''\
-"""Stands for ai-toolkit's run.py: reads its config like toolkit/config.py, imports the memory
-manager the ways ai-toolkit's modules do, and reports what it got."""
-import json, os, sys
-sys.path.insert(0, os.getcwd())
-import yaml
-from toolkit.memory_management import MemoryManager, sync_grad_transfers
-from toolkit.memory_management.manager import MemoryManager as FromManager
-import toolkit.memory_management.manager_modules as modules
-from weightstream.integrations.ai_toolkit.settings import current
-config = yaml.safe_load(open(os.path.join("config", sys.argv[1] + ".yaml")))
-sync_grad_transfers()
-json.dump({
-    "argv": sys.argv[1:],
-    "main": __name__,
-    "manager": f"{MemoryManager.__module__}.{MemoryManager.__qualname__}",
-    "same": MemoryManager is FromManager and modules.sync_grad_transfers is sync_grad_transfers,
-    "settings": vars(current()),
-    "offloading": config["config"]["process"][0]["model"]["layer_offloading"],
-}, open(os.environ["REPORT"], "w"))
-'''
-
-JOB = """\
-job: extension
-config:
-  name: flux_lora
-  process:
-    - type: sd_trainer
-      model:
-        name_or_path: black-forest-labs/FLUX.2-dev
-        arch: flux2
-        layer_offloading: true
-        layer_offloading_transformer_percent: 1.0
-        layer_offloading_text_encoder_percent: 1.0
-weightstream:
-  vram_budget: 6GiB
-  staging_bytes: 2GiB
-"""
-
-
-def launch(tmp_path, command, env=None, job=JOB) -> subprocess.CompletedProcess:
-    """Runs ``command RUN_PY job -r`` in a stand-in ai-toolkit tree whose own
-    ``toolkit.memory_management`` fails if imported."""
-    root = tmp_path / "ai-toolkit"
-    (root / "toolkit" / "memory_management").mkdir(parents=True)
-    (root / "toolkit" / "__init__.py").write_text("")
-    (root / "toolkit" / "memory_management" / "__init__.py").write_text(
-        'raise AssertionError("ai-toolkit\'s own memory manager was imported")\n'
-    )
-    (root / "run.py").write_text(RUN_PY)
-    (root / "config").mkdir()
-    (root / "config" / "job.yaml").write_text(job)
-    env = {**os.environ, "REPORT": str(tmp_path / "report.json"), **(env or {})}
-    src = str(Path(launcher.__file__).parents[3])  # weightstream's import root
-    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [*command, str(root / "run.py"), "job", "-r"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def report(tmp_path, done: subprocess.CompletedProcess) -> dict:
-    assert done.returncode == 0, done.stderr
-    return json.loads((tmp_path / "report.json").read_text())
-
-
-def test_the_launcher_runs_ai_toolkit_with_weightstreams_memory_manager(tmp_path):
-    done = launch(
-        tmp_path,
-        [sys.executable, "-m", "weightstream.integrations.ai_toolkit"],
-        {"WEIGHTSTREAM_BUDGET": "4GiB"},
-    )
-    assert report(tmp_path, done) == {
-        "argv": ["job", "-r"],
-        "main": "__main__",
-        "manager": "weightstream.integrations.ai_toolkit.manager.MemoryManager",
-        "same": True,
-        # The environment wins over the YAML's weightstream: section.
-        "settings": vars(Settings(vram_budget=4 << 30, staging_bytes=2 << 30)),
-        "offloading": True,
-    }
-
-
-def test_the_console_script_is_the_launcher(tmp_path):
-    """``weightstream-aitk`` in client-py/pyproject.toml points at the launcher; where the
-    package is installed (tests/run.sh installs it), the script itself runs it."""
-    import tomllib
-
-    pyproject = Path(__file__).parents[3] / "client-py" / "pyproject.toml"
-    target = tomllib.loads(pyproject.read_text())["project"]["scripts"]["weightstream-aitk"]
-    assert target == "weightstream.integrations.ai_toolkit.launcher:main"
-    script = Path(sys.executable).parent / "weightstream-aitk"
-    if script.exists():
-        got = report(tmp_path, launch(tmp_path, [str(script)]))
-        assert got["manager"] == "weightstream.integrations.ai_toolkit.manager.MemoryManager"
-
-
-def test_the_launcher_refuses_bad_settings_before_ai_toolkit_starts(tmp_path):
-    done = launch(
-        tmp_path,
-        [sys.executable, "-m", "weightstream.integrations.ai_toolkit"],
-        job=JOB + "  budget: 1\n",
-    )
-    assert done.returncode == 2
-    assert done.stderr.startswith("weightstream-aitk: weightstream.budget: unknown setting")
-    assert not (tmp_path / "report.json").exists()
 
 
 def test_other_modules_of_the_package_say_what_is_served(toolkit):

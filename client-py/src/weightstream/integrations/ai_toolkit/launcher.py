@@ -15,13 +15,15 @@ hooks ai-toolkit's trainer (``jobs.process.BaseSDTrainProcess``) once imported: 
 ``trainable: host`` the LoRA's weights and optimizer state live in host memory
 (``optimizer``).
 
-Settings: a top-level ``weightstream:`` section of the job's YAML (ai-toolkit reads only
-``job``, ``config`` and ``meta``) and ``WEIGHTSTREAM_*`` variables, which win (``settings``).
+Settings: a top-level ``weightstream:`` section of the job's file, YAML or JSON (ai-toolkit
+reads only ``job``, ``config`` and ``meta``) and ``WEIGHTSTREAM_*`` variables, which win
+(``settings``). Before anything is installed, ``preflight`` checks the job files, ai-toolkit's
+environment and the daemon (``prepare``); jobs started by ai-toolkit's web UI go through
+``prepare`` too, in the job's own process (``ui``).
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib.abc
 import importlib.util
 import json
@@ -29,6 +31,7 @@ import os
 import runpy
 import sys
 
+from weightstream.integrations.ai_toolkit import preflight
 from weightstream.integrations.ai_toolkit.settings import ENV, Settings, configure, current
 
 PACKAGE = "toolkit.memory_management"
@@ -38,16 +41,32 @@ EXPORTS = {
     f"{PACKAGE}.manager": ("MemoryManager",),
     f"{PACKAGE}.manager_modules": ("sync_grad_transfers",),
 }
-CONFIG_EXTENSIONS = (".json", ".jsonc", ".yaml", ".yml")  # ai-toolkit's toolkit/config.py
 
 USAGE = f"""usage: weightstream-aitk RUN_PY CONFIG [CONFIG ...] [-r] [-n NAME] [-l LOG]
+       weightstream-aitk install-ui AITK_ROOT | uninstall-ui AITK_ROOT
 
-Runs ai-toolkit's RUN_PY (its run.py) with layer offloading served by weightstream: keep
-`model.layer_offloading: true` (and the *_percent settings) in the job's YAML. While the model
+Runs ai-toolkit's run.py with its layer offloading served by weightstream, with no edit to
+ai-toolkit. The arguments are run.py's own, passed on unchanged:
+  RUN_PY          ai-toolkit's run.py, in its checkout (run this with ai-toolkit's venv)
+  CONFIG          a job file (.json, .jsonc, .yaml, .yml): a path, or a name under the
+                  checkout's config/ folder, extension optional; several run one after another
+  -r, --recover   go on with the next CONFIG when a job fails
+  -n, --name NAME replace the [name] tag in the job files with NAME
+  -l, --log LOG   also write ai-toolkit's output to the file LOG
+
+First start the daemon: `weightstream serve` (your own), or the systemd service
+(deploy/README.md). Before run.py starts, weightstream-aitk checks that the job files exist and
+parse, that their settings are valid, that RUN_PY's folder holds ai-toolkit and torch imports,
+and that the daemon answers on its socket; a failure is one line saying what to do (exit 2).
+
+Keep `model.layer_offloading: true` (and the *_percent settings) in the job: while the model
 loads, Linear/Conv2d weights stay on the CPU (quantized there with quantize: true) and are
 uploaded at attach; models the loader does not attach are attached after it. Optional settings
-in a top-level `weightstream:` section of the YAML, or in the environment (which wins):
+in a top-level `weightstream:` section of the job, or in the environment (which wins):
 {chr(10).join(f"  {var:28} weightstream.{key}" for key, var in ENV.items())}
+
+install-ui AITK_ROOT: every job that ai-toolkit's web UI (or `.venv/bin/python run.py`) starts
+in that checkout with layer_offloading runs as above; uninstall-ui AITK_ROOT undoes it.
 """
 
 
@@ -175,47 +194,12 @@ def uninstall():
 # --- the job's weightstream: section ----------------------------------------------------------
 
 
-def config_paths(run_py: str, args: list[str]) -> list[str]:
-    """The config files ai-toolkit's run.py will read, found as its ``get_config`` finds
-    them: under ``config/`` beside run.py (with or without an extension), else as a path."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("config_file_list", nargs="*")
-    parser.add_argument("-r", "--recover", action="store_true")
-    parser.add_argument("-n", "--name")
-    parser.add_argument("-l", "--log")
-    known, _ = parser.parse_known_args(args)
-    root = os.path.dirname(os.path.abspath(run_py))
-    out = []
-    for name in known.config_file_list:
-        under = os.path.join(root, "config", name)
-        found = [under] if os.path.exists(under) else []
-        found += [under + ext for ext in CONFIG_EXTENSIONS if os.path.exists(under + ext)]
-        found += [p for p in (name, os.path.abspath(name)) if os.path.exists(p)]
-        if found:
-            out.append(found[0])
-    return out
-
-
-def read_section(path: str) -> dict | None:
-    """The ``weightstream:`` section of one config file (None if it has none)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    if path.endswith((".json", ".jsonc")):
-        config = json.loads(text)
-    else:
-        import yaml  # ai-toolkit's requirements include PyYAML
-
-        config = yaml.safe_load(text)
-    return config.get("weightstream") if isinstance(config, dict) else None
-
-
-def job_section(run_py: str, args: list[str]) -> dict | None:
+def job_section(jobs: list[preflight.Job]) -> dict | None:
     """The ``weightstream:`` section of the jobs to run; settings are process-wide, so jobs
     run together must not disagree on it."""
-    sections = {p: read_section(p) for p in config_paths(run_py, args)}
-    given = {p: s for p, s in sections.items() if s is not None}
+    given = {job.path: job.section for job in jobs if job.section is not None}
     if len({json.dumps(s, sort_keys=True, default=str) for s in given.values()}) > 1:
-        raise ValueError(
+        raise preflight.Refused(
             "the jobs' weightstream: sections differ ("
             + ", ".join(given)
             + "): run them in separate weightstream-aitk processes"
@@ -226,24 +210,48 @@ def job_section(run_py: str, args: list[str]) -> dict | None:
 # --- entry point ---------------------------------------------------------------------------
 
 
+def prepare(run_py: str, args: list[str], jobs: list[preflight.Job] | None = None) -> str:
+    """Everything but running ``run_py``: the checks of ``preflight`` (raising ``Refused``),
+    the settings configured and the finders installed. Returns the line that says so."""
+    if not os.path.isfile(run_py):
+        raise preflight.Refused(f"{run_py}: no such file (give ai-toolkit's run.py)")
+    jobs = preflight.read_jobs(run_py, args) if jobs is None else jobs
+    try:
+        settings = Settings.load(job_section(jobs))
+    except ValueError as e:
+        raise preflight.Refused(str(e)) from None
+    preflight.check_checkout(run_py)
+    version, socket = preflight.daemon_version(settings.socket)
+    preflight.check_torch()
+    configure(settings)
+    install()
+    offloading = [os.path.basename(job.path) for job in jobs if job.layer_offloading]
+    return (
+        f"weightstream-aitk: weightstream daemon {version} at {socket}; "
+        f"toolkit.memory_management is weightstream's; layer_offloading in "
+        f"{', '.join(offloading) if offloading else 'no job (nothing will stream)'}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """``weightstream-aitk RUN_PY ARGS...`` (also ``python -m
-    weightstream.integrations.ai_toolkit``)."""
+    weightstream.integrations.ai_toolkit``), or ``weightstream-aitk install-ui|uninstall-ui
+    AITK_ROOT`` (``ui``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] in ("install-ui", "uninstall-ui"):
+        from weightstream.integrations.ai_toolkit import ui
+
+        return ui.main(argv)
     run_py, args = os.path.abspath(argv[0]), argv[1:]
-    if not os.path.isfile(run_py):
-        print(f"weightstream-aitk: {argv[0]}: no such file (ai-toolkit's run.py)", file=sys.stderr)
-        return 2
     try:
-        settings = Settings.load(job_section(run_py, args))
-    except ValueError as e:
+        line = prepare(run_py, args)
+    except preflight.Refused as e:
         print(f"weightstream-aitk: {e}", file=sys.stderr)
         return 2
-    configure(settings)
-    install()
+    print(line, flush=True)
     # As `python run.py ...` would have it.
     sys.argv = [run_py, *args]
     sys.path.insert(0, os.path.dirname(run_py))
