@@ -2,7 +2,10 @@
 
 - ``weightstream-aitk run.py config.yaml`` (or ``python -m weightstream.integrations.ai_toolkit
   run.py config.yaml``) runs ai-toolkit unchanged with ``toolkit.memory_management`` served by
-  weightstream (``launcher``): jobs keep ``model.layer_offloading: true``.
+  weightstream (``launcher``): jobs keep ``model.layer_offloading: true``. It checks the job
+  files, ai-toolkit's environment and the daemon first (``preflight``).
+- ``weightstream-aitk install-ui AITK_ROOT`` (``ui``): the jobs ai-toolkit's web UI starts
+  with layer offloading run the same way, in their own process.
 - ``MemoryManager`` and ``sync_grad_transfers`` (``manager``) are ai-toolkit's surface; a
   trainer that imports them itself can swap ``from toolkit.memory_management import
   MemoryManager`` for ``from weightstream.integrations.ai_toolkit import MemoryManager``.
