@@ -19,7 +19,7 @@ Settings: a top-level ``weightstream:`` section of the job's file, YAML or JSON 
 reads only ``job``, ``config`` and ``meta``) and ``WEIGHTSTREAM_*`` variables, which win
 (``settings``). Before anything is installed, ``preflight`` checks the job files, ai-toolkit's
 environment and the daemon (``prepare``); jobs started by ai-toolkit's web UI go through
-``prepare`` too, in the job's own process (``ui``).
+``prepare`` too, in the job's own process (``ui_job``, called by ``ui``'s hook).
 """
 
 from __future__ import annotations
@@ -231,6 +231,27 @@ def prepare(run_py: str, args: list[str], jobs: list[preflight.Job] | None = Non
         f"toolkit.memory_management is weightstream's; layer_offloading in "
         f"{', '.join(offloading) if offloading else 'no job (nothing will stream)'}"
     )
+
+
+def ui_job():
+    """In ai-toolkit's ``run.py`` process, at its first ``import toolkit`` (``ui``'s hook): a
+    job with ``layer_offloading`` gets the launcher's checks, settings and finders, and its
+    line on stdout (the job's log); a refused check ends the process with exit code 2 and its
+    line on stderr. Other jobs, and job files that do not parse (ai-toolkit says why), are
+    untouched."""
+    run_py, args = os.path.abspath(sys.argv[0]), sys.argv[1:]
+    try:
+        jobs = preflight.read_jobs(run_py, args)
+    except preflight.Refused:
+        return
+    if not any(job.layer_offloading for job in jobs):
+        return
+    try:
+        line = prepare(run_py, args, jobs)
+    except preflight.Refused as e:
+        print(f"weightstream-aitk: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    print(line, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

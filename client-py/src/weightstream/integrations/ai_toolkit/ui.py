@@ -18,10 +18,10 @@ whose one line imports ``_weightstream_aitk_ui``, the second file, which holds `
 Python's ``site`` runs the line at every start of that interpreter; the module does nothing
 unless the script is ``AITK_ROOT/run.py``, and then only puts a one-shot finder first on
 ``sys.meta_path``. At run.py's first ``import toolkit`` (site-packages complete, ai-toolkit's
-``.env`` loaded by run.py, torch not yet imported) the finder calls ``activate``: a job file
-with ``model.layer_offloading: true`` gets the launcher's checks, settings and finders
-(``launcher.prepare``) in the job's own process, and every other job, or one whose file does not
-parse, runs untouched with ai-toolkit's own modules.
+``.env`` loaded by run.py, torch not yet imported) the finder calls ``launcher.ui_job``: a
+job file with ``model.layer_offloading: true`` gets the launcher's checks, settings and
+finders (``launcher.prepare``) in the job's own process, and every other job, or one whose
+file does not parse, runs untouched with ai-toolkit's own modules.
 
 Why this and not an interpreter shim in place of ``.venv/bin/python``: nothing of ai-toolkit
 or of the venv's interpreter changes, so the pid the UI records is the job's (SIGINT reaches
@@ -44,7 +44,7 @@ import os
 import subprocess
 import sys
 
-from weightstream.integrations.ai_toolkit import launcher, preflight
+from weightstream.integrations.ai_toolkit import preflight
 
 #: The files ``install-ui`` writes into the venv's site-packages, and the marker of their first
 #: line that says they are weightstream-aitk's.
@@ -60,10 +60,10 @@ import {MODULE}
 """
 
 MODULE_TEXT = '''\
-"""{marker} {root}: written by `weightstream-aitk install-ui`, removed by
-`weightstream-aitk uninstall-ui`. Loaded by {pth} at every start of this Python; it does
-nothing unless the script is {root}/run.py, and then hands the job to weightstream at run.py's
-first `import toolkit` (weightstream.integrations.ai_toolkit.ui)."""
+"""{marker}: written by `weightstream-aitk install-ui ROOT`, removed by
+`weightstream-aitk uninstall-ui ROOT`. Loaded by {pth} at every start of this Python; it does
+nothing unless the script is ROOT/run.py, and then hands the job to weightstream at run.py's
+first `import toolkit` (weightstream.integrations.ai_toolkit.ui says how)."""
 
 import os
 import sys
@@ -79,7 +79,7 @@ class FirstToolkitImport:
             return None
         sys.meta_path.remove(self)
         try:
-            from weightstream.integrations.ai_toolkit import ui
+            from weightstream.integrations.ai_toolkit import launcher
         except ImportError as e:
             print(
                 f"weightstream-aitk: {{e}}: this job runs without weightstream. Install it with "
@@ -89,7 +89,7 @@ class FirstToolkitImport:
                 flush=True,
             )
         else:
-            ui.activate()
+            launcher.ui_job()
         import importlib.util
 
         return importlib.util.find_spec(fullname)
@@ -98,26 +98,6 @@ class FirstToolkitImport:
 if sys.argv and os.path.realpath(sys.argv[0]) == os.path.join(ROOT, "run.py"):
     sys.meta_path.insert(0, FirstToolkitImport())
 '''
-
-
-def activate():
-    """In ai-toolkit's ``run.py`` process, at its first ``import toolkit``: a job with
-    ``layer_offloading`` gets the launcher's checks, settings and finders, and its line on
-    stdout (the job's log); a refused check ends the process with exit code 2 and its line on
-    stderr. Other jobs, and job files that do not parse (ai-toolkit says why), are untouched."""
-    run_py, args = os.path.abspath(sys.argv[0]), sys.argv[1:]
-    try:
-        jobs = preflight.read_jobs(run_py, args)
-    except preflight.Refused:
-        return
-    if not any(job.layer_offloading for job in jobs):
-        return
-    try:
-        line = launcher.prepare(run_py, args, jobs)
-    except preflight.Refused as e:
-        print(f"weightstream-aitk: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    print(line, flush=True)
 
 
 # --- install-ui / uninstall-ui ----------------------------------------------------------------
