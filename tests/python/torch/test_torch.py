@@ -620,7 +620,7 @@ def test_attach_with_nothing_to_stream_says_why():
     """No daemon needed: attach refuses before it connects."""
     model = make_model().requires_grad_(True)  # the base model was not frozen
     with pytest.raises(ValueError) as raised:
-        wst.attach(model, "cpu")
+        wst.attach(model, "cpu", min_bytes=0)
     assert str(raised.value) == (
         "nothing to stream: 56 Conv2d/Linear layers skipped: their weights require grad — "
         "freeze the base model first (model.requires_grad_(False)); 1 read directly by their "
@@ -631,7 +631,9 @@ def test_attach_with_nothing_to_stream_says_why():
         wst.attach(model, "cpu")
     assert str(raised.value) == (
         "nothing to stream: 56 Conv2d/Linear layers skipped: smaller than min_bytes (1 MiB); "
-        "1 read directly by their parent (nn.MultiheadAttention's out_proj)"
+        "1 read directly by their parent (nn.MultiheadAttention's out_proj). The largest layer "
+        "under min_bytes holds 66560 bytes: to stream layers that small, lower min_bytes "
+        "(attach(..., min_bytes=0) streams every frozen Linear and Conv2d layer)"
     )
 
 
