@@ -361,3 +361,40 @@ def test_stream_options_freeze_what_callers_pass():
     options = StreamOptions(ignore=["a", nn.Conv2d], include=[nn.Linear])
     assert options.ignore == frozenset({"a", nn.Conv2d}) and options.include == (nn.Linear,)
     hash(options)
+
+
+@pytest.mark.parametrize(
+    "budget,staging,want",
+    [
+        (3 << 20, 0, None),
+        (3 << 20, 3 << 20, None),
+        (
+            (3 << 20) - 1,
+            0,
+            "vram_budget=3145727 is smaller than the largest streamed group 'b' (3.00 MiB, "
+            "3145728 bytes): the session needs at least 3145728 bytes; raise vram_budget or pass "
+            "vram_budget='auto'. Nothing was freed.",
+        ),
+        (
+            8 << 20,
+            1 << 20,
+            "staging_bytes=1048576 is smaller than the largest streamed group 'b' (3.00 MiB, "
+            "3145728 bytes): give at least 3145728 bytes, or 0 for the daemon's choice. Nothing "
+            "was freed.",
+        ),
+        (
+            4 << 20,
+            5 << 20,
+            "staging_bytes=5242880 exceeds vram_budget=4194304: staging is a part of the budget. "
+            "Nothing was freed.",
+        ),
+    ],
+)
+def test_check_budget_refuses_what_the_daemon_would(budget, staging, want):
+    grouping = policy.Grouping({"a": [], "b": [], "c": []}, [1 << 20, 3 << 20, 2 << 20])
+    if want is None:
+        policy.check_budget(grouping, budget, staging)
+        return
+    with pytest.raises(ValueError) as raised:
+        policy.check_budget(grouping, budget, staging)
+    assert str(raised.value) == want

@@ -320,6 +320,32 @@ def choose_groups(
     return chosen
 
 
+def check_budget(grouping: Grouping, vram_budget: int, staging_bytes: int) -> None:
+    """Refuses, with ``ValueError``, a budget the daemon would refuse (``split_budget`` in
+    ``daemon/src/session/layout.rs``): under the largest group, or staging under it or above
+    the budget. ``attach`` asks before it frees any of the trainer's weights."""
+    largest = max(grouping.sizes)
+    name = list(grouping.members)[grouping.sizes.index(largest)]
+    shown = size_text(largest)
+    exact = "" if shown.endswith(" bytes") else f", {largest} bytes"
+    group = f"the largest streamed group {name!r} ({shown}{exact})"
+    if vram_budget < largest:
+        raise ValueError(
+            f"vram_budget={vram_budget} is smaller than {group}: the session needs at least "
+            f"{largest} bytes; raise vram_budget or pass vram_budget='auto'. Nothing was freed."
+        )
+    if staging_bytes and staging_bytes < largest:
+        raise ValueError(
+            f"staging_bytes={staging_bytes} is smaller than {group}: give at least {largest} "
+            "bytes, or 0 for the daemon's choice. Nothing was freed."
+        )
+    if staging_bytes > vram_budget:
+        raise ValueError(
+            f"staging_bytes={staging_bytes} exceeds vram_budget={vram_budget}: staging is a part "
+            "of the budget. Nothing was freed."
+        )
+
+
 def default_budget(sizes: list[int]) -> int:
     """A quarter of the streamed bytes, at least three of the largest group."""
     return max(sum(sizes) // 4, 3 * max(sizes))
