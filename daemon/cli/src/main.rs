@@ -186,13 +186,22 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // A daemon's message may name another user's model.
-            eprintln!("error: {}", escape_controls(&e.to_string()));
+            eprintln!("error: {}", escape_controls(&said(&*e)));
             if e.is::<UsageError>() {
                 ExitCode::from(2)
             } else {
                 ExitCode::FAILURE
             }
         }
+    }
+}
+
+/// An error as the user reads it: a daemon's refusal by its message alone (which names the
+/// field and the limit), without the gRPC code (`NotFound`, `InvalidArgument`) before it.
+fn said(e: &(dyn std::error::Error + 'static)) -> String {
+    match e.downcast_ref::<weightstream_client::ClientError>() {
+        Some(weightstream_client::ClientError::Rejected { message, .. }) => message.clone(),
+        _ => e.to_string(),
     }
 }
 

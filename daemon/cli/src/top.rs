@@ -180,17 +180,19 @@ fn mean_pct(xs: impl Iterator<Item = f64>) -> String {
     }
 }
 
+/// GB/s with two decimals. A device without sessions sums no rates, and an empty float sum is
+/// -0.0, which would print as "-0.00": adding 0.0 makes every zero positive.
 fn gbps(bytes_per_s: f64) -> String {
-    format!("{:.2}", bytes_per_s / 1e9)
+    format!("{:.2}", bytes_per_s / 1e9 + 0.0)
 }
 
 /// The title line: the socket, the backend, how many sessions.
 fn title(view: &View) -> String {
+    let n = view.sessions.len();
+    let noun = if n == 1 { "session" } else { "sessions" };
     format!(
-        "weightstream top — {} — backend {} — {} sessions",
-        view.socket,
-        view.backend,
-        view.sessions.len()
+        "weightstream top — {} — backend {} — {n} {noun}",
+        view.socket, view.backend
     )
 }
 
@@ -549,7 +551,7 @@ mod tests {
     fn once_prints_the_screen_s_figures_as_plain_lines() {
         assert_eq!(
             plain(&one_session()),
-            "weightstream top — /run/x.sock — backend host — 1 sessions\n\
+            "weightstream top — /run/x.sock — backend host — 1 session\n\
              devices\n\
              device  name         sessions  GB/s  GPU wait  pending  hit rate  budget\n\
              host-0  host memory  1         3.50  2.0 %     37.5 %   50.0 %    2.0 GiB / 8.0 GiB (25.0 %)\n\
@@ -557,5 +559,25 @@ mod tests {
              session  label      pid  GB/s  GPU wait  pending  hit rate  budget   staging  resident  host state  acquires  copied\n\
              s-7      flux-lora  0    3.50  2.0 %     37.5 %   50.0 %    2.0 GiB  0 B      0 B       3.0 GiB     0         0 B\n"
         );
+    }
+
+    /// A device without sessions shows 0.00 GB/s (an empty sum of rates is -0.0), and the
+    /// title counts "0 sessions", "2 sessions".
+    #[test]
+    fn an_idle_device_shows_no_negative_zero_and_the_title_counts_sessions() {
+        let mut view = one_session();
+        view.sessions.clear();
+        assert_eq!(
+            plain(&view),
+            "weightstream top — /run/x.sock — backend host — 0 sessions\n\
+             devices\n\
+             device  name         sessions  GB/s  GPU wait  pending  hit rate  budget\n\
+             host-0  host memory  0         0.00  -         -        -         0 B / 8.0 GiB (0.0 %)\n\
+             sessions\n\
+             session  label  pid  GB/s  GPU wait  pending  hit rate  budget  staging  resident  host state  acquires  copied\n"
+        );
+        let twice = one_session().sessions.pop().unwrap();
+        view.sessions = vec![twice.clone(), twice];
+        assert!(title(&view).ends_with(" — 2 sessions"), "{}", title(&view));
     }
 }

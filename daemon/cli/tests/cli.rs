@@ -530,3 +530,70 @@ fn output_into_a_closed_pipe_ends_the_command_quietly() {
     assert!(kill.success());
     assert!(daemon.0.wait().unwrap().success());
 }
+
+/// `release` takes a model's name as well as its id, and an error says which: an unknown name
+/// is not called an id, two models of one name are listed by id, and a daemon's refusal is
+/// its message without a gRPC code (`InvalidArgument:`, `NotFound:`).
+#[test]
+fn release_by_name_and_errors_in_plain_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ws.sock");
+    let data: Vec<u8> = (0..256u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![16, 16], &data).unwrap();
+    let model = dir.path().join("m.safetensors");
+    safetensors::serialize_to_file(vec![("w", view)], None, &model).unwrap();
+    let _daemon = Reaped(
+        weightstream()
+            .args(["serve", "--backend", "host", "--socket"])
+            .arg(&socket)
+            .spawn()
+            .unwrap(),
+    );
+    let handoff = dir.path().join("ws.sock.fd");
+    wait_until("the sockets", || socket.exists() && handoff.exists());
+    let run = |args: &[&str]| {
+        let out = weightstream()
+            .args(args)
+            .arg("--socket")
+            .arg(&socket)
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+    let path = model.display().to_string();
+    let (code, loaded, _) = run(&["load", "--json", "--name", "flux", &path]);
+    assert_eq!(code, Some(0));
+    let id = serde_json::from_str::<serde_json::Value>(&loaded).unwrap()["model_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(id.len(), 2 + 32, "{id}: m- and 32 hex digits");
+    let (code, out, err) = run(&["release", "flux"]);
+    assert_eq!(
+        (code, out, err),
+        (
+            Some(0),
+            format!(
+                "flux ({id})  released  (references left: 0; no references left: it leaves \
+                 the store once no session uses it)\n"
+            ),
+            String::new()
+        )
+    );
+    let unknown = "error: no model has the id or the name 'flux' (`weightstream status` lists \
+                   the models)\n";
+    assert_eq!(
+        run(&["release", "flux"]),
+        (Some(1), String::new(), unknown.into())
+    );
+    let garbage = dir.path().join("bad.safetensors");
+    std::fs::write(&garbage, b"\x08\0\0\0\0\0\0\0not json").unwrap();
+    let (code, out, err) = run(&["load", &garbage.display().to_string()]);
+    let refused = format!(
+        "error: {}: invalid header: expected ident at line 1 column 2\n",
+        garbage.display()
+    );
+    assert_eq!((code, out, err), (Some(1), String::new(), refused));
+}

@@ -82,7 +82,7 @@ def test_top_once_prints_plain_lines_without_a_terminal(daemon):
         assert out.returncode == 0, out.stderr
         assert out.stderr == ""
         lines = out.stdout.splitlines()
-        assert lines[0] == f"weightstream top — {daemon.socket} — backend host — 1 sessions"
+        assert lines[0] == f"weightstream top — {daemon.socket} — backend host — 1 session"
         assert lines[1] == "devices"
         assert lines[2].split() == [
             "device",

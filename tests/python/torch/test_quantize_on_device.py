@@ -128,7 +128,7 @@ def test_auto_leaves_host_memory_to_the_daemon_and_refusals_are_the_daemons(daem
     assert (
         messages
         == [
-            "INVALID_ARGUMENT: tensors[4].quantization: tensor 'attn.bias' has rank 1: "
+            "tensors[4].quantization: tensor 'attn.bias' has rank 1: "
             "fp8_e4m3_block64 quantizes only rank ≥ 2 weights"
         ]
         * 2

@@ -620,7 +620,7 @@ def test_attach_with_nothing_to_stream_says_why():
     """No daemon needed: attach refuses before it connects."""
     model = make_model().requires_grad_(True)  # the base model was not frozen
     with pytest.raises(ValueError) as raised:
-        wst.attach(model, "cpu")
+        wst.attach(model, "cpu", min_bytes=0)
     assert str(raised.value) == (
         "nothing to stream: 56 Conv2d/Linear layers skipped: their weights require grad — "
         "freeze the base model first (model.requires_grad_(False)); 1 read directly by their "
@@ -631,7 +631,9 @@ def test_attach_with_nothing_to_stream_says_why():
         wst.attach(model, "cpu")
     assert str(raised.value) == (
         "nothing to stream: 56 Conv2d/Linear layers skipped: smaller than min_bytes (1 MiB); "
-        "1 read directly by their parent (nn.MultiheadAttention's out_proj)"
+        "1 read directly by their parent (nn.MultiheadAttention's out_proj). The largest layer "
+        "under min_bytes holds 66560 bytes: to stream layers that small, lower min_bytes "
+        "(attach(..., min_bytes=0) streams every frozen Linear and Conv2d layer)"
     )
 
 
@@ -705,3 +707,24 @@ def test_group_sizes_follow_the_daemons_alignment(daemon):
             vram_budget=3 * largest - 1,
         )
     handle.detach(release=True)
+
+
+def test_a_budget_too_small_is_refused_before_anything_is_freed(daemon):
+    """A vram_budget under the largest group is refused by attach itself, with the minimum,
+    before it frees a weight (the daemon's refusal came after the weights on the session's
+    device were freed); the upload is released and the model is as it was."""
+    model = make_model().requires_grad_(False)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError) as raised:
+        wst.attach(model, "cpu", client=daemon.client, min_bytes=0, vram_budget=4096)
+    assert str(raised.value) == (
+        "vram_budget=4096 is smaller than the largest streamed group 'blocks.0.fc1.base_layer' "
+        "(66560 bytes): the session needs at least 66560 bytes; raise "
+        "vram_budget or pass vram_budget='auto'. Nothing was freed."
+    )
+    assert daemon.client.list_models().models == [], "the upload was released"
+    after = dict(model.named_parameters())
+    changed = [
+        n for n, p in after.items() if isinstance(p, wst.Placeholder) or not p.equal(before[n])
+    ]
+    assert changed == [], "nothing was freed or changed"

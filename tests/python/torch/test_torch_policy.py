@@ -120,15 +120,42 @@ def test_select_refuses_a_quantized_weight_unless_ignored():
     assert [n for n, _ in selection.streamed] == ["0"]
 
 
+TOO_SMALL = (
+    ". The largest layer under min_bytes holds {}: to stream layers that small, lower "
+    "min_bytes (attach(..., min_bytes=0) streams every frozen Linear and Conv2d layer)"
+)
+
+
 def test_nothing_to_stream_counts_each_reason_most_first():
+    """Trainable layers of at least min_bytes lead (the base was not frozen), then the rest,
+    most first."""
     root = nn.Sequential(*(nn.Linear(64, 64) for _ in range(5)), nn.Linear(4, 4), nn.Linear(4, 4))
     root[5:].requires_grad_(False)
-    options = StreamOptions()
+    options = StreamOptions(min_bytes=1024)
     message = policy.nothing_to_stream(policy.select(root, options), options, root)
     assert message == (
         "nothing to stream: 5 Linear layers skipped: their weights require grad — freeze the "
-        "base model first (model.requires_grad_(False)); 2 smaller than min_bytes (1 MiB)"
+        "base model first (model.requires_grad_(False)); 2 smaller than min_bytes (1 KiB)"
+        + TOO_SMALL.format("80 bytes")
     )
+
+
+def test_a_small_frozen_model_with_a_lora_is_told_of_min_bytes():
+    """peft's LoRA layers are trainable Linear layers, more of them than the frozen base's:
+    the base's layers under min_bytes are the cause, and lead."""
+    peft = pytest.importorskip("peft")
+    root = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).requires_grad_(False)
+    root = peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["0", "2"]), root)
+    options = StreamOptions()
+    message = policy.nothing_to_stream(policy.select(root, options), options, root)
+    assert message == (
+        "nothing to stream: 2 Linear layers skipped: smaller than min_bytes (1 MiB); 4 trainable "
+        "(their weights require grad: a LoRA's own layers stay on the device, a base model is "
+        "frozen with model.requires_grad_(False)) and smaller than min_bytes (1 MiB)"
+        + TOO_SMALL.format("16640 bytes")
+    )
+    selection = policy.select(root, StreamOptions(min_bytes=0))
+    assert [n for n, _ in selection.streamed] == ["0.base_layer", "2.base_layer"]
 
 
 @pytest.mark.parametrize(
@@ -137,7 +164,8 @@ def test_nothing_to_stream_counts_each_reason_most_first():
         (
             nn.Sequential(nn.Conv2d(4, 4, 1)).requires_grad_(False),
             StreamOptions(min_bytes=1536),
-            "nothing to stream: 1 Conv2d layer skipped: smaller than min_bytes (1536 bytes)",
+            "nothing to stream: 1 Conv2d layer skipped: smaller than min_bytes (1536 bytes)"
+            + TOO_SMALL.format("80 bytes"),
         ),
         (
             nn.Sequential(nn.ReLU()),
@@ -333,3 +361,40 @@ def test_stream_options_freeze_what_callers_pass():
     options = StreamOptions(ignore=["a", nn.Conv2d], include=[nn.Linear])
     assert options.ignore == frozenset({"a", nn.Conv2d}) and options.include == (nn.Linear,)
     hash(options)
+
+
+@pytest.mark.parametrize(
+    "budget,staging,want",
+    [
+        (3 << 20, 0, None),
+        (3 << 20, 3 << 20, None),
+        (
+            (3 << 20) - 1,
+            0,
+            "vram_budget=3145727 is smaller than the largest streamed group 'b' (3.00 MiB, "
+            "3145728 bytes): the session needs at least 3145728 bytes; raise vram_budget or pass "
+            "vram_budget='auto'. Nothing was freed.",
+        ),
+        (
+            8 << 20,
+            1 << 20,
+            "staging_bytes=1048576 is smaller than the largest streamed group 'b' (3.00 MiB, "
+            "3145728 bytes): give at least 3145728 bytes, or 0 for the daemon's choice. Nothing "
+            "was freed.",
+        ),
+        (
+            4 << 20,
+            5 << 20,
+            "staging_bytes=5242880 exceeds vram_budget=4194304: staging is a part of the budget. "
+            "Nothing was freed.",
+        ),
+    ],
+)
+def test_check_budget_refuses_what_the_daemon_would(budget, staging, want):
+    grouping = policy.Grouping({"a": [], "b": [], "c": []}, [1 << 20, 3 << 20, 2 << 20])
+    if want is None:
+        policy.check_budget(grouping, budget, staging)
+        return
+    with pytest.raises(ValueError) as raised:
+        policy.check_budget(grouping, budget, staging)
+    assert str(raised.value) == want

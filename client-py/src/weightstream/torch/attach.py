@@ -82,7 +82,9 @@ def attach(
       of the streamed bytes, at least three times the largest group). ``"auto"`` (or an
       ``AutoBudget``, to choose its margin or probes): starts at two of the largest group,
       measures the trainer through its first step, then grows to what the device has left
-      less a margin, and shrinks when another job needs room (``budget``).
+      less a margin, and shrinks when another job needs room (``budget``). A budget under
+      the largest group (or ``staging_bytes`` under it or over the budget) raises
+      ``ValueError`` with the minimum before any weight is freed.
     - ``staging_bytes``: the part of it for streaming (default: the daemon's choice).
     - ``pin``: the upload (when there is one) stays in the daemon after this process exits,
       never evicted, until ``Client.release_model`` (``weightstream release``) gives it back.
@@ -224,6 +226,7 @@ def attach(
             vram_budget, staging_bytes = auto.budget, auto.staging
         elif vram_budget is None:
             vram_budget = policy.default_budget(grouping.sizes)
+        policy.check_budget(grouping, vram_budget, staging_bytes)  # before anything is freed
         # The daemon allocates the session's budget on the device: the trainer's copies there
         # go first, and torch's cache gives their memory back.
         freed += _free(selection.streamed, device, only_on=device)

@@ -34,6 +34,9 @@ from weightstream.torch.placeholder import is_placeholder
 REASONS = {
     "trainable": "their weights require grad — freeze the base model first "
     "(model.requires_grad_(False))",
+    "trainable_small": "trainable (their weights require grad: a LoRA's own layers stay on the "
+    "device, a base model is frozen with model.requires_grad_(False)) and smaller than "
+    "min_bytes ({min_bytes})",
     "small": "smaller than min_bytes ({min_bytes})",
     "no_weight": "no weight to stream (None, on the meta device, or streamed already)",
     "parametrized": "parametrized (the weight is computed, not read)",
@@ -129,15 +132,19 @@ def _why_resident(name, m, shared, read_directly, options: StreamOptions) -> str
     w, b = m.weight, m.bias
     if not isinstance(w, torch.Tensor) or w.device.type == "meta" or is_placeholder(w):
         return "no_weight"
+    small = _layer_nbytes(m) < options.min_bytes
     if w.requires_grad or (b is not None and b.requires_grad):
-        return "trainable"
+        return "trainable_small" if small else "trainable"
     if parametrize.is_parametrized(m):
         return "parametrized"
     if id(w) in shared or (b is not None and id(b) in shared):
         return "tied"
-    if w.nbytes + (b.nbytes if b is not None else 0) < options.min_bytes:
-        return "small"
-    return None
+    return "small" if small else None
+
+
+def _layer_nbytes(m: nn.Module) -> int:
+    """A layer's weight and bias bytes, what ``min_bytes`` is compared with."""
+    return m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
 
 
 def select(root: nn.Module, options: StreamOptions) -> Selection:
@@ -169,21 +176,36 @@ def reason_text(key: str, options: StreamOptions) -> str:
 
 
 def nothing_to_stream(selection: Selection, options: StreamOptions, root: nn.Module) -> str:
-    """Why ``attach`` found no layer to stream, with a count per reason (most first)."""
+    """Why ``attach`` found no layer to stream, with a count per reason. The reason to act on
+    leads: trainable layers of at least ``min_bytes`` (the base model was not frozen), else
+    frozen layers under ``min_bytes`` (a small model: lower it), else the most common one; the
+    others follow, most first. Where ``min_bytes`` kept layers back, the message ends with the
+    largest of them and how to lower it."""
     if not selection.resident:
         kinds = " or ".join(t.__name__ for t in options.include)
         return f"nothing to stream: {type(root).__name__} has no {kinds} layer"
     counts = collections.Counter(selection.resident.values())
     order = list(REASONS)
     ranked = sorted(counts, key=lambda k: (-counts[k], order.index(k)))
+    first = next((k for k in ("trainable", "small") if k in counts), ranked[0])
+    ranked.remove(first)
+    ranked.insert(0, first)
     parts = [f"{counts[k]} {reason_text(k, options)}" for k in ranked]
-    first = ranked[0]
     kinds = "/".join(
         sorted({selection.kinds[n] for n, why in selection.resident.items() if why == first})
     )
     noun = "layer" if counts[first] == 1 else "layers"
     parts[0] = f"{counts[first]} {kinds} {noun} skipped: {reason_text(first, options)}"
-    return "nothing to stream: " + "; ".join(parts)
+    message = "nothing to stream: " + "; ".join(parts)
+    small = [n for n, why in selection.resident.items() if why in ("small", "trainable_small")]
+    if small:
+        largest = max(_layer_nbytes(root.get_submodule(n)) for n in small)
+        message += (
+            f". The largest layer under min_bytes holds {size_text(largest)}: to "
+            "stream layers that small, lower min_bytes (attach(..., min_bytes=0) streams every "
+            "frozen Linear and Conv2d layer)"
+        )
+    return message
 
 
 # --- groups -------------------------------------------------------------------------------
@@ -296,6 +318,32 @@ def choose_groups(
                 f"({largest} bytes): streaming layer by layer instead"
             )
     return chosen
+
+
+def check_budget(grouping: Grouping, vram_budget: int, staging_bytes: int) -> None:
+    """Refuses, with ``ValueError``, a budget the daemon would refuse (``split_budget`` in
+    ``daemon/src/session/layout.rs``): under the largest group, or staging under it or above
+    the budget. ``attach`` asks before it frees any of the trainer's weights."""
+    largest = max(grouping.sizes)
+    name = list(grouping.members)[grouping.sizes.index(largest)]
+    shown = size_text(largest)
+    exact = "" if shown.endswith(" bytes") else f", {largest} bytes"
+    group = f"the largest streamed group {name!r} ({shown}{exact})"
+    if vram_budget < largest:
+        raise ValueError(
+            f"vram_budget={vram_budget} is smaller than {group}: the session needs at least "
+            f"{largest} bytes; raise vram_budget or pass vram_budget='auto'. Nothing was freed."
+        )
+    if staging_bytes and staging_bytes < largest:
+        raise ValueError(
+            f"staging_bytes={staging_bytes} is smaller than {group}: give at least {largest} "
+            "bytes, or 0 for the daemon's choice. Nothing was freed."
+        )
+    if staging_bytes > vram_budget:
+        raise ValueError(
+            f"staging_bytes={staging_bytes} exceeds vram_budget={vram_budget}: staging is a part "
+            "of the budget. Nothing was freed."
+        )
 
 
 def default_budget(sizes: list[int]) -> int:
