@@ -241,6 +241,7 @@ def attach(
         phases["open_session_s"] = time.monotonic() - t
         resident = {n: policy.reason_text(why, options) for n, why in selection.resident.items()}
         handle = Handle(client, session, manifest.model_id, device, options, resident=resident)
+        handle.vram_budget = vram_budget
         handle._compute = compute
         handle._hooks = hooks
         for gname, members in grouping.members.items():
@@ -270,6 +271,10 @@ def attach(
             handle.trainable = plan.apply()
         if auto is not None:
             handle._auto_attach(module, auto)
+        handle._pass_hooks = [
+            module.register_forward_pre_hook(handle._enter_pass),
+            module.register_forward_hook(handle._leave_pass, always_call=True),
+        ]
     except BaseException as e:
         _undo(hooks, session, client, uploaded, freed, e)
         raise
