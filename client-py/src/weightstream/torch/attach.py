@@ -17,7 +17,16 @@ from torch import nn
 import weightstream
 from weightstream import _upload, quantize
 from weightstream.client import Client
-from weightstream.torch import budget, compute_plan, ops, placeholder, policy, torchao_weights
+from weightstream.session import device_uuid
+from weightstream.torch import (
+    budget,
+    compute_plan,
+    ops,
+    passes,
+    placeholder,
+    policy,
+    torchao_weights,
+)
 from weightstream.torch import options as options_module
 from weightstream.torch.budget import AutoBudget
 from weightstream.torch.handle import Handle, StreamedLayer
@@ -152,6 +161,9 @@ def attach(
     compute = compute_plan.plan(selection.streamed, options, device)
     client = client or weightstream.connect()
     alignment = client.info().alignment or 1
+    if options.sample_vram_budget is not None:
+        limit = passes.budget_limit(client, device_uuid(device))
+        passes.check_budget(options.sample_vram_budget, limit)
     if trainable not in ("device", "host"):
         raise ValueError(f"trainable={trainable!r}: expected 'device' or 'host'")
     check_master(master)

@@ -333,6 +333,7 @@ class Handle:
         if training and self._recording is not None:
             if self._recording.add(layer.group, backward):
                 self.end_step()
+                p.counters[passes.TRAIN].passes += 1
         elif training and backward is False and layer.group == self._step_start:
             self.session.mark_step()
             p.counters[passes.TRAIN].passes += 1

@@ -30,6 +30,7 @@ import threading
 from dataclasses import dataclass, fields
 
 from weightstream.errors import WeightstreamError
+from weightstream.session import device_uuid
 from weightstream.sizes import size_text
 
 TRAIN, SAMPLE = "train", "sample"
@@ -246,8 +247,6 @@ def sampling(handle):
     if budget is None or budget <= old_budget:
         yield handle
         return
-    from weightstream.session import device_uuid
-
     check_budget(budget, budget_limit(handle.client, device_uuid(handle.device)))
     handle.set_budget(budget, keep_plan=True)
     try:
