@@ -404,6 +404,12 @@ class Session:
         self._state.append(region)
         return region
 
+    @property
+    def holds_state(self) -> bool:
+        """Whether state regions of this opening are open (``alloc_state_region``): closing
+        the session would drop them."""
+        return any(not r.closed for r in self._state)
+
     def close(self):
         """Closes the mappings and state regions, then the session; safe to call twice."""
         self._unmap()

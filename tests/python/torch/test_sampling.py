@@ -257,8 +257,13 @@ def test_a_sampling_budget_larger_than_the_device_is_refused(daemon):
     )
     torch.manual_seed(0)
     with pytest.raises(wst.SampleBudgetError) as raised:
-        wst.attach(Net().requires_grad_(False), "cpu", client=daemon.client, min_bytes=0,
-                   sample_vram_budget=too_big)
+        wst.attach(
+            Net().requires_grad_(False),
+            "cpu",
+            client=daemon.client,
+            min_bytes=0,
+            sample_vram_budget=too_big,
+        )
     assert str(raised.value) == expected
     assert daemon.client.list_models().models == [], "refused before the upload"
     ref, model, handle = make_pair(daemon)
@@ -285,8 +290,11 @@ def test_sample_vram_budget_takes_sizes(value, expected):
 @pytest.mark.parametrize(
     "value,message",
     [
-        ("lots", "sample_vram_budget: 'lots' is not a size (bytes, or a number with B, KiB, "
-         "MiB, GiB, TiB, KB, MB, GB or TB)"),
+        (
+            "lots",
+            "sample_vram_budget: 'lots' is not a size (bytes, or a number with B, KiB, "
+            "MiB, GiB, TiB, KB, MB, GB or TB)",
+        ),
         (0, "sample_vram_budget: 0 bytes; expected None or a size above 0"),
         (-1, "sample_vram_budget: -1 is negative"),
     ],

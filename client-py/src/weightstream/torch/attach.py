@@ -162,6 +162,12 @@ def attach(
     client = client or weightstream.connect()
     alignment = client.info().alignment or 1
     if options.sample_vram_budget is not None:
+        if trainable == "host":
+            raise passes.SampleBudgetError(
+                "sample_vram_budget with trainable='host': the trainable state lives in the "
+                "session's host memory, which reopening the session for sampling would drop; "
+                "leave sample_vram_budget unset"
+            )
         limit = passes.budget_limit(client, device_uuid(device))
         passes.check_budget(options.sample_vram_budget, limit)
     if trainable not in ("device", "host"):

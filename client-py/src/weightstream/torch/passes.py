@@ -247,6 +247,12 @@ def sampling(handle):
     if budget is None or budget <= old_budget:
         yield handle
         return
+    if handle.session.holds_state:
+        raise SampleBudgetError(
+            "sample_vram_budget: the session holds trainable state in host memory "
+            "(trainable='host'), which reopening it at another budget would drop; leave "
+            "sample_vram_budget unset with trainable='host'"
+        )
     check_budget(budget, budget_limit(handle.client, device_uuid(handle.device)))
     handle.set_budget(budget, keep_plan=True)
     try:
