@@ -26,6 +26,7 @@ _PY_CLIENT = _PY_CORE | {"session", "client"}
 PY_ALLOWED = {
     "weightstream": {"client", "errors", "protocol"},
     "integrations": {"weightstream", "torch", "torch.host"} | _PY_CLIENT,
+    "examples": {"weightstream", "torch"} | _PY_CLIENT,
     "torch": {"weightstream", "torch.host"} | _PY_CLIENT,
     "torch.host": {"torch.ops", "torch.hooks", "torch.policy"} | _PY_CLIENT,
     "client": _PY_CORE | {"session"},

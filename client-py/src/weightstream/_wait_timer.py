@@ -59,9 +59,10 @@ class WaitTimer:
         if len(self._pending) > self._limit:
             self._harvest_oldest(block=True)
 
-    def harvest(self):
-        """Adds every pending wait whose events are done, oldest first; never blocks."""
-        while self._pending and self._harvest_oldest(block=False):
+    def harvest(self, block: bool = False):
+        """Adds every pending wait whose events are done, oldest first; never blocks unless
+        ``block``: then every pending wait, once the device has passed it."""
+        while self._pending and self._harvest_oldest(block=block):
             pass
 
     @property

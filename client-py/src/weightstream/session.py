@@ -293,12 +293,13 @@ class Session:
         self._step = self._native.mark_step()
         return self._step
 
-    def gpu_wait(self):
+    def gpu_wait(self, settle: bool = False):
         """The waits for weights measured so far in this opening (``protocol.WaitTotals``:
         ``total_ns``, ``waits``, ``by_group``, ``per_step``, ``this_step``, ``step``), with
-        every timed CUDA wait that is done by now."""
+        every timed CUDA wait that is done by now (``settle``: every one timed so far, once
+        the device has passed it)."""
         if self._timer is not None:
-            self._timer.harvest()
+            self._timer.harvest(block=settle)
         return self._native.gpu_wait()
 
     def reply_wait(self):
@@ -402,6 +403,12 @@ class Session:
         self._state = [r for r in self._state if not r.closed]
         self._state.append(region)
         return region
+
+    @property
+    def holds_state(self) -> bool:
+        """Whether state regions of this opening are open (``alloc_state_region``): closing
+        the session would drop them."""
+        return any(not r.closed for r in self._state)
 
     def close(self):
         """Closes the mappings and state regions, then the session; safe to call twice."""

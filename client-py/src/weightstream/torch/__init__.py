@@ -26,7 +26,8 @@ This module is the package's face: it only re-exports. Modules: ``attach`` (``at
 ``ddp_ignore_streamed``), ``options`` (``StreamOptions``), ``policy`` (selection, groups, plan,
 lookahead; no daemon), ``budget`` (``vram_budget="auto"``), ``hooks`` (where the forward goes
 in a layer's chain, and back out), ``ops`` (the autograd Function), ``placeholder``
-(``Placeholder``), ``handle`` (``Handle``: tickets, plan, ``detach``, ``close``),
+(``Placeholder``), ``handle`` (``Handle``: tickets, plan, ``detach``, ``close``), ``passes``
+(sampling passes under ``no_grad`` and their forward plan, ``Handle.sampling()``),
 ``torchao_weights`` (torchao's weights, streamed as they are), and the ``host`` sub-package:
 trainable weights held in host memory (``stream_trainable``, ``attach(...,
 trainable="host")``, ``HostAdamW``, the 8-bit AdamW step).
@@ -40,6 +41,7 @@ from weightstream.torch.handle import Handle, StreamedLayer
 from weightstream.torch.hooks import HookConflict
 from weightstream.torch.host import HostAdamW, TrainableError, stream_trainable
 from weightstream.torch.options import DEFAULT_MIN_BYTES, StreamOptions
+from weightstream.torch.passes import ConcurrentPasses, SampleBudgetError
 from weightstream.torch.placeholder import Placeholder
 from weightstream.torch.policy import QuantizedWeight
 
@@ -47,11 +49,13 @@ __all__ = [
     "DEFAULT_MIN_BYTES",
     "AutoBudget",
     "AutoBudgetError",
+    "ConcurrentPasses",
     "Handle",
     "HookConflict",
     "HostAdamW",
     "Placeholder",
     "QuantizedWeight",
+    "SampleBudgetError",
     "StreamOptions",
     "StreamedLayer",
     "TrainableError",

@@ -17,7 +17,16 @@ from torch import nn
 import weightstream
 from weightstream import _upload, quantize
 from weightstream.client import Client
-from weightstream.torch import budget, compute_plan, ops, placeholder, policy, torchao_weights
+from weightstream.session import device_uuid
+from weightstream.torch import (
+    budget,
+    compute_plan,
+    ops,
+    passes,
+    placeholder,
+    policy,
+    torchao_weights,
+)
 from weightstream.torch import options as options_module
 from weightstream.torch.budget import AutoBudget
 from weightstream.torch.handle import Handle, StreamedLayer
@@ -154,6 +163,15 @@ def attach(
     compute = compute_plan.plan(selection.streamed, options, device)
     client = client or weightstream.connect()
     alignment = client.info().alignment or 1
+    if options.sample_vram_budget is not None:
+        if trainable == "host":
+            raise passes.SampleBudgetError(
+                "sample_vram_budget with trainable='host': the trainable state lives in the "
+                "session's host memory, which reopening the session for sampling would drop; "
+                "leave sample_vram_budget unset"
+            )
+        limit = passes.budget_limit(client, device_uuid(device))
+        passes.check_budget(options.sample_vram_budget, limit)
     if trainable not in ("device", "host"):
         raise ValueError(f"trainable={trainable!r}: expected 'device' or 'host'")
     check_master(master)
@@ -244,6 +262,7 @@ def attach(
         phases["open_session_s"] = time.monotonic() - t
         resident = {n: policy.reason_text(why, options) for n, why in selection.resident.items()}
         handle = Handle(client, session, manifest.model_id, device, options, resident=resident)
+        handle.vram_budget = vram_budget
         handle._compute = compute
         handle._hooks = hooks
         for gname, members in grouping.members.items():
@@ -273,6 +292,10 @@ def attach(
             handle.trainable = plan.apply()
         if auto is not None:
             handle._auto_attach(module, auto)
+        handle._pass_hooks = [
+            module.register_forward_pre_hook(handle._enter_pass),
+            module.register_forward_hook(handle._leave_pass, always_call=True),
+        ]
     except BaseException as e:
         _undo(hooks, session, client, uploaded, freed, e)
         raise

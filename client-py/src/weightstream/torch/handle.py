@@ -1,6 +1,7 @@
 """``Handle``: what ``attach`` returns. It holds the group tickets the streamed layers share
 (one acquire per group and pass), records the first step's plan and keeps the lookahead along
-it, pins the resident groups, and puts everything back in ``detach`` (or, for a module being
+it (or, for passes under ``no_grad``, along the forward plan: ``passes``), pins the resident
+groups, and puts everything back in ``detach`` (or, for a module being
 discarded, only closes the session in ``close``)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from weightstream.client import Client
 from weightstream.errors import SessionFault
 from weightstream.quantize import Fp8Weight
 from weightstream.session import Session
-from weightstream.torch import budget, compute8, compute_plan, ops, policy
+from weightstream.torch import budget, compute8, compute_plan, ops, passes, policy
 from weightstream.torch.hooks import HookRegistry
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.torchao_weights import Rebuild
@@ -122,8 +123,13 @@ class Handle:
     streamed: dict[str, StreamedLayer] = field(default_factory=dict)
     #: Layers kept on the device: name -> why (``policy.REASONS``).
     resident: dict[str, str] = field(default_factory=dict)
+    #: The session's device budget (``attach``'s ``vram_budget``, then ``set_budget``'s).
+    vram_budget: int = 0
     #: The first step's acquisitions while it runs; None once the plan is sent.
     _recording: policy.PlanRecorder | None = field(default_factory=policy.PlanRecorder)
+    #: The training and forward plans, the one in force, counters per kind (``passes``).
+    _passes: passes.Passes | None = None
+    _pass_hooks: list = field(default_factory=list)
     _lookahead: policy.Lookahead | None = None
     #: The plan's first group: acquiring it outside a backward pass starts a step (for the
     #: per-step waits); None until the plan is sent.
@@ -165,6 +171,11 @@ class Handle:
     #: ``StreamOptions.compute``: the layers that compute in 8 bits, those that fall back, and
     #: their counters (``compute_plan.Plan``).
     _compute: compute_plan.Plan = field(default_factory=compute_plan.Plan)
+
+    def __post_init__(self):
+        if self._passes is None:
+            groups = self.session.groups
+            self._passes = passes.Passes([g for g, x in enumerate(groups) if not x.resident])
 
     # --- used by the streamed layers ----------------------------------------------------
 
@@ -311,6 +322,8 @@ class Handle:
         """The layer's group held for this pass: the held ticket when it serves this pass, else
         a new acquire (the held ticket is given back first)."""
         backward = ops.in_backward()
+        kind, p = passes.kind_of(training), self._passes
+        p.check(kind)
         with self._lock:
             held = self._held
             if held is not None and held.group == layer.group and held.backward == backward:
@@ -320,11 +333,18 @@ class Handle:
         if training and self._recording is not None:
             if self._recording.add(layer.group, backward):
                 self.end_step()
+                p.counters[passes.TRAIN].passes += 1
         elif training and backward is False and layer.group == self._step_start:
             self.session.mark_step()
+            p.counters[passes.TRAIN].passes += 1
+        elif not training and p.record_sample(layer.group) and p.kind == passes.SAMPLE:
+            self._install(p.forward, layer.group)  # the pass as it ran, from now on
+        if p.kind != kind:
+            self._switch(kind, layer.group)
         with self._lock:
             ahead = self._lookahead
             number = ahead.take(layer.group) if ahead else self.session.submit(layer.group)
+        p.count(kind, ahead is not None and ahead.hit, ahead is not None and ahead.off_plan)
         try:
             ticket = self.session.wait(number)
         except SessionFault as e:
@@ -352,21 +372,45 @@ class Handle:
         except SessionFault:
             pass  # refused (arena full): nothing to give back
 
-    def _start_lookahead(self, plan: list[int]):
+    def _switch(self, kind: str, group: int):
+        """A pass of ``kind`` begins at an acquire of ``group``: its plan comes in force. The
+        waits so far go to the kind that ends (on CUDA, once the device measured them)."""
+        p = self._passes
+        p.attribute_waits(self.session, settle=p.kind is not None)
+        p.kind = kind
+        self._install(p.plan_of(kind), group)
+
+    def _install(self, plan: list[int] | None, group: int | None = None):
+        """Sends ``plan`` to the daemon (an empty one while the training plan is recorded:
+        none, as before any plan) and follows it with a new lookahead, which keeps the
+        acquires in flight that it uses next from ``group`` on (``Lookahead.adopt``)."""
+        p, plan = self._passes, list(plan or [])
+        if plan != (p.sent or []):
+            self.session.plan(plan)
+            p.sent = plan
+        with self._lock:
+            old, self._lookahead = self._lookahead, None
         # Groups resident since the plan was recorded (set_budget with keep_plan) are not
         # acquired per step: the lookahead follows the streamed ones (the daemon skips them).
         groups = self.session.groups
         plan = [g for g in plan if not groups[g].resident]
-        if self.options.lookahead == 0 or not plan:
-            return
-        self._lookahead = policy.Lookahead(
-            plan,
-            [g.nbytes for g in self.session.groups],
-            self.session.opened.staging_bytes,
-            self.session.submit,
-            self._give_back,
-            self.options.lookahead,
-        )
+        new = None
+        if self.options.lookahead != 0 and plan:
+            new = policy.Lookahead(
+                plan,
+                [g.nbytes for g in groups],
+                self.session.opened.staging_bytes,
+                self.session.submit,
+                self._give_back,
+                self.options.lookahead,
+            )
+        if old is not None:
+            if new is not None and group is not None:
+                new.adopt(old, group)
+            else:
+                old.drain()
+        with self._lock:
+            self._lookahead = new
 
     def _pin_resident(self):
         """Acquires each resident group once for the session's life: its layers then run
@@ -412,11 +456,13 @@ class Handle:
         acquisitions are sent as the plan, and later steps are prefetched along it."""
         if self._recording is not None and self._recording.groups:
             plan = self._recording.groups
-            self.session.plan(plan)
-            self._start_lookahead(plan)
+            self._passes.train = list(plan)
+            self._recording = None
+            if self._passes.kind != passes.SAMPLE:
+                self._passes.kind = passes.TRAIN
+                self._install(plan)
             self._step_start = plan[0]
             self.session.mark_step()
-            self._recording = None
             if self._auto is not None:
                 self._auto_grow()
         self._recording = None
@@ -424,8 +470,10 @@ class Handle:
     def set_budget(self, vram_budget: int, staging_bytes: int = 0, keep_plan: bool = False):
         """Reopens the session with another device budget (same model, same groups); the plan
         is recorded again from the next step, or with ``keep_plan`` the plan sent so far is
-        sent to the new session (call it between steps: views of the old session die)."""
-        plan = self.session.last_plan if keep_plan and self._recording is None else None
+        sent to the new session (call it between steps: views of the old session die). The
+        forward plan (``passes``) is kept either way."""
+        keep = keep_plan and self._recording is None
+        self._passes.attribute_waits(self.session)
         self._drop_lookahead()
         self._unpin()
         old = self.session
@@ -439,17 +487,42 @@ class Handle:
             device=self.device,
             label=old.label,
         )
+        self.vram_budget = vram_budget
+        p = self._passes
+        p.reopened()
+        p.sent = None
         self._pin_resident()
-        if plan:
-            self.session.plan(plan)
-            self._start_lookahead(plan)
-            self._recording = None
-        else:
+        if not keep:
+            p.train = None
             self._recording = policy.PlanRecorder()
             self._step_start = None
+        if p.kind is not None:
+            self._install(p.plan_of(p.kind))
         if self._auto is not None:
             self._auto.budget = vram_budget
             self._auto.staging = self.session.opened.staging_bytes
+
+    def sampling(self):
+        """A context for sampling passes between training steps (``with handle.sampling():
+        pipe(...)``): with ``StreamOptions.sample_vram_budget`` above the session's budget,
+        the session grows to it for the passes inside (no activations for backward, no
+        gradients and no optimizer work are on the device meanwhile) and shrinks back when
+        the block ends, both plans kept (``set_budget(keep_plan=True)``). A budget above the
+        device's memory or the daemon's limits raises ``passes.SampleBudgetError`` before
+        anything changes. Without a sampling budget it changes nothing: sampling passes
+        follow the forward plan with or without it."""
+        return passes.sampling(self)
+
+    def _enter_pass(self, module, args):
+        self._passes.enter(passes.kind_of(torch.is_grad_enabled()))
+
+    def _leave_pass(self, module, args, output):
+        self._passes.leave()
+
+    def _remove_pass_hooks(self):
+        for h in self._pass_hooks:
+            h.remove()
+        self._pass_hooks = []
 
     def reconnect(self, *, restore=None, timeout: float = 30.0):
         """After the daemon restarted (a call raised ``DaemonUnavailable``): opens the session
@@ -463,13 +536,14 @@ class Handle:
             self._lookahead = None  # its tickets died with the old session
             self._held = None
         self._unpin(release=False)  # the tickets and views died with the old session
-        self.session.reconnect(restore=restore, timeout=timeout)
+        self.session.reconnect(restore=restore, timeout=timeout)  # sends the plan sent last
         self.model_id = self.session.model_id
+        self._passes.reopened()
         self._pin_resident()
-        if self._recording is None and self.session.last_plan:
-            self._start_lookahead(self.session.last_plan)
-        else:
+        if self._recording is not None:
             self._recording = policy.PlanRecorder()
+        if self._passes.kind is not None:
+            self._install(self._passes.plan_of(self._passes.kind))
 
     def stats(self) -> dict:
         """The daemon's counters of the session (none when it does not list it); the time the
@@ -495,8 +569,14 @@ class Handle:
         time (``attach_*``: ``attach_phases``); with ``trainable="host"``, the host bytes of
         the trainable state (``trainable_host_bytes``) and where its path waited, in seconds
         since attach (``trainable_*_s``: ``Trainable.times``); with 8-bit compute
-        (``StreamOptions.compute``), ``compute_*`` (``_compute_stats``)."""
+        (``StreamOptions.compute``), ``compute_*`` (``_compute_stats``). Sampling passes
+        (under ``no_grad``) and training passes apart (``passes``): ``train_*`` and
+        ``sample_*`` (``KindCounters``: acquires, hits, hit rate, acquires off the plan,
+        passes, and the waits above while that kind's plan was in force), ``pass_kind``, and
+        the forward plan's ``forward_plan_length`` and ``forward_plan_recorded``."""
         out = {} if self._auto is None else self._auto.stats()
+        self._passes.attribute_waits(self.session)
+        out.update(self._passes.stats())
         out.update({f"attach_{k}": v for k, v in self.attach_phases.items()})
         s = self.session.stats()
         if s is not None:
@@ -621,6 +701,7 @@ class Handle:
         device = self.device if device is None else torch.device(device)
         self._close_trainable(device)
         self._auto_detach()
+        self._remove_pass_hooks()
         self._drop_lookahead()
         self._unpin()
         for name, layer in self.streamed.items():
@@ -655,6 +736,7 @@ class Handle:
         reference to the daemon's copy."""
         self._close_trainable("cpu")
         self._auto_detach()
+        self._remove_pass_hooks()
         self._drop_lookahead()
         self._unpin()
         self._hooks.remove_all()

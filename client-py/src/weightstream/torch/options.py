@@ -10,6 +10,7 @@ from typing import Literal
 from torch import nn
 
 from weightstream import quantize as fp8
+from weightstream.sizes import parse_size
 from weightstream.torch import compute8
 
 #: Layers smaller than this stay on the device by default: not worth a round trip.
@@ -90,6 +91,11 @@ class StreamOptions:
     - ``rotation``: 0, or a block-Hadamard rotation of that block (16 to 512, dividing each
       8-bit layer's input width) applied to the weights once at attach and to the activations
       at each call: spreads outlier channels before the per-row scales are taken.
+    - ``sample_vram_budget``: the session's device budget while sampling
+      (``Handle.sampling()``): bytes, or a size such as ``"20GiB"`` (``weightstream.sizes``).
+      ``None`` (the default): sampling runs at the training budget. More than the device has
+      or the daemon allows is refused (``passes.SampleBudgetError``) at ``attach`` and at
+      ``sampling()``.
     """
 
     input_grad: Literal["formula", "recompute"] = "formula"
@@ -104,6 +110,7 @@ class StreamOptions:
     compute: Literal["bf16", "fp8", "int8"] = "bf16"
     grad_compute: Literal["bf16", "fp8", "int8"] | None = None
     rotation: int = 0
+    sample_vram_budget: int | str | None = None
 
     def __post_init__(self):
         if self.input_grad not in INPUT_GRADS:
@@ -117,6 +124,11 @@ class StreamOptions:
         if self.dequantize not in DEQUANTIZE:
             raise ValueError(f"dequantize={self.dequantize!r}: expected 'auto', 'layer' or 'group'")
         fp8.format_name(self.quantize)  # raises for an unknown format
+        if self.sample_vram_budget is not None:
+            n = parse_size("sample_vram_budget", self.sample_vram_budget)
+            if n == 0:
+                raise ValueError("sample_vram_budget: 0 bytes; expected None or a size above 0")
+            object.__setattr__(self, "sample_vram_budget", n)
         self._check_compute()
         # Callers pass lists and sets; a frozen value keeps the options hashable and shareable.
         object.__setattr__(self, "include", tuple(self.include))

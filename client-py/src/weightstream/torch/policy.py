@@ -10,7 +10,8 @@
   the daemon's choice (``split_budget`` in ``daemon/src/session/layout.rs``); the client only
   sizes the budget (``default_budget``) and falls back to layers when blocks cannot stream.
 - ``PlanRecorder``: the first training step's acquisitions, sent as the plan.
-- ``Lookahead``: the plan's next acquires kept in flight.
+- ``Lookahead``: the plan's next acquires kept in flight (the training plan's or, for passes
+  under ``no_grad``, the forward plan's: ``passes``).
 """
 
 from __future__ import annotations
@@ -403,11 +404,17 @@ class Lookahead:
         self.cursor = 0  # the plan position that ahead[0] stands for
         self.ahead: collections.deque[tuple[int, int]] = collections.deque()
         self.bytes = 0
+        #: What the last ``take`` found: its acquire was in flight already (``hit``), or its
+        #: group is not in the plan (``off_plan``: served on demand, no lookahead).
+        self.hit = False
+        self.off_plan = False
 
     def take(self, group: int) -> int:
         """The number of an acquire of ``group``: the one in flight if the client follows the
         plan, else a fresh one (and the lookahead re-syncs to the plan's next ``group``)."""
-        if self.ahead and self.ahead[0][0] == group:
+        self.hit = bool(self.ahead) and self.ahead[0][0] == group
+        self.off_plan = False
+        if self.hit:
             _, number = self.ahead.popleft()
             self.bytes -= self.sizes[group]
             self.cursor = (self.cursor + 1) % len(self.plan)
@@ -416,10 +423,32 @@ class Lookahead:
             number = self.submit(group)
             position = self.next_position(group)
             if position is None:
-                return number  # off the plan (a sampling pass of other layers): no lookahead
+                self.off_plan = True
+                return number  # off the plan (a model changed between passes): no lookahead
             self.cursor = (position + 1) % len(self.plan)
         self.top_up()
         return number
+
+    def adopt(self, other: Lookahead, group: int):
+        """Takes over ``other``'s acquires in flight (another plan's lookahead) where they are
+        this plan's next from ``group`` on: the plan in force changes at an acquire of
+        ``group``, and the copies it needs next need not be made again. The others are given
+        back."""
+        ahead, other.ahead, other.bytes = other.ahead, collections.deque(), 0
+        position = self.next_position(group)
+        if position is not None:
+            n = len(self.plan)
+            while ahead and len(self.ahead) < self.limit:
+                g, number = ahead[0]
+                if g != self.plan[(position + len(self.ahead)) % n]:
+                    break
+                if self.bytes + self.sizes[g] > self.cap:
+                    break
+                self.ahead.append(ahead.popleft())
+                self.bytes += self.sizes[g]
+            self.cursor = position
+        for _, number in ahead:
+            self.give_back(number)
 
     def next_position(self, group: int) -> int | None:
         n = len(self.plan)

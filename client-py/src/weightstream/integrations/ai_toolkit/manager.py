@@ -238,6 +238,7 @@ def _options(s: Settings, ignore: set[str]) -> wst.StreamOptions:
         compute=s.compute,
         grad_compute=s.grad_compute,
         rotation=s.rotation,
+        sample_vram_budget=s.sample_vram_budget,
     )
 
 

@@ -383,8 +383,9 @@ def hook_trainer_module(module, settings: Callable[[], Settings]):
     """Hooks ``jobs.process.BaseSDTrainProcess`` once it has run: its ``get_optimizer`` (the
     name it imported from ``toolkit.optimizer``) and ``BaseSDTrainProcess``'s ``run``, ``save``
     and ``sample``. Each does as ai-toolkit does unless ``trainable: host`` (``settings()``:
-    the launcher's settings, read when ai-toolkit calls); a trainer module without them is an
-    error under ``trainable: host`` only."""
+    the launcher's settings, read when ai-toolkit calls), and ``sample`` with a
+    ``sample_vram_budget`` runs inside each attached session's ``Handle.sampling()``; a
+    trainer module without them is an error under ``trainable: host`` only."""
     cls = getattr(module, "BaseSDTrainProcess", None)
     original = getattr(module, "get_optimizer", None)
     if cls is None or original is None:
@@ -407,7 +408,7 @@ def hook_trainer_module(module, settings: Callable[[], Settings]):
     module.get_optimizer = hooked
     cls.run = _run(cls.run)
     cls.save = _synced(cls.save)
-    cls.sample = _synced(cls.sample)
+    cls.sample = _sampling(_synced(cls.sample), settings)
     cls._weightstream_trainable = True
 
 
@@ -548,6 +549,23 @@ def _synced(method):
             return method(self, *args, **kwargs)
         finally:
             opt.trainable.invalidate()
+
+    return wrapper
+
+
+def _sampling(method, settings: Callable[[], Settings]):
+    """``sample``: with ``sample_vram_budget`` set, every attached module's session grown to
+    it while ai-toolkit samples (``Handle.sampling()``), given back after."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if settings().sample_vram_budget is None:
+            return method(self, *args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            for manager in MemoryManager.attached():
+                if manager.handle is not None:
+                    stack.enter_context(manager.handle.sampling())
+            return method(self, *args, **kwargs)
 
     return wrapper
 

@@ -28,6 +28,7 @@ ENV = {
     "trainable": "WEIGHTSTREAM_TRAINABLE",
     "trainable_delay": "WEIGHTSTREAM_TRAINABLE_DELAY",
     "trainable_master": "WEIGHTSTREAM_TRAINABLE_MASTER",
+    "sample_vram_budget": "WEIGHTSTREAM_SAMPLE_BUDGET",
 }
 
 #: The values of ``trainable``.
@@ -96,6 +97,12 @@ class Settings:
       weights in place; 4 bytes less per parameter). Default: ``none`` where the network's
       weights are bf16 or f16 (ai-toolkit's optimizers step its parameters in place and keep no
       master of their own), ``fp32`` otherwise (fp32 weights are their own master either way).
+    - ``sample_vram_budget``: device bytes of each session while ai-toolkit samples (its
+      ``sample``, at step 0 and every ``sample_every`` steps): the session grows to it for the
+      sampling passes and gives it back before the next training step
+      (``StreamOptions.sample_vram_budget``, ``Handle.sampling()``). Default ``none``: sampling
+      at the training budget (its passes follow the forward plan either way). Not with
+      ``trainable: host``.
     """
 
     socket: str | None = None
@@ -113,6 +120,15 @@ class Settings:
     trainable: str = "device"
     trainable_delay: bool = True
     trainable_master: str | None = None
+    sample_vram_budget: int | None = None
+
+    def __post_init__(self):
+        if self.sample_vram_budget is not None and self.trainable == "host":
+            raise ValueError(
+                "weightstream.sample_vram_budget with trainable: host: the LoRA's state lives "
+                "in the session's host memory, which reopening the session for sampling would "
+                "drop; leave sample_vram_budget unset"
+            )
 
     @classmethod
     def load(cls, section: Mapping | None = None, env: Mapping[str, str] | None = None):
@@ -141,6 +157,10 @@ class Settings:
 def _convert(key: str, what: str, value):
     if key == "socket":
         return str(value)
+    if key == "sample_vram_budget":
+        if value is None or str(value).strip().lower() in ("none", ""):
+            return None
+        return parse_size(what, value) or None
     if key in ("vram_budget", "staging_bytes", "min_bytes"):
         if key == "vram_budget" and str(value).lower() in ("none", "default", ""):
             return None

@@ -1,0 +1,1 @@
+"""Runnable examples of weightstream (``python -m weightstream.examples.<name>``)."""

@@ -1,0 +1,118 @@
+"""Generation without a trainer: a diffusers pipeline whose denoiser (and, on request, other
+large components) streams its weights from the weightstream daemon::
+
+    python -m weightstream.examples.generate --model black-forest-labs/FLUX.2-dev \\
+        --prompt "a lighthouse at dusk" --steps 28 --size 1024 --vram-budget 15GiB
+
+Every denoising step is a forward pass under ``no_grad``: it follows the forward plan (the
+module order, then the first pass as it ran), cyclically, so that consecutive steps stream
+without a miss (``Handle.stats()``'s ``sample_*``). Several such processes on one box share
+the daemon's one host copy of the model. diffusers is imported when the pipeline is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import torch
+from torch import nn
+
+import weightstream
+import weightstream.torch as wst
+from weightstream.sizes import parse_size
+
+#: The pipeline components that stream by default: the denoiser, whichever the pipeline has.
+DENOISERS = ("transformer", "unet")
+
+
+def load_pipeline(model: str, dtype: torch.dtype):
+    """``diffusers.DiffusionPipeline.from_pretrained(model)`` in ``dtype``, on the CPU."""
+    try:
+        import diffusers
+    except ImportError:
+        raise SystemExit(
+            "weightstream.examples.generate needs diffusers: pip install diffusers"
+        ) from None
+    return diffusers.DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+
+
+def stream_components(pipe, names, device, vram_budget=None, client=None, **options) -> dict:
+    """Attaches each named component of ``pipe`` (None: its denoiser) to the daemon (with
+    ``StreamOptions`` fields in ``options``), and moves every other ``nn.Module`` component
+    to ``device``. Returns name -> ``Handle``."""
+    components = {n: c for n, c in pipe.components.items() if isinstance(c, nn.Module)}
+    names = list(names or [n for n in DENOISERS if n in components][:1])
+    missing = [n for n in names if n not in components]
+    if missing:
+        raise ValueError(f"--stream {','.join(missing)}: the pipeline has {sorted(components)}")
+    client = client or weightstream.connect()
+    handles = {}
+    for name in names:
+        module = components[name].requires_grad_(False)
+        handles[name] = wst.attach(
+            module, device, vram_budget=vram_budget, client=client, **options
+        )
+    for name, module in components.items():
+        if name not in handles:
+            module.to(device)
+    return handles
+
+
+def generate(pipe, handles: dict, prompt: str, steps: int, size: int, seed: int):
+    """One image of ``prompt`` (the pipeline's first output), each attached component's
+    sampling budget in force meanwhile (``Handle.sampling()``)."""
+    generator = torch.Generator().manual_seed(seed)
+    # no_grad, not inference_mode: the session's views are made once and kept, and a view
+    # made under inference_mode could not serve a later training pass of the same handle.
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        for handle in handles.values():
+            stack.enter_context(handle.sampling())
+        out = pipe(
+            prompt=prompt,
+            num_inference_steps=steps,
+            height=size,
+            width=size,
+            generator=generator,
+        )
+    return out.images[0]
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m weightstream.examples.generate", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--model", required=True, help="a diffusers model id or directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--steps", type=int, default=28, help="denoising steps (default 28)")
+    p.add_argument("--size", type=int, default=1024, help="height and width (default 1024)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--vram-budget", help="each streamed component's device budget (e.g. 15GiB)")
+    p.add_argument("--stream", help="components to stream, comma-separated (default: the denoiser)")
+    p.add_argument("--out", default="image.png")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    budget = parse_size("--vram-budget", args.vram_budget) if args.vram_budget else None
+    pipe = load_pipeline(args.model, getattr(torch, args.dtype))
+    names = args.stream.split(",") if args.stream else None
+    handles = stream_components(pipe, names, args.device, budget)
+    image = generate(pipe, handles, args.prompt, args.steps, args.size, args.seed)
+    image.save(args.out)
+    for name, handle in handles.items():
+        s = handle.stats()
+        print(
+            f"{name}: {s['sample_passes']} passes, {s['sample_acquires']} acquires, "
+            f"hit rate {s['sample_hit_rate']:.3f}, GPU wait {s['sample_gpu_wait_ns'] / 1e9:.3f} s"
+        )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""The two kinds of pass a ``Handle`` serves, and the plan each follows.
+
+A *training* pass (grad enabled) follows the training plan: the first step's acquisitions
+(forward, recompute, backward; ``policy.PlanRecorder``). A *sampling* pass (under ``no_grad``
+or ``inference_mode``: a trainer's samples, or inference) follows the *forward plan*: before
+any such pass completes, the streamed groups in the order their layers are registered (what a
+forward of most models walks), then the first sampling pass as it ran (it ends when its first
+group is acquired again). Both plans are cyclic: the lookahead wraps from the last group to
+the first, so consecutive denoising steps (and classifier-free guidance's two passes, or its
+batch of two) stream without a miss. Sampling passes are never recorded into the training plan.
+
+``Passes`` keeps both plans, says which one is in force (the client's ``policy.Lookahead``
+and the daemon's plan follow one at a time), and counts per kind: acquires, hits (the reply
+was already in flight from the lookahead), acquires off the plan in force (served on demand),
+and the waits for weights. When a pass of the other kind begins, the handle swaps plans
+(``Handle._switch``): the daemon gets the other plan, and the acquires in flight that the new
+plan uses next are kept, the rest given back.
+
+Sampling in one thread while another thread trains on the same handle would share its group
+tickets: ``enter``/``check`` raise ``ConcurrentPasses`` instead.
+
+``sampling(handle)`` is ``Handle.sampling()``: the session grown to
+``StreamOptions.sample_vram_budget`` for the passes inside, given back after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass, fields
+
+from weightstream.errors import WeightstreamError
+from weightstream.session import device_uuid
+from weightstream.sizes import size_text
+
+TRAIN, SAMPLE = "train", "sample"
+KINDS = (TRAIN, SAMPLE)
+
+
+class ConcurrentPasses(WeightstreamError):
+    """A sampling pass and a training pass ran at once in two threads on one handle."""
+
+
+class SampleBudgetError(WeightstreamError, ValueError):
+    """``sample_vram_budget`` is more than the device has or the daemon allows."""
+
+
+def kind_of(training: bool) -> str:
+    return TRAIN if training else SAMPLE
+
+
+@dataclass
+class KindCounters:
+    """One kind's counters (``Handle.stats()``: ``<kind>_<field>``)."""
+
+    #: Acquires of a streamed group by a layer of this kind of pass.
+    acquires: int = 0
+    #: Of those, the ones whose reply was already in flight from the lookahead.
+    hits: int = 0
+    #: Of those, the ones of a group not in the plan in force (served on demand).
+    off_plan: int = 0
+    #: Sampling: passes begun (the forward plan's first group acquired); training: steps
+    #: begun after the first (the training plan's first group acquired outside backward).
+    passes: int = 0
+    #: The waits for weights measured (``Session.gpu_wait``, ``Session.reply_wait``) while
+    #: this kind's plan was in force.
+    gpu_wait_ns: int = 0
+    gpu_waits: int = 0
+    reply_wait_ns: int = 0
+    reply_waits: int = 0
+
+    def stats(self, kind: str) -> dict:
+        out = {f"{kind}_{f.name}": getattr(self, f.name) for f in fields(self)}
+        out[f"{kind}_hit_rate"] = self.hits / self.acquires if self.acquires else 0.0
+        return out
+
+
+class ForwardRecorder:
+    """The first sampling pass's acquisitions: complete when its first group comes again."""
+
+    def __init__(self):
+        self.groups: list[int] = []
+
+    def add(self, group: int) -> list[int] | None:
+        """Records ``group``; returns the pass once ``group`` starts the next one."""
+        if self.groups and group == self.groups[0]:
+            return self.groups
+        self.groups.append(group)
+        return None
+
+
+class Passes:
+    """A handle's plans and counters per kind; ``kind``: whose plan is in force (None before
+    the first acquire)."""
+
+    def __init__(self, forward: list[int]):
+        #: The forward plan: the module order until the first sampling pass completes.
+        self.forward = list(forward)
+        #: The training plan once the first step ended; None while it is recorded.
+        self.train: list[int] | None = None
+        self.kind: str | None = None
+        #: The plan the daemon was last sent (None: none yet).
+        self.sent: list[int] | None = None
+        self.counters = {k: KindCounters() for k in KINDS}
+        self._recorder: ForwardRecorder | None = ForwardRecorder()
+        self._seen = (0, 0, 0, 0)
+        #: Thread id -> [kind, depth] of the attached module's forwards running in it.
+        self._running: dict[int, list] = {}
+        self._lock = threading.Lock()
+
+    def plan_of(self, kind: str) -> list[int] | None:
+        return self.train if kind == TRAIN else self.forward
+
+    def record_sample(self, group: int) -> bool:
+        """A sampling acquire of ``group``: counts a pass at the forward plan's first group,
+        and records the first pass; True when it completed just now (``forward`` is the new
+        forward plan)."""
+        done = False
+        if self._recorder is not None:
+            recorded = self._recorder.add(group)
+            if recorded is not None:
+                self.forward, self._recorder, done = recorded, None, True
+        if self.forward and group == self.forward[0]:
+            self.counters[SAMPLE].passes += 1
+        return done
+
+    def count(self, kind: str, hit: bool, off_plan: bool):
+        c = self.counters[kind]
+        c.acquires += 1
+        c.hits += hit
+        c.off_plan += off_plan
+
+    # --- the waits, attributed to the kind whose plan was in force ------------------------
+
+    def attribute_waits(self, session, settle: bool = False):
+        """Adds the session's waits since the last call to the kind in force (``settle``: on
+        CUDA, wait for the timed waits still queued, at a switch of kinds)."""
+        gpu = session.gpu_wait(settle=settle)
+        reply = session.reply_wait()
+        now = (gpu.total_ns, gpu.waits, reply.total_ns, reply.waits)
+        if self.kind is not None:
+            c = self.counters[self.kind]
+            delta = [max(0, a - b) for a, b in zip(now, self._seen, strict=True)]
+            c.gpu_wait_ns += delta[0]
+            c.gpu_waits += delta[1]
+            c.reply_wait_ns += delta[2]
+            c.reply_waits += delta[3]
+        self._seen = now
+
+    def reopened(self):
+        """The session was opened again: its wait totals start from zero."""
+        self._seen = (0, 0, 0, 0)
+
+    def stats(self) -> dict:
+        out = {"pass_kind": self.kind}
+        for kind in KINDS:
+            out.update(self.counters[kind].stats(kind))
+        out["forward_plan_length"] = len(self.forward)
+        out["forward_plan_recorded"] = self._recorder is None
+        return out
+
+    # --- threads ------------------------------------------------------------------------
+
+    def enter(self, kind: str):
+        """The attached module's forward begins in this thread."""
+        me = threading.get_ident()
+        with self._lock:
+            self._refuse_other(me, kind)
+            entry = self._running.setdefault(me, [kind, 0])
+            entry[1] += 1
+
+    def leave(self):
+        me = threading.get_ident()
+        with self._lock:
+            entry = self._running.get(me)
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self._running[me]
+
+    def check(self, kind: str):
+        """An acquire of ``kind`` in this thread (a backward's too, which runs in autograd's
+        thread on CUDA): refused while another thread runs the other kind's forward."""
+        if self._running:
+            with self._lock:
+                self._refuse_other(threading.get_ident(), kind)
+
+    def _refuse_other(self, me: int, kind: str):
+        for tid, (other, _) in self._running.items():
+            if tid != me and other != kind:
+                names = {t.ident: t.name for t in threading.enumerate()}
+                raise ConcurrentPasses(
+                    f"a {_words(kind)} in thread {names.get(me, me)!r} while thread "
+                    f"{names.get(tid, tid)!r} runs a {_words(other)} of the same attached "
+                    "module: the two would share its streamed groups' tickets. Sample between "
+                    "training steps in the training thread, or attach a second copy of the "
+                    "model for the other thread."
+                )
+
+
+def _words(kind: str) -> str:
+    return "training pass" if kind == TRAIN else "sampling pass (no_grad)"
+
+
+# --- the sampling budget ------------------------------------------------------------------
+
+
+def budget_limit(client, device_uuid: str) -> tuple[int, str] | None:
+    """The most device bytes a session on the device may have: the least of the device's
+    memory and the daemon's limits on it (``[quotas]``), with the limit's name; None where the
+    daemon names no such device."""
+    info = client.info()
+    devices = list(info.devices)
+    index = next((i for i, d in enumerate(devices) if d.uuid == device_uuid), None)
+    if index is None and len(devices) == 1 and not device_uuid:
+        index = 0  # the host backend's one device
+    if index is None:
+        return None
+    limits = [(devices[index].total_memory, f"the device's memory ({devices[index].name})")]
+    quotas = info.quotas
+    if quotas is not None:
+        if index < len(quotas.max_device_bytes) and quotas.max_device_bytes[index]:
+            limits.append((quotas.max_device_bytes[index], "the daemon's max_device_bytes"))
+        if quotas.per_uid_device_bytes:
+            limits.append((quotas.per_uid_device_bytes, "the daemon's per_uid_device_bytes"))
+    limits = [(n, why) for n, why in limits if n]
+    return min(limits) if limits else None
+
+
+def check_budget(budget: int, limit: tuple[int, str] | None):
+    """Raises ``SampleBudgetError`` when ``budget`` passes ``limit`` (``budget_limit``)."""
+    if limit is None or budget <= limit[0]:
+        return
+    n, why = limit
+    raise SampleBudgetError(
+        f"sample_vram_budget={size_text(budget)} ({budget} bytes) is more than {why}: "
+        f"{size_text(n)} ({n} bytes); set it at most that, less what the trainer's sampling "
+        "passes need on the device"
+    )
+
+
+@contextlib.contextmanager
+def sampling(handle):
+    """``Handle.sampling()``: see there."""
+    budget = handle.options.sample_vram_budget
+    old_budget, old_staging = handle.vram_budget, handle.session.opened.staging_bytes
+    if budget is None or budget <= old_budget:
+        yield handle
+        return
+    if handle.session.holds_state:
+        raise SampleBudgetError(
+            "sample_vram_budget: the session holds trainable state in host memory "
+            "(trainable='host'), which reopening it at another budget would drop; leave "
+            "sample_vram_budget unset with trainable='host'"
+        )
+    check_budget(budget, budget_limit(handle.client, device_uuid(handle.device)))
+    handle.set_budget(budget, keep_plan=True)
+    try:
+        yield handle
+    finally:
+        handle.set_budget(old_budget, old_staging, keep_plan=True)

@@ -1,0 +1,107 @@
+"""tests/bench/sampling.py on the CPU: its weightstream phases (sampling before any training
+step, two steps, sampling again, one more step) against the daemon's host backend with the
+8-block model of tests/python/torch/test_sampling.py, and its report from made-up results.
+The counts are exact; the times are only checked to be there."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from tests.bench import sampling
+from tests.python.torch.test_sampling import X, make_pair
+
+
+def test_the_phases_count_each_kind_of_pass(daemon):
+    ref, model, handle = make_pair(daemon)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    def train_step():
+        model(X).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    forward = model.forward
+    model.forward = lambda x=X: forward(x)  # the bench calls model(**inputs)
+    record = sampling.weightstream_run(model, {}, 5, handle, train_step, lambda: None)
+    before, after = record["before"]["counters"], record["after"]["counters"]
+    assert (before["sample_acquires"], before["sample_hits"], before["sample_passes"]) == (
+        40,
+        39,
+        5,
+    )
+    assert (after["sample_acquires"], after["sample_hits"], after["train_acquires"]) == (40, 40, 0)
+    step = record["train_counters_step_after"]
+    assert (step["train_acquires"], step["train_hits"]) == (15, 15)
+    assert len(record["train_step_s"]) == 3 and len(record["before"]["pass_s"]) == 4
+    assert sampling.streamed_bytes_per_pass(handle) == 8 * 132352
+    handle.detach(release=True)
+
+
+def test_the_report_compares_with_the_resident_pass_and_the_link():
+    results = {
+        "resident": {"first_pass_s": 1.0, "median_s": 0.5, "returncode": 0},
+        "weightstream": {
+            "bytes_per_pass": 25 * 10**9,
+            "before": {"first_pass_s": 2.0, "median_s": 1.05},
+            "after": {"first_pass_s": 1.1, "median_s": 1.0},
+            "train_step_s": [3.0, 2.0, 2.1],
+        },
+    }
+    r = sampling.ratios(results, 25 * 10**9)
+    assert r == {
+        "before_over_resident": 2.1,
+        "before_over_bound": 1.05,
+        "after_over_resident": 2.0,
+        "after_over_bound": 1.0,
+    }
+    md = sampling.markdown(
+        {"command": "cmd", "commit": "abc", "device": "H100", "results": results, "ratios": r}
+    )
+    assert "| weightstream | before training | 2.000 | 1.050 | 2.10 × |" in md
+    assert "Training step before / after sampling: 2.000 / 2.100 s" in md
+
+
+def test_the_weightstream_child_runs_on_the_card():
+    args = SimpleNamespace(
+        out="/o",
+        bin="b",
+        passes=3,
+        vram_budget_gib=15.0,
+        quantize="fp8",
+        sample_vram_budget_gib=20.0,
+        card_gib=24.0,
+        link="25GB/s",
+    )
+    cmd = sampling.child_cmd(args, "weightstream")
+    at = cmd.index("--")
+    assert cmd[1:at] == [
+        "-m",
+        "tests.bench.card",
+        "--gib",
+        "24.0",
+        "--json",
+        "/o/sampling-card.json",
+        "--link",
+        "25GB/s",
+    ]
+    assert cmd[at + 2 :] == [
+        "-m",
+        "tests.bench.sampling",
+        "--child",
+        "weightstream",
+        "--out",
+        "/o",
+        "--bin",
+        "b",
+        "--passes",
+        "3",
+        "--vram-budget-gib",
+        "15.0",
+        "--quantize",
+        "fp8",
+        "--sample-vram-budget-gib",
+        "20.0",
+    ]
+    assert "--" not in sampling.child_cmd(args, "resident")

@@ -1,0 +1,305 @@
+"""Sampling passes (under ``no_grad``) on the host backend: a model of 8 blocks streamed at a
+budget of three blocks follows the forward plan (the module order, then the first sampling
+pass), cyclically, before any training step and after; switching between sampling and
+training keeps the acquires in flight that the other plan uses next; outputs equal the model
+in memory; a pass off both plans falls back to on-demand, counted; sampling while another
+thread trains is refused; the sampling budget grows the session and gives it back."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import weightstream.torch as wst
+from torch import nn
+
+DIM = 64
+BLOCKS = 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(DIM, 4 * DIM), nn.Linear(4 * DIM, DIM)
+        self.lora = nn.Linear(DIM, DIM, bias=False)  # trainable, stays on the device
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x))) + self.lora(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.skip: set[int] = set()  # blocks a pass leaves out (a model changed between passes)
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i not in self.skip:
+                x = block(x)
+        return x
+
+
+#: A block's bytes as the daemon lays it out (a: 64 KiB + 1 KiB, b: 64 KiB + 256 B).
+BLOCK_BYTES = 132352
+
+
+def make_pair(daemon, **options):
+    torch.manual_seed(0)
+    ref = Net()
+    for name, p in ref.named_parameters():
+        p.requires_grad = "lora" in name
+    model = copy.deepcopy(ref)
+    handle = wst.attach(
+        model, "cpu", client=daemon.client, min_bytes=0, vram_budget=3 * BLOCK_BYTES, **options
+    )
+    assert [g.nbytes for g in handle.session.groups] == [BLOCK_BYTES] * BLOCKS
+    assert not any(g.resident for g in handle.session.groups)
+    return ref, model, handle
+
+
+X = torch.randn(2, DIM, generator=torch.Generator().manual_seed(1))
+
+
+def sample(ref, model, passes, x=X):
+    with torch.no_grad():
+        for _ in range(passes):
+            assert torch.equal(model(x), ref(x))
+
+
+def train(ref, model, steps):
+    """SGD steps on both models' LoRA weights; the losses equal."""
+    for m in (ref, model):
+        if not hasattr(m, "opt"):
+            m.opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+    for _ in range(steps):
+        losses = []
+        for m in (ref, model):
+            loss = m(X).pow(2).mean()
+            loss.backward()
+            m.opt.step()
+            m.opt.zero_grad()
+            losses.append(loss.detach())
+        assert torch.equal(*losses)
+
+
+def counts(handle, kind):
+    s = handle.stats()
+    return s[f"{kind}_acquires"], s[f"{kind}_hits"], s[f"{kind}_off_plan"]
+
+
+def delta(after, before):
+    return tuple(a - b for a, b in zip(after, before, strict=True))
+
+
+def test_sampling_before_any_training_step_follows_the_forward_plan(daemon):
+    ref, model, handle = make_pair(daemon)
+    sample(ref, model, 1)
+    # The first pass: the plan comes in force at its first acquire, every later one is a hit.
+    assert counts(handle, "sample") == (8, 7, 0)
+    assert not handle.stats()["forward_plan_recorded"], "a pass ends when the next begins"
+    sample(ref, model, 4)
+    assert counts(handle, "sample") == (40, 39, 0), "all 32 acquires after the first pass hit"
+    stats = handle.stats()
+    assert stats["sample_passes"] == 5 and stats["train_acquires"] == 0
+    assert stats["forward_plan_recorded"] and stats["forward_plan_length"] == 8
+    assert stats["pass_kind"] == "sample" and stats["misses"] == 0
+    handle.detach(release=True)
+
+
+def test_sampling_after_training_follows_the_forward_plan(daemon):
+    ref, model, handle = make_pair(daemon)
+    train(ref, model, 2)
+    assert counts(handle, "sample") == (0, 0, 0)
+    before = counts(handle, "sample")
+    sample(ref, model, 1)
+    # The training lookahead's copy of block 0 (the next step's first) is kept: all 8 hit.
+    # (A step is 15 acquires: block 0 has no backward, its input needs no gradient.)
+    assert delta(counts(handle, "sample"), before) == (8, 8, 0)
+    sample(ref, model, 4)
+    assert delta(counts(handle, "sample"), before) == (40, 40, 0)
+    handle.detach(release=True)
+
+
+def test_a_training_step_after_sampling_hits_as_one_before_it(daemon):
+    ref, model, handle = make_pair(daemon)
+    train(ref, model, 2)
+    before = counts(handle, "train")
+    train(ref, model, 1)
+    step = delta(counts(handle, "train"), before)
+    assert step == (15, 15, 0), "forward and backward, every acquire in flight"
+    sample(ref, model, 3)
+    before = counts(handle, "train")
+    train(ref, model, 1)
+    assert delta(counts(handle, "train"), before) == step
+    assert handle.stats()["train_passes"] == 3, "the steps after the first"
+    handle.detach(release=True)
+
+
+def test_training_plan_is_recorded_without_the_sampling_passes(daemon):
+    ref, model, handle = make_pair(daemon)
+    sample(ref, model, 2)
+    train(ref, model, 2)
+    forward = list(range(BLOCKS))
+    backward = forward[:0:-1]  # block 0's input needs no gradient: no backward acquire
+    assert handle._passes.train == forward + backward
+    assert handle.session.last_plan == forward + backward
+    sample(ref, model, 1)
+    assert handle.session.last_plan == forward, "the daemon follows the forward plan"
+    handle.detach(release=True)
+
+
+@pytest.mark.parametrize("guidance", ["two passes", "batch of two"])
+def test_classifier_free_guidance_streams_the_same(daemon, guidance):
+    ref, model, handle = make_pair(daemon)
+    train(ref, model, 2)
+    uncond = torch.zeros_like(X)
+    before = counts(handle, "sample")
+    with torch.no_grad():
+        for _ in range(4):
+            if guidance == "two passes":
+                got = [model(X), model(uncond)]
+                want = [ref(X), ref(uncond)]
+            else:
+                got, want = [model(torch.cat([X, uncond]))], [ref(torch.cat([X, uncond]))]
+            assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    passes = 8 if guidance == "two passes" else 4
+    assert delta(counts(handle, "sample"), before) == (8 * passes, 8 * passes, 0)
+    handle.detach(release=True)
+
+
+def test_a_pass_off_both_plans_falls_back_to_on_demand(daemon):
+    """The forward plan is the first pass as it ran (block 5 left out); a later pass that runs
+    block 5 acquires it off the plan, on demand, and the lookahead resyncs after it."""
+    ref, model, handle = make_pair(daemon)
+    ref.skip = model.skip = {5}
+    sample(ref, model, 2)
+    assert handle._passes.forward == [0, 1, 2, 3, 4, 6, 7]
+    # The first pass along the module order misses block 6 (block 5's copy was in flight);
+    # the second, along the pass as it ran, hits from its first acquire on.
+    assert counts(handle, "sample") == (14, 12, 0)
+    ref.skip = model.skip = set()
+    before = counts(handle, "sample")
+    sample(ref, model, 2)
+    # Per pass: block 5 off the plan, and block 6, whose copy went back at block 5's miss.
+    assert delta(counts(handle, "sample"), before) == (16, 12, 2)
+    train(ref, model, 2)  # training is unaffected
+    handle.detach(release=True)
+
+
+def test_sampling_while_another_thread_trains_is_refused(daemon):
+    ref, model, handle = make_pair(daemon)
+    train(ref, model, 2)
+    inside, go_on = threading.Event(), threading.Event()
+
+    def wait_in_block_4(module, args):
+        inside.set()
+        assert go_on.wait(60)
+
+    hook = model.blocks[4].register_forward_pre_hook(wait_in_block_4)
+    losses = []
+    trainer = threading.Thread(target=lambda: losses.append(model(X).pow(2).mean()))
+    trainer.start()
+    assert inside.wait(60)
+    hook.remove()
+    with pytest.raises(wst.ConcurrentPasses) as raised, torch.no_grad():
+        model(X)
+    go_on.set()
+    trainer.join(60)
+    assert str(raised.value) == (
+        f"a sampling pass (no_grad) in thread {threading.current_thread().name!r} while thread "
+        f"{trainer.name!r} runs a training pass of the same attached module: the two would "
+        "share its streamed groups' tickets. Sample between training steps in the training "
+        "thread, or attach a second copy of the model for the other thread."
+    )
+    assert torch.equal(losses[0], ref(X).pow(2).mean())
+    sample(ref, model, 1)  # the trainer's pass ended: sampling runs again
+    handle.detach(release=True)
+
+
+def test_sampling_budget_grows_the_session_and_gives_it_back(daemon):
+    ref, model, handle = make_pair(daemon, sample_vram_budget=f"{8 * BLOCK_BYTES}")
+    train(ref, model, 2)
+    before = counts(handle, "train")
+    train(ref, model, 1)
+    step = delta(counts(handle, "train"), before)
+    with handle.sampling():
+        assert handle.vram_budget == 8 * BLOCK_BYTES
+        resident = [g.resident for g in handle.session.groups]
+        assert resident.count(True) == 5, "staging for three blocks, the rest resident"
+        before = counts(handle, "sample")
+        sample(ref, model, 4)
+        assert delta(counts(handle, "sample"), before) == (12, 11, 0)
+    assert handle.vram_budget == 3 * BLOCK_BYTES
+    assert not any(g.resident for g in handle.session.groups)
+    assert handle._recording is None, "the training plan was kept"
+    before = counts(handle, "train")
+    train(ref, model, 1)
+    # The reopened session starts with no acquire in flight: its first misses, the rest hit.
+    assert delta(counts(handle, "train"), before) == (step[0], step[1] - 1, 0)
+    handle.detach(release=True)
+
+
+def test_a_sampling_budget_larger_than_the_device_is_refused(daemon):
+    info = daemon.client.info()
+    device = info.devices[0]
+    limit = min(
+        (device.total_memory, f"the device's memory ({device.name})"),
+        (info.quotas.max_device_bytes[0], "the daemon's max_device_bytes"),
+    )
+    too_big = limit[0] + 1
+    expected = (
+        f"sample_vram_budget={wst.passes.size_text(too_big)} ({too_big} bytes) is more than "
+        f"{limit[1]}: {wst.passes.size_text(limit[0])} ({limit[0]} bytes); set it at most "
+        "that, less what the trainer's sampling passes need on the device"
+    )
+    torch.manual_seed(0)
+    with pytest.raises(wst.SampleBudgetError) as raised:
+        wst.attach(
+            Net().requires_grad_(False),
+            "cpu",
+            client=daemon.client,
+            min_bytes=0,
+            sample_vram_budget=too_big,
+        )
+    assert str(raised.value) == expected
+    assert daemon.client.list_models().models == [], "refused before the upload"
+    ref, model, handle = make_pair(daemon)
+    handle.options = handle.options.__class__(sample_vram_budget=too_big)
+    session = handle.session.id
+    with pytest.raises(wst.SampleBudgetError) as raised, handle.sampling():
+        pass
+    assert str(raised.value) == expected
+    assert handle.session.id == session and handle.vram_budget == 3 * BLOCK_BYTES
+    sample(ref, model, 1)
+    handle.detach(release=True)
+
+
+@pytest.mark.no_daemon
+@pytest.mark.parametrize(
+    "value,expected",
+    [(None, None), (1 << 30, 1 << 30), ("2GiB", 2 << 30), ("1.5 GB", 1_500_000_000)],
+)
+def test_sample_vram_budget_takes_sizes(value, expected):
+    assert wst.StreamOptions(sample_vram_budget=value).sample_vram_budget == expected
+
+
+@pytest.mark.no_daemon
+@pytest.mark.parametrize(
+    "value,message",
+    [
+        (
+            "lots",
+            "sample_vram_budget: 'lots' is not a size (bytes, or a number with B, KiB, "
+            "MiB, GiB, TiB, KB, MB, GB or TB)",
+        ),
+        (0, "sample_vram_budget: 0 bytes; expected None or a size above 0"),
+        (-1, "sample_vram_budget: -1 is negative"),
+    ],
+)
+def test_sample_vram_budget_refuses_what_is_not_a_size(value, message):
+    with pytest.raises(ValueError) as raised:
+        wst.StreamOptions(sample_vram_budget=value)
+    assert str(raised.value) == message
