@@ -79,7 +79,7 @@ class FakeSession:
         self.step += 1
         return self.step
 
-    def gpu_wait(self):
+    def gpu_wait(self, settle: bool = False):
         """No daemon, no copy: nothing is ever waited for."""
         return SimpleNamespace(
             total_ns=0,
