@@ -28,6 +28,7 @@ ENV = {
     "trainable": "WEIGHTSTREAM_TRAINABLE",
     "trainable_delay": "WEIGHTSTREAM_TRAINABLE_DELAY",
     "trainable_master": "WEIGHTSTREAM_TRAINABLE_MASTER",
+    "load_from_files": "WEIGHTSTREAM_LOAD_FROM_FILES",
 }
 
 #: The values of ``trainable``.
@@ -96,6 +97,12 @@ class Settings:
       weights in place; 4 bytes less per parameter). Default: ``none`` where the network's
       weights are bf16 or f16 (ai-toolkit's optimizers step its parameters in place and keep no
       master of their own), ``fp32`` otherwise (fp32 weights are their own master either way).
+    - ``load_from_files``: with ``layer_offloading``, a loader that reads the model with
+      safetensors' ``load_file`` and assigns it (FLUX.2's) never reads the streamed Linear/Conv2d
+      weights: the daemon loads the same files (in 8 bits where ai-toolkit would quantize to
+      ``float8``/``qfloat8``, or ``quantize: fp8``) and the layers attach by its model's id
+      (``files``). Default ``true``: where the files cannot serve (a key renamed, a cast, another
+      qtype) the weights are read and uploaded as before, and the loading line says why.
     """
 
     socket: str | None = None
@@ -113,6 +120,7 @@ class Settings:
     trainable: str = "device"
     trainable_delay: bool = True
     trainable_master: str | None = None
+    load_from_files: bool = True
 
     @classmethod
     def load(cls, section: Mapping | None = None, env: Mapping[str, str] | None = None):
@@ -176,7 +184,7 @@ def _convert(key: str, what: str, value):
         if value not in TRAINABLE:
             raise ValueError(f"{what}: {value!r}: expected one of {', '.join(TRAINABLE)}")
         return value
-    if key in ("trainable_delay", "early_release"):
+    if key in ("trainable_delay", "early_release", "load_from_files"):
         return parse_bool(what, value)
     if key == "trainable_master":
         if value not in MASTERS:
