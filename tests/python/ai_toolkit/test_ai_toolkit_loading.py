@@ -293,7 +293,9 @@ def test_flux2s_loader_attaches_with_its_weights_on_the_cpu(capsys, quantize):
         "attached: transformer Model (by ai-toolkit's loader, 0 layers streamed); "
         "text encoder Model (by ai-toolkit's loader, 0 layers streamed); " in out
     )
-    assert out.endswith("peak device memory while loading: no device memory used (meta)")
+    assert "peak device memory while loading: no device memory used (meta); " in out
+    assert "; host memory peak: this process " in out
+    assert out.endswith("; read from the files by the trainer: 0.00 GB")
     report = loading.REPORTS[-1]
     assert report.placed_after == 0 and report.held_bytes > 0
 

@@ -28,6 +28,7 @@ from torch.nn.utils import parametrize
 from weightstream import quantize as fp8
 from weightstream.sizes import size_text
 from weightstream.torch import torchao_weights
+from weightstream.torch.filetensor import is_file_tensor
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.placeholder import is_placeholder
 
@@ -80,7 +81,7 @@ def quantizer_of(t) -> str | None:
     torch's quantized tensors), judged by its type without importing the library; None for a
     plain tensor. Another tensor subclass from outside torch is named by its type: its bytes
     are not a plain tensor's either."""
-    if not isinstance(t, torch.Tensor) or is_placeholder(t):
+    if not isinstance(t, torch.Tensor) or is_placeholder(t) or is_file_tensor(t):
         return None
     where = type(t).__module__ or ""
     for prefix, quantizer in QUANTIZERS.items():

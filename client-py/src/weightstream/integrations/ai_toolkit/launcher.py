@@ -24,6 +24,7 @@ environment and the daemon (``prepare``); jobs started by ai-toolkit's web UI go
 
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import importlib.util
 import json
@@ -225,12 +226,34 @@ def prepare(run_py: str, args: list[str], jobs: list[preflight.Job] | None = Non
     preflight.check_torch()
     configure(settings)
     install()
+    _print_host_peak_at_exit()
     offloading = [os.path.basename(job.path) for job in jobs if job.layer_offloading]
     return (
         f"weightstream-aitk: weightstream daemon {version} at {socket}; "
         f"toolkit.memory_management is weightstream's; layer_offloading in "
         f"{', '.join(offloading) if offloading else 'no job (nothing will stream)'}"
     )
+
+
+def _print_host_peak_at_exit():
+    """At the job's exit, one line with the host's peak over loading and training
+    (``loading.exit_line``), once per process."""
+    global _AT_EXIT
+    if _AT_EXIT:
+        return
+    _AT_EXIT = True
+
+    def line():
+        from weightstream.integrations.ai_toolkit import loading
+
+        text = loading.exit_line()
+        if text is not None:
+            print(text, flush=True)
+
+    atexit.register(line)
+
+
+_AT_EXIT = False
 
 
 def ui_job():

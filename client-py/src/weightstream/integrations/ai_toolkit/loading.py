@@ -42,6 +42,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from weightstream.integrations.ai_toolkit import files
+from weightstream.integrations.ai_toolkit.settings import current
+from weightstream.torch import filetensor
 from weightstream.torch.placeholder import is_placeholder
 
 #: The layers whose weights and biases weightstream streams, held on the CPU while loading.
@@ -160,7 +163,7 @@ class PlacementGuard:
             _nbytes(p) if hasattr(p, "__tensor_flatten__") else p.nbytes
             for m, _ in self.pending()
             for p in m.parameters(recurse=False)
-            if not is_placeholder(p)
+            if not is_placeholder(p) and not filetensor.is_file_tensor(p)
         )
 
     def finish(self) -> int:
@@ -288,6 +291,63 @@ def _gib(n) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 
 
+# --- peak host memory --------------------------------------------------------------------------
+
+
+def _vm_hwm() -> int | None:
+    """This process's peak resident memory (``VmHWM`` of /proc/self/status, Linux), bytes."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    with contextlib.suppress(ImportError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return None
+
+
+class HostPeak:
+    """The host's memory at its peak so far: this process's resident set (``VmHWM``) and the
+    daemon's host bytes (its store, all uids: ``GetInfo``'s ``usage.daemon_host_bytes``) at
+    the largest ``sample`` saw; the daemon's is sampled at the end of each loading phase and
+    at exit, not continuously."""
+
+    def __init__(self):
+        self.process = None
+        self.daemon = None
+
+    def sample(self, socket: str | None = None):
+        self.process = _vm_hwm()
+        with contextlib.suppress(Exception):  # a daemon gone is no reason to fail the job
+            import weightstream
+
+            used = weightstream.connect(socket).info().usage.daemon_host_bytes
+            self.daemon = max(self.daemon or 0, used)
+
+    def text(self) -> str:
+        own = "unknown" if self.process is None else _gib(self.process)
+        daemon = "unknown" if self.daemon is None else _gib(self.daemon)
+        return f"host memory peak: this process {own} (VmHWM), the daemon's store {daemon}"
+
+    def as_dict(self) -> dict:
+        return {"process_vm_hwm": self.process, "daemon_host_bytes": self.daemon}
+
+
+#: The host peak of this process and of its daemon (the launcher prints it at exit too).
+HOST = HostPeak()
+
+
+def exit_line() -> str | None:
+    """The launcher's last line: the host's peak over the whole job (loading and training);
+    None where nothing was loaded with ``layer_offloading``."""
+    if not REPORTS:
+        return None
+    HOST.sample(current().socket)
+    return f"weightstream-aitk: over the job, {HOST.text()}"
+
+
 # --- the loading phase -----------------------------------------------------------------------
 
 
@@ -301,11 +361,15 @@ class LoadingReport:
     held_bytes: int = 0
     placed_after: int = 0
     peak: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)  # HostPeak.as_dict() once loaded
+    read_from_files: int = 0  # bytes of FileTensors read by the trainer (load_from_files)
 
     def line(self, peak: DevicePeak) -> str:
         attached = (
             "; ".join(
-                f"{a['role']} {a['module']} ({a['by']}, {a['streamed']} layers streamed)"
+                f"{a['role']} {a['module']} ({a['by']}, {a['streamed']} layers streamed"
+                + (f", {a['files']}" if a.get("files") else "")
+                + ")"
                 for a in self.attached
             )
             or "nothing"
@@ -314,7 +378,9 @@ class LoadingReport:
             f"weightstream-aitk: {self.model} loaded in {self.seconds:.1f} s; attached: "
             f"{attached}; held on the CPU while loading: up to {self.held_bytes / 1e9:.2f} GB "
             f"of Linear/Conv2d weights, {self.placed_after} layers placed after loading; "
-            f"peak device memory while loading: {peak.text()}"
+            f"peak device memory while loading: {peak.text()}; "
+            f"{HOST.text()}; read from the files by the trainer: "
+            f"{self.read_from_files / 1e9:.2f} GB"
         )
 
 
@@ -371,12 +437,16 @@ def run_load_model(sd, load_model, manager_cls, is_accelerator=_is_accelerator):
     report = LoadingReport(model=type(sd).__name__)
     peak = DevicePeak(device)
     guard = PlacementGuard(is_accelerator)
-    started = time.monotonic()
+    settings = current()
+    started, read_before = time.monotonic(), filetensor.READ.read_bytes
     peak.start()
     guard.install()
     ACTIVE = guard
     try:
-        result = load_model()
+        with contextlib.ExitStack() as stack:
+            if settings.load_from_files:
+                stack.enter_context(files.Interception(load_model).installed())
+            result = load_model()
         by_loader = {id(m) for _, m, _ in _targets(sd) if "_memory_manager" in vars(m)}
         for role, module, percent in _targets(sd):
             if id(module) in by_loader:
@@ -384,6 +454,7 @@ def run_load_model(sd, load_model, manager_cls, is_accelerator=_is_accelerator):
             elif percent > 0 and "_memory_manager" not in vars(module) and _has_layers(module):
                 manager_cls.attach(module, device, offload_percent=percent)
                 report.attached.append(_attached(role, module, "by weightstream-aitk"))
+        files.read_left(_modules_of(sd))
         report.held_bytes = guard.held_bytes
         report.placed_after = guard.finish()
     finally:
@@ -392,18 +463,34 @@ def run_load_model(sd, load_model, manager_cls, is_accelerator=_is_accelerator):
         peak.stop()
     report.seconds = time.monotonic() - started
     report.peak = peak.as_dict()
+    report.read_from_files = filetensor.READ.read_bytes - read_before
+    HOST.sample(settings.socket)
+    report.host = HOST.as_dict()
     REPORTS.append(report)
     print(report.line(peak), flush=True)
     return result
 
 
 def _attached(role: str, module: nn.Module, by: str) -> dict:
+    src = getattr(vars(module).get("_memory_manager"), "files", None)
     return {
         "role": role,
         "module": type(module).__name__,
         "by": by,
         "streamed": _streamed_count(module),
+        "files": src.text() if src is not None else "",
     }
+
+
+def _modules_of(sd) -> list[nn.Module]:
+    """The modules the loader left on ``sd`` and its pipeline (lists of them too)."""
+    out = []
+    for owner in (sd, getattr(sd, "pipeline", None)):
+        for value in vars(owner).values() if owner is not None else ():
+            for item in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(item, nn.Module):
+                    out.append(item)
+    return out
 
 
 def _has_layers(module: nn.Module) -> bool:

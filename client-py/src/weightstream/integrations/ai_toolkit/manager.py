@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import dataclasses
 import gc
+import warnings
 import weakref
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 
 import weightstream
 import weightstream.torch as wst
-from weightstream.integrations.ai_toolkit import loading
+from weightstream.integrations.ai_toolkit import files, loading
 from weightstream.integrations.ai_toolkit.settings import Settings, current
 from weightstream.torch import policy
 from weightstream.torch.placeholder import is_placeholder
@@ -55,6 +56,7 @@ class MemoryManager:
         self.module = module
         self.process_device = process_device
         self.handle: wst.Handle | None = handle
+        self.files: files.Source | None = None  # where the streamed weights came from
         self._own_to = vars(module).get("to")  # an instance ``to`` that was there before
         self._check = module.register_forward_pre_hook(self._refuse_trainable)
 
@@ -90,18 +92,30 @@ class MemoryManager:
         with _frozen(base) as was_trainable:
             candidates = policy.select(module, options).streamed
             chosen = _largest_first(candidates, offload_percent)
-            handle = None
+            handle, src = None, None
             if chosen:
                 keep = {n for n, _ in candidates} - set(chosen)
-                handle = wst.attach(
-                    module,
-                    device,
-                    dataclasses.replace(options, ignore=ignore | keep),
-                    vram_budget=_budget(settings, offload_percent),
-                    staging_bytes=settings.staging_bytes,
-                    client=weightstream.connect(settings.socket),
-                )
+                client = weightstream.connect(settings.socket)
+                src, model_id, quantize = _from_files(client, module, chosen, settings, options)
+                try:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", "attach\\(model=", UserWarning)
+                        handle = wst.attach(
+                            module,
+                            device,
+                            dataclasses.replace(options, ignore=ignore | keep, quantize=quantize),
+                            vram_budget=_budget(settings, offload_percent),
+                            staging_bytes=settings.staging_bytes,
+                            client=client,
+                            model=model_id,
+                        )
+                except BaseException:
+                    if model_id is not None:
+                        with contextlib.suppress(Exception):
+                            client.release_model(model_id)
+                    raise
             else:
+                files.read(module)
                 nn.Module.to(module, device)
         if handle is not None:  # placeholders take the trainability of what they replaced
             for name, layer in handle.streamed.items():
@@ -110,6 +124,7 @@ class MemoryManager:
                     if p is not None and was_trainable.get((name, pname)):
                         p.requires_grad_(True)
         manager = cls(module, device, handle)
+        manager.files = src
         module._memory_manager = manager
         module.to = manager.memory_managed_to
         _ATTACHED.append(weakref.ref(manager))
@@ -240,6 +255,21 @@ def _options(s: Settings, ignore: set[str]) -> wst.StreamOptions:
         rotation=s.rotation,
         sample_vram_budget=s.sample_vram_budget,
     )
+
+
+def _from_files(client, module, chosen, settings: Settings, options: wst.StreamOptions):
+    """(the ``files.Source`` of the layers ``chosen`` or None, the id of the daemon's model of
+    their files or None, the ``quantize`` option to attach with). Every ``FileTensor`` that
+    does not stream from the daemon's model is read here."""
+    src = files.source(module, chosen, settings)
+    if src is None:
+        return None, None, options.quantize
+    quantize = src.quantize if src.quantize in (None, "fp8") else options.quantize
+    if src.why:  # uploaded as usual, quantized as the loader asked the daemon to
+        files.read(module)
+        return src, None, quantize
+    files.read(module, keep=set(chosen))
+    return src, files.load(client, module, src), quantize
 
 
 def _ignored_names(root: nn.Module, modules) -> set[str]:

@@ -29,6 +29,7 @@ ENV = {
     "trainable_delay": "WEIGHTSTREAM_TRAINABLE_DELAY",
     "trainable_master": "WEIGHTSTREAM_TRAINABLE_MASTER",
     "sample_vram_budget": "WEIGHTSTREAM_SAMPLE_BUDGET",
+    "load_from_files": "WEIGHTSTREAM_LOAD_FROM_FILES",
 }
 
 #: The values of ``trainable``.
@@ -103,6 +104,12 @@ class Settings:
       (``StreamOptions.sample_vram_budget``, ``Handle.sampling()``). Default ``none``: sampling
       at the training budget (its passes follow the forward plan either way). Not with
       ``trainable: host``.
+    - ``load_from_files``: with ``layer_offloading``, a loader that reads the model with
+      safetensors' ``load_file`` and assigns it (FLUX.2's) never reads the streamed Linear/Conv2d
+      weights: the daemon loads the same files (in 8 bits where ai-toolkit would quantize to
+      ``float8``/``qfloat8``, or ``quantize: fp8``) and the layers attach by its model's id
+      (``files``). Default ``true``: where the files cannot serve (a key renamed, a cast, another
+      qtype) the weights are read and uploaded as before, and the loading line says why.
     """
 
     socket: str | None = None
@@ -121,6 +128,7 @@ class Settings:
     trainable_delay: bool = True
     trainable_master: str | None = None
     sample_vram_budget: int | None = None
+    load_from_files: bool = True
 
     def __post_init__(self):
         if self.sample_vram_budget is not None and self.trainable == "host":
@@ -196,7 +204,7 @@ def _convert(key: str, what: str, value):
         if value not in TRAINABLE:
             raise ValueError(f"{what}: {value!r}: expected one of {', '.join(TRAINABLE)}")
         return value
-    if key in ("trainable_delay", "early_release"):
+    if key in ("trainable_delay", "early_release", "load_from_files"):
         return parse_bool(what, value)
     if key == "trainable_master":
         if value not in MASTERS:
