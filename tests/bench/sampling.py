@@ -132,7 +132,8 @@ def child_weightstream(args) -> dict:
     from tests.daemon import Daemon
 
     flux, inputs = _cuda_inputs()
-    daemon = Daemon(Path(args.out), binary=args.bin, backend="cuda")
+    link = ["--copy-bandwidth-limit", args.link] if args.link else []
+    daemon = Daemon(Path(args.out), *link, binary=args.bin, backend="cuda")
     try:
         model = flux.add_lora(flux.build_for_attach())
         sample_budget = args.sample_vram_budget_gib
@@ -144,6 +145,11 @@ def child_weightstream(args) -> dict:
             quantize=args.quantize,
             sample_vram_budget=int(sample_budget * GiB) if sample_budget else None,
         )
+        if args.card_gib:
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(0).total_memory
+            cap = (args.card_gib - args.vram_budget_gib) * GiB
+            torch.cuda.set_per_process_memory_fraction(cap / total)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4)
 
@@ -174,11 +180,13 @@ def child_cmd(args, mode: str) -> list[str]:
     if args.sample_vram_budget_gib:
         cmd += ["--sample-vram-budget-gib", str(args.sample_vram_budget_gib)]
     if mode == "weightstream" and args.card_gib:
-        card = [sys.executable, "-m", "tests.bench.card", "--gib", str(args.card_gib)]
-        card += ["--json", str(Path(args.out) / "sampling-card.json")]
+        # Not card.py: FLUX.2's 64 GB of bf16 weights are built on the device and uploaded
+        # from there by attach (they do not fit host memory twice), which a card held to 24 GiB
+        # from the start cannot hold. As flux2_train does, the job is held to the card after
+        # attach: the trainer's allocator capped at the card less the daemon's budget.
+        cmd += ["--card-gib", str(args.card_gib)]
         if args.link:
-            card += ["--link", args.link]
-        cmd = [*card, "--", *cmd]
+            cmd += ["--link", args.link]
     return cmd
 
 
