@@ -49,8 +49,9 @@ def rows(run: dict, card_gib: float) -> list[dict]:
                     "x_bf16_resident": round(r["s_per_step"] / base, 3),
                     # None where the call compared no losses (--det-steps 0) and for the
                     # reference itself.
+                    # (flux_train says True of two empty lists of losses.)
                     "losses_equal_reference": None
-                    if m["mode"] == "resident"
+                    if m["mode"] == "resident" or not m.get("det_losses", True)
                     else r.get("losses_equal_resident", m.get("losses_equal_resident")),
                 }
             )
