@@ -17,7 +17,7 @@ from weightstream.client import Client
 from weightstream.errors import SessionFault
 from weightstream.quantize import Fp8Weight
 from weightstream.session import Session
-from weightstream.torch import budget, compute8, compute_plan, ops, policy
+from weightstream.torch import budget, compute8, compute_plan, ops, packed, policy
 from weightstream.torch.hooks import HookRegistry
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.torchao_weights import Rebuild
@@ -58,6 +58,9 @@ class StreamedLayer:
     compute8: compute_plan.Layer8 | None = None
     #: A layer of an 8-bit compute session that computes in the trainer's dtype; else None.
     compute_fallback: compute_plan.Fallback | None = None
+    #: A packed layer (``packed.Packed``): its views are its inner tensors, and ``views``
+    #: gives its rebuilt state (``packed.State``) in place of a weight; else None.
+    packed: packed.Packed | None = None
 
     @property
     def input_grad(self) -> str:
@@ -88,6 +91,8 @@ class StreamedLayer:
     def views(self, ticket) -> tuple:
         """The layer's (weight, bias) views in its group's ticket."""
         t, i = ticket.tensors, self.slot
+        if self.packed is not None:
+            return self.packed.views(t, i)
         return t[i], t[i + 1] if self.has_bias else None
 
 
@@ -495,7 +500,9 @@ class Handle:
         time (``attach_*``: ``attach_phases``); with ``trainable="host"``, the host bytes of
         the trainable state (``trainable_host_bytes``) and where its path waited, in seconds
         since attach (``trainable_*_s``: ``Trainable.times``); with 8-bit compute
-        (``StreamOptions.compute``), ``compute_*`` (``_compute_stats``)."""
+        (``StreamOptions.compute``), ``compute_*`` (``_compute_stats``); ``packed_formats``,
+        each packed format streamed (``packed``) -> its layers, bytes, bytes and bits per
+        weight (``packed.summary``)."""
         out = {} if self._auto is None else self._auto.stats()
         out.update({f"attach_{k}": v for k, v in self.attach_phases.items()})
         s = self.session.stats()
@@ -519,6 +526,7 @@ class Handle:
         out["dequant_by_group"] = [groups[g].name for g in sorted(self._layers_by_group)]
         out["dequant_peak_bytes"] = self._dequant_peak
         out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
+        out["packed_formats"] = packed.summary(self.streamed.values())
         if self._compute.mode is not None:
             out.update(self._compute_stats())
         if self.trainable is not None:
@@ -626,7 +634,10 @@ class Handle:
         for name, layer in self.streamed.items():
             ticket = self.session.acquire(layer.group)
             weight, bias = layer.views(ticket)
-            if layer.rebuild is not None:  # torchao's tensor again, as it was attached
+            if layer.packed is not None:  # the quantizer's state again, as it was attached
+                layer.packed.restore(layer.module, weight, device)
+                weight = None
+            elif layer.rebuild is not None:  # torchao's tensor again, as it was attached
                 weight = layer.rebuild(
                     weight.data.to(device, copy=True), weight.scale.to(device, copy=True)
                 )
@@ -640,7 +651,8 @@ class Handle:
             self.session.release(ticket)
             self._hooks.remove(name)
             m = layer.module
-            m.weight = nn.Parameter(weight, requires_grad=False)
+            if weight is not None:
+                m.weight = nn.Parameter(weight, requires_grad=False)
             if layer.has_bias:
                 m.bias = nn.Parameter(bias, requires_grad=False)
         self.streamed.clear()
