@@ -25,6 +25,7 @@ from torchao.quantization.quant_api import quantize_
 from weightstream import _dtypes
 from weightstream.torch import packed, policy
 
+from tests.python.ai_toolkit.test_ai_toolkit import toolkit  # noqa: F401 - a fixture
 from tests.python.torch import aitk_layouts as aitk
 from tests.python.torch.test_torch import make_model
 from tests.python.torch.test_torch_fp8 import assert_equal_runs, run
@@ -185,3 +186,116 @@ def test_attach_equals_the_same_packed_layers_in_place(daemon, form, ckpt, group
         for k, t in tensors.items():
             assert torch.equal(as_bytes(back[k]), as_bytes(t)), (name, k)
     assert daemon.client.list_models().models == []
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+class OrbitQuantizer:
+    """A stand-in for a quantizer of a qtype that does not stream."""
+
+    qtype = "orbit4"
+
+    def quantize(self, m, w):
+        m.register_buffer("orbit_codes", w.to(torch.int8), persistent=False)
+
+
+def refused_case(case: str) -> nn.Sequential:
+    """Three bf16 layers; the middle one ('1') in the form of ``case``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    model = model.to(torch.bfloat16).requires_grad_(False)
+    middle = model[1]
+    if case == "orbit4":
+        aitk.convert(middle, OrbitQuantizer())
+    elif case.startswith("uint4"):
+        aitk.convert(middle, aitk.UIntX(4))
+        if case == "uint4, a scale of bf16":
+            middle.uintx_scale = middle.uintx_scale.view(torch.bfloat16)
+        elif case == "uint4, no zero points":
+            del middle._buffers["uintx_zero_point"]
+        elif case == "uint4, an ARA of another size":
+            aitk.Ara(middle)
+            middle.ara_lora_ref().lora_down = nn.Linear(32, 4, bias=False)
+    elif case == "convrot8, a rotation of 48":
+        aitk.convert(middle, aitk.ConvRot8())
+        middle.cr8_rot_size = 48
+    elif case == "nf4 requiring grad":
+        middle.weight = nn.Parameter(to_nf4(middle.weight.detach(), 64, 64))
+    elif case == "int4 on a Conv2d":
+        model[1] = nn.Conv2d(64, 64, 1).to(torch.bfloat16).requires_grad_(False)
+        config = IntxWeightOnlyConfig(weight_dtype=torch.int4)
+        quantize_(model[1], config, filter_fn=lambda m, fqn: True)
+        assert packed.form_of(model[1]) is not None
+    return model
+
+
+INSTEAD = (
+    "stream a form weightstream takes (torchao's NF4Tensor and IntxUnpackedToInt8Tensor, "
+    "ai-toolkit's OstrisLinear of uint2..uint7, nvfp4, convrot8), load the model unquantized "
+    "(quantize='fp8' streams it in 8 bits), or keep the layer on the device (ignore=['1'])"
+)
+UINT4 = "cannot stream '1': it is ai-toolkit's OstrisLinear of qtype 'uint4' (aitk.uint4), which "
+REFUSALS = {
+    "orbit4": "cannot stream '1': it is ai-toolkit's OstrisLinear of qtype 'orbit4' "
+    "(OrbitQuantizer), a packed form weightstream does not stream: " + INSTEAD,
+    "uint4, a scale of bf16": UINT4 + "has uintx_scale of torch.bfloat16 [64, 1]; aitk.uint4 "
+    "holds torch.uint8 [64, 2]: " + INSTEAD,
+    "uint4, no zero points": UINT4 + "holds tensors ['uintx_packed', 'uintx_scale'], not the "
+    "layout of aitk.uint4 (['uintx_packed', 'uintx_scale', 'uintx_zero_point']; missing "
+    "['uintx_zero_point'], unknown []): " + INSTEAD,
+    "uint4, an ARA of another size": UINT4 + "has an ARA of in/out [32, 64] on a layer of "
+    "in/out [64, 64]: " + INSTEAD,
+    "convrot8, a rotation of 48": "cannot stream '1': it is ai-toolkit's OstrisLinear of qtype "
+    "'convrot8' (aitk.convrot8), which has cr8_rot_size 48, which does not divide in_features "
+    "64: " + INSTEAD,
+    "nf4 requiring grad": "cannot stream '1': its weight is a NF4Tensor made by torchao, which "
+    "requires grad: a packed base weight is frozen; freeze it "
+    "(module.weight.requires_grad_(False)) or keep the layer on the device (ignore=['1'])",
+    "int4 on a Conv2d": "cannot stream '1': its weight is a IntxUnpackedToInt8Tensor made by "
+    "torchao, on a Conv2d: packed torchao weights stream on nn.Linear layers with Linear's own "
+    "forward; keep the layer on the device (ignore=['1'])",
+}
+
+
+def test_packed_forms_that_do_not_stream_are_refused_before_anything_is_uploaded(daemon):
+    bad = []
+    for case, want in REFUSALS.items():
+        model = refused_case(case)
+        try:
+            wst.attach(model, "cpu", client=daemon.client, min_bytes=0)
+            got = "attached"
+        except wst.QuantizedWeight as e:
+            got = str(e)
+        if got != want:
+            bad.append(f"{case}:\n  want {want}\n  got  {got}")
+        if daemon.client.list_models().models or daemon.client.info().usage.uploads:
+            bad.append(f"{case}: something was uploaded")
+    assert not bad, "\n".join(bad)
+    # Kept on the device when ignored: the rest streams, the layer runs in place.
+    model = refused_case("orbit4")
+    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, ignore=["1"])
+    assert set(handle.streamed) == {"0", "2"}
+    assert handle.stats()["packed_formats"] == {}
+    handle.detach(release=True)
+
+
+# --- through ai-toolkit's MemoryManager ------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ["uint4", "convrot8"])
+def test_ai_toolkits_memory_manager_streams_its_packed_layers_with_their_adapters(
+    daemon, request, qtype
+):
+    """``MemoryManager.attach`` (what ai-toolkit calls under ``weightstream-aitk``) streams
+    the OstrisLinear layers as they are; the ARAs stay on the device and train, equal to the
+    same model in place. (``toolkit``: test_ai_toolkit's fixture, a ``toolkit`` package under
+    the launcher.)"""
+    aitk_package = request.getfixturevalue("toolkit").package
+    dtype = torch.bfloat16
+    (ref, ref_aras), (streamed, aras) = aitk_model(qtype, dtype), aitk_model(qtype, dtype)
+    manager = aitk_package.MemoryManager.attach(streamed, "cpu")
+    assert set(packed_layers(ref)) <= set(manager.handle.streamed)
+    assert list(manager.handle.stats()["packed_formats"]) == [f"aitk.{qtype}"]
+    assert_equal_runs(train_run(ref, ref_aras, dtype), train_run(streamed, aras, dtype))
+    aitk_package.MemoryManager.free(streamed)

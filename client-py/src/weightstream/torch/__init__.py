@@ -27,7 +27,8 @@ This module is the package's face: it only re-exports. Modules: ``attach`` (``at
 lookahead; no daemon), ``budget`` (``vram_budget="auto"``), ``hooks`` (where the forward goes
 in a layer's chain, and back out), ``ops`` (the autograd Function), ``placeholder``
 (``Placeholder``), ``handle`` (``Handle``: tickets, plan, ``detach``, ``close``),
-``torchao_weights`` (torchao's weights, streamed as they are), and the ``host`` sub-package:
+``torchao_weights`` (torchao's weights, streamed as they are), ``packed`` (packed quantized
+layers: a format described by its tensors, streamed byte for byte), and the ``host`` sub-package:
 trainable weights held in host memory (``stream_trainable``, ``attach(...,
 trainable="host")``, ``HostAdamW``, the 8-bit AdamW step).
 """

@@ -126,7 +126,7 @@ def _intx_check(m):
         or len(w.block_size) != 2
         or any(s % b for s, b in zip(w.shape, w.block_size, strict=True))
     ):
-        return f"of shape {list(w.shape)} in blocks {list(w.block_size)}; 2-D whole blocks stream"
+        return f"has shape {list(w.shape)} in blocks {list(w.block_size)}; 2-D whole blocks stream"
     return None
 
 
@@ -150,9 +150,9 @@ def _uintx_check(nbits: int):
     def check(m):
         q = m.ostris_quantizer
         if getattr(q, "nbits", nbits) != nbits or getattr(q, "group_size", 64) != 64:
-            return f"with nbits {q.nbits} and group_size {q.group_size}, not {nbits} and 64"
+            return f"has nbits {q.nbits} and group_size {q.group_size}, not {nbits} and 64"
         if m.in_features % 64:
-            return f"with in_features {m.in_features}, not a multiple of the group size 64"
+            return f"has in_features {m.in_features}, not a multiple of the group size 64"
         return None
 
     return check
@@ -178,7 +178,7 @@ def _convrot8_tensors(m):
 def _convrot8_check(m):
     rot = getattr(m, "cr8_rot_size", None)
     if not isinstance(rot, int) or rot < 1 or m.in_features % rot:
-        return f"with cr8_rot_size {rot!r}, which does not divide in_features {m.in_features}"
+        return f"has cr8_rot_size {rot!r}, which does not divide in_features {m.in_features}"
     return None
 
 
@@ -247,10 +247,16 @@ def claims(m: nn.Module) -> bool:
     return is_ostris_linear(m) or form_of(m) is not None
 
 
+def torchao_names() -> str:
+    """The torchao subclasses that stream as packed layers, in words."""
+    return " and ".join(name for _, name in WEIGHT_FORMS)
+
+
 def streamed_names() -> str:
-    return ", ".join(
-        [f.name for f in WEIGHT_FORMS.values()] + [f.name for f in OSTRIS_FORMS.values()]
-    )
+    """The packed forms that stream, in words (refusals name them)."""
+    uints = [q for q in OSTRIS_FORMS if q.startswith("uint")]
+    aitk = ", ".join([f"{uints[0]}..{uints[-1]}"] + [q for q in OSTRIS_FORMS if q not in uints])
+    return f"torchao's {torchao_names()}, ai-toolkit's OstrisLinear of {aitk}"
 
 
 def inner(m: nn.Module, form: Form) -> dict[str, torch.Tensor]:
@@ -269,34 +275,40 @@ def refusal(name: str, m: nn.Module) -> str | None:
         q = getattr(m, "ostris_quantizer", None)
         qtype = getattr(q, "qtype", None)
         form = OSTRIS_FORMS.get(qtype)
+        if q is None:
+            return (
+                f"cannot stream {name!r}: it is ai-toolkit's OstrisLinear without a quantizer "
+                f"(no ostris_quantizer): {instead}"
+            )
         if form is None:
             return (
                 f"cannot stream {name!r}: it is ai-toolkit's OstrisLinear of qtype {qtype!r} "
                 f"({type(q).__name__}), a packed form weightstream does not stream: {instead}"
             )
-        what = f"ai-toolkit's OstrisLinear of qtype {qtype!r}"
+        what = f"it is ai-toolkit's OstrisLinear of qtype {qtype!r}"
     else:
         form = form_of(m)
         if form is None:
             return None
-        what = f"a {type(m.weight).__name__} made by torchao"
-        base = nn.Linear
-        if type(m).forward is not base.forward:
+        what = f"its weight is a {type(m.weight).__name__} made by torchao"
+        if not isinstance(m, nn.Linear) or type(m).forward is not nn.Linear.forward:
             return (
-                f"cannot stream {name!r}: its weight is {what} on a {type(m).__name__} with its "
-                f"own forward; packed torchao weights stream on nn.Linear layers: keep the "
-                f"layer on the device (ignore=[{name!r}])"
+                f"cannot stream {name!r}: {what}, on a {type(m).__name__}: packed torchao "
+                "weights stream on nn.Linear layers with Linear's own forward; keep the layer "
+                f"on the device (ignore=[{name!r}])"
             )
         if m.weight.requires_grad:
             return (
-                f"cannot stream {name!r}: its weight is {what}, which requires grad: a packed "
-                "base weight is frozen; freeze it (module.weight.requires_grad_(False)) or keep "
-                f"the layer on the device (ignore=[{name!r}])"
+                f"cannot stream {name!r}: {what}, which requires grad: a packed base weight is "
+                "frozen; freeze it (module.weight.requires_grad_(False)) or keep the layer on "
+                f"the device (ignore=[{name!r}])"
             )
     why = _layout_refusal(m, form)
     if why is None:
         why = _side_refusal(m)
-    return None if why is None else f"cannot stream {name!r}: {what} ({form.name}) {why}: {instead}"
+    if why is None:
+        return None
+    return f"cannot stream {name!r}: {what} ({form.name}), which {why}: {instead}"
 
 
 def _layout_refusal(m: nn.Module, form: Form) -> str | None:

@@ -35,7 +35,7 @@ import weightstream
 import weightstream.torch as wst
 from weightstream.integrations.ai_toolkit import loading
 from weightstream.integrations.ai_toolkit.settings import Settings, current
-from weightstream.torch import policy
+from weightstream.torch import packed, policy
 from weightstream.torch.placeholder import is_placeholder
 
 
@@ -310,8 +310,9 @@ def _budget(settings, offload_percent: float):
 def _largest_first(candidates, percent: float) -> list[str]:
     """The largest layers (by weight and bias bytes, then name) until they hold ``percent``
     of the candidates' bytes."""
+    packs = {n: packed.Packed.of(m) for n, m in candidates if packed.form_of(m) is not None}
     sized = sorted(
-        ((n, sum(t.nbytes for _, t in policy.layer_tensors(n, m))) for n, m in candidates),
+        ((n, sum(t.nbytes for _, t in policy.layer_tensors(n, m, packs))) for n, m in candidates),
         key=lambda x: (-x[1], x[0]),
     )
     left, chosen = percent * sum(size for _, size in sized), []
@@ -324,10 +325,18 @@ def _largest_first(candidates, percent: float) -> list[str]:
 
 
 def _refuse_ostris_quantized(root: nn.Module, ignore: set[str]):
-    """ai-toolkit's own quantized layers (``OstrisLinear``: the weight is a property that
-    dequantizes) hold bytes that are not the weight's."""
+    """ai-toolkit's own quantized layers (``OstrisLinear``) stream as they are where
+    ``packed`` knows their qtype; the others are refused by ``packed.refusal``, naming the
+    qtype. A layer marked ``is_ostris_quantized`` of another class holds bytes that are not
+    the weight's either."""
     for name, m in root.named_modules():
-        if name not in ignore and getattr(m, "is_ostris_quantized", False):
+        if name in ignore:
+            continue
+        if packed.is_ostris_linear(m):
+            why = packed.refusal(name, m)
+            if why is not None:
+                raise policy.QuantizedWeight(why)
+        elif getattr(m, "is_ostris_quantized", False):
             raise policy.QuantizedWeight(
                 f"cannot stream {name!r}: it is ai-toolkit's {type(m).__name__}, quantized by "
                 "ai-toolkit (its bytes are not the weight's); load the model unquantized "
