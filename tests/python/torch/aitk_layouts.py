@@ -199,3 +199,81 @@ class Ara(nn.Module):
 
     def forward(self, x):
         return self.org_forward(x) + self.lora_up(self.lora_down(x)) * self.scale
+
+
+class ConvRot4(Nvfp4):
+    """``Nvfp4``'s codes and scales of the rotated weight (``cr_`` buffers, no input scales),
+    the scales also padded to 128 x 4 tiles (``cr_scales_blocked``, here in row order: only
+    its size is the layout's); the input rotated alike."""
+
+    qtype = "convrot4"
+
+    def quantize(self, m, w):
+        rot = min(64, m.in_features)
+        super().quantize(m, rotate(w.float(), rot))
+        for old, new in (("nv4_qdata", "cr_qdata"), ("nv4_scales", "cr_scales")):
+            m.register_buffer(new, m._buffers.pop(old), persistent=False)
+        m.register_buffer("cr_pts", m._buffers.pop("nv4_pts"), persistent=False)
+        out, blocks = m.cr_scales.shape
+        tiles = torch.zeros(-(-out // 128) * 128, -(-blocks // 4) * 4, dtype=torch.uint8)
+        tiles[:out, :blocks] = m.cr_scales
+        m.register_buffer("cr_scales_blocked", tiles.flatten(), persistent=False)
+        m.cr_rot_size = rot
+
+    def forward(self, m, x):
+        out, inputs = m.out_features, m.in_features
+        xr = rotate(x, m.cr_rot_size)
+        with torch.no_grad():
+            codes = torch.stack([m.cr_qdata & 15, m.cr_qdata >> 4], -1).view(out, inputs)
+            v = torch.tensor(E2M1, device=codes.device)[(codes & 7).long()]
+            v = torch.where(codes & 8 > 0, -v, v).view(out, inputs // 16, 16)
+            s = m.cr_scales.view(torch.float8_e4m3fn).float() * m.cr_pts.view(torch.float32)
+            w = (v * s[..., None]).view(out, inputs).to(x.dtype)
+        return F.linear(xr, w, m.bias)
+
+
+def group(inputs: int) -> int:
+    """The k-group: 128, halved until it divides the width."""
+    g = 128
+    while inputs % g:
+        g //= 2
+    return g
+
+
+class ConvRotIntN:
+    """Symmetric ``bits``-bit codes of the rotated weight, offset by qmax and packed 8 codes in
+    ``bits`` bytes along a row (``crn_qdata``), a float32 scale per row (``crn_scales``) and,
+    below 8 bits, a float32 ratio per row and k-group (``crn_gratio``, ``group``)."""
+
+    def __init__(self, bits: int):
+        self.bits, self.qtype = bits, f"convrotint{bits}"
+
+    def quantize(self, m, w):
+        rot, bits, qmax = min(64, m.in_features), self.bits, (1 << (self.bits - 1)) - 1
+        wr = rotate(w.float(), rot)
+        out, inputs = wr.shape
+        scale = (wr.abs().amax(1) / qmax).clamp(min=1e-12)
+        q = (wr / scale[:, None]).round().clamp(-qmax, qmax).to(torch.int64) + qmax
+        words = (q.view(out, inputs // 8, 8) << (torch.arange(8) * bits)).sum(-1)
+        packed = (words[..., None] >> (torch.arange(bits) * 8)) & 0xFF
+        m.register_buffer("crn_qdata", packed.to(torch.uint8).view(out, -1), persistent=False)
+        m.register_buffer("crn_scales", scale.view(torch.uint8), persistent=False)
+        if bits <= 7:
+            ratio = torch.linspace(0.9, 1.0, out * (inputs // group(inputs))).view(out, -1)
+            m.register_buffer("crn_gratio", ratio.view(torch.uint8), persistent=False)
+        m.crn_bits, m.crn_rot_size = bits, rot
+
+    def forward(self, m, x):
+        out, inputs, bits = m.out_features, m.in_features, self.bits
+        xr = rotate(x, m.crn_rot_size)
+        with torch.no_grad():
+            b = m.crn_qdata.view(out, inputs // 8, bits).to(torch.int64)
+            words = (b << (torch.arange(bits, device=b.device) * 8)).sum(-1)
+            shifts = torch.arange(8, device=b.device) * bits
+            q = ((words[..., None] >> shifts) & ((1 << bits) - 1)).view(out, inputs)
+            w = (q - ((1 << (bits - 1)) - 1)).float() * m.crn_scales.view(torch.float32)[:, None]
+            ratio = m._buffers.get("crn_gratio")
+            if ratio is not None:
+                w = w.view(out, -1, group(inputs)) * ratio.view(torch.float32)[..., None]
+            w = w.reshape(out, inputs).to(x.dtype)
+        return F.linear(xr, w, m.bias)

@@ -49,6 +49,9 @@ QUANTIZERS = {
     "uint3": lambda: aitk.UIntX(3),
     "nvfp4": lambda: aitk.Nvfp4(pre_scale=True),
     "convrot8": aitk.ConvRot8,
+    "convrot4": aitk.ConvRot4,
+    "convrotint3": lambda: aitk.ConvRotIntN(3),
+    "convrotint8": lambda: aitk.ConvRotIntN(8),
 }
 
 
@@ -98,11 +101,11 @@ def packed_layers(model) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if packed.form_of(m) is not None}
 
 
-def train_run(model, aras, dtype, steps=3):
+def train_run(model, aras, dtype, autocast=False, steps=3):
     """``run`` with the ARAs' parameters trained too (AdamW over every trainable parameter)."""
     holder = nn.ModuleList([model, *aras])
     holder.forward = model.forward
-    return run(holder, steps, dtype, sample_between=True)
+    return run(holder, steps, dtype, sample_between=True, autocast=autocast)
 
 
 FORMS = [
@@ -112,15 +115,24 @@ FORMS = [
     "aitk.uint3",
     "aitk.nvfp4",
     "aitk.convrot8",
+    "aitk.convrot4",
+    "aitk.convrotint3",
+    "aitk.convrotint8",
 ]
 
 
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize(
-    "ckpt,group_by,where", [(None, "layer", "streamed"), ("non-reentrant", "block", "mixed")]
+    "dtype,ckpt,autocast,group_by,where",
+    [
+        (torch.bfloat16, None, False, "layer", "streamed"),
+        (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
+        (torch.float32, "reentrant", True, "layer", "streamed"),
+    ],
 )
-def test_attach_equals_the_same_packed_layers_in_place(daemon, form, ckpt, group_by, where):
-    dtype = torch.bfloat16
+def test_attach_equals_the_same_packed_layers_in_place(
+    daemon, form, dtype, ckpt, autocast, group_by, where
+):
     (ref, ref_aras), (streamed, aras) = build(form, dtype), build(form, dtype)
     ref.ckpt = streamed.ckpt = ckpt
     layers = packed_layers(streamed)
@@ -175,7 +187,9 @@ def test_attach_equals_the_same_packed_layers_in_place(daemon, form, ckpt, group
             "bits_per_weight": round(8 * nbytes / weights, 3),
         }
     }
-    assert_equal_runs(train_run(ref, ref_aras, dtype), train_run(streamed, aras, dtype))
+    assert_equal_runs(
+        train_run(ref, ref_aras, dtype, autocast), train_run(streamed, aras, dtype, autocast)
+    )
     handle.detach(release=True)
     # The quantizer's state again, the same bytes.
     for name, tensors in inner.items():
@@ -232,8 +246,9 @@ def refused_case(case: str) -> nn.Sequential:
 
 INSTEAD = (
     "stream a form weightstream takes (torchao's NF4Tensor and IntxUnpackedToInt8Tensor, "
-    "ai-toolkit's OstrisLinear of uint2..uint7, nvfp4, convrot8), load the model unquantized "
-    "(quantize='fp8' streams it in 8 bits), or keep the layer on the device (ignore=['1'])"
+    "ai-toolkit's OstrisLinear of uint2..uint7, convrotint2..convrotint8, nvfp4, convrot8, "
+    "convrot4), load the model unquantized (quantize='fp8' streams it in 8 bits), or keep the "
+    "layer on the device (ignore=['1'])"
 )
 UINT4 = "cannot stream '1': it is ai-toolkit's OstrisLinear of qtype 'uint4' (aitk.uint4), which "
 REFUSALS = {

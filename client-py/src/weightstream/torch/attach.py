@@ -113,9 +113,10 @@ def attach(
       ``ValueError`` naming the layer, before anything is uploaded.
     - A packed quantized layer (``packed``: torchao's ``NF4Tensor`` and
       ``IntxUnpackedToInt8Tensor`` weights, ai-toolkit's ``OstrisLinear`` of ``uint2..7``,
-      ``nvfp4``, ``convrot8``) streams its inner tensors byte for byte and runs its own
-      forward on them: outputs and gradients equal the layer in place (``Handle.stats()
-      ["packed_formats"]`` lists the formats and their bytes per weight).
+      ``convrotint2..8``, ``nvfp4``, ``convrot8``, ``convrot4``) streams its inner tensors
+      byte for byte and runs its own forward on them: outputs and gradients equal the layer
+      in place (``Handle.stats()["packed_formats"]`` lists the formats and their bytes per
+      weight).
     - A layer whose weight torchao quantized per row (``Float8WeightOnlyConfig()``,
       ``Int8WeightOnlyConfig()``: ``torchao_weights``) streams that weight as it is, its
       ``qdata`` and ``scale`` uploaded without a float round trip, and computes what torchao's

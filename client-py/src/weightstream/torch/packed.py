@@ -56,12 +56,26 @@ forward ``module.ostris_quantizer.forward(module, x)``; the bias a frozen parame
   int8 GEMM with a straight-through backward where the device has one, else fake-quantized
   activations and ``F.linear`` of the dequantized weight.
 
+- ``aitk.convrot4`` (``ConvRotQuantizer``, W4A4 NVFP4): ``cr_qdata`` uint8 [out, in/2],
+  ``cr_scales`` uint8 [out, in/16] (e4m3), ``cr_scales_blocked`` uint8 [ceil(out/128)*128 *
+  ceil(in/64)*4] (the same scales in cuBLAS's 128x4 tiles), ``cr_pts`` uint8 [4]; the
+  attribute ``cr_rot_size`` stays. Forward: rotate x; with no grad on a GPU with fp4 GEMMs
+  (sm_100+) quantize x to nvfp4 and run ``torch._scaled_mm``, else (training, or another GPU)
+  fake-quantized activations and ``F.linear`` of the dequantized weight: the quantizer picks,
+  as in place.
+- ``aitk.convrotint2`` .. ``aitk.convrotint8`` (``ConvRotIntNQuantizer``, W{n}A8):
+  ``crn_qdata`` uint8 [out, in/8*n] (8 codes in n bytes), ``crn_scales`` uint8 [out*4]
+  (float32 per row), below 8 bits ``crn_gratio`` uint8 [out, in/group*4] (float32 ratios per
+  row and k-group: 128 halved until it divides in); ``crn_bits`` and ``crn_rot_size`` stay.
+  Forward: unpack to int8 and run convrot8's.
+
 An accuracy recovery adapter (ARA, ai-toolkit's side LoRA on a quantized layer) is a module of
 its own whose forward wraps the layer's (``org_forward``): it stays on the device, trainable or
 frozen as ai-toolkit made it, and the streamed layer runs inside it (``hooks``); its sizes are
-checked against the layer's. Every other ai-toolkit qtype (``convrot4``, ``convrotint2..8``,
-``convrotbitnet``, ``orbit*``, ``nvfp4`` on a Conv) and every other torchao subclass is refused
-by name, before anything is uploaded, with what to use instead.
+checked against the layer's. Every other ai-toolkit qtype (``convrotbitnet``: ternary codes
+five a byte; ``convrotcomfyw4a4``; ``orbit2/3/4`` and the vector-quantized ``orbit``) and every
+other torchao subclass is refused by name, before anything is uploaded, with what to use
+instead.
 """
 
 from __future__ import annotations
@@ -175,11 +189,61 @@ def _convrot8_tensors(m):
     }
 
 
-def _convrot8_check(m):
-    rot = getattr(m, "cr8_rot_size", None)
-    if not isinstance(rot, int) or rot < 1 or m.in_features % rot:
-        return f"has cr8_rot_size {rot!r}, which does not divide in_features {m.in_features}"
-    return None
+def _convrot4_tensors(m):
+    out, inputs = m.out_features, m.in_features
+    blocked = -(-out // 128) * 128 * -(-(inputs // 16) // 4) * 4
+    return {
+        "cr_qdata": (torch.uint8, (out, inputs // 2)),
+        "cr_scales": (torch.uint8, (out, inputs // 16)),
+        "cr_scales_blocked": (torch.uint8, (blocked,)),
+        "cr_pts": (torch.uint8, (4,)),
+    }
+
+
+def _rotation_check(attribute: str):
+    def check(m):
+        rot = getattr(m, attribute, None)
+        if not isinstance(rot, int) or rot < 1 or m.in_features % rot:
+            return f"has {attribute} {rot!r}, which does not divide in_features {m.in_features}"
+        return None
+
+    return check
+
+
+def _intn_group(inputs: int) -> int:
+    """ai-toolkit's k-group of ``convrotint*`` (128, halved until it divides the width)."""
+    group = 128
+    while inputs % group:
+        group //= 2
+    return group
+
+
+def _convrotint_tensors(bits: int):
+    def tensors(m):
+        out, inputs = m.out_features, m.in_features
+        return {
+            "crn_qdata": (torch.uint8, (out, inputs // 8 * bits)),
+            "crn_scales": (torch.uint8, (out * 4,)),
+            "crn_gratio": (torch.uint8, (out, inputs // _intn_group(inputs) * 4)),
+        }
+
+    return tensors
+
+
+def _convrotint_check(bits: int):
+    rotation = _rotation_check("crn_rot_size")
+
+    def check(m):
+        if getattr(m, "crn_bits", None) != bits:
+            return f"has crn_bits {getattr(m, 'crn_bits', None)!r}, not {bits}"
+        if m.in_features % 8:
+            return f"has in_features {m.in_features}, not a multiple of 8"
+        grouped = m._buffers.get("crn_gratio") is not None
+        if grouped != (bits <= 7):
+            return f"{'has' if grouped else 'has no'} crn_gratio at {bits} bits"
+        return rotation(m)
+
+    return check
 
 
 #: The weight subclasses that stream, by (their type's module, its name).
@@ -212,9 +276,27 @@ OSTRIS_FORMS = {
         "aitk.convrot8",
         BUFFERS,
         _convrot8_tensors,
-        check=_convrot8_check,
+        check=_rotation_check("cr8_rot_size"),
         stays=f"cr8_rot_size; {_ARA}",
     ),
+    "convrot4": Form(
+        "aitk.convrot4",
+        BUFFERS,
+        _convrot4_tensors,
+        check=_rotation_check("cr_rot_size"),
+        stays=f"cr_rot_size; {_ARA}",
+    ),
+    **{
+        f"convrotint{b}": Form(
+            f"aitk.convrotint{b}",
+            BUFFERS,
+            _convrotint_tensors(b),
+            optional=frozenset({"crn_gratio"}),
+            check=_convrotint_check(b),
+            stays=f"crn_bits, crn_rot_size; {_ARA}",
+        )
+        for b in range(2, 9)
+    },
 }
 #: What to do with a packed form that does not stream, at the end of its refusal.
 INSTEAD = (
@@ -254,8 +336,9 @@ def torchao_names() -> str:
 
 def streamed_names() -> str:
     """The packed forms that stream, in words (refusals name them)."""
-    uints = [q for q in OSTRIS_FORMS if q.startswith("uint")]
-    aitk = ", ".join([f"{uints[0]}..{uints[-1]}"] + [q for q in OSTRIS_FORMS if q not in uints])
+    runs = [[q for q in OSTRIS_FORMS if q.startswith(p)] for p in ("uint", "convrotint")]
+    single = [q for q in OSTRIS_FORMS if not any(q in run for run in runs)]
+    aitk = ", ".join([f"{run[0]}..{run[-1]}" for run in runs] + single)
     return f"torchao's {torchao_names()}, ai-toolkit's OstrisLinear of {aitk}"
 
 

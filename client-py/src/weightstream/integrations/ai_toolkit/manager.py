@@ -14,6 +14,10 @@ attached module's ``to`` moves only what is not managed. Here:
   loaders freeze later); the layers of a LoRA already in the model (peft's ``lora_A``...,
   ai-toolkit's ``LoRAModule``) never do. A streamed weight that still requires grad when the
   module runs is refused: weightstream streams frozen weights only.
+- ai-toolkit's quantized layers (``OstrisLinear``) stream as they are where weightstream knows
+  their qtype (``weightstream.torch.packed``: ``uint2..7``, ``convrotint2..8``, ``nvfp4``,
+  ``convrot8``, ``convrot4``), their
+  accuracy recovery adapters staying on the device; another qtype is refused by name.
 - ``to()`` moves and casts what is not streamed; casting streamed weights to another dtype
   than the daemon's copy is refused.
 - ``free`` closes the session, drops the daemon's reference and sends the rest to ``meta``.
