@@ -92,6 +92,21 @@ def build(form: str, dtype):
     return aitk_model(form.removeprefix("aitk."), dtype)
 
 
+ARA = "the ARA side LoRA (ara_lora_ref), trainable or frozen as ai-toolkit made it"
+#: What each form's summary says stays on the device.
+STAYS = {
+    "torchao.NF4Tensor": "the weight's flatten context (attributes, no tensor)",
+    "torchao.IntxUnpackedToInt8Tensor": "the weight's flatten context (attributes, no tensor)",
+    "aitk.uint4": ARA,
+    "aitk.uint3": ARA,
+    "aitk.nvfp4": ARA,
+    "aitk.convrot8": f"cr8_rot_size; {ARA}",
+    "aitk.convrot4": f"cr_rot_size; {ARA}",
+    "aitk.convrotint3": f"crn_bits, crn_rot_size; {ARA}",
+    "aitk.convrotint8": f"crn_bits, crn_rot_size; {ARA}",
+}
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.numel(), dtype=t.dtype)  # strides of 1 (a size-1 dim may have any)
     return out.copy_(t.detach().reshape(-1)).view(torch.uint8)
@@ -185,6 +200,7 @@ def test_attach_equals_the_same_packed_layers_in_place(
             "weights": weights,
             "bytes_per_weight": round(nbytes / weights, 4),
             "bits_per_weight": round(8 * nbytes / weights, 3),
+            "stays": STAYS[form],
         }
     }
     assert_equal_runs(

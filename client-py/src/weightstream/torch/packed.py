@@ -105,7 +105,7 @@ class Form:
     tensors: Callable[[nn.Module], dict[str, tuple[torch.dtype, tuple[int, ...]]]]
     optional: frozenset[str] = frozenset()
     check: Callable[[nn.Module], str | None] = lambda m: None
-    stays: str = "the bias's requires_grad (frozen)"
+    stays: str = "the weight's flatten context (attributes, no tensor)"
 
 
 # --- the layouts ---------------------------------------------------------------------------
@@ -586,14 +586,16 @@ class State:
 
 
 def summary(layers) -> dict:
-    """Per streamed packed format: its layers, bytes and bytes per weight (``Handle.stats``:
-    ``packed_formats``)."""
+    """Per streamed packed format: its layers, bytes, bytes and bits per weight, and what stays
+    on the device (``Handle.stats``: ``packed_formats``)."""
     out: dict[str, dict] = {}
     for layer in layers:
         p = layer.packed
         if p is None:
             continue
-        entry = out.setdefault(p.form.name, {"layers": 0, "bytes": 0, "weights": 0})
+        entry = out.setdefault(
+            p.form.name, {"layers": 0, "bytes": 0, "weights": 0, "stays": p.form.stays}
+        )
         entry["layers"] += 1
         entry["bytes"] += p.nbytes
         entry["weights"] += p.weights
