@@ -535,7 +535,7 @@ def test_bad_requests_are_refused_with_the_field_named(daemon):
         with pytest.raises(weightstream.SessionFault) as e:
             session.acquire(5)
         said = f"ticket {e.value.ticket}: acquire.group 5 is out of range: the session has 1 groups"
-        assert (e.value.code, str(e.value)) == ("FAULT_INVALID_ARGUMENT", said), "no code in the text"
+        assert (e.value.code, str(e.value)) == ("FAULT_INVALID_ARGUMENT", said), "no code"
         ticket = session.acquire(0)
         assert torch.equal(ticket.tensors[0], torch.zeros(1024))
         session.release(ticket)

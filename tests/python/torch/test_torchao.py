@@ -29,7 +29,6 @@ from torchao.quantization import (
     Int8DynamicActivationInt8WeightConfig,
     Int8Tensor,
     Int8WeightOnlyConfig,
-    IntxWeightOnlyConfig,
     quantize_,
 )
 from torchao.quantization.granularity import PerGroup, PerRow, PerTensor
@@ -400,7 +399,6 @@ CASE_CONFIGS = {
     "float8 e5m2": lambda: Float8WeightOnlyConfig(weight_dtype=torch.float8_e5m2),
     "int8 per group": lambda: Int8WeightOnlyConfig(granularity=PerGroup(32)),
     "int8 dynamic activation": lambda: Int8DynamicActivationInt8WeightConfig(),
-    "int4 unpacked (IntxWeightOnlyConfig)": lambda: IntxWeightOnlyConfig(weight_dtype=torch.int4),
 }
 
 INSTEAD = (
@@ -410,7 +408,8 @@ INSTEAD = (
 )
 OTHER = (
     "a layout weightstream does not stream (it streams Float8Tensor (Float8WeightOnlyConfig()) "
-    "and Int8Tensor (Int8WeightOnlyConfig())): " + INSTEAD
+    "and Int8Tensor (Int8WeightOnlyConfig()) in 8 bits, and NF4Tensor and "
+    "IntxUnpackedToInt8Tensor as packed layers): " + INSTEAD
 )
 REFUSALS = {
     "float8 per tensor": "Float8Tensor made by torchao, with block_size [64, 64]; weightstream "
@@ -424,7 +423,6 @@ REFUSALS = {
     "int8 dynamic activation": "Int8Tensor made by torchao, with activation quantization (a "
     "dynamic-activation config): its linear is a quantized matmul, not the weight's; "
     "weightstream streams the weight-only Int8WeightOnlyConfig(): " + INSTEAD,
-    "int4 unpacked (IntxWeightOnlyConfig)": "IntxUnpackedToInt8Tensor made by torchao, " + OTHER,
     "asymmetric int8": "Int8Tensor made by torchao, with nonzero zero points (asymmetric "
     "quantization); weightstream streams the symmetric Int8WeightOnlyConfig(): " + INSTEAD,
     "a bfloat16 scale": "Float8Tensor made by torchao, with a torch.bfloat16 scale of shape "
@@ -459,7 +457,10 @@ def test_other_quantized_weights_are_refused_by_rule_before_anything_is_uploaded
                 "cannot stream '1': its weight is a WeightQBytesTensor made by optimum-quanto, "
                 "whose bytes are not the weight's (of other libraries' quantized weights, "
                 "weightstream streams torchao's Float8Tensor and Int8Tensor quantized per row, "
-                "as they are). Keep the layer on the device (ignore=['1']), or load the model "
+                "and torchao's NF4Tensor and IntxUnpackedToInt8Tensor, ai-toolkit's "
+                "OstrisLinear of uint2..uint7, convrotint2..convrotint8, nvfp4, convrot8, "
+                "convrot4, as they are). Keep the layer on "
+                "the device (ignore=['1']), or load the model "
                 "unquantized (quantize='fp8' streams it in 8 bits)."
             )
         else:

@@ -28,7 +28,8 @@ lookahead; no daemon), ``budget`` (``vram_budget="auto"``), ``hooks`` (where the
 in a layer's chain, and back out), ``ops`` (the autograd Function), ``placeholder``
 (``Placeholder``), ``handle`` (``Handle``: tickets, plan, ``detach``, ``close``), ``passes``
 (sampling passes under ``no_grad`` and their forward plan, ``Handle.sampling()``),
-``torchao_weights`` (torchao's weights, streamed as they are), and the ``host`` sub-package:
+``torchao_weights`` (torchao's weights, streamed as they are), ``packed`` (packed quantized
+layers: a format described by its tensors, streamed byte for byte), and the ``host`` sub-package:
 trainable weights held in host memory (``stream_trainable``, ``attach(...,
 trainable="host")``, ``HostAdamW``, the 8-bit AdamW step).
 """

@@ -22,6 +22,7 @@ from weightstream.torch import (
     budget,
     compute_plan,
     ops,
+    packed,
     passes,
     placeholder,
     policy,
@@ -114,6 +115,12 @@ def attach(
       equal the model with each streamed weight replaced by its dequantization
       (``weightstream.quantize.to_fp8_resident``). A weight that is not bf16/f16/f32 raises
       ``ValueError`` naming the layer, before anything is uploaded.
+    - A packed quantized layer (``packed``: torchao's ``NF4Tensor`` and
+      ``IntxUnpackedToInt8Tensor`` weights, ai-toolkit's ``OstrisLinear`` of ``uint2..7``,
+      ``convrotint2..8``, ``nvfp4``, ``convrot8``, ``convrot4``) streams its inner tensors
+      byte for byte and runs its own forward on them: outputs and gradients equal the layer
+      in place (``Handle.stats()["packed_formats"]`` lists the formats and their bytes per
+      weight).
     - A layer whose weight torchao quantized per row (``Float8WeightOnlyConfig()``,
       ``Int8WeightOnlyConfig()``: ``torchao_weights``) streams that weight as it is, its
       ``qdata`` and ``scale`` uploaded without a float round trip, and computes what torchao's
@@ -150,15 +157,20 @@ def attach(
     for name, m in selection.streamed:
         hooks.check(name, m)  # refuse before uploading anything
     fmt = quantize.format_name(options.quantize)
+    # Packed layers stream their inner tensors as they are (``packed``; an OstrisLinear's
+    # ``weight`` is a property that dequantizes, so it is never read here).
+    packs = {
+        name: packed.Packed.of(m) for name, m in selection.streamed if packed.form_of(m) is not None
+    }
     # torchao's weights stream in their own format (read before any weight is freed).
     rebuilds = {
         name: torchao_weights.Rebuild.of(m.weight)
         for name, m in selection.streamed
-        if torchao_weights.format_of(m.weight) is not None
+        if name not in packs and torchao_weights.format_of(m.weight) is not None
     }
     if fmt is not None:
         for name, m in selection.streamed:
-            if name not in rebuilds:
+            if name not in rebuilds and name not in packs:
                 quantize.check_quantizable(name, m.weight)
     compute = compute_plan.plan(selection.streamed, options, device)
     client = client or weightstream.connect()
@@ -185,6 +197,7 @@ def attach(
             model,
             fmt,
             set(rebuilds),
+            packs,
             optimizer,
             master,
             label,
@@ -211,6 +224,7 @@ def attach(
         label,
         fmt,
         set(rebuilds),
+        packs,
         upload_phases,
         pin,
         compute,
@@ -232,11 +246,12 @@ def attach(
             staging_bytes,
             quantized,
             compute.rowwise(),
+            packs,
         )
         if grouping.fallback:
             warnings.warn(grouping.fallback, stacklevel=2)
         groups = [
-            (gname, [t for n, m in ms for t, _ in policy.layer_tensors(n, m)])
+            (gname, [t for n, m in ms for t, _ in policy.layer_tensors(n, m, packs)])
             for gname, ms in grouping.members.items()
         ]
         if auto is not None:
@@ -247,7 +262,7 @@ def attach(
         policy.check_budget(grouping, vram_budget, staging_bytes)  # before anything is freed
         # The daemon allocates the session's budget on the device: the trainer's copies there
         # go first, and torch's cache gives their memory back.
-        freed += _free(selection.streamed, device, only_on=device)
+        freed += _free(selection.streamed, device, packs, only_on=device)
         gc.collect()
         torch.cuda.empty_cache()
         t = time.monotonic()
@@ -275,18 +290,20 @@ def attach(
                     group,
                     m.bias is not None,
                     slot,
-                    dtype=m.weight.dtype,
+                    dtype=packs[name].dtype if name in packs else m.weight.dtype,
                     rebuild=rebuilds.get(name),
+                    packed=packs.get(name),
                     compute8=compute.layers.get(name),
                     compute_fallback=compute.fallback(name),
                 )
-                slot += 2 if m.bias is not None else 1
+                tensors = len(packs[name].names) if name in packs else 1
+                slot += tensors + (m.bias is not None)
                 handle.streamed[name] = layer
                 hooks.install(name, m, functools.partial(ops.forward, layer))
         handle._choose_dequantize()
         handle._pin_resident()
         _move_the_rest(module, handle.streamed, device)
-        _free(selection.streamed, device)
+        _free(selection.streamed, device, packs)
         if plan is not None:
             plan.check(handle, device=device, optimizer=optimizer, master=master)
             handle.trainable = plan.apply()
@@ -313,6 +330,7 @@ def _check_host_room(
     model,
     fmt,
     torchao: set[str],
+    packs: dict,
     optimizer,
     master: str,
     label: str,
@@ -331,13 +349,15 @@ def _check_host_room(
         check_optimizer(optimizer)
     upload = 0
     if model is None:
-        quantized = frozenset(f"{n}.weight" for n, _ in streamed if fmt and n not in torchao)
+        quantized = frozenset(
+            f"{n}.weight" for n, _ in streamed if fmt and n not in torchao and n not in packs
+        )
         upload = _upload.upload_charge(
             label,
             [
                 (t, w.ndim, policy.tensor_nbytes(t, w, quantized, rowwise))
                 for n, m in streamed
-                for t, w in policy.layer_tensors(n, m)
+                for t, w in policy.layer_tensors(n, m, packs)
             ],
         )
     plan.fits(client, optimizer, master, upload)
@@ -351,6 +371,7 @@ def _model_of(
     label: str,
     fmt: str | None,
     torchao: set[str],
+    packs: dict,
     phases: dict,
     pin: bool,
     compute: compute_plan.Plan,
@@ -365,7 +386,7 @@ def _model_of(
     (``compute_plan.upload_forms``), or ``model``, checked against them."""
     tensors = {}
     for name, m in streamed:
-        for tname, t in policy.layer_tensors(name, m):
+        for tname, t in policy.layer_tensors(name, m, packs):
             as_is = name in torchao and t is m.weight
             tensors[tname] = torchao_weights.upload_form(t) if as_is else t.detach()
         if name in prepared:
@@ -373,7 +394,7 @@ def _model_of(
     weights = [
         f"{name}.weight"
         for name, _ in streamed
-        if name not in torchao and name not in compute.layers
+        if name not in torchao and name not in compute.layers and name not in packs
     ]
     if model is not None:
         compute_plan.check_model(compute, model, _listed(client, model))
@@ -389,12 +410,20 @@ def _model_of(
     return manifest, manifest.model_id
 
 
-def _free(streamed, device: torch.device, only_on: torch.device | None = None) -> list[str]:
+def _free(
+    streamed, device: torch.device, packs: dict, only_on: torch.device | None = None
+) -> list[str]:
     """Puts placeholders on ``device`` in place of the streamed layers' weights and biases
-    (those on ``only_on`` alone, when given): the trainer's copies go with the last reference.
-    Returns the names of the tensors replaced."""
+    (those on ``only_on`` alone, when given), and of a packed layer's streamed tensors
+    (``packed.Packed.free``; with ``only_on``, where all are there): the trainer's copies go
+    with the last reference. Returns the names of the tensors replaced."""
     freed = []
     for name, m in streamed:
+        pack = packs.get(name)
+        if pack is not None and not pack.held:
+            inner = packed.inner(m, pack.form).values()
+            if only_on is None or all(t.device == only_on for t in inner):
+                freed += pack.free(name, m, device)
         for pname, tname in (("weight", f"{name}.weight"), ("bias", f"{name}.bias")):
             t = m._parameters.get(pname)
             if t is None or is_placeholder(t) or (only_on is not None and t.device != only_on):

@@ -20,7 +20,7 @@ from torch import nn
 
 from weightstream import quantize
 from weightstream.quantize import Fp8Weight
-from weightstream.torch import compute8, torchao_weights
+from weightstream.torch import compute8, packed, torchao_weights
 
 #: The format a weight prepared at attach is uploaded in, per mode.
 UPLOAD_FORMATS = {
@@ -127,6 +127,8 @@ def plan(streamed, options, device: torch.device) -> Plan:
 
 
 def fallback_reason(mode: str, m: nn.Module) -> str | None:
+    if packed.claims(m):
+        return f"{packed.form_of(m).name}: a packed layer computes with its quantizer's forward"
     if isinstance(m, nn.Conv2d):
         return "Conv2d: 8-bit compute takes nn.Linear layers"
     if not isinstance(m, nn.Linear):

@@ -18,7 +18,7 @@ from weightstream.client import Client
 from weightstream.errors import SessionFault
 from weightstream.quantize import Fp8Weight
 from weightstream.session import Session
-from weightstream.torch import budget, compute8, compute_plan, ops, passes, policy
+from weightstream.torch import budget, compute8, compute_plan, ops, packed, passes, policy
 from weightstream.torch.hooks import HookRegistry
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.torchao_weights import Rebuild
@@ -59,6 +59,9 @@ class StreamedLayer:
     compute8: compute_plan.Layer8 | None = None
     #: A layer of an 8-bit compute session that computes in the trainer's dtype; else None.
     compute_fallback: compute_plan.Fallback | None = None
+    #: A packed layer (``packed.Packed``): its views are its inner tensors, and ``views``
+    #: gives its rebuilt state (``packed.State``) in place of a weight; else None.
+    packed: packed.Packed | None = None
 
     @property
     def input_grad(self) -> str:
@@ -89,6 +92,8 @@ class StreamedLayer:
     def views(self, ticket) -> tuple:
         """The layer's (weight, bias) views in its group's ticket."""
         t, i = ticket.tensors, self.slot
+        if self.packed is not None:
+            return self.packed.views(t, i)
         return t[i], t[i + 1] if self.has_bias else None
 
 
@@ -573,7 +578,9 @@ class Handle:
         (under ``no_grad``) and training passes apart (``passes``): ``train_*`` and
         ``sample_*`` (``KindCounters``: acquires, hits, hit rate, acquires off the plan,
         passes, and the waits above while that kind's plan was in force), ``pass_kind``, and
-        the forward plan's ``forward_plan_length`` and ``forward_plan_recorded``."""
+        the forward plan's ``forward_plan_length`` and ``forward_plan_recorded``;
+        ``packed_formats``, each packed format streamed (``packed``) -> its layers, bytes, bytes
+        and bits per weight (``packed.summary``)."""
         out = {} if self._auto is None else self._auto.stats()
         self._passes.attribute_waits(self.session)
         out.update(self._passes.stats())
@@ -599,6 +606,7 @@ class Handle:
         out["dequant_by_group"] = [groups[g].name for g in sorted(self._layers_by_group)]
         out["dequant_peak_bytes"] = self._dequant_peak
         out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
+        out["packed_formats"] = packed.summary(self.streamed.values())
         if self._compute.mode is not None:
             out.update(self._compute_stats())
         if self.trainable is not None:
@@ -707,7 +715,10 @@ class Handle:
         for name, layer in self.streamed.items():
             ticket = self.session.acquire(layer.group)
             weight, bias = layer.views(ticket)
-            if layer.rebuild is not None:  # torchao's tensor again, as it was attached
+            if layer.packed is not None:  # the quantizer's state again, as it was attached
+                layer.packed.restore(layer.module, weight, device)
+                weight = None
+            elif layer.rebuild is not None:  # torchao's tensor again, as it was attached
                 weight = layer.rebuild(
                     weight.data.to(device, copy=True), weight.scale.to(device, copy=True)
                 )
@@ -721,7 +732,8 @@ class Handle:
             self.session.release(ticket)
             self._hooks.remove(name)
             m = layer.module
-            m.weight = nn.Parameter(weight, requires_grad=False)
+            if weight is not None:
+                m.weight = nn.Parameter(weight, requires_grad=False)
             if layer.has_bias:
                 m.bias = nn.Parameter(bias, requires_grad=False)
         self.streamed.clear()

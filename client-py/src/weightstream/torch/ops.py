@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weightstream import quantize
-from weightstream.torch import compute8
+from weightstream.torch import compute8, packed
 
 
 class Layer(Protocol):
@@ -94,12 +94,15 @@ def in_checkpoint() -> bool:
 
 
 def op(module: nn.Module, x, weight, bias, compute=None):
-    """The module's own operation with the given weight and bias; for an 8-bit weight whose
+    """The module's own operation with the given weight and bias (a packed layer's state:
+    its class forward on that state, ``packed.State.run``); for an 8-bit weight whose
     library computes its own linear (a torchao weight: ``quantize.OWN_LINEAR``), that
     library's operation (``quantize.linear_as``); for a ``compute8.W8Weight``, the 8-bit
     linear (``compute8.linear``; ``compute``: the layer's ``compute_plan.Layer8``)."""
     if isinstance(weight, compute8.W8Weight):
         return compute8.linear(x, weight, bias, compute.grad_compute, compute.stats, compute.name)
+    if isinstance(weight, packed.State):
+        return weight.run(module, x, bias)
     if isinstance(weight, quantize.Fp8Weight):
         return quantize.linear_as(weight, x, bias)
     if isinstance(module, nn.Linear):
@@ -155,7 +158,10 @@ def input_grad(module, x, grad_out, weight, autocast: bool, dtype):
     module's op has no such formula here (then the op is recomputed and differentiated).
     torchao's float8 linear is a matmul of the input and the transposed dequantized weight,
     then the bias: its input gradient is the same ``mm`` of the gradient and that weight; the
-    int8 one scales the product afterwards, so it is recomputed."""
+    int8 one scales the product afterwards, so it is recomputed, as is a packed layer's
+    quantizer forward (``packed.State``)."""
+    if isinstance(weight, packed.State):
+        return None
     matmul_then_bias = isinstance(weight, quantize.Fp8Weight)
     if matmul_then_bias:
         if weight.format != quantize.TORCHAO_FLOAT8_ROWWISE:

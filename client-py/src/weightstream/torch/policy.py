@@ -4,7 +4,8 @@
   ``nothing_to_stream`` turns the reasons into the error ``attach`` raises; quantized weights
   (``quantizer_of``) are refused with ``QuantizedWeight``, never uploaded as plain tensors,
   but for torchao's per-row ``Float8Tensor`` and ``Int8Tensor``, which stream as they are
-  (``torchao_weights``).
+  (``torchao_weights``), and the packed forms of ``packed`` (torchao's NF4 and intx tensors,
+  ai-toolkit's ``OstrisLinear``), which stream their inner tensors as they are.
 - ``block_of``, ``choose_groups``: the unit of transfer (a repeated block, or one layer) and
   each group's size as the daemon lays it out. Which groups stay resident within the budget is
   the daemon's choice (``split_budget`` in ``daemon/src/session/layout.rs``); the client only
@@ -27,7 +28,7 @@ from torch.nn.utils import parametrize
 
 from weightstream import quantize as fp8
 from weightstream.sizes import size_text
-from weightstream.torch import torchao_weights
+from weightstream.torch import packed, torchao_weights
 from weightstream.torch.filetensor import is_file_tensor
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.placeholder import is_placeholder
@@ -95,7 +96,13 @@ def quantizer_of(t) -> str | None:
 def refuse_quantized(name: str, m: nn.Module):
     """Raises ``QuantizedWeight`` naming layer ``name`` when its weight or bias is a quantizer's
     tensor that does not stream: any but a torchao weight that ``torchao_weights`` streams as
-    it is."""
+    it is, or a packed form that ``packed`` streams (an ai-toolkit ``OstrisLinear`` of a qtype
+    it does not stream is refused too)."""
+    if packed.claims(m):
+        why = packed.refusal(name, m)
+        if why is not None:
+            raise QuantizedWeight(why)
+        return
     for pname in ("weight", "bias"):
         t = m._parameters.get(pname)
         quantizer = quantizer_of(t)
@@ -112,7 +119,8 @@ def refuse_quantized(name: str, m: nn.Module):
         raise QuantizedWeight(
             f"cannot stream {name!r}: its {pname} is a {kind} made by {quantizer}, whose bytes "
             f"are not the {pname}'s (of other libraries' quantized weights, weightstream streams "
-            "torchao's Float8Tensor and Int8Tensor quantized per row, as they are). Keep the "
+            "torchao's Float8Tensor and Int8Tensor quantized per row, and "
+            f"{packed.streamed_names()}, as they are). Keep the "
             f"layer on the device (ignore=[{name!r}]), or load the model unquantized "
             "(quantize='fp8' streams it in 8 bits)."
         )
@@ -126,6 +134,8 @@ def _why_resident(name, m, shared, read_directly, options: StreamOptions) -> str
     ):
         return "ignored"
     refuse_quantized(name, m)  # before the forward check: quanto's QLinear has its own
+    if packed.claims(m):
+        return _why_packed_resident(name, m, shared, read_directly, options)
     base = nn.Linear if isinstance(m, nn.Linear) else nn.Conv2d
     if type(m).forward is not base.forward:
         return "own_forward"
@@ -147,6 +157,24 @@ def _why_resident(name, m, shared, read_directly, options: StreamOptions) -> str
 def _layer_nbytes(m: nn.Module) -> int:
     """A layer's weight and bias bytes, what ``min_bytes`` is compared with."""
     return m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0)
+
+
+def _why_packed_resident(name, m, shared, read_directly, options: StreamOptions) -> str | None:
+    """``_why_resident`` of a packed layer (``packed``): its forward is the quantizer's, which
+    streams, and its size is that of its inner tensors (an ``OstrisLinear``'s ``weight`` is a
+    property that dequantizes: never read here)."""
+    if name in read_directly:
+        return "read_directly"
+    form = packed.form_of(m)
+    tensors = list(packed.inner(m, form).values())
+    if any(t.device.type == "meta" or is_placeholder(t) for t in tensors):
+        return "no_weight"
+    b = m.bias
+    if b is not None and id(b) in shared:
+        return "tied"
+    if sum(t.nbytes for t in tensors) + (b.nbytes if b is not None else 0) < options.min_bytes:
+        return "small"
+    return None
 
 
 def select(root: nn.Module, options: StreamOptions) -> Selection:
@@ -238,8 +266,11 @@ def group_layers(root, layers, group_by) -> dict[str, list[tuple[str, nn.Module]
     return members
 
 
-def layer_tensors(name: str, m: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """A streamed layer's tensors as the daemon names them: weight, then bias."""
+def layer_tensors(name: str, m: nn.Module, packs=None) -> list[tuple[str, torch.Tensor]]:
+    """A streamed layer's tensors as the daemon names them: weight, then bias; of a packed
+    layer (``packs``: layer name -> ``packed.Packed``), its inner tensors, then bias."""
+    if packs and name in packs:
+        return packs[name].tensors(name, m)
     out = [(f"{name}.weight", m.weight)]
     if m.bias is not None:
         out.append((f"{name}.bias", m.bias))
@@ -288,9 +319,11 @@ def choose_groups(
     staging_bytes: int,
     quantized: frozenset[str] = frozenset(),
     rowwise: frozenset[str] = frozenset(),
+    packs: dict | None = None,
 ) -> Grouping:
     """The groups and their sizes (``quantized``: the tensors the daemon keeps in 8 bits;
-    ``rowwise``: those it keeps with one scale per row, ``tensor_nbytes``).
+    ``rowwise``: those it keeps with one scale per row, ``tensor_nbytes``; ``packs``: the
+    packed layers, ``layer_tensors``).
     Blocks need staging for three of the largest (the one in use, the next, and one
     re-acquired); a smaller budget without an explicit staging size streams layer by layer
     instead."""
@@ -302,7 +335,7 @@ def choose_groups(
                 [
                     tensor_nbytes(tname, t, quantized, rowwise)
                     for n, m in ms
-                    for tname, t in layer_tensors(n, m)
+                    for tname, t in layer_tensors(n, m, packs)
                 ],
                 alignment,
             )

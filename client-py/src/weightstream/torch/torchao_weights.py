@@ -14,8 +14,9 @@ Each on an ``nn.Linear`` whose forward is Linear's own, frozen. The client uploa
 and the streamed layer computes what torchao's own ``F.linear`` computes with that tensor
 (``quantize.linear_as``), so outputs and gradients equal those of the quantized layer in place.
 Every other torchao tensor (another granularity or block size, float8 e5m2, a dynamic-activation
-config, ``Int4Tensor`` and the other packed layouts, ``IntxUnpackedToInt8Tensor`` of the uint/int
-2–7 configs, sparse layouts) is refused by ``refusal``, which says what to use instead.
+config, ``Int4Tensor`` and the other packed layouts, sparse layouts) is refused by ``refusal``,
+which says what to use instead; ``NF4Tensor`` and ``IntxUnpackedToInt8Tensor`` stream as packed
+layers, their inner tensors as they are (``packed``).
 
 Types are recognised without importing torchao (``policy.quantizer_of`` tells torchao's tensors
 by their module): a torchao tensor exists only where torchao was imported, and then its classes
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from weightstream import quantize
+from weightstream.torch import packed
 
 #: The streamed types, by the module torchao exports them from, and their formats.
 STREAMED = {
@@ -73,7 +75,10 @@ def refusal(name: str, m: nn.Module, t: torch.Tensor) -> str | None:
     instead = INSTEAD.format(name=name)
     if fmt is None:
         streamed = " and ".join(f"{k} ({_CONFIG[v]})" for k, v in STREAMED.items())
-        return f"a layout weightstream does not stream (it streams {streamed}): {instead}"
+        return (
+            f"a layout weightstream does not stream (it streams {streamed} in 8 bits, and "
+            f"{packed.torchao_names()} as packed layers): {instead}"
+        )
     if not (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward):
         return (
             f"on a {type(m).__name__}: torchao weights stream on nn.Linear layers (torchao's "

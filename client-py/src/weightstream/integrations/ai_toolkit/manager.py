@@ -14,6 +14,10 @@ attached module's ``to`` moves only what is not managed. Here:
   loaders freeze later); the layers of a LoRA already in the model (peft's ``lora_A``...,
   ai-toolkit's ``LoRAModule``) never do. A streamed weight that still requires grad when the
   module runs is refused: weightstream streams frozen weights only.
+- ai-toolkit's quantized layers (``OstrisLinear``) stream as they are where weightstream knows
+  their qtype (``weightstream.torch.packed``: ``uint2..7``, ``convrotint2..8``, ``nvfp4``,
+  ``convrot8``, ``convrot4``), their
+  accuracy recovery adapters staying on the device; another qtype is refused by name.
 - ``to()`` moves and casts what is not streamed; casting streamed weights to another dtype
   than the daemon's copy is refused.
 - ``free`` closes the session, drops the daemon's reference and sends the rest to ``meta``.
@@ -36,7 +40,7 @@ import weightstream
 import weightstream.torch as wst
 from weightstream.integrations.ai_toolkit import files, loading
 from weightstream.integrations.ai_toolkit.settings import Settings, current
-from weightstream.torch import policy
+from weightstream.torch import packed, policy
 from weightstream.torch.placeholder import is_placeholder
 
 
@@ -341,8 +345,9 @@ def _budget(settings, offload_percent: float):
 def _largest_first(candidates, percent: float) -> list[str]:
     """The largest layers (by weight and bias bytes, then name) until they hold ``percent``
     of the candidates' bytes."""
+    packs = {n: packed.Packed.of(m) for n, m in candidates if packed.form_of(m) is not None}
     sized = sorted(
-        ((n, sum(t.nbytes for _, t in policy.layer_tensors(n, m))) for n, m in candidates),
+        ((n, sum(t.nbytes for _, t in policy.layer_tensors(n, m, packs))) for n, m in candidates),
         key=lambda x: (-x[1], x[0]),
     )
     left, chosen = percent * sum(size for _, size in sized), []
@@ -355,10 +360,18 @@ def _largest_first(candidates, percent: float) -> list[str]:
 
 
 def _refuse_ostris_quantized(root: nn.Module, ignore: set[str]):
-    """ai-toolkit's own quantized layers (``OstrisLinear``: the weight is a property that
-    dequantizes) hold bytes that are not the weight's."""
+    """ai-toolkit's own quantized layers (``OstrisLinear``) stream as they are where
+    ``packed`` knows their qtype; the others are refused by ``packed.refusal``, naming the
+    qtype. A layer marked ``is_ostris_quantized`` of another class holds bytes that are not
+    the weight's either."""
     for name, m in root.named_modules():
-        if name not in ignore and getattr(m, "is_ostris_quantized", False):
+        if name in ignore:
+            continue
+        if packed.is_ostris_linear(m):
+            why = packed.refusal(name, m)
+            if why is not None:
+                raise policy.QuantizedWeight(why)
+        elif getattr(m, "is_ostris_quantized", False):
             raise policy.QuantizedWeight(
                 f"cannot stream {name!r}: it is ai-toolkit's {type(m).__name__}, quantized by "
                 "ai-toolkit (its bytes are not the weight's); load the model unquantized "

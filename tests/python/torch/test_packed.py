@@ -1,0 +1,332 @@
+"""Packed quantized layers streamed as they are (``weightstream.torch.packed``), on the CPU
+against the daemon's host backend.
+
+- torchao 0.18's ``NF4Tensor`` (4 bits a weight, two codes a byte) and
+  ``IntxUnpackedToInt8Tensor`` of an int4 config on a peft LoRA model's base layers, and
+  ai-toolkit's ``OstrisLinear`` forms (``uint4``, ``uint3``, ``nvfp4``, ``convrot8``, through
+  the stand-ins of ``aitk_layouts``) with an accuracy recovery adapter that trains: losses,
+  outputs, trainable and input gradients equal (torch.equal) those of the same quantized model
+  in place, with and without checkpointing and resident groups.
+- The daemon holds each inner tensor byte for byte (its dtype, shape and bytes), the summary
+  names each format and its bytes per weight, and ``detach`` gives the quantizer's state back.
+- Forms that do not stream are refused before anything is uploaded, naming the layer, the form,
+  the rule and what to use.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import weightstream.torch as wst
+from torch import nn
+from torchao.quantization import IntxWeightOnlyConfig, to_nf4
+from torchao.quantization.granularity import PerGroup
+from torchao.quantization.quant_api import quantize_
+from weightstream import _dtypes
+from weightstream.torch import packed, policy
+
+from tests.python.ai_toolkit.test_ai_toolkit import toolkit  # noqa: F401 - a fixture
+from tests.python.torch import aitk_layouts as aitk
+from tests.python.torch.test_torch import make_model
+from tests.python.torch.test_torch_fp8 import assert_equal_runs, run
+
+BASE = ("q", "k", "v", "o", "fc1", "fc2")
+
+
+def _nf4(model):
+    for n, m in model.named_modules():
+        if n.endswith("base_layer"):
+            m.weight = nn.Parameter(to_nf4(m.weight.detach(), 64, 64), requires_grad=False)
+
+
+def _int4(model):
+    config = IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))
+    quantize_(model, config, filter_fn=lambda m, fqn: fqn.endswith("base_layer"))
+
+
+QUANTIZERS = {
+    "uint4": lambda: aitk.UIntX(4),
+    "uint3": lambda: aitk.UIntX(3),
+    "nvfp4": lambda: aitk.Nvfp4(pre_scale=True),
+    "convrot8": aitk.ConvRot8,
+    "convrot4": aitk.ConvRot4,
+    "convrotint3": lambda: aitk.ConvRotIntN(3),
+    "convrotint8": lambda: aitk.ConvRotIntN(8),
+}
+
+
+def torchao_model(form: str, dtype):
+    model = make_model(dtype)
+    {"torchao.NF4Tensor": _nf4, "torchao.IntxUnpackedToInt8Tensor": _int4}[form](model)
+    return model, []
+
+
+def aitk_model(qtype: str, dtype):
+    """``test_torch``'s model without peft: its blocks' Linears are ai-toolkit's OstrisLinear of
+    ``qtype``, each with a trainable ARA (kept outside the model, as ai-toolkit's network is)."""
+    model = make_model(dtype)
+    model = _unwrap_peft(model)
+    aras = []
+    torch.manual_seed(3)
+    for n, m in list(model.named_modules()):
+        if n.split(".")[-1] in BASE:
+            aitk.convert(m, QUANTIZERS[qtype]())
+            aras.append(aitk.Ara(m).to(dtype))
+    return model, aras
+
+
+def _unwrap_peft(model):
+    for n, m in list(model.named_modules()):
+        base = getattr(m, "base_layer", None)
+        if isinstance(base, nn.Linear) and n:
+            parent, _, child = n.rpartition(".")
+            setattr(model.get_submodule(parent), child, base)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def build(form: str, dtype):
+    if form.startswith("torchao."):
+        return torchao_model(form, dtype)
+    return aitk_model(form.removeprefix("aitk."), dtype)
+
+
+ARA = "the ARA side LoRA (ara_lora_ref), trainable or frozen as ai-toolkit made it"
+#: What each form's summary says stays on the device.
+STAYS = {
+    "torchao.NF4Tensor": "the weight's flatten context (attributes, no tensor)",
+    "torchao.IntxUnpackedToInt8Tensor": "the weight's flatten context (attributes, no tensor)",
+    "aitk.uint4": ARA,
+    "aitk.uint3": ARA,
+    "aitk.nvfp4": ARA,
+    "aitk.convrot8": f"cr8_rot_size; {ARA}",
+    "aitk.convrot4": f"cr_rot_size; {ARA}",
+    "aitk.convrotint3": f"crn_bits, crn_rot_size; {ARA}",
+    "aitk.convrotint8": f"crn_bits, crn_rot_size; {ARA}",
+}
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.numel(), dtype=t.dtype)  # strides of 1 (a size-1 dim may have any)
+    return out.copy_(t.detach().reshape(-1)).view(torch.uint8)
+
+
+def packed_layers(model) -> dict[str, nn.Module]:
+    return {n: m for n, m in model.named_modules() if packed.form_of(m) is not None}
+
+
+def train_run(model, aras, dtype, autocast=False, steps=3):
+    """``run`` with the ARAs' parameters trained too (AdamW over every trainable parameter)."""
+    holder = nn.ModuleList([model, *aras])
+    holder.forward = model.forward
+    return run(holder, steps, dtype, sample_between=True, autocast=autocast)
+
+
+FORMS = [
+    "torchao.NF4Tensor",
+    "torchao.IntxUnpackedToInt8Tensor",
+    "aitk.uint4",
+    "aitk.uint3",
+    "aitk.nvfp4",
+    "aitk.convrot8",
+    "aitk.convrot4",
+    "aitk.convrotint3",
+    "aitk.convrotint8",
+]
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "dtype,ckpt,autocast,group_by,where",
+    [
+        (torch.bfloat16, None, False, "layer", "streamed"),
+        (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
+        (torch.float32, "reentrant", True, "layer", "streamed"),
+    ],
+)
+def test_attach_equals_the_same_packed_layers_in_place(
+    daemon, form, dtype, ckpt, autocast, group_by, where
+):
+    (ref, ref_aras), (streamed, aras) = build(form, dtype), build(form, dtype)
+    ref.ckpt = streamed.ckpt = ckpt
+    layers = packed_layers(streamed)
+    assert len(layers) == 18 and {packed.form_of(m).name for m in layers.values()} == {
+        form.replace("aitk.", "aitk.")
+    }
+    inner = {
+        n: {k: t.clone() for k, t in packed.inner(m, packed.form_of(m)).items()}
+        for n, m in layers.items()
+    }
+    selected = policy.select(streamed, wst.StreamOptions(min_bytes=0)).streamed
+    packs = {n: packed.Packed.of(m) for n, m in selected if n in layers}
+    alignment = daemon.client.info().alignment
+    sizes = policy.choose_groups(streamed, selected, group_by, alignment, None, 0, packs=packs)
+    staging = 3 * max(sizes.sizes)
+    budget = staging if where == "streamed" else staging + sum(sorted(sizes.sizes)[:3])
+    handle = wst.attach(
+        streamed,
+        "cpu",
+        client=daemon.client,
+        min_bytes=0,
+        vram_budget=budget,
+        staging_bytes=staging,
+        group_by=group_by,
+    )
+    assert [g.nbytes for g in handle.session.groups] == sizes.sizes
+    resident = [g.resident for g in handle.session.groups]
+    assert any(resident) == (where == "mixed") and not all(resident), resident
+    # The daemon holds each inner tensor as it is: its dtype, shape and bytes.
+    (model,) = daemon.client.list_models().models
+    held = {t.name: t for t in model.tensors}
+    kind = packed.form_of(ref.get_submodule(next(iter(layers)))).kind
+    for name, tensors in inner.items():
+        where_ = f"{name}.weight." if kind == packed.WEIGHT else f"{name}."
+        for k, t in tensors.items():
+            h = held[where_ + k]
+            assert (h.quantization, h.dtype, list(h.shape), h.nbytes) == (
+                "none",
+                _dtypes.to_wire(t.dtype),
+                list(t.shape),
+                t.nbytes,
+            ), (name, k)
+    summary = handle.stats()["packed_formats"]
+    nbytes = sum(t.nbytes for ts in inner.values() for t in ts.values())
+    weights = sum(m.in_features * m.out_features for m in layers.values())
+    assert summary == {
+        form: {
+            "layers": 18,
+            "bytes": nbytes,
+            "weights": weights,
+            "bytes_per_weight": round(nbytes / weights, 4),
+            "bits_per_weight": round(8 * nbytes / weights, 3),
+            "stays": STAYS[form],
+        }
+    }
+    assert_equal_runs(
+        train_run(ref, ref_aras, dtype, autocast), train_run(streamed, aras, dtype, autocast)
+    )
+    handle.detach(release=True)
+    # The quantizer's state again, the same bytes.
+    for name, tensors in inner.items():
+        back = packed.inner(
+            streamed.get_submodule(name), packed.form_of(streamed.get_submodule(name))
+        )
+        assert set(back) == set(tensors), name
+        for k, t in tensors.items():
+            assert torch.equal(as_bytes(back[k]), as_bytes(t)), (name, k)
+    assert daemon.client.list_models().models == []
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+class OrbitQuantizer:
+    """A stand-in for a quantizer of a qtype that does not stream."""
+
+    qtype = "orbit4"
+
+    def quantize(self, m, w):
+        m.register_buffer("orbit_codes", w.to(torch.int8), persistent=False)
+
+
+def refused_case(case: str) -> nn.Sequential:
+    """Three bf16 layers; the middle one ('1') in the form of ``case``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+    model = model.to(torch.bfloat16).requires_grad_(False)
+    middle = model[1]
+    if case == "orbit4":
+        aitk.convert(middle, OrbitQuantizer())
+    elif case.startswith("uint4"):
+        aitk.convert(middle, aitk.UIntX(4))
+        if case == "uint4, a scale of bf16":
+            middle.uintx_scale = middle.uintx_scale.view(torch.bfloat16)
+        elif case == "uint4, no zero points":
+            del middle._buffers["uintx_zero_point"]
+        elif case == "uint4, an ARA of another size":
+            aitk.Ara(middle)
+            middle.ara_lora_ref().lora_down = nn.Linear(32, 4, bias=False)
+    elif case == "convrot8, a rotation of 48":
+        aitk.convert(middle, aitk.ConvRot8())
+        middle.cr8_rot_size = 48
+    elif case == "nf4 requiring grad":
+        middle.weight = nn.Parameter(to_nf4(middle.weight.detach(), 64, 64))
+    elif case == "int4 on a Conv2d":
+        model[1] = nn.Conv2d(64, 64, 1).to(torch.bfloat16).requires_grad_(False)
+        config = IntxWeightOnlyConfig(weight_dtype=torch.int4)
+        quantize_(model[1], config, filter_fn=lambda m, fqn: True)
+        assert packed.form_of(model[1]) is not None
+    return model
+
+
+INSTEAD = (
+    "stream a form weightstream takes (torchao's NF4Tensor and IntxUnpackedToInt8Tensor, "
+    "ai-toolkit's OstrisLinear of uint2..uint7, convrotint2..convrotint8, nvfp4, convrot8, "
+    "convrot4), load the model unquantized (quantize='fp8' streams it in 8 bits), or keep the "
+    "layer on the device (ignore=['1'])"
+)
+UINT4 = "cannot stream '1': it is ai-toolkit's OstrisLinear of qtype 'uint4' (aitk.uint4), which "
+REFUSALS = {
+    "orbit4": "cannot stream '1': it is ai-toolkit's OstrisLinear of qtype 'orbit4' "
+    "(OrbitQuantizer), a packed form weightstream does not stream: " + INSTEAD,
+    "uint4, a scale of bf16": UINT4 + "has uintx_scale of torch.bfloat16 [64, 1]; aitk.uint4 "
+    "holds torch.uint8 [64, 2]: " + INSTEAD,
+    "uint4, no zero points": UINT4 + "holds tensors ['uintx_packed', 'uintx_scale'], not the "
+    "layout of aitk.uint4 (['uintx_packed', 'uintx_scale', 'uintx_zero_point']; missing "
+    "['uintx_zero_point'], unknown []): " + INSTEAD,
+    "uint4, an ARA of another size": UINT4 + "has an ARA of in/out [32, 64] on a layer of "
+    "in/out [64, 64]: " + INSTEAD,
+    "convrot8, a rotation of 48": "cannot stream '1': it is ai-toolkit's OstrisLinear of qtype "
+    "'convrot8' (aitk.convrot8), which has cr8_rot_size 48, which does not divide in_features "
+    "64: " + INSTEAD,
+    "nf4 requiring grad": "cannot stream '1': its weight is a NF4Tensor made by torchao, which "
+    "requires grad: a packed base weight is frozen; freeze it "
+    "(module.weight.requires_grad_(False)) or keep the layer on the device (ignore=['1'])",
+    "int4 on a Conv2d": "cannot stream '1': its weight is a IntxUnpackedToInt8Tensor made by "
+    "torchao, on a Conv2d: packed torchao weights stream on nn.Linear layers with Linear's own "
+    "forward; keep the layer on the device (ignore=['1'])",
+}
+
+
+def test_packed_forms_that_do_not_stream_are_refused_before_anything_is_uploaded(daemon):
+    bad = []
+    for case, want in REFUSALS.items():
+        model = refused_case(case)
+        try:
+            wst.attach(model, "cpu", client=daemon.client, min_bytes=0)
+            got = "attached"
+        except wst.QuantizedWeight as e:
+            got = str(e)
+        if got != want:
+            bad.append(f"{case}:\n  want {want}\n  got  {got}")
+        if daemon.client.list_models().models or daemon.client.info().usage.uploads:
+            bad.append(f"{case}: something was uploaded")
+    assert not bad, "\n".join(bad)
+    # Kept on the device when ignored: the rest streams, the layer runs in place.
+    model = refused_case("orbit4")
+    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, ignore=["1"])
+    assert set(handle.streamed) == {"0", "2"}
+    assert handle.stats()["packed_formats"] == {}
+    handle.detach(release=True)
+
+
+# --- through ai-toolkit's MemoryManager ------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ["uint4", "convrot8"])
+def test_ai_toolkits_memory_manager_streams_its_packed_layers_with_their_adapters(
+    daemon, request, qtype
+):
+    """``MemoryManager.attach`` (what ai-toolkit calls under ``weightstream-aitk``) streams
+    the OstrisLinear layers as they are; the ARAs stay on the device and train, equal to the
+    same model in place. (``toolkit``: test_ai_toolkit's fixture, a ``toolkit`` package under
+    the launcher.)"""
+    aitk_package = request.getfixturevalue("toolkit").package
+    dtype = torch.bfloat16
+    (ref, ref_aras), (streamed, aras) = aitk_model(qtype, dtype), aitk_model(qtype, dtype)
+    manager = aitk_package.MemoryManager.attach(streamed, "cpu")
+    assert set(packed_layers(ref)) <= set(manager.handle.streamed)
+    assert list(manager.handle.stats()["packed_formats"]) == [f"aitk.{qtype}"]
+    assert_equal_runs(train_run(ref, ref_aras, dtype), train_run(streamed, aras, dtype))
+    aitk_package.MemoryManager.free(streamed)
