@@ -194,7 +194,10 @@ pub fn manifest(model: &Model, entry: Option<&ModelEntry>) -> pb::ModelManifest 
                     quantization,
                     scale_shape,
                     scale_offset,
-                    format: t.label.as_ref().map_or_else(String::new, |l| l.name.clone()),
+                    format: t
+                        .label
+                        .as_ref()
+                        .map_or_else(String::new, |l| l.name.clone()),
                     weights: t.label.as_ref().map_or(0, |l| l.weights),
                 }
             })

@@ -117,8 +117,12 @@ pub fn label_bytes<'a>(labels: impl IntoIterator<Item = Option<&'a FormatLabel>>
 pub fn label_description_bytes<'a>(
     labels: impl IntoIterator<Item = Option<&'a FormatLabel>> + Clone,
 ) -> u64 {
-    let distinct: std::collections::BTreeSet<&str> =
-        labels.clone().into_iter().flatten().map(|l| &*l.name).collect();
+    let distinct: std::collections::BTreeSet<&str> = labels
+        .clone()
+        .into_iter()
+        .flatten()
+        .map(|l| &*l.name)
+        .collect();
     let summary: u64 = distinct.iter().map(|n| n.len() as u64 + 48).sum();
     label_bytes(labels) + summary
 }
@@ -164,7 +168,11 @@ mod tests {
             ..tensor("l1.weight", DType::F8E4M3, &[64, 64], 4096 + 256)
         };
         let tensors = [
-            labelled(tensor("l0.packed", DType::U8, &[2048], 2048), "aitk.uint4", 4096),
+            labelled(
+                tensor("l0.packed", DType::U8, &[2048], 2048),
+                "aitk.uint4",
+                4096,
+            ),
             labelled(tensor("l0.scale", DType::U8, &[128], 128), "aitk.uint4", 0),
             tensor("l0.bias", DType::BF16, &[64], 128),
             fp8,
@@ -184,7 +192,15 @@ mod tests {
 
     #[test]
     fn the_daemon_s_own_names_are_reserved_in_any_case() {
-        for name in ["bf16", "BF16", "u8", "fp8_e4m3_block64", "fp8", "none", "int8_row"] {
+        for name in [
+            "bf16",
+            "BF16",
+            "u8",
+            "fp8_e4m3_block64",
+            "fp8",
+            "none",
+            "int8_row",
+        ] {
             assert!(is_daemon_name(name), "{name}");
         }
         for name in ["aitk.uint4", "torchao.NF4Tensor", "nf4", "bf16x"] {

@@ -131,39 +131,54 @@ mod tests {
                 "",
                 4096,
                 none,
-                Err("tensors[2].weights: 4096 without a format: weights count only for a \
-                     labelled tensor (set format, or send 0)"),
+                Err(
+                    "tensors[2].weights: 4096 without a format: weights count only for a \
+                     labelled tensor (set format, or send 0)",
+                ),
             ),
-            (&long, 1, none, Err("tensors[2].format: 65 bytes, the limit is 64")),
+            (
+                &long,
+                1,
+                none,
+                Err("tensors[2].format: 65 bytes, the limit is 64"),
+            ),
             (
                 "aitk uint4",
                 1,
                 none,
-                Err("tensors[2].format: byte 4 is ' ': a format label is ASCII letters, \
-                     digits, '.', '_' and '-'"),
+                Err(
+                    "tensors[2].format: byte 4 is ' ': a format label is ASCII letters, \
+                     digits, '.', '_' and '-'",
+                ),
             ),
             (
                 "nf4\u{1b}[2J",
                 1,
                 none,
-                Err("tensors[2].format: byte 3 is '\\u{1b}': a format label is ASCII letters, \
-                     digits, '.', '_' and '-'"),
+                Err(
+                    "tensors[2].format: byte 3 is '\\u{1b}': a format label is ASCII letters, \
+                     digits, '.', '_' and '-'",
+                ),
             ),
             (
                 "BF16",
                 1,
                 none,
-                Err("tensors[2].format: 'BF16' is a name the daemon gives its own formats (a \
+                Err(
+                    "tensors[2].format: 'BF16' is a name the daemon gives its own formats (a \
                      dtype or a quantization): name a packed format after its library \
-                     (\"aitk.uint4\")"),
+                     (\"aitk.uint4\")",
+                ),
             ),
             (
                 "aitk.uint4",
                 1,
                 Quantization::Fp8E4m3Block64,
-                Err("tensors[2].format: given for a tensor of quantization fp8_e4m3_block64, \
+                Err(
+                    "tensors[2].format: given for a tensor of quantization fp8_e4m3_block64, \
                      which the daemon names itself: label only tensors uploaded as they are \
-                     (QUANTIZATION_NONE)"),
+                     (QUANTIZATION_NONE)",
+                ),
             ),
         ];
         let failed: Vec<String> = (cases.iter())

@@ -70,7 +70,10 @@ fn each_bad_upload_names_its_field_and_limit() {
              '_' and '-'",
         ),
         (
-            vec![labelled("a", "aitk.uint4", 0), labelled("b", "aitk.uint4", 0)],
+            vec![
+                labelled("a", "aitk.uint4", 0),
+                labelled("b", "aitk.uint4", 0),
+            ],
             "tensors[0].format: no tensor labelled 'aitk.uint4' counts its weights: set \
              weights (a layer's out x in) on one tensor of each layer",
         ),
@@ -173,7 +176,10 @@ fn a_valid_upload_carries_the_computed_sizes() {
     let packed = v
         .begin_upload(pb::BeginUploadRequest {
             name: "m".into(),
-            tensors: vec![labelled("q", "aitk.uint4", 12), labelled("s", "aitk.uint4", 0)],
+            tensors: vec![
+                labelled("q", "aitk.uint4", 12),
+                labelled("s", "aitk.uint4", 0),
+            ],
             client_reserves: false,
         })
         .unwrap();
