@@ -230,8 +230,9 @@ impl Client {
     /// `(data_ptr, nbytes)` of a contiguous CPU tensor the caller keeps alive and unchanged
     /// during the call; the daemon quantizes those named in `quantize` (fp8_e4m3_block64) at
     /// commit. Returns the manifest and whether an identical model was stored. The reference
-    /// lasts as `retention` says ("cached", "connection", "pinned").
-    #[pyo3(signature = (name, tensors, quantize=Vec::new(), retention="cached"))]
+    /// lasts as `retention` says ("cached", "connection", "pinned"). `labels` (name ->
+    /// (format, weights)) labels raw tensors as parts of a packed format (`TensorInfo.format`).
+    #[pyo3(signature = (name, tensors, quantize=Vec::new(), retention="cached", labels=HashMap::new()))]
     fn upload_model(
         &self,
         py: Python<'_>,
@@ -239,9 +240,11 @@ impl Client {
         tensors: Vec<(String, i32, Vec<u64>, Payload<'_>)>,
         quantize: Vec<String>,
         retention: &str,
+        labels: HashMap<String, (String, u64)>,
     ) -> PyResult<(records::ModelManifest, bool)> {
         let retention = parse_retention(retention)?;
         let quantize = quantize_set(quantize, tensors.iter().map(|t| t.0.as_str()))?;
+        check_labels(&labels, tensors.iter().map(|t| t.0.as_str()))?;
         let mut data = Vec::with_capacity(tensors.len());
         for (tname, dt, shape, payload) in &tensors {
             let bytes: &[u8] = match payload {
@@ -251,7 +254,10 @@ impl Client {
                 #[allow(unsafe_code)]
                 Payload::Raw(ptr, len) => unsafe { crate::raw::host_bytes(*ptr, *len)? },
             };
-            let tensor = TensorData::new(tname, dtype(*dt)?, shape, bytes);
+            let mut tensor = TensorData::new(tname, dtype(*dt)?, shape, bytes);
+            if let Some((format, weights)) = labels.get(tname) {
+                tensor = tensor.labelled(format, *weights);
+            }
             data.push(if quantize.contains(tname.as_str()) {
                 tensor.quantized_at_commit()
             } else {
@@ -284,8 +290,11 @@ impl Client {
     /// `prequantized` (name -> (format, scale_shape)) are written pre-quantized in that format
     /// (data, zero padding to 16, fp32 scales; dtype: the data's). With `client_reserves` the
     /// daemon answers without reserving the region's pages: the writer faults them in itself
-    /// (`MADV_POPULATE_WRITE` or page-locking before it writes each part).
-    #[pyo3(signature = (name, tensors, quantize=Vec::new(), prequantized=HashMap::new(), client_reserves=false))]
+    /// (`MADV_POPULATE_WRITE` or page-locking before it writes each part). `labels` as in
+    /// `upload_model`.
+    #[pyo3(signature = (name, tensors, quantize=Vec::new(), prequantized=HashMap::new(), client_reserves=false, labels=HashMap::new()))]
+    // Python's keyword arguments, one each.
+    #[allow(clippy::too_many_arguments)]
     fn begin_upload(
         &self,
         py: Python<'_>,
@@ -294,8 +303,10 @@ impl Client {
         quantize: Vec<String>,
         mut prequantized: HashMap<String, (String, Vec<u64>)>,
         client_reserves: bool,
+        mut labels: HashMap<String, (String, u64)>,
     ) -> PyResult<records::BeginUploadResponse> {
         let quantize = quantize_set(quantize, tensors.iter().map(|t| t.0.as_str()))?;
+        check_labels(&labels, tensors.iter().map(|t| t.0.as_str()))?;
         if let Some(unknown) = (prequantized.keys())
             .find(|n| !tensors.iter().any(|t| &t.0 == *n) || quantize.contains(n.as_str()))
         {
@@ -322,12 +333,15 @@ impl Client {
                 }
                 None => (proto::Quantization::None, Vec::new()),
             };
+            let (format, weights) = labels.remove(&tname).unwrap_or_default();
             infos.push(proto::TensorInfo {
                 name: tname,
                 dtype: dtype(dt)? as i32,
                 shape,
                 quantization: quantization as i32,
                 scale_shape,
+                format,
+                weights,
                 ..Default::default()
             });
         }
@@ -511,4 +525,20 @@ fn quantize_set<'a>(
         )));
     }
     Ok(names.into_iter().collect())
+}
+
+/// Every label names an uploaded tensor (the daemon checks the labels themselves).
+fn check_labels<'a>(
+    labels: &HashMap<String, (String, u64)>,
+    names: impl Iterator<Item = &'a str> + Clone,
+) -> PyResult<()> {
+    match labels
+        .keys()
+        .find(|n| !names.clone().any(|t| t == n.as_str()))
+    {
+        Some(unknown) => Err(PyValueError::new_err(format!(
+            "labels: {unknown:?} is not one of the uploaded tensors"
+        ))),
+        None => Ok(()),
+    }
 }

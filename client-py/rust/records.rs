@@ -151,7 +151,9 @@ record! {
 record! {
     /// A tensor of a model: name, dtype (`DTYPE_*`), shape, bytes; a quantized one
     /// (`quantization` "fp8_e4m3_block64", else "none") has dtype F8_E4M3 and its bytes are
-    /// data, padding and fp32 scales of `scale_shape` at `scale_offset`.
+    /// data, padding and fp32 scales of `scale_shape` at `scale_offset`. `format`: its
+    /// uploader's label for the packed format it is part of ("" if none), `weights` the weights
+    /// it stands for.
     TensorInfo {
         name: String,
         dtype: i32,
@@ -160,6 +162,21 @@ record! {
         quantization: String,
         scale_shape: Vec<u64>,
         scale_offset: u64,
+        format: String,
+        weights: u64,
+    }
+}
+
+record! {
+    /// One format of a model (`ModelManifest.formats`): an uploader's label, a quantization or
+    /// a dtype, with its tensors, bytes and weights; `bits_per_weight` is 8 x bytes / weights
+    /// (None where it counts no weights).
+    FormatUse {
+        format: String,
+        tensors: u32,
+        bytes: u64,
+        weights: u64,
+        bits_per_weight: Option<f64>,
     }
 }
 
@@ -167,11 +184,13 @@ record! {
     /// A model; `phases` says where the daemon's time went in the `load_model` or
     /// `commit_upload` that returned it (None in `list_models`). `pinned`: pinned references
     /// (all uids); `cached`: only references of closed connections hold it, and the daemon
-    /// evicts it when a load or upload needs the memory.
+    /// evicts it when a load or upload needs the memory. `formats`: its formats
+    /// (`FormatUse`), the most bytes first.
     ModelManifest {
         model_id: String,
         name: String,
         tensors: Py<PyList>,
+        formats: Py<PyList>,
         total_bytes: u64,
         refcount: u32,
         sessions: u32,
@@ -458,6 +477,21 @@ pub(crate) fn manifest(py: Python<'_>, m: proto::ModelManifest) -> PyResult<Mode
                     nbytes: t.nbytes,
                     scale_shape: t.scale_shape,
                     scale_offset: t.scale_offset,
+                    format: t.format,
+                    weights: t.weights,
+                },
+            )
+        })?,
+        formats: list(py, m.formats, |py, f| {
+            obj(
+                py,
+                FormatUse {
+                    bits_per_weight: (f.weights > 0)
+                        .then(|| 8.0 * f.bytes as f64 / f.weights as f64),
+                    format: f.format,
+                    tensors: f.tensors,
+                    bytes: f.bytes,
+                    weights: f.weights,
                 },
             )
         })?,
@@ -657,6 +691,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<QuotaUse>()?;
     m.add_class::<TensorInfo>()?;
     m.add_class::<ModelManifest>()?;
+    m.add_class::<FormatUse>()?;
     m.add_class::<StorePhases>()?;
     m.add_class::<LoadProgress>()?;
     m.add_class::<ListModelsResponse>()?;

@@ -62,6 +62,9 @@ pub use weightstream_proto::{handoff, socket, v1 as proto};
 /// [`fp8_layout`] and [`row_layout`]) and `scale_shape` says the scales' shape. TORCHAO_FLOAT8_ROWWISE
 /// (F8E4m3) and TORCHAO_INT8_ROWWISE (I8): `bytes` are a torchao weight's data, padding and
 /// fp32 scales laid out the same way, `scale_shape` [out, 1].
+///
+/// `format` (empty: none) names the packed format a raw tensor is part of, and `weights` the
+/// weights it stands for ([`TensorData::labelled`]).
 pub struct TensorData<'a> {
     pub name: &'a str,
     pub dtype: proto::Dtype,
@@ -69,6 +72,8 @@ pub struct TensorData<'a> {
     pub bytes: &'a [u8],
     pub quantization: proto::Quantization,
     pub scale_shape: &'a [u64],
+    pub format: &'a str,
+    pub weights: u64,
 }
 
 impl<'a> TensorData<'a> {
@@ -81,6 +86,20 @@ impl<'a> TensorData<'a> {
             bytes,
             quantization: proto::Quantization::None,
             scale_shape: &[],
+            format: "",
+            weights: 0,
+        }
+    }
+
+    /// The same tensor, labelled as part of the packed format `format` ("aitk.uint4": a
+    /// layer its quantizer packed into raw tensors), standing for `weights` weights (a layer's
+    /// out x in on one of its tensors, 0 on the others). The daemon shows each format's bytes
+    /// per weight in `ModelManifest.formats`; labels are not part of the model's id.
+    pub fn labelled(self, format: &'a str, weights: u64) -> Self {
+        TensorData {
+            format,
+            weights,
+            ..self
         }
     }
 
@@ -108,6 +127,8 @@ impl<'a> TensorData<'a> {
             quantization: self.quantization as i32,
             scale_shape: self.scale_shape.to_vec(),
             scale_offset: 0,
+            format: self.format.to_string(),
+            weights: self.weights,
         }
     }
 }

@@ -45,6 +45,7 @@ Quotas = Any
 QuotaUse = Any
 TensorInfo = Any
 ModelManifest = Any
+FormatUse = Any
 StorePhases = Any
 LoadProgress = Any
 ListModelsResponse = Any
@@ -88,6 +89,7 @@ class Client:
         tensors: list[tuple[str, int, list[int], Payload]],
         quantize: list[str] = ...,
         retention: str = "cached",
+        labels: dict[str, tuple[str, int]] = ...,
     ) -> tuple[ModelManifest, bool]: ...
     def begin_upload(
         self,
@@ -96,6 +98,7 @@ class Client:
         quantize: list[str] = ...,
         prequantized: dict[str, tuple[str, list[int]]] = ...,
         client_reserves: bool = False,
+        labels: dict[str, tuple[str, int]] = ...,
     ) -> BeginUploadResponse: ...
     def commit_upload(
         self, upload_id: str, retention: str = "cached"

@@ -115,6 +115,7 @@ class Client:
         phases: dict | None = None,
         retention: str = "cached",
         quantize_on: str = "auto",
+        labels: Mapping[str, tuple[str, int]] | None = None,
     ) -> tuple[ModelManifest, bool]:
         """Writes tensors into a shared-memory region the daemon makes (the native client
         fetches its fd from the handoff socket, copies each tensor's bytes in with the GIL
@@ -136,6 +137,13 @@ class Client:
         refuses it.
 
         ``retention``: how long the reference this upload takes lasts (see ``RETENTIONS``).
+
+        ``labels``: name -> (format, weights) for raw tensors that are parts of a packed format
+        the daemon cannot name (``weightstream.torch.packed``: the form's name on each of a
+        layer's inner tensors, its out x in weights on the first, 0 on the others). The
+        manifest's ``formats`` then counts their bytes and bits per weight under that name.
+        Labels are metadata: the same bytes uploaded with other labels (or none) are the same
+        model, which keeps the labels of the upload that stored it.
 
         Whatever raises between the daemon's begin and its commit (a device out of memory
         while quantizing, a tensor whose bytes differ from its declaration, a refused commit,
@@ -166,12 +174,19 @@ class Client:
         here = [n for n, t in tensors.items() if isinstance(t, _upload.QuantizeAtCopy)]
         quantize = [n for n in quantize if n not in here]
         on_cuda = any(_upload._located(t).type == "cuda" for t in tensors.values())
+        labels = dict(labels or {})
         if on_cuda or here or any(isinstance(t, Fp8Weight) for t in tensors.values()):
             out = self._upload_by_copy(
-                name, tensors, quantize, pin=on_cuda, phases=phases, retention=retention
+                name,
+                tensors,
+                quantize,
+                pin=on_cuda,
+                phases=phases,
+                retention=retention,
+                labels=labels,
             )
         else:
-            out = self._upload_native(name, tensors, quantize, retention)
+            out = self._upload_native(name, tensors, quantize, retention, labels)
         if phases is not None:
             phases.update(daemon_phases(out[0].phases))
             phases["total_s"] = round(time.monotonic() - started, 4)
@@ -183,6 +198,7 @@ class Client:
         tensors: Mapping[str, torch.Tensor],
         quantize: Iterable[str],
         retention: str,
+        labels: dict[str, tuple[str, int]],
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` through the native client's memcpy path (tensors in host memory)."""
         from weightstream import _dtypes
@@ -196,7 +212,7 @@ class Client:
             held.append(src)  # alive, and unchanged by us, until the call returns
             data = (src.data_ptr(), src.nbytes)
             payload.append((n, _dtypes.to_wire(t.dtype), list(t.shape), data))
-        result = self._native.upload_model(name, payload, list(quantize), retention)
+        result = self._native.upload_model(name, payload, list(quantize), retention, labels)
         del held
         return result
 
@@ -209,6 +225,7 @@ class Client:
         pin: bool,
         phases: dict | None = None,
         retention: str = "cached",
+        labels: dict[str, tuple[str, int]] | None = None,
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` by tensor copies into the mapped region (``_upload``): for tensors on
         a CUDA device, page-locked a window at a time (``pin``) so that each copy is one DMA at
@@ -221,7 +238,7 @@ class Client:
         # Page-locking each window faults its pages in (_upload.populate first): the daemon
         # need not reserve them before answering, and the reservation overlaps the copies.
         reserves = pin and _upload.CLIENT_RESERVES
-        begun = self.begin_upload(name, tensors, quantize, client_reserves=reserves)
+        begun = self.begin_upload(name, tensors, quantize, client_reserves=reserves, labels=labels)
         try:
             at = {t.name: t for t in begun.tensors}
             fd, size = self.fetch_fd(begun.fd_secret)
@@ -268,6 +285,7 @@ class Client:
         quantize: Iterable[str] = (),
         *,
         client_reserves: bool = False,
+        labels: Mapping[str, tuple[str, int]] | None = None,
     ) -> BeginUploadResponse:
         """The first step of ``upload_model`` alone: declares ``tensors``' names, dtypes and
         shapes and returns the region to write them into (its fd from
@@ -280,7 +298,8 @@ class Client:
         (``_upload.QuantizeAtCopy``: from its shape alone). With ``client_reserves`` the daemon
         answers without reserving the region's pages (seconds for tens of GB): the writer
         faults each part in itself before writing it (``MADV_POPULATE_WRITE``, or page-locking
-        it), where a plain write into a full tmpfs would be a SIGBUS."""
+        it), where a plain write into a full tmpfs would be a SIGBUS. ``labels`` as in
+        ``upload_model``."""
         from weightstream import _dtypes, _upload
         from weightstream.quantize import Fp8Weight
 
@@ -297,7 +316,9 @@ class Client:
             for n, t in tensors.items()
             if isinstance(t, _upload.QuantizeAtCopy)
         )
-        return self._native.begin_upload(name, specs, list(quantize), prequantized, client_reserves)
+        return self._native.begin_upload(
+            name, specs, list(quantize), prequantized, client_reserves, dict(labels or {})
+        )
 
     def commit_upload(
         self, upload_id: str, *, retention: str = "cached"

@@ -5,7 +5,9 @@
   ``FAULT_SHUTTING_DOWN``; and each enum as a ``{name: number}`` dict: ``DTYPES``,
   ``BACKENDS``, ``FAULT_CODES``.
 - The records the client returns (read-only, with the protobuf field names):
-  ``GetInfoResponse``, ``ModelManifest`` (with ``StorePhases``), ``TensorInfo``, ``LoadProgress``,
+  ``GetInfoResponse``, ``ModelManifest`` (with ``StorePhases`` and its ``formats``, each a
+  ``FormatUse``: format, tensors, bytes, weights, bits per weight), ``TensorInfo``,
+  ``LoadProgress``,
   ``ListModelsResponse``, ``SessionInfo``, ``SessionStats``, ``WaitTotals`` (a session's waits
   for weights as its client measured them), ``OpenSessionResponse``,
   ``Region``, ``GroupLayout``, ``TensorPlacement``, ``Staged``, ``Device``, ``Limits``,
@@ -31,6 +33,7 @@ Quotas = _native.Quotas
 QuotaUse = _native.QuotaUse
 ModelManifest = _native.ModelManifest
 StorePhases = _native.StorePhases
+FormatUse = _native.FormatUse
 TensorInfo = _native.TensorInfo
 LoadProgress = _native.LoadProgress
 ListModelsResponse = _native.ListModelsResponse

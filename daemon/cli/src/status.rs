@@ -92,6 +92,10 @@ fn to_json(
             "total_bytes": m.total_bytes, "refcount": m.refcount, "sessions": m.sessions,
             "pinned": m.pinned, "cached": m.cached,
             "source": m.source, "format": model_format(m),
+            "formats": m.formats.iter().map(|f| json!({
+                "format": f.format, "tensors": f.tensors, "bytes": f.bytes,
+                "weights": f.weights, "bits_per_weight": bits_per_weight(f),
+            })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         "sessions": sessions.iter().map(|s| {
             let st = s.stats.unwrap_or_default();
@@ -172,6 +176,7 @@ fn print_tables(
         ]);
     }
     out!("models (store: {})\n{m}", human(models.store_bytes));
+    out!("{}", formats_table(models));
     let mut s = table(&[
         "session",
         "label",
@@ -282,6 +287,29 @@ fn kept(m: &proto::ModelManifest) -> &'static str {
     } else {
         "in use"
     }
+}
+
+/// Each model's formats, a row each (`ModelManifest.formats`: the most bytes first), with
+/// their bytes and bits per weight.
+fn formats_table(models: &proto::ListModelsResponse) -> String {
+    let mut t = table(&["model", "format", "tensors", "bytes", "bits/weight"]);
+    for m in &models.models {
+        for f in &m.formats {
+            t.add_row(vec![
+                shown(&m.model_id),
+                shown(&f.format),
+                f.tensors.to_string(),
+                human(f.bytes),
+                bits_per_weight(f).map_or_else(|| "-".into(), |b| format!("{b:.3}")),
+            ]);
+        }
+    }
+    format!("formats\n{t}")
+}
+
+/// A format's bits per weight (scales and packing included); none where it counts no weights.
+fn bits_per_weight(f: &proto::FormatUse) -> Option<f64> {
+    (f.weights > 0).then(|| 8.0 * f.bytes as f64 / f.weights as f64)
 }
 
 /// A model's format: the quantization of its quantized tensors ("fp8_e4m3_block64"), or "none".

@@ -70,6 +70,8 @@ impl Written {
             bytes: &self.slice,
             quantization: self.format,
             scale_shape: &self.scale_shape,
+            format: "",
+            weights: 0,
         }
     }
 

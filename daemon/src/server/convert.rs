@@ -5,6 +5,7 @@ use weightstream_proto::v1 as pb;
 use crate::backend::{BackendKind, RegionHandle};
 use crate::core::{Daemon, OpenedSession, Peer};
 use crate::session::{SessionShared, StatsSnapshot};
+use crate::store::formats::formats;
 use crate::store::quantize::Quantization;
 use crate::store::safetensors::DType;
 use crate::store::{
@@ -193,7 +194,21 @@ pub fn manifest(model: &Model, entry: Option<&ModelEntry>) -> pb::ModelManifest 
                     quantization,
                     scale_shape,
                     scale_offset,
+                    format: t
+                        .label
+                        .as_ref()
+                        .map_or_else(String::new, |l| l.name.clone()),
+                    weights: t.label.as_ref().map_or(0, |l| l.weights),
                 }
+            })
+            .collect(),
+        formats: formats(&model.tensors)
+            .into_iter()
+            .map(|f| pb::FormatUse {
+                format: f.name,
+                tensors: f.tensors,
+                bytes: f.bytes,
+                weights: f.weights,
             })
             .collect(),
         total_bytes: model.total_bytes,

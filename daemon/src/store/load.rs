@@ -142,7 +142,7 @@ impl Store {
             name.to_string()
         };
         let described = || plan.iter().map(|p| (&*p.entry.name, p.entry.shape.len()));
-        self.check_description(&name, described())?;
+        self.check_description(&name, described(), 0)?;
         let metadata = metadata_bytes(&name, described());
         let arena_len = align_up(
             plan.last().map_or(0, |p| p.offset + p.nbytes()),
@@ -309,6 +309,7 @@ fn stored_tensors(plan: Plan<'_>) -> Vec<StoredTensor> {
                 }),
                 None => p.quantized.as_ref().map(QuantizedLayout::made),
             },
+            label: None,
         })
         .collect()
 }

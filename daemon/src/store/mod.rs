@@ -11,12 +11,14 @@
 //! what holds the memory),
 //! `load` (safetensors files into an arena), `upload` (client-written regions, sealed into
 //! arenas), `state` (sessions' state regions: host memory charged like the rest, never shared),
-//! `pin` (page-locking an arena through a `HostPinner`); `safetensors` parses headers;
+//! `pin` (page-locking an arena through a `HostPinner`); `formats` sums a model's formats for
+//! `status`; `safetensors` parses headers;
 //! `parallel` spreads reading and hashing over threads, `phases` times them.
 //! This file holds the types they share. Memory itself (memfds, arenas, slices) lives in
 //! `crate::mem`.
 
 mod cache;
+pub mod formats;
 mod load;
 mod phases;
 mod pin;
@@ -34,6 +36,7 @@ use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use self::formats::FormatLabel;
 pub use self::load::{LoadSource, Progress};
 pub use self::phases::{Phases, Stored};
 use self::quantize::{NonFinite, Quantization, QuantizeError, StoredLayout};
@@ -194,6 +197,9 @@ pub struct StoredTensor {
     pub nbytes: u64,
     /// How a quantized tensor's slice is laid out; `None`: held as its dtype says.
     pub quantized: Option<QuantizedLayout>,
+    /// Its client's name for the packed format it is part of (uploads only): metadata, not
+    /// part of the model's id ([`formats`]).
+    pub label: Option<FormatLabel>,
 }
 
 /// A quantized tensor's format and where its scales are (see [`StoredLayout`]): its dtype is
@@ -248,16 +254,19 @@ pub const MESSAGE_ENVELOPE: u64 = 1024;
 
 /// The most bytes a model's manifest takes on the wire (protobuf): per tensor its name, at most
 /// 10 bytes per dimension (a varint) and 64 for its other fields (dtype, size, format, scales,
-/// framing); the model's name and 256 for the manifest's own fields.
+/// framing); the model's name, 256 for the manifest's own fields and
+/// [`formats::DAEMON_FORMATS_BYTES`] for the formats the daemon names (its client's labels:
+/// `labels`, [`formats::label_description_bytes`]).
 pub fn description_bytes<'a>(
     name: &str,
     tensors: impl IntoIterator<Item = (&'a str, usize)>,
+    labels: u64,
 ) -> u64 {
     let entries: u64 = tensors
         .into_iter()
         .map(|(name, rank)| name.len() as u64 + 10 * rank as u64 + 64)
         .sum();
-    entries + name.len() as u64 + 256
+    entries + name.len() as u64 + 256 + formats::DAEMON_FORMATS_BYTES + labels
 }
 
 #[derive(Debug)]
@@ -301,7 +310,8 @@ impl Model {
             .collect();
         let total_bytes = tensors.iter().map(|t| t.nbytes).sum();
         let metadata_bytes =
-            metadata_bytes(&name, tensors.iter().map(|t| (&*t.name, t.shape.len())));
+            metadata_bytes(&name, tensors.iter().map(|t| (&*t.name, t.shape.len())))
+                + formats::label_bytes(tensors.iter().map(|t| t.label.as_ref()));
         Model {
             id,
             name,
@@ -358,13 +368,15 @@ impl Store {
         }
     }
 
-    /// Refuses a model whose description could not be sent in one message.
+    /// Refuses a model whose description could not be sent in one message (`labels`: what
+    /// its tensors' labels add, [`formats::label_description_bytes`]).
     fn check_description<'a>(
         &self,
         name: &str,
         tensors: impl IntoIterator<Item = (&'a str, usize)>,
+        labels: u64,
     ) -> Result<(), StoreError> {
-        let bytes = description_bytes(name, tensors);
+        let bytes = description_bytes(name, tensors, labels);
         let limit = self.limits.max_message_bytes;
         if bytes.saturating_add(MESSAGE_ENVELOPE) > limit {
             return Err(StoreError::DescriptionTooLarge { bytes, limit });

@@ -144,6 +144,7 @@ mod tests {
             offset,
             nbytes,
             quantized: None,
+            label: None,
         }
     }
 

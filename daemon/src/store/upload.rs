@@ -17,6 +17,7 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::formats::{FormatLabel, label_bytes, label_description_bytes};
 use super::phases::{Phases, Stored};
 use super::quantize::{
     Quantization, StoredLayout, TensorIn, TensorOut, first_non_finite_scale, quantize_all_into,
@@ -30,8 +31,8 @@ use super::{
 use crate::mem::shm::{Memfd, SealError, ShmSegment, UploadPages};
 use crate::mem::{align_up, parallel};
 
-/// A tensor declared for upload: name, dtype, shape, the bytes the client writes, and whether
-/// it is quantized.
+/// A tensor declared for upload: name, dtype, shape, the bytes the client writes, whether it
+/// is quantized, and its client's label for the packed format it is part of.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorDecl {
     pub name: String,
@@ -39,6 +40,7 @@ pub struct TensorDecl {
     pub shape: Vec<u64>,
     pub nbytes: u64,
     pub quant: DeclQuant,
+    pub label: Option<FormatLabel>,
 }
 
 /// How an uploaded tensor is quantized (layouts checked by the edge).
@@ -61,6 +63,7 @@ impl TensorDecl {
             shape,
             nbytes,
             quant: DeclQuant::None,
+            label: None,
         }
     }
 }
@@ -130,6 +133,7 @@ impl Store {
                 offset,
                 nbytes: t.nbytes,
                 quantized,
+                label: t.label,
             });
             at_commit.push(later);
             offset = offset.saturating_add(t.nbytes);
@@ -142,8 +146,9 @@ impl Store {
         }
         let size = align_up(offset, TENSOR_ALIGN);
         let described = || placed.iter().map(|t| (&*t.name, t.shape.len()));
-        self.check_description(name, described())?;
-        let metadata = metadata_bytes(name, described());
+        let labels = || placed.iter().map(|t| t.label.as_ref());
+        self.check_description(name, described(), label_description_bytes(labels()))?;
+        let metadata = metadata_bytes(name, described()) + label_bytes(labels());
         let reserved = self.reserve(owner.uid, size + metadata, true, "upload")?;
         let memfd = self
             .shm
@@ -668,6 +673,7 @@ mod tests {
             offset: 0,
             nbytes: arena.len() as u64,
             quantized: None,
+            label: None,
         };
         let id = content_identity(&[t("w")], &arena);
         assert_eq!(id, content_identity(&[t("w")], &arena.clone()));
@@ -679,6 +685,39 @@ mod tests {
         swapped[..piece].fill(2);
         swapped[piece..2 * piece].fill(1);
         assert_ne!(id, content_identity(&[t("w")], &swapped));
+    }
+
+    /// Labels are metadata: the same bytes uploaded with another label (or none) are the same
+    /// model, which keeps the labels of the upload that stored it; the host charge counts them.
+    #[test]
+    fn uploads_that_differ_only_in_labels_are_one_model() {
+        let store = store_with(HostQuota::default());
+        let label = |name: &str| {
+            Some(FormatLabel {
+                name: name.into(),
+                weights: 64,
+            })
+        };
+        let upload = |label: Option<FormatLabel>| {
+            let w = TensorDecl {
+                label,
+                ..u8s("w", 32)
+            };
+            let ticket = begin(&store, ME, "up-1", "m", vec![w]).unwrap();
+            let client = File::from(ticket.memfd.share(Access::ReadWrite).unwrap());
+            client.write_all_at(&[5u8; 32], 0).unwrap();
+            let stored = store.commit_upload(ME, "up-1", Retention::Cached).unwrap();
+            (stored.model, stored.existed)
+        };
+        let (first, existed) = upload(label("aitk.uint4"));
+        assert!(!existed);
+        for other in [label("aitk.uint2"), None] {
+            let (again, existed) = upload(other);
+            assert!(existed && Arc::ptr_eq(&again, &first));
+            assert_eq!(again.tensors[0].label, label("aitk.uint4"));
+        }
+        let described = metadata_bytes("m", [("w", 1)]) + "aitk.uint4".len() as u64 + 16;
+        assert_eq!(first.metadata_bytes, described);
     }
 
     /// A commit says where its time went: the bytes the client wrote, and sealing and hashing

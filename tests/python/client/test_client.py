@@ -576,3 +576,25 @@ def test_the_upload_charge_is_the_daemons(daemon):
     assert charged == _upload.upload_charge(
         "charged model", [(n, t.ndim, t.nbytes) for n, t in tensors.items()]
     )
+
+
+def test_labels_name_packed_formats_in_the_manifest_and_leave_the_model_as_it_is(daemon):
+    """Both upload paths send labels: the manifest counts the labelled tensors under their
+    format with the weights declared; the same bytes with another label are the same model,
+    which keeps the first labels; a bad label is the daemon's refusal, naming the field."""
+    tensors = {"codes": torch.full((2048,), 33, dtype=torch.uint8), "bias": torch.ones(64)}
+    labels = {"codes": ("aitk.uint4", 4096)}
+    copied, _ = daemon.client._upload_by_copy("p", tensors, pin=False, labels=labels)
+    native, dedup = daemon.client.upload_model("p", tensors, labels={"codes": ("x.y", 1)})
+    assert dedup and native.model_id == copied.model_id
+    for m in (copied, native):
+        got = [(f.format, f.tensors, f.bytes, f.weights, f.bits_per_weight) for f in m.formats]
+        assert got == [("aitk.uint4", 1, 2048, 4096, 4.0), ("f32", 1, 256, 64, 32.0)]
+        assert [(t.name, t.format, t.weights) for t in m.tensors] == [
+            ("codes", "aitk.uint4", 4096),
+            ("bias", "", 0),
+        ]
+    with pytest.raises(weightstream.RequestRejected) as e:
+        daemon.client.upload_model("q", tensors, labels={"codes": ("a" * 65, 1)})
+    refused = (e.value.code, str(e.value))
+    assert refused == ("INVALID_ARGUMENT", "tensors[0].format: 65 bytes, the limit is 64")

@@ -218,6 +218,34 @@ def test_attach_equals_the_same_packed_layers_in_place(
     assert daemon.client.list_models().models == []
 
 
+@pytest.mark.parametrize("form", FORMS)
+def test_the_daemon_shows_each_packed_form_with_its_bits_per_weight(daemon, form):
+    """The upload labels a packed layer's inner tensors with its form and the layer's weights:
+    the daemon's status, as the client sees it (``list_models``), shows the form with its
+    tensors, bytes and bits per weight, those of ``Handle.stats()["packed_formats"]``; every
+    other tensor counts under its dtype."""
+    model, _ = build(form, torch.bfloat16)
+    layers = {n: packed.inner(m, packed.form_of(m)) for n, m in packed_layers(model).items()}
+    nbytes = sum(t.nbytes for inner in layers.values() for t in inner.values())
+    count = sum(len(inner) for inner in layers.values())
+    weights = sum(m.in_features * m.out_features for m in packed_layers(model).values())
+    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0)
+    (manifest,) = daemon.client.list_models().models
+    formats = {f.format: (f.tensors, f.bytes, f.weights) for f in manifest.formats}
+    assert formats[form] == (count, nbytes, weights), formats
+    (use,) = [f for f in manifest.formats if f.format == form]
+    assert use.bits_per_weight == 8 * nbytes / weights
+    assert (
+        round(use.bits_per_weight, 3) == handle.stats()["packed_formats"][form]["bits_per_weight"]
+    )
+    assert set(formats) - {form} == {"bf16"}, formats
+    assert sum(f.tensors for f in manifest.formats) == len(manifest.tensors)
+    labelled = [t for t in manifest.tensors if t.format]
+    assert len(labelled) == count and {t.format for t in labelled} == {form}
+    assert sum(t.weights for t in labelled) == weights
+    handle.detach(release=True)
+
+
 # --- refusals ------------------------------------------------------------------------------
 
 

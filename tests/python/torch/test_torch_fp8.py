@@ -118,7 +118,14 @@ class FakeClient:
         return SimpleNamespace(alignment=512)
 
     def upload_model(
-        self, name, tensors, quantize=(), phases=None, retention="cached", quantize_on="auto"
+        self,
+        name,
+        tensors,
+        quantize=(),
+        phases=None,
+        retention="cached",
+        quantize_on="auto",
+        labels=None,
     ):
         names = set(quantize)
         for n, t in tensors.items():

@@ -399,6 +399,7 @@ def _model_of(
     if model is not None:
         compute_plan.check_model(compute, model, _listed(client, model))
         return _match(client, model, tensors, weights if fmt else ()), None
+    labels = {t: lb for name, pack in packs.items() for t, lb in pack.labels(name).items()}
     manifest, _ = client.upload_model(
         label,
         tensors,
@@ -406,6 +407,7 @@ def _model_of(
         phases=phases,
         retention="pinned" if pin else "connection",
         quantize_on=options_module.QUANTIZE_ON,
+        labels=labels,
     )
     return manifest, manifest.model_id
 

@@ -499,6 +499,16 @@ class Packed:
             out.append((f"{name}.bias", m.bias))
         return out
 
+    def labels(self, name: str) -> dict[str, tuple[str, int]]:
+        """The daemon's labels of the layer's inner tensors (``Client.upload_model``): the
+        form's name on each, the layer's weights on the first, so that the daemon's ``status``
+        shows the form with its bytes and bits per weight (the bias counts as its dtype)."""
+        where = f"{name}.weight." if self.form.kind == WEIGHT else f"{name}."
+        return {
+            where + n: (self.form.name, self.weights if i == 0 else 0)
+            for i, n in enumerate(self.names)
+        }
+
     def views(self, tensors, slot: int) -> tuple:
         """(``State``, bias view) from a ticket's tensors, the layer's starting at ``slot``."""
         n = len(self.names)

@@ -1,0 +1,200 @@
+//! The validation of requests, case by case.
+
+use super::*;
+use crate::store::formats::FormatLabel;
+
+fn tensor(name: &str, dtype: pb::Dtype, shape: &[u64], nbytes: u64) -> pb::TensorInfo {
+    pb::TensorInfo {
+        name: name.into(),
+        dtype: dtype as i32,
+        shape: shape.to_vec(),
+        nbytes,
+        ..Default::default()
+    }
+}
+
+/// A U8 tensor of 6 bytes labelled `format`, standing for `weights` weights.
+fn labelled(name: &str, format: &str, weights: u64) -> pb::TensorInfo {
+    pb::TensorInfo {
+        format: format.into(),
+        weights,
+        ..tensor(name, pb::Dtype::U8, &[6], 0)
+    }
+}
+
+#[test]
+fn each_bad_upload_names_its_field_and_limit() {
+    let v = Validation::new(&Limits::default());
+    let upload = |tensors: Vec<pb::TensorInfo>| {
+        v.begin_upload(pb::BeginUploadRequest {
+            name: String::new(),
+            tensors,
+            ..Default::default()
+        })
+        .map_err(|e| e.to_string())
+    };
+    let f32 = pb::Dtype::F32;
+    let cases: Vec<(Vec<pb::TensorInfo>, &str)> = vec![
+        (vec![], "tensors: 0 entries, at least 1 required"),
+        (vec![tensor("", f32, &[1], 0)], "tensors[0].name: required"),
+        (
+            vec![tensor("a", f32, &[1], 0), tensor("a", f32, &[1], 0)],
+            "tensors[1].name: 'a' is declared twice",
+        ),
+        (
+            vec![pb::TensorInfo {
+                dtype: 999,
+                ..tensor("a", f32, &[1], 0)
+            }],
+            "tensors[0].dtype: 999 is not a known dtype",
+        ),
+        (
+            vec![tensor("a", f32, &[1; 17], 0)],
+            "tensors[0].shape: 17 dimensions, the limit is 16",
+        ),
+        (
+            vec![tensor("a", f32, &[u64::MAX, 2], 0)],
+            "tensors[0].shape: [18446744073709551615, 2] overflows",
+        ),
+        (
+            vec![tensor("a", f32, &[2, 3], 4)],
+            "tensors[0].nbytes: 4 disagrees with shape [2, 3] of F32 (24 bytes)",
+        ),
+        (
+            vec![labelled("a", &"x".repeat(65), 6)],
+            "tensors[0].format: 65 bytes, the limit is 64",
+        ),
+        (
+            vec![tensor("a", f32, &[2, 3], 0), labelled("b", "aitk/uint4", 6)],
+            "tensors[1].format: byte 4 is '/': a format label is ASCII letters, digits, '.', \
+             '_' and '-'",
+        ),
+        (
+            vec![
+                labelled("a", "aitk.uint4", 0),
+                labelled("b", "aitk.uint4", 0),
+            ],
+            "tensors[0].format: no tensor labelled 'aitk.uint4' counts its weights: set \
+             weights (a layer's out x in) on one tensor of each layer",
+        ),
+    ];
+    let failed: Vec<String> = cases
+        .iter()
+        .filter_map(|(tensors, want)| {
+            let got = upload(tensors.clone());
+            (got.as_ref().err().map(String::as_str) != Some(*want))
+                .then(|| format!("want {want:?}, got {got:?}"))
+        })
+        .collect();
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
+#[test]
+fn each_bad_state_region_names_its_field_and_limit() {
+    let limits = Limits {
+        max_state_region_bytes: 8192,
+        ..Limits::default()
+    };
+    let v = Validation::new(&limits);
+    let alloc = |session_id: &str, bytes: u64, label: String| {
+        v.alloc_state_region(pb::AllocStateRegionRequest {
+            session_id: session_id.into(),
+            bytes,
+            label,
+        })
+        .map_err(|e| e.to_string())
+    };
+    assert_eq!(
+        alloc("s-1", 0, String::new()),
+        Err("bytes: must be more than 0".into())
+    );
+    assert_eq!(
+        alloc("s-1", 8193, String::new()),
+        Err("bytes: 8193 is more than limits.max_state_region_bytes = 8192".into())
+    );
+    assert_eq!(
+        alloc("", 1, String::new()),
+        Err("session_id: required".into())
+    );
+    assert_eq!(
+        alloc("s-1", 1, "x".repeat(1025)),
+        Err("label: 1025 bytes, the limit is 1024".into())
+    );
+    assert_eq!(
+        alloc("s-1", 8192, "adam".into()),
+        Ok(ValidAllocStateRegion {
+            session_id: "s-1".into(),
+            bytes: NonZeroU64::new(8192).unwrap(),
+            label: "adam".into(),
+        })
+    );
+    let free = v.free_state_region(pb::FreeStateRegionRequest {
+        session_id: "s-1".into(),
+        region_id: String::new(),
+    });
+    assert_eq!(
+        free.map_err(|e| e.to_string()),
+        Err("region_id: required".into())
+    );
+}
+
+#[test]
+fn an_abort_names_its_upload_id_and_limit() {
+    let v = Validation::new(&Limits::default());
+    let abort = |upload_id: String| {
+        v.abort_upload(pb::AbortUploadRequest { upload_id })
+            .map_err(|e| e.to_string())
+    };
+    assert_eq!(abort(String::new()), Err("upload_id: required".into()));
+    assert_eq!(
+        abort("u".repeat(257)),
+        Err("upload_id: 257 bytes, the limit is 256".into())
+    );
+    assert_eq!(
+        abort("up-1".into()),
+        Ok(ValidAbortUpload {
+            upload_id: "up-1".into()
+        })
+    );
+}
+
+#[test]
+fn a_valid_upload_carries_the_computed_sizes() {
+    let v = Validation::new(&Limits::default());
+    let valid = v
+        .begin_upload(pb::BeginUploadRequest {
+            name: "m".into(),
+            tensors: vec![tensor("w", pb::Dtype::Bf16, &[4, 8], 0)],
+            client_reserves: false,
+        })
+        .unwrap();
+    assert_eq!(
+        valid.tensors,
+        vec![TensorDecl::plain("w", DType::BF16, vec![4, 8], 64)]
+    );
+    assert_eq!(valid.pages, UploadPages::Reserved);
+    let packed = v
+        .begin_upload(pb::BeginUploadRequest {
+            name: "m".into(),
+            tensors: vec![
+                labelled("q", "aitk.uint4", 12),
+                labelled("s", "aitk.uint4", 0),
+            ],
+            client_reserves: false,
+        })
+        .unwrap();
+    let label = |weights| {
+        Some(FormatLabel {
+            name: "aitk.uint4".into(),
+            weights,
+        })
+    };
+    let labels: Vec<_> = packed.tensors.iter().map(|t| t.label.clone()).collect();
+    assert_eq!(labels, [label(12), label(0)]);
+    let by_client = v.begin_upload(pb::BeginUploadRequest {
+        name: "m".into(),
+        tensors: vec![tensor("w", pb::Dtype::Bf16, &[4, 8], 0)],
+        client_reserves: true,
+    });
+    assert_eq!(by_client.unwrap().pages, UploadPages::ByUploader);
+}
