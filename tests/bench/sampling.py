@@ -162,7 +162,8 @@ def child_weightstream(args) -> dict:
             model, inputs, args.passes + 1, handle, train_step, torch.cuda.synchronize
         )
         record["bytes_per_pass"] = streamed_bytes_per_pass(handle)
-        handle.detach(release=True)
+        # Not detach: it would give FLUX.2's weights back to the device, over the card.
+        handle.close(release=True)
         return record
     finally:
         daemon.stop()
