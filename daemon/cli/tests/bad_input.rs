@@ -73,8 +73,9 @@ fn every_command_gives_up_on_a_socket_that_never_answers() {
             .unwrap();
         let took = started.elapsed();
         let stderr = String::from_utf8_lossy(&out.stderr);
+        // release asks for the models first: it takes a name as well as an id.
         let call = if args[0] == "release" {
-            "ReleaseModel"
+            "ListModels"
         } else {
             "GetInfo"
         };
