@@ -291,8 +291,8 @@ def refused_case(case: str) -> nn.Sequential:
 INSTEAD = (
     "stream a form weightstream takes (torchao's NF4Tensor and IntxUnpackedToInt8Tensor, "
     "ai-toolkit's OstrisLinear of uint2..uint7, convrotint2..convrotint8, nvfp4, convrot8, "
-    "convrot4), load the model unquantized (quantize='fp8' streams it in 8 bits), or keep the "
-    "layer on the device (ignore=['1'])"
+    "convrot4, bitsandbytes' Linear4bit of nf4 and fp4), load the model unquantized "
+    "(quantize='fp8' streams it in 8 bits), or keep the layer on the device (ignore=['1'])"
 )
 UINT4 = "cannot stream '1': it is ai-toolkit's OstrisLinear of qtype 'uint4' (aitk.uint4), which "
 REFUSALS = {

@@ -459,7 +459,8 @@ def test_other_quantized_weights_are_refused_by_rule_before_anything_is_uploaded
                 "weightstream streams torchao's Float8Tensor and Int8Tensor quantized per row, "
                 "and torchao's NF4Tensor and IntxUnpackedToInt8Tensor, ai-toolkit's "
                 "OstrisLinear of uint2..uint7, convrotint2..convrotint8, nvfp4, convrot8, "
-                "convrot4, as they are). Keep the layer on "
+                "convrot4, bitsandbytes' Linear4bit of nf4 and fp4, as they are). Keep the "
+                "layer on "
                 "the device (ignore=['1']), or load the model "
                 "unquantized (quantize='fp8' streams it in 8 bits)."
             )

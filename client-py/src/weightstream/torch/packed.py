@@ -1,86 +1,30 @@
 """Packed quantized layers streamed as they are: a format is a description of its tensors.
 
-A quantizer keeps a layer's weight in one of two shapes, and both stream the same way:
+A quantizer keeps a layer's weight in one of three shapes, and all stream the same way:
 
 - **a weight that is a tensor subclass** implementing torch's traceable-subclass protocol
   (``__tensor_flatten__`` gives its inner plain tensors and a context,
   ``__tensor_unflatten__`` makes it again from them);
 - **a quantizer's Linear module** whose packed state is a set of named buffers (ai-toolkit's
-  ``OstrisLinear``: ``module.ostris_quantizer.forward(module, x)`` reads them off the module).
+  ``OstrisLinear``: ``module.ostris_quantizer.forward(module, x)`` reads them off the module);
+- **a weight parameter with a state object** (bitsandbytes' ``Linear4bit``: a ``Params4bit``
+  whose data are the codes and whose ``QuantState`` holds the scales and code tables).
 
 The layer's inner tensors stream as one group with its bias, each uploaded byte for byte as a
 raw tensor of its own dtype (the daemon holds any dtype; nothing is converted). On use the
-client rebuilds the weight (``__tensor_unflatten__`` of the streamed views) or puts the views
-in the module's buffers, and runs the layer's own class forward, which is the quantizer's: the
-output is the same function of the same bytes as the layer in place, so outputs and gradients
-are ``torch.equal`` to it (``ops`` re-runs that forward in backward and lets autograd
-differentiate it). Between calls the module holds ``Placeholder``s of its streamed tensors.
+client rebuilds the weight (``__tensor_unflatten__`` of the streamed views; a ``Params4bit`` of
+the views with a ``QuantState`` holding them) or puts the views in the module's buffers, and
+runs the layer's own class forward, which is the quantizer's: the output is the same function
+of the same bytes as the layer in place, so outputs and gradients are ``torch.equal`` to it
+(``ops`` re-runs that forward in backward and lets autograd differentiate it). Between calls
+the module holds ``Placeholder``s of its streamed tensors.
 
-A format is an entry of ``FORMATS``: how it is recognised (a type's module and name, read
-without importing the library, as ``policy.quantizer_of`` does), which tensors stream and the
-layout they must have (dtype and shape from the layer's size), and what stays on the device.
-Nothing else in the client knows a format.
-
-The forms, per layer (``out`` x ``in`` the Linear's size, ``d`` the weight's float dtype):
-
-torchao 0.18 (a weight subclass on an ``nn.Linear`` with Linear's own forward, frozen):
-
-- ``torchao.NF4Tensor`` (``torchao.quantization.to_nf4``, QLoRA's NF4, the format of
-  bitsandbytes' ``Linear4bit``): ``quantized_data`` uint8 [out*in/2] (two 4-bit codes a byte),
-  ``quantized_scalers`` int8 [out*in/block] (each block's absmax, quantized again per
-  ``scaler_block_size``), ``quantization_factor`` d [n scaler blocks], ``scaler_mean`` d [],
-  ``nf4`` d [16] (the code book). Forward: its ``F.linear`` (``LinearNF4``: ``x @
-  w.to(x.dtype).t()``, then ``+ bias``). About 4.1 bits a weight.
-- ``torchao.IntxUnpackedToInt8Tensor`` (``IntxWeightOnlyConfig(weight_dtype=torch.int1..8)``,
-  ``PerGroup``/``PerAxis``): ``qdata`` int8 [out, in] (one code a byte), ``scale`` d and
-  ``zero_point`` int8 or d [out, in/group]. Forward: its ``F.linear`` (dequantize, then
-  ``F.linear``; with activation quantization, that first). 8 bits a weight plus the scales.
-
-ai-toolkit (``toolkit/util/ostris_quant.py``: ``OstrisLinear``, a Linear class-swapped in
-place, its ``weight`` parameter deleted, ``ostris_quantizer`` and ``ostris_orig_dtype`` set;
-forward ``module.ostris_quantizer.forward(module, x)``; the bias a frozen parameter):
-
-- ``aitk.uint2`` .. ``aitk.uint7`` (``UIntXQuantizer``, asymmetric per 64 inputs, bit-exact
-  with torchao 0.10's UIntX): ``uintx_packed`` uint8 [sum over the power-of-two shards k of
-  ``nbits`` of ceil(out*in / (8/k))] (the codes split into 4-, 2- and 1-bit shards, each
-  packed 8/k a byte), ``uintx_scale`` uint8 [out, in/64 * d.itemsize] (d's bytes),
-  ``uintx_zero_point`` uint8 [out, in/64]. Forward: unpack, ``(q - zp) * scale`` in d,
-  ``F.linear``.
-- ``aitk.nvfp4`` (``Nvfp4Quantizer``, ComfyUI's layout): ``nv4_qdata`` uint8 [out, in/2] (e2m1
-  codes, low nibble first), ``nv4_scales`` uint8 [out, in/16] (e4m3 bytes), ``nv4_pts`` uint8
-  [4] (a float32), optionally ``nv4_pre_scale`` uint8 [in*4] (float32 AWQ input scales).
-  Forward: ``x * pre_scale``, dequantize to x's dtype, ``F.linear``.
-- ``aitk.convrot8`` (``ConvRotInt8Quantizer``): ``cr8_qdata`` int8 [out, in] (the rotated
-  weight's codes), ``cr8_scales`` uint8 [out*4] (float32 per row); the attribute
-  ``cr8_rot_size`` stays on the module. Forward: the block-Hadamard rotation of x, then the
-  int8 GEMM with a straight-through backward where the device has one, else fake-quantized
-  activations and ``F.linear`` of the dequantized weight.
-
-- ``aitk.convrot4`` (``ConvRotQuantizer``, W4A4 NVFP4): ``cr_qdata`` uint8 [out, in/2],
-  ``cr_scales`` uint8 [out, in/16] (e4m3), ``cr_scales_blocked`` uint8 [ceil(out/128)*128 *
-  ceil(in/64)*4] (the same scales in cuBLAS's 128x4 tiles), ``cr_pts`` uint8 [4]; the
-  attribute ``cr_rot_size`` stays. Forward: rotate x; with no grad on a GPU with fp4 GEMMs
-  (sm_100+) quantize x to nvfp4 and run ``torch._scaled_mm``, else (training, or another GPU)
-  fake-quantized activations and ``F.linear`` of the dequantized weight: the quantizer picks,
-  as in place.
-- ``aitk.convrotint2`` .. ``aitk.convrotint8`` (``ConvRotIntNQuantizer``, W{n}A8):
-  ``crn_qdata`` uint8 [out, in/8*n] (8 codes in n bytes), ``crn_scales`` uint8 [out*4]
-  (float32 per row), below 8 bits ``crn_gratio`` uint8 [out, in/group*4] (float32 ratios per
-  row and k-group: 128 halved until it divides in); ``crn_bits`` and ``crn_rot_size`` stay.
-  Forward: unpack to int8 and run convrot8's.
-
-An accuracy recovery adapter (ARA, ai-toolkit's side LoRA on a quantized layer) is a module of
-its own whose forward wraps the layer's (``org_forward``): it stays on the device, trainable or
-frozen as ai-toolkit made it, and the streamed layer runs inside it (``hooks``); its sizes are
-checked against the layer's. Every other ai-toolkit qtype (``convrotbitnet``: ternary codes
-five a byte; ``convrotcomfyw4a4``; ``orbit2/3/4`` and the vector-quantized ``orbit``) and every
-other torchao subclass is refused by name, before anything is uploaded, with what to use
-instead.
+The formats are ``packed_forms``'s: this module recognises a layer's form, checks its layout,
+and streams it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -88,220 +32,18 @@ from torch import nn
 
 from weightstream import _dtypes
 from weightstream.torch import placeholder
-
-WEIGHT = "weight"  # the weight is a tensor subclass
-BUFFERS = "buffers"  # the module holds named buffers
-
-
-@dataclass(frozen=True)
-class Form:
-    """One streamed format. ``tensors(m)``: the layout its inner tensors must have, name ->
-    (dtype, shape), from the layer's size (``optional``: names that may be absent);
-    ``check(m)``: a further rule of the layout in words, or None; ``stays``: what stays on the
-    device, in words (the attach summary)."""
-
-    name: str
-    kind: str
-    tensors: Callable[[nn.Module], dict[str, tuple[torch.dtype, tuple[int, ...]]]]
-    optional: frozenset[str] = frozenset()
-    check: Callable[[nn.Module], str | None] = lambda m: None
-    stays: str = "the weight's flatten context (attributes, no tensor)"
-
-
-# --- the layouts ---------------------------------------------------------------------------
-
-
-def _nf4_tensors(m):
-    w = m.weight
-    n = w.numel()
-    return {
-        "quantized_data": (torch.uint8, (n // 2,)),
-        "scaler_mean": (w.dtype, ()),
-        "quantization_factor": (w.dtype, (n // w.block_size // w.scaler_block_size,)),
-        "quantized_scalers": (torch.int8, (n // w.block_size,)),
-        "nf4": (w.dtype, (16,)),
-    }
-
-
-def _intx_tensors(m):
-    w = m.weight
-    blocks = tuple(s // b for s, b in zip(w.shape, w.block_size, strict=False))
-    return {
-        "qdata": (torch.int8, tuple(w.shape)),
-        "scale": (w.scale.dtype, blocks),
-        "zero_point": (w.zero_point.dtype, blocks),
-    }
-
-
-def _intx_check(m):
-    w = m.weight
-    if (
-        w.dim() != 2
-        or len(w.block_size) != 2
-        or any(s % b for s, b in zip(w.shape, w.block_size, strict=True))
-    ):
-        return f"has shape {list(w.shape)} in blocks {list(w.block_size)}; 2-D whole blocks stream"
-    return None
-
-
-def _uintx_tensors(nbits: int):
-    def tensors(m):
-        out, inputs = m.out_features, m.in_features
-        groups = inputs // 64
-        numel = out * inputs
-        packed = sum(-(-numel // (8 // k)) for k in (8, 4, 2, 1) if nbits & k)
-        itemsize = m.ostris_orig_dtype.itemsize
-        return {
-            "uintx_packed": (torch.uint8, (packed,)),
-            "uintx_scale": (torch.uint8, (out, groups * itemsize)),
-            "uintx_zero_point": (torch.uint8, (out, groups)),
-        }
-
-    return tensors
-
-
-def _uintx_check(nbits: int):
-    def check(m):
-        q = m.ostris_quantizer
-        if getattr(q, "nbits", nbits) != nbits or getattr(q, "group_size", 64) != 64:
-            return f"has nbits {q.nbits} and group_size {q.group_size}, not {nbits} and 64"
-        if m.in_features % 64:
-            return f"has in_features {m.in_features}, not a multiple of the group size 64"
-        return None
-
-    return check
-
-
-def _nvfp4_tensors(m):
-    out, inputs = m.out_features, m.in_features
-    return {
-        "nv4_qdata": (torch.uint8, (out, inputs // 2)),
-        "nv4_scales": (torch.uint8, (out, inputs // 16)),
-        "nv4_pts": (torch.uint8, (4,)),
-        "nv4_pre_scale": (torch.uint8, (inputs * 4,)),
-    }
-
-
-def _convrot8_tensors(m):
-    return {
-        "cr8_qdata": (torch.int8, (m.out_features, m.in_features)),
-        "cr8_scales": (torch.uint8, (m.out_features * 4,)),
-    }
-
-
-def _convrot4_tensors(m):
-    out, inputs = m.out_features, m.in_features
-    blocked = -(-out // 128) * 128 * -(-(inputs // 16) // 4) * 4
-    return {
-        "cr_qdata": (torch.uint8, (out, inputs // 2)),
-        "cr_scales": (torch.uint8, (out, inputs // 16)),
-        "cr_scales_blocked": (torch.uint8, (blocked,)),
-        "cr_pts": (torch.uint8, (4,)),
-    }
-
-
-def _rotation_check(attribute: str):
-    def check(m):
-        rot = getattr(m, attribute, None)
-        if not isinstance(rot, int) or rot < 1 or m.in_features % rot:
-            return f"has {attribute} {rot!r}, which does not divide in_features {m.in_features}"
-        return None
-
-    return check
-
-
-def _intn_group(inputs: int) -> int:
-    """ai-toolkit's k-group of ``convrotint*`` (128, halved until it divides the width)."""
-    group = 128
-    while inputs % group:
-        group //= 2
-    return group
-
-
-def _convrotint_tensors(bits: int):
-    def tensors(m):
-        out, inputs = m.out_features, m.in_features
-        return {
-            "crn_qdata": (torch.uint8, (out, inputs // 8 * bits)),
-            "crn_scales": (torch.uint8, (out * 4,)),
-            "crn_gratio": (torch.uint8, (out, inputs // _intn_group(inputs) * 4)),
-        }
-
-    return tensors
-
-
-def _convrotint_check(bits: int):
-    rotation = _rotation_check("crn_rot_size")
-
-    def check(m):
-        if getattr(m, "crn_bits", None) != bits:
-            return f"has crn_bits {getattr(m, 'crn_bits', None)!r}, not {bits}"
-        if m.in_features % 8:
-            return f"has in_features {m.in_features}, not a multiple of 8"
-        grouped = m._buffers.get("crn_gratio") is not None
-        if grouped != (bits <= 7):
-            return f"{'has' if grouped else 'has no'} crn_gratio at {bits} bits"
-        return rotation(m)
-
-    return check
-
-
-#: The weight subclasses that stream, by (their type's module, its name).
-WEIGHT_FORMS = {
-    ("torchao.quantization.quantize_.workflows.nf4.nf4_tensor", "NF4Tensor"): Form(
-        "torchao.NF4Tensor", WEIGHT, _nf4_tensors
-    ),
-    ("torchao.quantization", "IntxUnpackedToInt8Tensor"): Form(
-        "torchao.IntxUnpackedToInt8Tensor", WEIGHT, _intx_tensors, check=_intx_check
-    ),
-}
-#: ai-toolkit's quantized Linear, by its type's module and name; its formats by qtype.
-OSTRIS_LINEAR = ("toolkit.util.ostris_quant", "OstrisLinear")
-_ARA = "the ARA side LoRA (ara_lora_ref), trainable or frozen as ai-toolkit made it"
-OSTRIS_FORMS = {
-    **{
-        f"uint{b}": Form(
-            f"aitk.uint{b}", BUFFERS, _uintx_tensors(b), check=_uintx_check(b), stays=_ARA
-        )
-        for b in range(2, 8)
-    },
-    "nvfp4": Form(
-        "aitk.nvfp4",
-        BUFFERS,
-        _nvfp4_tensors,
-        optional=frozenset({"nv4_pre_scale"}),
-        stays=_ARA,
-    ),
-    "convrot8": Form(
-        "aitk.convrot8",
-        BUFFERS,
-        _convrot8_tensors,
-        check=_rotation_check("cr8_rot_size"),
-        stays=f"cr8_rot_size; {_ARA}",
-    ),
-    "convrot4": Form(
-        "aitk.convrot4",
-        BUFFERS,
-        _convrot4_tensors,
-        check=_rotation_check("cr_rot_size"),
-        stays=f"cr_rot_size; {_ARA}",
-    ),
-    **{
-        f"convrotint{b}": Form(
-            f"aitk.convrotint{b}",
-            BUFFERS,
-            _convrotint_tensors(b),
-            optional=frozenset({"crn_gratio"}),
-            check=_convrotint_check(b),
-            stays=f"crn_bits, crn_rot_size; {_ARA}",
-        )
-        for b in range(2, 9)
-    },
-}
-#: What to do with a packed form that does not stream, at the end of its refusal.
-INSTEAD = (
-    "stream a form weightstream takes ({streamed}), load the model unquantized "
-    "(quantize='fp8' streams it in 8 bits), or keep the layer on the device (ignore=[{name!r}])"
+from weightstream.torch.packed_forms import (
+    BNB_FORMS,
+    BUFFERS,
+    INSTEAD,
+    LINEAR4BIT,
+    OSTRIS_FORMS,
+    OSTRIS_LINEAR,
+    QUANT_STATE,
+    REFUSED,
+    WEIGHT,
+    WEIGHT_FORMS,
+    Form,
 )
 
 
@@ -309,24 +51,61 @@ def _type_key(obj) -> tuple[str, str]:
     return (type(obj).__module__ or "", type(obj).__qualname__)
 
 
+def _is(obj, key: tuple[str, str]) -> bool:
+    return any((c.__module__, c.__qualname__) == key for c in type(obj).__mro__)
+
+
 def is_ostris_linear(m: nn.Module) -> bool:
     """Whether ``m`` is ai-toolkit's ``OstrisLinear`` (by its type, without importing it)."""
-    return any((c.__module__, c.__qualname__) == OSTRIS_LINEAR for c in type(m).__mro__)
+    return _is(m, OSTRIS_LINEAR)
+
+
+def is_linear4bit(m: nn.Module) -> bool:
+    """Whether ``m`` is bitsandbytes' ``Linear4bit`` (by its type, without importing it)."""
+    return _is(m, LINEAR4BIT)
+
+
+def _refused_name(m: nn.Module) -> tuple[str, type] | None:
+    """The name in ``REFUSED`` of the layer's or its weight's type (or a base of them), and
+    that type."""
+    for obj in (m, m._parameters.get("weight")):
+        for c in type(obj).__mro__:
+            if c.__qualname__ in REFUSED:
+                return c.__qualname__, type(obj)
+    return None
+
+
+def _bnb_quant_type(m: nn.Module) -> str | None:
+    """A Linear4bit's quant type: its weight's, or (streamed: a placeholder weight) its
+    module's ``quant_state``'s."""
+    for holder in (m._parameters.get("weight"), getattr(m, "quant_state", None)):
+        quant_type = getattr(holder, "quant_type", None)
+        if quant_type is not None:
+            return quant_type
+    return None
 
 
 def form_of(m: nn.Module) -> Form | None:
     """The format ``m`` streams in, if its weight or its class is one of ``FORMATS``; None
-    otherwise (also for an ``OstrisLinear`` of a qtype that does not stream: ``refusal``)."""
+    otherwise (also for an ``OstrisLinear`` or ``Linear4bit`` of a type that does not stream:
+    ``refusal``)."""
     if is_ostris_linear(m):
         return OSTRIS_FORMS.get(getattr(getattr(m, "ostris_quantizer", None), "qtype", None))
+    if is_linear4bit(m):
+        return BNB_FORMS.get(_bnb_quant_type(m))
     w = m._parameters.get("weight")
     return None if w is None else WEIGHT_FORMS.get(_type_key(w))
 
 
 def claims(m: nn.Module) -> bool:
-    """Whether this module decides ``m``: a streamed form, or an ``OstrisLinear`` (refused by
-    qtype)."""
-    return is_ostris_linear(m) or form_of(m) is not None
+    """Whether this module decides ``m``: a streamed form, an ``OstrisLinear`` or
+    ``Linear4bit`` (refused by qtype), or a form refused by name (``REFUSED``)."""
+    return (
+        is_ostris_linear(m)
+        or is_linear4bit(m)
+        or _refused_name(m) is not None
+        or form_of(m) is not None
+    )
 
 
 def torchao_names() -> str:
@@ -339,7 +118,11 @@ def streamed_names() -> str:
     runs = [[q for q in OSTRIS_FORMS if q.startswith(p)] for p in ("uint", "convrotint")]
     single = [q for q in OSTRIS_FORMS if not any(q in run for run in runs)]
     aitk = ", ".join([f"{run[0]}..{run[-1]}" for run in runs] + single)
-    return f"torchao's {torchao_names()}, ai-toolkit's OstrisLinear of {aitk}"
+    bnb = " and ".join(BNB_FORMS)
+    return (
+        f"torchao's {torchao_names()}, ai-toolkit's OstrisLinear of {aitk}, bitsandbytes' "
+        f"Linear4bit of {bnb}"
+    )
 
 
 def inner(m: nn.Module, form: Form) -> dict[str, torch.Tensor]:
@@ -347,6 +130,14 @@ def inner(m: nn.Module, form: Form) -> dict[str, torch.Tensor]:
     if form.kind == WEIGHT:
         names, _ = m.weight.__tensor_flatten__()
         return {n: getattr(m.weight, n) for n in names if getattr(m.weight, n) is not None}
+    if form.kind == QUANT_STATE:
+        w = m._parameters["weight"]
+        qs = getattr(w, "quant_state", None) or m.quant_state  # streamed: the module's
+        out = {"weight": w if placeholder.is_placeholder(w) else w.data, "weight.absmax": qs.absmax}
+        if qs.nested:
+            out["weight.offset"] = qs.offset
+            out["weight.nested_absmax"] = qs.state2.absmax
+        return out
     return {n: b for n, b in m._buffers.items() if b is not None}
 
 
@@ -354,6 +145,15 @@ def refusal(name: str, m: nn.Module) -> str | None:
     """Why layer ``name`` cannot stream as a packed form, naming the form, the rule and what
     to do; None when it streams (or is no packed form: ``claims``)."""
     instead = INSTEAD.format(streamed=streamed_names(), name=name)
+    refused = _refused_name(m)
+    if refused is not None:
+        kind, cls = refused
+        what, todo = REFUSED[kind]
+        what = what.format(kind=kind, module=cls.__module__)
+        return (
+            f"cannot stream {name!r}: it is {what}, a quantized form weightstream does not "
+            f"stream: {todo}, or keep the layer on the device (ignore=[{name!r}])"
+        )
     if is_ostris_linear(m):
         q = getattr(m, "ostris_quantizer", None)
         qtype = getattr(q, "qtype", None)
@@ -369,6 +169,20 @@ def refusal(name: str, m: nn.Module) -> str | None:
                 f"({type(q).__name__}), a packed form weightstream does not stream: {instead}"
             )
         what = f"it is ai-toolkit's OstrisLinear of qtype {qtype!r}"
+    elif is_linear4bit(m):
+        quant_type, form = _bnb_quant_type(m), form_of(m)
+        what = f"it is bitsandbytes' {type(m).__name__} of quant_type {quant_type!r}"
+        if form is None:
+            return (
+                f"cannot stream {name!r}: {what}, a packed form weightstream does not stream: "
+                f"{instead}"
+            )
+        if getattr(m._parameters.get("weight"), "requires_grad", False):
+            return (
+                f"cannot stream {name!r}: {what}, whose weight requires grad: a packed base "
+                "weight is frozen; freeze it (module.weight.requires_grad_(False)) or keep the "
+                f"layer on the device (ignore=[{name!r}])"
+            )
     else:
         form = form_of(m)
         if form is None:
@@ -397,7 +211,7 @@ def refusal(name: str, m: nn.Module) -> str | None:
 def _layout_refusal(m: nn.Module, form: Form) -> str | None:
     try:
         why = form.check(m)
-        want = form.tensors(m)
+        want = form.tensors(m) if why is None else {}
     except (AttributeError, TypeError, ZeroDivisionError) as e:
         return f"is not the layout of {form.name} ({e})"
     if why is not None:
@@ -464,7 +278,9 @@ class Packed:
     #: Bytes of the inner tensors; weights of the layer (out x in).
     nbytes: int
     weights: int
-    #: WEIGHT: the subclass type, its flatten context, size and stride.
+    #: WEIGHT: the subclass type, its flatten context, size and stride. QUANT_STATE: the
+    #: Params4bit type, its attributes but ``quant_state``, and that ``QuantState`` (from
+    #: ``free`` on, holding placeholders of the streamed tensors and the code tables).
     rebuild: tuple | None = None
     #: The placeholders the module holds between calls (name -> tensor).
     held: dict = field(default_factory=dict)
@@ -479,6 +295,11 @@ class Packed:
             _, ctx = w.__tensor_flatten__()
             rebuild = (type(w), ctx, w.shape, w.stride())
             dtype = w.dtype
+        elif form.kind == QUANT_STATE:
+            w = m.weight
+            attrs = {k: v for k, v in vars(w).items() if k != "quant_state"}
+            rebuild = (type(w), attrs, w.quant_state)
+            dtype = w.quant_state.dtype
         else:
             dtype = m.ostris_orig_dtype
         return cls(
@@ -493,7 +314,7 @@ class Packed:
 
     def tensors(self, name: str, m: nn.Module) -> list[tuple[str, torch.Tensor]]:
         """The layer's tensors as the daemon names them: the inner ones, then the bias."""
-        where = f"{name}.weight." if self.form.kind == WEIGHT else f"{name}."
+        where = self._where(name)
         out = [(where + n, t) for n, t in inner(m, self.form).items()]
         if self.has_bias:
             out.append((f"{name}.bias", m.bias))
@@ -503,11 +324,16 @@ class Packed:
         """The daemon's labels of the layer's inner tensors (``Client.upload_model``): the
         form's name on each, the layer's weights on the first, so that the daemon's ``status``
         shows the form with its bytes and bits per weight (the bias counts as its dtype)."""
-        where = f"{name}.weight." if self.form.kind == WEIGHT else f"{name}."
+        where = self._where(name)
         return {
             where + n: (self.form.name, self.weights if i == 0 else 0)
             for i, n in enumerate(self.names)
         }
+
+    def _where(self, name: str) -> str:
+        """The prefix of the daemon's names of the inner tensors (a QUANT_STATE form's names
+        are bitsandbytes' state dict keys: ``weight``, ``weight.absmax``, ...)."""
+        return f"{name}.weight." if self.form.kind == WEIGHT else f"{name}."
 
     def views(self, tensors, slot: int) -> tuple:
         """(``State``, bias view) from a ticket's tensors, the layer's starting at ``slot``."""
@@ -525,6 +351,8 @@ class Packed:
             m._parameters["weight"] = placeholder.parameter(w, device, f"{name}.weight")
             self.held = {"weight": m._parameters["weight"]}
             return [f"{name}.weight"]
+        if self.form.kind == QUANT_STATE:
+            return self._free_quant_state(name, m, device)
         freed = []
         for n in self.names:
             b = m._buffers[n]
@@ -534,12 +362,46 @@ class Packed:
         self.held = {n: m._buffers[n] for n in self.names}
         return freed
 
+    def _free_quant_state(self, name: str, m: nn.Module, device: torch.device) -> list[str]:
+        """A Linear4bit's weight and the streamed tensors of its ``QuantState`` (on the weight
+        and on the module) become placeholders; the code tables move to ``device`` and stay."""
+        w = m._parameters["weight"]
+        if placeholder.is_placeholder(w):
+            return []
+        qs = w.quant_state
+        held = {"weight": placeholder.parameter(w, device, f"{name}.weight")}
+
+        def hold(n: str, t: torch.Tensor) -> torch.Tensor:
+            held[n] = placeholder.Placeholder(t, device, f"{name}.{n}")
+            return held[n]
+
+        kept = _copied(qs, code=qs.code.to(device), absmax=hold("weight.absmax", qs.absmax))
+        if qs.nested:
+            kept.offset = hold("weight.offset", qs.offset)
+            kept.state2 = _copied(
+                qs.state2,
+                code=qs.state2.code.to(device),
+                absmax=hold("weight.nested_absmax", qs.state2.absmax),
+            )
+        cls, attrs, _ = self.rebuild
+        self.rebuild = (cls, attrs, kept)
+        m._parameters["weight"] = held["weight"]
+        if getattr(m, "quant_state", None) is not None:
+            m.quant_state = kept  # it held the QuantState too: its tensors go with it
+        self.held = held
+        return [f"{name}.{n}" for n in held]
+
     def restore(self, m: nn.Module, state: State, device: torch.device):
         """Puts copies of ``state``'s tensors on ``device`` back into ``m`` (``detach``)."""
         copies = {n: t.to(device, copy=True) for n, t in state.tensors.items()}
         if self.form.kind == WEIGHT:
             w = _unflatten(self.rebuild, copies)
             m.weight = nn.Parameter(w, requires_grad=False)
+        elif self.form.kind == QUANT_STATE:
+            w = _params4bit(self.rebuild, copies)
+            m._parameters["weight"] = w
+            if hasattr(m, "quant_state"):
+                m.quant_state = w.quant_state
         else:
             for n, t in copies.items():
                 m._buffers[n] = t
@@ -562,6 +424,36 @@ def _unflatten(rebuild: tuple, tensors: dict) -> torch.Tensor:
     return cls.__tensor_unflatten__(dict(tensors), _on_device(ctx, device), size, stride)
 
 
+def _copied(obj, **changes):
+    """A shallow copy of a bitsandbytes ``QuantState`` with ``changes`` (its attributes are
+    plain: a new object of its type with its ``__dict__``)."""
+    out = object.__new__(type(obj))
+    out.__dict__.update(vars(obj), **changes)
+    return out
+
+
+def _params4bit(rebuild: tuple, tensors: dict) -> torch.Tensor:
+    """bitsandbytes' ``Params4bit`` on the streamed views: the data ``weight``, its
+    ``QuantState`` a copy of the kept one with the views of absmax (and of the offset and
+    nested absmax) and the code tables on the views' device; made as ``Params4bit.__new__``
+    makes it, without importing bitsandbytes."""
+    cls, attrs, kept = rebuild
+    data = tensors["weight"]
+    code = kept.code.to(data.device)
+    qs = _copied(kept, code=code, absmax=tensors["weight.absmax"])
+    if kept.nested:
+        qs.offset = tensors["weight.offset"]
+        qs.state2 = _copied(
+            kept.state2,
+            code=kept.state2.code.to(data.device),
+            absmax=tensors["weight.nested_absmax"],
+        )
+    w = torch.Tensor._make_subclass(cls, data, False)
+    w.__dict__.update(attrs)
+    w.quant_state = qs
+    return w
+
+
 class State:
     """A packed layer's state rebuilt from views: ``run`` computes the layer's own forward on
     it (``ops.op``)."""
@@ -577,9 +469,10 @@ class State:
         p = self.packed
         params, buffers = module._parameters, module._buffers
         saved_bias = params.get("bias")
-        if p.form.kind == WEIGHT:
+        if p.form.kind in (WEIGHT, QUANT_STATE):
             saved = {"weight": params["weight"]}
-            params["weight"] = _unflatten(p.rebuild, self.tensors)
+            rebuild = _unflatten if p.form.kind == WEIGHT else _params4bit
+            params["weight"] = rebuild(p.rebuild, self.tensors)
             swap = params
         else:
             saved = {n: buffers.get(n) for n in self.tensors}

@@ -5,7 +5,8 @@
   (``quantizer_of``) are refused with ``QuantizedWeight``, never uploaded as plain tensors,
   but for torchao's per-row ``Float8Tensor`` and ``Int8Tensor``, which stream as they are
   (``torchao_weights``), and the packed forms of ``packed`` (torchao's NF4 and intx tensors,
-  ai-toolkit's ``OstrisLinear``), which stream their inner tensors as they are.
+  ai-toolkit's ``OstrisLinear``, bitsandbytes' ``Linear4bit``), which stream their inner
+  tensors as they are.
 - ``block_of``, ``choose_groups``: the unit of transfer (a repeated block, or one layer) and
   each group's size as the daemon lays it out. Which groups stay resident within the budget is
   the daemon's choice (``split_budget`` in ``daemon/src/session/layout.rs``); the client only
