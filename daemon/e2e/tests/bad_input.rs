@@ -656,6 +656,7 @@ async fn bad_run_messages_fault_and_the_session_goes_on() {
         Msg::Acquire(proto::Acquire {
             group: 0,
             ticket: 1,
+            ..Default::default()
         }),
     )
     .await

@@ -16,7 +16,7 @@ use weightstream_proto::v1::server_message::Msg as Out;
 use super::error::EdgeError;
 use super::status::{attach_status, status_of};
 use crate::core::{Daemon, Peer};
-use crate::session::{Command, Control, Direction, Event, FaultKind, GpuWaitReport};
+use crate::session::{Command, Control, Direction, Event, FaultKind, GpuWaitReport, PassKind};
 
 /// What the client reads from its `Run` call.
 pub type ServerStream = Pin<Box<dyn Stream<Item = Result<pb::ServerMessage, Status>> + Send>>;
@@ -113,10 +113,29 @@ async fn forward(
 /// protocol does not allow once attached.
 fn command(message: pb::ClientMessage) -> Result<Command, Event> {
     match message.msg {
-        Some(Msg::Acquire(a)) => Ok(Command::Acquire {
-            group: a.group,
-            ticket: a.ticket,
-        }),
+        Some(Msg::Acquire(a)) => {
+            let kind = match pb::PassKind::try_from(a.kind) {
+                Ok(pb::PassKind::Unspecified) => None,
+                Ok(pb::PassKind::Train) => Some(PassKind::Train),
+                Ok(pb::PassKind::Sample) => Some(PassKind::Sample),
+                Err(_) => {
+                    return Err(Event::fault(
+                        a.ticket,
+                        FaultKind::InvalidArgument,
+                        format!(
+                            "acquire.kind: {} is not a known pass kind (0 unspecified, \
+                             1 train, 2 sample)",
+                            a.kind
+                        ),
+                    ));
+                }
+            };
+            Ok(Command::Acquire {
+                group: a.group,
+                ticket: a.ticket,
+                kind,
+            })
+        }
         Some(Msg::Release(r)) => Ok(Command::Release { ticket: r.ticket }),
         Some(Msg::Plan(plan)) => Ok(Command::Plan {
             groups: plan.groups,
@@ -228,6 +247,18 @@ mod tests {
             (
                 message(None),
                 Event::fault(0, FaultKind::InvalidArgument, "msg: empty client message"),
+            ),
+            (
+                message(Some(Msg::Acquire(pb::Acquire {
+                    group: 1,
+                    ticket: 9,
+                    kind: 7,
+                }))),
+                Event::fault(
+                    9,
+                    FaultKind::InvalidArgument,
+                    "acquire.kind: 7 is not a known pass kind (0 unspecified, 1 train, 2 sample)",
+                ),
             ),
         ];
         let failures: Vec<String> = cases

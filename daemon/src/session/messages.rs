@@ -2,13 +2,18 @@
 //! wire's messages into these and back; the session knows nothing of the wire.
 
 use super::plan::GroupId;
-use super::stats::GpuWaitReport;
+use super::stats::{GpuWaitReport, PassKind};
 
 /// A request of the session's client, in the order the client sent it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Command {
-    /// Place `group` for a new ticket (chosen by the client, unique among its live tickets).
-    Acquire { group: GroupId, ticket: u64 },
+    /// Place `group` for a new ticket (chosen by the client, unique among its live tickets);
+    /// `kind`, when named, comes in force for this acquire and what follows it.
+    Acquire {
+        group: GroupId,
+        ticket: u64,
+        kind: Option<PassKind>,
+    },
     /// The client is done reading the ticket's bytes.
     Release { ticket: u64 },
     /// The group acquisitions of one training step, in order.

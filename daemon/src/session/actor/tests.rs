@@ -5,6 +5,7 @@
 //! failure.
 
 mod fakes;
+mod kinds;
 
 use std::future::Future;
 use std::path::Path;
@@ -201,7 +202,12 @@ impl Harness {
     }
 
     async fn acquire(&self, group: u32, ticket: u64) {
-        self.send(Command::Acquire { group, ticket }).await;
+        self.send(Command::Acquire {
+            group,
+            ticket,
+            kind: None,
+        })
+        .await;
     }
 
     async fn release(&self, ticket: u64) {
@@ -327,6 +333,7 @@ async fn bad_requests_get_exact_faults() {
             Command::Acquire {
                 group: 4,
                 ticket: 7,
+                kind: None,
             },
             Event::fault(
                 7,
@@ -338,6 +345,7 @@ async fn bad_requests_get_exact_faults() {
             Command::Acquire {
                 group: 2,
                 ticket: 0,
+                kind: None,
             },
             Event::fault(0, InvalidArgument, "acquire.ticket: 0 is reserved"),
         ),
@@ -345,6 +353,7 @@ async fn bad_requests_get_exact_faults() {
             Command::Acquire {
                 group: 2,
                 ticket: 5,
+                kind: None,
             },
             Event::fault(5, InvalidArgument, "acquire.ticket 5 is already live"),
         ),
@@ -352,6 +361,7 @@ async fn bad_requests_get_exact_faults() {
             Command::Acquire {
                 group: 2,
                 ticket: 8,
+                kind: None,
             },
             Event::fault(
                 8,
