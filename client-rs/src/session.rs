@@ -640,7 +640,8 @@ impl Session {
     /// Sends a plan explicitly.
     pub fn send_plan(&self, groups: Vec<u32>) {
         *lock(&self.plan) = Some(groups.clone());
-        let _ = self.send(Msg::Plan(proto::Plan { groups }));
+        let kind = self.kind.load(Ordering::Relaxed);
+        let _ = self.send(Msg::Plan(proto::Plan { groups, kind }));
     }
 
     /// Closes the session; its views must be dropped first (the borrow checker sees to it).

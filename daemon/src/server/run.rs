@@ -109,35 +109,32 @@ async fn forward(
     }
 }
 
+/// A message's pass kind (None: unspecified), or the fault that refuses an unknown one.
+fn pass_kind(value: i32, field: &str, ticket: u64) -> Result<Option<PassKind>, Event> {
+    match pb::PassKind::try_from(value) {
+        Ok(pb::PassKind::Unspecified) => Ok(None),
+        Ok(pb::PassKind::Train) => Ok(Some(PassKind::Train)),
+        Ok(pb::PassKind::Sample) => Ok(Some(PassKind::Sample)),
+        Err(_) => Err(Event::fault(
+            ticket,
+            FaultKind::InvalidArgument,
+            format!("{field}: {value} is not a known pass kind (0 unspecified, 1 train, 2 sample)"),
+        )),
+    }
+}
+
 /// The session command a client message asks for, or the fault that answers a message the
 /// protocol does not allow once attached.
 fn command(message: pb::ClientMessage) -> Result<Command, Event> {
     match message.msg {
-        Some(Msg::Acquire(a)) => {
-            let kind = match pb::PassKind::try_from(a.kind) {
-                Ok(pb::PassKind::Unspecified) => None,
-                Ok(pb::PassKind::Train) => Some(PassKind::Train),
-                Ok(pb::PassKind::Sample) => Some(PassKind::Sample),
-                Err(_) => {
-                    return Err(Event::fault(
-                        a.ticket,
-                        FaultKind::InvalidArgument,
-                        format!(
-                            "acquire.kind: {} is not a known pass kind (0 unspecified, \
-                             1 train, 2 sample)",
-                            a.kind
-                        ),
-                    ));
-                }
-            };
-            Ok(Command::Acquire {
-                group: a.group,
-                ticket: a.ticket,
-                kind,
-            })
-        }
+        Some(Msg::Acquire(a)) => Ok(Command::Acquire {
+            group: a.group,
+            ticket: a.ticket,
+            kind: pass_kind(a.kind, "acquire.kind", a.ticket)?,
+        }),
         Some(Msg::Release(r)) => Ok(Command::Release { ticket: r.ticket }),
         Some(Msg::Plan(plan)) => Ok(Command::Plan {
+            kind: pass_kind(plan.kind, "plan.kind", 0)?,
             groups: plan.groups,
         }),
         // Checked against the session's groups by the session, which knows them.
@@ -258,6 +255,17 @@ mod tests {
                     9,
                     FaultKind::InvalidArgument,
                     "acquire.kind: 7 is not a known pass kind (0 unspecified, 1 train, 2 sample)",
+                ),
+            ),
+            (
+                message(Some(Msg::Plan(pb::Plan {
+                    groups: vec![0],
+                    kind: -1,
+                }))),
+                Event::fault(
+                    0,
+                    FaultKind::InvalidArgument,
+                    "plan.kind: -1 is not a known pass kind (0 unspecified, 1 train, 2 sample)",
                 ),
             ),
         ];

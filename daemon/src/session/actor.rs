@@ -256,7 +256,10 @@ impl Actor {
                 kind,
             } => self.on_acquire(group, ticket, kind),
             Command::Release { ticket } => self.on_release(ticket),
-            Command::Plan { groups } => self.on_plan(groups),
+            Command::Plan { groups, kind } => {
+                self.kind = kind.unwrap_or(self.kind);
+                self.on_plan(groups)
+            }
             Command::GpuWait(report) => self.on_gpu_wait(&report),
             Command::Grant {
                 id,

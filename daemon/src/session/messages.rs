@@ -16,8 +16,12 @@ pub enum Command {
     },
     /// The client is done reading the ticket's bytes.
     Release { ticket: u64 },
-    /// The group acquisitions of one training step, in order.
-    Plan { groups: Vec<GroupId> },
+    /// The group acquisitions of one step, in order; `kind`, when named, comes in force
+    /// before the plan's first prefetch.
+    Plan {
+        groups: Vec<GroupId>,
+        kind: Option<PassKind>,
+    },
     /// The client's own measure of its waits for weights (totals since the session opened).
     GpuWait(GpuWaitReport),
     /// The client asks to copy `bytes` of its own in `direction` (answered by `Granted`).

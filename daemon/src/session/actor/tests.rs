@@ -524,6 +524,7 @@ async fn prefetch_stages_the_plans_next_groups_before_they_are_acquired() {
     .await;
     h.send(Command::Plan {
         groups: vec![0, 1, 2, 3],
+        kind: None,
     })
     .await;
     h.settle().await;
@@ -554,6 +555,7 @@ async fn a_client_off_the_plan_resyncs() {
     let mut h = Harness::start(Setup::default()).await;
     h.send(Command::Plan {
         groups: vec![0, 1, 2, 3],
+        kind: None,
     })
     .await;
     for (group, ticket) in [(0, 1), (1, 2), (3, 3), (0, 4)] {
@@ -656,7 +658,7 @@ async fn plan_entries_per_step(len: usize) -> u64 {
     })
     .await;
     let groups = (0..len as u32).map(|i| i % 8).collect();
-    h.send(Command::Plan { groups }).await;
+    h.send(Command::Plan { groups, kind: None }).await;
     let mut ticket = 0;
     let mut step = async |h: &mut Harness| {
         for group in 0..8 {

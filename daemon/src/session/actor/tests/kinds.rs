@@ -59,3 +59,23 @@ async fn counters_go_to_the_kind_in_force() {
         (4, 2, 2, 1_000)
     );
 }
+
+#[tokio::test]
+async fn a_plans_kind_comes_in_force_before_its_prefetches() {
+    let mut h = Harness::start(Setup::default()).await;
+    h.send(Command::Plan {
+        groups: vec![0, 1],
+        kind: Some(PassKind::Sample),
+    })
+    .await;
+    for (group, ticket) in [(0, 1), (1, 2)] {
+        h.acquire(group, ticket).await;
+        assert_eq!(h.next().await, staged(ticket, group as u64 * BLOCK));
+    }
+    let [train, sample] = h.stats().kinds;
+    assert_eq!(train, KindSnapshot::default());
+    assert_eq!(
+        (sample.acquires, sample.hits, sample.bytes_copied),
+        (2, 2, 2 * BLOCK)
+    );
+}
