@@ -324,6 +324,20 @@ record! {
         gpu_wait_reports: u64,
         granted_h2d_bytes: u64,
         granted_d2h_bytes: u64,
+        kinds: Py<PyList>,
+    }
+}
+
+record! {
+    /// One pass kind's part of a session's counters (`kind`: `"train"` or `"sample"`).
+    PassStats {
+        kind: String,
+        acquires: u64,
+        hits: u64,
+        misses: u64,
+        bytes_copied: u64,
+        gpu_wait_ns: u64,
+        gpu_waits: u64,
     }
 }
 
@@ -561,7 +575,7 @@ pub(crate) fn session_info(py: Python<'_>, s: proto::SessionInfo) -> PyResult<Se
         attached: s.attached,
         plan_length: s.plan_length,
         live_tickets: s.live_tickets,
-        stats: s.stats.map(|st| Py::new(py, stats(st))).transpose()?,
+        stats: s.stats.map(|st| Py::new(py, stats(py, st)?)).transpose()?,
         age_ms: s.age_ms,
         group_acquire_pending_ns: s.group_acquire_pending_ns,
         group_gpu_wait_ns: s.group_gpu_wait_ns,
@@ -570,8 +584,25 @@ pub(crate) fn session_info(py: Python<'_>, s: proto::SessionInfo) -> PyResult<Se
     })
 }
 
-fn stats(s: proto::SessionStats) -> SessionStats {
-    SessionStats {
+fn stats(py: Python<'_>, s: proto::SessionStats) -> PyResult<SessionStats> {
+    let kinds = list(py, s.kinds, |py, k| {
+        let kind = match k.kind() {
+            proto::PassKind::Train => "train",
+            proto::PassKind::Sample => "sample",
+            proto::PassKind::Unspecified => "unspecified",
+        };
+        let record = PassStats {
+            kind: kind.into(),
+            acquires: k.acquires,
+            hits: k.hits,
+            misses: k.misses,
+            bytes_copied: k.bytes_copied,
+            gpu_wait_ns: k.gpu_wait_ns,
+            gpu_waits: k.gpu_waits,
+        };
+        Ok(Py::new(py, record)?.into_any())
+    })?;
+    Ok(SessionStats {
         acquires: s.acquires,
         hits: s.hits,
         reuses: s.reuses,
@@ -589,7 +620,8 @@ fn stats(s: proto::SessionStats) -> SessionStats {
         gpu_wait_reports: s.gpu_wait_reports,
         granted_h2d_bytes: s.granted_h2d_bytes,
         granted_d2h_bytes: s.granted_d2h_bytes,
-    }
+        kinds,
+    })
 }
 
 pub(crate) fn layout(

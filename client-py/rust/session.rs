@@ -264,6 +264,22 @@ impl Session {
         self.with(|s| s.report_waits().py_err())
     }
 
+    /// The kind of pass (`"train"` or `"sample"`) the next acquires serve: the daemon counts
+    /// its work per kind (`SessionStats.kinds`). At a change the waits so far are reported
+    /// first, for the kind that ends.
+    fn set_pass_kind(&self, kind: &str) -> PyResult<()> {
+        let kind = match kind {
+            "train" => ws::proto::PassKind::Train,
+            "sample" => ws::proto::PassKind::Sample,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "kind: {other:?} is not a pass kind: use \"train\" or \"sample\""
+                )));
+            }
+        };
+        self.with(|s| s.set_pass_kind(kind).py_err())
+    }
+
     /// Reports of the waits sent to the daemon (of the current opening).
     #[getter]
     fn gpu_wait_reports(&self) -> PyResult<u64> {

@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -111,6 +111,8 @@ pub struct Session {
     tx: mpsc::UnboundedSender<proto::ClientMessage>,
     routes: Arc<Mutex<Routes>>,
     next_ticket: AtomicU64,
+    /// The pass kind each Acquire names (`proto::PassKind`; [`Session::set_pass_kind`]).
+    kind: AtomicI32,
     /// The first ticket number of this opening (those below belong to one before a reconnect).
     first_ticket: u64,
     recorder: Mutex<Recorder>,
@@ -234,6 +236,7 @@ impl Session {
             tx,
             routes,
             next_ticket: AtomicU64::new(1),
+            kind: AtomicI32::new(proto::PassKind::Unspecified as i32),
             first_ticket: 1,
             plan: Mutex::new(None),
             waits,
@@ -444,7 +447,11 @@ impl Session {
                 rec.groups.push(group);
             }
         }
-        if let Err(e) = self.send(Msg::Acquire(proto::Acquire { group, ticket })) {
+        if let Err(e) = self.send(Msg::Acquire(proto::Acquire {
+            group,
+            ticket,
+            kind: self.kind.load(Ordering::Relaxed),
+        })) {
             lock(&self.routes).waiting.remove(&ticket);
             return Err(e);
         }
@@ -518,6 +525,16 @@ impl Session {
     /// Reports sent to the daemon so far (of this opening).
     pub fn wait_reports(&self) -> u64 {
         lock(&self.waits).reports()
+    }
+
+    /// The kind of pass the session's next acquires serve: the daemon counts acquires, copies
+    /// and reported waits per kind. At a change the waits so far are reported first, so that
+    /// the daemon gives them to the kind that ends.
+    pub fn set_pass_kind(&self, kind: proto::PassKind) -> Result<(), ClientError> {
+        if self.kind.swap(kind as i32, Ordering::Relaxed) != kind as i32 {
+            self.report_waits()?;
+        }
+        Ok(())
     }
 
     /// Sends the daemon the session's waits now, unless it has these totals already.
@@ -623,7 +640,8 @@ impl Session {
     /// Sends a plan explicitly.
     pub fn send_plan(&self, groups: Vec<u32>) {
         *lock(&self.plan) = Some(groups.clone());
-        let _ = self.send(Msg::Plan(proto::Plan { groups }));
+        let kind = self.kind.load(Ordering::Relaxed);
+        let _ = self.send(Msg::Plan(proto::Plan { groups, kind }));
     }
 
     /// Closes the session; its views must be dropped first (the borrow checker sees to it).

@@ -17,6 +17,7 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use crate::core::Daemon;
+use crate::session::{KindSnapshot, PassKind};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
@@ -66,6 +67,9 @@ const NS: f64 = 1e-9;
 
 /// A metric's name, help, and its value for the i-th device or session.
 type Series<'a> = (&'a str, &'a str, &'a dyn Fn(usize) -> f64);
+
+/// A per-kind metric's name, help, and its value from one kind's counters.
+type KindSeries<'a> = (&'a str, &'a str, &'a dyn Fn(&KindSnapshot) -> f64);
 
 impl Collector for DaemonCollector {
     fn encode(&self, mut e: DescriptorEncoder) -> Result<(), std::fmt::Error> {
@@ -280,6 +284,47 @@ impl Collector for DaemonCollector {
         ];
         for (name, help, f) in session_counters {
             counter(&mut e, name, help, per_session(f))?;
+        }
+        // Per session and pass kind: two series per session at most, whatever the traffic.
+        let per_kind = |f: &dyn Fn(&KindSnapshot) -> f64| -> Vec<([(&str, &str); 5], f64)> {
+            (labels.iter().zip(&stats))
+                .flat_map(|(l, st)| {
+                    PassKind::ALL.map(|k| {
+                        let [a, b, c, d] = *l;
+                        ([a, b, c, d, ("kind", k.name())], f(&st.kinds[k.index()]))
+                    })
+                })
+                .collect()
+        };
+        let kind_counters: [KindSeries; 5] = [
+            (
+                "weightstream_session_pass_acquires",
+                "Acquires by the session for passes of the kind (Acquire.kind).",
+                &|k| k.acquires as f64,
+            ),
+            (
+                "weightstream_session_pass_prefetch_hits",
+                "Acquires for passes of the kind that found their group staged or resident.",
+                &|k| k.hits as f64,
+            ),
+            (
+                "weightstream_session_pass_prefetch_misses",
+                "Acquires for passes of the kind that had to wait for a copy.",
+                &|k| k.misses as f64,
+            ),
+            (
+                "weightstream_session_pass_streamed_bytes",
+                "Bytes copied to the device while passes of the kind ran.",
+                &|k| k.bytes_copied as f64,
+            ),
+            (
+                "weightstream_session_pass_gpu_wait_seconds",
+                "The client's reported wait for weights while passes of the kind ran.",
+                &|k| k.gpu_wait_ns as f64 * NS,
+            ),
+        ];
+        for (name, help, f) in kind_counters {
+            counter(&mut e, name, help, per_kind(f))?;
         }
         let state = d.store.state_use();
         let state_bytes = |i: usize| state.get(&sessions[i].id).map_or(0, |u| u.bytes);

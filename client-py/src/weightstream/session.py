@@ -317,6 +317,14 @@ class Session:
             self._timer.harvest()
         self._native.report_gpu_wait()
 
+    def set_pass_kind(self, kind: str):
+        """The kind of pass (``"train"``, ``"sample"``) the next acquires serve: the daemon
+        counts them, their copies and the reported waits per kind (``SessionStats.kinds``).
+        At a change the waits measured so far go to the daemon first, for the kind that ends."""
+        if self._timer is not None:
+            self._timer.harvest()
+        self._native.set_pass_kind(kind)
+
     @property
     def submitted(self) -> int:
         """Acquires sent so far by this session object (across reconnects)."""

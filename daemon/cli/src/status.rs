@@ -98,7 +98,7 @@ fn to_json(
             })).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         "sessions": sessions.iter().map(|s| {
-            let st = s.stats.unwrap_or_default();
+            let st = s.stats.clone().unwrap_or_default();
             json!({
                 "session_id": s.session_id, "model_id": s.model_id, "label": s.label,
                 "device_uuid": s.device_uuid, "peer": {"uid": s.peer_uid, "gid": s.peer_gid, "pid": s.peer_pid},
@@ -193,7 +193,7 @@ fn print_tables(
         "acquire pending",
     ]);
     for x in sessions {
-        let st = x.stats.unwrap_or_default();
+        let st = x.stats.clone().unwrap_or_default();
         s.add_row(vec![
             shown(&x.session_id),
             shown(&x.label),

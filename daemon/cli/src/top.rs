@@ -1,6 +1,7 @@
 //! `weightstream top`: a live view of the daemon's devices and sessions, refreshed from
 //! `ListSessions`. Rates (GB/s, GPU wait %, acquire pending %, hit rate) are over the last
 //! refresh interval, so they show what is happening now rather than since the session opened.
+//! The passes table splits each session's figures by pass kind (training, sampling).
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
@@ -52,6 +53,30 @@ pub struct Rates {
     pub acquire_pending: f64,
     /// Hits over acquires in the interval; None when it made no acquire.
     pub hit_rate: Option<f64>,
+    /// The same figures per pass kind the session has acquired for, in the daemon's order.
+    pub kinds: Vec<KindRates>,
+}
+
+/// One pass kind's rates over the last interval.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KindRates {
+    pub kind: &'static str,
+    pub bytes_per_s: f64,
+    /// Fraction of the interval the client's compute waited for weights while this kind's
+    /// passes ran; None from a client that does not report it.
+    pub gpu_wait: Option<f64>,
+    pub hit_rate: Option<f64>,
+    /// Acquires and bytes copied since the session opened.
+    pub acquires: u64,
+    pub bytes_copied: u64,
+}
+
+fn kind_name(kind: proto::PassKind) -> &'static str {
+    match kind {
+        proto::PassKind::Train => "train",
+        proto::PassKind::Sample => "sample",
+        proto::PassKind::Unspecified => "unspecified",
+    }
 }
 
 /// Counter deltas over `secs` as rates.
@@ -59,11 +84,31 @@ pub fn rates(before: &proto::SessionStats, now: &proto::SessionStats, secs: f64)
     let d = |a: u64, b: u64| b.saturating_sub(a) as f64;
     let acquires = d(before.acquires, now.acquires);
     let fraction = |a: u64, b: u64| (d(a, b) / 1e9 / secs).min(1.0);
+    let reports = now.gpu_wait_reports > 0;
+    let kinds = (now.kinds.iter())
+        .filter(|k| k.acquires > 0)
+        .map(|k| {
+            let zero = proto::PassStats::default();
+            let b = (before.kinds.iter())
+                .find(|b| b.kind == k.kind)
+                .unwrap_or(&zero);
+            let acquires = d(b.acquires, k.acquires);
+            KindRates {
+                kind: kind_name(k.kind()),
+                bytes_per_s: d(b.bytes_copied, k.bytes_copied) / secs,
+                gpu_wait: reports.then(|| fraction(b.gpu_wait_ns, k.gpu_wait_ns)),
+                hit_rate: (acquires > 0.0).then(|| d(b.hits, k.hits) / acquires),
+                acquires: k.acquires,
+                bytes_copied: k.bytes_copied,
+            }
+        })
+        .collect();
     Rates {
         bytes_per_s: d(before.bytes_copied, now.bytes_copied) / secs,
-        gpu_wait: (now.gpu_wait_reports > 0).then(|| fraction(before.gpu_wait_ns, now.gpu_wait_ns)),
+        gpu_wait: reports.then(|| fraction(before.gpu_wait_ns, now.gpu_wait_ns)),
         acquire_pending: fraction(before.acquire_pending_ns, now.acquire_pending_ns),
         hit_rate: (acquires > 0.0).then(|| d(before.hits, now.hits) / acquires),
+        kinds,
     }
 }
 
@@ -140,7 +185,7 @@ impl Poller {
         view.sessions = sessions
             .into_iter()
             .map(|s| {
-                let now = s.stats.unwrap_or_default();
+                let now = s.stats.clone().unwrap_or_default();
                 let r = match self.previous.get(&s.session_id) {
                     Some(before) => rates(before, &now, secs),
                     None => Rates::default(),
@@ -252,7 +297,7 @@ fn session_rows(view: &View) -> Vec<Vec<String>> {
     view.sessions
         .iter()
         .map(|(s, r)| {
-            let st = s.stats.unwrap_or_default();
+            let st = s.stats.clone().unwrap_or_default();
             vec![
                 shown(&s.session_id),
                 shown(&s.label),
@@ -272,8 +317,32 @@ fn session_rows(view: &View) -> Vec<Vec<String>> {
         .collect()
 }
 
-/// The view as plain text, what `top --once` prints: the title, then the devices and the
-/// sessions as columns.
+const PASS_COLUMNS: [&str; 7] = [
+    "session", "kind", "GB/s", "GPU wait", "hit rate", "acquires", "copied",
+];
+
+/// One row per session and pass kind it has acquired for.
+fn pass_rows(view: &View) -> Vec<Vec<String>> {
+    let dash = || "-".to_string();
+    (view.sessions.iter())
+        .flat_map(|(s, r)| {
+            r.kinds.iter().map(|k| {
+                vec![
+                    shown(&s.session_id),
+                    k.kind.to_string(),
+                    gbps(k.bytes_per_s),
+                    k.gpu_wait.map_or_else(dash, pct),
+                    k.hit_rate.map_or_else(dash, pct),
+                    k.acquires.to_string(),
+                    human(k.bytes_copied),
+                ]
+            })
+        })
+        .collect()
+}
+
+/// The view as plain text, what `top --once` prints: the title, then the devices, the
+/// sessions and their passes by kind as columns.
 pub fn plain(view: &View) -> String {
     let table = |columns: &[&str], rows: Vec<Vec<String>>| {
         let mut t = comfy_table::Table::new();
@@ -284,21 +353,24 @@ pub fn plain(view: &View) -> String {
         lines.join("\n")
     };
     format!(
-        "{}\ndevices\n{}\nsessions\n{}\n",
+        "{}\ndevices\n{}\nsessions\n{}\npasses\n{}\n",
         title(view),
         table(&DEVICE_COLUMNS, device_rows(view)),
         table(&SESSION_COLUMNS, session_rows(view)),
+        table(&PASS_COLUMNS, pass_rows(view)),
     )
 }
 
 /// Draws the whole screen (a pure function of the view, so tests can render it).
 pub fn draw(frame: &mut Frame, view: &View) {
     let devices = view.devices.len().max(1) as u16;
-    let [title_area, devs, spark, sess, footer] = Layout::vertical([
+    let passes = pass_rows(view);
+    let [title_area, devs, spark, sess, kinds, footer] = Layout::vertical([
         Constraint::Length(1),
         Constraint::Length(devices + 3),
         Constraint::Length(devices * 3),
         Constraint::Min(4),
+        Constraint::Length(passes.len().max(1) as u16 + 3),
         Constraint::Length(1),
     ])
     .areas(frame.area());
@@ -368,6 +440,17 @@ pub fn draw(frame: &mut Frame, view: &View) {
         .header(Row::new(SESSION_COLUMNS.to_vec()).style(bold))
         .block(Block::default().borders(Borders::ALL).title(" sessions ")),
         sess,
+    );
+    let widths = [8, 8, 7, 9, 9, 9, 11].map(Constraint::Length);
+    frame.render_widget(
+        Table::new(passes.into_iter().map(Row::new), widths)
+            .header(Row::new(PASS_COLUMNS.to_vec()).style(bold))
+            .block(
+                Block::default()
+                    .borders(Borders::ALL)
+                    .title(" passes by kind "),
+            ),
+        kinds,
     );
 
     let status = match &view.error {
@@ -482,9 +565,56 @@ mod tests {
         assert_eq!(r.acquire_pending, 0.125);
         assert_eq!(r.gpu_wait, Some(0.05));
         assert_eq!(r.hit_rate, Some(0.75));
+        assert_eq!(r.kinds, vec![], "no acquire named a kind");
         let quiet = rates(&stats(3, 3, 0, 0), &stats(3, 3, 0, 0), 1.0);
         assert_eq!(quiet.hit_rate, None);
         assert_eq!(quiet.gpu_wait, None, "a client that never reported");
+    }
+
+    #[test]
+    fn rates_per_kind_are_over_the_interval_for_the_kinds_acquired() {
+        let kind = |kind: proto::PassKind, acquires, hits, bytes, wait_ns| proto::PassStats {
+            kind: kind as i32,
+            acquires,
+            hits,
+            bytes_copied: bytes,
+            gpu_wait_ns: wait_ns,
+            ..Default::default()
+        };
+        let (train, sample) = (proto::PassKind::Train, proto::PassKind::Sample);
+        let before = proto::SessionStats {
+            gpu_wait_reports: 1,
+            kinds: vec![kind(train, 10, 0, 0, 0), kind(sample, 0, 0, 0, 0)],
+            ..Default::default()
+        };
+        let now = proto::SessionStats {
+            gpu_wait_reports: 2,
+            kinds: vec![
+                kind(train, 10, 0, 500, 0),
+                kind(sample, 8, 6, 4_000, 500_000_000),
+            ],
+            ..Default::default()
+        };
+        let r = rates(&before, &now, 2.0);
+        let want = [
+            KindRates {
+                kind: "train",
+                bytes_per_s: 250.0,
+                gpu_wait: Some(0.0),
+                hit_rate: None,
+                acquires: 10,
+                bytes_copied: 500,
+            },
+            KindRates {
+                kind: "sample",
+                bytes_per_s: 2_000.0,
+                gpu_wait: Some(0.25),
+                hit_rate: Some(0.75),
+                acquires: 8,
+                bytes_copied: 4_000,
+            },
+        ];
+        assert_eq!(r.kinds, want);
     }
 
     /// A device with one session, as the tests show it.
@@ -512,6 +642,24 @@ mod tests {
                     gpu_wait: Some(0.02),
                     acquire_pending: 0.375,
                     hit_rate: Some(0.5),
+                    kinds: vec![
+                        KindRates {
+                            kind: "train",
+                            bytes_per_s: 2.5e9,
+                            gpu_wait: Some(0.015),
+                            hit_rate: Some(0.25),
+                            acquires: 40,
+                            bytes_copied: 6 << 30,
+                        },
+                        KindRates {
+                            kind: "sample",
+                            bytes_per_s: 1e9,
+                            gpu_wait: Some(0.005),
+                            hit_rate: Some(1.0),
+                            acquires: 12,
+                            bytes_copied: 1 << 30,
+                        },
+                    ],
                 },
             )],
             ..View::default()
@@ -542,6 +690,9 @@ mod tests {
             "2.0 GiB / 8.0 GiB (25.0 %)",
             "host state",
             "3.0 GiB",
+            "passes by kind",
+            "sample",
+            "100.0 %",
         ] {
             assert!(screen.contains(want), "{want} not on screen:\n{screen}");
         }
@@ -557,7 +708,11 @@ mod tests {
              host-0  host memory  1         3.50  2.0 %     37.5 %   50.0 %    2.0 GiB / 8.0 GiB (25.0 %)\n\
              sessions\n\
              session  label      pid  GB/s  GPU wait  pending  hit rate  budget   staging  resident  host state  acquires  copied\n\
-             s-7      flux-lora  0    3.50  2.0 %     37.5 %   50.0 %    2.0 GiB  0 B      0 B       3.0 GiB     0         0 B\n"
+             s-7      flux-lora  0    3.50  2.0 %     37.5 %   50.0 %    2.0 GiB  0 B      0 B       3.0 GiB     0         0 B\n\
+             passes\n\
+             session  kind    GB/s  GPU wait  hit rate  acquires  copied\n\
+             s-7      train   2.50  1.5 %     25.0 %    40        6.0 GiB\n\
+             s-7      sample  1.00  0.5 %     100.0 %   12        1.0 GiB\n"
         );
     }
 
@@ -574,7 +729,9 @@ mod tests {
              device  name         sessions  GB/s  GPU wait  pending  hit rate  budget\n\
              host-0  host memory  0         0.00  -         -        -         0 B / 8.0 GiB (0.0 %)\n\
              sessions\n\
-             session  label  pid  GB/s  GPU wait  pending  hit rate  budget  staging  resident  host state  acquires  copied\n"
+             session  label  pid  GB/s  GPU wait  pending  hit rate  budget  staging  resident  host state  acquires  copied\n\
+             passes\n\
+             session  kind  GB/s  GPU wait  hit rate  acquires  copied\n"
         );
         let twice = one_session().sessions.pop().unwrap();
         view.sessions = vec![twice.clone(), twice];

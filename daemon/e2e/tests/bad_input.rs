@@ -583,6 +583,7 @@ async fn bad_run_messages_fault_and_the_session_goes_on() {
 
     run.send(Msg::Plan(proto::Plan {
         groups: vec![0, n + 2, 1],
+        ..Default::default()
     }));
     let want = fault(
         0,
@@ -656,6 +657,7 @@ async fn bad_run_messages_fault_and_the_session_goes_on() {
         Msg::Acquire(proto::Acquire {
             group: 0,
             ticket: 1,
+            ..Default::default()
         }),
     )
     .await
@@ -1086,6 +1088,7 @@ async fn limits_are_enforced() {
     let mut run = RawRun::attach(&mut rpc, &opened.session_id).await.unwrap();
     run.send(Msg::Plan(proto::Plan {
         groups: vec![0, 1, 2, 3, 0],
+        ..Default::default()
     }));
     let fault = run.fault().await;
     assert_eq!(
@@ -1100,6 +1103,7 @@ async fn limits_are_enforced() {
     assert_eq!(info.plan_length, 0);
     run.send(Msg::Plan(proto::Plan {
         groups: vec![0, 1, 2, 3],
+        ..Default::default()
     }));
     run.acquire(3, 1);
     run.staged(1).await;

@@ -4,7 +4,7 @@ use weightstream_proto::v1 as pb;
 
 use crate::backend::{BackendKind, RegionHandle};
 use crate::core::{Daemon, OpenedSession, Peer};
-use crate::session::{SessionShared, StatsSnapshot};
+use crate::session::{PassKind, SessionShared, StatsSnapshot};
 use crate::store::formats::formats;
 use crate::store::quantize::Quantization;
 use crate::store::safetensors::DType;
@@ -325,6 +325,28 @@ pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
         gpu_wait_reports: s.gpu_wait_reports,
         granted_h2d_bytes: s.granted_h2d_bytes,
         granted_d2h_bytes: s.granted_d2h_bytes,
+        kinds: PassKind::ALL
+            .iter()
+            .map(|&kind| {
+                let k = &s.kinds[kind.index()];
+                pb::PassStats {
+                    kind: pass_kind(kind) as i32,
+                    acquires: k.acquires,
+                    hits: k.hits,
+                    misses: k.misses,
+                    bytes_copied: k.bytes_copied,
+                    gpu_wait_ns: k.gpu_wait_ns,
+                    gpu_waits: k.gpu_waits,
+                }
+            })
+            .collect(),
+    }
+}
+
+fn pass_kind(kind: PassKind) -> pb::PassKind {
+    match kind {
+        PassKind::Train => pb::PassKind::Train,
+        PassKind::Sample => pb::PassKind::Sample,
     }
 }
 
@@ -386,11 +408,14 @@ mod tests {
         };
         shared.stats.add_pending(Pending { group: 2, ns: 70 });
         shared.stats.add_pending(Pending { group: 0, ns: 5 });
-        shared.stats.record_gpu_wait(&GpuWaitReport {
-            total_ns: 9,
-            waits: 2,
-            group_ns: vec![0, 9],
-        });
+        shared.stats.record_gpu_wait(
+            &GpuWaitReport {
+                total_ns: 9,
+                waits: 2,
+                group_ns: vec![0, 9],
+            },
+            PassKind::Sample,
+        );
         shared.live_tickets.store(4, Ordering::Relaxed);
         let owner = Peer {
             conn: 1,
@@ -411,6 +436,13 @@ mod tests {
         assert_eq!(
             (stats.gpu_wait_ns, stats.gpu_waits, stats.gpu_wait_reports),
             (9, 2, 1)
+        );
+        let kinds: Vec<_> = (stats.kinds.iter())
+            .map(|k| (k.kind(), k.gpu_wait_ns, k.gpu_waits))
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![(pb::PassKind::Train, 0, 0), (pb::PassKind::Sample, 9, 2)]
         );
         assert_eq!(
             (

@@ -16,7 +16,7 @@ use weightstream_proto::v1::server_message::Msg as Out;
 use super::error::EdgeError;
 use super::status::{attach_status, status_of};
 use crate::core::{Daemon, Peer};
-use crate::session::{Command, Control, Direction, Event, FaultKind, GpuWaitReport};
+use crate::session::{Command, Control, Direction, Event, FaultKind, GpuWaitReport, PassKind};
 
 /// What the client reads from its `Run` call.
 pub type ServerStream = Pin<Box<dyn Stream<Item = Result<pb::ServerMessage, Status>> + Send>>;
@@ -109,6 +109,20 @@ async fn forward(
     }
 }
 
+/// A message's pass kind (None: unspecified), or the fault that refuses an unknown one.
+fn pass_kind(value: i32, field: &str, ticket: u64) -> Result<Option<PassKind>, Event> {
+    match pb::PassKind::try_from(value) {
+        Ok(pb::PassKind::Unspecified) => Ok(None),
+        Ok(pb::PassKind::Train) => Ok(Some(PassKind::Train)),
+        Ok(pb::PassKind::Sample) => Ok(Some(PassKind::Sample)),
+        Err(_) => Err(Event::fault(
+            ticket,
+            FaultKind::InvalidArgument,
+            format!("{field}: {value} is not a known pass kind (0 unspecified, 1 train, 2 sample)"),
+        )),
+    }
+}
+
 /// The session command a client message asks for, or the fault that answers a message the
 /// protocol does not allow once attached.
 fn command(message: pb::ClientMessage) -> Result<Command, Event> {
@@ -116,9 +130,11 @@ fn command(message: pb::ClientMessage) -> Result<Command, Event> {
         Some(Msg::Acquire(a)) => Ok(Command::Acquire {
             group: a.group,
             ticket: a.ticket,
+            kind: pass_kind(a.kind, "acquire.kind", a.ticket)?,
         }),
         Some(Msg::Release(r)) => Ok(Command::Release { ticket: r.ticket }),
         Some(Msg::Plan(plan)) => Ok(Command::Plan {
+            kind: pass_kind(plan.kind, "plan.kind", 0)?,
             groups: plan.groups,
         }),
         // Checked against the session's groups by the session, which knows them.
@@ -228,6 +244,29 @@ mod tests {
             (
                 message(None),
                 Event::fault(0, FaultKind::InvalidArgument, "msg: empty client message"),
+            ),
+            (
+                message(Some(Msg::Acquire(pb::Acquire {
+                    group: 1,
+                    ticket: 9,
+                    kind: 7,
+                }))),
+                Event::fault(
+                    9,
+                    FaultKind::InvalidArgument,
+                    "acquire.kind: 7 is not a known pass kind (0 unspecified, 1 train, 2 sample)",
+                ),
+            ),
+            (
+                message(Some(Msg::Plan(pb::Plan {
+                    groups: vec![0],
+                    kind: -1,
+                }))),
+                Event::fault(
+                    0,
+                    FaultKind::InvalidArgument,
+                    "plan.kind: -1 is not a known pass kind (0 unspecified, 1 train, 2 sample)",
+                ),
             ),
         ];
         let failures: Vec<String> = cases

@@ -24,7 +24,7 @@ use super::pending::{Pending, PendingClock};
 use super::plan::{GroupId, Plan};
 use super::{
     AttachError, CloseReason, Command, Control, DrainDeadline, Event, FaultKind, GpuWaitReport,
-    SessionShared, SessionStats,
+    PassKind, SessionShared, SessionStats,
 };
 use crate::backend::{DeviceRegion, EventPool};
 use crate::residency::ResidentLease;
@@ -96,6 +96,8 @@ struct Actor {
     outbox: Vec<Event>,
     events: Option<EventBook>,
     pending_clock: PendingClock,
+    /// The pass kind in force: the last one an acquire named.
+    kind: PassKind,
 }
 
 /// The client's stream, once one is attached.
@@ -137,6 +139,7 @@ pub fn spawn(
         outbox: Vec::new(),
         events,
         pending_clock: PendingClock::new(Instant::now()),
+        kind: PassKind::default(),
     };
     let span = tracing::info_span!("session", id = %actor.p.shared.id);
     tokio::spawn(tracing::Instrument::instrument(
@@ -247,9 +250,16 @@ impl Actor {
 
     fn on_command(&mut self, command: Command) {
         match command {
-            Command::Acquire { group, ticket } => self.on_acquire(group, ticket),
+            Command::Acquire {
+                group,
+                ticket,
+                kind,
+            } => self.on_acquire(group, ticket, kind),
             Command::Release { ticket } => self.on_release(ticket),
-            Command::Plan { groups } => self.on_plan(groups),
+            Command::Plan { groups, kind } => {
+                self.kind = kind.unwrap_or(self.kind);
+                self.on_plan(groups)
+            }
             Command::GpuWait(report) => self.on_gpu_wait(&report),
             Command::Grant {
                 id,
@@ -291,7 +301,7 @@ impl Actor {
             );
             return self.fault(0, FaultKind::InvalidArgument, msg);
         }
-        self.stats().record_gpu_wait(report);
+        self.stats().record_gpu_wait(report, self.kind);
     }
 
     /// `ticket` waits for its Staged from now on.

@@ -2,17 +2,26 @@
 //! wire's messages into these and back; the session knows nothing of the wire.
 
 use super::plan::GroupId;
-use super::stats::GpuWaitReport;
+use super::stats::{GpuWaitReport, PassKind};
 
 /// A request of the session's client, in the order the client sent it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Command {
-    /// Place `group` for a new ticket (chosen by the client, unique among its live tickets).
-    Acquire { group: GroupId, ticket: u64 },
+    /// Place `group` for a new ticket (chosen by the client, unique among its live tickets);
+    /// `kind`, when named, comes in force for this acquire and what follows it.
+    Acquire {
+        group: GroupId,
+        ticket: u64,
+        kind: Option<PassKind>,
+    },
     /// The client is done reading the ticket's bytes.
     Release { ticket: u64 },
-    /// The group acquisitions of one training step, in order.
-    Plan { groups: Vec<GroupId> },
+    /// The group acquisitions of one step, in order; `kind`, when named, comes in force
+    /// before the plan's first prefetch.
+    Plan {
+        groups: Vec<GroupId>,
+        kind: Option<PassKind>,
+    },
     /// The client's own measure of its waits for weights (totals since the session opened).
     GpuWait(GpuWaitReport),
     /// The client asks to copy `bytes` of its own in `direction` (answered by `Granted`).

@@ -22,7 +22,9 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 pub use self::actor::{ActorParts, spawn};
 pub use self::messages::{AttachError, Command, Direction, Event, FaultKind};
-pub use self::stats::{GpuWaitReport, SessionStats, StatsSnapshot};
+pub use self::stats::{
+    GpuWaitReport, KindSnapshot, KindStats, PassKind, SessionStats, StatsSnapshot,
+};
 
 /// Why a session ends, as its client is told.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 from weightstream.integrations.ai_toolkit.settings import Settings
 
 from tests.python.ai_toolkit.test_ai_toolkit_trainable import (  # noqa: F401 - aitk: a fixture
+    DIM,
     DTYPE,
+    Block,
     Model,
     aitk,
     model_loss,
@@ -76,3 +79,71 @@ def test_the_setting_is_refused_with_trainable_host():
         "session's host memory, which reopening the session for sampling would drop; leave "
         "sample_vram_budget unset"
     )
+
+
+class TextEncoder(nn.Module):
+    """A stand-in text encoder: blocks, a head registered before the projection a forward
+    calls last, and never called while encoding (a causal LM's ``lm_head``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.layers = nn.ModuleList(Block() for _ in range(4))
+        self.lm_head = nn.Linear(DIM, DIM)
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.proj(x)
+
+
+def test_a_managed_text_encoder_follows_its_forward_plan(daemon, aitk, tmp_path):  # noqa: F811
+    """Embeddings not cached: ai-toolkit encodes each batch's prompt under no_grad, in training
+    steps and in samples alike. The text encoder's session follows its own forward plan while
+    the transformer trains on its own: every acquire after the encoder's first pass is a hit,
+    and the daemon counts the encoder's work as sampling."""
+    from toolkit.memory_management import MemoryManager
+
+    aitk(socket=daemon.socket, min_bytes=0, vram_budget=3 * BLOCK, staging_bytes=3 * BLOCK)
+    te_ref, te = TextEncoder().to(DTYPE), TextEncoder().to(DTYPE)
+    handle = MemoryManager.attach(te, "cpu").handle
+    te.requires_grad_(False)
+    assert len(handle.session.groups) == 6
+    encoded, counts = [], []
+
+    def encode_then(encoder, h=None):
+        def loss_of(m, x):
+            if h is not None:
+                s = h.stats()
+                counts.append((s["sample_acquires"], s["sample_hits"]))
+            with torch.no_grad():
+                x = encoder(x)
+            encoded.append(x)
+            return model_loss(m, x)
+
+        return loss_of
+
+    ref = new_process(tmp_path / "ref", train_config(steps=3), loss_of=encode_then(te_ref))
+    ref.run()
+    model = Model().to(DTYPE)
+    manager = MemoryManager.attach(model, "cpu")
+    got = new_process(tmp_path / "got", train_config(steps=3), model, encode_then(te, handle))
+    got.run()
+    # Three training steps and one sample: four passes of the encoder, outputs equal.
+    assert len(encoded) == 8
+    assert all(torch.equal(a, b) for a, b in zip(encoded[:4], encoded[4:], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ref.losses, got.losses, strict=True))
+    s = handle.stats()
+    counts.append((s["sample_acquires"], s["sample_hits"]))
+    per_pass = [(a1 - a0, h1 - h0) for (a0, h0), (a1, h1) in zip(counts, counts[1:], strict=False)]
+    # The first pass follows the module order, whose lm_head it never calls: the first
+    # acquire and the projection after lm_head are fetched on demand. Then its own plan.
+    assert per_pass == [(5, 3), (5, 5), (5, 5), (5, 5)]
+    assert (s["sample_passes"], s["forward_plan_length"], s["train_acquires"]) == (4, 5, 0)
+    train, sample = s["kinds"]
+    assert (train.kind, train.acquires, train.bytes_copied) == ("train", 0, 0)
+    assert (sample.kind, sample.acquires) == ("sample", handle.session.submitted)
+    assert manager.handle.stats()["train_acquires"] > 0
+    MemoryManager.free(model)
+    MemoryManager.free(te)

@@ -103,6 +103,14 @@ def test_counters_match_list_sessions_after_a_known_workload(served):
     assert only(m, "weightstream_session_acquire_pending_seconds_total", **who) == pytest.approx(
         st.acquire_pending_ns / 1e9, rel=1e-9
     )
+    # A client that names no pass kind counts as training (Acquire.kind).
+    assert only(m, "weightstream_session_pass_acquires_total", kind="train", **who) == st.acquires
+    assert only(m, "weightstream_session_pass_acquires_total", kind="sample", **who) == 0
+    assert only(m, "weightstream_session_pass_prefetch_hits_total", kind="train", **who) == st.hits
+    assert (
+        only(m, "weightstream_session_pass_streamed_bytes_total", kind="train", **who)
+        == st.bytes_copied
+    )
     assert not [k for k in m if "stall" in k[0]], "the old name of acquire pending went"
     assert only(m, "weightstream_session_staging_bytes", **who) == info.staging_bytes == budget
     assert only(m, "weightstream_session_budget_bytes", **who) == budget

@@ -110,7 +110,13 @@ def test_top_once_prints_plain_lines_without_a_terminal(daemon):
         pid = str(os.getpid())
         assert row[:9] == [session.id, "once", pid, "0.00", "0.0", "%", "0.0", "%", "-"], row
         assert row[9:11] == ["1.0", "MiB"] and row[-5:] == ["0", "B", "1", "64.0", "KiB"], row
-        assert len(lines) == 7, out.stdout
+        # The passes by kind: a client that names no kind counts as training.
+        assert lines[7] == "passes"
+        assert lines[8].split() == "session kind GB/s GPU wait hit rate acquires copied".split()
+        # The group went resident as the session opened, a copy in no pass: none is counted.
+        row = lines[9].split()
+        assert row == [session.id, "train", "0.00", "0.0", "%", "-", "1", "0", "B"], row
+        assert len(lines) == 10, out.stdout
     finally:
         session.close()
 

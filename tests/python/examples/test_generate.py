@@ -38,6 +38,11 @@ class StandInPipeline:
         return SimpleNamespace(images=[self.vae(latents)])
 
 
+def stand_in(model, dtype):
+    """``--pipeline`` for ``generate``'s command line: the stand-in, whatever ``model``."""
+    return StandInPipeline()
+
+
 def test_a_streamed_pipeline_generates_the_same_image(daemon):
     ref, pipe = StandInPipeline(), StandInPipeline()
     handles = generate.stream_components(

@@ -2,13 +2,15 @@
 budget of three blocks follows the forward plan (the module order, then the first sampling
 pass), cyclically, before any training step and after; switching between sampling and
 training keeps the acquires in flight that the other plan uses next; outputs equal the model
-in memory; a pass off both plans falls back to on-demand, counted; sampling while another
+in memory; the daemon counts each kind's acquires apart; a pass off both plans falls back to
+on-demand, counted; sampling while another
 thread trains is refused; the sampling budget grows the session and gives it back."""
 
 from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -120,6 +122,38 @@ def test_sampling_after_training_follows_the_forward_plan(daemon):
     assert delta(counts(handle, "sample"), before) == (8, 8, 0)
     sample(ref, model, 4)
     assert delta(counts(handle, "sample"), before) == (40, 40, 0)
+    handle.detach(release=True)
+
+
+def daemon_kinds(handle) -> dict:
+    """The daemon's counters of the session per pass kind, once it has taken every acquire
+    the handle sent (ListSessions reads them on another connection than the Run stream)."""
+    deadline = time.monotonic() + 10
+    while True:
+        s = handle.session.stats()
+        if s.acquires == handle.session.submitted or time.monotonic() > deadline:
+            break
+    assert s.acquires == handle.session.submitted
+    return {k.kind: k for k in s.kinds}
+
+
+def test_the_daemon_counts_sampling_and_training_passes_under_their_kinds(daemon):
+    ref, model, handle = make_pair(daemon)
+    sample(ref, model, 2)
+    kinds = daemon_kinds(handle)
+    sampled = handle.session.submitted
+    assert list(kinds) == ["train", "sample"]
+    assert (kinds["train"].acquires, kinds["train"].bytes_copied) == (0, 0)
+    assert kinds["sample"].acquires == sampled >= 16
+    assert kinds["sample"].hits + kinds["sample"].misses == sampled
+    assert kinds["sample"].bytes_copied == handle.session.stats().bytes_copied > 0
+    train(ref, model, 1)
+    kinds = daemon_kinds(handle)
+    # The acquires in flight at the switch were sent for sampling: they stay counted there.
+    assert kinds["sample"].acquires == sampled
+    assert kinds["train"].acquires == handle.session.submitted - sampled >= 15
+    assert kinds["train"].hits + kinds["train"].misses == kinds["train"].acquires
+    assert handle.stats()["kinds"][1].acquires == sampled, "Handle.stats() shows them too"
     handle.detach(release=True)
 
 

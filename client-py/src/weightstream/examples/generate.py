@@ -6,14 +6,19 @@ large components) streams its weights from the weightstream daemon::
 
 Every denoising step is a forward pass under ``no_grad``: it follows the forward plan (the
 module order, then the first pass as it ran), cyclically, so that consecutive steps stream
-without a miss (``Handle.stats()``'s ``sample_*``). Several such processes on one box share
-the daemon's one host copy of the model. diffusers is imported when the pipeline is loaded.
+without a miss (``Handle.stats()``'s ``sample_*``). Several such processes on one box (on one
+GPU or on several, ``--device cuda:N``) share the daemon's one host copy of the model: the same
+weights uploaded twice are stored once, and ``--model-file`` has the daemon read the denoiser's
+safetensors itself. ``--socket`` names the daemon, ``--hold`` keeps the sessions open after the
+image until stdin ends, ``--pipeline`` builds a pipeline diffusers' ``from_pretrained`` does
+not. diffusers is imported when the pipeline is loaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import sys
 
 import torch
@@ -27,8 +32,14 @@ from weightstream.sizes import parse_size
 DENOISERS = ("transformer", "unet")
 
 
-def load_pipeline(model: str, dtype: torch.dtype):
-    """``diffusers.DiffusionPipeline.from_pretrained(model)`` in ``dtype``, on the CPU."""
+def load_pipeline(model: str, dtype: torch.dtype, factory: str | None = None):
+    """``diffusers.DiffusionPipeline.from_pretrained(model)`` in ``dtype``, on the CPU; with
+    ``factory`` (``"package.module:callable"``), ``callable(model, dtype)`` instead."""
+    if factory is not None:
+        module, sep, name = factory.partition(":")
+        if not sep or not module or not name:
+            raise SystemExit(f"--pipeline {factory}: expected MODULE:CALLABLE")
+        return getattr(importlib.import_module(module), name)(model, dtype)
     try:
         import diffusers
     except ImportError:
@@ -38,21 +49,31 @@ def load_pipeline(model: str, dtype: torch.dtype):
     return diffusers.DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
 
 
-def stream_components(pipe, names, device, vram_budget=None, client=None, **options) -> dict:
+def stream_components(
+    pipe, names, device, vram_budget=None, client=None, model_files=None, **options
+) -> dict:
     """Attaches each named component of ``pipe`` (None: its denoiser) to the daemon (with
     ``StreamOptions`` fields in ``options``), and moves every other ``nn.Module`` component
-    to ``device``. Returns name -> ``Handle``."""
+    to ``device``. ``model_files``: name -> safetensors files of that component, which the
+    daemon loads itself (tensor names as the module's parameters) instead of an upload.
+    Returns name -> ``Handle``."""
     components = {n: c for n, c in pipe.components.items() if isinstance(c, nn.Module)}
     names = list(names or [n for n in DENOISERS if n in components][:1])
     missing = [n for n in names if n not in components]
     if missing:
         raise ValueError(f"--stream {','.join(missing)}: the pipeline has {sorted(components)}")
+    model_files = model_files or {}
+    unknown = [n for n in model_files if n not in names]
+    if unknown:
+        raise ValueError(f"--model-file for {','.join(unknown)}, which does not stream: {names}")
     client = client or weightstream.connect()
     handles = {}
     for name in names:
         module = components[name].requires_grad_(False)
+        files = model_files.get(name)
+        model = client.load_model(files).model_id if files else None
         handles[name] = wst.attach(
-            module, device, vram_budget=vram_budget, client=client, **options
+            module, device, vram_budget=vram_budget, client=client, model=model, **options
         )
     for name, module in components.items():
         if name not in handles:
@@ -92,25 +113,54 @@ def parse_args(argv):
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--vram-budget", help="each streamed component's device budget (e.g. 15GiB)")
     p.add_argument("--stream", help="components to stream, comma-separated (default: the denoiser)")
-    p.add_argument("--out", default="image.png")
+    p.add_argument(
+        "--model-file",
+        action="append",
+        help="safetensors of the (first) streamed component for the daemon to load itself "
+        "(repeat for shards); without it the weights are uploaded",
+    )
+    p.add_argument("--socket", help="the daemon's socket (default: WEIGHTSTREAM_SOCKET's rules)")
+    p.add_argument("--pipeline", help="MODULE:CALLABLE building the pipeline from (model, dtype)")
+    p.add_argument("--min-bytes", help="layers smaller than this stay on the device (a size)")
+    p.add_argument(
+        "--hold",
+        action="store_true",
+        help="after the image, keep the sessions open until stdin ends or gives a line",
+    )
+    p.add_argument("--out", default="image.png", help="the image (a .pt file: torch.save)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     budget = parse_size("--vram-budget", args.vram_budget) if args.vram_budget else None
-    pipe = load_pipeline(args.model, getattr(torch, args.dtype))
+    options = {}
+    if args.min_bytes is not None:
+        options["min_bytes"] = parse_size("--min-bytes", args.min_bytes)
+    pipe = load_pipeline(args.model, getattr(torch, args.dtype), args.pipeline)
     names = args.stream.split(",") if args.stream else None
-    handles = stream_components(pipe, names, args.device, budget)
+    client = weightstream.connect(args.socket)
+    files = None
+    if args.model_file:
+        first = names[0] if names else next(n for n in DENOISERS if n in pipe.components)
+        files = {first: args.model_file}
+    handles = stream_components(pipe, names, args.device, budget, client, files, **options)
     image = generate(pipe, handles, args.prompt, args.steps, args.size, args.seed)
-    image.save(args.out)
+    if args.out.endswith(".pt"):
+        torch.save(image, args.out)
+    else:
+        image.save(args.out)
     for name, handle in handles.items():
         s = handle.stats()
         print(
             f"{name}: {s['sample_passes']} passes, {s['sample_acquires']} acquires, "
             f"hit rate {s['sample_hit_rate']:.3f}, GPU wait {s['sample_gpu_wait_ns'] / 1e9:.3f} s"
         )
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out}", flush=True)
+    if args.hold:
+        sys.stdin.readline()
+    for handle in handles.values():
+        handle.close()
     return 0
 
 

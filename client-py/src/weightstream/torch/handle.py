@@ -382,7 +382,7 @@ class Handle:
         waits so far go to the kind that ends (on CUDA, once the device measured them)."""
         p = self._passes
         p.attribute_waits(self.session, settle=p.kind is not None)
-        p.kind = kind
+        p.begin(kind, self.session)
         self._install(p.plan_of(kind), group)
 
     def _install(self, plan: list[int] | None, group: int | None = None):

@@ -13,8 +13,9 @@ batch of two) stream without a miss. Sampling passes are never recorded into the
 and the daemon's plan follow one at a time), and counts per kind: acquires, hits (the reply
 was already in flight from the lookahead), acquires off the plan in force (served on demand),
 and the waits for weights. When a pass of the other kind begins, the handle swaps plans
-(``Handle._switch``): the daemon gets the other plan, and the acquires in flight that the new
-plan uses next are kept, the rest given back.
+(``Handle._switch``): the daemon gets the other plan and the kind (``Session.set_pass_kind``:
+its ``SessionStats.kinds`` and ``weightstream top`` split their figures by kind), and the
+acquires in flight that the new plan uses next are kept, the rest given back.
 
 Sampling in one thread while another thread trains on the same handle would share its group
 tickets: ``enter``/``check`` raise ``ConcurrentPasses`` instead.
@@ -107,6 +108,12 @@ class Passes:
         #: Thread id -> [kind, depth] of the attached module's forwards running in it.
         self._running: dict[int, list] = {}
         self._lock = threading.Lock()
+
+    def begin(self, kind: str, session):
+        """``kind``'s plan comes in force; the daemon counts the session's next acquires, their
+        copies and the waits reported from now on under ``kind`` (``SessionStats.kinds``)."""
+        self.kind = kind
+        session.set_pass_kind(kind)
 
     def plan_of(self, kind: str) -> list[int] | None:
         return self.train if kind == TRAIN else self.forward

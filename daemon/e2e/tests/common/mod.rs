@@ -715,7 +715,11 @@ impl RawRun {
     }
 
     pub fn acquire(&self, group: u32, ticket: u64) {
-        self.send(Msg::Acquire(proto::Acquire { group, ticket }));
+        self.send(Msg::Acquire(proto::Acquire {
+            group,
+            ticket,
+            ..Default::default()
+        }));
     }
 
     pub fn release(&self, ticket: u64) {

@@ -157,6 +157,7 @@ impl Actor {
                 let stats = self.stats();
                 SessionStats::bump(&stats.copies, 1);
                 SessionStats::bump(&stats.bytes_copied, outcome.bytes);
+                SessionStats::bump(&stats.kind(self.kind).bytes_copied, outcome.bytes);
                 self.arena.mark_valid(group);
                 let offset = self.arena.get(group).map_or(0, |b| b.offset);
                 for ticket in waiters {

@@ -5,6 +5,7 @@
 //! failure.
 
 mod fakes;
+mod kinds;
 
 use std::future::Future;
 use std::path::Path;
@@ -201,7 +202,12 @@ impl Harness {
     }
 
     async fn acquire(&self, group: u32, ticket: u64) {
-        self.send(Command::Acquire { group, ticket }).await;
+        self.send(Command::Acquire {
+            group,
+            ticket,
+            kind: None,
+        })
+        .await;
     }
 
     async fn release(&self, ticket: u64) {
@@ -327,6 +333,7 @@ async fn bad_requests_get_exact_faults() {
             Command::Acquire {
                 group: 4,
                 ticket: 7,
+                kind: None,
             },
             Event::fault(
                 7,
@@ -338,6 +345,7 @@ async fn bad_requests_get_exact_faults() {
             Command::Acquire {
                 group: 2,
                 ticket: 0,
+                kind: None,
             },
             Event::fault(0, InvalidArgument, "acquire.ticket: 0 is reserved"),
         ),
@@ -345,6 +353,7 @@ async fn bad_requests_get_exact_faults() {
             Command::Acquire {
                 group: 2,
                 ticket: 5,
+                kind: None,
             },
             Event::fault(5, InvalidArgument, "acquire.ticket 5 is already live"),
         ),
@@ -352,6 +361,7 @@ async fn bad_requests_get_exact_faults() {
             Command::Acquire {
                 group: 2,
                 ticket: 8,
+                kind: None,
             },
             Event::fault(
                 8,
@@ -514,6 +524,7 @@ async fn prefetch_stages_the_plans_next_groups_before_they_are_acquired() {
     .await;
     h.send(Command::Plan {
         groups: vec![0, 1, 2, 3],
+        kind: None,
     })
     .await;
     h.settle().await;
@@ -544,6 +555,7 @@ async fn a_client_off_the_plan_resyncs() {
     let mut h = Harness::start(Setup::default()).await;
     h.send(Command::Plan {
         groups: vec![0, 1, 2, 3],
+        kind: None,
     })
     .await;
     for (group, ticket) in [(0, 1), (1, 2), (3, 3), (0, 4)] {
@@ -646,7 +658,7 @@ async fn plan_entries_per_step(len: usize) -> u64 {
     })
     .await;
     let groups = (0..len as u32).map(|i| i % 8).collect();
-    h.send(Command::Plan { groups }).await;
+    h.send(Command::Plan { groups, kind: None }).await;
     let mut ticket = 0;
     let mut step = async |h: &mut Harness| {
         for group in 0..8 {

@@ -6,7 +6,7 @@ use super::{Actor, Place, Ticket};
 use crate::scheduler::{Priority, TIMELINE};
 use crate::session::arena::{AllocError, BlockState};
 use crate::session::plan::{CursorMove, GroupId, Plan};
-use crate::session::{Event, FaultKind, SessionStats};
+use crate::session::{Event, FaultKind, PassKind, SessionStats};
 
 pub(super) const EVENTS_EXHAUSTED: &str =
     "acquire: all interprocess events of the session are in use; release tickets first";
@@ -39,11 +39,14 @@ impl Actor {
         Ok(())
     }
 
-    pub(super) fn on_acquire(&mut self, group: GroupId, ticket: u64) {
+    pub(super) fn on_acquire(&mut self, group: GroupId, ticket: u64, kind: Option<PassKind>) {
         if let Err((kind, message)) = self.check_acquire(group, ticket) {
             return self.fault(ticket, kind, message);
         }
+        self.kind = kind.unwrap_or(self.kind);
         let stats = &self.p.shared.stats;
+        let part = stats.kind(self.kind);
+        SessionStats::bump(&part.acquires, 1);
         tracing::debug!(target: TIMELINE, session = self.p.shared.number, group, ticket,
             state = ?self.arena.get(group).map(|b| b.state), "acquire");
         SessionStats::bump(&stats.acquires, 1);
@@ -54,6 +57,7 @@ impl Actor {
         }
         if let Some((region, offset)) = self.p.resident_of[group as usize] {
             SessionStats::bump(&stats.hits, 1);
+            SessionStats::bump(&part.hits, 1);
             SessionStats::bump(&stats.resident_hits, 1);
             self.tickets.insert(
                 ticket,
@@ -85,12 +89,14 @@ impl Actor {
         );
         if self.arena.get(group).is_some() {
             SessionStats::bump(&stats.hits, 1);
+            SessionStats::bump(&part.hits, 1);
             if !self.used.insert(group) {
                 SessionStats::bump(&stats.reuses, 1);
             }
             self.join(ticket, group);
         } else {
             SessionStats::bump(&stats.misses, 1);
+            SessionStats::bump(&part.misses, 1);
             self.pending.push_back((ticket, group));
             self.serve_pending();
         }

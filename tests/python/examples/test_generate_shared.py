@@ -1,0 +1,85 @@
+"""Several generation processes on one daemon (host backend): two ``python -m
+weightstream.examples.generate`` processes attach the same stand-in denoiser, by uploading the
+same tensors or by ``--model-file`` (the daemon reads the safetensors itself), and generate
+while both are attached: the daemon's host store holds one copy of the model, and each
+process's image equals the pipeline's in memory (as a process alone computes it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from weightstream.examples import generate
+
+from tests.python.examples.test_generate import BLOCK, StandInPipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+MIB = 1 << 20
+STEPS, SIZE, SEED = 6, 64, 0
+
+
+class Generator:
+    """One generation process, held open once its image is written (``--hold``)."""
+
+    def __init__(self, daemon, out, *extra):
+        self.out = out
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weightstream.examples.generate", "--model", "stand-in"]
+            + ["--prompt", "p", "--steps", str(STEPS), "--size", str(SIZE), "--seed", str(SEED)]
+            + ["--device", "cpu", "--socket", daemon.socket, "--min-bytes", "0"]
+            + ["--pipeline", "tests.python.examples.test_generate:stand_in"]
+            + ["--vram-budget", str(3 * BLOCK), "--hold", "--out", str(out), *extra],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines = []
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("wrote "):
+                return
+        self.proc.wait(timeout=60)
+        raise AssertionError(
+            f"the generation failed: {''.join(self.lines)}{self.proc.stderr.read()}"
+        )
+
+    def finish(self) -> torch.Tensor:
+        _, err = self.proc.communicate("\n", timeout=60)
+        assert self.proc.returncode == 0, err
+        return torch.load(self.out)
+
+
+def store_bytes(daemon) -> int:
+    return daemon.client.list_models().store_bytes
+
+
+@pytest.mark.parametrize("source", ["upload", "model-file"])
+def test_two_generation_processes_share_one_host_copy(daemon, tmp_path, source):
+    extra = []
+    if source == "model-file":
+        path = tmp_path / "transformer.safetensors"
+        save_file(StandInPipeline().transformer.state_dict(), str(path))
+        extra = ["--model-file", str(path)]
+    first = Generator(daemon, tmp_path / "first.pt", *extra)
+    one = store_bytes(daemon)
+    assert one >= 8 * BLOCK, "the first process's model is in the store"
+    second = Generator(daemon, tmp_path / "second.pt", *extra)
+    two = store_bytes(daemon)
+    assert two < one + MIB, f"a second copy: {two - one} more bytes"
+    assert [s.model_id for s in daemon.client.list_sessions()] == [first_model(daemon)] * 2
+    assert "transformer: 6 passes, 48 acquires, hit rate 0.979" in "".join(second.lines)
+    want = generate.generate(StandInPipeline(), {}, "p", STEPS, SIZE, SEED)
+    assert torch.equal(first.finish(), want)
+    assert torch.equal(second.finish(), want)
+
+
+def first_model(daemon) -> str:
+    models = daemon.client.list_models().models
+    assert len(models) == 1, [m.model_id for m in models]
+    return models[0].model_id
