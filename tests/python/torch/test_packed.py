@@ -317,10 +317,13 @@ REFUSALS = {
 }
 
 
-def test_packed_forms_that_do_not_stream_are_refused_before_anything_is_uploaded(daemon):
+def assert_refused(daemon, refusals: dict[str, str], make_case, kept: str):
+    """Each case of ``refusals`` (``make_case(case)``: a model whose layer '1' is refused)
+    fails attach with its exact message and uploads nothing; the case ``kept``, its layer
+    ignored, streams the rest with the layer in place."""
     bad = []
-    for case, want in REFUSALS.items():
-        model = refused_case(case)
+    for case, want in refusals.items():
+        model = make_case(case)
         try:
             wst.attach(model, "cpu", client=daemon.client, min_bytes=0)
             got = "attached"
@@ -331,12 +334,14 @@ def test_packed_forms_that_do_not_stream_are_refused_before_anything_is_uploaded
         if daemon.client.list_models().models or daemon.client.info().usage.uploads:
             bad.append(f"{case}: something was uploaded")
     assert not bad, "\n".join(bad)
-    # Kept on the device when ignored: the rest streams, the layer runs in place.
-    model = refused_case("orbit4")
-    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, ignore=["1"])
+    handle = wst.attach(make_case(kept), "cpu", client=daemon.client, min_bytes=0, ignore=["1"])
     assert set(handle.streamed) == {"0", "2"}
     assert handle.stats()["packed_formats"] == {}
     handle.detach(release=True)
+
+
+def test_packed_forms_that_do_not_stream_are_refused_before_anything_is_uploaded(daemon):
+    assert_refused(daemon, REFUSALS, refused_case, kept="orbit4")
 
 
 # --- through ai-toolkit's MemoryManager ------------------------------------------------------

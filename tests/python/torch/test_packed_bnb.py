@@ -23,7 +23,7 @@ from torch import nn
 from weightstream import _dtypes
 from weightstream.torch import packed, placeholder, policy
 
-from tests.python.torch.test_packed import as_bytes, train_run
+from tests.python.torch.test_packed import as_bytes, assert_refused, train_run
 from tests.python.torch.test_torch import make_model
 from tests.python.torch.test_torch_fp8 import assert_equal_runs
 
@@ -256,21 +256,4 @@ REFUSALS = {
 
 
 def test_bitsandbytes_and_gguf_forms_that_do_not_stream_are_refused_by_name(daemon):
-    bad = []
-    for case, want in REFUSALS.items():
-        model = refused_case(case)
-        try:
-            wst.attach(model, "cpu", client=daemon.client, min_bytes=0)
-            got = "attached"
-        except wst.QuantizedWeight as e:
-            got = str(e)
-        if got != want:
-            bad.append(f"{case}:\n  want {want}\n  got  {got}")
-        if daemon.client.list_models().models or daemon.client.info().usage.uploads:
-            bad.append(f"{case}: something was uploaded")
-    assert not bad, "\n".join(bad)
-    # Kept on the device when ignored: the rest streams, the layer runs in place.
-    model = refused_case("8-bit")
-    handle = wst.attach(model, "cpu", client=daemon.client, min_bytes=0, ignore=["1"])
-    assert set(handle.streamed) == {"0", "2"}
-    handle.detach(release=True)
+    assert_refused(daemon, REFUSALS, refused_case, kept="8-bit")

@@ -153,7 +153,7 @@ def test_the_daemon_counts_sampling_and_training_passes_under_their_kinds(daemon
     assert kinds["sample"].acquires == sampled
     assert kinds["train"].acquires == handle.session.submitted - sampled >= 15
     assert kinds["train"].hits + kinds["train"].misses == kinds["train"].acquires
-    assert handle.stats()["kinds"][1].acquires == sampled, "Handle.stats() shows them too"
+    assert handle.stats()["kinds"]["sample"]["acquires"] == sampled, "Handle.stats() too"
     handle.detach(release=True)
 
 

@@ -79,6 +79,9 @@ class FakeSession:
         self.step += 1
         return self.step
 
+    def set_pass_kind(self, kind):
+        pass
+
     def gpu_wait(self, settle: bool = False):
         """No daemon, no copy: nothing is ever waited for."""
         return SimpleNamespace(

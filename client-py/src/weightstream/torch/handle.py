@@ -588,6 +588,10 @@ class Handle:
         s = self.session.stats()
         if s is not None:
             out.update({f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields})
+            # Plain values (the stats are pickled, logged, compared): per kind, a dict.
+            out["kinds"] = {
+                k.kind: {f.name: getattr(k, f.name) for f in k.DESCRIPTOR.fields} for k in s.kinds
+            }
             out["hit_rate"] = s.hits / s.acquires if s.acquires else 0.0
         waits = self.session.gpu_wait()
         out["gpu_wait_ns"] = waits.total_ns
