@@ -1,9 +1,10 @@
 """Benchmark: sampling at the link's pace (issue #48). FLUX.2-dev's transformer (random bf16
 weights, diffusers' default config, 32 B) at 1024² (4096 image + 512 text tokens), N denoising
 forward passes under ``no_grad``: the bf16 resident forward on the whole device as the
-reference, then weightstream on the emulated card (``tests/bench/card.py``: --card-gib GiB of
-the device, the daemon's link capped at --link) before any training step and after two LoRA
-training steps, optionally at a sampling budget; in the same call:
+reference, then weightstream within a --card-gib job (built on the device and uploaded from
+there, then the trainer's allocator capped at the card less the session, as flux2_train does;
+the daemon's link capped at --link) before any training step and after two LoRA training steps,
+optionally at a sampling budget; in the same call:
 
     python3 -m tests.bench.sampling --bin target/release/weightstream --out $OUT \\
         --card-gib 24 --link 25GB/s --vram-budget-gib 15 --quantize fp8 \\
@@ -285,7 +286,7 @@ def parse_args(argv):
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-sampling-out"))
     p.add_argument("--passes", type=int, default=28, help="timed passes after the first")
     p.add_argument("--card-gib", type=float, default=24.0, help="the emulated card (0: none)")
-    p.add_argument("--link", default="25GB/s", help="the daemon's link cap (card.py --link)")
+    p.add_argument("--link", default="25GB/s", help="the daemon's copy bandwidth limit")
     p.add_argument("--vram-budget-gib", type=float, default=15.0)
     p.add_argument("--sample-vram-budget-gib", type=float, default=0.0)
     p.add_argument("--quantize", choices=["fp8"], default=None)
