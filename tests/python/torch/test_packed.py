@@ -136,28 +136,10 @@ FORMS = [
 ]
 
 
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize(
-    "dtype,ckpt,autocast,group_by,where",
-    [
-        (torch.bfloat16, None, False, "layer", "streamed"),
-        (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
-        (torch.float32, "reentrant", True, "layer", "streamed"),
-    ],
-)
-def test_attach_equals_the_same_packed_layers_in_place(
-    daemon, form, dtype, ckpt, autocast, group_by, where
-):
-    (ref, ref_aras), (streamed, aras) = build(form, dtype), build(form, dtype)
-    ref.ckpt = streamed.ckpt = ckpt
-    layers = packed_layers(streamed)
-    assert len(layers) == 18 and {packed.form_of(m).name for m in layers.values()} == {
-        form.replace("aitk.", "aitk.")
-    }
-    inner = {
-        n: {k: t.clone() for k, t in packed.inner(m, packed.form_of(m)).items()}
-        for n, m in layers.items()
-    }
+def attach_packed(daemon, streamed, layers: dict, group_by: str, where: str):
+    """``streamed`` attached with a staging arena of three of its largest groups and, where
+    ``where`` is "mixed", room for its three smallest groups to stay resident ("streamed":
+    none); checks the groups are the sizes policy lays out with the packed ``layers``."""
     selected = policy.select(streamed, wst.StreamOptions(min_bytes=0)).streamed
     packs = {n: packed.Packed.of(m) for n, m in selected if n in layers}
     alignment = daemon.client.info().alignment
@@ -176,6 +158,30 @@ def test_attach_equals_the_same_packed_layers_in_place(
     assert [g.nbytes for g in handle.session.groups] == sizes.sizes
     resident = [g.resident for g in handle.session.groups]
     assert any(resident) == (where == "mixed") and not all(resident), resident
+    return handle
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "dtype,ckpt,autocast,group_by,where",
+    [
+        (torch.bfloat16, None, False, "layer", "streamed"),
+        (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
+        (torch.float32, "reentrant", True, "layer", "streamed"),
+    ],
+)
+def test_attach_equals_the_same_packed_layers_in_place(
+    daemon, form, dtype, ckpt, autocast, group_by, where
+):
+    (ref, ref_aras), (streamed, aras) = build(form, dtype), build(form, dtype)
+    ref.ckpt = streamed.ckpt = ckpt
+    layers = packed_layers(streamed)
+    assert len(layers) == 18 and {packed.form_of(m).name for m in layers.values()} == {form}
+    inner = {
+        n: {k: t.clone() for k, t in packed.inner(m, packed.form_of(m)).items()}
+        for n, m in layers.items()
+    }
+    handle = attach_packed(daemon, streamed, layers, group_by, where)
     # The daemon holds each inner tensor as it is: its dtype, shape and bytes.
     (model,) = daemon.client.list_models().models
     held = {t.name: t for t in model.tensors}

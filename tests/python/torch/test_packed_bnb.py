@@ -18,12 +18,11 @@ from __future__ import annotations
 import bitsandbytes as bnb  # a declared test requirement: missing, the module fails loudly
 import pytest
 import torch
-import weightstream.torch as wst
 from torch import nn
 from weightstream import _dtypes
-from weightstream.torch import packed, placeholder, policy
+from weightstream.torch import packed, placeholder
 
-from tests.python.torch.test_packed import as_bytes, assert_refused, train_run
+from tests.python.torch.test_packed import as_bytes, assert_refused, attach_packed, train_run
 from tests.python.torch.test_torch import make_model
 from tests.python.torch.test_torch_fp8 import assert_equal_runs
 
@@ -109,23 +108,7 @@ def test_attach_equals_the_same_linear4bit_layers_in_place(
     assert len(mods) == 18 and {packed.form_of(m).name for m in mods.values()} == {form}
     state = {n: streamed_state(m) for n, m in mods.items()}
     codes = {n: code_tables(m) for n, m in mods.items()}
-    selected = policy.select(streamed, wst.StreamOptions(min_bytes=0)).streamed
-    packs = {n: packed.Packed.of(m) for n, m in selected if n in mods}
-    alignment = daemon.client.info().alignment
-    sizes = policy.choose_groups(streamed, selected, group_by, alignment, None, 0, packs=packs)
-    staging = 3 * max(sizes.sizes)
-    budget = staging if where == "streamed" else staging + sum(sorted(sizes.sizes)[:3])
-    handle = wst.attach(
-        streamed,
-        "cpu",
-        client=daemon.client,
-        min_bytes=0,
-        vram_budget=budget,
-        staging_bytes=staging,
-        group_by=group_by,
-    )
-    resident = [g.resident for g in handle.session.groups]
-    assert any(resident) == (where == "mixed") and not all(resident), resident
+    handle = attach_packed(daemon, streamed, mods, group_by, where)
     # The daemon holds each streamed tensor as it is, under bitsandbytes' state dict names.
     (manifest,) = daemon.client.list_models().models
     held = {t.name: t for t in manifest.tensors}
