@@ -24,23 +24,8 @@ FLUX2_CLASS = "extensions_built_in.diffusion_models.flux2.flux2_model:Flux2Param
 #: Flux2Params; flux: FluxTransformer2DModel's config) and the text encoder's.
 SIZES = {
     "flux2": {
-        "tiny": {
-            "transformer": dict(
-                hidden_size=64,
-                num_heads=2,
-                axes_dim=[8, 8, 8, 8],
-                depth=1,
-                depth_single_blocks=2,
-                context_in_dim=96,
-            ),
-            "te": dict(
-                hidden_size=32,
-                intermediate_size=64,
-                num_attention_heads=2,
-                num_key_value_heads=1,
-                head_dim=16,
-            ),
-        },
+        # The same tiny FLUX.2 and text encoder as the klein bench's (each run copies it).
+        "tiny": build.KLEIN_SIZES["tiny"],
         "dev": {  # Flux2Params() as it is; Mistral Small 3.1's width, 30 of its 40 layers
             "transformer": {},
             "te": dict(
