@@ -16,7 +16,7 @@ from weightstream import quantize
 from weightstream.torch import compute8, compute_plan, policy
 
 from tests.python.torch.test_torch import make_model
-from tests.python.torch.test_torch_fp8 import FP8, assert_equal_runs, budget, run
+from tests.python.torch.test_torch_fp8 import FP8, assert_equal_runs, budget, loaded, run
 
 #: The LoRA-wrapped base layers of ``make_model``: every one computes in 8 bits.
 BASE = [
@@ -248,17 +248,8 @@ def test_a_rotation_that_does_not_divide_a_layer_leaves_nothing_uploaded(daemon)
 
 
 def test_a_model_by_id_in_block64_is_refused_naming_the_format_to_load(daemon, tmp_path):
-    from safetensors.torch import save_file
-
     model = make_model(torch.bfloat16)
-    frozen = {
-        n: p.detach().contiguous()
-        for n, p in model.named_parameters()
-        if not p.requires_grad and not n.startswith("mha.")
-    }
-    path = tmp_path / "base.safetensors"
-    save_file(frozen, str(path))
-    manifest = daemon.client.load_model([str(path)], "base", quantize="fp8")
+    manifest = loaded(daemon, tmp_path, model, "fp8")
     with pytest.warns(UserWarning, match="compute in the trainer's dtype"):
         with pytest.raises(ValueError) as e:
             wst.attach(
@@ -281,28 +272,13 @@ def test_a_model_by_id_in_block64_is_refused_naming_the_format_to_load(daemon, t
     assert model.blocks[0].attn.q.base_layer.weight.device.type == "cpu"
 
 
-def _loaded(daemon, tmp_path, model, quantize_as):
-    """The model's frozen tensors saved as safetensors and loaded by the daemon in
-    ``quantize_as``: the manifest."""
-    from safetensors.torch import save_file
-
-    frozen = {
-        n: p.detach().contiguous()
-        for n, p in model.named_parameters()
-        if not p.requires_grad and not n.startswith("mha.")
-    }
-    path = tmp_path / "base.safetensors"
-    save_file(frozen, str(path))
-    return daemon.client.load_model([str(path)], "base", quantize=quantize_as)
-
-
 @pytest.mark.parametrize("mode", ["fp8", "int8"])
 def test_a_model_by_id_in_its_row_format_equals_the_w8a8_resident_reference(daemon, tmp_path, mode):
     """The daemon's own row format (``weightstream load --quantize fp8_e4m3_row|int8_row``)
     streams as it is: the same bits as the weights prepared in place."""
     ref = make_model(torch.bfloat16)
     streamed = copy.deepcopy(ref)
-    manifest = _loaded(daemon, tmp_path, ref, compute_plan.LOAD_AS[mode])
+    manifest = loaded(daemon, tmp_path, ref, compute_plan.LOAD_AS[mode])
     vram_budget, staging = budget(
         sizes(streamed, mode, "block", daemon.client.info().alignment, False), "streamed"
     )
@@ -336,7 +312,7 @@ def test_a_model_by_id_in_its_row_format_equals_the_w8a8_resident_reference(daem
 
 def test_a_rotation_with_a_model_by_id_is_refused(daemon, tmp_path):
     model = make_model(torch.bfloat16)
-    manifest = _loaded(daemon, tmp_path, model, "int8_row")
+    manifest = loaded(daemon, tmp_path, model, "int8_row")
     with pytest.warns(UserWarning, match="compute in the trainer's dtype"):
         with pytest.raises(ValueError) as e:
             wst.attach(

@@ -560,11 +560,11 @@ def test_auto_dequantizes_by_group_the_groups_within_the_limit(daemon, monkeypat
     handle.detach(release=True)
 
 
-def test_attach_to_an_fp8_model_the_daemon_loaded(daemon, tmp_path):
+def loaded(daemon, tmp_path, model, quantize_as):
+    """The model's frozen tensors saved as safetensors and loaded by the daemon in
+    ``quantize_as``: the manifest."""
     from safetensors.torch import save_file
 
-    model = make_model(torch.bfloat16)
-    ref = copy.deepcopy(model)
     frozen = {
         n: p.detach().contiguous()
         for n, p in model.named_parameters()
@@ -572,7 +572,13 @@ def test_attach_to_an_fp8_model_the_daemon_loaded(daemon, tmp_path):
     }
     path = tmp_path / "base.safetensors"
     save_file(frozen, str(path))
-    manifest = daemon.client.load_model([str(path)], "base", quantize="fp8")
+    return daemon.client.load_model([str(path)], "base", quantize=quantize_as)
+
+
+def test_attach_to_an_fp8_model_the_daemon_loaded(daemon, tmp_path):
+    model = make_model(torch.bfloat16)
+    ref = copy.deepcopy(model)
+    manifest = loaded(daemon, tmp_path, model, "fp8")
     kinds = {t.name: t.quantization for t in manifest.tensors}
     assert kinds["blocks.0.fc1.base_layer.weight"] == FP8
     assert kinds["blocks.0.fc1.base_layer.bias"] == kinds["blocks.0.norm1.weight"] == "none"
@@ -587,7 +593,7 @@ def test_attach_to_an_fp8_model_the_daemon_loaded(daemon, tmp_path):
     assert handle.stats()["dequant_peak_bytes"] == BLOCK_WEIGHTS * 2
     handle.detach()
     # Asking for 8 bits from a model loaded without them is refused, naming a tensor.
-    plain = daemon.client.load_model([str(path)], "plain")
+    plain = daemon.client.load_model([str(tmp_path / "base.safetensors")], "plain")
     assert plain.model_id != manifest.model_id, "the format is part of the model's identity"
     with pytest.raises(ValueError, match=r"quantize='fp8', but its tensor 'conv_in.weight'"):
         wst.attach(
