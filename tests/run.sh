@@ -5,9 +5,10 @@
 # the documents' commands against `--help`, the Python client against the daemon, ruff,
 # `systemd-analyze verify` of the unit, and bounded fuzzing. GPU suites live in tests/gpu/.
 #
-# Time: ~12 min on 2 cores with a warm target/ (a first build adds several minutes); of it, the
+# Time: ~17 min on 2 cores from a fresh clone (crates and wheels in the caches); of it, the
 # fuzzing step runs 2 targets x 60 s (FUZZ_SECONDS=10 shortens it).
-# Disk: ~6 GB in target/ (debug, the fuzz targets, the wheel), ~5 GB in .venv/ (torch).
+# Disk: ~3.5 GB in target/ (debug with line tables only, the fuzz targets, the wheel), ~5 GB in
+# .venv/ (torch).
 # What it installs and changes:
 # - as root, when missing: `apt-get install systemd tmux` (systemd-analyze, and a terminal for
 #   `weightstream top`); as a user without them it stops and says so;

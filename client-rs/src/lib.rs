@@ -27,6 +27,7 @@
 //! resumes at its next step without restarting.
 
 mod error;
+mod replies;
 mod session;
 mod sources;
 pub mod waits;
@@ -43,7 +44,8 @@ use tonic::transport::{Channel, Endpoint, Uri};
 pub use crate::error::ClientError;
 pub use crate::handoff::HandoffError;
 use crate::proto::weight_stream_client::WeightStreamClient;
-pub use crate::session::{Acquired, Granting, QuantizedView, Session, SessionOptions, Submitted};
+pub use crate::replies::{Acquired, Granting, QuantizedView, Submitted};
+pub use crate::session::{Session, SessionOptions};
 pub use crate::socket::{ResolvedSocket, SOCKET_ENV, SYSTEM_SOCKET, SocketCandidates};
 pub use crate::sources::{SourceError, resolve_sources};
 pub use crate::waits::WaitTotals;
