@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import sys
 from dataclasses import dataclass
 
 import safetensors.torch
@@ -48,6 +50,9 @@ QUANTIZE = "_weightstream_files_quantize"
 QTYPES = {"float8": "fp8", "qfloat8": "fp8"}
 #: Where ai-toolkit's quantizers live; the loader's names for them are intercepted.
 QUANTIZE_MODULE = "toolkit.util.quantize"
+#: The attribute of a module ``from_pretrained`` made whose layers the trainer read whole:
+#: why they could not come from the files.
+WHY = "_weightstream_files_why"
 
 
 def _lazy_layers(module: nn.Module) -> tuple[list[str], list[str]]:
@@ -65,20 +70,38 @@ def _lazy_layers(module: nn.Module) -> tuple[list[str], list[str]]:
 
 def read(module: nn.Module, keep=frozenset()) -> int:
     """Reads each ``FileTensor`` parameter or buffer of ``module`` (but those of the layers in
-    ``keep``) into a real tensor, in place; returns how many."""
-    n = 0
+    ``keep``) into a real tensor, in place; returns how many. A parameter two modules share
+    (tied weights) is read once and stays shared."""
+    n, done = 0, {}
     for name, m in module.named_modules():
         if name in keep:
             continue
         for pname, p in list(m._parameters.items()):
             if is_file_tensor(p):
-                m._parameters[pname] = nn.Parameter(p.read(), requires_grad=p.requires_grad)
-                n += 1
+                if id(p) not in done:  # p is kept alive with it, so its id is not reused
+                    done[id(p)] = (p, nn.Parameter(p.read(), requires_grad=p.requires_grad))
+                    n += 1
+                m._parameters[pname] = done[id(p)][1]
         for bname, b in list(m._buffers.items()):
             if is_file_tensor(b):
                 m._buffers[bname] = b.read()
                 n += 1
     return n
+
+
+def unstreamed(modules) -> list[str]:
+    """For each of ``modules`` (each once) not attached whose streamable layers came from
+    files, why the trainer reads them: ``from_pretrained``'s reason, or that it is not
+    attached (``read_left`` reads it then)."""
+    seen, out = set(), []
+    for module in modules:
+        if id(module) in seen or "_memory_manager" in vars(module):
+            continue
+        seen.add(id(module))
+        why = why_read(module) or ("not attached" if _lazy_layers(module)[0] else "")
+        if why:
+            out.append(f"{type(module).__name__} read by the trainer: {why}")
+    return out
 
 
 def read_left(modules) -> int:
@@ -147,32 +170,154 @@ def _load_file(original, filename, device="cpu"):
     return lazy if lazy is not None else original(filename, device=device)
 
 
+# --- transformers' from_pretrained --------------------------------------------------------------
+
+#: The parameters of transformers' ``PreTrainedModel._load_pretrained_model`` (5.x) that are
+#: read here: the model, the state dict (None: read from the checkpoint files), the files.
+LOAD_PARAMETERS = ("model", "state_dict", "checkpoint_files", "load_config")
+
+
+def _pretrained_model():
+    """transformers' ``PreTrainedModel`` where the loader's process imported it, else None."""
+    return getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+
+
+def _knows(load) -> bool:
+    """Whether ``load`` (``PreTrainedModel.__dict__["_load_pretrained_model"]``) is the
+    static method whose state dict replaces the checkpoint files' (transformers 5.x)."""
+    if not isinstance(load, staticmethod):
+        return False
+    with contextlib.suppress(TypeError, ValueError):
+        names = tuple(inspect.signature(load.__func__).parameters)[: len(LOAD_PARAMETERS)]
+        return names == LOAD_PARAMETERS
+    return False
+
+
+def _lazy_refusal(state_dict, files, load_config) -> str:
+    """Why the checkpoint of one ``from_pretrained`` is read as usual ('' where it is not)."""
+    if state_dict is not None:
+        return "from_pretrained was given a state dict"
+    if not files or not all(str(f).endswith(".safetensors") for f in files):
+        return "its checkpoint is not in safetensors files"
+    for field in ("hf_quantizer", "device_map", "device_mesh"):
+        if getattr(load_config, field, None) is not None:
+            return f"from_pretrained was given a {field}"
+    return ""
+
+
+def _load_pretrained_model(original, model, state_dict, files, load_config, *args, **kwargs):
+    """transformers' read of the checkpoint: its files' tensors as ``FileTensor``s, which its
+    renames, casts and assignments keep without data; else as usual, the reason on ``model``."""
+    why = _lazy_refusal(state_dict, files, load_config)
+    lazy: dict = {}
+    for path in files if not why else ():
+        tensors = lazy_load_file(path)
+        if tensors is None:
+            why = f"{path} holds a dtype torch does not have"
+            break
+        lazy.update(tensors)
+    if why:
+        vars(model)[WHY] = why
+        return original(model, state_dict, files, load_config, *args, **kwargs)
+    return original(model, lazy, files, load_config, *args, **kwargs)
+
+
+def _unsafe(model: nn.Module) -> str:
+    """Why the streamable layers of a model ``from_pretrained`` made from ``FileTensor``s cannot
+    be loaded from its files by the daemon ('' where they can): each weight and bias must be
+    the file's tensor under the parameter's own name and dtype, shared with no other."""
+    names: dict = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    for name, m in model.named_modules():
+        if not isinstance(m, STREAMABLE):
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            tname = f"{name}.{pname}" if name else pname
+            if not is_file_tensor(p):
+                return f"{tname!r} is not a tensor of the files (transformers made it)"
+            others = [n for n in names[id(p)] if n != tname]
+            if others:
+                return f"{tname!r} is tied to {others[0]!r}"
+            if p.key != tname:
+                return f"the files name {tname!r} {p.key!r} (transformers renames the keys)"
+            if p.dtype != p.stored:
+                return f"{tname!r} is stored as {p.stored}, the loader casts it to {p.dtype}"
+    return ""
+
+
+def _from_pretrained(original, knows: bool, cls, *args, **kwargs):
+    """``from_pretrained``; where its model cannot stream from its files, the model read whole
+    (what transformers gives without weightstream) with the reason on it (``WHY``)."""
+    out = original(cls, *args, **kwargs)
+    model = out[0] if isinstance(out, tuple) else out
+    if isinstance(model, nn.Module):
+        why = vars(model).get(WHY) or _unsafe(model)
+        if not knows:
+            why = f"transformers {sys.modules['transformers'].__version__} reads it itself"
+        if why:
+            read(model)
+            vars(model)[WHY] = why
+    return out
+
+
+def why_read(module: nn.Module) -> str:
+    """Why ``from_pretrained``'s ``module`` was read whole by the trainer ('' where it was not)."""
+    return vars(module).get(WHY, "")
+
+
 class Interception:
     """Installs the calls above for one ``load_model``: in the globals of the loader's function
-    (its ``load_file``, ``quantize_model`` and ``quantize``, where they are safetensors' and
-    ai-toolkit's) and ``nn.Module.load_state_dict``."""
+    and of its object's ``load_te`` (their ``load_file``, ``quantize_model`` and ``quantize``,
+    where they are safetensors' and ai-toolkit's), ``nn.Module.load_state_dict``, and
+    transformers' ``PreTrainedModel.from_pretrained`` where transformers is imported."""
 
     def __init__(self, load_model):
-        func = getattr(load_model, "__func__", load_model)
-        self.globals = getattr(func, "__globals__", {})
-        self._saved: dict = {}
+        funcs = [getattr(load_model, "__func__", load_model)]
+        load_te = getattr(type(getattr(load_model, "__self__", None)), "load_te", None)
+        if load_te is not None:
+            funcs.append(load_te)
+        self.scopes = []
+        for func in funcs:
+            scope = getattr(func, "__globals__", None)
+            if scope is not None and all(scope is not s for s in self.scopes):
+                self.scopes.append(scope)
+        self._saved: list = []
 
     def _wrap(self, name, wrapper):
-        original = self.globals.get(name)
-        if original is None:
+        for scope in self.scopes:
+            original = scope.get(name)
+            if original is None:
+                continue
+            if name == "load_file" and original is not safetensors.torch.load_file:
+                continue
+            if name != "load_file" and getattr(original, "__module__", None) != QUANTIZE_MODULE:
+                continue
+            self._saved.append((scope, name, original))
+            scope[name] = functools.wraps(original)(functools.partial(wrapper, original))
+
+    def _wrap_pretrained(self):
+        cls = _pretrained_model()
+        if cls is None:
             return
-        if name == "load_file" and original is not safetensors.torch.load_file:
-            return
-        if name != "load_file" and getattr(original, "__module__", None) != QUANTIZE_MODULE:
-            return
-        self._saved[name] = original
-        self.globals[name] = functools.wraps(original)(functools.partial(wrapper, original))
+        load, pretrained = cls.__dict__["_load_pretrained_model"], cls.__dict__["from_pretrained"]
+        knows = _knows(load)
+        self._saved.append((cls, "from_pretrained", pretrained))
+        cls.from_pretrained = classmethod(
+            functools.partial(_from_pretrained, pretrained.__func__, knows)
+        )
+        if knows:
+            self._saved.append((cls, "_load_pretrained_model", load))
+            cls._load_pretrained_model = staticmethod(
+                functools.partial(_load_pretrained_model, load.__func__)
+            )
 
     @contextlib.contextmanager
     def installed(self):
         self._wrap("load_file", _load_file)
         self._wrap("quantize_model", _quantize_model)
         self._wrap("quantize", _quantize)
+        self._wrap_pretrained()
         original = nn.Module.load_state_dict
 
         @functools.wraps(original)
@@ -184,7 +329,11 @@ class Interception:
             yield self
         finally:
             nn.Module.load_state_dict = original
-            self.globals.update(self._saved)
+            for owner, name, original_value in reversed(self._saved):
+                if isinstance(owner, dict):
+                    owner[name] = original_value
+                else:
+                    setattr(owner, name, original_value)
             self._saved.clear()
 
 
@@ -233,7 +382,8 @@ def source(module: nn.Module, chosen, settings) -> Source | None:
             elif p.dtype != p.stored:
                 why = why or f"{tname!r} is stored as {p.stored}, the loader casts it to {p.dtype}"
     if not tensors:
-        return None
+        why = why_read(module)  # from_pretrained read it whole: uploaded as before
+        return Source([], quantize=settings.quantize, why=why) if why else None
     src = Source(paths, why=why, tensors=tensors, nbytes=nbytes)
     if settings.compute in LOAD_AS:
         src.quantize = LOAD_AS[settings.compute]
