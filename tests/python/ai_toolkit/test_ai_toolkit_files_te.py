@@ -24,10 +24,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 from torch import nn
 from weightstream import quantize
 from weightstream.integrations import ai_toolkit
-from weightstream.integrations.ai_toolkit import files, loading
+from weightstream.integrations.ai_toolkit import loading
 from weightstream.integrations.ai_toolkit.settings import Settings
 from weightstream.torch import filetensor
 from weightstream.torch.placeholder import is_placeholder
@@ -145,7 +146,10 @@ def write(folder, kind="mistral", dtype=DTYPE, **changes) -> dict[str, torch.Ten
         )
         model = transformers.Mistral3ForConditionalGeneration(
             transformers.Mistral3Config(
-                vision_config=vision, text_config=text_config(**changes), image_token_index=10
+                vision_config=vision,
+                text_config=text_config(**changes),
+                image_token_index=10,
+                tie_word_embeddings=False,
             )
         )
     model.to(dtype).save_pretrained(str(folder), max_shard_size="40KB")
@@ -235,12 +239,7 @@ def test_the_text_encoder_s_streamed_weights_go_from_its_shards_to_the_daemon_on
     assert set(held.values()) == {want} if quantized else set(held.values()) <= {"", "none"}
     assert_equal(encoder, today.text_encoder[0])
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    shards = {
-        filetensor.load_file(str(p))[k].path
-        for p in folder.glob("*.safetensors")
-        for k in filetensor.load_file(str(p))
-        if k in linear
-    }
+    shards = {p for p in folder.glob("*.safetensors") if linear & set(load_file(str(p)))}
     assert (
         f"attached: text encoder MistralForCausalLM (by ai-toolkit's loader, {len(linear)} "
         f"layers streamed, {len(linear)} tensors "
@@ -252,3 +251,87 @@ def test_the_text_encoder_s_streamed_weights_go_from_its_shards_to_the_daemon_on
     for model in (encoder, today.text_encoder[0]):
         te.tk.package.MemoryManager.free(model)
     assert daemon.client.list_models().models == []
+
+
+def test_a_checkpoint_whose_keys_transformers_renames_streams_from_its_files(
+    daemon, te, tmp_path, capsys
+):
+    """Mistral3ForConditionalGeneration, FLUX.2's own text encoder class: its checkpoint says
+    ``language_model.model.layers...``, transformers 5 loads it as ``model.language_model.
+    layers...``; the daemon's model keeps the files' names and the layers attach under
+    theirs. The vision tower's patch Conv2d is not quantized by ai-toolkit's float8 (Linear
+    layers only), so it stays on the device rather than stream the daemon's fp8 of it."""
+    folder = tmp_path / "mistral3"
+    tensors = write(folder, "mistral3")
+    today, _ = load(te, daemon, folder, False, "mistral3")
+    capsys.readouterr()
+    sd, report = load(te, daemon, folder, True, "mistral3")
+    (encoder,) = sd.text_encoder
+    linear = {f"{n}.weight" for n, m in encoder.named_modules() if isinstance(m, nn.Linear)}
+    assert {n for n, p in encoder.named_parameters() if is_placeholder(p)} == linear
+    renamed = {k for k in tensors if k.startswith("model.language_model.")}
+    assert renamed and all(k in linear or not k.endswith("_proj.weight") for k in renamed)
+    assert report.read_from_files == real_bytes(encoder)
+    assert te.quantizer.CALLS == ["Mistral3ForConditionalGeneration"], "today's only"
+    assert_equal(encoder, today.text_encoder[0])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"as fp8, {len(linear)} under other names there)" in line, line
+    assert "vision_tower.patch_conv" not in encoder._memory_manager.handle.streamed
+    for model in (encoder, today.text_encoder[0]):
+        te.tk.package.MemoryManager.free(model)
+
+
+@pytest.mark.parametrize(
+    "case, want",
+    [
+        (
+            "tied",
+            "text encoder MistralForCausalLM (by ai-toolkit's loader, 14 layers streamed, read "
+            "by the trainer: 'lm_head.weight' is tied to 'model.embed_tokens.weight')",
+        ),
+        (
+            "cast",
+            "text encoder MistralForCausalLM (by ai-toolkit's loader, 15 layers streamed, read "
+            "by the trainer: 'model.layers.0.self_attn.q_proj.weight' is stored as "
+            "torch.float32, the loader casts it to torch.bfloat16)",
+        ),
+        (
+            "not attached",
+            "attached: nothing; ",
+        ),
+    ],
+)
+def test_what_cannot_stream_from_the_files_loads_as_today_and_says_why(
+    daemon, te, tmp_path, capsys, case, want
+):
+    folder = tmp_path / "mistral"
+    write(
+        folder,
+        tie_word_embeddings=case == "tied",
+        dtype=torch.float32 if case == "cast" else DTYPE,
+    )
+    percent = 0.0 if case == "not attached" else 1.0
+    today, _ = load(te, daemon, folder, False, layer_offloading_text_encoder_percent=percent)
+    capsys.readouterr()
+    sd, report = load(te, daemon, folder, True, layer_offloading_text_encoder_percent=percent)
+    (encoder,) = sd.text_encoder
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert want in line, line
+    assert te.quantizer.CALLS == ["MistralForCausalLM"] * 2, "ai-toolkit quantized, both times"
+    if case == "not attached":
+        assert line.endswith("GB (MistralForCausalLM read by the trainer: not attached)"), line
+    else:
+        assert {m.source for m in daemon.client.list_models().models} == {"upload"}
+    if case == "tied":
+        assert encoder.lm_head.weight is encoder.model.embed_tokens.weight or is_placeholder(
+            encoder.lm_head.weight
+        )
+    assert not any(filetensor.is_file_tensor(p) for p in encoder.parameters())
+    assert_equal(encoder, today.text_encoder[0])
+    for model in (encoder, today.text_encoder[0]):
+        te.tk.package.MemoryManager.free(model)
+
+
+def teardown_module():
+    for name in [n for n in sys.modules if n == "toolkit" or n.startswith("toolkit.")]:
+        del sys.modules[name]

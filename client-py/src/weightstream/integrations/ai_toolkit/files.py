@@ -33,7 +33,7 @@ import contextlib
 import functools
 import inspect
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import safetensors.torch
 from torch import nn
@@ -48,6 +48,8 @@ STREAMABLE = (nn.Linear, nn.Conv2d)
 QUANTIZE = "_weightstream_files_quantize"
 #: ai-toolkit's qtypes the daemon makes itself (``weightstream.quantize`` formats).
 QTYPES = {"float8": "fp8", "qfloat8": "fp8"}
+#: The attribute of such a module: ai-toolkit's quantizing call, for a module not attached.
+LATER = "_weightstream_files_quantize_later"
 #: Where ai-toolkit's quantizers live; the loader's names for them are intercepted.
 QUANTIZE_MODULE = "toolkit.util.quantize"
 #: The attribute of a module ``from_pretrained`` made whose layers the trainer read whole:
@@ -104,13 +106,26 @@ def unstreamed(modules) -> list[str]:
     return out
 
 
+def linear_only(module: nn.Module, chosen: list[str]) -> list[str]:
+    """``chosen`` without its Conv2d layers where the daemon makes ai-toolkit's qtype for
+    ``module`` (``QUANTIZE``): ai-toolkit's quantizers quantize Linear layers only, so those
+    stay as they are, on the device."""
+    if not vars(module).get(QUANTIZE):
+        return chosen
+    return [n for n in chosen if not isinstance(module.get_submodule(n), nn.Conv2d)]
+
+
 def read_left(modules) -> int:
-    """``read`` over ``modules`` (each once)."""
+    """``read`` over ``modules`` (each once); one whose quantization was left to the daemon
+    but that was not attached is then quantized by ai-toolkit's call, as it would have been."""
     seen, n = set(), 0
     for module in modules:
         if id(module) not in seen:
             seen.add(id(module))
             n += read(module)
+            later = vars(module).pop(LATER, None)
+            if later is not None and "_memory_manager" not in vars(module):
+                later()
     return n
 
 
@@ -132,16 +147,18 @@ def _load_state_dict(original, module, state_dict, strict=True, assign=False):
     return original(module, state_dict, strict=strict, assign=assign)
 
 
-def _daemon_quantizes(model: nn.Module, qtype_name, plain: bool) -> bool:
+def _daemon_quantizes(model: nn.Module, qtype_name, plain: bool, later) -> bool:
     """Records the daemon's format on ``model`` and returns True where every streamable layer
     of ``model`` is in the files and the daemon makes ``qtype_name`` (and the call is ``plain``:
-    no include, exclude or adapter); else reads the file's layers for ai-toolkit to quantize."""
+    no include, exclude or adapter), with ``later`` (ai-toolkit's call) to run should the model
+    not be attached (``read_left``); else reads the file's layers for ai-toolkit to quantize."""
     lazy, real = _lazy_layers(model)
     if not lazy:
         return False
     fmt = QTYPES.get(str(qtype_name))
     if fmt is not None and plain and not real:
         vars(model)[QUANTIZE] = fmt
+        vars(model)[LATER] = later
         return True
     read(model)
     return False
@@ -152,7 +169,8 @@ def _quantize_model(original, base_model, model_to_quantize):
     plain = getattr(config, "accuracy_recovery_adapter", None) is None and not (
         base_model.get_quantization_exclude_modules() or []
     )
-    if _daemon_quantizes(model_to_quantize, getattr(config, "qtype", None), plain):
+    later = functools.partial(original, base_model, model_to_quantize)
+    if _daemon_quantizes(model_to_quantize, getattr(config, "qtype", None), plain, later):
         return None
     return original(base_model, model_to_quantize)
 
@@ -160,7 +178,8 @@ def _quantize_model(original, base_model, model_to_quantize):
 def _quantize(original, model, weights=None, activations=None, *args, **kwargs):
     plain = activations is None and not args and not any(kwargs.values())
     name = getattr(weights, "name", weights)
-    if _daemon_quantizes(model, name, plain):
+    later = functools.partial(original, model, weights, activations, *args, **kwargs)
+    if _daemon_quantizes(model, name, plain, later):
         return None
     return original(model, weights, activations, *args, **kwargs)
 
@@ -199,9 +218,9 @@ def _lazy_refusal(state_dict, files, load_config) -> str:
         return "from_pretrained was given a state dict"
     if not files or not all(str(f).endswith(".safetensors") for f in files):
         return "its checkpoint is not in safetensors files"
-    for field in ("hf_quantizer", "device_map", "device_mesh"):
-        if getattr(load_config, field, None) is not None:
-            return f"from_pretrained was given a {field}"
+    for option in ("hf_quantizer", "device_map", "device_mesh"):
+        if getattr(load_config, option, None) is not None:
+            return f"from_pretrained was given a {option}"
     return ""
 
 
@@ -225,7 +244,8 @@ def _load_pretrained_model(original, model, state_dict, files, load_config, *arg
 def _unsafe(model: nn.Module) -> str:
     """Why the streamable layers of a model ``from_pretrained`` made from ``FileTensor``s cannot
     be loaded from its files by the daemon ('' where they can): each weight and bias must be
-    the file's tensor under the parameter's own name and dtype, shared with no other."""
+    a tensor of the files (under any key: ``Source.names``) in its own dtype, shared with no
+    other."""
     names: dict = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(n)
@@ -239,8 +259,6 @@ def _unsafe(model: nn.Module) -> str:
             others = [n for n in names[id(p)] if n != tname]
             if others:
                 return f"{tname!r} is tied to {others[0]!r}"
-            if p.key != tname:
-                return f"the files name {tname!r} {p.key!r} (transformers renames the keys)"
             if p.dtype != p.stored:
                 return f"{tname!r} is stored as {p.stored}, the loader casts it to {p.dtype}"
     return ""
@@ -346,6 +364,7 @@ class Source:
 
     paths: list[str]
     quantize: str | None = None  # the daemon's format: None (as stored), fp8, or a row format
+    names: dict[str, str] = field(default_factory=dict)  # parameter -> file key, where they differ
     why: str = ""
     tensors: int = 0
     nbytes: int = 0
@@ -356,15 +375,16 @@ class Source:
         return (
             f"{self.tensors} tensors ({self.nbytes / 1e9:.2f} GB) loaded by the daemon from "
             f"{len(self.paths)} file(s) as {self.quantize or 'stored'}"
+            + (f", {len(self.names)} under other names there" if self.names else "")
         )
 
 
 def source(module: nn.Module, chosen, settings) -> Source | None:
     """Whether the layers ``chosen`` to stream can be loaded by the daemon from their files:
-    every parameter a ``FileTensor`` under its own name (the module's parameter name is the
-    file's key) and dtype (no cast the daemon would not make). None when none is a
-    ``FileTensor``."""
-    paths, tensors, nbytes, why = [], 0, 0, ""
+    every parameter a ``FileTensor`` (the file's tensor as it is, under the parameter's name or
+    another: ``Source.names``) in its own dtype (no cast the daemon would not make). None when
+    none is a ``FileTensor``."""
+    paths, tensors, nbytes, why, names, keys = [], 0, 0, "", {}, {}
     for name in chosen:
         m = module.get_submodule(name)
         for pname, p in m.named_parameters(recurse=False):
@@ -378,13 +398,16 @@ def source(module: nn.Module, chosen, settings) -> Source | None:
             tensors += 1
             nbytes += p.nbytes
             if p.key != tname:
-                why = why or f"the file names {tname!r} {p.key!r}"
+                names[tname] = p.key
+            other = keys.setdefault((p.path, p.key), tname)
+            if other != tname:
+                why = why or f"{other!r} and {tname!r} are one tensor of the files ({p.key!r})"
             elif p.dtype != p.stored:
                 why = why or f"{tname!r} is stored as {p.stored}, the loader casts it to {p.dtype}"
     if not tensors:
         why = why_read(module)  # from_pretrained read it whole: uploaded as before
         return Source([], quantize=settings.quantize, why=why) if why else None
-    src = Source(paths, why=why, tensors=tensors, nbytes=nbytes)
+    src = Source(paths, why=why, tensors=tensors, nbytes=nbytes, names=names)
     if settings.compute in LOAD_AS:
         src.quantize = LOAD_AS[settings.compute]
     else:
