@@ -6,23 +6,37 @@ ai-toolkit's FLUX.2 loader (``extensions_built_in/diffusion_models/flux2/flux2_m
 with ``safetensors.torch.load_file(path, device="cpu")`` (imported into its module), casts each
 tensor to the train dtype, ``load_state_dict(..., assign=True)``, then, with ``quantize: true``,
 quantizes it in host memory (``toolkit.util.quantize.quantize_model``: torchao float8 for
-``qfloat8`` under ``layer_offloading``) before ``MemoryManager.attach``. While such a loader
-runs (``Interception``, installed by ``loading.run_load_model``):
+``qfloat8`` under ``layer_offloading``) before ``MemoryManager.attach``. Its ``load_te`` reads
+the 24 B Mistral with ``Mistral3ForConditionalGeneration.from_pretrained(path,
+torch_dtype=dtype)`` and, with ``quantize_te``, quantizes it with ``quantize(text_encoder,
+weights=get_qtype(qtype))`` before attaching it (FLUX.2 Klein's ``load_te``, in its own module:
+``Qwen3ForCausalLM``). While such a loader runs (``Interception``, installed by
+``loading.run_load_model``):
 
 - the ``load_file`` of the loader's module gives ``FileTensor``s (no data);
 - ``nn.Module.load_state_dict`` reads from the file every tensor that is not the weight or
   bias of a Linear/Conv2d layer assigned to the module; those stay ``FileTensor``s;
-- the loader's ``quantize_model`` / ``quantize`` leave a module whose streamable layers are
-  all ``FileTensor``s to the daemon when the qtype is one it makes (``float8``/``qfloat8``:
-  ``fp8``), recording it on the module (``QUANTIZE``); any other qtype, or an accuracy
+- transformers' ``from_pretrained`` (5.x: its ``_load_pretrained_model``) reads the
+  checkpoint's safetensors shards as ``FileTensor``s, which its renames, casts and assignments
+  keep without data; a model whose streamable weights are tied, cast, not the files' tensors,
+  or loaded with a ``device_map``, a quantization config or a state dict, is read whole as it
+  returns (what transformers gives without weightstream), the reason on it (``why_read``);
+- the loader's ``quantize_model`` / ``quantize`` (in the globals of ``load_model`` and of
+  the object's ``load_te``) leave a module whose streamable layers are all ``FileTensor``s to
+  the daemon when the qtype is one it makes (``float8``/``qfloat8``: ``fp8``), recording it on
+  the module (``QUANTIZE``) with ai-toolkit's call (``LATER``); any other qtype, or an accuracy
   recovery adapter or exclusions, reads those layers first and quantizes as ai-toolkit does;
 - ``MemoryManager.attach`` asks ``source`` whether the layers it streams can come from the
-  files: then the daemon loads them (``Client.load_model``, quantized as recorded or as the
-  ``quantize``/``compute`` settings ask) and the layers attach by the model's id; else
-  (renamed keys, a cast the daemon would not make) they are read and uploaded as usual and
-  ``source`` says why;
-- once the loader returns, ``read_left`` reads every ``FileTensor`` still in the model's
-  modules (a VAE, layers kept on the device).
+  files: then the daemon loads them (``Client.load_model``, every file they are in as one
+  model, quantized as recorded or as the ``quantize``/``compute`` settings ask) and the layers
+  attach by the model's id, under the files' names where those differ (``Source.names``);
+  a Conv2d layer of a module ai-toolkit would have quantized stays on the device
+  (``linear_only``: its quantizers quantize Linear layers only); else (a cast the daemon would
+  not make, two layers of one tensor, a model read whole) they are read and uploaded as usual
+  and ``source`` says why;
+- once the loader returns, ``unstreamed`` names each module read whole or not attached, and
+  ``read_left`` reads every ``FileTensor`` still in the model's modules (a VAE, layers kept on
+  the device, a text encoder not attached: quantized then by ai-toolkit's call).
 
 ``filetensor.READ`` counts what was read anyway, reported with the loading summary.
 """
