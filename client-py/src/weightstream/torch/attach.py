@@ -74,6 +74,7 @@ def attach(
     vram_budget: int | str | AutoBudget | None = None,
     staging_bytes: int = 0,
     model: str | None = None,
+    names: dict[str, str] | None = None,
     client: Client | None = None,
     label: str = "",
     pin: bool = False,
@@ -102,7 +103,9 @@ def attach(
       gone: the next job uploads again.
     - ``model``: the id of a model the daemon already loaded from safetensors whose tensor
       names match the module's parameter names; otherwise the weights are uploaded. A model
-      loaded with ``quantize="fp8"`` streams its weights in 8 bits, as below.
+      loaded with ``quantize="fp8"`` streams its weights in 8 bits, as below. ``names``: the
+      model's name of each streamed tensor whose name is not the module's (a checkpoint whose
+      keys transformers renames as it loads them).
     - ``quantize="fp8"`` (a ``StreamOptions`` field): the streamed layers' weights are
       uploaded for the daemon to keep in 8 bits (``fp8_e4m3_block64``: weights on a CUDA
       device are quantized there as they are copied, a chunk of rows at a time, those in host
@@ -229,6 +232,7 @@ def attach(
         pin,
         compute,
         prepared,
+        names or {},
     )
     phases = {"model_s": time.monotonic() - t}
     phases.update({f"upload_{k}": v for k, v in upload_phases.items()})
@@ -251,7 +255,14 @@ def attach(
         if grouping.fallback:
             warnings.warn(grouping.fallback, stacklevel=2)
         groups = [
-            (gname, [t for n, m in ms for t, _ in policy.layer_tensors(n, m, packs)])
+            (
+                gname,
+                [
+                    (names or {}).get(t, t)
+                    for n, m in ms
+                    for t, _ in policy.layer_tensors(n, m, packs)
+                ],
+            )
             for gname, ms in grouping.members.items()
         ]
         if auto is not None:
@@ -376,6 +387,7 @@ def _model_of(
     pin: bool,
     compute: compute_plan.Plan,
     prepared: dict,
+    names: dict[str, str],
 ):
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
     release if attach fails; ``phases`` filled as ``Client.upload_model`` says; kept as long
@@ -383,7 +395,8 @@ def _model_of(
     weights quantized to ``fmt`` (on their CUDA device as they are copied, or by the daemon
     at commit: ``options.QUANTIZE_ON``), those of the layers in ``torchao`` written in their
     torchao format and those ``prepared`` for 8-bit compute in theirs
-    (``compute_plan.upload_forms``), or ``model``, checked against them."""
+    (``compute_plan.upload_forms``), or ``model``, checked against them (its tensors seen
+    under the module's names: ``names``)."""
     tensors = {}
     for name, m in streamed:
         for tname, t in policy.layer_tensors(name, m, packs):
@@ -397,8 +410,9 @@ def _model_of(
         if name not in torchao and name not in compute.layers and name not in packs
     ]
     if model is not None:
-        compute_plan.check_model(compute, model, _listed(client, model))
-        return _match(client, model, tensors, weights if fmt else ()), None
+        listed = _renamed(_listed(client, model), names)
+        compute_plan.check_model(compute, model, listed)
+        return _match(listed, tensors, weights if fmt else ()), None
     labels = {t: lb for name, pack in packs.items() for t, lb in pack.labels(name).items()}
     manifest, _ = client.upload_model(
         label,
@@ -476,10 +490,32 @@ def _listed(client: Client, model_id: str):
     return listed[model_id]
 
 
-def _match(client: Client, model_id: str, tensors: dict[str, torch.Tensor], quantized=()):
+class _Renamed:
+    """A tensor of a model's manifest under the module's name for it."""
+
+    def __init__(self, tensor, name: str):
+        self._tensor, self.name = tensor, name
+
+    def __getattr__(self, attr):
+        return getattr(self._tensor, attr)
+
+
+def _renamed(manifest, names: dict[str, str]):
+    """``manifest`` with the module's names for the tensors ``names`` gives the model's names of
+    (the session is opened with the model's)."""
+    if not names:
+        return manifest
+    back = {v: k for k, v in names.items()}
+    tensors = [_Renamed(t, back[t.name]) if t.name in back else t for t in manifest.tensors]
+    return dataclasses.make_dataclass("Manifest", ["model_id", "tensors"])(
+        manifest.model_id, tensors
+    )
+
+
+def _match(manifest, tensors: dict[str, torch.Tensor], quantized=()):
     """The daemon's loaded model, checked against the module's weights (names and shapes), and
     the tensors named in ``quantized`` against the 8-bit format."""
-    manifest = _listed(client, model_id)
+    model_id = manifest.model_id
     have = {t.name: t for t in manifest.tensors}
     for name, t in tensors.items():
         info = have.get(name)

@@ -6,23 +6,37 @@ ai-toolkit's FLUX.2 loader (``extensions_built_in/diffusion_models/flux2/flux2_m
 with ``safetensors.torch.load_file(path, device="cpu")`` (imported into its module), casts each
 tensor to the train dtype, ``load_state_dict(..., assign=True)``, then, with ``quantize: true``,
 quantizes it in host memory (``toolkit.util.quantize.quantize_model``: torchao float8 for
-``qfloat8`` under ``layer_offloading``) before ``MemoryManager.attach``. While such a loader
-runs (``Interception``, installed by ``loading.run_load_model``):
+``qfloat8`` under ``layer_offloading``) before ``MemoryManager.attach``. Its ``load_te`` reads
+the 24 B Mistral with ``Mistral3ForConditionalGeneration.from_pretrained(path,
+torch_dtype=dtype)`` and, with ``quantize_te``, quantizes it with ``quantize(text_encoder,
+weights=get_qtype(qtype))`` before attaching it (FLUX.2 Klein's ``load_te``, in its own module:
+``Qwen3ForCausalLM``). While such a loader runs (``Interception``, installed by
+``loading.run_load_model``):
 
 - the ``load_file`` of the loader's module gives ``FileTensor``s (no data);
 - ``nn.Module.load_state_dict`` reads from the file every tensor that is not the weight or
   bias of a Linear/Conv2d layer assigned to the module; those stay ``FileTensor``s;
-- the loader's ``quantize_model`` / ``quantize`` leave a module whose streamable layers are
-  all ``FileTensor``s to the daemon when the qtype is one it makes (``float8``/``qfloat8``:
-  ``fp8``), recording it on the module (``QUANTIZE``); any other qtype, or an accuracy
+- transformers' ``from_pretrained`` (5.x: its ``_load_pretrained_model``) reads the
+  checkpoint's safetensors shards as ``FileTensor``s, which its renames, casts and assignments
+  keep without data; a model whose streamable weights are tied, cast, not the files' tensors,
+  or loaded with a ``device_map``, a quantization config or a state dict, is read whole as it
+  returns (what transformers gives without weightstream), the reason on it (``why_read``);
+- the loader's ``quantize_model`` / ``quantize`` (in the globals of ``load_model`` and of
+  the object's ``load_te``) leave a module whose streamable layers are all ``FileTensor``s to
+  the daemon when the qtype is one it makes (``float8``/``qfloat8``: ``fp8``), recording it on
+  the module (``QUANTIZE``) with ai-toolkit's call (``LATER``); any other qtype, or an accuracy
   recovery adapter or exclusions, reads those layers first and quantizes as ai-toolkit does;
 - ``MemoryManager.attach`` asks ``source`` whether the layers it streams can come from the
-  files: then the daemon loads them (``Client.load_model``, quantized as recorded or as the
-  ``quantize``/``compute`` settings ask) and the layers attach by the model's id; else
-  (renamed keys, a cast the daemon would not make) they are read and uploaded as usual and
-  ``source`` says why;
-- once the loader returns, ``read_left`` reads every ``FileTensor`` still in the model's
-  modules (a VAE, layers kept on the device).
+  files: then the daemon loads them (``Client.load_model``, every file they are in as one
+  model, quantized as recorded or as the ``quantize``/``compute`` settings ask) and the layers
+  attach by the model's id, under the files' names where those differ (``Source.names``);
+  a Conv2d layer of a module ai-toolkit would have quantized stays on the device
+  (``linear_only``: its quantizers quantize Linear layers only); else (a cast the daemon would
+  not make, two layers of one tensor, a model read whole) they are read and uploaded as usual
+  and ``source`` says why;
+- once the loader returns, ``unstreamed`` names each module read whole or not attached, and
+  ``read_left`` reads every ``FileTensor`` still in the model's modules (a VAE, layers kept on
+  the device, a text encoder not attached: quantized then by ai-toolkit's call).
 
 ``filetensor.READ`` counts what was read anyway, reported with the loading summary.
 """
@@ -31,7 +45,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+import inspect
+import sys
+from dataclasses import dataclass, field
 
 import safetensors.torch
 from torch import nn
@@ -46,8 +62,13 @@ STREAMABLE = (nn.Linear, nn.Conv2d)
 QUANTIZE = "_weightstream_files_quantize"
 #: ai-toolkit's qtypes the daemon makes itself (``weightstream.quantize`` formats).
 QTYPES = {"float8": "fp8", "qfloat8": "fp8"}
+#: The attribute of such a module: ai-toolkit's quantizing call, for a module not attached.
+LATER = "_weightstream_files_quantize_later"
 #: Where ai-toolkit's quantizers live; the loader's names for them are intercepted.
 QUANTIZE_MODULE = "toolkit.util.quantize"
+#: The attribute of a module ``from_pretrained`` made whose layers the trainer read whole:
+#: why they could not come from the files.
+WHY = "_weightstream_files_why"
 
 
 def _lazy_layers(module: nn.Module) -> tuple[list[str], list[str]]:
@@ -65,15 +86,18 @@ def _lazy_layers(module: nn.Module) -> tuple[list[str], list[str]]:
 
 def read(module: nn.Module, keep=frozenset()) -> int:
     """Reads each ``FileTensor`` parameter or buffer of ``module`` (but those of the layers in
-    ``keep``) into a real tensor, in place; returns how many."""
-    n = 0
+    ``keep``) into a real tensor, in place; returns how many. A parameter two modules share
+    (tied weights) is read once and stays shared."""
+    n, done = 0, {}
     for name, m in module.named_modules():
         if name in keep:
             continue
         for pname, p in list(m._parameters.items()):
             if is_file_tensor(p):
-                m._parameters[pname] = nn.Parameter(p.read(), requires_grad=p.requires_grad)
-                n += 1
+                if id(p) not in done:  # p is kept alive with it, so its id is not reused
+                    done[id(p)] = (p, nn.Parameter(p.read(), requires_grad=p.requires_grad))
+                    n += 1
+                m._parameters[pname] = done[id(p)][1]
         for bname, b in list(m._buffers.items()):
             if is_file_tensor(b):
                 m._buffers[bname] = b.read()
@@ -81,13 +105,41 @@ def read(module: nn.Module, keep=frozenset()) -> int:
     return n
 
 
+def unstreamed(modules) -> list[str]:
+    """For each of ``modules`` (each once) not attached whose streamable layers came from
+    files, why the trainer reads them: ``from_pretrained``'s reason, or that it is not
+    attached (``read_left`` reads it then)."""
+    seen, out = set(), []
+    for module in modules:
+        if id(module) in seen or "_memory_manager" in vars(module):
+            continue
+        seen.add(id(module))
+        why = why_read(module) or ("not attached" if _lazy_layers(module)[0] else "")
+        if why:
+            out.append(f"{type(module).__name__} read by the trainer: {why}")
+    return out
+
+
+def linear_only(module: nn.Module, chosen: list[str]) -> list[str]:
+    """``chosen`` without its Conv2d layers where the daemon makes ai-toolkit's qtype for
+    ``module`` (``QUANTIZE``): ai-toolkit's quantizers quantize Linear layers only, so those
+    stay as they are, on the device."""
+    if not vars(module).get(QUANTIZE):
+        return chosen
+    return [n for n in chosen if not isinstance(module.get_submodule(n), nn.Conv2d)]
+
+
 def read_left(modules) -> int:
-    """``read`` over ``modules`` (each once)."""
+    """``read`` over ``modules`` (each once); one whose quantization was left to the daemon
+    but that was not attached is then quantized by ai-toolkit's call, as it would have been."""
     seen, n = set(), 0
     for module in modules:
         if id(module) not in seen:
             seen.add(id(module))
             n += read(module)
+            later = vars(module).pop(LATER, None)
+            if later is not None and "_memory_manager" not in vars(module):
+                later()
     return n
 
 
@@ -109,16 +161,18 @@ def _load_state_dict(original, module, state_dict, strict=True, assign=False):
     return original(module, state_dict, strict=strict, assign=assign)
 
 
-def _daemon_quantizes(model: nn.Module, qtype_name, plain: bool) -> bool:
+def _daemon_quantizes(model: nn.Module, qtype_name, plain: bool, later) -> bool:
     """Records the daemon's format on ``model`` and returns True where every streamable layer
     of ``model`` is in the files and the daemon makes ``qtype_name`` (and the call is ``plain``:
-    no include, exclude or adapter); else reads the file's layers for ai-toolkit to quantize."""
+    no include, exclude or adapter), with ``later`` (ai-toolkit's call) to run should the model
+    not be attached (``read_left``); else reads the file's layers for ai-toolkit to quantize."""
     lazy, real = _lazy_layers(model)
     if not lazy:
         return False
     fmt = QTYPES.get(str(qtype_name))
     if fmt is not None and plain and not real:
         vars(model)[QUANTIZE] = fmt
+        vars(model)[LATER] = later
         return True
     read(model)
     return False
@@ -129,7 +183,8 @@ def _quantize_model(original, base_model, model_to_quantize):
     plain = getattr(config, "accuracy_recovery_adapter", None) is None and not (
         base_model.get_quantization_exclude_modules() or []
     )
-    if _daemon_quantizes(model_to_quantize, getattr(config, "qtype", None), plain):
+    later = functools.partial(original, base_model, model_to_quantize)
+    if _daemon_quantizes(model_to_quantize, getattr(config, "qtype", None), plain, later):
         return None
     return original(base_model, model_to_quantize)
 
@@ -137,7 +192,8 @@ def _quantize_model(original, base_model, model_to_quantize):
 def _quantize(original, model, weights=None, activations=None, *args, **kwargs):
     plain = activations is None and not args and not any(kwargs.values())
     name = getattr(weights, "name", weights)
-    if _daemon_quantizes(model, name, plain):
+    later = functools.partial(original, model, weights, activations, *args, **kwargs)
+    if _daemon_quantizes(model, name, plain, later):
         return None
     return original(model, weights, activations, *args, **kwargs)
 
@@ -147,32 +203,153 @@ def _load_file(original, filename, device="cpu"):
     return lazy if lazy is not None else original(filename, device=device)
 
 
+# --- transformers' from_pretrained --------------------------------------------------------------
+
+#: The parameters of transformers' ``PreTrainedModel._load_pretrained_model`` (5.x) that are
+#: read here: the model, the state dict (None: read from the checkpoint files), the files.
+LOAD_PARAMETERS = ("model", "state_dict", "checkpoint_files", "load_config")
+
+
+def _pretrained_model():
+    """transformers' ``PreTrainedModel`` where the loader's process imported it, else None."""
+    return getattr(sys.modules.get("transformers.modeling_utils"), "PreTrainedModel", None)
+
+
+def _knows(load) -> bool:
+    """Whether ``load`` (``PreTrainedModel.__dict__["_load_pretrained_model"]``) is the
+    static method whose state dict replaces the checkpoint files' (transformers 5.x)."""
+    if not isinstance(load, staticmethod):
+        return False
+    with contextlib.suppress(TypeError, ValueError):
+        names = tuple(inspect.signature(load.__func__).parameters)[: len(LOAD_PARAMETERS)]
+        return names == LOAD_PARAMETERS
+    return False
+
+
+def _lazy_refusal(state_dict, files, load_config) -> str:
+    """Why the checkpoint of one ``from_pretrained`` is read as usual ('' where it is not)."""
+    if state_dict is not None:
+        return "from_pretrained was given a state dict"
+    if not files or not all(str(f).endswith(".safetensors") for f in files):
+        return "its checkpoint is not in safetensors files"
+    for option in ("hf_quantizer", "device_map", "device_mesh"):
+        if getattr(load_config, option, None) is not None:
+            return f"from_pretrained was given a {option}"
+    return ""
+
+
+def _load_pretrained_model(original, model, state_dict, files, load_config, *args, **kwargs):
+    """transformers' read of the checkpoint: its files' tensors as ``FileTensor``s, which its
+    renames, casts and assignments keep without data; else as usual, the reason on ``model``."""
+    why = _lazy_refusal(state_dict, files, load_config)
+    lazy: dict = {}
+    for path in files if not why else ():
+        tensors = lazy_load_file(path)
+        if tensors is None:
+            why = f"{path} holds a dtype torch does not have"
+            break
+        lazy.update(tensors)
+    if why:
+        vars(model)[WHY] = why
+        return original(model, state_dict, files, load_config, *args, **kwargs)
+    return original(model, lazy, files, load_config, *args, **kwargs)
+
+
+def _unsafe(model: nn.Module) -> str:
+    """Why the streamable layers of a model ``from_pretrained`` made from ``FileTensor``s cannot
+    be loaded from its files by the daemon ('' where they can): each weight and bias must be
+    a tensor of the files (under any key: ``Source.names``) in its own dtype, shared with no
+    other."""
+    names: dict = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    for name, m in model.named_modules():
+        if not isinstance(m, STREAMABLE):
+            continue
+        for pname, p in m.named_parameters(recurse=False):
+            tname = f"{name}.{pname}" if name else pname
+            if not is_file_tensor(p):
+                return f"{tname!r} is not a tensor of the files (transformers made it)"
+            others = [n for n in names[id(p)] if n != tname]
+            if others:
+                return f"{tname!r} is tied to {others[0]!r}"
+            if p.dtype != p.stored:
+                return f"{tname!r} is stored as {p.stored}, the loader casts it to {p.dtype}"
+    return ""
+
+
+def _from_pretrained(original, knows: bool, cls, *args, **kwargs):
+    """``from_pretrained``; where its model cannot stream from its files, the model read whole
+    (what transformers gives without weightstream) with the reason on it (``WHY``)."""
+    out = original(cls, *args, **kwargs)
+    model = out[0] if isinstance(out, tuple) else out
+    if isinstance(model, nn.Module):
+        why = vars(model).get(WHY) or _unsafe(model)
+        if not knows:
+            why = f"transformers {sys.modules['transformers'].__version__} reads it itself"
+        if why:
+            read(model)
+            vars(model)[WHY] = why
+    return out
+
+
+def why_read(module: nn.Module) -> str:
+    """Why ``from_pretrained``'s ``module`` was read whole by the trainer ('' where it was not)."""
+    return vars(module).get(WHY, "")
+
+
 class Interception:
     """Installs the calls above for one ``load_model``: in the globals of the loader's function
-    (its ``load_file``, ``quantize_model`` and ``quantize``, where they are safetensors' and
-    ai-toolkit's) and ``nn.Module.load_state_dict``."""
+    and of its object's ``load_te`` (their ``load_file``, ``quantize_model`` and ``quantize``,
+    where they are safetensors' and ai-toolkit's), ``nn.Module.load_state_dict``, and
+    transformers' ``PreTrainedModel.from_pretrained`` where transformers is imported."""
 
     def __init__(self, load_model):
-        func = getattr(load_model, "__func__", load_model)
-        self.globals = getattr(func, "__globals__", {})
-        self._saved: dict = {}
+        funcs = [getattr(load_model, "__func__", load_model)]
+        load_te = getattr(type(getattr(load_model, "__self__", None)), "load_te", None)
+        if load_te is not None:
+            funcs.append(load_te)
+        self.scopes = []
+        for func in funcs:
+            scope = getattr(func, "__globals__", None)
+            if scope is not None and all(scope is not s for s in self.scopes):
+                self.scopes.append(scope)
+        self._saved: list = []
 
     def _wrap(self, name, wrapper):
-        original = self.globals.get(name)
-        if original is None:
+        for scope in self.scopes:
+            original = scope.get(name)
+            if original is None:
+                continue
+            if name == "load_file" and original is not safetensors.torch.load_file:
+                continue
+            if name != "load_file" and getattr(original, "__module__", None) != QUANTIZE_MODULE:
+                continue
+            self._saved.append((scope, name, original))
+            scope[name] = functools.wraps(original)(functools.partial(wrapper, original))
+
+    def _wrap_pretrained(self):
+        cls = _pretrained_model()
+        if cls is None:
             return
-        if name == "load_file" and original is not safetensors.torch.load_file:
-            return
-        if name != "load_file" and getattr(original, "__module__", None) != QUANTIZE_MODULE:
-            return
-        self._saved[name] = original
-        self.globals[name] = functools.wraps(original)(functools.partial(wrapper, original))
+        load, pretrained = cls.__dict__["_load_pretrained_model"], cls.__dict__["from_pretrained"]
+        knows = _knows(load)
+        self._saved.append((cls, "from_pretrained", pretrained))
+        cls.from_pretrained = classmethod(
+            functools.partial(_from_pretrained, pretrained.__func__, knows)
+        )
+        if knows:
+            self._saved.append((cls, "_load_pretrained_model", load))
+            cls._load_pretrained_model = staticmethod(
+                functools.partial(_load_pretrained_model, load.__func__)
+            )
 
     @contextlib.contextmanager
     def installed(self):
         self._wrap("load_file", _load_file)
         self._wrap("quantize_model", _quantize_model)
         self._wrap("quantize", _quantize)
+        self._wrap_pretrained()
         original = nn.Module.load_state_dict
 
         @functools.wraps(original)
@@ -184,7 +361,11 @@ class Interception:
             yield self
         finally:
             nn.Module.load_state_dict = original
-            self.globals.update(self._saved)
+            for owner, name, original_value in reversed(self._saved):
+                if isinstance(owner, dict):
+                    owner[name] = original_value
+                else:
+                    setattr(owner, name, original_value)
             self._saved.clear()
 
 
@@ -197,6 +378,7 @@ class Source:
 
     paths: list[str]
     quantize: str | None = None  # the daemon's format: None (as stored), fp8, or a row format
+    names: dict[str, str] = field(default_factory=dict)  # parameter -> file key, where they differ
     why: str = ""
     tensors: int = 0
     nbytes: int = 0
@@ -207,15 +389,16 @@ class Source:
         return (
             f"{self.tensors} tensors ({self.nbytes / 1e9:.2f} GB) loaded by the daemon from "
             f"{len(self.paths)} file(s) as {self.quantize or 'stored'}"
+            + (f", {len(self.names)} under other names there" if self.names else "")
         )
 
 
 def source(module: nn.Module, chosen, settings) -> Source | None:
     """Whether the layers ``chosen`` to stream can be loaded by the daemon from their files:
-    every parameter a ``FileTensor`` under its own name (the module's parameter name is the
-    file's key) and dtype (no cast the daemon would not make). None when none is a
-    ``FileTensor``."""
-    paths, tensors, nbytes, why = [], 0, 0, ""
+    every parameter a ``FileTensor`` (the file's tensor as it is, under the parameter's name or
+    another: ``Source.names``) in its own dtype (no cast the daemon would not make). None when
+    none is a ``FileTensor``."""
+    paths, tensors, nbytes, why, names, keys = [], 0, 0, "", {}, {}
     for name in chosen:
         m = module.get_submodule(name)
         for pname, p in m.named_parameters(recurse=False):
@@ -229,12 +412,16 @@ def source(module: nn.Module, chosen, settings) -> Source | None:
             tensors += 1
             nbytes += p.nbytes
             if p.key != tname:
-                why = why or f"the file names {tname!r} {p.key!r}"
+                names[tname] = p.key
+            other = keys.setdefault((p.path, p.key), tname)
+            if other != tname:
+                why = why or f"{other!r} and {tname!r} are one tensor of the files ({p.key!r})"
             elif p.dtype != p.stored:
                 why = why or f"{tname!r} is stored as {p.stored}, the loader casts it to {p.dtype}"
     if not tensors:
-        return None
-    src = Source(paths, why=why, tensors=tensors, nbytes=nbytes)
+        why = why_read(module)  # from_pretrained read it whole: uploaded as before
+        return Source([], quantize=settings.quantize, why=why) if why else None
+    src = Source(paths, why=why, tensors=tensors, nbytes=nbytes, names=names)
     if settings.compute in LOAD_AS:
         src.quantize = LOAD_AS[settings.compute]
     else:

@@ -363,6 +363,7 @@ class LoadingReport:
     peak: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)  # HostPeak.as_dict() once loaded
     read_from_files: int = 0  # bytes of FileTensors read by the trainer (load_from_files)
+    unstreamed: list[str] = field(default_factory=list)  # models read whole, and why
 
     def line(self, peak: DevicePeak) -> str:
         attached = (
@@ -381,6 +382,7 @@ class LoadingReport:
             f"peak device memory while loading: {peak.text()}; "
             f"{HOST.text()}; read from the files by the trainer: "
             f"{self.read_from_files / 1e9:.2f} GB"
+            + (f" ({'; '.join(self.unstreamed)})" if self.unstreamed else "")
         )
 
 
@@ -454,6 +456,8 @@ def run_load_model(sd, load_model, manager_cls, is_accelerator=_is_accelerator):
             elif percent > 0 and "_memory_manager" not in vars(module) and _has_layers(module):
                 manager_cls.attach(module, device, offload_percent=percent)
                 report.attached.append(_attached(role, module, "by weightstream-aitk"))
+        if settings.load_from_files:
+            report.unstreamed = files.unstreamed(_modules_of(sd))
         files.read_left(_modules_of(sd))
         report.held_bytes = guard.held_bytes
         report.placed_after = guard.finish()

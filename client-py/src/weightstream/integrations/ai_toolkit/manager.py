@@ -95,7 +95,7 @@ class MemoryManager:
         base = [(n, m) for n, m in _base_layers(module) if n not in ignore]
         with _frozen(base) as was_trainable:
             candidates = policy.select(module, options).streamed
-            chosen = _largest_first(candidates, offload_percent)
+            chosen = files.linear_only(module, _largest_first(candidates, offload_percent))
             handle, src = None, None
             if chosen:
                 keep = {n for n, _ in candidates} - set(chosen)
@@ -112,6 +112,7 @@ class MemoryManager:
                             staging_bytes=settings.staging_bytes,
                             client=client,
                             model=model_id,
+                            names=src.names if model_id is not None else None,
                         )
                 except BaseException:
                     if model_id is not None:
