@@ -14,8 +14,11 @@ runs (``Interception``, installed by ``loading.run_load_model``):
   bias of a Linear/Conv2d layer assigned to the module; those stay ``FileTensor``s;
 - the loader's ``quantize_model`` / ``quantize`` leave a module whose streamable layers are
   all ``FileTensor``s to the daemon when the qtype is one it makes (``float8``/``qfloat8``:
-  ``fp8``), recording it on the module (``QUANTIZE``); any other qtype, or an accuracy
-  recovery adapter or exclusions, reads those layers first and quantizes as ai-toolkit does;
+  ``fp8``), recording it on the module (``QUANTIZE``); ai-toolkit's own qtypes (``uint2..7``
+  with or without an accuracy recovery adapter, ``nvfp4``, ``convrot*``) are quantized once
+  for every job (``recipes``: a later job with the same recipe key builds the layers with
+  ai-toolkit's quantizer on ``meta`` and attaches the first job's stored model by id); any
+  other call reads those layers first and quantizes as ai-toolkit does;
 - ``MemoryManager.attach`` asks ``source`` whether the layers it streams can come from the
   files: then the daemon loads them (``Client.load_model``, quantized as recorded or as the
   ``quantize``/``compute`` settings ask) and the layers attach by the model's id; else
