@@ -118,14 +118,14 @@ class Nvfp4:
         blocks = w.view(out, inputs // 16, 16)
         scales = (blocks.abs().amax(-1) / (6 * pts)).to(torch.float8_e4m3fn)
         z = blocks / (scales.float() * pts).clamp(min=1e-12)[..., None]
-        table = torch.tensor(E2M1)
+        table = torch.tensor(E2M1, device=w.device)  # on w's device: ``meta`` too, as ai-toolkit's
         mag = (z.abs()[..., None] - table).abs().argmin(-1).to(torch.uint8)
         codes = (mag | ((z < 0).to(torch.uint8) << 3)).view(out, inputs)
         m.register_buffer("nv4_qdata", codes[:, ::2] | (codes[:, 1::2] << 4), persistent=False)
         m.register_buffer("nv4_scales", scales.view(torch.uint8), persistent=False)
         m.register_buffer("nv4_pts", pts.reshape(1).view(torch.uint8), persistent=False)
         if self.pre_scale:
-            s = torch.linspace(0.5, 1.5, inputs)
+            s = torch.linspace(0.5, 1.5, inputs, device=w.device)
             m.register_buffer("nv4_pre_scale", s.view(torch.uint8), persistent=False)
 
     def forward(self, m, x):
@@ -215,7 +215,9 @@ class ConvRot4(Nvfp4):
             m.register_buffer(new, m._buffers.pop(old), persistent=False)
         m.register_buffer("cr_pts", m._buffers.pop("nv4_pts"), persistent=False)
         out, blocks = m.cr_scales.shape
-        tiles = torch.zeros(-(-out // 128) * 128, -(-blocks // 4) * 4, dtype=torch.uint8)
+        tiles = torch.zeros(
+            -(-out // 128) * 128, -(-blocks // 4) * 4, dtype=torch.uint8, device=w.device
+        )
         tiles[:out, :blocks] = m.cr_scales
         m.register_buffer("cr_scales_blocked", tiles.flatten(), persistent=False)
         m.cr_rot_size = rot
@@ -254,12 +256,14 @@ class ConvRotIntN:
         out, inputs = wr.shape
         scale = (wr.abs().amax(1) / qmax).clamp(min=1e-12)
         q = (wr / scale[:, None]).round().clamp(-qmax, qmax).to(torch.int64) + qmax
-        words = (q.view(out, inputs // 8, 8) << (torch.arange(8) * bits)).sum(-1)
-        packed = (words[..., None] >> (torch.arange(bits) * 8)) & 0xFF
+        steps = torch.arange(8, device=w.device)
+        words = (q.view(out, inputs // 8, 8) << (steps * bits)).sum(-1)
+        packed = (words[..., None] >> (steps[:bits] * 8)) & 0xFF
         m.register_buffer("crn_qdata", packed.to(torch.uint8).view(out, -1), persistent=False)
         m.register_buffer("crn_scales", scale.view(torch.uint8), persistent=False)
         if bits <= 7:
-            ratio = torch.linspace(0.9, 1.0, out * (inputs // group(inputs))).view(out, -1)
+            n = out * (inputs // group(inputs))
+            ratio = torch.linspace(0.9, 1.0, n, device=w.device).view(out, -1)
             m.register_buffer("crn_gratio", ratio.view(torch.uint8), persistent=False)
         m.crn_bits, m.crn_rot_size = bits, rot
 

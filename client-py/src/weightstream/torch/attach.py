@@ -78,6 +78,7 @@ def attach(
     client: Client | None = None,
     label: str = "",
     pin: bool = False,
+    retention: str | None = None,
     trainable: str = "device",
     optimizer: str | None = None,
     master: str = "fp32",
@@ -100,7 +101,9 @@ def attach(
     - ``pin``: the upload (when there is one) stays in the daemon after this process exits,
       never evicted, until ``Client.release_model`` (``weightstream release``) gives it back.
       By default the upload is released once this process's connection and the session are
-      gone: the next job uploads again.
+      gone: the next job uploads again. ``retention`` names the upload's reference's life
+      instead (``Client.RETENTIONS``: ``"cached"`` keeps it after this process exits until the
+      daemon needs the room).
     - ``model``: the id of a model the daemon already loaded from safetensors whose tensor
       names match the module's parameter names; otherwise the weights are uploaded. A model
       loaded with ``quantize="fp8"`` streams its weights in 8 bits, as below. ``names``: the
@@ -229,7 +232,7 @@ def attach(
         set(rebuilds),
         packs,
         upload_phases,
-        pin,
+        retention or ("pinned" if pin else "connection"),
         compute,
         prepared,
         names or {},
@@ -384,14 +387,14 @@ def _model_of(
     torchao: set[str],
     packs: dict,
     phases: dict,
-    pin: bool,
+    retention: str,
     compute: compute_plan.Plan,
     prepared: dict,
     names: dict[str, str],
 ):
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
-    release if attach fails; ``phases`` filled as ``Client.upload_model`` says; kept as long
-    as this process's connection, or pinned), with the
+    release if attach fails; ``phases`` filled as ``Client.upload_model`` says; its reference
+    lasting as ``retention`` says), with the
     weights quantized to ``fmt`` (on their CUDA device as they are copied, or by the daemon
     at commit: ``options.QUANTIZE_ON``), those of the layers in ``torchao`` written in their
     torchao format and those ``prepared`` for 8-bit compute in theirs
@@ -419,7 +422,7 @@ def _model_of(
         tensors,
         quantize=weights if fmt else (),
         phases=phases,
-        retention="pinned" if pin else "connection",
+        retention=retention,
         quantize_on=options_module.QUANTIZE_ON,
         labels=labels,
     )

@@ -143,7 +143,7 @@ def _why_resident(name, m, shared, read_directly, options: StreamOptions) -> str
     if name in read_directly:
         return "read_directly"
     w, b = m.weight, m.bias
-    if not isinstance(w, torch.Tensor) or w.device.type == "meta" or is_placeholder(w):
+    if not isinstance(w, torch.Tensor) or _no_data(m, w) or is_placeholder(w):
         return "no_weight"
     small = _layer_nbytes(m) < options.min_bytes
     if w.requires_grad or (b is not None and b.requires_grad):
@@ -153,6 +153,15 @@ def _why_resident(name, m, shared, read_directly, options: StreamOptions) -> str
     if id(w) in shared or (b is not None and id(b) in shared):
         return "tied"
     return "small" if small else None
+
+
+#: The attribute of a layer whose ``meta`` tensors are a daemon's stored model's (an ai-toolkit
+#: recipe, ``integrations.ai_toolkit.recipes``): they stream from it by the model's id.
+STORED = "_weightstream_stored"
+
+
+def _no_data(m: nn.Module, t: torch.Tensor) -> bool:
+    return t.device.type == "meta" and not vars(m).get(STORED, False)
 
 
 def _layer_nbytes(m: nn.Module) -> int:
@@ -168,7 +177,7 @@ def _why_packed_resident(name, m, shared, read_directly, options: StreamOptions)
         return "read_directly"
     form = packed.form_of(m)
     tensors = list(packed.inner(m, form).values())
-    if any(t.device.type == "meta" or is_placeholder(t) for t in tensors):
+    if any(_no_data(m, t) or is_placeholder(t) for t in tensors):
         return "no_weight"
     b = m.bias
     if b is not None and id(b) in shared:

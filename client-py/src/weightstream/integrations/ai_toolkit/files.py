@@ -26,6 +26,10 @@ weights=get_qtype(qtype))`` before attaching it (FLUX.2 Klein's ``load_te``, in 
   the daemon when the qtype is one it makes (``float8``/``qfloat8``: ``fp8``), recording it on
   the module (``QUANTIZE``) with ai-toolkit's call (``LATER``); any other qtype, or an accuracy
   recovery adapter or exclusions, reads those layers first and quantizes as ai-toolkit does;
+  but ai-toolkit's own qtypes (``uint2..7`` with or without an accuracy recovery adapter,
+  ``nvfp4``, ``convrot*``) are quantized once for every job (``recipes``: a later job with the
+  same recipe key builds the layers with ai-toolkit's quantizer on ``meta`` and attaches the
+  first job's stored model by id);
 - ``MemoryManager.attach`` asks ``source`` whether the layers it streams can come from the
   files: then the daemon loads them (``Client.load_model``, every file they are in as one
   model, quantized as recorded or as the ``quantize``/``compute`` settings ask) and the layers
@@ -46,15 +50,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import sys
 from dataclasses import dataclass, field
 
 import safetensors.torch
 from torch import nn
 
+import weightstream
+from weightstream.integrations.ai_toolkit import recipes
+from weightstream.integrations.ai_toolkit.settings import current
 from weightstream.torch.compute_plan import LOAD_AS
 from weightstream.torch.filetensor import is_file_tensor
 from weightstream.torch.filetensor import load_file as lazy_load_file
+from weightstream.torch.packed_forms import OSTRIS_FORMS
 
 #: The layers whose weights and biases may stay in the files (weightstream streams these).
 STREAMABLE = (nn.Linear, nn.Conv2d)
@@ -89,6 +98,10 @@ def read(module: nn.Module, keep=frozenset()) -> int:
     ``keep``) into a real tensor, in place; returns how many. A parameter two modules share
     (tied weights) is read once and stays shared."""
     n, done = 0, {}
+    for m in module.modules():
+        recipe = recipes.of(m)
+        if recipe is not None:
+            n += recipe.make(module, keep)
     for name, m in module.named_modules():
         if name in keep:
             continue
@@ -165,28 +178,59 @@ def _daemon_quantizes(model: nn.Module, qtype_name, plain: bool, later) -> bool:
     """Records the daemon's format on ``model`` and returns True where every streamable layer
     of ``model`` is in the files and the daemon makes ``qtype_name`` (and the call is ``plain``:
     no include, exclude or adapter), with ``later`` (ai-toolkit's call) to run should the model
-    not be attached (``read_left``); else reads the file's layers for ai-toolkit to quantize."""
+    not be attached (``read_left``)."""
     lazy, real = _lazy_layers(model)
-    if not lazy:
-        return False
     fmt = QTYPES.get(str(qtype_name))
-    if fmt is not None and plain and not real:
+    if lazy and fmt is not None and plain and not real:
         vars(model)[QUANTIZE] = fmt
         vars(model)[LATER] = later
         return True
-    read(model)
     return False
+
+
+def _quantized(model: nn.Module, call: dict, original, run):
+    """``run()``, ai-toolkit's quantization of ``model``: once for every job where the layers
+    are all in their files and the qtype is one of ai-toolkit's own (``recipes``), else on
+    the file's layers read first."""
+    lazy, real = _lazy_layers(model)
+    if not lazy:
+        return run()
+    if real or str(call["qtype"]) not in OSTRIS_FORMS:
+        read(model)
+        return run()
+    settings = current()
+    code = getattr(getattr(original, "__code__", None), "co_filename", None)
+    call = {**call, "weightstream": [settings.quantize, settings.compute]}
+    return recipes.quantize_once(
+        model, STREAMABLE, call, code, run, read, lambda: weightstream.connect(settings.socket)
+    )
+
+
+def _adapter(path):
+    """An accuracy recovery adapter's identity: its file's where it is one, else its name."""
+    return recipes.identity(path) if path and os.path.isfile(path) else path
 
 
 def _quantize_model(original, base_model, model_to_quantize):
     config = base_model.model_config
-    plain = getattr(config, "accuracy_recovery_adapter", None) is None and not (
-        base_model.get_quantization_exclude_modules() or []
-    )
+    qtype = getattr(config, "qtype", None)
+    adapter = getattr(config, "accuracy_recovery_adapter", None)
+    exclude = base_model.get_quantization_exclude_modules() or []
     later = functools.partial(original, base_model, model_to_quantize)
-    if _daemon_quantizes(model_to_quantize, getattr(config, "qtype", None), plain, later):
+    if _daemon_quantizes(model_to_quantize, qtype, adapter is None and not exclude, later):
         return None
-    return original(base_model, model_to_quantize)
+    blocks = getattr(base_model, "get_transformer_block_names", None)
+    call = {
+        "fn": "quantize_model",
+        "qtype": qtype,
+        "adapter": _adapter(adapter),
+        "exclude": list(exclude),
+        "blocks": list(blocks()) if callable(blocks) else None,
+        "dtype": str(getattr(base_model, "torch_dtype", None)),
+    }
+    return _quantized(
+        model_to_quantize, call, original, lambda: original(base_model, model_to_quantize)
+    )
 
 
 def _quantize(original, model, weights=None, activations=None, *args, **kwargs):
@@ -195,7 +239,14 @@ def _quantize(original, model, weights=None, activations=None, *args, **kwargs):
     later = functools.partial(original, model, weights, activations, *args, **kwargs)
     if _daemon_quantizes(model, name, plain, later):
         return None
-    return original(model, weights, activations, *args, **kwargs)
+    call = {
+        "fn": "quantize",
+        "qtype": name,
+        "rest": repr((activations, args, sorted(kwargs.items()))),
+    }
+    return _quantized(
+        model, call, original, lambda: original(model, weights, activations, *args, **kwargs)
+    )
 
 
 def _load_file(original, filename, device="cpu"):

@@ -370,6 +370,7 @@ class LoadingReport:
             "; ".join(
                 f"{a['role']} {a['module']} ({a['by']}, {a['streamed']} layers streamed"
                 + (f", {a['files']}" if a.get("files") else "")
+                + (f", {a['recipe']}" if a.get("recipe") else "")
                 + ")"
                 for a in self.attached
             )
@@ -477,12 +478,14 @@ def run_load_model(sd, load_model, manager_cls, is_accelerator=_is_accelerator):
 
 def _attached(role: str, module: nn.Module, by: str) -> dict:
     src = getattr(vars(module).get("_memory_manager"), "files", None)
+    recipe = getattr(vars(module).get("_memory_manager"), "recipe", None)
     return {
         "role": role,
         "module": type(module).__name__,
         "by": by,
         "streamed": _streamed_count(module),
         "files": src.text() if src is not None else "",
+        "recipe": recipe.text() if recipe is not None else "",
     }
 
 

@@ -38,7 +38,7 @@ from torch import nn
 
 import weightstream
 import weightstream.torch as wst
-from weightstream.integrations.ai_toolkit import files, loading
+from weightstream.integrations.ai_toolkit import files, loading, recipes
 from weightstream.integrations.ai_toolkit.settings import Settings, current
 from weightstream.torch import packed, policy
 from weightstream.torch.placeholder import is_placeholder
@@ -61,6 +61,7 @@ class MemoryManager:
         self.process_device = process_device
         self.handle: wst.Handle | None = handle
         self.files: files.Source | None = None  # where the streamed weights came from
+        self.recipe: recipes.Recipe | None = None  # how ai-toolkit's quantization went
         self._own_to = vars(module).get("to")  # an instance ``to`` that was there before
         self._check = module.register_forward_pre_hook(self._refuse_trainable)
 
@@ -97,14 +98,15 @@ class MemoryManager:
             candidates = policy.select(module, options).streamed
             chosen = files.linear_only(module, _largest_first(candidates, offload_percent))
             handle, src = None, None
+            recipe = recipes.of(module)
             if chosen:
                 keep = {n for n, _ in candidates} - set(chosen)
                 client = weightstream.connect(settings.socket)
-                src, model_id, quantize = _from_files(client, module, chosen, settings, options)
-                try:
+
+                def attach_by(model_id, quantize, retention="connection", names=None):
                     with warnings.catch_warnings():
                         warnings.filterwarnings("ignore", "attach\\(model=", UserWarning)
-                        handle = wst.attach(
+                        return wst.attach(
                             module,
                             device,
                             dataclasses.replace(options, ignore=ignore | keep, quantize=quantize),
@@ -112,13 +114,32 @@ class MemoryManager:
                             staging_bytes=settings.staging_bytes,
                             client=client,
                             model=model_id,
-                            names=src.names if model_id is not None else None,
+                            retention=retention,
+                            names=names,
                         )
-                except BaseException:
-                    if model_id is not None:
-                        with contextlib.suppress(Exception):
-                            client.release_model(model_id)
-                    raise
+
+                stored = recipe and recipe.stored_model(client, module, chosen)
+                if stored:
+                    files.read(module, keep=set(chosen))  # the layers that do not stream
+                    try:
+                        handle = attach_by(stored, options.quantize)
+                    except Exception as e:
+                        if not recipe.attach_failed(client, module, e):
+                            raise
+                if handle is None:
+                    src, model_id, quantize = _from_files(client, module, chosen, settings, options)
+                    keeps = recipe is not None and recipes.directory() is not None
+                    try:
+                        names = src.names if model_id is not None else None
+                        retention = "cached" if keeps else "connection"
+                        handle = attach_by(model_id, quantize, retention, names)
+                    except BaseException:
+                        if model_id is not None:
+                            with contextlib.suppress(Exception):
+                                client.release_model(model_id)
+                        raise
+                    if keeps:
+                        recipe.keep(handle.model_id)
             else:
                 files.read(module)
                 nn.Module.to(module, device)
@@ -130,6 +151,7 @@ class MemoryManager:
                         p.requires_grad_(True)
         manager = cls(module, device, handle)
         manager.files = src
+        manager.recipe = recipe
         module._memory_manager = manager
         module.to = manager.memory_managed_to
         _ATTACHED.append(weakref.ref(manager))
@@ -154,7 +176,7 @@ class MemoryManager:
         manager._uninstall()
         if manager.handle is not None:
             trainable = {n for n, p in module.named_parameters() if p.requires_grad}
-            manager.handle.detach(release=release, device="cpu")
+            manager.handle.detach(release=release and manager._owns_model(), device="cpu")
             for n, p in module.named_parameters():
                 if n in trainable:
                     p.requires_grad_(True)
@@ -170,7 +192,7 @@ class MemoryManager:
         if manager is not None:
             manager._uninstall()
             if manager.handle is not None:
-                manager.handle.close(release=True)
+                manager.handle.close(release=manager._owns_model())
         nn.Module.to(module, "meta")  # placeholders become meta tensors too
         torch.cuda.empty_cache()
 
@@ -232,6 +254,12 @@ class MemoryManager:
                     "(model.requires_grad_(False)) to train a LoRA, or keep the layers you "
                     "train on the device (ignore_modules, or layer_offloading off)"
                 )
+
+    def _owns_model(self) -> bool:
+        """Whether this job's reference holds the daemon's model: not one it attached from a
+        stored recipe (it took none) or kept for later jobs (the cache's, not to give back)."""
+        r = self.recipe
+        return r is None or (r.model_id is None and r.stored is None)
 
     def _uninstall(self):
         _ATTACHED[:] = [ref for ref in _ATTACHED if ref() not in (None, self)]
