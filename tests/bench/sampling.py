@@ -36,8 +36,8 @@ GiB = 1 << 30
 RESULT = "RESULT "
 
 
-def timed_passes(model, inputs: dict, n: int, sync) -> list[float]:
-    """Seconds of each of ``n`` forward passes under ``no_grad`` (``sync()``: wait for the
+def timed(step, n: int, sync) -> list[float]:
+    """Seconds of each of ``n`` calls of ``step()`` under ``no_grad`` (``sync()``: wait for the
     device before and after each)."""
     import torch
 
@@ -46,10 +46,15 @@ def timed_passes(model, inputs: dict, n: int, sync) -> list[float]:
         for _ in range(n):
             sync()
             t = time.monotonic()
-            model(**inputs)
+            step()
             sync()
             times.append(time.monotonic() - t)
     return times
+
+
+def timed_passes(model, inputs: dict, n: int, sync) -> list[float]:
+    """Seconds of each of ``n`` forward passes of ``model(**inputs)`` (``timed``)."""
+    return timed(lambda: model(**inputs), n, sync)
 
 
 def kind_counts(stats: dict) -> dict:
