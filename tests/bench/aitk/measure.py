@@ -194,6 +194,7 @@ def run_one(
             "WS_AITK_STUB_DISTS": ",".join(STUB_DISTS),
             "WS_AITK_STUB_LOG": str(folder / "stubs.json"),
             "WS_AITK_STATS": str(folder / "torch_stats.json"),
+            "WS_AITK_SAMPLING": str(folder / "sampling.json"),
             "WS_AITK_PROBE": str(folder / "probe.json"),
             "WS_AITK_DETERMINISTIC": "1",
             "SEED": str(args.seed),
@@ -269,7 +270,7 @@ def run_one(
         result["daemon_rss_timeline"] = dsampler.timeline
     if cuda:
         result["nvidia_smi_peak_used"] = sampler.gpu_used
-    for name in ("torch_stats.json", "stubs.json", "probe.json"):
+    for name in ("torch_stats.json", "stubs.json", "probe.json", "sampling.json"):
         p = folder / name
         if p.exists():
             result[name.removesuffix(".json")] = json.loads(p.read_text())
