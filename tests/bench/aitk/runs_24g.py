@@ -101,6 +101,7 @@ def sample_yaml(every: int, steps: int, prompt: str, resolution: int, seed: int)
             "walk_seed: false",
             "guidance_scale: 4",
             f"sample_steps: {steps}",
+            'neg: ""',  # SampleConfig's default (False) is encoded as a prompt, and fails
             f"prompts: [{json.dumps(prompt)}]",
         )
     )

@@ -192,6 +192,7 @@ def test_sampling_turns_on_ai_toolkits_sample_section_at_step_0_too():
         "        walk_seed: false",
         "        guidance_scale: 4",
         "        sample_steps: 28",
+        '        neg: ""',
         '        prompts: ["a lighthouse"]',
     ]
 
