@@ -104,6 +104,15 @@ def main(argv=None) -> int:
         help="host runs: WEIGHTSTREAM_TRAINABLE_DELAY (HostAdamW's delayed update)",
     )
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument(
+        "--sample-every",
+        type=int,
+        default=0,
+        help="ai-toolkit's sample: section, rendering --sample-prompt at step 0, every N steps"
+        " and at the end, each denoising pass timed by the shim (0: no sampling)",
+    )
+    ap.add_argument("--sample-steps", type=int, default=28, help="denoising steps a sample")
+    ap.add_argument("--sample-prompt", default="a lighthouse at dusk, oil painting")
     ap.add_argument("--resolution", type=int, default=1024)
     ap.add_argument("--images", type=int, default=2)
     ap.add_argument("--seed", type=int, default=42)
@@ -242,6 +251,9 @@ def main(argv=None) -> int:
         "card_gib": args.card or None,
         "host_delay": args.host_delay == "true",
         "steps": args.steps,
+        "sample": {"every": args.sample_every, "steps": args.sample_steps}
+        if args.sample_every
+        else None,
         "resolution": args.resolution,
         "images": args.images,
         "runs": [{k: v for k, v in r.items() if k not in ("stubs", "probe")} for r in results],

@@ -22,6 +22,7 @@ tests.bench.sampling --child MODE`` and print one ``RESULT <json>`` line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,8 +37,8 @@ GiB = 1 << 30
 RESULT = "RESULT "
 
 
-def timed_passes(model, inputs: dict, n: int, sync) -> list[float]:
-    """Seconds of each of ``n`` forward passes under ``no_grad`` (``sync()``: wait for the
+def timed(step, n: int, sync) -> list[float]:
+    """Seconds of each of ``n`` calls of ``step()`` under ``no_grad`` (``sync()``: wait for the
     device before and after each)."""
     import torch
 
@@ -46,10 +47,15 @@ def timed_passes(model, inputs: dict, n: int, sync) -> list[float]:
         for _ in range(n):
             sync()
             t = time.monotonic()
-            model(**inputs)
+            step()
             sync()
             times.append(time.monotonic() - t)
     return times
+
+
+def timed_passes(model, inputs: dict, n: int, sync) -> list[float]:
+    """Seconds of each of ``n`` forward passes of ``model(**inputs)`` (``timed``)."""
+    return timed(lambda: model(**inputs), n, sync)
 
 
 def kind_counts(stats: dict) -> dict:
@@ -61,24 +67,30 @@ def difference(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def sampling_phase(model, inputs, n, handle, sync) -> dict:
-    """``n`` passes inside ``handle.sampling()``: times and the counters they moved."""
+def sampling_phase(model, inputs, n, handle, sync, around=contextlib.nullcontext) -> dict:
+    """``n`` passes inside ``around()`` and, within it, ``handle.sampling()``: times and the
+    counters they moved."""
     before = kind_counts(handle.stats())
-    with handle.sampling():
+    with around(), handle.sampling():
         times = timed_passes(model, inputs, n, sync)
+        streamed = streamed_bytes_per_pass(handle)  # at the sampling budget, where one is set
     return {
         "first_pass_s": times[0],
         "pass_s": times[1:],
         "median_s": statistics.median(times[1:]) if n > 1 else times[0],
         "counters": difference(kind_counts(handle.stats()), before),
+        "bytes_per_pass": streamed,
     }
 
 
-def weightstream_run(model, inputs, n, handle, train_step, sync) -> dict:
+def weightstream_run(
+    model, inputs, n, handle, train_step, sync, around=contextlib.nullcontext
+) -> dict:
     """Sampling before any training step, two training steps, sampling again, one more step:
     the phases' records, and the training steps' seconds (the second is the one just before
-    sampling, the third the one right after)."""
-    record = {"before": sampling_phase(model, inputs, n, handle, sync)}
+    sampling, the third the one right after). ``around``: what holds each sampling phase (the
+    trainer's share of the card while the session has grown)."""
+    record = {"before": sampling_phase(model, inputs, n, handle, sync, around)}
     steps = []
     for _ in range(2):
         sync()
@@ -87,7 +99,7 @@ def weightstream_run(model, inputs, n, handle, train_step, sync) -> dict:
         sync()
         steps.append(time.monotonic() - t)
     counts = kind_counts(handle.stats())
-    record["after"] = sampling_phase(model, inputs, n, handle, sync)
+    record["after"] = sampling_phase(model, inputs, n, handle, sync, around)
     sync()
     t = time.monotonic()
     train_step()
@@ -146,11 +158,25 @@ def child_weightstream(args) -> dict:
             quantize=args.quantize,
             sample_vram_budget=int(sample_budget * GiB) if sample_budget else None,
         )
-        if args.card_gib:
+        total = torch.cuda.get_device_properties(0).total_memory
+
+        def hold(session_gib):
+            """The trainer's allocator held to the card less the session's budget."""
             torch.cuda.empty_cache()
-            total = torch.cuda.get_device_properties(0).total_memory
-            cap = (args.card_gib - args.vram_budget_gib) * GiB
-            torch.cuda.set_per_process_memory_fraction(cap / total)
+            torch.cuda.set_per_process_memory_fraction((args.card_gib - session_gib) * GiB / total)
+
+        @contextlib.contextmanager
+        def card_while_sampling():
+            # The session grows into what training's activations and gradients would take: the
+            # trainer gives that up first, and has it back once the session has shrunk.
+            hold(sample_budget)
+            try:
+                yield
+            finally:
+                hold(args.vram_budget_gib)
+
+        if args.card_gib:
+            hold(args.vram_budget_gib)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=1e-4)
 
@@ -159,8 +185,15 @@ def child_weightstream(args) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        around = card_while_sampling if args.card_gib and sample_budget else None
         record = weightstream_run(
-            model, inputs, args.passes + 1, handle, train_step, torch.cuda.synchronize
+            model,
+            inputs,
+            args.passes + 1,
+            handle,
+            train_step,
+            torch.cuda.synchronize,
+            around or contextlib.nullcontext,
         )
         record["bytes_per_pass"] = streamed_bytes_per_pass(handle)
         # Not detach: it would give FLUX.2's weights back to the device, over the card.
@@ -209,8 +242,9 @@ def ratios(results: dict, link: int | None) -> dict:
         median = ws.get(phase, {}).get("median_s")
         if ref and median:
             out[f"{phase}_over_resident"] = median / ref
-            if link and ws.get("bytes_per_pass"):
-                bound = max(ref, ws["bytes_per_pass"] / link)
+            streamed = ws[phase].get("bytes_per_pass", ws.get("bytes_per_pass"))
+            if link and streamed:
+                bound = max(ref, streamed / link)
                 out[f"{phase}_over_bound"] = median / bound
     return out
 
@@ -221,6 +255,7 @@ def markdown(report: dict) -> str:
         "",
         f"- command: `{report['command']}`",
         f"- commit: {report['commit']}; device: {report['device']}",
+        f"- sampling budget: {report.get('sample_vram_budget_gib') or 'none'} (GiB)",
         "",
         "| mode | phase | first pass s | median pass s | ratio |",
         "|---|---|---|---|---|",
@@ -271,6 +306,7 @@ def parent(args) -> int:
         "command": command(),
         "commit": commit(),
         "device": device_name(),
+        "sample_vram_budget_gib": args.sample_vram_budget_gib or None,
         "results": results,
         "ratios": ratios(results, link),
     }

@@ -50,6 +50,23 @@ RSS_FIELDS = ("RssAnon", "RssFile", "RssShmem")
 TIMELINE_EVERY = 2.0
 
 
+def memory_kib(status: str, fields=RSS_FIELDS) -> dict:
+    """``fields`` of a process's /proc/PID/status text and the host's MemAvailable (from
+    /proc/meminfo, absent where it cannot be read), in KiB as /proc gives them."""
+    out = {}
+    for line in status.splitlines():
+        name, _, value = line.partition(":")
+        if name in fields:
+            out[name] = int(value.split()[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                out["MemAvailable"] = int(line.split()[1])
+    except OSError:
+        pass
+    return out
+
+
 class Sampler(threading.Thread):
     """Polls a process tree's VmHWM/RSS and, on CUDA, nvidia-smi's memory in use; every
     ``TIMELINE_EVERY`` s a point of ``timeline``: seconds since the start, the RSS_FIELDS and
@@ -65,18 +82,10 @@ class Sampler(threading.Thread):
         self.stop = threading.Event()
 
     def _point(self, status: str, t: float):
-        point = {"t": round(t, 1)}
-        for line in status.splitlines():
-            name, _, value = line.partition(":")
-            if name in RSS_FIELDS:
-                point[name] = round(int(value.split()[0]) / (1 << 20), 2)
-        try:
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    point["MemAvailable"] = round(int(line.split()[1]) / (1 << 20), 2)
-        except OSError:
-            pass
-        self.timeline.append(point)
+        kib = memory_kib(status)
+        self.timeline.append(
+            {"t": round(t, 1), **{k: round(v / (1 << 20), 2) for k, v in kib.items()}}
+        )
 
     def run(self):
         last_smi = 0.0
@@ -185,6 +194,7 @@ def run_one(
             "WS_AITK_STUB_DISTS": ",".join(STUB_DISTS),
             "WS_AITK_STUB_LOG": str(folder / "stubs.json"),
             "WS_AITK_STATS": str(folder / "torch_stats.json"),
+            "WS_AITK_SAMPLING": str(folder / "sampling.json"),
             "WS_AITK_PROBE": str(folder / "probe.json"),
             "WS_AITK_DETERMINISTIC": "1",
             "SEED": str(args.seed),
@@ -260,7 +270,7 @@ def run_one(
         result["daemon_rss_timeline"] = dsampler.timeline
     if cuda:
         result["nvidia_smi_peak_used"] = sampler.gpu_used
-    for name in ("torch_stats.json", "stubs.json", "probe.json"):
+    for name in ("torch_stats.json", "stubs.json", "probe.json", "sampling.json"):
         p = folder / name
         if p.exists():
             result[name.removesuffix(".json")] = json.loads(p.read_text())

@@ -88,6 +88,36 @@ def _model_lines(call: dict) -> list[str]:
     ]
 
 
+def _sampling_lines(call: dict) -> list[str]:
+    """Each run's ``sample`` calls (the shim times ai-toolkit's own): one row a call."""
+    rows = [
+        (r["label"], s)
+        for r in call["runs"]
+        for s in (r.get("summary") or {}).get("sampling") or []
+    ]
+    if not rows:
+        return []
+    sample = call.get("sample") or {}
+    lines = [
+        "",
+        f"Sampling (ai-toolkit's `sample:`, one prompt, {sample.get('steps', '?')} denoising"
+        f" steps at {call['resolution']} px, every {sample.get('every', '?')} steps): each"
+        " no_grad pass of the transformer, the device synchronised around it; the first pass"
+        " apart, the median of the others.",
+        "",
+        "| run | at step | training started | passes | first pass s | median pass s | sample s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, s in rows:
+        first, median = s["first_s"], s["median_s"]
+        lines.append(
+            f"| {label} | {s['step']} | {'yes' if s['after_training_started'] else 'no'} |"
+            f" {s['passes']} | {'-' if first is None else f'{first:.3f}'} |"
+            f" {'-' if median is None else f'{median:.3f}'} | {s['wall_s']:.2f} |"
+        )
+    return lines
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# ai-toolkit's 24 GB recipe on an emulated 24 GiB card: its MemoryManager and"
@@ -157,6 +187,7 @@ def markdown(report: dict) -> str:
             end = host_at_end(r)
             if end:
                 lines.append(f"- {r['label']}: {end}")
+        lines += _sampling_lines(call)
         lines += ["", "Losses (ai-toolkit's UILogger, the logged steps):", ""]
         lines += [f"- {r['label']}: {r.get('losses')}" for r in call["runs"] if r.get("losses")]
         lines += ["", "job.yaml (every run; rank and optimizer as the run says):", "", "```yaml"]

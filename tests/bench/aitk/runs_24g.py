@@ -87,8 +87,37 @@ def parse_runs(text: str, host_delay: bool = True) -> list[dict]:
     return runs
 
 
-def job_yaml(arch, device, steps, resolution, rank, optimizer, quantize, save_dtype) -> str:
+def sample_yaml(every: int, steps: int, prompt: str, resolution: int, seed: int) -> str:
+    """ai-toolkit's ``sample:`` section (SampleConfig): one prompt at the job's resolution,
+    ``steps`` denoising steps, rendered at step 0, every ``every`` steps and at the end."""
+    return "".join(
+        f"        {line}\n"
+        for line in (
+            "sampler: flowmatch",
+            f"sample_every: {every}",
+            f"width: {resolution}",
+            f"height: {resolution}",
+            f"seed: {seed}",
+            "walk_seed: false",
+            "guidance_scale: 4",
+            f"sample_steps: {steps}",
+            'neg: ""',  # SampleConfig's default (False) is encoded as a prompt, and fails
+            f"prompts: [{json.dumps(prompt)}]",
+        )
+    )
+
+
+def job_yaml(
+    arch, device, steps, resolution, rank, optimizer, quantize, save_dtype, sample=None
+) -> str:
+    """The template filled in; ``sample``: ``sample_yaml``'s text, sampling turned on (at step
+    0 too: ``skip_first_sample: false``)."""
     text = TEMPLATE.read_text()
+    if sample:
+        for key in ("disable_sampling", "skip_first_sample"):
+            assert f"{key}: true" in text, f"the template no longer sets {key}"
+            text = text.replace(f"{key}: true", f"{key}: false")
+        text = text.replace("      model:\n", "      sample:\n" + sample + "      model:\n", 1)
     text = text.replace("save: {dtype: float32,", f"save: {{dtype: {save_dtype},")
     for key, value in {
         "@DEVICE@": device,
@@ -141,6 +170,11 @@ def run_spec(run: dict, common: dict, args, cuda: bool) -> dict:
         args.optimizer or ("adamw8bit" if cuda else "adamw"),
         not args.no_quantize and run["mode"] != "resident16",
         args.save_dtype,
+        sample_yaml(
+            args.sample_every, args.sample_steps, args.sample_prompt, common["resolution"], 42
+        )
+        if args.sample_every
+        else None,
     )
     spec["result"] = str(Path(common["work"]) / f"{name}.result.json")
     return spec
@@ -257,6 +291,7 @@ def summarize(result: dict) -> dict:
         "host_daemon_peak": result.get("daemon_peak_rss"),
         "launcher_loading": loading,
         "trainable_host": result.get("trainable_host"),
+        "sampling": sampling_summary(result),
     }
     tail = result.get("log_tail") or ""
     for line in tail.splitlines():
@@ -265,6 +300,26 @@ def summarize(result: dict) -> dict:
     card_oom = ((result.get("card") or {}).get("oom") or {}).get("lines")
     if card_oom and "oom" not in out:
         out["oom"] = str(card_oom[-1])[:400]
+    return out
+
+
+def sampling_summary(result: dict) -> list[dict]:
+    """Each ``sample`` call of the run (the shim's ``WS_AITK_SAMPLING``): the step it came at,
+    whether training had started, the transformer's no_grad passes (one a denoising step),
+    the first pass's seconds and the median of the others, the call's seconds."""
+    out = []
+    for s in (result.get("sampling") or {}).get("samples", []):
+        passes = s["forward_s"]
+        out.append(
+            {
+                "step": s["step"],
+                "after_training_started": s["after_training_started"],
+                "passes": len(passes),
+                "first_s": passes[0] if passes else None,
+                "median_s": statistics.median(passes[1:]) if len(passes) > 1 else None,
+                "wall_s": s["wall_s"],
+            }
+        )
     return out
 
 

@@ -340,16 +340,18 @@ def _patch_klein(module):
 
 class _PatchFinder(importlib.abc.MetaPathFinder):
     """Finds module `name` with the finders after it, then runs `patch` on the module once it
-    has executed."""
+    has executed. Only those after it: a finder before it that delegates the same way
+    (weightstream-aitk's launcher hooks the trainer's module too) has asked it, and asking that
+    one back would never end."""
 
     def __init__(self, name, patch):
         self.name, self.patch = name, patch
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name:
+        if fullname != self.name or self not in sys.meta_path:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+        for finder in sys.meta_path[sys.meta_path.index(self) + 1 :]:
+            if not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -402,6 +404,70 @@ def _mark_training(module):
 
 if os.environ.get("WS_PHASE_FILE") or os.environ.get("WS_AITK_STATS"):
     sys.meta_path.insert(0, _PatchFinder("toolkit.timer", _mark_training))
+
+
+# WS_AITK_SAMPLING: ai-toolkit's sampling timed from its own run. `BaseSDTrainProcess.sample`
+# (jobs/process/BaseSDTrainProcess.py) renders the `sample:` prompts at step 0 (unless
+# `skip_first_sample`), every `sample_every` steps and at the end; while it runs, each forward
+# pass of the model's transformer (`self.sd.unet`, under no_grad: one a denoising step for a
+# guidance-distilled model such as FLUX.2-dev) is timed, the device synchronised before and
+# after. One record a `sample` call: the step, whether training had started (the shim's
+# train_loop mark), its seconds and each pass's, written at exit.
+_SAMPLES: list = []
+
+
+def _time_sampling(module):
+    import time
+
+    cls = module.BaseSDTrainProcess
+    sample = cls.sample
+
+    def timed_sample(self, *args, **kwargs):
+        torch = sys.modules["torch"]
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        record = {
+            "step": args[0] if args else kwargs.get("step"),
+            "after_training_started": bool(_MM.get("training_marked")),
+            "forward_s": [],
+        }
+        started = []
+
+        def pre(_module, _args):
+            if not torch.is_grad_enabled():
+                sync()
+                started.append(time.monotonic())
+
+        def post(_module, _args, _out):
+            if started:
+                sync()
+                record["forward_s"].append(time.monotonic() - started.pop())
+
+        transformer = self.sd.unet
+        hooks = [
+            transformer.register_forward_pre_hook(pre),
+            transformer.register_forward_hook(post),
+        ]
+        t0 = time.monotonic()
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            record["wall_s"] = time.monotonic() - t0
+            for hook in hooks:
+                hook.remove()
+            _SAMPLES.append(record)
+
+    cls.sample = timed_sample
+
+
+def _dump_samples():
+    with open(os.environ["WS_AITK_SAMPLING"], "w") as f:
+        json.dump({"samples": _SAMPLES}, f)
+
+
+if os.environ.get("WS_AITK_SAMPLING"):
+    sys.meta_path.insert(0, _PatchFinder("jobs.process.BaseSDTrainProcess", _time_sampling))
+    atexit.register(_dump_samples)
 
 
 # WS_AITK_PROBE: where two runs part. Every nn.Linear call (in call order, the first

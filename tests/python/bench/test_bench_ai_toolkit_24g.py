@@ -166,8 +166,82 @@ def _spec_inputs():
         card=24,
         card_cmd=runs_24g.CARD_CMD,
         save_dtype="float32",
+        sample_every=0,
+        sample_steps=28,
+        sample_prompt="a lighthouse",
     )
     return common, args
+
+
+def test_sampling_turns_on_ai_toolkits_sample_section_at_step_0_too():
+    common, args = _spec_inputs()
+    (run,) = runs_24g.parse_runs("aitk:r32")
+    plain = runs_24g.run_spec(run, common, args, cuda=True)["yaml"]
+    assert "disable_sampling: true" in plain and "      sample:" not in plain
+    args.sample_every = 3
+    text = runs_24g.run_spec(run, common, args, cuda=True)["yaml"]
+    assert "disable_sampling: false" in text and "skip_first_sample: false" in text
+    section = text[text.index("      sample:\n") : text.index("      model:\n")]
+    assert section.splitlines() == [
+        "      sample:",
+        "        sampler: flowmatch",
+        "        sample_every: 3",
+        "        width: 1024",
+        "        height: 1024",
+        "        seed: 42",
+        "        walk_seed: false",
+        "        guidance_scale: 4",
+        "        sample_steps: 28",
+        '        neg: ""',
+        '        prompts: ["a lighthouse"]',
+    ]
+
+
+def test_a_runs_sampling_is_each_sample_calls_passes():
+    sampling = {
+        "samples": [
+            {
+                "step": 0,
+                "after_training_started": False,
+                "forward_s": [3.0, 1.0, 2.0, 1.5],
+                "wall_s": 9.0,
+            },
+            {"step": 4, "after_training_started": True, "forward_s": [1.2], "wall_s": 2.0},
+        ]
+    }
+    got = runs_24g.summarize({"sampling": sampling})["sampling"]
+    assert got == [
+        {
+            "step": 0,
+            "after_training_started": False,
+            "passes": 4,
+            "first_s": 3.0,
+            "median_s": 1.5,
+            "wall_s": 9.0,
+        },
+        {
+            "step": 4,
+            "after_training_started": True,
+            "passes": 1,
+            "first_s": 1.2,
+            "median_s": None,
+            "wall_s": 2.0,
+        },
+    ]
+    call = {
+        "resolution": 64,
+        "sample": {"every": 2, "steps": 4},
+        "runs": [
+            {"label": "aitk r4", "summary": {"sampling": got}},
+            {"label": "ws", "summary": {}},
+        ],
+    }
+    lines = report_24g._sampling_lines(call)
+    assert lines[-2:] == [
+        "| aitk r4 | 0 | no | 4 | 3.000 | 1.500 | 9.00 |",
+        "| aitk r4 | 4 | yes | 1 | 1.200 | - | 2.00 |",
+    ]
+    assert report_24g._sampling_lines({"runs": [{"label": "ws", "summary": {}}]}) == []
 
 
 def test_a_host_run_is_a_weightstream_run_with_the_lora_in_host_memory():

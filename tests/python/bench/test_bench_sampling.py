@@ -5,12 +5,13 @@ The counts are exact; the times are only checked to be there."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import torch
 
 from tests.bench import sampling
-from tests.python.torch.test_sampling import X, make_pair
+from tests.python.torch.test_sampling import BLOCK_BYTES, X, make_pair
 
 
 def test_the_phases_count_each_kind_of_pass(daemon):
@@ -36,6 +37,28 @@ def test_the_phases_count_each_kind_of_pass(daemon):
     assert (step["train_acquires"], step["train_hits"]) == (15, 15)
     assert len(record["train_step_s"]) == 3 and len(record["before"]["pass_s"]) == 4
     assert sampling.streamed_bytes_per_pass(handle) == 8 * 132352
+    handle.detach(release=True)
+
+
+def test_a_sampling_budget_phase_is_held_by_around_and_streams_less(daemon):
+    """With ``sample_vram_budget`` the phase runs inside ``around`` (the GPU child gives the
+    trainer's share of the card up there) and records the bytes a pass streams at the
+    sampling budget: 3 of the 8 blocks (staging), the other 5 resident."""
+    _, model, handle = make_pair(daemon, sample_vram_budget=f"{8 * BLOCK_BYTES}")
+    forward = model.forward
+    model.forward = lambda x=X: forward(x)
+    held = []
+
+    @contextlib.contextmanager
+    def around():
+        held.append(("enter", handle.vram_budget))
+        yield
+        held.append(("exit", handle.vram_budget))
+
+    phase = sampling.sampling_phase(model, {}, 3, handle, lambda: None, around)
+    assert held == [("enter", 3 * BLOCK_BYTES), ("exit", 3 * BLOCK_BYTES)]
+    assert phase["bytes_per_pass"] == 3 * 132352
+    assert sampling.streamed_bytes_per_pass(handle) == 8 * 132352  # given back after
     handle.detach(release=True)
 
 
