@@ -5,9 +5,9 @@ against the daemon's host backend: ai-toolkit's qtypes the daemon does not make,
 The loader is ``test_ai_toolkit_files``'s FLUX.2 re-enactment. ``toolkit.util.quantize`` is a
 stand-in of ai-toolkit 27a03a91's ``quantize_model``: without an accuracy recovery adapter it
 moves each block (cast to the train dtype) and quantizes its Linears, then the extras; with one,
-it quantizes the layers the adapter's file names with the qtype, wraps each in the adapter
-(``aitk_layouts.Ara``, after quantizing: the order ``test_packed`` streams), and the rest with
-``uint8`` (a no-op in ai-toolkit). ``toolkit.util.ostris_quant`` holds
+it wraps each layer the adapter's file names in the adapter (``aitk_layouts.Ara``), then
+quantizes it with the qtype (ai-toolkit's order: the adapter runs ``nn.Linear.forward`` on the
+dequantized weight), and the rest with ``uint8`` (a no-op in ai-toolkit). ``toolkit.util.ostris_quant`` holds
 ``convert_linear_to_ostris`` over ``aitk_layouts``' stand-in quantizers (which, like
 ai-toolkit's, run on ``meta``), recording each quantization's device.
 """
@@ -90,8 +90,8 @@ def quantize_model(base_model, model_to_quantize):
             layer.to(base_model.torch_dtype)
             for p in layer.parameters():
                 p.requires_grad = False
-            quantize(layer, weights=config.qtype)
             ara = aitk.Ara(layer, rank=lora[name + ".lora_down.weight"].shape[0])
+            quantize(layer, weights=config.qtype)
             ara.lora_down.weight.data = lora[name + ".lora_down.weight"]
             ara.lora_up.weight.data = lora[name + ".lora_up.weight"]
             base_model.accuracy_recovery_adapter.append(ara)

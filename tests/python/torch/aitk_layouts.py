@@ -3,8 +3,9 @@ its accuracy recovery adapter, written for these tests from the layouts that
 ``weightstream.torch.packed`` documents. They are not ai-toolkit's code and do not claim its
 numerics: they hold the same buffers (names, dtypes, shapes) and compute through the same
 entry points (the class forward calls ``module.ostris_quantizer.forward(module, x)``, which
-reads the buffers and the bias off the module; the ARA wraps the layer's forward as
-``org_forward``), which is all the streaming mechanism relies on.
+reads the buffers and the bias off the module; the ``weight`` property dequantizes them; the
+ARA wraps the layer's forward as ``org_forward``), which is all the streaming mechanism relies
+on. ``tests/bench/aitk_packed_real.py`` checks the same forms against ai-toolkit's own code.
 
 ``OstrisLinear`` reports ai-toolkit's module and name (``toolkit.util.ostris_quant``) because
 weightstream recognises ai-toolkit's layers by them, without importing ai-toolkit.
@@ -23,6 +24,13 @@ class OstrisLinear(nn.Linear):
     def forward(self, x):
         return self.ostris_quantizer.forward(self, x)
 
+    @property
+    def weight(self):
+        # ai-toolkit's: the dequantized weight, read by code that inspects a layer's weight
+        # (its LoRA network's create_modules) and by an ARA's org_forward (nn.Linear.forward).
+        with torch.no_grad():
+            return self.ostris_quantizer.dequantize(self).to(self.ostris_orig_dtype)
+
 
 OstrisLinear.__module__ = "toolkit.util.ostris_quant"
 
@@ -38,6 +46,15 @@ def convert(layer: nn.Linear, quantizer) -> OstrisLinear:
         layer.bias.requires_grad_(False)
     layer.__class__ = OstrisLinear
     return layer
+
+
+def rot_size(inputs: int) -> int:
+    """The rotation's block size, ai-toolkit's rule: the largest power of 4 that divides the
+    layer's inputs, at most 256."""
+    size = 1
+    while size < 256 and inputs % (size * 4) == 0:
+        size *= 4
+    return size
 
 
 def _pack_bits(codes: torch.Tensor, nbits: int) -> torch.Tensor:
@@ -90,12 +107,15 @@ class UIntX:
         m.register_buffer("uintx_scale", scale.contiguous().view(torch.uint8), persistent=False)
         m.register_buffer("uintx_zero_point", zp.to(torch.uint8), persistent=False)
 
-    def forward(self, m, x):
+    def dequantize(self, m):
         out, inputs, dtype = m.out_features, m.in_features, m.ostris_orig_dtype
+        q = _unpack_bits(m.uintx_packed, self.nbits, out * inputs)
+        w = q.view(out, inputs // 64, 64).to(dtype) - m.uintx_zero_point.to(dtype)[..., None]
+        return (w * m.uintx_scale.view(dtype)[..., None]).view(out, inputs)
+
+    def forward(self, m, x):
         with torch.no_grad():
-            q = _unpack_bits(m.uintx_packed, self.nbits, out * inputs)
-            w = q.view(out, inputs // 64, 64).to(dtype) - m.uintx_zero_point.to(dtype)[..., None]
-            w = (w * m.uintx_scale.view(dtype)[..., None]).view(out, inputs).to(x.dtype)
+            w = self.dequantize(m).to(x.dtype)
         return F.linear(x, w, m.bias)
 
 
@@ -157,7 +177,7 @@ class ConvRot8:
     qtype = "convrot8"
 
     def quantize(self, m, w):
-        rot = min(64, m.in_features)
+        rot = rot_size(m.in_features)
         wr = rotate(w.float(), rot)
         scale = (wr.abs().amax(1) / 127).clamp(min=1e-12)
         q = (wr / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
@@ -184,7 +204,10 @@ def rotate(x: torch.Tensor, rot: int) -> torch.Tensor:
 
 class Ara(nn.Module):
     """An accuracy recovery adapter: a LoRA whose forward wraps the layer's (``org_forward``),
-    marked on the layer as ``ara_lora_ref``."""
+    marked on the layer as ``ara_lora_ref``. ai-toolkit applies it to the Linear before
+    quantizing (``quantize_model``), so its ``org_forward`` stays ``nn.Linear.forward``, which
+    reads the quantized layer's dequantizing ``weight`` property (``ara_first``); applied after
+    ``convert`` it wraps the quantizer's forward."""
 
     def __init__(self, layer: nn.Module, rank: int = 4, scale: float = 0.5):
         super().__init__()
@@ -201,6 +224,15 @@ class Ara(nn.Module):
         return self.org_forward(x) + self.lora_up(self.lora_down(x)) * self.scale
 
 
+def ara_first(layer: nn.Linear, quantizer, rank: int = 4) -> Ara:
+    """ai-toolkit's order with an accuracy recovery adapter (``quantize_model``): the ARA wraps
+    the Linear, then the layer is quantized, so the ARA runs ``nn.Linear.forward`` on the
+    dequantized ``weight``, not the quantizer's forward."""
+    ara = Ara(layer, rank)
+    convert(layer, quantizer)
+    return ara
+
+
 class ConvRot4(Nvfp4):
     """``Nvfp4``'s codes and scales of the rotated weight (``cr_`` buffers, no input scales),
     the scales also padded to 128 x 4 tiles (``cr_scales_blocked``, here in row order: only
@@ -209,7 +241,7 @@ class ConvRot4(Nvfp4):
     qtype = "convrot4"
 
     def quantize(self, m, w):
-        rot = min(64, m.in_features)
+        rot = rot_size(m.in_features)
         super().quantize(m, rotate(w.float(), rot))
         for old, new in (("nv4_qdata", "cr_qdata"), ("nv4_scales", "cr_scales")):
             m.register_buffer(new, m._buffers.pop(old), persistent=False)
@@ -251,7 +283,7 @@ class ConvRotIntN:
         self.bits, self.qtype = bits, f"convrotint{bits}"
 
     def quantize(self, m, w):
-        rot, bits, qmax = min(64, m.in_features), self.bits, (1 << (self.bits - 1)) - 1
+        rot, bits, qmax = rot_size(m.in_features), self.bits, (1 << (self.bits - 1)) - 1
         wr = rotate(w.float(), rot)
         out, inputs = wr.shape
         scale = (wr.abs().amax(1) / qmax).clamp(min=1e-12)

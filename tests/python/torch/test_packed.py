@@ -23,7 +23,7 @@ from torchao.quantization import IntxWeightOnlyConfig, to_nf4
 from torchao.quantization.granularity import PerGroup
 from torchao.quantization.quant_api import quantize_
 from weightstream import _dtypes
-from weightstream.torch import packed, policy
+from weightstream.torch import packed, placeholder, policy
 
 from tests.python.ai_toolkit.test_ai_toolkit import toolkit  # noqa: F401 - a fixture
 from tests.python.torch import aitk_layouts as aitk
@@ -61,17 +61,21 @@ def torchao_model(form: str, dtype):
     return model, []
 
 
-def aitk_model(qtype: str, dtype):
+def aitk_model(qtype: str, dtype, ara_first: bool = False):
     """``test_torch``'s model without peft: its blocks' Linears are ai-toolkit's OstrisLinear of
-    ``qtype``, each with a trainable ARA (kept outside the model, as ai-toolkit's network is)."""
+    ``qtype``, each with a trainable ARA (kept outside the model, as ai-toolkit's network is),
+    applied after quantizing or, ``ara_first``, before (ai-toolkit's ``quantize_model``)."""
     model = make_model(dtype)
     model = _unwrap_peft(model)
     aras = []
     torch.manual_seed(3)
     for n, m in list(model.named_modules()):
         if n.split(".")[-1] in BASE:
-            aitk.convert(m, QUANTIZERS[qtype]())
-            aras.append(aitk.Ara(m).to(dtype))
+            if ara_first:
+                aras.append(aitk.ara_first(m, QUANTIZERS[qtype]()).to(dtype))
+            else:
+                aitk.convert(m, QUANTIZERS[qtype]())
+                aras.append(aitk.Ara(m).to(dtype))
     return model, aras
 
 
@@ -222,6 +226,29 @@ def test_attach_equals_the_same_packed_layers_in_place(
         for k, t in tensors.items():
             assert torch.equal(as_bytes(back[k]), as_bytes(t)), (name, k)
     assert daemon.client.list_models().models == []
+
+
+@pytest.mark.parametrize("qtype", ["uint4", "uint3"])
+def test_an_ara_applied_before_quantizing_runs_as_ai_toolkit_runs_it(daemon, qtype):
+    """ai-toolkit applies an accuracy recovery adapter to the Linear, then quantizes the layer
+    (``quantize_model``): the ARA's ``org_forward`` stays ``nn.Linear.forward``, which reads the
+    dequantizing ``weight`` property, not the quantizer's forward. The streamed layer runs that
+    same function on its streamed buffers: losses and gradients equal the layers in place. Once
+    attached, the property gives a placeholder of the weight (ai-toolkit's LoRA network reads
+    every layer's ``weight`` when it is made, after the loader attached the model); detached,
+    the dequantized weight again."""
+    dtype = torch.bfloat16
+    (ref, ref_aras), (streamed, aras) = (aitk_model(qtype, dtype, ara_first=True) for _ in "ab")
+    layers = packed_layers(streamed)
+    name, layer = next(iter(layers.items()))
+    before = layer.weight
+    handle = attach_packed(daemon, streamed, layers, "layer", "streamed")
+    w = layer.weight
+    assert placeholder.is_placeholder(w) and not isinstance(w, nn.Parameter)
+    assert (w.shape, w.dtype, w.streamed_name) == (before.shape, dtype, f"{name}.weight")
+    assert_equal_runs(train_run(ref, ref_aras, dtype), train_run(streamed, aras, dtype))
+    handle.detach(release=True)
+    assert torch.equal(layer.weight, before)
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -31,7 +31,7 @@ from weightstream.torch import (
 from weightstream.torch import options as options_module
 from weightstream.torch.budget import AutoBudget
 from weightstream.torch.handle import Handle, StreamedLayer
-from weightstream.torch.hooks import HookRegistry
+from weightstream.torch.hooks import HookRegistry, own_function
 from weightstream.torch.host import HostPlan, TrainableError
 from weightstream.torch.host.sizing import check_master, check_optimizer
 from weightstream.torch.options import StreamOptions
@@ -168,6 +168,9 @@ def attach(
     packs = {
         name: packed.Packed.of(m) for name, m in selection.streamed if packed.form_of(m) is not None
     }
+    for name, m in selection.streamed:  # what the layer runs in place (an ARA's: nn.Linear's)
+        if name in packs:
+            packs[name].forward = own_function(m, name)
     # torchao's weights stream in their own format (read before any weight is freed).
     rebuilds = {
         name: torchao_weights.Rebuild.of(m.weight)

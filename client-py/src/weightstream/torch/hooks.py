@@ -74,12 +74,24 @@ def _is_innermost(value, module) -> bool:
     if value is _ABSENT or _is_ours(value, module):
         return True
     # The class's forward captured as a bound method (ai-toolkit's org_forward, accelerate's
-    # _old_forward, or an instance attribute someone restored).
+    # _old_forward, or an instance attribute someone restored), or a base class's captured
+    # before a class swap: ai-toolkit's accuracy recovery adapter wraps a Linear, then its
+    # quantizer makes the layer an OstrisLinear, and the adapter's org_forward stays
+    # nn.Linear.forward (``own_function`` runs it).
     return (
         inspect.ismethod(value)
         and value.__self__ is module
-        and value.__func__ is type(module).forward
+        and any(value.__func__ is vars(c).get("forward") for c in type(module).__mro__)
     )
+
+
+def own_function(module: nn.Module, name: str) -> Callable:
+    """The function the layer's forward chain ends in, to be called as ``f(module, x)``: a
+    captured forward's (a base class's, after a class swap), else the class's."""
+    value = innermost(module, name)[2]
+    if inspect.ismethod(value) and value.__self__ is module:
+        return value.__func__
+    return type(module).forward
 
 
 def _refers_to(value, module) -> bool:
@@ -119,7 +131,7 @@ def _describe(value) -> str:
     if isinstance(value, functools.partial):
         return f"functools.partial({_describe(value.func)}, ...)"
     if inspect.ismethod(value):
-        return f"{type(value.__self__).__qualname__}.{value.__func__.__name__}"
+        return value.__func__.__qualname__
     return getattr(value, "__qualname__", type(value).__qualname__)
 
 

@@ -284,6 +284,9 @@ class Packed:
     rebuild: tuple | None = None
     #: The placeholders the module holds between calls (name -> tensor).
     held: dict = field(default_factory=dict)
+    #: The function ``State.run`` calls on the module: the one its forward chain ends in
+    #: (``hooks.own_function``; an ARA's ``nn.Linear.forward``), else its class's forward.
+    forward: object = None
 
     @classmethod
     def of(cls, m: nn.Module) -> Packed:
@@ -353,6 +356,7 @@ class Packed:
             return [f"{name}.weight"]
         if self.form.kind == QUANT_STATE:
             return self._free_quant_state(name, m, device)
+        _guard_weight(type(m))
         freed = []
         for n in self.names:
             b = m._buffers[n]
@@ -406,6 +410,34 @@ class Packed:
             for n, t in copies.items():
                 m._buffers[n] = t
         self.held = {}
+
+
+def _guard_weight(cls: type):
+    """ai-toolkit's ``OstrisLinear.weight`` is a property that dequantizes the layer's buffers,
+    and ai-toolkit reads it off every layer when it makes its LoRA network (``create_modules``:
+    ``isinstance(weight, nn.Parameter)``), after the loader attached the model. While the
+    buffers are weightstream's placeholders there is nothing to dequantize: the property then
+    gives a placeholder of the weight's shape and dtype (no ``Parameter``, as ai-toolkit's
+    dequantized tensor is not); otherwise, and during ``State.run``, it is ai-toolkit's. The
+    class that defines the property gets the guard once."""
+    owner = next((c for c in cls.__mro__ if isinstance(vars(c).get("weight"), property)), None)
+    if owner is None:
+        return
+    prop = vars(owner)["weight"]
+    if getattr(prop.fget, "weightstream_guard", False):
+        return
+    dequantized = prop.fget
+
+    def weight(m):
+        held = next((b for b in m._buffers.values() if placeholder.is_placeholder(b)), None)
+        if held is None:
+            return dequantized(m)
+        name = held.streamed_name.rpartition(".")[0] + ".weight"
+        shape = (m.out_features, m.in_features)
+        return placeholder.Placeholder.make(shape, m.ostris_orig_dtype, held.device, name)
+
+    weight.weightstream_guard = True
+    owner.weight = property(weight, prop.fset, prop.fdel, prop.__doc__)
 
 
 def _on_device(value, device: torch.device):
@@ -481,7 +513,7 @@ class State:
         if p.has_bias:
             params["bias"] = bias
         try:
-            return type(module).forward(module, x)
+            return (p.forward or type(module).forward)(module, x)
         finally:
             swap.update(saved)
             if p.has_bias:
