@@ -13,7 +13,10 @@ optionally at a sampling budget; in the same call:
 Recorded per phase (``before``, ``after``): each pass's seconds (the first apart), their
 median over the resident median, the passes' streamed bytes over the link
 (``bytes_per_pass / link``: the bound a streamed step cannot beat), the client's counters per
-kind (``sample_*``, ``train_*`` of ``Handle.stats()``), and the training step just before and
+kind (``sample_*``, ``train_*`` of ``Handle.stats()``), what the daemon's copy thread did over
+the passes after the first (its device metrics, scraped: GB/s, the share of the time it was
+throttled by the link cap and its copy engine busy; the rest is time it had no copy ready,
+which is where a pass over the link bound loses it), and the training step just before and
 right after sampling. Results: $OUT/sampling.json and sampling.md, with the command, the
 commit ($WS_COMMIT, else git's) and the device. Children run as ``python3 -m
 tests.bench.sampling --child MODE`` and print one ``RESULT <json>`` line.
@@ -32,6 +35,7 @@ import time
 from pathlib import Path
 
 from tests.bench.provenance import command, commit
+from tests.gpu.link_cap import free_port, scrape
 
 GiB = 1 << 30
 RESULT = "RESULT "
@@ -67,30 +71,56 @@ def difference(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in after}
 
 
-def sampling_phase(model, inputs, n, handle, sync, around=contextlib.nullcontext) -> dict:
+def link_use(moved: dict, seconds: float) -> dict:
+    """What the daemon's copy thread did over ``seconds`` of passes (``moved``: its device
+    metrics' differences): the bytes and rate, and the shares of the time it waited for the
+    link cap (throttled: a copy was ready) and its copy engine copied; what neither covers is
+    time the link had nothing ready to copy (waiting for space, events or acquires)."""
+    get = lambda name: moved[f"weightstream_device_{name}_total"]  # noqa: E731
+    return {
+        "seconds": seconds,
+        "streamed_bytes": get("streamed_bytes"),
+        "gb_per_s": get("streamed_bytes") / seconds / 1e9,
+        "throttled_share": get("copy_throttled_seconds") / seconds,
+        "busy_share": get("copy_busy_seconds") / seconds,
+        "copies": get("copies"),
+    }
+
+
+def sampling_phase(
+    model, inputs, n, handle, sync, around=contextlib.nullcontext, device=None
+) -> dict:
     """``n`` passes inside ``around()`` and, within it, ``handle.sampling()``: times and the
-    counters they moved."""
+    counters they moved; with ``device`` (the daemon's device metrics, by name), what the copy
+    thread did over the passes after the first (``link_use``)."""
     before = kind_counts(handle.stats())
     with around(), handle.sampling():
-        times = timed_passes(model, inputs, n, sync)
+        times = timed_passes(model, inputs, 1, sync)
+        start, metrics = time.monotonic(), device() if device else None
+        times += timed_passes(model, inputs, n - 1, sync)
+        seconds = time.monotonic() - start
+        moved = difference(device(), metrics) if device else None
         streamed = streamed_bytes_per_pass(handle)  # at the sampling budget, where one is set
-    return {
+    record = {
         "first_pass_s": times[0],
         "pass_s": times[1:],
         "median_s": statistics.median(times[1:]) if n > 1 else times[0],
         "counters": difference(kind_counts(handle.stats()), before),
         "bytes_per_pass": streamed,
     }
+    if moved is not None and n > 1:
+        record["link"] = link_use(moved, seconds)
+    return record
 
 
 def weightstream_run(
-    model, inputs, n, handle, train_step, sync, around=contextlib.nullcontext
+    model, inputs, n, handle, train_step, sync, around=contextlib.nullcontext, device=None
 ) -> dict:
     """Sampling before any training step, two training steps, sampling again, one more step:
     the phases' records, and the training steps' seconds (the second is the one just before
     sampling, the third the one right after). ``around``: what holds each sampling phase (the
     trainer's share of the card while the session has grown)."""
-    record = {"before": sampling_phase(model, inputs, n, handle, sync, around)}
+    record = {"before": sampling_phase(model, inputs, n, handle, sync, around, device)}
     steps = []
     for _ in range(2):
         sync()
@@ -99,7 +129,7 @@ def weightstream_run(
         sync()
         steps.append(time.monotonic() - t)
     counts = kind_counts(handle.stats())
-    record["after"] = sampling_phase(model, inputs, n, handle, sync, around)
+    record["after"] = sampling_phase(model, inputs, n, handle, sync, around, device)
     sync()
     t = time.monotonic()
     train_step()
@@ -146,7 +176,9 @@ def child_weightstream(args) -> dict:
 
     flux, inputs = _cuda_inputs()
     link = ["--copy-bandwidth-limit", args.link] if args.link else []
-    daemon = Daemon(Path(args.out), *link, binary=args.bin, backend="cuda")
+    port = free_port()
+    metrics = ["--metrics-listen", f"127.0.0.1:{port}"]
+    daemon = Daemon(Path(args.out), *link, *metrics, binary=args.bin, backend="cuda")
     try:
         model = flux.add_lora(flux.build_for_attach())
         sample_budget = args.sample_vram_budget_gib
@@ -194,6 +226,7 @@ def child_weightstream(args) -> dict:
             train_step,
             torch.cuda.synchronize,
             around or contextlib.nullcontext,
+            lambda: scrape(f"http://127.0.0.1:{port}/metrics"),
         )
         record["bytes_per_pass"] = streamed_bytes_per_pass(handle)
         # Not detach: it would give FLUX.2's weights back to the device, over the card.
@@ -274,6 +307,19 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| weightstream | {phase} training | {p['first_pass_s']:.3f} | "
                 f"{p['median_s']:.3f} | {shown} |"
+            )
+    links = [
+        (ph, res.get("weightstream", {}).get(ph, {}).get("link")) for ph in ("before", "after")
+    ]
+    if any(link for _, link in links):
+        lines.append("")
+    for phase, link in links:
+        if link:
+            lines.append(
+                f"- {phase} training, the passes after the first: the daemon copied "
+                f"{link['gb_per_s']:.2f} GB/s, its copy thread throttled by the link cap "
+                f"{100 * link['throttled_share']:.1f} % of the time, the copy engine busy "
+                f"{100 * link['busy_share']:.1f} %"
             )
     steps = res.get("weightstream", {}).get("train_step_s")
     if steps:

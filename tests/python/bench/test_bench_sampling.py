@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import torch
 
 from tests.bench import sampling
+from tests.daemon import Daemon
+from tests.gpu.link_cap import free_port, scrape
 from tests.python.torch.test_sampling import BLOCK_BYTES, X, make_pair
 
 
@@ -40,6 +42,35 @@ def test_the_phases_count_each_kind_of_pass(daemon):
     handle.detach(release=True)
 
 
+def test_a_phase_records_what_the_copy_thread_did_from_the_daemons_metrics(tmp_path):
+    """With the daemon's metrics (as the GPU child scrapes them), a phase records what its copy
+    thread did over the passes after the first: the bytes it copied (whole blocks, within one
+    block of what the session's stats count over the same passes: prefetches run on between
+    the two reads), and their rate; no cap, no throttling."""
+    port = free_port()
+    d = Daemon(tmp_path, "--metrics-listen", f"127.0.0.1:{port}")
+    try:
+        _, model, handle = make_pair(d)
+        forward = model.forward
+        model.forward = lambda x=X: forward(x)
+        copied = []
+
+        def device():
+            copied.append(handle.session.stats().bytes_copied)
+            return scrape(f"http://127.0.0.1:{port}/metrics")
+
+        phase = sampling.sampling_phase(model, {}, 5, handle, lambda: None, device=device)
+        link = phase["link"]
+        assert link["streamed_bytes"] % 132352 == 0
+        assert abs(link["streamed_bytes"] - (copied[1] - copied[0])) <= 132352
+        assert link["streamed_bytes"] >= 4 * 3 * 132352  # 4 passes, 8 blocks, 3 staged
+        assert link["gb_per_s"] == link["streamed_bytes"] / link["seconds"] / 1e9
+        assert link["throttled_share"] == 0.0 and link["copies"] > 0
+        handle.detach(release=True)
+    finally:
+        d.stop()
+
+
 def test_a_sampling_budget_phase_is_held_by_around_and_streams_less(daemon):
     """With ``sample_vram_budget`` the phase runs inside ``around`` (the GPU child gives the
     trainer's share of the card up there) and records the bytes a pass streams at the
@@ -67,7 +98,11 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
         "resident": {"first_pass_s": 1.0, "median_s": 0.5, "returncode": 0},
         "weightstream": {
             "bytes_per_pass": 25 * 10**9,
-            "before": {"first_pass_s": 2.0, "median_s": 1.05},
+            "before": {
+                "first_pass_s": 2.0,
+                "median_s": 1.05,
+                "link": {"gb_per_s": 23.61, "throttled_share": 0.812, "busy_share": 0.953},
+            },
             "after": {"first_pass_s": 1.1, "median_s": 1.0},
             "train_step_s": [3.0, 2.0, 2.1],
         },
@@ -84,6 +119,10 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
     )
     assert "| weightstream | before training | 2.000 | 1.050 | 2.10 × |" in md
     assert "Training step before / after sampling: 2.000 / 2.100 s" in md
+    assert (
+        "\n\n- before training, the passes after the first: the daemon copied 23.61 GB/s, its "
+        "copy thread throttled by the link cap 81.2 % of the time, the copy engine busy 95.3 %\n"
+    ) in md
 
 
 def test_the_weightstream_child_holds_itself_to_the_card():
