@@ -285,11 +285,6 @@ def test_a_checkpoint_whose_keys_transformers_renames_streams_from_its_files(
     "case, want",
     [
         (
-            "tied",
-            "text encoder MistralForCausalLM (by ai-toolkit's loader, 14 layers streamed, read "
-            "by the trainer: 'lm_head.weight' is tied to 'model.embed_tokens.weight')",
-        ),
-        (
             "cast",
             "text encoder MistralForCausalLM (by ai-toolkit's loader, 15 layers streamed, read "
             "by the trainer: 'model.layers.0.self_attn.q_proj.weight' is stored as "
@@ -322,12 +317,45 @@ def test_what_cannot_stream_from_the_files_loads_as_today_and_says_why(
         assert line.endswith("GB (MistralForCausalLM read by the trainer: not attached)"), line
     else:
         assert {m.source for m in daemon.client.list_models().models} == {"upload"}
-    if case == "tied":
-        assert encoder.lm_head.weight is encoder.model.embed_tokens.weight or is_placeholder(
-            encoder.lm_head.weight
-        )
     assert not any(filetensor.is_file_tensor(p) for p in encoder.parameters())
     assert_equal(encoder, today.text_encoder[0])
+    for model in (encoder, today.text_encoder[0]):
+        te.tk.package.MemoryManager.free(model)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_tied_lm_head_stays_on_the_device_and_the_rest_streams_from_the_files(
+    daemon, te, tmp_path, capsys, quantized
+):
+    """An ``lm_head`` tied to the embedding (``tie_word_embeddings``) is read once as
+    ``from_pretrained`` returns, still one tensor with the embedding; policy keeps its layer on
+    the device (tied), and every other Linear streams from the shards: in bf16, the hidden
+    states equal today's; with ``quantize_te`` the daemon quantizes the streamed layers and the
+    tied one stays as the files hold it (ai-toolkit's quantizer, which would have made the
+    lm_head a tensor of its own, is not called)."""
+    folder = tmp_path / "mistral"
+    tensors = write(folder, tie_word_embeddings=True)
+    today, _ = load(te, daemon, folder, False, quantize_te=quantized)
+    te.quantizer.CALLS.clear()
+    capsys.readouterr()
+    sd, report = load(te, daemon, folder, True, quantize_te=quantized)
+    (encoder,) = sd.text_encoder
+    assert encoder.lm_head.weight is encoder.model.embed_tokens.weight
+    assert not is_placeholder(encoder.lm_head.weight)
+    assert encoder.lm_head.weight.dtype == DTYPE
+    streamed = {n for n, p in encoder.named_parameters() if is_placeholder(p)}
+    assert streamed == {k for k in tensors if k.endswith("_proj.weight")}
+    by_source = {m.source: m for m in daemon.client.list_models().models}
+    assert set(by_source) == {"upload", "file"}
+    want = {quantize.FP8_E4M3_BLOCK64} if quantized else {"", "none"}
+    assert {t.quantization for t in by_source["file"].tensors if t.name in streamed} <= want
+    assert te.quantizer.CALLS == []
+    assert report.read_from_files == real_bytes(encoder)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"{len(streamed)} layers streamed, {len(streamed)} tensors" in line, line
+    assert "read by the trainer" not in line, line
+    if not quantized:
+        assert_equal(encoder, today.text_encoder[0])
     for model in (encoder, today.text_encoder[0]):
         te.tk.package.MemoryManager.free(model)
 

@@ -18,7 +18,9 @@ weights=get_qtype(qtype))`` before attaching it (FLUX.2 Klein's ``load_te``, in 
   bias of a Linear/Conv2d layer assigned to the module; those stay ``FileTensor``s;
 - transformers' ``from_pretrained`` (5.x: its ``_load_pretrained_model``) reads the
   checkpoint's safetensors shards as ``FileTensor``s, which its renames, casts and assignments
-  keep without data; a model whose streamable weights are tied, cast, not the files' tensors,
+  keep without data; tied weights (an ``lm_head`` sharing the embedding) are read as it
+  returns and their layers stay on the device; a model whose streamable weights are cast, not
+  the files' tensors,
   or loaded with a ``device_map``, a quantization config or a state dict, is read whole as it
   returns (what transformers gives without weightstream), the reason on it (``why_read``);
 - the loader's ``quantize_model`` / ``quantize`` (in the globals of ``load_model`` and of
@@ -47,6 +49,7 @@ weights=get_qtype(qtype))`` before attaching it (FLUX.2 Klein's ``load_te``, in 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -81,11 +84,16 @@ WHY = "_weightstream_files_why"
 
 
 def _lazy_layers(module: nn.Module) -> tuple[list[str], list[str]]:
-    """(streamable layers whose parameters are all ``FileTensor``s, those that are not)."""
-    lazy, real = [], []
+    """(streamable layers whose parameters are all ``FileTensor``s, those that are not). A
+    layer with a tied parameter is neither: policy never streams it (it stays on the device with
+    what it shares), so the daemon's quantization of the others leaves it as the files hold
+    it."""
+    lazy, real, tied = [], [], _tied(module)
     for name, m in module.named_modules():
         if isinstance(m, STREAMABLE):
             params = [p for p in m.parameters(recurse=False)]
+            if any(id(p) in tied for p in params):
+                continue
             if params and all(is_file_tensor(p) for p in params):
                 lazy.append(name)
             elif params:
@@ -93,12 +101,13 @@ def _lazy_layers(module: nn.Module) -> tuple[list[str], list[str]]:
     return lazy, real
 
 
-def read(module: nn.Module, keep=frozenset()) -> int:
+def read(module: nn.Module, keep=frozenset(), only=None) -> int:
     """Reads each ``FileTensor`` parameter or buffer of ``module`` (but those of the layers in
-    ``keep``) into a real tensor, in place; returns how many. A parameter two modules share
-    (tied weights) is read once and stays shared."""
+    ``keep``; with ``only``, the parameters of those ids alone) into a real tensor, in place;
+    returns how many. A parameter two modules share (tied weights) is read once and stays
+    shared."""
     n, done = 0, {}
-    for m in module.modules():
+    for m in module.modules() if only is None else ():
         recipe = recipes.of(m)
         if recipe is not None:
             n += recipe.make(module, keep)
@@ -106,12 +115,12 @@ def read(module: nn.Module, keep=frozenset()) -> int:
         if name in keep:
             continue
         for pname, p in list(m._parameters.items()):
-            if is_file_tensor(p):
+            if is_file_tensor(p) and (only is None or id(p) in only):
                 if id(p) not in done:  # p is kept alive with it, so its id is not reused
                     done[id(p)] = (p, nn.Parameter(p.read(), requires_grad=p.requires_grad))
                     n += 1
                 m._parameters[pname] = done[id(p)][1]
-        for bname, b in list(m._buffers.items()):
+        for bname, b in list(m._buffers.items()) if only is None else ():
             if is_file_tensor(b):
                 m._buffers[bname] = b.read()
                 n += 1
@@ -309,24 +318,28 @@ def _load_pretrained_model(original, model, state_dict, files, load_config, *arg
 def _unsafe(model: nn.Module) -> str:
     """Why the streamable layers of a model ``from_pretrained`` made from ``FileTensor``s cannot
     be loaded from its files by the daemon ('' where they can): each weight and bias must be
-    a tensor of the files (under any key: ``Source.names``) in its own dtype, shared with no
-    other."""
-    names: dict = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
+    a tensor of the files (under any key: ``Source.names``) in its own dtype. A parameter
+    shared with another module (tied: an ``lm_head`` that is the embedding) is no reason:
+    ``_from_pretrained`` reads it, and ``policy`` keeps its layer on the device."""
+    shared = _tied(model)
     for name, m in model.named_modules():
         if not isinstance(m, STREAMABLE):
             continue
         for pname, p in m.named_parameters(recurse=False):
             tname = f"{name}.{pname}" if name else pname
+            if id(p) in shared:
+                continue
             if not is_file_tensor(p):
                 return f"{tname!r} is not a tensor of the files (transformers made it)"
-            others = [n for n in names[id(p)] if n != tname]
-            if others:
-                return f"{tname!r} is tied to {others[0]!r}"
             if p.dtype != p.stored:
                 return f"{tname!r} is stored as {p.stored}, the loader casts it to {p.dtype}"
     return ""
+
+
+def _tied(model: nn.Module) -> set[int]:
+    """Ids of the parameters more than one module holds (tied weights)."""
+    seen = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return {i for i, n in seen.items() if n > 1}
 
 
 def _from_pretrained(original, knows: bool, cls, *args, **kwargs):
@@ -341,6 +354,8 @@ def _from_pretrained(original, knows: bool, cls, *args, **kwargs):
         if why:
             read(model)
             vars(model)[WHY] = why
+        else:  # policy never streams a tied layer: it stays on the device with the embedding
+            read(model, only=_tied(model))
     return out
 
 
