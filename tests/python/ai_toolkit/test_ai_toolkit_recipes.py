@@ -8,8 +8,9 @@ moves each block (cast to the train dtype) and quantizes its Linears, then the e
 it wraps each layer the adapter's file names in the adapter (``aitk_layouts.Ara``), then
 quantizes it with the qtype (ai-toolkit's order: the adapter runs ``nn.Linear.forward`` on the
 dequantized weight), and the rest with ``uint8`` (a no-op in ai-toolkit).
-``toolkit.util.ostris_quant`` holds ``convert_linear_to_ostris`` over ``aitk_layouts``' stand-in quantizers (which, like
-ai-toolkit's, run on ``meta``), recording each quantization's device.
+``toolkit.util.ostris_quant`` holds ``convert_linear_to_ostris`` over ``aitk_layouts``'
+stand-in quantizers (which, like ai-toolkit's, run on ``meta``), recording each quantization's
+device.
 """
 
 from __future__ import annotations
