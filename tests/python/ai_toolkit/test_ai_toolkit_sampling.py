@@ -15,6 +15,7 @@ from tests.python.ai_toolkit.test_ai_toolkit_trainable import (  # noqa: F401 - 
     Block,
     Model,
     aitk,
+    lora_of,
     model_loss,
     new_process,
     train_config,
@@ -55,6 +56,59 @@ def test_ai_toolkits_sample_runs_at_the_sampling_budget(daemon, aitk, tmp_path, 
     assert torch.equal(ref.samples[0], got.samples[0])
     assert all(torch.equal(a, b) for a, b in zip(ref.losses, got.losses, strict=True))
     MemoryManager.free(model)
+
+
+@pytest.mark.parametrize("budget", [None, 6 * BLOCK])
+@pytest.mark.parametrize("dequantize", ["layer", "group"])
+def test_a_sample_before_the_first_training_step_leaves_training_as_it_is(
+    daemon,
+    aitk,  # noqa: F811
+    tmp_path,
+    dequantize,
+    budget,
+):
+    """ai-toolkit's baseline sample (``skip_first_sample: false``) runs before any training
+    step: no plan yet, every group fetched on demand under no_grad, then the first training
+    step records the plan. As weightstream-aitk streams ai-toolkit's ``qfloat8`` (the daemon's
+    8-bit format), the sample and every loss equal those of the 8-bit model in memory
+    (``to_fp8_resident``), and the losses and the LoRA equal those of the same job without the
+    baseline sample: the sample leaves training as it is, at the training budget or grown to
+    a sampling budget and back."""
+    from toolkit.memory_management import MemoryManager
+    from weightstream import quantize
+
+    aitk(
+        socket=daemon.socket,
+        min_bytes=0,
+        vram_budget=3 * BLOCK,
+        staging_bytes=3 * BLOCK,
+        quantize="fp8",
+        dequantize=dequantize,
+        sample_vram_budget=budget,
+    )
+    first = train_config(steps=3, skip_first_sample=False)
+    resident = Model().to(DTYPE)
+    assert len(quantize.to_fp8_resident(resident, lambda _, m: isinstance(m, nn.Linear))) == 6
+    ref = new_process(tmp_path / "ref", first, resident)
+    ref.run()
+
+    def streamed(folder, config):
+        model = Model().to(DTYPE)
+        manager = MemoryManager.attach(model, "cpu")
+        assert len(manager.handle.streamed) == 6
+        process = new_process(tmp_path / folder, config, model)
+        process.run()
+        MemoryManager.free(model)
+        return process
+
+    got = streamed("got", first)
+    unsampled = streamed("unsampled", train_config(steps=3))
+    for other in (ref, unsampled):
+        assert all(torch.equal(a, b) for a, b in zip(other.losses, got.losses, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(lora_of(other), lora_of(got), strict=True))
+    assert len(got.samples) == 2, "the baseline sample and the one at the end"
+    assert all(torch.equal(a, b) for a, b in zip(ref.samples, got.samples, strict=True))
+    assert torch.equal(unsampled.samples[0], got.samples[1])
 
 
 def test_the_setting_reads_sizes_from_the_section_and_the_environment():

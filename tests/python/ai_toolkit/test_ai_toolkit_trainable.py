@@ -8,7 +8,8 @@ float32)``, ``apply_to``, ``prepare_optimizer_params``; the last saved LoRA load
 ``get_optimizer(self.params, type, learning_rate=, optimizer_params=)`` imported by name from
 ``toolkit.optimizer``; ``optimizer.pt`` loaded with ``torch.load(weights_only=True)``, errors
 printed and ignored; ``accelerator.prepare`` of the network and the optimizer; ``save``: the
-network's ``state_dict`` in the save dtype and ``optimizer.pt``; ``sample`` at the end) and in
+network's ``state_dict`` in the save dtype and ``optimizer.pt``; ``sample`` at the end, and
+before the first step unless ``skip_first_sample``) and in
 ``extensions_built_in/sd_trainer/SDTrainer.py`` (``hook_train_loop``: ``zero_grad``, backward,
 ``sync_grad_transfers``, ``accelerator.clip_grad_norm_`` per parameter group, ``step``,
 ``zero_grad(set_to_none=True)``). The network (``Network``) is ai-toolkit's
@@ -96,6 +97,8 @@ class BaseSDTrainProcess:
         self.network = self.accelerator.prepare(self.network)
         self.optimizer = self.accelerator.prepare(self.optimizer)
         self.ptrs.append([p.data_ptr() for p in self.network.parameters()])
+        if not getattr(c, "skip_first_sample", True):  # ai-toolkit's baseline sample
+            self.sample(c.start_step)
         for step in range(c.start_step, c.steps):
             self.hook_train_loop(self.batches[step])
             if (step + 1) % self.save_every == 0 and step + 1 < c.steps:
