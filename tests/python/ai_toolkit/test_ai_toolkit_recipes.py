@@ -298,3 +298,25 @@ def test_a_stored_model_without_the_layers_this_job_streams_falls_back(daemon, a
 def teardown_module():
     for name in [n for n in sys.modules if n == "toolkit" or n.startswith("toolkit.")]:
         del sys.modules[name]
+
+
+def test_a_tied_layer_stays_out_of_the_recipe_key(tmp_path):
+    # ai-toolkit's FLUX.2 quantizes Mistral with the transformer's qtype; its lm_head shares
+    # embed_tokens' weight (tie_word_embeddings), read whole, which files._lazy_layers leaves to
+    # be quantized by every job: the key is of the file layers alone.
+    path = tmp_path / "m.safetensors"
+    save_file({"proj.weight": torch.randn(4, 4).to(DTYPE)}, str(path))
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(4, 4)
+    model.proj = torch.nn.Linear(4, 4, bias=False)
+    model.head = torch.nn.Linear(4, 4, bias=False)
+    model.load_state_dict(
+        {"proj.weight": filetensor.load_file(path)["proj.weight"]}, strict=False, assign=True
+    )
+    model.head.weight = model.embed.weight
+    untied = torch.nn.Module()
+    untied.proj = model.proj
+    call = {"fn": "quantize", "qtype": "uint4"}
+    assert recipes.key(model, (torch.nn.Linear,), call, None) == recipes.key(
+        untied, (torch.nn.Linear,), call, None
+    )

@@ -95,12 +95,15 @@ def _sources(code_file: str | None) -> str:
 
 
 def key(model: nn.Module, streamable, call: dict, code_file: str | None) -> str:
-    """The recipe key of quantizing ``model`` (its ``streamable`` layers all file tensors) by
+    """The recipe key of quantizing ``model`` (its ``streamable`` layers all file tensors but
+    the tied ones, read whole and quantized by every job, which it leaves out) by
     ``call`` with the code beside ``code_file``."""
     layers, files = [], {}
     for name, m in model.named_modules():
         if isinstance(m, streamable):
             for pname, p in m.named_parameters(recurse=False):
+                if not is_file_tensor(p):  # a tied layer's: read whole, quantized by every job
+                    continue
                 layers.append(
                     [f"{name}.{pname}", p.key, str(p.stored), str(p.dtype), list(p.shape)]
                 )
