@@ -68,6 +68,7 @@ from tests.bench.aitk.build_24g import (
     SIZES,
     build_flux1,
     build_flux2,
+    flux2_ara_layers,
     flux2_singles_for_host,
 )
 from tests.bench.aitk.report_24g import markdown
@@ -81,6 +82,7 @@ from tests.bench.aitk.runs_24g import (
     reused,
     summarize,
 )
+from tests.bench.aitk_packed_real import write_ara
 from tests.bench.provenance import commit
 
 STEM = "ai_toolkit_24g"
@@ -118,6 +120,18 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--optimizer", default=None, help="default: adamw8bit on CUDA, else adamw")
     ap.add_argument("--no-quantize", action="store_true", help="quantize/quantize_te: false")
+    ap.add_argument(
+        "--qtype",
+        default="qfloat8",
+        help="the job's model.qtype, the transformer's quantization (e.g. uint4, convrot8, nvfp4:"
+        " ai-toolkit's quantize_model packs the blocks' Linears)",
+    )
+    ap.add_argument(
+        "--ara",
+        action="store_true",
+        help="flux2: a seeded random accuracy recovery adapter (rank 8) on every Linear of the"
+        " transformer's blocks, written to --work and given as model.accuracy_recovery_adapter",
+    )
     ap.add_argument("--disk-dtype", choices=["fp8", "bf16"], default="fp8")
     ap.add_argument(
         "--save-dtype",
@@ -153,6 +167,8 @@ def main(argv=None) -> int:
         return one(args.one)
     if not (args.aitk and args.bin and args.out):
         ap.error("--aitk, --bin and --out are required")
+    if args.ara and args.arch != "flux2":
+        ap.error(f"--ara is made for --arch flux2's transformer only, not {args.arch}")
     started = time.monotonic()
     import torch
 
@@ -204,6 +220,10 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.empty_cache()
     print(f"built: {json.dumps(built)}", flush=True)
+    ara = None
+    if args.ara:  # written each call: the cleanup above keeps only what the build made
+        ara = work / "ara.safetensors"
+        write_ara(torch, ara, args.seed + 3, flux2_ara_layers(aitk, size["transformer"]))
     common = {
         "arch": args.arch,
         "device": device,
@@ -213,6 +233,7 @@ def main(argv=None) -> int:
         "data": str(work / "data"),
         "cuda": cuda,
         "env": env,
+        "ara": str(ara) if ara else None,
         "args": {
             "aitk": str(aitk),
             "bin": str(Path(args.bin).resolve()),
@@ -247,6 +268,8 @@ def main(argv=None) -> int:
         "sizes": size,
         "built": built,
         "disk_dtype": args.disk_dtype,
+        "qtype": args.qtype,
+        "ara": str(ara) if ara else None,
         "host_gib": args.host_gib,
         "card_gib": args.card or None,
         "host_delay": args.host_delay == "true",

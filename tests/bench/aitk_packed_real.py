@@ -141,21 +141,29 @@ class BaseModel:
         print(text, flush=True)
 
 
-def write_ara(torch, path: Path, seed: int) -> None:
-    """An ARA file in the peft layout ai-toolkit's hub ARAs have (``lora_A``/``lora_B``)."""
+def write_ara(torch, path: Path, seed: int, layers: dict | None = None, rank: int = 8) -> None:
+    """An ARA file in the peft layout ai-toolkit's hub ARAs have (``KEY.lora_A.weight``
+    ``[rank, in]``, ``KEY.lora_B.weight`` ``[out, rank]``, bf16): ``quantize_model`` takes the
+    rank from the first ``lora_A`` and puts the adapter on every Linear a key names. ``layers``:
+    ``{KEY: (in, out)}``, KEY the Linear's name under the model with ``transformer.`` before it;
+    by default this script's tiny model's."""
     from safetensors.torch import save_file
 
+    if layers is None:
+        layers = {
+            f"transformer.transformer_blocks.{i}.{name}": shape
+            for i in range(BLOCKS)
+            for name, shape in {
+                "q": (HIDDEN, HIDDEN),
+                "fc1": (HIDDEN, MLP),
+                "fc2": (MLP, HIDDEN),
+            }.items()
+        }
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for i in range(BLOCKS):
-        for name, (inp, out) in {
-            "q": (HIDDEN, HIDDEN),
-            "fc1": (HIDDEN, MLP),
-            "fc2": (MLP, HIDDEN),
-        }.items():
-            key = f"transformer.transformer_blocks.{i}.{name}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(8, inp, generator=g) * 0.05).bfloat16()
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(out, 8, generator=g) * 0.05).bfloat16()
+    for key, (inp, out) in layers.items():
+        tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * 0.05).bfloat16()
+        tensors[f"{key}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.05).bfloat16()
     save_file(tensors, str(path))
 
 

@@ -133,6 +133,23 @@ def build_flux2(root: Path, aitk: Path, size: dict, seed: int, device: str, fp8:
     return info
 
 
+def flux2_ara_layers(aitk: Path, fields: dict) -> dict:
+    """``{KEY: (in, out)}`` for an accuracy recovery adapter on FLUX.2's transformer: every
+    Linear of its blocks (``get_transformer_block_names``: ``double_blocks``,
+    ``single_blocks``), KEY its name with ``transformer.`` before it, as ai-toolkit names the
+    adapter's layers (``convert_lora_weights_before_load`` maps ``diffusion_model.`` to it)."""
+    import torch
+
+    src = build.flux2_src(aitk, "model")
+    with torch.device("meta"):
+        model = src.Flux2(src.Flux2Params(**fields))
+    return {
+        f"transformer.{name}": (m.in_features, m.out_features)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and name.startswith(("double_blocks.", "single_blocks."))
+    }
+
+
 def build_flux1(root: Path, size: dict, seed: int, device: str, fp8: bool) -> dict:
     import torch
     from diffusers import FluxTransformer2DModel

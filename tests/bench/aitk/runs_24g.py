@@ -108,11 +108,27 @@ def sample_yaml(every: int, steps: int, prompt: str, resolution: int, seed: int)
 
 
 def job_yaml(
-    arch, device, steps, resolution, rank, optimizer, quantize, save_dtype, sample=None
+    arch,
+    device,
+    steps,
+    resolution,
+    rank,
+    optimizer,
+    quantize,
+    save_dtype,
+    sample=None,
+    qtype="qfloat8",
+    ara=None,
 ) -> str:
     """The template filled in; ``sample``: ``sample_yaml``'s text, sampling turned on (at step
-    0 too: ``skip_first_sample: false``)."""
+    0 too: ``skip_first_sample: false``); ``qtype``: the transformer's ``model.qtype`` (the
+    text encoder keeps ``qtype_te``); ``ara``: the ``model.accuracy_recovery_adapter`` file."""
     text = TEMPLATE.read_text()
+    assert "        qtype: qfloat8\n" in text, "the template no longer sets model.qtype"
+    line = f"        qtype: {qtype}\n"
+    if ara:
+        line += f"        accuracy_recovery_adapter: {json.dumps(str(ara))}\n"
+    text = text.replace("        qtype: qfloat8\n", line, 1)
     if sample:
         for key in ("disable_sampling", "skip_first_sample"):
             assert f"{key}: true" in text, f"the template no longer sets {key}"
@@ -175,6 +191,8 @@ def run_spec(run: dict, common: dict, args, cuda: bool) -> dict:
         )
         if args.sample_every
         else None,
+        qtype=args.qtype,
+        ara=common.get("ara"),
     )
     spec["result"] = str(Path(common["work"]) / f"{name}.result.json")
     return spec

@@ -121,6 +121,50 @@ def test_the_yaml_is_the_recipe_with_every_placeholder_filled(quantize):
         assert line in text, line
 
 
+def test_qtype_and_ara_set_the_transformers_quantization_only():
+    text = runs_24g.job_yaml(
+        "flux2", "cpu", 4, 64, 4, "adamw", True, "float32", qtype="uint4", ara="/w/ara.safetensors"
+    )
+    model = text[text.index("      model:\n") : text.index("meta:")].splitlines()
+    assert model[3:8] == [
+        "        quantize: true             # qfloat8, which layer_offloading turns into torchao"
+        " float8",
+        "        qtype: uint4",
+        '        accuracy_recovery_adapter: "/w/ara.safetensors"',
+        "        quantize_te: true",
+        "        qtype_te: qfloat8",
+    ]
+    plain = runs_24g.job_yaml("flux2", "cpu", 4, 64, 4, "adamw", True, "float32")
+    assert plain == runs_24g.TEMPLATE.read_text().replace("@DEVICE@", "cpu").replace(
+        "@ARCH@", "flux2"
+    ).replace("@STEPS@", "4").replace("@RESOLUTION@", "64").replace("@RANK@", "4").replace(
+        "@OPTIMIZER@", "adamw"
+    )
+    assert "accuracy_recovery_adapter" not in plain
+    common, args = _spec_inputs()
+    args.qtype = "convrot8"
+    (run,) = runs_24g.parse_runs("weightstream:r4")
+    spec = runs_24g.run_spec(run, dict(common, ara=None), args, cuda=False)["yaml"]
+    assert "        qtype: convrot8\n" in spec and "accuracy_recovery_adapter" not in spec
+    spec = runs_24g.run_spec(run, dict(common, ara="/w/a.safetensors"), args, cuda=False)["yaml"]
+    assert '        accuracy_recovery_adapter: "/w/a.safetensors"\n' in spec
+
+
+def test_the_ara_file_is_the_layout_quantize_model_reads(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.bench.aitk_packed_real import write_ara
+
+    layers = {"transformer.double_blocks.0.img_attn.qkv": (16, 48)}
+    write_ara(torch, tmp_path / "ara.safetensors", 3, layers, rank=2)
+    got = load_file(tmp_path / "ara.safetensors")
+    assert {k: (v.dtype, list(v.shape)) for k, v in got.items()} == {
+        "transformer.double_blocks.0.img_attn.qkv.lora_A.weight": (torch.bfloat16, [2, 16]),
+        "transformer.double_blocks.0.img_attn.qkv.lora_B.weight": (torch.bfloat16, [48, 2]),
+    }
+
+
 def test_a_runs_figures():
     result = {
         "step_gaps_s": [9.0, 2.0, 4.0, 3.0],  # the first gap holds the warm-up
@@ -163,6 +207,7 @@ def _spec_inputs():
         steps=6,
         optimizer=None,
         no_quantize=False,
+        qtype="qfloat8",
         card=24,
         card_cmd=runs_24g.CARD_CMD,
         save_dtype="float32",
