@@ -3,6 +3,9 @@ card: ai-toolkit's MemoryManager against weightstream-aitk, with one YAML
 (tests/bench/ai_toolkit_24g.yaml: `quantize: true` qfloat8, `quantize_te: true`, `low_vram`,
 `layer_offloading: true`, LoRA, 1024 px, gradient checkpointing, adamw8bit).
 
+`--qtype` sets another `model.qtype` (e.g. `uint4`, `convrot8`); `--ara` adds a seeded random
+accuracy recovery adapter (`model.accuracy_recovery_adapter`, flux2).
+
     # on the GPU machine, one call per architecture (tests/bench/README.md has the commands)
     python3 -m tests.bench.ai_toolkit_24g --aitk .aitk --bin target/release/weightstream \\
         --arch flux2 --size dev --card 24 --budget-s 500 --out $OUT
