@@ -165,6 +165,12 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="append", default=[], help="earlier reports to include")
     ap.add_argument("--machine", default=None)
     ap.add_argument("--pythonpath", action="append", default=[])
+    ap.add_argument(
+        "--daemon-socket",
+        default=None,
+        help="every weightstream run uses this running daemon instead of one of its own "
+        "(a later run then finds what an earlier one stored; the link is the daemon's)",
+    )
     args = ap.parse_args(argv)
     if args.one:
         return one(args.one)
@@ -243,6 +249,7 @@ def main(argv=None) -> int:
             "pythonpath": args.pythonpath,
             "seed": args.seed,
             "timeout": args.timeout,
+            "daemon_socket": args.daemon_socket,
         },
     }
     results, longest = [], args.first_run_s

@@ -215,17 +215,23 @@ def run_one(
     if kind in ("aitk", "resident"):
         cmd = [sys.executable, str(aitk / "run.py"), "job.yaml"]
     else:
-        # ``link`` (e.g. ``25GB/s``) caps the daemon's copies.
-        daemon = Daemon(
-            folder,
-            *(["--copy-bandwidth-limit", link] if link else []),
-            binary=args.bin,
-            backend="cuda" if cuda else "host",
-            log_level=os.environ.get("WEIGHTSTREAM_LOG", "warn"),
-            log_stdout=True,
-            ready_s=60,
-        )
-        env["WEIGHTSTREAM_SOCKET"] = daemon.socket
+        shared = args.daemon_socket
+        if shared:
+            # One daemon for every run of the call (started by the caller, its link as it was
+            # started): a later job finds what an earlier one left in it (recipes).
+            env["WEIGHTSTREAM_SOCKET"] = shared
+        else:
+            # ``link`` (e.g. ``25GB/s``) caps the daemon's copies.
+            daemon = Daemon(
+                folder,
+                *(["--copy-bandwidth-limit", link] if link else []),
+                binary=args.bin,
+                backend="cuda" if cuda else "host",
+                log_level=os.environ.get("WEIGHTSTREAM_LOG", "warn"),
+                log_stdout=True,
+                ready_s=60,
+            )
+            env["WEIGHTSTREAM_SOCKET"] = daemon.socket
         cmd = [
             sys.executable,
             "-m",
