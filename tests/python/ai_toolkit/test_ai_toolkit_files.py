@@ -33,7 +33,7 @@ from weightstream.torch import filetensor
 from weightstream.torch.placeholder import is_placeholder
 
 from tests.python.ai_toolkit.test_ai_toolkit import BUDGET, DTYPE, toolkit  # noqa: F401
-from tests.python.ai_toolkit.test_ai_toolkit_loading import aitk_models  # noqa: F401
+from tests.python.ai_toolkit.test_ai_toolkit_loading import aitk_models, write_toolkit  # noqa: F401
 
 DIM = 64  # a multiple of 64: fp8's blocks of 64
 
@@ -163,17 +163,10 @@ def config(**changes):
     return SimpleNamespace(**values)
 
 
-@pytest.fixture
-def flux2(aitk_models):  # noqa: F811
-    root = aitk_models.tk.root / "toolkit"
-    (root / "util").mkdir()
-    (root / "util" / "__init__.py").write_text("")
-    (root / "util" / "quantize.py").write_text(QUANTIZE)
-    (root / "models" / "flux2_stand_in.py").write_text(LOADER)
-    from toolkit.models.flux2_stand_in import Flux2Model
-    from toolkit.util import quantize as quantizer
+def flux2_on(loader: type) -> type:
+    """The stand-in loader's FLUX.2 over ``Flux2StandIn``, no quantization exclusions."""
 
-    class Flux2(Flux2Model):
+    class Flux2(loader):
         torch_dtype = DTYPE
 
         def build(self):
@@ -182,6 +175,16 @@ def flux2(aitk_models):  # noqa: F811
         def get_quantization_exclude_modules(self):
             return None
 
+    return Flux2
+
+
+@pytest.fixture
+def flux2(aitk_models):  # noqa: F811
+    write_toolkit(aitk_models.tk, ("flux2_stand_in", LOADER), quantize=QUANTIZE)
+    from toolkit.models.flux2_stand_in import Flux2Model
+    from toolkit.util import quantize as quantizer
+
+    Flux2 = flux2_on(Flux2Model)
     quantizer.CALLS.clear()
     return SimpleNamespace(cls=Flux2, quantizer=quantizer, tk=aitk_models.tk)
 

@@ -34,7 +34,7 @@ from weightstream.torch import filetensor
 from weightstream.torch.placeholder import is_placeholder
 
 from tests.python.ai_toolkit.test_ai_toolkit import BUDGET, DTYPE, toolkit  # noqa: F401
-from tests.python.ai_toolkit.test_ai_toolkit_loading import aitk_models  # noqa: F401
+from tests.python.ai_toolkit.test_ai_toolkit_loading import aitk_models, write_toolkit  # noqa: F401
 
 LOADER = """
 import torch
@@ -158,11 +158,7 @@ def write(folder, kind="mistral", dtype=DTYPE, **changes) -> dict[str, torch.Ten
 
 @pytest.fixture
 def te(aitk_models):  # noqa: F811
-    root = aitk_models.tk.root / "toolkit"
-    (root / "util").mkdir()
-    (root / "util" / "__init__.py").write_text("")
-    (root / "util" / "quantize.py").write_text(QUANTIZE)
-    (root / "models" / "flux2_te_stand_in.py").write_text(LOADER)
+    write_toolkit(aitk_models.tk, ("flux2_te_stand_in", LOADER), quantize=QUANTIZE)
     from toolkit.models.flux2_te_stand_in import Flux2Model
     from toolkit.util import quantize as quantizer
 

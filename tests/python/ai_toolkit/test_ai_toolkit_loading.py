@@ -404,6 +404,18 @@ def aitk_models(toolkit):
     return SimpleNamespace(BaseModel=BaseModel, StableDiffusion=StableDiffusion, tk=toolkit)
 
 
+def write_toolkit(tk, loader: tuple[str, str], **util: str):
+    """Writes stand-ins of ai-toolkit's modules into ``tk``'s package: ``toolkit/util/NAME.py``
+    for each of ``util`` (``quantize=...``) and the loader, ``(name, source)``, as
+    ``toolkit/models/NAME.py``."""
+    root = tk.root / "toolkit"
+    (root / "util").mkdir()
+    (root / "util" / "__init__.py").write_text("")
+    for name, text in util.items():
+        (root / "util" / f"{name}.py").write_text(text)
+    (root / "models" / f"{loader[0]}.py").write_text(loader[1])
+
+
 def flux1_on(base):
     class Flux1(base):
         """The FLUX.1 branch with a tiny diffusers FLUX.1 transformer and two text encoders."""

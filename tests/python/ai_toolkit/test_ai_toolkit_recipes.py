@@ -28,10 +28,11 @@ from tests.python.ai_toolkit.test_ai_toolkit_files import (  # noqa: F401
     LOADER,
     Flux2StandIn,
     config,
+    flux2_on,
     inputs,
     write,
 )
-from tests.python.ai_toolkit.test_ai_toolkit_loading import aitk_models  # noqa: F401
+from tests.python.ai_toolkit.test_ai_toolkit_loading import aitk_models, write_toolkit  # noqa: F401
 
 OSTRIS_QUANT = """
 from tests.python.torch import aitk_layouts as aitk
@@ -114,23 +115,12 @@ ARA_LAYERS = ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear1")
 @pytest.fixture
 def aitk(aitk_models, tmp_path, monkeypatch):  # noqa: F811
     monkeypatch.setenv(recipes.DIR_ENV, str(tmp_path / "recipes"))
-    root = aitk_models.tk.root / "toolkit"
-    (root / "util").mkdir()
-    (root / "util" / "__init__.py").write_text("")
-    (root / "util" / "ostris_quant.py").write_text(OSTRIS_QUANT)
-    (root / "util" / "quantize.py").write_text(QUANTIZE)
-    (root / "models" / "flux2_stand_in.py").write_text(LOADER)
+    loader = ("flux2_stand_in", LOADER)
+    write_toolkit(aitk_models.tk, loader, ostris_quant=OSTRIS_QUANT, quantize=QUANTIZE)
     from toolkit.models.flux2_stand_in import Flux2Model
     from toolkit.util import ostris_quant, quantize
 
-    class Flux2(Flux2Model):
-        torch_dtype = DTYPE
-
-        def build(self):
-            return Flux2StandIn()
-
-        def get_quantization_exclude_modules(self):
-            return None
+    Flux2 = flux2_on(Flux2Model)
 
     path = tmp_path / "flux2-dev.safetensors"
     write(path)
