@@ -148,7 +148,7 @@ class Generation:
     """One ``weightstream.examples.generate`` process with this module's pipeline, held at the
     barrier once attached (``attached`` is then set), denoising on ``go``."""
 
-    def __init__(self, args, socket: str, name: str):
+    def __init__(self, args, socket: str, name: str, model_id: str | None = None):
         out = Path(args.out)
         self.name, self.latents = name, out / f"{name}.pt"
         self.log = out / f"{name}.log"
@@ -159,6 +159,8 @@ class Generation:
         cmd += ["--vram-budget", str(int(args.vram_budget_gib * GiB))]
         if args.min_bytes is not None:
             cmd += ["--min-bytes", str(args.min_bytes)]
+        if model_id is not None:
+            cmd += ["--model-id", model_id]
         self.cmd = cmd
         with open(self.log, "w") as log:  # stderr to a file: a full pipe would stall the child
             self.proc = subprocess.Popen(
@@ -231,7 +233,11 @@ def run(args, daemon) -> dict:
     memory["before_pair"] = snapshot(daemon, {})
     first = Generation(args, daemon.socket, "first")
     memory["first_attached"] = snapshot(daemon, {"first": first.proc.pid})
-    second = Generation(args, daemon.socket, "second")
+    # The second attaches the model the first uploaded, by its id: an upload of the same
+    # weights is found the same only once it is hashed, and until then needs the room of a
+    # second copy in the daemon (more than a host holding a 64 GB model has).
+    (model,) = daemon.client.list_models().models
+    second = Generation(args, daemon.socket, "second", model.model_id)
     memory["second_attached"] = snapshot(
         daemon, {"first": first.proc.pid, "second": second.proc.pid}
     )

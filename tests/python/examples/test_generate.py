@@ -63,6 +63,17 @@ def test_a_component_the_pipeline_lacks_is_named(daemon):
     assert str(raised.value) == "--stream unet: the pipeline has ['transformer', 'vae']"
 
 
+def test_a_model_given_twice_or_for_a_component_that_does_not_stream_is_named(daemon):
+    pipe, c = StandInPipeline(), daemon.client
+    with pytest.raises(ValueError) as raised:
+        generate.stream_components(pipe, None, "cpu", client=c, model_ids={"vae": "u-0"})
+    assert str(raised.value) == "--model-id for vae, which does not stream: ['transformer']"
+    files, ids = {"transformer": ["t"]}, {"transformer": "u-0"}
+    with pytest.raises(ValueError) as raised:
+        generate.stream_components(pipe, None, "cpu", client=c, model_files=files, model_ids=ids)
+    assert str(raised.value) == "--model-file and --model-id both given for transformer: one"
+
+
 @pytest.mark.no_daemon
 def test_without_diffusers_the_error_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "diffusers", None)

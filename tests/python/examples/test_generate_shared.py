@@ -1,6 +1,7 @@
 """Several generation processes on one daemon (host backend): two ``python -m
 weightstream.examples.generate`` processes attach the same stand-in denoiser, by uploading the
-same tensors or by ``--model-file`` (the daemon reads the safetensors itself), and generate
+same tensors, by ``--model-file`` (the daemon reads the safetensors itself) or the second by
+``--model-id`` (the model the first uploaded, no upload of its own), and generate
 while both are attached: the daemon's host store holds one copy of the model, and each
 process's image equals the pipeline's in memory (as a process alone computes it)."""
 
@@ -59,7 +60,7 @@ def store_bytes(daemon) -> int:
     return daemon.client.list_models().store_bytes
 
 
-@pytest.mark.parametrize("source", ["upload", "model-file"])
+@pytest.mark.parametrize("source", ["upload", "model-file", "model-id"])
 def test_two_generation_processes_share_one_host_copy(daemon, tmp_path, source):
     extra = []
     if source == "model-file":
@@ -69,6 +70,8 @@ def test_two_generation_processes_share_one_host_copy(daemon, tmp_path, source):
     first = Generator(daemon, tmp_path / "first.pt", *extra)
     one = store_bytes(daemon)
     assert one >= 8 * BLOCK, "the first process's model is in the store"
+    if source == "model-id":
+        extra = ["--model-id", first_model(daemon)]
     second = Generator(daemon, tmp_path / "second.pt", *extra)
     two = store_bytes(daemon)
     assert two < one + MIB, f"a second copy: {two - one} more bytes"

@@ -50,28 +50,34 @@ def load_pipeline(model: str, dtype: torch.dtype, factory: str | None = None):
 
 
 def stream_components(
-    pipe, names, device, vram_budget=None, client=None, model_files=None, **options
+    pipe, names, device, vram_budget=None, client=None, model_files=None, model_ids=None, **options
 ) -> dict:
     """Attaches each named component of ``pipe`` (None: its denoiser) to the daemon (with
     ``StreamOptions`` fields in ``options``), and moves every other ``nn.Module`` component
     to ``device``. ``model_files``: name -> safetensors files of that component, which the
-    daemon loads itself (tensor names as the module's parameters) instead of an upload.
+    daemon loads itself (tensor names as the module's parameters) instead of an upload;
+    ``model_ids``: name -> the id of a model the daemon already holds with that component's
+    weights (another process's upload, ``weightstream status``), attached without an upload.
     Returns name -> ``Handle``."""
     components = {n: c for n, c in pipe.components.items() if isinstance(c, nn.Module)}
     names = list(names or [n for n in DENOISERS if n in components][:1])
     missing = [n for n in names if n not in components]
     if missing:
         raise ValueError(f"--stream {','.join(missing)}: the pipeline has {sorted(components)}")
-    model_files = model_files or {}
-    unknown = [n for n in model_files if n not in names]
-    if unknown:
-        raise ValueError(f"--model-file for {','.join(unknown)}, which does not stream: {names}")
+    model_files, model_ids = model_files or {}, model_ids or {}
+    for flag, given in (("--model-file", model_files), ("--model-id", model_ids)):
+        unknown = [n for n in given if n not in names]
+        if unknown:
+            raise ValueError(f"{flag} for {','.join(unknown)}, which does not stream: {names}")
+    both = sorted(set(model_files) & set(model_ids))
+    if both:
+        raise ValueError(f"--model-file and --model-id both given for {','.join(both)}: one")
     client = client or weightstream.connect()
     handles = {}
     for name in names:
         module = components[name].requires_grad_(False)
         files = model_files.get(name)
-        model = client.load_model(files).model_id if files else None
+        model = client.load_model(files).model_id if files else model_ids.get(name)
         handles[name] = wst.attach(
             module, device, vram_budget=vram_budget, client=client, model=model, **options
         )
@@ -119,6 +125,11 @@ def parse_args(argv):
         help="safetensors of the (first) streamed component for the daemon to load itself "
         "(repeat for shards); without it the weights are uploaded",
     )
+    p.add_argument(
+        "--model-id",
+        help="attach the (first) streamed component to this model the daemon already holds "
+        "(another process's, `weightstream status`) instead of uploading its weights",
+    )
     p.add_argument("--socket", help="the daemon's socket (default: WEIGHTSTREAM_SOCKET's rules)")
     p.add_argument("--pipeline", help="MODULE:CALLABLE building the pipeline from (model, dtype)")
     p.add_argument("--min-bytes", help="layers smaller than this stay on the device (a size)")
@@ -140,11 +151,10 @@ def main(argv=None) -> int:
     pipe = load_pipeline(args.model, getattr(torch, args.dtype), args.pipeline)
     names = args.stream.split(",") if args.stream else None
     client = weightstream.connect(args.socket)
-    files = None
-    if args.model_file:
-        first = names[0] if names else next(n for n in DENOISERS if n in pipe.components)
-        files = {first: args.model_file}
-    handles = stream_components(pipe, names, args.device, budget, client, files, **options)
+    first = names[0] if names else next((n for n in DENOISERS if n in pipe.components), None)
+    files = {first: args.model_file} if args.model_file else None
+    ids = {first: args.model_id} if args.model_id else None
+    handles = stream_components(pipe, names, args.device, budget, client, files, ids, **options)
     image = generate(pipe, handles, args.prompt, args.steps, args.size, args.seed)
     if args.out.endswith(".pt"):
         torch.save(image, args.out)
