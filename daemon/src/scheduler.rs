@@ -676,6 +676,7 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                         group = %TagLabel(r.tag),
                         priority = ?r.priority,
                         what = if matches!(r.work, Work::Grant { .. }) { "grant" } else { "copy" },
+                        bytes = r.work.turn_bytes(),
                         "copy dispatched");
                     if let Some(share) = shares.get_mut(&r.session) {
                         share.charge(now, r.work.turn_bytes());

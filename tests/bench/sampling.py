@@ -178,7 +178,9 @@ def child_weightstream(args) -> dict:
     link = ["--copy-bandwidth-limit", args.link] if args.link else []
     port = free_port()
     metrics = ["--metrics-listen", f"127.0.0.1:{port}"]
-    daemon = Daemon(Path(args.out), *link, *metrics, binary=args.bin, backend="cuda")
+    daemon = Daemon(
+        Path(args.out), *link, *metrics, binary=args.bin, backend="cuda", log_level=args.daemon_log
+    )
     try:
         model = flux.add_lora(flux.build_for_attach())
         sample_budget = args.sample_vram_budget_gib
@@ -241,7 +243,7 @@ def child_weightstream(args) -> dict:
 
 def child_cmd(args, mode: str) -> list[str]:
     cmd = [sys.executable, "-m", "tests.bench.sampling", "--child", mode, "--out", args.out]
-    cmd += ["--bin", args.bin, "--passes", str(args.passes)]
+    cmd += ["--bin", args.bin, "--passes", str(args.passes), "--daemon-log", args.daemon_log]
     cmd += ["--vram-budget-gib", str(args.vram_budget_gib)]
     if args.quantize:
         cmd += ["--quantize", args.quantize]
@@ -372,6 +374,12 @@ def parse_args(argv):
     p.add_argument("--vram-budget-gib", type=float, default=15.0)
     p.add_argument("--sample-vram-budget-gib", type=float, default=0.0)
     p.add_argument("--quantize", choices=["fp8"], default=None)
+    p.add_argument(
+        "--daemon-log",
+        default="warn",
+        help="the daemon's WEIGHTSTREAM_LOG (its log: OUT/daemon.log), e.g. "
+        "warn,weightstream::timeline=debug for each copy's dispatch, acquire and release",
+    )
     p.add_argument("--child", choices=["resident", "weightstream"])
     return p.parse_args(argv)
 
