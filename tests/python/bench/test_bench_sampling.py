@@ -137,6 +137,7 @@ def test_the_weightstream_child_holds_itself_to_the_card():
         sample_vram_budget_gib=20.0,
         card_gib=24.0,
         link="25GB/s",
+        daemon_log="warn",
     )
     cmd = sampling.child_cmd(args, "weightstream")
     assert cmd[1:] == [
@@ -150,6 +151,8 @@ def test_the_weightstream_child_holds_itself_to_the_card():
         "b",
         "--passes",
         "3",
+        "--daemon-log",
+        "warn",
         "--vram-budget-gib",
         "15.0",
         "--quantize",
