@@ -52,6 +52,8 @@ from tests.bench.aitk.measure import AITK_COMMIT, STUBS
 HIDDEN, MLP, BLOCKS, RANK = 192, 512, 2, 4
 TOKENS, STEPS = 6, 3
 DTYPE_NAME = "bfloat16"
+#: Where the models are quantized and trained, and the daemon's backend (``--device``).
+DEVICE = "cpu"
 #: The qtypes that come with an accuracy recovery adapter in ai-toolkit's UI (``uint3``/``uint4``
 #: "with ARA": Qwen-Image, HiDream, Wan 2.2).
 ARA_QTYPES = ("uint3", "uint4")
@@ -119,7 +121,7 @@ class BaseModel:
         self.model_config = SimpleNamespace(
             qtype=qtype, accuracy_recovery_adapter=ara_path, low_vram=False
         )
-        self.device_torch = torch.device("cpu")
+        self.device_torch = torch.device(DEVICE)
         self.torch_dtype = torch.bfloat16
         self.is_transformer = True
         self.use_old_lokr_format = False
@@ -171,7 +173,7 @@ def quantized(torch, qtype: str, ara_path: str | None, seed: int):
     """The model quantized by ai-toolkit's ``quantize_model``; (model, base model)."""
     from toolkit.util.quantize import quantize_model
 
-    model = make_model(torch, seed)
+    model = make_model(torch, seed).to(DEVICE)
     base = BaseModel(torch, qtype, ara_path)
     quantize_model(base, model)
     return model, base
@@ -262,7 +264,7 @@ def attach_streamed(torch, wst, client, model):
     staging = 3 * max(sizes.sizes)
     handle = wst.attach(
         model,
-        "cpu",
+        DEVICE,
         client=client,
         min_bytes=0,
         vram_budget=staging,
@@ -296,8 +298,8 @@ def run_steps(torch, model, params: dict, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     record = {}
     for step in range(STEPS):
-        x = torch.randn(2, TOKENS, HIDDEN, generator=g).bfloat16().requires_grad_(True)
-        proj = torch.randn(2, TOKENS, HIDDEN, generator=g)
+        x = torch.randn(2, TOKENS, HIDDEN, generator=g).bfloat16().to(DEVICE).requires_grad_(True)
+        proj = torch.randn(2, TOKENS, HIDDEN, generator=g).to(DEVICE)
         out = model(x)
         (out.float() * proj).sum().backward()
         record[f"step{step}.output"] = out.detach().clone()
@@ -309,7 +311,7 @@ def run_steps(torch, model, params: dict, seed: int) -> dict:
         for p in params.values():
             p.grad = None
     with torch.no_grad():
-        x = torch.randn(2, TOKENS, HIDDEN, generator=g).bfloat16()
+        x = torch.randn(2, TOKENS, HIDDEN, generator=g).bfloat16().to(DEVICE)
         record["no_grad.output"] = model(x).clone()
     return record
 
@@ -353,7 +355,9 @@ def check_qtype(torch, wst, daemon_factory, qtype: str, with_ara: bool, work: Pa
         ref, ref_base = quantized(torch, qtype, ara_path, seed=5)
         st, st_base = quantized(torch, qtype, ara_path, seed=5)
     except Exception as e:  # noqa: BLE001 - recorded per qtype
-        entry.update(status="could not run on CPU", reason=f"quantize: {type(e).__name__}: {e}")
+        entry.update(
+            status=f"could not run on {DEVICE}", reason=f"quantize: {type(e).__name__}: {e}"
+        )
         entry["traceback"] = traceback.format_exc(limit=6)
         return entry
     entry["quantize_s"] = round(time.perf_counter() - t0, 3)
@@ -514,7 +518,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="where aitk_packed_real.{json,md} go")
     ap.add_argument("--qtypes", default=None, help="comma-separated (default: every one)")
     ap.add_argument("--work", default=None, help="scratch folder (default: a new one)")
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (the daemon's host backend) or cuda (its CUDA backend): where ai-toolkit "
+        "quantizes the models and both copies train",
+    )
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
 
     install_aitk(Path(args.aitk))
     import torch
@@ -528,7 +540,8 @@ def main(argv=None) -> int:
 
     class _Daemon:
         def __enter__(self):
-            self.d = Daemon(tempfile.mkdtemp(dir=work), binary=binary)
+            backend = "host" if DEVICE == "cpu" else "cuda"
+            self.d = Daemon(tempfile.mkdtemp(dir=work), binary=binary, backend=backend)
             return self.d
 
         def __exit__(self, *exc):
@@ -546,7 +559,7 @@ def main(argv=None) -> int:
         "command": provenance.command(),
         "commit": provenance.commit(),
         "aitk_commit": AITK_COMMIT,
-        "device": "CPU",
+        "device": "CPU" if DEVICE == "cpu" else torch.cuda.get_device_name(),
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "dtype": DTYPE_NAME,
