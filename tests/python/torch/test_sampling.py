@@ -75,7 +75,7 @@ def train(ref, model, steps):
     """SGD steps on both models' LoRA weights; the losses equal."""
     for m in (ref, model):
         if not hasattr(m, "opt"):
-            m.opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+            m.opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.01)
     for _ in range(steps):
         losses = []
         for m in (ref, model):
@@ -265,15 +265,39 @@ def test_sampling_budget_grows_the_session_and_gives_it_back(daemon):
         assert resident.count(True) == 5, "staging for three blocks, the rest resident"
         before = counts(handle, "sample")
         sample(ref, model, 4)
-        assert delta(counts(handle, "sample"), before) == (12, 11, 0)
+        # The grown session's first acquires went in flight at the reopen: every one hits.
+        assert delta(counts(handle, "sample"), before) == (12, 12, 0)
     assert handle.vram_budget == 3 * BLOCK_BYTES
     assert not any(g.resident for g in handle.session.groups)
     assert handle._recording is None, "the training plan was kept"
     before = counts(handle, "train")
     train(ref, model, 1)
-    # The reopened session starts with no acquire in flight: its first misses, the rest hit.
-    assert delta(counts(handle, "train"), before) == (step[0], step[1] - 1, 0)
+    # The shrunk session's first acquires went in flight at the reopen, where the training
+    # step's plan adopted them: it hits as the step before sampling did.
+    assert delta(counts(handle, "train"), before) == step
+    # The forward plan was recorded with five groups resident: it keeps them, and sampling at
+    # the training budget streams them along it.
+    assert handle._passes.forward == list(range(BLOCKS))
+    before = counts(handle, "sample")
+    sample(ref, model, 2)
+    assert delta(counts(handle, "sample"), before) == (16, 16, 0)
     handle.detach(release=True)
+
+
+@pytest.mark.no_daemon
+@pytest.mark.parametrize(
+    "recorded, before, resident, expected",
+    [
+        ([5, 6, 7], list(range(8)), {0, 1, 2, 3, 4}, list(range(8))),
+        ([1, 3], [0, 1, 2, 3, 4], {0, 2, 4}, [0, 1, 2, 3, 4]),
+        # the pass's order wins; each resident group goes before the recorded one after it
+        ([3, 1], [0, 1, 2, 3], {0, 2}, [2, 3, 0, 1]),
+        ([1, 2], [0, 1, 2], set(), [1, 2]),  # nothing resident: the pass as it ran
+        ([1, 2], [0, 1, 2], {1}, [1, 2]),  # resident but acquired: not put back twice
+    ],
+)
+def test_a_recorded_forward_plan_keeps_the_resident_groups(recorded, before, resident, expected):
+    assert wst.passes.with_resident(recorded, before, frozenset(resident)) == expected
 
 
 def test_a_sampling_budget_larger_than_the_device_is_refused(daemon):

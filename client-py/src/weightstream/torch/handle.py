@@ -342,8 +342,9 @@ class Handle:
         elif training and backward is False and layer.group == self._step_start:
             self.session.mark_step()
             p.counters[passes.TRAIN].passes += 1
-        elif not training and p.record_sample(layer.group) and p.kind == passes.SAMPLE:
-            self._install(p.forward, layer.group)  # the pass as it ran, from now on
+        elif not training and p.record_sample(layer.group, self._resident_groups):
+            if p.kind == passes.SAMPLE:
+                self._install(p.forward, layer.group)  # the pass as it ran, from now on
         if p.kind != kind:
             self._switch(kind, layer.group)
         with self._lock:
@@ -376,6 +377,9 @@ class Handle:
             self.session.release(self.session.wait(number))
         except SessionFault:
             pass  # refused (arena full): nothing to give back
+
+    def _resident_groups(self) -> frozenset[int]:
+        return frozenset(i for i, g in enumerate(self.session.groups) if g.resident)
 
     def _switch(self, kind: str, group: int):
         """A pass of ``kind`` begins at an acquire of ``group``: its plan comes in force. The
@@ -503,6 +507,11 @@ class Handle:
             self._step_start = None
         if p.kind is not None:
             self._install(p.plan_of(p.kind))
+        if self._lookahead is not None:
+            # Between steps the next pass starts at its plan's first group: its first acquires
+            # go in flight now, so that the reopened session's first acquire is not a miss (a
+            # training step's plan adopts them where they are its own next).
+            self._lookahead.top_up()
         if self._auto is not None:
             self._auto.budget = vram_budget
             self._auto.staging = self.session.opened.staging_bytes

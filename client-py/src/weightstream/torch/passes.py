@@ -5,7 +5,8 @@ A *training* pass (grad enabled) follows the training plan: the first step's acq
 or ``inference_mode``: a trainer's samples, or inference) follows the *forward plan*: before
 any such pass completes, the streamed groups in the order their layers are registered (what a
 forward of most models walks), then the first sampling pass as it ran (it ends when its first
-group is acquired again). Both plans are cyclic: the lookahead wraps from the last group to
+group is acquired again; the groups resident in its session, which it did not acquire, keep
+their places). Both plans are cyclic: the lookahead wraps from the last group to
 the first, so consecutive denoising steps (and classifier-free guidance's two passes, or its
 batch of two) stream without a miss. Sampling passes are never recorded into the training plan.
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from weightstream.errors import WeightstreamError
@@ -90,6 +92,22 @@ class ForwardRecorder:
         return None
 
 
+def with_resident(recorded: list[int], before: list[int], resident: frozenset[int]) -> list[int]:
+    """``recorded`` (a pass's acquires) with the ``resident`` groups of the plan ``before`` it
+    put back, each just before the first recorded group that follows it in ``before`` (at the
+    end where none does), in ``before``'s order."""
+    missing = [g for g in before if g in resident and g not in recorded]
+    if not missing:
+        return list(recorded)
+    place = {g: i for i, g in enumerate(recorded)}
+    keys = {g: (i, 1, 0) for i, g in enumerate(recorded)}
+    for i, g in enumerate(before):
+        if g in missing:
+            nxt = next((place[h] for h in before[i + 1 :] if h in place), len(recorded))
+            keys[g] = (nxt, 0, i)
+    return sorted(keys, key=keys.__getitem__)
+
+
 class Passes:
     """A handle's plans and counters per kind; ``kind``: whose plan is in force (None before
     the first acquire)."""
@@ -118,14 +136,17 @@ class Passes:
     def plan_of(self, kind: str) -> list[int] | None:
         return self.train if kind == TRAIN else self.forward
 
-    def record_sample(self, group: int) -> bool:
+    def record_sample(self, group: int, resident: Callable[[], frozenset[int]] = frozenset) -> bool:
         """A sampling acquire of ``group``: counts a pass at the forward plan's first group,
         and records the first pass; True when it completed just now (``forward`` is the new
-        forward plan)."""
+        forward plan). ``resident()``: the session's resident groups, which a pass does not
+        acquire; they keep their places of the plan so far in the recorded one, which a
+        session at another budget (``Handle.sampling()``'s) streams them by."""
         done = False
         if self._recorder is not None:
             recorded = self._recorder.add(group)
             if recorded is not None:
+                recorded = with_resident(recorded, self.forward, resident())
                 self.forward, self._recorder, done = recorded, None, True
         if self.forward and group == self.forward[0]:
             self.counters[SAMPLE].passes += 1
