@@ -2,7 +2,8 @@
 ``memory_cgroup`` makes a fresh cgroup under a cgroup root, limits it to N bytes with swap off,
 lets a child join it before the child runs (``MemoryCgroup.preexec``, Popen's ``preexec_fn``:
 the child and everything it starts count), reads back its peak and its OOM kills
-(``MemoryCgroup.report``), and removes it when the run is over.
+(``MemoryCgroup.report``), and removes it when the run is over; ``drop_page_cache`` makes a
+run pay for the files it reads.
 
 cgroup v2 (a root with ``cgroup.controllers`` listing ``memory``): ``memory.max``,
 ``memory.swap.max``, ``memory.peak``, ``memory.events``' ``oom_kill``. cgroup v1 (the memory
@@ -229,6 +230,24 @@ def _remove(path: Path) -> None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)  # the kernel takes an ended process out of cgroup.procs
+
+
+def drop_page_cache(folder: Path) -> int:
+    """Takes the files under ``folder`` out of the page cache (written back, then
+    ``POSIX_FADV_DONTNEED``); their bytes. A cached page stays charged to the cgroup that read
+    or wrote it first (the bench that built the model, or an earlier run): dropped, each run's
+    cgroup pays for what it reads."""
+    total = 0
+    for path in sorted(Path(folder).rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages are not dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
 
 
 def check(root: Path | None = None, meminfo: Path = MEMINFO) -> str | None:

@@ -244,13 +244,15 @@ def host_limit_conflict(runs: list[dict], args) -> str | None:
     return None
 
 
-def host_limit(args, name: str):
+def host_limit(args, name: str, common: dict):
     """The memory cgroup card.py runs in (``--host-limit-gib``: the daemon and the trainer
-    below it count together), or no cgroup."""
+    below it count together), or no cgroup; the work folder's files (the model, the data) out
+    of the page cache first, so that the run's cgroup counts what it reads of them."""
     gib = getattr(args, "host_limit_gib", 0)
     if not gib:
         return contextlib.nullcontext()
     root = getattr(args, "cgroup_root", None)
+    cgroup.drop_page_cache(Path(common["work"]))
     return cgroup.memory_cgroup(
         int(gib * (1 << 30)), root, f"weightstream-bench-{os.getpid()}-{name}"
     )
@@ -284,7 +286,7 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
         cmd = card_command(run, args, spec_path, card_json)
         print(f"[{run['label']}] {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
-        with host_limit(args, name) as cg:
+        with host_limit(args, name, common) as cg:
             try:  # the run inside has its own --timeout; this one is for card.py itself
                 rc = subprocess.run(
                     cmd,

@@ -1,12 +1,13 @@
 """tests/bench/aitk/cgroup.py and ai_toolkit_24g.py's ``--host-limit-gib``: cgroup v2 and v1
 on fake trees (a test's directories standing in for the kernel's files), the bench's refusals
 and report, and, where this host lets root make a memory cgroup, a real one: a child past its
-limit OOM-killed, one under it measured."""
+limit OOM-killed, one under it measured, a file the bench had cached counted once dropped."""
 
 from __future__ import annotations
 
 import errno
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -421,7 +422,30 @@ def test_a_runs_card_py_runs_in_its_cgroup_and_its_oom_kill_is_recorded(tmp_path
         1,
     )
     assert not Path(got["path"]).exists()
-    args.card_cmd = "{python} -c \"b = b'x' * (16 << 20)\""
+    # a file of the work folder, in the page cache as the build leaves it: the run pays for it
+    model = tmp_path / "model.bin"
+    model.write_bytes(b"m" * (64 * MiB))
+    args.card_cmd = f"{{python}} -c {shlex.quote(READ.format(path=str(model)))}"
     result = runs_24g.launch(run, common, args, cuda=False)
     assert result["card_rc"] == 0 and result["host_limit"]["oom_kill"] == 0
-    assert 16 * MiB <= result["host_limit"]["peak_bytes"] <= 128 * MiB
+    assert 64 * MiB <= result["host_limit"]["peak_bytes"] <= 128 * MiB
+
+
+#: A child that reads a file through a 1 MiB buffer: the page cache it fills is its only
+#: memory of the file's size.
+READ = "f = open({path!r}, 'rb', buffering=0); b = bytearray(1 << 20)\nwhile f.readinto(b): pass"
+
+
+@real
+def test_a_file_the_bench_has_cached_counts_in_the_run_once_dropped(tmp_path):
+    assert WHY is None, WHY
+    model = tmp_path / "model" / "weights.bin"
+    model.parent.mkdir()
+    model.write_bytes(b"m" * (96 * MiB))  # cached, charged to this process's cgroup
+    assert cgroup.drop_page_cache(tmp_path) == 96 * MiB
+    with cgroup.memory_cgroup(512 * MiB, name=f"weightstream-test-{os.getpid()}") as cg:
+        read = subprocess.run(
+            [sys.executable, "-c", READ.format(path=str(model))], preexec_fn=cg.preexec
+        )
+        assert read.returncode == 0
+        assert cg.peak_bytes() >= 96 * MiB
