@@ -32,6 +32,11 @@ optimum-quanto's, not the torchao ones its layer offloading streams). ai-toolkit
 copies with its own streams: the link cap does not reach it (it always has the device's full
 link).
 
+With `--host-limit-gib N` (and `--card`) each run's card.py, and so its daemon and trainer,
+runs in a fresh memory cgroup of N GiB with swap off (tests/bench/aitk/cgroup.py, cgroup v2 or
+v1; root and the memory controller needed, checked before the build); the report gives the
+cgroup's peak, the limit and the OOM killer's kills.
+
 With `--card GIB` each run is wrapped in tests/bench/card.py (`--card-cmd`), which holds all but
 GIB of the device for the run's whole life, daemon included, and reports the device's peak use
 while loading and while training (the shim marks the training phase at ai-toolkit's first
@@ -65,7 +70,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.bench.aitk import build, measure
+from tests.bench.aitk import build, cgroup, measure
 from tests.bench.aitk.build_24g import (
     FLUX2_CLASS,
     SIZES,
@@ -79,6 +84,7 @@ from tests.bench.aitk.runs_24g import (
     BUILT,
     CARD_CMD,
     DEFAULT_RUNS,
+    host_limit_conflict,
     launch,
     one,
     parse_runs,
@@ -152,6 +158,20 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--card", type=float, default=0, help="emulated card GiB (card.py)")
     ap.add_argument("--card-cmd", default=CARD_CMD)
+    ap.add_argument(
+        "--host-limit-gib",
+        type=float,
+        default=0,
+        help="run each card.py subprocess (its daemon and trainer) in a fresh memory cgroup of"
+        " this many GiB, swap off (needs --card, root and the memory controller); the report"
+        " gives the cgroup's peak and OOM kills",
+    )
+    ap.add_argument(
+        "--cgroup-root",
+        default=None,
+        help="where --host-limit-gib makes its cgroups (default: /sys/fs/cgroup on cgroup v2"
+        " with the memory controller, else cgroup v1's memory mount)",
+    )
     ap.add_argument("--budget-s", type=float, default=None, help="start no run past this")
     ap.add_argument("--first-run-s", type=float, default=240)
     ap.add_argument("--timeout", type=float, default=1200, help="one run's limit")
@@ -188,6 +208,16 @@ def main(argv=None) -> int:
         args.resolution = min(args.resolution, 64)
         args.runs = args.runs or "aitk:r4,weightstream:r4:full"
     runs = parse_runs(args.runs or DEFAULT_RUNS, host_delay=args.host_delay == "true")
+    conflict = host_limit_conflict(runs, args)
+    if conflict:
+        ap.error(conflict)
+    if args.host_limit_gib:  # before the build: a run that cannot be limited is not run
+        why = cgroup.check(args.cgroup_root)
+        if why:
+            print(
+                f"ai_toolkit_24g: --host-limit-gib {args.host_limit_gib:g}: {why}", file=sys.stderr
+            )
+            return 2
     size = json.loads(json.dumps(SIZES[args.arch][args.size]))
     aitk = Path(args.aitk).resolve()
     fp8 = args.disk_dtype == "fp8"
@@ -282,6 +312,7 @@ def main(argv=None) -> int:
         "ara": str(ara) if ara else None,
         "host_gib": args.host_gib,
         "card_gib": args.card or None,
+        "host_limit_gib": args.host_limit_gib or None,
         "host_delay": args.host_delay == "true",
         "steps": args.steps,
         "sample": {"every": args.sample_every, "steps": args.sample_steps}
@@ -300,7 +331,12 @@ def main(argv=None) -> int:
     (out / f"{STEM}.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / f"{STEM}.md").write_text(markdown(report))
     print(markdown(report), flush=True)
-    ok = all(r["rc"] in (0, "not run") or r["summary"].get("oom") for r in results)
+    ok = all(
+        r["rc"] in (0, "not run")
+        or r["summary"].get("oom")
+        or (r["summary"].get("host_cgroup") or {}).get("oom_kill")
+        for r in results
+    )
     # weightstream's runs must have streamed: the transformer attached, layers streamed; the
     # host runs' LoRA must have been in host memory
     for r in results:

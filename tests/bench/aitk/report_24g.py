@@ -1,5 +1,6 @@
-"""The Markdown report of tests/bench/ai_toolkit_24g.py: one section per call, a row per run,
-and where each run's host memory was when it ended (``host_at_end``)."""
+"""The Markdown report of tests/bench/ai_toolkit_24g.py: one section per call, a row per run
+(with ``--host-limit-gib``, its memory cgroup's peak and limit, and its OOM kills), and where
+each run's host memory was when it ended (``host_at_end``)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ def host_at_end(result: dict) -> str | None:
 
 def _gib(n) -> str:
     return "-" if not n else f"{n / (1 << 30):.2f}"
+
+
+def _host_cgroup(summary: dict) -> str:
+    """The run's memory cgroup (``--host-limit-gib``): its peak and its limit, GiB."""
+    cg = summary.get("host_cgroup") or {}
+    peak = cg.get("peak_bytes")
+    return f"{'-' if peak is None else f'{peak / (1 << 30):.2f}'} / {_gib(cg.get('limit_bytes'))}"
 
 
 def _card_phases(card: dict | None) -> tuple[str, str]:
@@ -88,6 +96,24 @@ def _model_lines(call: dict) -> list[str]:
     ]
 
 
+def _limit_lines(call: dict) -> list[str]:
+    """The host limit (``--host-limit-gib``), when the call had one."""
+    if not call.get("host_limit_gib"):
+        return []
+    versions = sorted(
+        {
+            str(r["summary"]["host_cgroup"]["cgroup_version"])
+            for r in call["runs"]
+            if (r.get("summary") or {}).get("host_cgroup")
+        }
+    )
+    return [
+        f"- host limit: {call['host_limit_gib']:g} GiB, swap off: each run's card.py, its daemon"
+        f" and its trainer in a memory cgroup of their own (cgroup v{'/'.join(versions) or '?'});"
+        " its peak counts the page cache the run read as well as its own memory"
+    ]
+
+
 def _sampling_lines(call: dict) -> list[str]:
     """Each run's ``sample`` calls (the shim times ai-toolkit's own): one row a call."""
     rows = [
@@ -125,6 +151,7 @@ def markdown(report: dict) -> str:
         "",
     ]
     for call in report["calls"]:
+        limited = any((r.get("summary") or {}).get("host_cgroup") for r in call["runs"])
         lines += [
             f"## {call['arch']} `{call['size']}` — {call['machine']}, commit {call['commit']}",
             "",
@@ -134,10 +161,12 @@ def markdown(report: dict) -> str:
             f"- {call['steps']} steps at {call['resolution']} px, {call['images']} images;"
             " s/step is the median of the logged steps' gaps after the first",
             *_model_lines(call),
+            *_limit_lines(call),
             "",
             "| run | rc | s/step | first step | card GiB in use loading / training (card.py)"
-            " | torch peak GiB loading / training | host GiB trainer / daemon |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            " | torch peak GiB loading / training | host GiB trainer / daemon |"
+            + (" host GiB peak (cgroup) / limit |" if limited else ""),
+            "| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if limited else ""),
         ]
         for r in call["runs"]:
             s = r.get("summary") or {}
@@ -150,12 +179,20 @@ def markdown(report: dict) -> str:
                 f" {'-' if fs is None else f'{fs:.0f} s'} | {loading} / {training} |"
                 f" {_gib(s.get('torch_loading_peak'))} / {_gib(s.get('torch_training_peak'))} |"
                 f" {_gib(s.get('host_trainer_peak'))} / {_gib(s.get('host_daemon_peak'))} |"
+                + (f" {_host_cgroup(s)} |" if limited else "")
             )
         lines.append("")
         for r in call["runs"]:
             s = r.get("summary") or {}
             if s.get("oom"):
                 lines.append(f"- {r['label']}: out of memory: `{s['oom']}`")
+            kills = (s.get("host_cgroup") or {}).get("oom_kill")
+            if kills:
+                lines.append(
+                    f"- {r['label']}: OOM-killed: the kernel's OOM killer ended {kills}"
+                    f" process{'es' if kills > 1 else ''} of the run at its"
+                    f" {_gib(s['host_cgroup']['limit_bytes'])} GiB host limit"
+                )
             if r["rc"] == "not run":
                 lines.append(f"- {r['label']}: not run (time budget: {r['why']})")
             host = s.get("trainable_host")

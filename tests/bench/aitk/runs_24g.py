@@ -5,7 +5,9 @@ process, or under tests/bench/card.py as ``--one``), and the figures taken from 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shlex
 import statistics
@@ -15,7 +17,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from tests.bench.aitk import measure
+from tests.bench.aitk import cgroup, measure
 
 BENCH = Path(__file__).resolve().parent.parent  # tests/bench
 
@@ -217,12 +219,54 @@ def card_command(run: dict, args, spec_path: Path, card_json: Path) -> list[str]
     ]
 
 
+def host_limit_conflict(runs: list[dict], args) -> str | None:
+    """Why ``--host-limit-gib`` cannot hold these runs, or None: the cgroup holds card.py's
+    subprocess, so every run must be one (``--card``, no ``resident`` run, which runs in this
+    process), and the daemon must be the run's own (``--daemon-socket``'s is outside it)."""
+    if not getattr(args, "host_limit_gib", 0):
+        return None
+    if not args.card:
+        return (
+            "--host-limit-gib needs --card: the limit holds each run's card.py subprocess (its"
+            " daemon and trainer); without --card the runs are in this process"
+        )
+    resident = [r["label"] for r in runs if r["kind"] == "resident"]
+    if resident:
+        return (
+            f"--host-limit-gib: {', '.join(resident)} run in this process, not under card.py;"
+            " drop them from --runs"
+        )
+    if getattr(args, "daemon_socket", None):
+        return (
+            "--host-limit-gib with --daemon-socket: that daemon runs outside the runs' cgroups"
+            " and its memory would not count; drop one of them"
+        )
+    return None
+
+
+def host_limit(args, name: str, common: dict):
+    """The memory cgroup card.py runs in (``--host-limit-gib``: the daemon and the trainer
+    below it count together), or no cgroup; the work folder's files (the model, the data) out
+    of the page cache first, so that the run's cgroup counts what it reads of them."""
+    gib = getattr(args, "host_limit_gib", 0)
+    if not gib:
+        return contextlib.nullcontext()
+    root = getattr(args, "cgroup_root", None)
+    cgroup.drop_page_cache(Path(common["work"]))
+    return cgroup.memory_cgroup(
+        int(gib * (1 << 30)), root, f"weightstream-bench-{os.getpid()}-{name}"
+    )
+
+
 def launch(run: dict, common: dict, args, cuda: bool) -> dict:
-    """One run: in this process, or under card.py (``--card``) as ``--one``."""
+    """One run: in this process, or under card.py (``--card``) as ``--one``, there in a memory
+    cgroup of its own with ``--host-limit-gib`` (``host_limit``)."""
     spec = run_spec(run, common, args, cuda)
     name = spec["folder_name"]
     work = Path(common["work"])
     if not args.card or run["kind"] == "resident":
+        if getattr(args, "host_limit_gib", 0):
+            raise ValueError(host_limit_conflict([run], args))
         result, _ = measure.run_one(
             name,
             SimpleNamespace(**spec["args"]),
@@ -242,10 +286,17 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
         cmd = card_command(run, args, spec_path, card_json)
         print(f"[{run['label']}] {' '.join(cmd)}", flush=True)
         t0 = time.monotonic()
-        try:  # the run inside has its own --timeout; this one is for card.py itself
-            rc = subprocess.run(cmd, cwd=measure.REPO, timeout=args.timeout + 120).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        with host_limit(args, name, common) as cg:
+            try:  # the run inside has its own --timeout; this one is for card.py itself
+                rc = subprocess.run(
+                    cmd,
+                    cwd=measure.REPO,
+                    timeout=args.timeout + 120,
+                    preexec_fn=cg.preexec if cg else None,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            limit = cg.report() if cg else None
         result_path = Path(spec["result"])
         if result_path.exists():
             result = json.loads(result_path.read_text())
@@ -255,6 +306,8 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
         result["card_command"] = cmd
         if card_json.exists():
             result["card"] = json.loads(card_json.read_text())
+        if limit:
+            result["host_limit"] = limit
     log = work / name / "trainer.log"
     if log.exists():
         result["trainable_host"] = trainable_report(log.read_text(errors="replace"))
@@ -295,7 +348,8 @@ def summarize(result: dict) -> dict:
     """The figures of one run: s/step (median of the logged steps' gaps after the first, the
     first holding the warm-up), time to the first step, torch's peaks while loading and while
     training, host memory (with ``trainable: host``, the LoRA's as weightstream-aitk reports
-    it), an out-of-memory error if the run ended with one."""
+    it), the run's memory cgroup (``--host-limit-gib``: its limit, peak and OOM kills), an
+    out-of-memory error if the run ended with one."""
     gaps = result.get("step_gaps_s") or []
     stats = result.get("torch_stats") or {}
     loading = (result.get("stubs") or {}).get("memory_manager", {}).get("loading") or []
@@ -315,6 +369,11 @@ def summarize(result: dict) -> dict:
     for line in tail.splitlines():
         if "out of memory" in line.lower() or "OutOfMemoryError" in line:
             out["oom"] = line.strip()[:400]
+    limit = result.get("host_limit")
+    if limit:  # the run's memory cgroup (--host-limit-gib)
+        out["host_cgroup"] = {
+            k: limit[k] for k in ("cgroup_version", "limit_bytes", "peak_bytes", "oom_kill")
+        }
     card_oom = ((result.get("card") or {}).get("oom") or {}).get("lines")
     if card_oom and "oom" not in out:
         out["oom"] = str(card_oom[-1])[:400]
