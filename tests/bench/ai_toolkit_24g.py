@@ -53,7 +53,11 @@ report):
   Generation saved as `mistralai/Mistral-Small-3.1-24B-Instruct-2503` in HF_HOME's cache with a
   PixtralProcessor over a byte-level tokenizer: the real width (5120: the transformer reads
   3 x 5120) and the 30 layers the pipeline reads (hidden states 10, 20, 30), with narrower
-  attention and MLP and a tiny vision tower.
+  attention and MLP and a tiny vision tower; with `--te-size full`, Mistral Small 3.1's text
+  model at its full size (40 layers, vocabulary 131072: 47 GB of bf16, written one shard at a
+  time), the vision tower still one layer and the tokenizer byte-level. `--single-blocks N`
+  (or `disk`: the most that fit --work's free disk) sets the single blocks in place of
+  `--host-gib`.
 - flux (FLUX.1-dev, `toolkit/stable_diffusion_model.py`): a diffusers folder, the transformer at
   FLUX.1-dev's size (Linear weights float8 on disk), T5-XXL's encoder at its real size (bf16),
   one-layer CLIP, a small VAE (tests/bench/aitk/build.py's `build_model`).
@@ -73,10 +77,14 @@ from pathlib import Path
 from tests.bench.aitk import build, cgroup, measure
 from tests.bench.aitk.build_24g import (
     FLUX2_CLASS,
+    MISTRAL_FULL,
     SIZES,
+    TE_SHARD_BYTES,
     build_flux1,
     build_flux2,
     flux2_ara_layers,
+    flux2_disk_bytes,
+    flux2_singles_for_disk,
     flux2_singles_for_host,
 )
 from tests.bench.aitk.report_24g import markdown
@@ -95,6 +103,20 @@ from tests.bench.aitk_packed_real import write_ara
 from tests.bench.provenance import commit
 
 STEM = "ai_toolkit_24g"
+
+
+def free_disk(work: Path) -> int:
+    """The bytes free on ``work``'s file system once ``work``'s old contents are removed (a
+    build removes them first; links are not followed)."""
+    where = work
+    while not where.exists():
+        where = where.parent
+    held = 0
+    if work.is_dir():
+        for path in work.rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                held += path.lstat().st_size
+    return shutil.disk_usage(where).free + held
 
 
 def main(argv=None) -> int:
@@ -156,6 +178,22 @@ def main(argv=None) -> int:
         help="flux2 dev: the host's memory, which sets how many single blocks fit (see"
         " flux2_singles_for_host); 0 keeps all 48",
     )
+    ap.add_argument(
+        "--single-blocks",
+        default=None,
+        help="flux2: build this many of the 48 single blocks (1-48; in place of --host-gib's"
+        " count), or `disk`: the most whose build fits the free disk of --work (its old"
+        " contents counted as free), 1 GiB kept for the runs; a number is checked the same"
+        " way before the build",
+    )
+    ap.add_argument(
+        "--te-size",
+        choices=["reduced", "full"],
+        default="reduced",
+        help="flux2 dev: the Mistral3 text encoder reduced (30 layers, narrow attention and"
+        " MLP, byte-level vocabulary) or at Mistral Small 3.1's text model's full size (40"
+        " layers, vocabulary 131072; 47 GB of bf16, written shard by shard)",
+    )
     ap.add_argument("--card", type=float, default=0, help="emulated card GiB (card.py)")
     ap.add_argument("--card-cmd", default=CARD_CMD)
     ap.add_argument(
@@ -198,6 +236,14 @@ def main(argv=None) -> int:
         ap.error("--aitk, --bin and --out are required")
     if args.ara and args.arch != "flux2":
         ap.error(f"--ara is made for --arch flux2's transformer only, not {args.arch}")
+    if args.single_blocks is not None and args.arch != "flux2":
+        ap.error(f"--single-blocks is FLUX.2's transformer's, not --arch {args.arch}'s")
+    if args.single_blocks not in (None, "disk") and not (
+        args.single_blocks.isdigit() and 1 <= int(args.single_blocks) <= 48
+    ):
+        ap.error(f"--single-blocks {args.single_blocks}: expected 1 to 48 or `disk`")
+    if args.te_size == "full" and (args.arch != "flux2" or args.smoke or args.size != "dev"):
+        ap.error("--te-size full is FLUX.2-dev's text encoder: --arch flux2 --size dev only")
     started = time.monotonic()
     import torch
 
@@ -221,11 +267,33 @@ def main(argv=None) -> int:
     size = json.loads(json.dumps(SIZES[args.arch][args.size]))
     aitk = Path(args.aitk).resolve()
     fp8 = args.disk_dtype == "fp8"
-    if args.arch == "flux2" and args.size == "dev" and args.host_gib:
-        singles = flux2_singles_for_host(aitk, size["transformer"], args.host_gib, fp8)
-        if singles < 48:
-            size["transformer"]["depth_single_blocks"] = singles
+    if args.te_size == "full":
+        size["te"], size["te_shard_bytes"] = dict(MISTRAL_FULL), TE_SHARD_BYTES
     work = Path(args.work) if args.work else Path(f"/tmp/ws-aitk24-{os.getpid()}")
+    singles_by, disk = None, None
+    if args.single_blocks is not None:
+        disk = flux2_disk_bytes(aitk, size, fp8)
+        disk["free"] = free_disk(work)
+        fit = flux2_singles_for_disk(disk, disk["free"])
+        singles = fit if args.single_blocks == "disk" else int(args.single_blocks)
+        if not 0 < singles <= fit:
+            print(
+                f"ai_toolkit_24g: --single-blocks {args.single_blocks}: the build writes"
+                f" {(disk['fixed'] + singles * disk['single']) / 1e9:.2f} GB and {work} has"
+                f" {disk['free'] / 1e9:.2f} GB free, 1 GiB of which is kept for the runs: "
+                + (f"at most --single-blocks {fit} fit" if fit else "not one single block fits")
+                + f" ({disk['single'] / 1e9:.3f} GB each); free the disk"
+                + (" or give fewer" if fit else ""),
+                file=sys.stderr,
+            )
+            return 2
+        singles_by = "disk" if args.single_blocks == "disk" else "single-blocks"
+        disk["singles"] = singles
+    elif args.arch == "flux2" and args.size == "dev" and args.host_gib:
+        singles = flux2_singles_for_host(aitk, size["transformer"], args.host_gib, fp8)
+        singles_by = "host"
+    if singles_by and singles < 48:
+        size["transformer"]["depth_single_blocks"] = singles
     what = {
         "arch": args.arch,
         "size": size,
@@ -311,6 +379,9 @@ def main(argv=None) -> int:
         "qtype": args.qtype,
         "ara": str(ara) if ara else None,
         "host_gib": args.host_gib,
+        "te_size": args.te_size,
+        "singles_by": singles_by,
+        "disk": disk,
         "card_gib": args.card or None,
         "host_limit_gib": args.host_limit_gib or None,
         "host_delay": args.host_delay == "true",

@@ -53,38 +53,76 @@ def _card_phases(card: dict | None) -> tuple[str, str]:
     return tuple("-" if v is None else f"{float(v):.2f}" for v in got)
 
 
+def _singles_cut(call: dict, singles: int) -> str:
+    """Why the transformer has ``singles`` of its 48 single blocks: the host
+    (``--host-gib``) or the disk (``--single-blocks``)."""
+    head = (
+        f"- reduced: {singles} of FLUX.2-dev's 48 single-stream blocks (all 8 double blocks,"
+        " the real width): "
+    )
+    disk = call.get("disk")
+    if call.get("singles_by") in ("disk", "single-blocks") and disk:
+        given = "disk" if call["singles_by"] == "disk" else singles
+        need = disk["fixed"] + singles * disk["single"]
+        return head + (
+            f"for the disk (`--single-blocks {given}`): the build wrote"
+            f" {need / 1e9:.2f} GB ({disk['single'] / 1e9:.3f} GB a single block) where"
+            f" {disk['free'] / 1e9:.2f} GB were free, 1 GiB kept for the runs"
+        )
+    return head + (
+        "with float8 on disk the loader's bf16 state dict is"
+        " anonymous memory until `load_model` returns (2 bytes a parameter), and"
+        " weightstream-aitk's attach copies the 8-bit weights into the daemon before the"
+        " trainer's copy goes (1 + 1): 4 bytes a parameter at the peak, which for 32 B"
+        f" parameters is more than the {call.get('host_gib', 128):g} GiB host (with the"
+        " real bf16 file those 2 bytes are the file's pages, which the kernel can drop)"
+    )
+
+
+def _te_lines(call: dict, te: dict) -> list[str]:
+    """The Mistral3 text encoder: at Mistral Small 3.1's full size (``--te-size full``) with
+    its vision tower and tokenizer reduced, or reduced (the default)."""
+    if call.get("te_size") == "full":
+        return [
+            "- text encoder: Mistral Small 3.1's text model at its full size"
+            f" (Mistral3ForConditionalGeneration): {te['layers']} layers of width"
+            f" {te['hidden_size']}, attention {te['num_attention_heads']} x {te['head_dim']} /"
+            f" {te['num_key_value_heads']} kv heads, MLP {te['intermediate_size']}, an untied"
+            f" embedding and lm_head of {te['vocab']} x {te['hidden_size']}:"
+            f" {te['params'] / 1e9:.2f} B parameters, bf16, in {te['shards']} safetensors"
+            f" shards ({te['bytes_on_disk'] / 1e9:.1f} GB), written one shard at a time (at"
+            f" most {te['largest_buffer_bytes'] / 1e9:.2f} GB of it in host memory);",
+            f"- reduced: the text encoder's vision tower ({te['vision_layers']} Pixtral layer of"
+            " width 32; 24 of width 1024 in the real one) and its tokenizer, byte-level:"
+            f" {te['tokenizer_ids']} ids, all below the embedding's {te['vocab']} (Tekken's"
+            " 131072 in the real one).",
+        ]
+    return [
+        f"- reduced: the text encoder, Mistral3ForConditionalGeneration with"
+        f" {te['layers']} layers (Mistral Small 3.1: 40; the pipeline reads hidden states"
+        f" 10, 20, 30) of width {te['hidden_size']} (5120 in the real one), attention"
+        f" {te['num_attention_heads']} x {te['head_dim']} / {te['num_key_value_heads']} kv"
+        f" heads (32 / 8) and MLP {te['intermediate_size']} (32768), a byte-level vocabulary"
+        f" of {te['vocab']} and a one-layer vision tower: {te['params'] / 1e9:.2f} B"
+        " parameters, not 24 B. With the real one, ai-toolkit's `load_te` moves 48 GB of"
+        " bf16 weights onto the device before quantizing (an out-of-memory error on a 24 GiB"
+        " card); weightstream-aitk keeps them on the CPU either way.",
+    ]
+
+
 def _model_lines(call: dict) -> list[str]:
     b, s = call["built"], call["sizes"]
     if call["arch"] == "flux2":
         t, te = b["transformer"], b["text_encoder"]
         singles = s["transformer"].get("depth_single_blocks")
-        cut = (
-            [
-                f"- reduced: {singles} of FLUX.2-dev's 48 single-stream blocks (all 8 double"
-                " blocks, the real width): with float8 on disk the loader's bf16 state dict is"
-                " anonymous memory until `load_model` returns (2 bytes a parameter), and"
-                " weightstream-aitk's attach copies the 8-bit weights into the daemon before the"
-                " trainer's copy goes (1 + 1): 4 bytes a parameter at the peak, which for 32 B"
-                f" parameters is more than the {call.get('host_gib', 128):g} GiB host (with the"
-                " real bf16 file those 2 bytes are the file's pages, which the kernel can drop)"
-            ]
-            if call["size"] == "dev" and singles
-            else []
-        )
-        return cut + [
+        cut = [_singles_cut(call, singles)] if call["size"] == "dev" and singles else []
+        return [
+            *cut,
             f"- model: FLUX.2-dev (`arch: flux2`), size `{call['size']}`: ai-toolkit's"
             f" `Flux2(Flux2Params(**{s['transformer']}))`, {t['params']:,} parameters,"
             f" {t['bytes_on_disk'] / 1e9:.1f} GB on disk ({call['disk_dtype']} Linear weights,"
             " cast to bf16 by the loader); its `AutoEncoder` at the real size;",
-            f"- reduced: the text encoder, Mistral3ForConditionalGeneration with"
-            f" {te['layers']} layers (Mistral Small 3.1: 40; the pipeline reads hidden states"
-            f" 10, 20, 30) of width {te['hidden_size']} (5120 in the real one), attention"
-            f" {te['num_attention_heads']} x {te['head_dim']} / {te['num_key_value_heads']} kv"
-            f" heads (32 / 8) and MLP {te['intermediate_size']} (32768), a byte-level vocabulary"
-            f" of {te['vocab']} and a one-layer vision tower: {te['params'] / 1e9:.2f} B"
-            " parameters, not 24 B. With the real one, ai-toolkit's `load_te` moves 48 GB of"
-            " bf16 weights onto the device before quantizing (an out-of-memory error on a 24 GiB"
-            " card); weightstream-aitk keeps them on the CPU either way.",
+            *_te_lines(call, te),
         ]
     t, te = b["transformer"], b.get("text_encoder")
     return [
