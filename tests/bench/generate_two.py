@@ -222,22 +222,32 @@ def snapshot(daemon, procs: dict) -> dict:
     return point
 
 
+def progress(started: float, text: str):
+    """One line per phase, so that a run cut short by its time limit says how far it got."""
+    print(f"[{time.monotonic() - started:6.1f} s] {text}", flush=True)
+
+
 def run(args, daemon) -> dict:
     import torch
 
+    started = time.monotonic()
     alone = Generation(args, daemon.socket, "alone")
+    progress(started, f"alone attached ({alone.attach_s:.1f} s)")
     memory = {"alone_attached": snapshot(daemon, {"alone": alone.proc.pid})}
     alone.go()
     results = {"alone": alone.result()}
+    progress(started, f"alone denoised: {results['alone']['median_step_s']:.3f} s a step")
     results["alone"]["returncode"] = alone.end()
     memory["before_pair"] = snapshot(daemon, {})
     first = Generation(args, daemon.socket, "first")
+    progress(started, f"first attached ({first.attach_s:.1f} s)")
     memory["first_attached"] = snapshot(daemon, {"first": first.proc.pid})
     # The second attaches the model the first uploaded, by its id: an upload of the same
     # weights is found the same only once it is hashed, and until then needs the room of a
     # second copy in the daemon (more than a host holding a 64 GB model has).
     (model,) = daemon.client.list_models().models
     second = Generation(args, daemon.socket, "second", model.model_id)
+    progress(started, f"second attached by id ({second.attach_s:.1f} s); the pair denoises")
     memory["second_attached"] = snapshot(
         daemon, {"first": first.proc.pid, "second": second.proc.pid}
     )
