@@ -674,8 +674,7 @@ impl Client {
                 code: tonic::Code::FailedPrecondition,
                 message: format!(
                     "loading {:?} again gave model {}, not {model_id}: the files changed",
-                    from.paths,
-                    manifest.model_id
+                    from.paths, manifest.model_id
                 ),
             });
         }

@@ -1229,7 +1229,7 @@ mod tests {
         let load = |selection: &Selection| {
             store
                 .load(
-                    &sources(&[path.clone()]),
+                    &sources(std::slice::from_ref(&path)),
                     "",
                     q,
                     selection,
@@ -1271,7 +1271,7 @@ mod tests {
         let load = |selection: Selection| {
             let s = store
                 .load(
-                    &sources(&[path.clone()]),
+                    &sources(std::slice::from_ref(&path)),
                     "",
                     Quantization::None,
                     &selection,
