@@ -192,8 +192,10 @@ impl Client {
     /// Loads safetensors files (absolute paths of files, index files or directories), which
     /// this process opens and passes to the daemon; `progress(LoadProgress)` sees each update
     /// (an exception it raises is raised once the load is done). The reference lasts as
-    /// `retention` says ("cached", "connection", "pinned").
-    #[pyo3(signature = (paths, name="", progress=None, quantize=None, retention="cached"))]
+    /// `retention` says ("cached", "connection", "pinned"). `tensors` names the tensors to load
+    /// (their names in the files); empty: every tensor.
+    #[pyo3(signature = (paths, name="", progress=None, quantize=None, retention="cached", tensors=Vec::new()))]
+    #[allow(clippy::too_many_arguments)]
     fn load_model(
         &self,
         py: Python<'_>,
@@ -202,14 +204,19 @@ impl Client {
         progress: Option<Py<PyAny>>,
         quantize: Option<&str>,
         retention: &str,
+        tensors: Vec<String>,
     ) -> PyResult<records::ModelManifest> {
-        let quantization = quantization(quantize.unwrap_or("none"))?;
+        let from = ws::LoadedFrom {
+            paths,
+            quantization: quantization(quantize.unwrap_or("none"))?,
+            tensors,
+        };
         let mut c = self.client(py)?.with_retention(parse_retention(retention)?);
         let name = name.to_string();
         let (loaded, failed) = block_on(py, async move {
             let mut failed: Option<PyErr> = None;
             let loaded = c
-                .load_model(&paths, &name, quantization, |p| {
+                .load_model_from(&from, &name, |p| {
                     if let (Some(cb), None) = (&progress, &failed)
                         && let Err(e) = Python::attach(|py| cb.call1(py, (records::progress(p),)))
                     {

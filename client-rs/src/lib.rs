@@ -214,12 +214,15 @@ pub fn row_layout(shape: &[u64]) -> Option<([u64; 2], u64, u64)> {
     Some(([rows, blocks], scale_offset, nbytes))
 }
 
-/// The files a model was loaded from, and in which format: what
-/// [`Client::restore_model`] loads again.
+/// What a load of files reads: the files, the format, and which of their tensors (empty:
+/// every one). What [`Client::load_model_from`] loads, and [`Client::restore_model`] loads
+/// again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadedFrom {
     pub paths: Vec<PathBuf>,
     pub quantization: proto::Quantization,
+    /// Names in the files (`LoadModelRequest.tensors`); their order does not matter.
+    pub tensors: Vec<String>,
 }
 
 /// How often [`Client::reconnect`] dials again while the daemon is not back.
@@ -427,9 +430,26 @@ impl Client {
         paths: &[PathBuf],
         name: &str,
         quantization: proto::Quantization,
+        progress: impl FnMut(&proto::LoadProgress),
+    ) -> Result<proto::ModelManifest, ClientError> {
+        let from = LoadedFrom {
+            paths: paths.to_vec(),
+            quantization,
+            tensors: Vec::new(),
+        };
+        self.load_model_from(&from, name, progress).await
+    }
+
+    /// [`Client::load_model`] of `from.tensors` only (empty: every tensor): the daemon reads,
+    /// holds and charges those alone, and refuses a name none of the files holds. The same
+    /// files and names (in any order) give the same model id; other names another.
+    pub async fn load_model_from(
+        &mut self,
+        from: &LoadedFrom,
+        name: &str,
         mut progress: impl FnMut(&proto::LoadProgress),
     ) -> Result<proto::ModelManifest, ClientError> {
-        let named = paths.to_vec();
+        let named = from.paths.clone();
         let (files, fd_token) = self
             .handoff(move |socket| {
                 let opened = sources::open_sources(&named)?;
@@ -445,8 +465,9 @@ impl Client {
             paths: files.iter().map(|p| p.display().to_string()).collect(),
             name: name.to_string(),
             fd_token,
-            quantization: quantization as i32,
+            quantization: from.quantization as i32,
             retention: self.retention as i32,
+            tensors: from.tensors.clone(),
         };
         let mut events = self
             .rpc
@@ -459,11 +480,7 @@ impl Client {
                 Some(proto::load_model_event::Event::Progress(p)) => progress(&p),
                 Some(proto::load_model_event::Event::Manifest(m)) => {
                     let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
-                    let from = LoadedFrom {
-                        paths: paths.to_vec(),
-                        quantization,
-                    };
-                    loaded.insert(m.model_id.clone(), from);
+                    loaded.insert(m.model_id.clone(), from.clone());
                     return Ok(m);
                 }
                 None => {}
@@ -647,21 +664,17 @@ impl Client {
         if listed.models.iter().any(|m| m.model_id == model_id) {
             return Ok(false);
         }
-        let Some(LoadedFrom {
-            paths,
-            quantization,
-        }) = self.loaded_from(model_id)
-        else {
+        let Some(from) = self.loaded_from(model_id) else {
             return Ok(false);
         };
-        let manifest = self.load_model(&paths, "", quantization, |_| {}).await?;
+        let manifest = self.load_model_from(&from, "", |_| {}).await?;
         if manifest.model_id != model_id {
             self.release_model(&manifest.model_id).await?;
             return Err(ClientError::Rejected {
                 code: tonic::Code::FailedPrecondition,
                 message: format!(
-                    "loading {paths:?} again gave model {}, not {model_id}: the files changed",
-                    manifest.model_id
+                    "loading {:?} again gave model {}, not {model_id}: the files changed",
+                    from.paths, manifest.model_id
                 ),
             });
         }

@@ -19,7 +19,7 @@ use tonic::{Code, Request, Response, Status};
 use weightstream_client::handoff::{self, Request as Handoff};
 use weightstream_client::proto::weight_stream_server::{WeightStream, WeightStreamServer};
 use weightstream_client::proto::{self, client_message::Msg, server_message::Msg as Reply};
-use weightstream_client::{Client, ClientError, SessionOptions, TensorData};
+use weightstream_client::{Client, ClientError, LoadedFrom, SessionOptions, TensorData};
 
 const REGION: &[u8] = b"bytes of a staging region, read-only";
 
@@ -32,6 +32,8 @@ struct State {
     objects: HashMap<String, Arc<OwnedFd>>,
     /// (display paths, bytes read from the fds) of each load.
     loads: Vec<(Vec<String>, Vec<Vec<u8>>)>,
+    /// The tensors each load named.
+    selections: Vec<Vec<String>>,
     uploads: HashMap<String, Arc<OwnedFd>>,
     committed: Option<Vec<u8>>,
     /// The upload ids AbortUpload was asked for.
@@ -123,6 +125,7 @@ impl WeightStream for Fake {
             contents.push(bytes);
         }
         state.loads.push((request.paths, contents));
+        state.selections.push(request.tensors);
         let (tx, rx) = tokio::sync::mpsc::channel(1);
         let manifest = proto::ModelManifest {
             model_id: "m-load".into(),
@@ -396,6 +399,31 @@ async fn load_passes_the_opened_files_and_their_display_paths() {
         vec![b"first".to_vec(), b"second".to_vec()],
     );
     assert_eq!(state.lock().unwrap().loads, vec![want]);
+}
+
+/// A load of some tensors names them in its request, and the client remembers them with the
+/// files, so that a restore loads the same selection (the same model id) again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_load_of_some_tensors_names_them_and_remembers_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let (state, mut client) = start(dir.path()).await;
+    let path = dir.path().join("a.safetensors");
+    std::fs::write(&path, b"first").unwrap();
+    let from = LoadedFrom {
+        paths: vec![path],
+        quantization: weightstream_client::proto::Quantization::Fp8E4m3Row,
+        tensors: vec!["l.weight".into(), "k.weight".into()],
+    };
+    let manifest = client.load_model_from(&from, "", |_| {}).await.unwrap();
+    assert_eq!(manifest.model_id, "m-load");
+    assert_eq!(
+        state.lock().unwrap().selections,
+        vec![vec!["l.weight".to_string(), "k.weight".to_string()]]
+    );
+    assert_eq!(
+        client.loaded_models(),
+        HashMap::from([("m-load".to_string(), from)])
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

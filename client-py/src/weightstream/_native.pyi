@@ -83,6 +83,7 @@ class Client:
         progress: Callable[[LoadProgress], object] | None = None,
         quantize: str | None = None,
         retention: str = "cached",
+        tensors: list[str] = ...,
     ) -> ModelManifest: ...
     def upload_model(
         self,

@@ -93,6 +93,7 @@ class Client:
         quantize: str | None = None,
         *,
         retention: str = "cached",
+        tensors: Iterable[str] | None = None,
     ) -> ModelManifest:
         """Loads safetensors into the store: files, ``*.safetensors.index.json`` files (their
         shards) or directories (their ``*.safetensors``). This process opens the files, with
@@ -102,9 +103,16 @@ class Client:
         of rank >= 2 in BF16/F16/F32 while loading and keeps only that copy; the manifest's
         tensors say ``quantization``, ``scale_shape`` and ``scale_offset``.
 
-        ``retention``: how long the reference this load takes lasts (see ``RETENTIONS``)."""
+        ``retention``: how long the reference this load takes lasts (see ``RETENTIONS``).
+
+        ``tensors``: the tensors to load, by their names in the files (order does not matter;
+        each once); ``None`` or empty: every tensor. The daemon reads, holds and charges only
+        these, and refuses a name none of the files holds (``InvalidArgument``). The model id
+        covers the selection: the same files and names give the same model, other names
+        another one; the manifest lists only the tensors loaded."""
         paths = [os.path.abspath(p) for p in paths]
-        return self._native.load_model(paths, name, progress, quantize, retention)
+        names = [] if tensors is None else list(tensors)
+        return self._native.load_model(paths, name, progress, quantize, retention, names)
 
     def upload_model(
         self,

@@ -142,6 +142,7 @@ impl WeightStream for Service {
                 &sources,
                 &req.name,
                 req.quantization,
+                &req.tensors,
                 (peer.owner(), req.retention),
                 &mut progress,
             );

@@ -52,6 +52,8 @@ pub fn status_of(e: &CoreError) -> Status {
             StoreError::Header { .. }
             | StoreError::NotAFile { .. }
             | StoreError::DuplicateTensor { .. }
+            | StoreError::NotInFiles { .. }
+            | StoreError::SelectedScale { .. }
             | StoreError::TooManyTensors { .. }
             | StoreError::DescriptionTooLarge { .. }
             | StoreError::Quantize(_)

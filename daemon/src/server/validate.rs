@@ -2,7 +2,7 @@
 //! checked and converted, or a [`ValidationError`] that names the field and the limit. The
 //! handlers pass only validated values on to the core.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::num::NonZeroU64;
 
 use weightstream_proto::handoff;
@@ -16,7 +16,7 @@ use crate::mem::shm::UploadPages;
 use crate::store::prequantized::torchao_layout;
 use crate::store::quantize::{Quantization, QuantizeError, StoredLayout, Target};
 use crate::store::safetensors::{DType, tensor_nbytes};
-use crate::store::{DeclQuant, QuantizedLayout, Retention, TensorDecl};
+use crate::store::{DeclQuant, QuantizedLayout, Retention, Selection, TensorDecl};
 
 mod label;
 
@@ -180,6 +180,8 @@ pub struct ValidLoadModel {
     pub fd_token: String,
     pub quantization: Quantization,
     pub retention: Retention,
+    /// The tensors to load; that each is in the files is the load's check (it reads them).
+    pub tensors: Selection,
 }
 
 /// The lists that come in pages: a token of one is not a token of the other.
@@ -301,7 +303,26 @@ impl Validation {
             fd_token: req.fd_token,
             quantization,
             retention: retention(req.retention)?,
+            tensors: self.selection(req.tensors)?,
         })
+    }
+
+    /// LoadModel's `tensors`: none is every tensor; else names, each once.
+    fn selection(&self, tensors: Vec<String>) -> Result<Selection> {
+        if tensors.is_empty() {
+            return Ok(Selection::All);
+        }
+        count("tensors", tensors.len(), 1, self.max_tensors)?;
+        let mut names = BTreeSet::new();
+        for (i, name) in tensors.into_iter().enumerate() {
+            let field = format!("tensors[{i}]");
+            text(&field, &name, self.max_name)?;
+            if names.contains(&name) {
+                return Err(ValidationError::Duplicate { field, name });
+            }
+            names.insert(name);
+        }
+        Ok(Selection::Only(names))
     }
 
     /// The token of the page of `list` after `position`: opaque to clients.

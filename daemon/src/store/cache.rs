@@ -222,7 +222,7 @@ mod tests {
     #[test]
     fn connection_references_go_with_their_connection_and_pins_stay() {
         use crate::store::test_support::sources;
-        use crate::store::{Owner, Retention, quantize::Quantization};
+        use crate::store::{Owner, Retention, Selection, quantize::Quantization};
         let dir = tempfile::tempdir().unwrap();
         let store = store_with(HostQuota {
             max_bytes: 2 * CHARGE - 1,
@@ -235,6 +235,7 @@ mod tests {
                 &sources(&paths),
                 "",
                 Quantization::None,
+                &Selection::All,
                 (owner, retention),
                 &mut |_, _, _| {},
             );

@@ -8,8 +8,11 @@
 //! [`QUANT_BATCH`] bytes of input, two batches in memory: the next is read, on several
 //! threads, while this one is quantized on every core) and quantizes them straight into the
 //! arena, which holds only the quantized copy.
+//!
+//! A load with a [`Selection`] reads, holds and charges only the tensors it names; the rest of
+//! the files' headers is still read and checked.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::File;
 use std::io::Read;
 use std::num::NonZeroUsize;
@@ -50,6 +53,35 @@ pub type Progress<'a> = &'a mut dyn FnMut(u64, u64, &Path);
 pub struct LoadSource {
     pub name: String,
     pub file: File,
+}
+
+/// Which tensors of its files a load reads: every one, or those named. A set: the same names in
+/// any order are the same selection, and so the same model.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Selection {
+    #[default]
+    All,
+    Only(BTreeSet<String>),
+}
+
+impl Selection {
+    fn contains(&self, name: &str) -> bool {
+        match self {
+            Selection::All => true,
+            Selection::Only(names) => names.contains(name),
+        }
+    }
+
+    /// Adds it to a digest (a model's id, a file key). All adds nothing: a load of every
+    /// tensor keeps the id it had before selections existed.
+    fn hash_into(&self, hasher: &mut blake3::Hasher) {
+        if let Selection::Only(names) = self {
+            hasher.update(format!("tensors {}\n", names.len()).as_bytes());
+            for name in names {
+                hasher.update(format!("{}\0{name}\n", name.len()).as_bytes());
+            }
+        }
+    }
 }
 
 /// A source as fstat saw it when the load began.
@@ -102,8 +134,9 @@ impl Planned<'_> {
 type Plan<'a> = Vec<Planned<'a>>;
 
 impl Store {
-    /// Loads safetensors from `sources` (blocking; run it off the async runtime), quantizing
-    /// its weights as `quantization` says ([`quantizes_on_load`]). Returns the model, whether it
+    /// Loads safetensors from `sources` (blocking; run it off the async runtime), the tensors
+    /// `selection` names (each must be in the files), quantizing its weights as `quantization`
+    /// says ([`quantizes_on_load`]). Returns the model, whether it
     /// was already in the store, and where the time went: the arena's allocation, reading (and
     /// quantizing), page-locking. The reference is `owner`'s (its uid's, taken by its
     /// connection) and lasts as `retention` says. Progress counts the files' bytes.
@@ -112,20 +145,21 @@ impl Store {
         sources: &[LoadSource],
         name: &str,
         quantization: Quantization,
+        selection: &Selection,
         (owner, retention): (Owner, Retention),
         progress: Progress<'_>,
     ) -> Result<Stored, StoreError> {
         let started = Instant::now();
         let mut phases = Phases::default();
-        let (key, opened) = file_key(sources, quantization)?;
-        let (plan, headers) = self.plan_load(&opened, quantization)?;
+        let (key, opened) = file_key(sources, quantization, selection)?;
+        let (plan, headers) = self.plan_load(&opened, quantization, selection)?;
         let total: u64 = plan.iter().map(Planned::input_bytes).sum();
         let last = Path::new(sources.last().map_or("", |s| s.name.as_str()));
         // Files that look unchanged since a model was loaded from them are read and hashed
         // (nothing allocated); the model is theirs only if the bytes are still the same.
         if self.has_file_key(&key) {
             let digests = phases.time(|p| &mut p.hash, || digest_files(&plan))?;
-            let id = model_id(&headers, &digests, quantization);
+            let id = model_id(&headers, &digests, quantization, selection);
             if let Some(model) = self.add_ref(&id, owner, retention) {
                 progress(total, total, last);
                 phases.total = started.elapsed();
@@ -163,7 +197,7 @@ impl Store {
         )?;
         phases.input_bytes = total;
         // The model is what was read: its id is the digest of those bytes.
-        let id = model_id(&headers, &digests, quantization);
+        let id = model_id(&headers, &digests, quantization, selection);
         if let Some(model) = self.add_ref(&id, owner, retention) {
             // The same bytes are stored already (other files, or the same ones changed back):
             // the copy just made goes, unpinned.
@@ -191,13 +225,14 @@ impl Store {
         })
     }
 
-    /// Reads every header, rejects duplicates and places each tensor in the future arena, at
-    /// its quantized size where it is quantized. Returns the plan and the digest of the
-    /// headers as parsed (part of the model's id).
+    /// Reads every header, rejects duplicates and places each tensor `selection` names in the
+    /// future arena, at its quantized size where it is quantized. Returns the plan and the
+    /// digest of the headers as parsed (part of the model's id).
     fn plan_load<'a>(
         &self,
         files: &'a [Opened<'a>],
         quantization: Quantization,
+        selection: &Selection,
     ) -> Result<(Plan<'a>, blake3::Hash), StoreError> {
         let mut headers = blake3::Hasher::new();
         let mut seen: HashMap<String, &str> = HashMap::new();
@@ -248,14 +283,15 @@ impl Store {
         for (weight, scale, layout) in pairs {
             scale_of.insert(weight, (scale, layout));
         }
-        let scales: std::collections::HashSet<usize> =
-            scale_of.values().map(|(scale, _)| *scale).collect();
+        check_selection(selection, &seen, files, &refs, &scale_of)?;
+        let scales: HashSet<usize> = scale_of.values().map(|(scale, _)| *scale).collect();
         let mut slots: Vec<Option<(&'a Opened<'a>, TensorEntry)>> =
             entries.into_iter().map(Some).collect();
         let mut plan = Vec::new();
         let mut offset = 0u64;
         for i in 0..slots.len() {
-            if scales.contains(&i) {
+            let selected = (slots[i].as_ref()).is_some_and(|(_, e)| selection.contains(&e.name));
+            if scales.contains(&i) || !selected {
                 continue;
             }
             let (opened, entry) = slots[i].take().expect("each tensor is planned once");
@@ -287,6 +323,45 @@ impl Store {
         }
         Ok((plan, headers.finalize()))
     }
+}
+
+/// Refuses a selection that names a tensor none of the files hold (naming the first files), or
+/// a pre-quantized weight's scale, which is stored in its weight's slice.
+fn check_selection(
+    selection: &Selection,
+    seen: &HashMap<String, &str>,
+    files: &[Opened<'_>],
+    entries: &[&TensorEntry],
+    scale_of: &HashMap<usize, (usize, PreLayout)>,
+) -> Result<(), StoreError> {
+    let Selection::Only(names) = selection else {
+        return Ok(());
+    };
+    if let Some(name) = names.iter().find(|n| !seen.contains_key(n.as_str())) {
+        // The first few files name the model; a sharded one has hundreds.
+        const SHOWN: usize = 3;
+        let shown: Vec<&str> = (files.iter().take(SHOWN))
+            .map(|f| f.source.name.as_str())
+            .collect();
+        let mut files_named = shown.join(", ");
+        if files.len() > SHOWN {
+            files_named.push_str(&format!(" and {} more", files.len() - SHOWN));
+        }
+        return Err(StoreError::NotInFiles {
+            name: name.clone(),
+            files: files_named,
+        });
+    }
+    for (weight, (scale, _)) in scale_of {
+        let name = &entries[*scale].name;
+        if names.contains(name) {
+            return Err(StoreError::SelectedScale {
+                name: name.clone(),
+                weight: entries[*weight].name.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Where each planned tensor is in the arena, and how it is held there.
@@ -777,13 +852,14 @@ fn disjoint_mut<'a>(arena: &'a mut [u8], ranges: &[(usize, usize)]) -> Vec<&'a m
 }
 
 /// What these files look like from outside, and their lengths: (device, inode, size, mtime,
-/// ctime) of each, and the quantization. A model loaded from files with this key is worth
+/// ctime) of each, the quantization and the selection. A model loaded from files with this key is worth
 /// checking against their bytes before reading them into a new arena; the key alone never
 /// decides (a writable shared mapping changes a file and none of these).
-fn file_key(
-    sources: &[LoadSource],
+fn file_key<'a>(
+    sources: &'a [LoadSource],
     quantization: Quantization,
-) -> Result<(String, Vec<Opened<'_>>), StoreError> {
+    selection: &Selection,
+) -> Result<(String, Vec<Opened<'a>>), StoreError> {
     let mut hasher = blake3::Hasher::new();
     let mut opened = Vec::with_capacity(sources.len());
     for source in sources {
@@ -814,6 +890,7 @@ fn file_key(
         });
     }
     hasher.update(format!("quantization:{quantization}\n").as_bytes());
+    selection.hash_into(&mut hasher);
     Ok((hasher.finalize().to_hex().to_string(), opened))
 }
 
@@ -834,15 +911,22 @@ fn hash_header(hasher: &mut blake3::Hasher, header: &safetensors::Header) {
 }
 
 /// A file model's id: the digest of what the load read (the headers as parsed, the digest of
-/// each range read, in order) and of the quantization, 128 bits of it. The same bytes give the
-/// same id whichever files they come from; other bytes, another id.
-fn model_id(headers: &blake3::Hash, ranges: &[Digest], quantization: Quantization) -> String {
+/// each range read, in order), of the quantization and of the selection, 128 bits of it. The
+/// same bytes and selection give the same id whichever files they come from; other bytes or
+/// another selection, another id.
+fn model_id(
+    headers: &blake3::Hash,
+    ranges: &[Digest],
+    quantization: Quantization,
+    selection: &Selection,
+) -> String {
     let mut hasher = blake3::Hasher::new();
     hasher.update(headers.as_bytes());
     for digest in ranges {
         hasher.update(digest);
     }
     hasher.update(format!("quantization:{quantization}\n").as_bytes());
+    selection.hash_into(&mut hasher);
     format!("m-{}", &hasher.finalize().to_hex()[..32])
 }
 
@@ -894,6 +978,7 @@ mod tests {
                     &sources(&[path]),
                     "",
                     Quantization::None,
+                    &Selection::All,
                     me(1),
                     &mut progress,
                 );
@@ -955,7 +1040,14 @@ mod tests {
             file: File::open(dir.path()).unwrap(),
         };
         let err = store
-            .load(&[source], "", Quantization::None, me(1), &mut |_, _, _| {})
+            .load(
+                &[source],
+                "",
+                Quantization::None,
+                &Selection::All,
+                me(1),
+                &mut |_, _, _| {},
+            )
             .unwrap_err();
         assert_eq!(
             err.to_string(),
@@ -996,8 +1088,10 @@ mod tests {
         let sources = sources(&[path]);
         // Unquantized, the weight is one piece; quantized, two chunks of rows.
         for (quantization, ranges) in [(Quantization::None, 2), (Quantization::Fp8E4m3Block64, 3)] {
-            let (_, opened) = file_key(&sources, quantization).unwrap();
-            let (plan, _) = store.plan_load(&opened, quantization).unwrap();
+            let (_, opened) = file_key(&sources, quantization, &Selection::All).unwrap();
+            let (plan, _) = store
+                .plan_load(&opened, quantization, &Selection::All)
+                .unwrap();
             let len = plan.last().map_or(0, |p| p.offset + p.nbytes());
             let mut arena = vec![0u8; len as usize];
             let total = plan.iter().map(Planned::input_bytes).sum();
@@ -1036,6 +1130,7 @@ mod tests {
                 &sources(&[path]),
                 "",
                 Quantization::None,
+                &Selection::All,
                 me(1),
                 &mut |_, _, _| events += 1,
             )
@@ -1051,5 +1146,241 @@ mod tests {
         assert!(!p.read.is_zero() && !p.alloc.is_zero(), "{p:?}");
         assert!(p.total >= p.alloc + p.read + p.pin, "{p:?}");
         assert!(events >= 3, "progress as the pieces come: {events}");
+    }
+
+    /// A file of `tensors` (name, bytes) as U8 vectors.
+    fn u8_file(dir: &Path, file: &str, tensors: &[(&str, Vec<u8>)]) -> std::path::PathBuf {
+        let views = tensors.iter().map(|(name, d)| {
+            let view =
+                ::safetensors::tensor::TensorView::new(::safetensors::Dtype::U8, vec![d.len()], d);
+            (*name, view.unwrap())
+        });
+        let path = dir.join(file);
+        ::safetensors::serialize_to_file(views, None, &path).unwrap();
+        path
+    }
+
+    fn only(names: &[&str]) -> Selection {
+        Selection::Only(names.iter().map(|n| n.to_string()).collect())
+    }
+
+    /// A selection reads, holds and charges only the tensors it names, from every file: the
+    /// others' bytes are neither read nor in the arena.
+    #[test]
+    fn a_selection_loads_only_its_tensors() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(HostQuota::default());
+        let data = |n: usize, t: u8| (0..n).map(|i| (i % 251) as u8 ^ t).collect::<Vec<u8>>();
+        let paths = [
+            u8_file(
+                dir.path(),
+                "1.safetensors",
+                &[("a", data(5000, 1)), ("b", data(9000, 2))],
+            ),
+            u8_file(
+                dir.path(),
+                "2.safetensors",
+                &[("c", data(300, 3)), ("d", data(7000, 4))],
+            ),
+        ];
+        let stored = store
+            .load(
+                &sources(&paths),
+                "",
+                Quantization::None,
+                &only(&["d", "a"]),
+                me(1),
+                &mut |_, _, _| {},
+            )
+            .unwrap();
+        let model = &stored.model;
+        let names: Vec<&str> = model.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "d"]);
+        assert_eq!(model.slice(0).bytes(), &data(5000, 1)[..]);
+        assert_eq!(model.slice(1).bytes(), &data(7000, 4)[..]);
+        assert_eq!(stored.phases.input_bytes, 12_000);
+        // a at 0, d at the next TENSOR_ALIGN: the arena ends with d.
+        let arena = align_up(align_up(5000, TENSOR_ALIGN) + 7000, TENSOR_ALIGN);
+        assert_eq!(model.host_bytes() - model.metadata_bytes, arena);
+        assert_eq!(store.host_use(1).uid_bytes, model.host_bytes());
+    }
+
+    /// Quantized while loading, a selection quantizes only the weights it names: each equal to
+    /// the same weight of a load of every tensor, bit for bit.
+    #[test]
+    fn a_quantized_selection_loads_only_its_weights() {
+        let dir = tempfile::tempdir().unwrap();
+        let (rows, cols) = (64usize, 128usize);
+        let weight = |k: usize| -> Vec<u8> {
+            (0..rows * cols)
+                .flat_map(|i| half_bf16(((i * k % 89) as f32 - 44.0) / 9.0))
+                .collect()
+        };
+        let (w1, w2) = (weight(3), weight(5));
+        let views = [("x.weight", &w1), ("y.weight", &w2)].map(|(name, data)| {
+            let dtype = ::safetensors::Dtype::BF16;
+            let view = ::safetensors::tensor::TensorView::new(dtype, vec![rows, cols], data);
+            (name, view.unwrap())
+        });
+        let path = dir.path().join("m.safetensors");
+        ::safetensors::serialize_to_file(views, None, &path).unwrap();
+        let store = store_with(HostQuota::default());
+        let q = Quantization::Fp8E4m3Block64;
+        let load = |selection: &Selection| {
+            store
+                .load(
+                    &sources(std::slice::from_ref(&path)),
+                    "",
+                    q,
+                    selection,
+                    me(1),
+                    &mut |_, _, _| {},
+                )
+                .unwrap()
+        };
+        let all = load(&Selection::All).model;
+        let some = load(&only(&["y.weight"]));
+        let names: Vec<&str> = some.model.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(names, ["y.weight"]);
+        assert_eq!(some.phases.input_bytes, (rows * cols * 2) as u64);
+        let y = all.tensor_index("y.weight").unwrap();
+        assert_eq!(some.model.tensors[0].quantized, all.tensors[y].quantized);
+        assert!(some.model.slice(0).bytes() == all.slice(y).bytes());
+        assert_eq!(
+            some.model.host_bytes() - some.model.metadata_bytes,
+            align_up(all.tensors[y].nbytes, TENSOR_ALIGN)
+        );
+    }
+
+    /// The id covers the selection: the same files and names (a set: their order is not
+    /// kept) are one model, referenced again; other names another model, even where the bytes
+    /// read are the same (two tensors of equal bytes).
+    #[test]
+    fn the_model_id_covers_the_selection() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(HostQuota::default());
+        let path = u8_file(
+            dir.path(),
+            "m.safetensors",
+            &[
+                ("a", vec![1; 4096]),
+                ("b", vec![1; 4096]),
+                ("c", vec![2; 10]),
+            ],
+        );
+        let load = |selection: Selection| {
+            let s = store
+                .load(
+                    &sources(std::slice::from_ref(&path)),
+                    "",
+                    Quantization::None,
+                    &selection,
+                    me(1),
+                    &mut |_, _, _| {},
+                )
+                .unwrap();
+            (s.model.id.clone(), s.existed)
+        };
+        let (ab, existed) = load(only(&["a", "b"]));
+        assert!(!existed);
+        assert_eq!(load(only(&["b", "a"])), (ab.clone(), true));
+        let (a, _) = load(only(&["a"]));
+        let (b, _) = load(only(&["b"]));
+        let (all, _) = load(Selection::All);
+        let ids = HashSet::from([&ab, &a, &b, &all]);
+        assert_eq!(ids.len(), 4, "{ab} {a} {b} {all}");
+        assert_eq!(store.models().len(), 4);
+    }
+
+    /// A name none of the files holds is refused, naming it and the first files; so is a
+    /// pre-quantized weight's scale (it is stored with its weight).
+    #[test]
+    fn a_selection_of_a_tensor_not_loadable_by_itself_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = store_with(HostQuota::default());
+        let paths: Vec<_> = (0..5)
+            .map(|i| {
+                u8_file(
+                    dir.path(),
+                    &format!("{i}.safetensors"),
+                    &[(&format!("t{i}"), vec![1; 8])],
+                )
+            })
+            .collect();
+        let load = |paths: &[std::path::PathBuf], names: &[&str]| {
+            let err = store
+                .load(
+                    &sources(paths),
+                    "",
+                    Quantization::None,
+                    &only(names),
+                    me(1),
+                    &mut |_, _, _| {},
+                )
+                .unwrap_err();
+            err.to_string()
+        };
+        let d = dir.path().display();
+        assert_eq!(
+            load(&paths, &["t4", "x"]),
+            format!(
+                "tensors: 'x' is in none of the files ({d}/0.safetensors, {d}/1.safetensors, \
+                 {d}/2.safetensors and 2 more)"
+            )
+        );
+        assert_eq!(
+            load(&paths[..1], &["t1"]),
+            format!("tensors: 't1' is in none of the files ({d}/0.safetensors)")
+        );
+        // musubi: an fp8 weight with a per-tensor scale, and a plain tensor.
+        let (w, scale, plain) = ([0x38u8; 32], 0.5f32.to_le_bytes(), [3u8; 4]);
+        let fp8 = [
+            (
+                "l.weight",
+                ::safetensors::Dtype::F8_E4M3,
+                vec![4, 8],
+                &w[..],
+            ),
+            (
+                "l.scale_weight",
+                ::safetensors::Dtype::F32,
+                vec![],
+                &scale[..],
+            ),
+            ("p", ::safetensors::Dtype::U8, vec![4], &plain[..]),
+        ]
+        .map(|(name, dtype, shape, data)| {
+            let view = ::safetensors::tensor::TensorView::new(dtype, shape, data);
+            (name, view.unwrap())
+        });
+        let musubi = dir.path().join("musubi.safetensors");
+        ::safetensors::serialize_to_file(fp8, None, &musubi).unwrap();
+        let musubi = [musubi];
+        assert_eq!(
+            load(&musubi, &["l.scale_weight"]),
+            "tensors: 'l.scale_weight' is the scale of pre-quantized weight 'l.weight', loaded \
+             with it: name the weight"
+        );
+        assert_eq!(store.models().len(), 0);
+        // The weight brings its scale; the plain tensor stays out.
+        let stored = store
+            .load(
+                &sources(&musubi),
+                "",
+                Quantization::None,
+                &only(&["l.weight"]),
+                me(1),
+                &mut |_, _, _| {},
+            )
+            .unwrap();
+        let names: Vec<&str> = stored
+            .model
+            .tensors
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect();
+        assert_eq!(names, ["l.weight"]);
+        assert_eq!(stored.phases.input_bytes, 32 + 4);
+        assert!(stored.model.tensors[0].quantized.is_some());
     }
 }

@@ -37,7 +37,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use self::formats::FormatLabel;
-pub use self::load::{LoadSource, Progress};
+pub use self::load::{LoadSource, Progress, Selection};
 pub use self::phases::{Phases, Stored};
 use self::quantize::{NonFinite, Quantization, QuantizeError, StoredLayout};
 use self::registry::Inner;
@@ -114,6 +114,13 @@ pub enum StoreError {
         first: String,
         second: String,
     },
+    #[error("tensors: '{name}' is in none of the files ({files})")]
+    NotInFiles { name: String, files: String },
+    #[error(
+        "tensors: '{name}' is the scale of pre-quantized weight '{weight}', loaded with it: \
+         name the weight"
+    )]
+    SelectedScale { name: String, weight: String },
     #[error("the model has {count} tensors: limits.max_tensors_per_model = {limit}")]
     TooManyTensors { count: u64, limit: u32 },
     #[error(

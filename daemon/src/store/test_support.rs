@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::quantize::Quantization;
-use super::{LoadSource, Model, Owner, Retention, Store, StoreError, StoreLimits};
+use super::{LoadSource, Model, Owner, Retention, Selection, Store, StoreError, StoreLimits};
 use crate::mem::shm::Shm;
 use crate::mem::{HostPinner, PinAccess, PinError, PinGuard};
 use crate::quota::HostQuota;
@@ -73,6 +73,7 @@ pub fn load_paths(
         &sources(paths),
         "",
         Quantization::None,
+        &Selection::All,
         me(uid),
         &mut |_, _, _| {},
     )?;

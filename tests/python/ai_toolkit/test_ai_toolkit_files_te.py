@@ -230,8 +230,13 @@ def test_the_text_encoder_s_streamed_weights_go_from_its_shards_to_the_daemon_on
     by_source = {m.source: m for m in daemon.client.list_models().models}
     assert set(by_source) == {"upload", "file"}
     want = quantize.FP8_E4M3_BLOCK64 if quantized else ""
-    held = {t.name: t.quantization for t in by_source["file"].tensors if t.name in linear}
-    assert held.keys() == linear
+    held = {t.name: t.quantization for t in by_source["file"].tensors}
+    assert held.keys() == linear, "the daemon holds the streamed tensors only"
+    stored = {
+        k: quantize.fp8_nbytes(tensors[k].shape) if quantized else tensors[k].nbytes for k in linear
+    }
+    assert {t.name: t.nbytes for t in by_source["file"].tensors} == stored
+    assert by_source["file"].total_bytes == sum(stored.values())
     assert set(held.values()) == {want} if quantized else set(held.values()) <= {"", "none"}
     assert_equal(encoder, today.text_encoder[0])
     line = capsys.readouterr().out.strip().splitlines()[-1]

@@ -502,6 +502,27 @@ def test_load_model_from_safetensors_and_idempotence(daemon, tmp_path):
     assert daemon.client.list_models().store_bytes == 48
 
 
+def test_a_load_of_some_tensors_holds_only_those(daemon, tmp_path):
+    """``tensors=``: the daemon reads and holds only the tensors named (in any order: the same
+    model), another selection is another model, and a name none of the files holds is refused
+    naming it."""
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.ones(16), "b": torch.zeros(4, 4), "c": torch.ones(100)}, str(path))
+    ca = daemon.client.load_model([str(path)], tensors=["c", "a"])
+    assert [(t.name, t.nbytes) for t in ca.tensors] == [("a", 64), ("c", 400)]
+    assert ca.total_bytes == 464
+    ac = daemon.client.load_model([str(path)], tensors=iter(["a", "c"]))
+    assert (ac.model_id, ac.refcount) == (ca.model_id, 2)
+    every = daemon.client.load_model([str(path)])
+    assert every.model_id != ca.model_id and every.total_bytes == 528
+    with pytest.raises(weightstream.RequestRejected) as e:
+        daemon.client.load_model([str(path)], tensors=["a", "x"])
+    assert (e.value.code, str(e.value.message)) == (
+        "INVALID_ARGUMENT",
+        f"tensors: 'x' is in none of the files ({path})",
+    )
+
+
 def test_list_models_reads_pages_that_fit_a_message(tmp_path):
     """Manifests too large for more than two in one message: the daemon cuts its pages to fit,
     and ``list_models`` reads every page."""

@@ -198,3 +198,43 @@ fn a_valid_upload_carries_the_computed_sizes() {
     });
     assert_eq!(by_client.unwrap().pages, UploadPages::ByUploader);
 }
+
+/// LoadModel's `tensors`: each name once, not empty, at most the tensor limit; a set, so the
+/// same names in another order are the same selection, and none is every tensor.
+#[test]
+fn a_load_selection_is_a_set_of_names_within_the_limits() {
+    let limits = Limits {
+        max_tensors_per_model: 3,
+        ..Limits::default()
+    };
+    let v = Validation::new(&limits);
+    let load = |tensors: &[&str]| {
+        v.load_model(pb::LoadModelRequest {
+            paths: vec!["/m/a.safetensors".into()],
+            fd_token: "0".repeat(handoff::SECRET_LEN),
+            tensors: tensors.iter().map(|t| t.to_string()).collect(),
+            ..Default::default()
+        })
+        .map(|l| l.tensors)
+        .map_err(|e| e.to_string())
+    };
+    let cases: Vec<(&[&str], &str)> = vec![
+        (&["a", "b", "a"], "tensors[2]: 'a' is declared twice"),
+        (&["a", ""], "tensors[1]: required"),
+        (&["a", "b\0"], "tensors[1]: contains a NUL byte"),
+        (&["a", "b", "c", "d"], "tensors: 4 entries, the limit is 3"),
+    ];
+    let failed: Vec<String> = cases
+        .iter()
+        .filter_map(|(tensors, want)| {
+            let got = load(tensors);
+            (got.as_ref().err().map(String::as_str) != Some(*want))
+                .then(|| format!("want {want:?}, got {got:?}"))
+        })
+        .collect();
+    assert!(failed.is_empty(), "{failed:#?}");
+    assert_eq!(load(&[]), Ok(Selection::All));
+    let ab = Selection::Only(["a".to_string(), "b".to_string()].into());
+    assert_eq!(load(&["b", "a"]), Ok(ab.clone()));
+    assert_eq!(load(&["a", "b"]), Ok(ab));
+}

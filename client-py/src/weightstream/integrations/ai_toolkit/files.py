@@ -33,8 +33,9 @@ weights=get_qtype(qtype))`` before attaching it (FLUX.2 Klein's ``load_te``, in 
   same recipe key builds the layers with ai-toolkit's quantizer on ``meta`` and attaches the
   first job's stored model by id);
 - ``MemoryManager.attach`` asks ``source`` whether the layers it streams can come from the
-  files: then the daemon loads them (``Client.load_model``, every file they are in as one
-  model, quantized as recorded or as the ``quantize``/``compute`` settings ask) and the layers
+  files: then the daemon loads them (``Client.load_model`` of those layers' tensors only, from
+  every file they are in as one model, quantized as recorded or as the ``quantize``/``compute``
+  settings ask; the files' other tensors stay the trainer's to read) and the layers
   attach by the model's id, under the files' names where those differ (``Source.names``);
   a Conv2d layer of a module ai-toolkit would have quantized stays on the device
   (``linear_only``: its quantizers quantize Linear layers only); else (a cast the daemon would
@@ -448,6 +449,9 @@ class Source:
     why: str = ""
     tensors: int = 0
     nbytes: int = 0
+    # The streamed tensors' names in the files: all the daemon loads of them (an embedding, a
+    # head, a vision tower in the same shards are the trainer's to read).
+    keys: list[str] = field(default_factory=list)
 
     def text(self) -> str:
         if self.why:
@@ -487,7 +491,14 @@ def source(module: nn.Module, chosen, settings) -> Source | None:
     if not tensors:
         why = why_read(module)  # from_pretrained read it whole: uploaded as before
         return Source([], quantize=settings.quantize, why=why) if why else None
-    src = Source(paths, why=why, tensors=tensors, nbytes=nbytes, names=names)
+    src = Source(
+        paths,
+        why=why,
+        tensors=tensors,
+        nbytes=nbytes,
+        names=names,
+        keys=sorted({k for _, k in keys}),
+    )
     if settings.compute in LOAD_AS:
         src.quantize = LOAD_AS[settings.compute]
     else:
@@ -496,8 +507,13 @@ def source(module: nn.Module, chosen, settings) -> Source | None:
 
 
 def load(client, module: nn.Module, src: Source) -> str:
-    """The daemon's model of ``src``'s files, for this process's connection; its id."""
+    """The daemon's model of the streamed tensors of ``src``'s files (``Source.keys``: only
+    those are read and held), for this process's connection; its id."""
     manifest = client.load_model(
-        src.paths, type(module).__name__, quantize=src.quantize, retention="connection"
+        src.paths,
+        type(module).__name__,
+        quantize=src.quantize,
+        retention="connection",
+        tensors=src.keys,
     )
     return manifest.model_id
