@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 from weightstream.examples import generate
 
+from tests.daemon import Daemon
 from tests.python.examples.test_generate import BLOCK, StandInPipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
@@ -26,14 +27,20 @@ STEPS, SIZE, SEED = 6, 64, 0
 class Generator:
     """One generation process, held open once its image is written (``--hold``)."""
 
-    def __init__(self, daemon, out, *extra):
-        self.out = out
-        self.proc = subprocess.Popen(
+    @staticmethod
+    def command(daemon, out, *extra) -> list[str]:
+        return (
             [sys.executable, "-m", "weightstream.examples.generate", "--model", "stand-in"]
             + ["--prompt", "p", "--steps", str(STEPS), "--size", str(SIZE), "--seed", str(SEED)]
             + ["--device", "cpu", "--socket", daemon.socket, "--min-bytes", "0"]
             + ["--pipeline", "tests.python.examples.test_generate:stand_in"]
-            + ["--vram-budget", str(3 * BLOCK), "--hold", "--out", str(out), *extra],
+            + ["--vram-budget", str(3 * BLOCK), "--hold", "--out", str(out), *extra]
+        )
+
+    def __init__(self, daemon, out, *extra):
+        self.out = out
+        self.proc = subprocess.Popen(
+            self.command(daemon, out, *extra),
             cwd=ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -86,3 +93,28 @@ def first_model(daemon) -> str:
     models = daemon.client.list_models().models
     assert len(models) == 1, [m.model_id for m in models]
     return models[0].model_id
+
+
+def test_a_second_upload_without_room_names_the_model_to_attach_by_id(tmp_path):
+    """A host quota with room for one copy of the model and not two: the second process's
+    upload is refused, and the error names the model the first holds and the --model-id that
+    attaches it; with it the second process generates the same image."""
+    config = tmp_path / "config.toml"
+    config.write_text(f"[quotas]\nper_uid_host_bytes = {12 * BLOCK}\n")
+    daemon = Daemon(tmp_path, "--config", str(config))
+    try:
+        first = Generator(daemon, tmp_path / "first.pt")
+        model = first_model(daemon)
+        cmd = Generator.command(daemon, tmp_path / "second.pt")
+        refused = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 1
+        assert refused.stderr.endswith(
+            f"the daemon already holds 'Net' as {model}: if it is these weights, run this "
+            f"process with --model-id {model} to attach it without an upload of its own\n"
+        ), refused.stderr
+        second = Generator(daemon, tmp_path / "second.pt", "--model-id", model)
+        want = generate.generate(StandInPipeline(), {}, "p", STEPS, SIZE, SEED)
+        assert torch.equal(first.finish(), want)
+        assert torch.equal(second.finish(), want)
+    finally:
+        daemon.stop()

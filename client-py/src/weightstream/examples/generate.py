@@ -87,6 +87,25 @@ def stream_components(
     return handles
 
 
+def held_hint(client, error, modules) -> str | None:
+    """For an upload refused for want of host room (``RESOURCE_EXHAUSTED``): the line that
+    names the models of the same name the daemon already holds, with the ``--model-id`` to
+    attach one instead (an upload is found to be the same only once all of it is in the
+    daemon, so a second upload of a model needs room for it meanwhile)."""
+    if getattr(error, "code", None) != "RESOURCE_EXHAUSTED" or "host_bytes" not in str(error):
+        return None
+    names = {type(m).__name__ for m in modules}
+    held = [m for m in client.list_models().models if m.name in names]
+    if not held:
+        return None
+    ids = ", ".join(f"{m.name!r} as {m.model_id}" for m in held)
+    first = held[0].model_id
+    return (
+        f"the daemon already holds {ids}: if it is these weights, run this process with "
+        f"--model-id {first} to attach it without an upload of its own"
+    )
+
+
 def generate(pipe, handles: dict, prompt: str, steps: int, size: int, seed: int):
     """One image of ``prompt`` (the pipeline's first output), each attached component's
     sampling budget in force meanwhile (``Handle.sampling()``)."""
@@ -154,7 +173,13 @@ def main(argv=None) -> int:
     first = names[0] if names else next((n for n in DENOISERS if n in pipe.components), None)
     files = {first: args.model_file} if args.model_file else None
     ids = {first: args.model_id} if args.model_id else None
-    handles = stream_components(pipe, names, args.device, budget, client, files, ids, **options)
+    try:
+        handles = stream_components(pipe, names, args.device, budget, client, files, ids, **options)
+    except weightstream.RequestRejected as e:
+        hint = held_hint(client, e, pipe.components.values())
+        if hint is None:
+            raise
+        raise SystemExit(f"{e}\n{hint}") from None
     image = generate(pipe, handles, args.prompt, args.steps, args.size, args.seed)
     if args.out.endswith(".pt"):
         torch.save(image, args.out)
