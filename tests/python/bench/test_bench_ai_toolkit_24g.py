@@ -387,13 +387,10 @@ def test_the_trainable_host_line_is_read_from_the_trainers_log():
     assert got["trainable_host"]["host_gb"] == 61.87
 
 
-def test_the_report_gives_a_host_runs_lora_memory():
-    (run,) = runs_24g.parse_runs("host:r1024:25GB/s")
-    result = dict(run, rc=0, trainable_host=runs_24g.trainable_report(HOST_LINE))
-    result["summary"] = runs_24g.summarize(result)
-    missing = dict(run, label="weightstream host r1024 full", rc=0)
-    missing["summary"] = runs_24g.summarize(missing)
-    call = {
+def report_call(runs: list, **fields) -> dict:
+    """One call of the bench's report (tiny FLUX.1 on the CPU) over ``runs``, ``fields``
+    replacing its own."""
+    return {
         "arch": "flux",
         "size": "tiny",
         "machine": "CPU",
@@ -407,9 +404,18 @@ def test_the_report_gives_a_host_runs_lora_memory():
         "disk_dtype": "fp8",
         "built": {"transformer": {"params": 10, "bytes_on_disk": 20}},
         "sizes": {},
-        "runs": [result, missing],
+        "runs": runs,
+        **fields,
     }
-    text = report_24g.markdown({"calls": [call]})
+
+
+def test_the_report_gives_a_host_runs_lora_memory():
+    (run,) = runs_24g.parse_runs("host:r1024:25GB/s")
+    result = dict(run, rc=0, trainable_host=runs_24g.trainable_report(HOST_LINE))
+    result["summary"] = runs_24g.summarize(result)
+    missing = dict(run, label="weightstream host r1024 full", rc=0)
+    missing["summary"] = runs_24g.summarize(missing)
+    text = report_24g.markdown({"calls": [report_call([result, missing])]})
     assert (
         "- weightstream host r1024 25GB/s: `trainable: host`: 504 LoRA layers and their adamw8bit"
         " state in 61.87 GB of host memory (held by the daemon for the session of Flux2),"

@@ -19,6 +19,7 @@ import pytest
 from tests.bench import ai_toolkit_24g
 from tests.bench.aitk import cgroup, report_24g, runs_24g
 from tests.bench.aitk.cgroup import CgroupError
+from tests.python.bench.test_bench_ai_toolkit_24g import report_call
 
 pytestmark = pytest.mark.no_daemon
 
@@ -302,23 +303,7 @@ def test_the_bench_stops_before_the_build_where_no_cgroup_can_be_made(tmp_path, 
 
 
 def _limited_call(runs):
-    return {
-        "arch": "flux",
-        "size": "tiny",
-        "machine": "CPU",
-        "commit": "abc",
-        "command": "x",
-        "ai_toolkit": "def",
-        "card_gib": 24,
-        "host_limit_gib": 64,
-        "steps": 4,
-        "resolution": 64,
-        "images": 1,
-        "disk_dtype": "fp8",
-        "built": {"transformer": {"params": 10, "bytes_on_disk": 20}},
-        "sizes": {},
-        "runs": runs,
-    }
+    return report_call(runs, card_gib=24, host_limit_gib=64)
 
 
 def test_the_report_gives_each_runs_cgroup_peak_and_limit_and_its_oom_kills():
