@@ -92,17 +92,16 @@ def held_hint(client, error, modules) -> str | None:
     names the models of the same name the daemon already holds, with the ``--model-id`` to
     attach one instead (an upload is found to be the same only once all of it is in the
     daemon, so a second upload of a model needs room for it meanwhile)."""
-    if getattr(error, "code", None) != "RESOURCE_EXHAUSTED" or "host_bytes" not in str(error):
+    if error.code != "RESOURCE_EXHAUSTED" or "host_bytes" not in error.message:
         return None
     names = {type(m).__name__ for m in modules}
     held = [m for m in client.list_models().models if m.name in names]
     if not held:
         return None
     ids = ", ".join(f"{m.name!r} as {m.model_id}" for m in held)
-    first = held[0].model_id
     return (
         f"the daemon already holds {ids}: if it is these weights, run this process with "
-        f"--model-id {first} to attach it without an upload of its own"
+        f"--model-id {held[0].model_id} to attach it without an upload of its own"
     )
 
 
