@@ -507,11 +507,10 @@ class Handle:
             self._step_start = None
         if p.kind is not None:
             self._install(p.plan_of(p.kind))
+        # Between steps: the next pass's first acquires go in flight now, not missed at it (a
+        # training step's plan adopts them where they are its own next).
         with self._lock:
             if self._lookahead is not None:
-                # Between steps the next pass starts at its plan's first group: its first
-                # acquires go in flight now, so that the reopened session's first acquire is
-                # not a miss (a training step's plan adopts them where they are its own next).
                 self._lookahead.top_up()
         if self._auto is not None:
             self._auto.budget = vram_budget
