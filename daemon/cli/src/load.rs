@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use weightstream_client::{Client, proto, quantization_name, resolve_sources};
+use weightstream_client::{Client, LoadedFrom, proto, quantization_name, resolve_sources};
 
 use super::{CliResult, Deadline, human, parse_quantize, saved, shown};
 
@@ -44,6 +44,35 @@ pub struct LoadArgs {
     /// needs the memory and no session uses it.
     #[arg(long)]
     pin: bool,
+    /// Load only these tensors (comma-separated names as the files spell them); the daemon
+    /// reads, holds and charges those alone and refuses a name no file holds. Default: every
+    /// tensor. The same files and names, in any order, give the same model id.
+    #[arg(long, value_delimiter = ',')]
+    tensors: Vec<String>,
+    /// As --tensors, the names read from FILE, one per line (blank lines skipped).
+    #[arg(long, value_name = "FILE", conflicts_with = "tensors")]
+    tensors_file: Option<PathBuf>,
+}
+
+/// The names `--tensors` or `--tensors-file` give (none: every tensor).
+fn tensor_names(args: &LoadArgs) -> Result<Vec<String>, String> {
+    let Some(file) = &args.tensors_file else {
+        return Ok(args.tensors.clone());
+    };
+    let text = std::fs::read_to_string(file)
+        .map_err(|e| format!("--tensors-file {}: {e}", file.display()))?;
+    let names: Vec<String> = (text.lines().map(str::trim))
+        .filter(|l| !l.is_empty())
+        .map(String::from)
+        .collect();
+    if names.is_empty() {
+        return Err(format!(
+            "--tensors-file {} names no tensor: give one name per line, or leave the \
+             option out to load every tensor",
+            file.display()
+        ));
+    }
+    Ok(names)
 }
 
 pub async fn run(socket: Option<PathBuf>, args: LoadArgs, deadline: Deadline) -> CliResult {
@@ -54,6 +83,7 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs, deadline: Deadline) ->
         .collect::<Result<Vec<_>, _>>()?;
     // A missing or unusable file is said as such, before the daemon is asked.
     resolve_sources(&paths)?;
+    let tensors = tensor_names(&args)?;
     let retention = if args.pin {
         proto::Retention::Pinned
     } else {
@@ -88,7 +118,12 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs, deadline: Deadline) ->
     let silence = deadline.0.max(LOAD_SILENCE);
     let heard = Cell::new(Instant::now() + deadline.0);
     let manifest = {
-        let load = client.load_model(&paths, name, args.quantize, |p| {
+        let from = LoadedFrom {
+            paths: paths.clone(),
+            quantization: args.quantize,
+            tensors,
+        };
+        let load = client.load_model_from(&from, name, |p| {
             heard.set(Instant::now() + silence);
             file_bytes = p.bytes_total;
             bar.set_length(p.bytes_total);

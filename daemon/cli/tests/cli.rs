@@ -597,3 +597,73 @@ fn release_by_name_and_errors_in_plain_words() {
     );
     assert_eq!((code, out, err), (Some(1), String::new(), refused));
 }
+
+/// `load --tensors` loads the named tensors alone (their bytes, one model id for the same
+/// names in any order); a name no file holds and an empty `--tensors-file` are refused in one
+/// line each.
+#[test]
+fn load_tensors_loads_the_named_tensors_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ws.sock");
+    let a: Vec<u8> = (0..256u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let b: Vec<u8> = (0..64u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    let c: Vec<u8> = (0..16u32).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    fn view(d: &[u8], n: usize) -> safetensors::tensor::TensorView<'_> {
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![n, n], d).unwrap()
+    }
+    let model = dir.path().join("m.safetensors");
+    let views = vec![("a", view(&a, 16)), ("b", view(&b, 8)), ("c", view(&c, 4))];
+    safetensors::serialize_to_file(views, None, &model).unwrap();
+    let _daemon = Reaped(
+        weightstream()
+            .args(["serve", "--backend", "host", "--socket"])
+            .arg(&socket)
+            .spawn()
+            .unwrap(),
+    );
+    let handoff = dir.path().join("ws.sock.fd");
+    wait_until("the sockets", || socket.exists() && handoff.exists());
+    let run = |args: &[&str]| {
+        let out = weightstream()
+            .args(args)
+            .arg("--socket")
+            .arg(&socket)
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.code(), text(&out.stdout), text(&out.stderr))
+    };
+    let path = model.display().to_string();
+    let loaded = |args: &[&str]| {
+        let (code, out, err) = run(args);
+        assert_eq!((code, err.as_str()), (Some(0), ""), "{args:?}");
+        let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let id = json["model_id"].as_str().unwrap().to_string();
+        (id, json["tensors"].as_u64(), json["total_bytes"].as_u64())
+    };
+    let (bc, tensors, bytes) = loaded(&["load", "--json", "--tensors", "b,c", &path]);
+    assert_eq!((tensors, bytes), (Some(2), Some(256 + 64)));
+    let names = dir.path().join("names.txt");
+    std::fs::write(&names, "c\n\nb\n").unwrap();
+    let listed = names.display().to_string();
+    let (cb, ..) = loaded(&["load", "--json", "--tensors-file", &listed, &path]);
+    assert_eq!(cb, bc, "the same names in another order: the same model");
+    let (all, tensors, bytes) = loaded(&["load", "--json", &path]);
+    assert_eq!((tensors, bytes), (Some(3), Some(1024 + 256 + 64)));
+    assert_ne!(all, bc);
+
+    let refused = format!("error: tensors: 'd' is in none of the files ({path})\n");
+    assert_eq!(
+        run(&["load", "--tensors", "b,d", &path]),
+        (Some(1), String::new(), refused)
+    );
+    std::fs::write(&names, "\n  \n").unwrap();
+    let empty = format!(
+        "error: --tensors-file {listed} names no tensor: give one name per line, or leave the \
+         option out to load every tensor\n"
+    );
+    assert_eq!(
+        run(&["load", "--tensors-file", &listed, &path]),
+        (Some(1), String::new(), empty)
+    );
+}
