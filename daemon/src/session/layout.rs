@@ -121,7 +121,7 @@ pub struct BudgetSplit {
 
 /// Staging gets what was asked, or by default a quarter of the budget but at least three of the
 /// largest group (double buffering plus one for a re-acquire), capped by the budget. Resident
-/// groups fill the rest in declaration order, skipping those that do not fit.
+/// groups fill the rest, spread along the declaration order ([`resident_groups`]).
 pub fn split_budget(
     groups: &[GroupPlacement],
     budget: u64,
@@ -156,24 +156,53 @@ pub fn split_budget(
         staging_request
     };
     let staging = align_up(staging, align).min(budget);
-    let mut left = budget - staging;
-    let mut resident_bytes = 0;
-    let resident = groups
-        .iter()
-        .map(|g| {
-            let fits = g.nbytes <= left;
-            if fits {
-                left -= g.nbytes;
-                resident_bytes += g.nbytes;
-            }
-            fits
-        })
-        .collect();
+    let resident = resident_groups(groups, budget - staging);
+    let resident_bytes = (groups.iter().zip(&resident))
+        .filter(|(_, r)| **r)
+        .map(|(g, _)| g.nbytes)
+        .sum();
     Ok(BudgetSplit {
         staging_bytes: staging,
         resident,
         resident_bytes,
     })
+}
+
+/// Which groups fit in `room` bytes, spread along the pass: each group earns its share of the
+/// room (room / all groups' bytes, of its size) as credit and is kept once the credit carried
+/// along reaches half its size; what is left is then filled in declaration order. Declaration
+/// order is the order most models run their blocks, so resident groups come at even intervals
+/// of each pass and the copy engine runs ahead while each computes. Kept all at the start (as
+/// a plain fill in declaration order would), they leave the link idle once the staging arena
+/// is full, for the rest of their compute, on every pass: with a pass bound by the link, a
+/// loss of (their compute − staging / link rate) per pass (daemon/DESIGN.md, "Resident
+/// groups").
+fn resident_groups(groups: &[GroupPlacement], room: u64) -> Vec<bool> {
+    let mut left = room;
+    let mut resident = vec![false; groups.len()];
+    let mut take = |i: usize, left: &mut u64| {
+        let fits = !resident[i] && groups[i].nbytes <= *left;
+        if fits {
+            *left -= groups[i].nbytes;
+            resident[i] = true;
+        }
+        fits
+    };
+    let total: i128 = groups.iter().map(|g| i128::from(g.nbytes)).sum();
+    // Credit in units of 1 / total bytes: a group of n bytes earns n × room and costs n × total
+    // when kept (the credit may go below zero: the next groups then wait their turn).
+    let mut credit: i128 = 0;
+    for (i, g) in groups.iter().enumerate() {
+        let n = i128::from(g.nbytes);
+        credit += n * i128::from(room);
+        if 2 * credit >= n * total && take(i, &mut left) {
+            credit -= n * total;
+        }
+    }
+    for i in 0..groups.len() {
+        take(i, &mut left);
+    }
+    resident
 }
 
 #[cfg(test)]
@@ -198,12 +227,37 @@ mod tests {
         assert_eq!(s.resident_bytes, 8192);
         let s = split_budget(&groups, 6 * 1024, 0, 256).unwrap();
         assert_eq!(s.staging_bytes, 3072);
-        assert_eq!(
-            s.resident,
-            [true, true, true, false, false, false, false, false]
-        );
+        assert_eq!(resident_indices(&s), [1, 3, 6]);
         let s = split_budget(&groups, 1024, 0, 256).unwrap();
         assert_eq!((s.staging_bytes, s.resident_bytes), (1024, 0));
+    }
+
+    fn resident_indices(s: &BudgetSplit) -> Vec<usize> {
+        (s.resident.iter().enumerate())
+            .filter_map(|(i, r)| r.then_some(i))
+            .collect()
+    }
+
+    #[test]
+    fn resident_groups_come_at_even_intervals_of_the_pass() {
+        let groups: Vec<_> = (0..12).map(|i| group(&format!("g{i}"), 1024)).collect();
+        // Staging of three groups, three more resident: one in every four.
+        let s = split_budget(&groups, 6 * 1024, 3 * 1024, 256).unwrap();
+        assert_eq!(resident_indices(&s), [1, 5, 9]);
+        assert_eq!(s.resident_bytes, 3 * 1024);
+        // Half of them: every other one.
+        let s = split_budget(&groups, 9 * 1024, 3 * 1024, 256).unwrap();
+        assert_eq!(resident_indices(&s), [0, 2, 4, 6, 8, 10]);
+        // Room for all: all.
+        let s = split_budget(&groups, 16 * 1024, 0, 256).unwrap();
+        assert_eq!(s.resident, [true; 12]);
+        // Two sizes (FLUX's double and single blocks): the room is spread by bytes, and what
+        // the spread leaves is filled in order.
+        let mut mixed: Vec<_> = (0..4).map(|i| group(&format!("d{i}"), 2048)).collect();
+        mixed.extend((0..8).map(|i| group(&format!("s{i}"), 1024)));
+        let s = split_budget(&mixed, 11 * 1024, 6 * 1024, 256).unwrap();
+        assert_eq!(resident_indices(&s), [1, 4, 7, 10]);
+        assert_eq!(s.resident_bytes, 5 * 1024);
     }
 
     #[test]
