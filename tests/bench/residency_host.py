@@ -18,6 +18,7 @@ import copy
 import json
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -104,9 +105,10 @@ def report(res: dict) -> str:
     lines = [
         "# Resident groups along a pass (host backend)",
         "",
-        f"`{res['command']}` at {res['commit']}; {res['blocks']} blocks of {res['block_mb']:.1f} "
-        f"MB, a budget of {res['budget_blocks']} blocks of which {res['staging_blocks']} staging, the link capped at {res['link']}; the "
-        f"model in memory: {res['resident_pass_s']:.3f} s a pass (median).",
+        f"`{res['command']}` at {res['commit']}; {res['blocks']} blocks of "
+        f"{res['block_mb']:.1f} MB, a budget of {res['budget_blocks']} blocks of which "
+        f"{res['staging_blocks']} staging, the link capped at {res['link']}; the model in "
+        f"memory: {res['resident_pass_s']:.3f} s a pass (median).",
         "",
         "| daemon | resident groups | MB streamed / pass | median pass s | link bound s | "
         "× max(bound, in memory) | link idle / pass s |",
@@ -147,7 +149,7 @@ def main(argv=None) -> int:
             times.append(time.perf_counter() - t)
     block = sum(p.numel() * p.element_size() for p in ref[0].parameters())
     res = {
-        "command": "python3 -m tests.bench.residency_host " + " ".join(argv or __import__("sys").argv[1:]),
+        "command": "python3 -m tests.bench.residency_host " + " ".join(argv or sys.argv[1:]),
         "commit": commit(),
         "blocks": args.blocks,
         "block_mb": block / 1e6,
