@@ -47,9 +47,12 @@ json.dump({
     "sqlite_db_path": config["config"]["process"][0]["sqlite_db_path"],
 }, open(os.environ["REPORT"], "w"))
 try:
+    # SIGINT held pending from before "training" until sigwait takes it: a signal.pause() loop
+    # would miss one that lands between its check and the pause, and wait forever.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     os.write(int(os.environ["READY_FD"]), b"training\\n")
-    while True:
-        signal.pause()
+    signal.sigwait({signal.SIGINT})
+    raise KeyboardInterrupt
 except KeyboardInterrupt:
     print("")
     print("========================================")
