@@ -191,6 +191,9 @@ def child_weightstream(args) -> dict:
             client=daemon.client,
             quantize=args.quantize,
             sample_vram_budget=int(sample_budget * GiB) if sample_budget else None,
+            sample_staging_bytes=(
+                int(args.sample_staging_gib * GiB) if args.sample_staging_gib else None
+            ),
         )
         total = torch.cuda.get_device_properties(0).total_memory
 
@@ -249,6 +252,8 @@ def child_cmd(args, mode: str) -> list[str]:
         cmd += ["--quantize", args.quantize]
     if args.sample_vram_budget_gib:
         cmd += ["--sample-vram-budget-gib", str(args.sample_vram_budget_gib)]
+    if args.sample_staging_gib:
+        cmd += ["--sample-staging-gib", str(args.sample_staging_gib)]
     if mode == "weightstream" and args.card_gib:
         # Not card.py: FLUX.2's 64 GB of bf16 weights are built on the device and uploaded
         # from there by attach (they do not fit host memory twice), which a card held to 24 GiB
@@ -290,7 +295,8 @@ def markdown(report: dict) -> str:
         "",
         f"- command: `{report['command']}`",
         f"- commit: {report['commit']}; device: {report['device']}",
-        f"- sampling budget: {report.get('sample_vram_budget_gib') or 'none'} (GiB)",
+        f"- sampling budget: {report.get('sample_vram_budget_gib') or 'none'} (GiB), its "
+        f"staging: {report.get('sample_staging_gib') or 'three of the largest group'} (GiB)",
         "",
         "| mode | phase | first pass s | median pass s | ratio |",
         "|---|---|---|---|---|",
@@ -355,6 +361,7 @@ def parent(args) -> int:
         "commit": commit(),
         "device": device_name(),
         "sample_vram_budget_gib": args.sample_vram_budget_gib or None,
+        "sample_staging_gib": args.sample_staging_gib or None,
         "results": results,
         "ratios": ratios(results, link),
     }
@@ -373,6 +380,13 @@ def parse_args(argv):
     p.add_argument("--link", default="25GB/s", help="the daemon's copy bandwidth limit")
     p.add_argument("--vram-budget-gib", type=float, default=15.0)
     p.add_argument("--sample-vram-budget-gib", type=float, default=0.0)
+    p.add_argument(
+        "--sample-staging-gib",
+        type=float,
+        default=0.0,
+        help="its staging (sample_staging_bytes; 0: the client's default, three of the "
+        "largest group)",
+    )
     p.add_argument("--quantize", choices=["fp8"], default=None)
     p.add_argument(
         "--daemon-log",

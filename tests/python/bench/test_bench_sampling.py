@@ -135,6 +135,7 @@ def test_the_weightstream_child_holds_itself_to_the_card():
         vram_budget_gib=15.0,
         quantize="fp8",
         sample_vram_budget_gib=20.0,
+        sample_staging_gib=0.0,
         card_gib=24.0,
         link="25GB/s",
         daemon_log="warn",

@@ -284,6 +284,43 @@ def test_sampling_budget_grows_the_session_and_gives_it_back(daemon):
     handle.detach(release=True)
 
 
+@pytest.mark.parametrize(
+    "blocks, staging, staged, resident",
+    [
+        (10, None, 3, [True, True, True, True, False, True, True, True]),
+        (10, f"{4 * BLOCK_BYTES}", 4, [True, True, False, True, True, True, False, True]),
+        (13, None, 3, [True] * BLOCKS),  # the daemon's own split would stage 3.25 blocks
+    ],
+)
+def test_the_sampling_budget_stages_three_groups_and_keeps_the_rest_resident(
+    daemon, blocks, staging, staged, resident
+):
+    """At a sampling budget of ``blocks`` blocks: staging for three (the default, where the
+    daemon's own split keeps a quarter of the budget) or for ``sample_staging_bytes``, the rest
+    resident, spread along the pass; the outputs stay equal."""
+    ref, model, handle = make_pair(
+        daemon, sample_vram_budget=f"{blocks * BLOCK_BYTES}", sample_staging_bytes=staging
+    )
+    train(ref, model, 1)
+    with handle.sampling():
+        assert handle.session.opened.staging_bytes == staged * BLOCK_BYTES
+        assert [g.resident for g in handle.session.groups] == resident
+        sample(ref, model, 2)
+    assert handle.session.opened.staging_bytes == 3 * BLOCK_BYTES, "training's split is back"
+    handle.detach(release=True)
+
+
+def test_sample_staging_bytes_is_part_of_the_sampling_budget():
+    with pytest.raises(ValueError) as e:
+        wst.StreamOptions(sample_vram_budget="1GiB", sample_staging_bytes="2GiB")
+    assert str(e.value) == (
+        "sample_staging_bytes=2147483648: it is part of sample_vram_budget (1073741824); set "
+        "sample_vram_budget at least as large"
+    )
+    with pytest.raises(ValueError, match="part of sample_vram_budget \\(None\\)"):
+        wst.StreamOptions(sample_staging_bytes="1GiB")
+
+
 @pytest.mark.no_daemon
 @pytest.mark.parametrize(
     "recorded, before, resident, expected",

@@ -96,6 +96,11 @@ class StreamOptions:
       ``None`` (the default): sampling runs at the training budget. More than the device has
       or the daemon allows is refused (``passes.SampleBudgetError``) at ``attach`` and at
       ``sampling()``.
+    - ``sample_staging_bytes``: the staging part of ``sample_vram_budget`` (a size, as
+      above). ``None`` (the default): three of the largest group (at most the budget), the
+      least the daemon keeps for streaming; the rest holds resident groups, spread along the
+      pass, so that a forward-only pass streams fewer bytes. Training's own split is the
+      daemon's default (a quarter of the budget, at least three of the largest group).
     """
 
     input_grad: Literal["formula", "recompute"] = "formula"
@@ -111,6 +116,7 @@ class StreamOptions:
     grad_compute: Literal["bf16", "fp8", "int8"] | None = None
     rotation: int = 0
     sample_vram_budget: int | str | None = None
+    sample_staging_bytes: int | str | None = None
 
     def __post_init__(self):
         if self.input_grad not in INPUT_GRADS:
@@ -129,6 +135,16 @@ class StreamOptions:
             if n == 0:
                 raise ValueError("sample_vram_budget: 0 bytes; expected None or a size above 0")
             object.__setattr__(self, "sample_vram_budget", n)
+        if self.sample_staging_bytes is not None:
+            n = parse_size("sample_staging_bytes", self.sample_staging_bytes)
+            if n == 0:
+                raise ValueError("sample_staging_bytes: 0 bytes; expected None or a size above 0")
+            if self.sample_vram_budget is None or n > self.sample_vram_budget:
+                raise ValueError(
+                    f"sample_staging_bytes={n}: it is part of sample_vram_budget "
+                    f"({self.sample_vram_budget}); set sample_vram_budget at least as large"
+                )
+            object.__setattr__(self, "sample_staging_bytes", n)
         self._check_compute()
         # Callers pass lists and sets; a frozen value keeps the options hashable and shareable.
         object.__setattr__(self, "include", tuple(self.include))

@@ -267,6 +267,16 @@ def check_budget(budget: int, limit: tuple[int, str] | None):
     )
 
 
+def sample_staging(handle, budget: int) -> int:
+    """The staging part of the sampling budget: ``StreamOptions.sample_staging_bytes``, else
+    three of the largest group (at most the budget). A forward-only pass needs the link only a
+    few groups ahead of the compute, the resident groups being spread along the pass; a
+    quarter of the budget (the daemon's default, for training's turns) would stream more."""
+    if handle.options.sample_staging_bytes is not None:
+        return handle.options.sample_staging_bytes
+    return min(budget, 3 * max(g.nbytes for g in handle.session.groups))
+
+
 @contextlib.contextmanager
 def sampling(handle):
     """``Handle.sampling()``: see there."""
@@ -282,7 +292,7 @@ def sampling(handle):
             "sample_vram_budget unset with trainable='host'"
         )
     check_budget(budget, budget_limit(handle.client, device_uuid(handle.device)))
-    handle.set_budget(budget, keep_plan=True)
+    handle.set_budget(budget, sample_staging(handle, budget), keep_plan=True)
     try:
         yield handle
     finally:
