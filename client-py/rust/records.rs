@@ -145,6 +145,7 @@ record! {
         max_uploads: u32,
         max_state_region_bytes: u64,
         max_state_regions_per_session: u32,
+        max_waiting_grants: u32,
     }
 }
 
@@ -302,6 +303,7 @@ record! {
         event_handles: Py<PyList>,
         accepts_gpu_wait: bool,
         paces_client_copies: bool,
+        max_grant_bytes: u64,
     }
 }
 
@@ -433,6 +435,7 @@ pub(crate) fn info(py: Python<'_>, m: proto::GetInfoResponse) -> PyResult<GetInf
                         max_uploads: l.max_uploads,
                         max_state_region_bytes: l.max_state_region_bytes,
                         max_state_regions_per_session: l.max_state_regions_per_session,
+                        max_waiting_grants: l.max_waiting_grants,
                     },
                 )
             })
@@ -678,6 +681,7 @@ pub(crate) fn layout(
         event_handles: list(py, &m.event_handles, |py, h| Ok(bytes(py, h).into_any()))?,
         accepts_gpu_wait: m.accepts_gpu_wait,
         paces_client_copies: m.paces_client_copies,
+        max_grant_bytes: m.max_grant_bytes,
     })
 }
 

@@ -426,6 +426,8 @@ def test_a_session_with_a_share_grants_the_trainers_own_copies(daemon):
             session.grant(0, True)
         # Bounded by the bytes the session is charged for (staging plus resident).
         most = session.opened.staging_bytes + session.opened.resident_bytes
+        assert session.opened.max_grant_bytes == most
+        assert daemon.client.info().limits.max_waiting_grants == 256, "the default"
         assert (
             f"grant.bytes: 0 is outside 1 to {most} (the smaller of the daemon's largest grant, "
             f"268435456, and the {most} device bytes the session is charged for): split the "
