@@ -34,7 +34,7 @@ RUN_PY = '''\
 """Stands for ai-toolkit's run.py as the UI runs it: gets the memory manager as ai-toolkit's
 modules do (the first import of toolkit), records what it got, trains until SIGINT and ends
 as run.py ends a KeyboardInterrupt: "Job stopped", exit code 0."""
-import json, os, signal, sys
+import json, os, select, signal, sys
 sys.path.insert(0, os.getcwd())
 from toolkit.memory_management import MemoryManager
 config = json.load(open(sys.argv[1]))
@@ -47,12 +47,17 @@ json.dump({
     "sqlite_db_path": config["config"]["process"][0]["sqlite_db_path"],
 }, open(os.environ["REPORT"], "w"))
 try:
-    # SIGINT held pending from before "training" until sigwait takes it: a signal.pause() loop
-    # would miss one that lands between its check and the pause, and wait forever.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    # Waits on the signal wakeup fd: the kernel may deliver SIGINT to any thread (the native
+    # client's among them), where Python's handler only flags it; a signal.pause() in the main
+    # thread would then sleep on. The wakeup fd wakes it, and the handler raises
+    # KeyboardInterrupt as soon as the main thread runs Python again.
+    woken, wake = os.pipe()
+    os.set_blocking(wake, False)
+    signal.set_wakeup_fd(wake)
     os.write(int(os.environ["READY_FD"]), b"training\\n")
-    signal.sigwait({signal.SIGINT})
-    raise KeyboardInterrupt
+    while True:
+        select.select([woken], [], [])
+        os.read(woken, 512)
 except KeyboardInterrupt:
     print("")
     print("========================================")
