@@ -190,13 +190,15 @@ fn resident_groups(groups: &[GroupPlacement], room: u64) -> Vec<bool> {
     };
     let total: i128 = groups.iter().map(|g| i128::from(g.nbytes)).sum();
     // Credit in units of 1 / total bytes: a group of n bytes earns n × room and costs n × total
-    // when kept (the credit may go below zero: the next groups then wait their turn).
+    // when kept (the credit may go below zero: the next groups then wait their turn). Real
+    // sizes are far below i128's range; saturating keeps any input from overflowing.
     let mut credit: i128 = 0;
     for (i, g) in groups.iter().enumerate() {
         let n = i128::from(g.nbytes);
-        credit += n * i128::from(room);
-        if 2 * credit >= n * total && take(i, &mut left) {
-            credit -= n * total;
+        credit = credit.saturating_add(n.saturating_mul(i128::from(room)));
+        let cost = n.saturating_mul(total);
+        if credit.saturating_mul(2) >= cost && take(i, &mut left) {
+            credit = credit.saturating_sub(cost);
         }
     }
     for i in 0..groups.len() {
