@@ -34,7 +34,7 @@ RUN_PY = '''\
 """Stands for ai-toolkit's run.py as the UI runs it: gets the memory manager as ai-toolkit's
 modules do (the first import of toolkit), records what it got, trains until SIGINT and ends
 as run.py ends a KeyboardInterrupt: "Job stopped", exit code 0."""
-import json, os, select, signal, sys
+import json, os, signal, sys
 sys.path.insert(0, os.getcwd())
 from toolkit.memory_management import MemoryManager
 config = json.load(open(sys.argv[1]))
@@ -47,17 +47,9 @@ json.dump({
     "sqlite_db_path": config["config"]["process"][0]["sqlite_db_path"],
 }, open(os.environ["REPORT"], "w"))
 try:
-    # Waits on the signal wakeup fd: the kernel may deliver SIGINT to any thread (the native
-    # client's among them), where Python's handler only flags it; a signal.pause() in the main
-    # thread would then sleep on. The wakeup fd wakes it, and the handler raises
-    # KeyboardInterrupt as soon as the main thread runs Python again.
-    woken, wake = os.pipe()
-    os.set_blocking(wake, False)
-    signal.set_wakeup_fd(wake)
     os.write(int(os.environ["READY_FD"]), b"training\\n")
     while True:
-        select.select([woken], [], [])
-        os.read(woken, 512)
+        signal.pause()
 except KeyboardInterrupt:
     print("")
     print("========================================")
@@ -132,6 +124,14 @@ def job_config(layer_offloading: bool, section: dict | None = None) -> dict:
     return {**config, "weightstream": section} if section is not None else config
 
 
+def default_signals():
+    """In the job, SIGINT and SIGQUIT as the UI's Node leaves them (libuv's spawn resets every
+    signal to its default): a test run from a background shell, which ignores both, would
+    otherwise pass that on, and the job would never see the stop."""
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 class UIJob:
     """One job started as startJob.ts starts it; ``stop()`` is the UI's stop route."""
 
@@ -163,6 +163,7 @@ class UIJob:
                 stderr=log,
                 start_new_session=True,
                 pass_fds=(self._ready_w,),
+                preexec_fn=default_signals,
             )
         os.close(self._ready_w)
         self._ready = os.fdopen(ready)
