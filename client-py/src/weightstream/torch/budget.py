@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from weightstream.errors import WeightstreamError
+from weightstream.torch.policy import STAGED_GROUPS
 
 GiB = 1 << 30
 #: The margin's floor and its share of the device (``default_margin``).
@@ -197,7 +198,7 @@ class AutoBudget:
         least staging when everything is resident, all of it below that."""
         if budget >= self.ceiling:
             return self.largest
-        return min(budget, 3 * self.largest)
+        return min(budget, STAGED_GROUPS * self.largest)
 
     def _margin(self, total: int) -> int:
         return self.margin if self.margin is not None else default_margin(total)

@@ -34,6 +34,10 @@ from weightstream.torch.filetensor import is_file_tensor
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.placeholder import is_placeholder
 
+#: Staging for blocks holds three of the largest group: the one in use, the next, and one
+#: re-acquired (the daemon's own least, ``split_budget``).
+STAGED_GROUPS = 3
+
 #: Why a considered layer stays on the device, as the words after a count of such layers.
 REASONS = {
     "trainable": "their weights require grad — freeze the base model first "
@@ -356,7 +360,7 @@ def choose_groups(
     chosen = grouping(group_by)
     largest = max(chosen.sizes)
     if group_by == "block" and vram_budget is not None and not staging_bytes:
-        if vram_budget < 3 * largest:
+        if vram_budget < STAGED_GROUPS * largest:
             chosen = grouping("layer")
             chosen.fallback = (
                 f"attach: vram_budget {vram_budget} is less than three of the largest block "
@@ -393,7 +397,7 @@ def check_budget(grouping: Grouping, vram_budget: int, staging_bytes: int) -> No
 
 def default_budget(sizes: list[int]) -> int:
     """A quarter of the streamed bytes, at least three of the largest group."""
-    return max(sum(sizes) // 4, 3 * max(sizes))
+    return max(sum(sizes) // 4, STAGED_GROUPS * max(sizes))
 
 
 # --- the plan -----------------------------------------------------------------------------
