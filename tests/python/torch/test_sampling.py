@@ -310,6 +310,21 @@ def test_the_sampling_budget_stages_three_groups_and_keeps_the_rest_resident(
     handle.detach(release=True)
 
 
+def test_a_sampling_staging_under_the_largest_group_is_refused_at_attach(daemon):
+    with pytest.raises(wst.passes.SampleBudgetError) as e:
+        make_pair(
+            daemon,
+            sample_vram_budget=f"{10 * BLOCK_BYTES}",
+            sample_staging_bytes=f"{BLOCK_BYTES - 1}",
+        )
+    assert str(e.value) == (
+        f"sample_staging_bytes={BLOCK_BYTES - 1} is smaller than the largest streamed group "
+        f"({BLOCK_BYTES} bytes): give at least {BLOCK_BYTES} bytes, or None for 3 of the "
+        "largest group"
+    )
+    assert daemon.client.list_sessions() == [], "refused before a session was opened"
+
+
 def test_sample_staging_bytes_is_part_of_the_sampling_budget():
     with pytest.raises(ValueError) as e:
         wst.StreamOptions(sample_vram_budget="1GiB", sample_staging_bytes="2GiB")

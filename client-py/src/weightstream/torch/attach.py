@@ -277,6 +277,7 @@ def attach(
         elif vram_budget is None:
             vram_budget = policy.default_budget(grouping.sizes)
         policy.check_budget(grouping, vram_budget, staging_bytes)  # before anything is freed
+        passes.check_sample_staging(options.sample_staging_bytes, max(grouping.sizes))
         # The daemon allocates the session's budget on the device: the trainer's copies there
         # go first, and torch's cache gives their memory back.
         freed += _free(selection.streamed, device, packs, only_on=device)

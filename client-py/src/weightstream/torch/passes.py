@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 from weightstream.errors import WeightstreamError
 from weightstream.session import device_uuid
 from weightstream.sizes import size_text
+from weightstream.torch.policy import STAGED_GROUPS
 
 TRAIN, SAMPLE = "train", "sample"
 KINDS = (TRAIN, SAMPLE)
@@ -267,14 +268,28 @@ def check_budget(budget: int, limit: tuple[int, str] | None):
     )
 
 
+def check_sample_staging(staging: int | None, largest: int) -> None:
+    """Raises ``SampleBudgetError`` when ``sample_staging_bytes`` is under the largest streamed
+    group (``attach``, before anything is freed): the daemon would refuse it only at
+    ``sampling()``, after the session was closed to reopen it."""
+    if staging is not None and staging < largest:
+        raise SampleBudgetError(
+            f"sample_staging_bytes={staging} is smaller than the largest streamed group "
+            f"({largest} bytes): give at least {largest} bytes, or None for "
+            f"{STAGED_GROUPS} of the largest group"
+        )
+
+
 def sample_staging(handle, budget: int) -> int:
     """The staging part of the sampling budget: ``StreamOptions.sample_staging_bytes``, else
-    three of the largest group (at most the budget). A forward-only pass needs the link only a
-    few groups ahead of the compute, the resident groups being spread along the pass; a
-    quarter of the budget (the daemon's default, for training's turns) would stream more."""
-    if handle.options.sample_staging_bytes is not None:
-        return handle.options.sample_staging_bytes
-    return min(budget, 3 * max(g.nbytes for g in handle.session.groups))
+    ``STAGED_GROUPS`` of the largest group (at most the budget). A forward-only pass needs the
+    link only a few groups ahead of the compute, the resident groups being spread along the
+    pass; a quarter of the budget (the daemon's default, for training's turns) would stream
+    more."""
+    staging = handle.options.sample_staging_bytes  # checked at attach
+    if staging is not None:
+        return staging
+    return min(budget, STAGED_GROUPS * max(g.nbytes for g in handle.session.groups))
 
 
 @contextlib.contextmanager
