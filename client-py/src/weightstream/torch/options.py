@@ -100,7 +100,8 @@ class StreamOptions:
       above). ``None`` (the default): three of the largest group (at most the budget), the
       least the daemon keeps for streaming; the rest holds resident groups, spread along the
       pass, so that a forward-only pass streams fewer bytes. Training's own split is the
-      daemon's default (a quarter of the budget, at least three of the largest group).
+      daemon's default (a quarter of the budget, at least three of the largest group). Less
+      than the largest group is refused at ``attach`` (``passes.SampleBudgetError``).
     """
 
     input_grad: Literal["formula", "recompute"] = "formula"
