@@ -344,6 +344,32 @@ fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
     }
 }
 
+/// `weightstream serve --backend host` on `socket`, answering (both sockets there).
+fn serve_host(socket: &std::path::Path) -> Reaped {
+    let daemon = Reaped(
+        weightstream()
+            .args(["serve", "--backend", "host", "--socket"])
+            .arg(socket)
+            .spawn()
+            .unwrap(),
+    );
+    let handoff = socket.with_extension("sock.fd");
+    wait_until("the sockets", || socket.exists() && handoff.exists());
+    daemon
+}
+
+/// `weightstream ARGS --socket SOCKET`: its exit code, stdout and stderr.
+fn run_cli(socket: &std::path::Path, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = weightstream()
+        .args(args)
+        .arg("--socket")
+        .arg(socket)
+        .output()
+        .unwrap();
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    (out.status.code(), text(&out.stdout), text(&out.stderr))
+}
+
 #[test]
 fn serve_load_status_then_sigterm_exits_zero_and_cleans_up() {
     let dir = tempfile::tempdir().unwrap();
@@ -543,25 +569,8 @@ fn release_by_name_and_errors_in_plain_words() {
         safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![16, 16], &data).unwrap();
     let model = dir.path().join("m.safetensors");
     safetensors::serialize_to_file(vec![("w", view)], None, &model).unwrap();
-    let _daemon = Reaped(
-        weightstream()
-            .args(["serve", "--backend", "host", "--socket"])
-            .arg(&socket)
-            .spawn()
-            .unwrap(),
-    );
-    let handoff = dir.path().join("ws.sock.fd");
-    wait_until("the sockets", || socket.exists() && handoff.exists());
-    let run = |args: &[&str]| {
-        let out = weightstream()
-            .args(args)
-            .arg("--socket")
-            .arg(&socket)
-            .output()
-            .unwrap();
-        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        (out.status.code(), text(&out.stdout), text(&out.stderr))
-    };
+    let _daemon = serve_host(&socket);
+    let run = |args: &[&str]| run_cli(&socket, args);
     let path = model.display().to_string();
     let (code, loaded, _) = run(&["load", "--json", "--name", "flux", &path]);
     assert_eq!(code, Some(0));
@@ -614,25 +623,8 @@ fn load_tensors_loads_the_named_tensors_alone() {
     let model = dir.path().join("m.safetensors");
     let views = vec![("a", view(&a, 16)), ("b", view(&b, 8)), ("c", view(&c, 4))];
     safetensors::serialize_to_file(views, None, &model).unwrap();
-    let _daemon = Reaped(
-        weightstream()
-            .args(["serve", "--backend", "host", "--socket"])
-            .arg(&socket)
-            .spawn()
-            .unwrap(),
-    );
-    let handoff = dir.path().join("ws.sock.fd");
-    wait_until("the sockets", || socket.exists() && handoff.exists());
-    let run = |args: &[&str]| {
-        let out = weightstream()
-            .args(args)
-            .arg("--socket")
-            .arg(&socket)
-            .output()
-            .unwrap();
-        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-        (out.status.code(), text(&out.stdout), text(&out.stderr))
-    };
+    let _daemon = serve_host(&socket);
+    let run = |args: &[&str]| run_cli(&socket, args);
     let path = model.display().to_string();
     let loaded = |args: &[&str]| {
         let (code, out, err) = run(args);
