@@ -17,8 +17,6 @@ import argparse
 import copy
 import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import weightstream.torch as wst
 from torch import nn
 
 from tests.bench import timeline_gaps
+from tests.bench.provenance import command, commit
 from tests.daemon import Daemon
 
 
@@ -37,11 +36,6 @@ class Block(nn.Module):
 
     def forward(self, x):
         return x + self.b(torch.relu(self.a(x)))
-
-
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def run_one(label: str, binary: str, args, ref: nn.Sequential, x: torch.Tensor) -> dict:
@@ -83,9 +77,8 @@ def run_one(label: str, binary: str, args, ref: nn.Sequential, x: torch.Tensor) 
         handle.detach()
     finally:
         daemon.stop()
-    evs = timeline_gaps.events(log.read_text().splitlines())
-    link = timeline_gaps.gaps(evs, timeline_gaps.parse_rate(args.link))
     rate = timeline_gaps.parse_rate(args.link)
+    link = timeline_gaps.gaps(timeline_gaps.events(log.read_text().splitlines()), rate)
     steady = times[1:]
     return {
         "label": label,
@@ -149,7 +142,7 @@ def main(argv=None) -> int:
             times.append(time.perf_counter() - t)
     block = sum(p.numel() * p.element_size() for p in ref[0].parameters())
     res = {
-        "command": "python3 -m tests.bench.residency_host " + " ".join(argv or sys.argv[1:]),
+        "command": command(),
         "commit": commit(),
         "blocks": args.blocks,
         "block_mb": block / 1e6,
