@@ -30,9 +30,9 @@ from tests.daemon import Daemon
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.a, self.b = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.a, self.b = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
 
     def forward(self, x):
         return x + self.b(torch.relu(self.a(x)))
@@ -52,7 +52,7 @@ def run_one(label: str, binary: str, args, ref: nn.Sequential, x: torch.Tensor) 
     )
     try:
         model = copy.deepcopy(ref)
-        block = sum(p.numel() * p.element_size() for p in ref[0].parameters())
+        block = sum(p.numel() * p.element_size() for p in ref[-1].parameters())
         budget = int(args.budget_blocks * block * 1.01)
         staging = int(args.staging_blocks * block * 1.01)
         handle = wst.attach(
@@ -122,6 +122,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bin", action="append", required=True, help="LABEL=PATH, repeatable")
     ap.add_argument("--out", required=True)
     ap.add_argument("--blocks", type=int, default=32)
+    ap.add_argument(
+        "--doubles",
+        type=int,
+        default=0,
+        help="blocks of twice the bytes and compute before the others (FLUX's double blocks)",
+    )
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=768, help="rows of the input: the compute")
     ap.add_argument("--budget-blocks", type=float, default=19)
@@ -131,7 +137,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    ref = nn.Sequential(*(Block(args.dim) for _ in range(args.blocks))).requires_grad_(False)
+    blocks = [Block(args.dim, 8 * args.dim) for _ in range(args.doubles)]
+    blocks += [Block(args.dim, 4 * args.dim) for _ in range(args.blocks)]
+    ref = nn.Sequential(*blocks).requires_grad_(False)
     x = torch.randn(args.tokens, args.dim)
     with torch.no_grad():
         ref(x)
@@ -140,11 +148,12 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             ref(x)
             times.append(time.perf_counter() - t)
-    block = sum(p.numel() * p.element_size() for p in ref[0].parameters())
+    block = sum(p.numel() * p.element_size() for p in ref[-1].parameters())
     res = {
         "command": command(),
         "commit": commit(),
         "blocks": args.blocks,
+        "doubles": args.doubles,
         "block_mb": block / 1e6,
         "budget_blocks": args.budget_blocks,
         "staging_blocks": args.staging_blocks,

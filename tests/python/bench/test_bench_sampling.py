@@ -29,15 +29,17 @@ def test_the_phases_count_each_kind_of_pass(daemon):
     model.forward = lambda x=X: forward(x)  # the bench calls model(**inputs)
     record = sampling.weightstream_run(model, {}, 5, handle, train_step, lambda: None)
     before, after = record["before"]["counters"], record["after"]["counters"]
+    # Five passes timed alone, then four back to back: 9 passes of 8 blocks.
     assert (before["sample_acquires"], before["sample_hits"], before["sample_passes"]) == (
-        40,
-        39,
-        5,
+        72,
+        71,
+        9,
     )
-    assert (after["sample_acquires"], after["sample_hits"], after["train_acquires"]) == (40, 40, 0)
+    assert (after["sample_acquires"], after["sample_hits"], after["train_acquires"]) == (72, 72, 0)
     step = record["train_counters_step_after"]
     assert (step["train_acquires"], step["train_hits"]) == (15, 15)
     assert len(record["train_step_s"]) == 3 and len(record["before"]["pass_s"]) == 4
+    assert record["before"]["back_to_back_s"] > 0
     assert sampling.streamed_bytes_per_pass(handle) == 8 * 132352
     handle.detach(release=True)
 
@@ -95,12 +97,18 @@ def test_a_sampling_budget_phase_is_held_by_around_and_streams_less(daemon):
 
 def test_the_report_compares_with_the_resident_pass_and_the_link():
     results = {
-        "resident": {"first_pass_s": 1.0, "median_s": 0.5, "returncode": 0},
+        "resident": {
+            "first_pass_s": 1.0,
+            "median_s": 0.5,
+            "back_to_back_s": 0.4,
+            "returncode": 0,
+        },
         "weightstream": {
             "bytes_per_pass": 25 * 10**9,
             "before": {
                 "first_pass_s": 2.0,
                 "median_s": 1.05,
+                "back_to_back_s": 1.1,
                 "link": {"gb_per_s": 23.61, "throttled_share": 0.812, "busy_share": 0.953},
             },
             "after": {"first_pass_s": 1.1, "median_s": 1.0},
@@ -113,11 +121,18 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
         "before_over_bound": 1.05,
         "after_over_resident": 2.0,
         "after_over_bound": 1.0,
+        "b2b_before_over_resident": 2.75,
+        "b2b_before_over_bound": 1.1,
     }
     md = sampling.markdown(
         {"command": "cmd", "commit": "abc", "device": "H100", "results": results, "ratios": r}
     )
-    assert "| weightstream | before training | 2.000 | 1.050 | 2.10 × |" in md
+    assert "| resident bf16 | - | 1.000 | 0.500 | 1.00 | - | 0.400 | 1.00 | - |" in md
+    assert (
+        "| weightstream | before training | 2.000 | 1.050 | 2.10 | 1.05 | 1.100 | 2.75 | 1.10 |"
+        in md
+    )
+    assert "| weightstream | after training | 1.100 | 1.000 | 2.00 | 1.00 | - | - | - |" in md
     assert "Training step before / after sampling: 2.000 / 2.100 s" in md
     assert (
         "\n\n- before training, the passes after the first: the daemon copied 23.61 GB/s, its "
