@@ -410,9 +410,11 @@ if os.environ.get("WS_PHASE_FILE") or os.environ.get("WS_AITK_STATS"):
 # (jobs/process/BaseSDTrainProcess.py) renders the `sample:` prompts at step 0 (unless
 # `skip_first_sample`), every `sample_every` steps and at the end; while it runs, each forward
 # pass of the model's transformer (`self.sd.unet`, under no_grad: one a denoising step for a
-# guidance-distilled model such as FLUX.2-dev) is timed, the device synchronised before and
-# after. One record a `sample` call: the step, whether training had started (the shim's
-# train_loop mark), its seconds and each pass's, written at exit.
+# guidance-distilled model such as FLUX.2-dev) is timed on the device, by CUDA events recorded
+# before and after it, so that the passes run back to back as ai-toolkit runs them (a wait for
+# the device around each would hold the next pass's copies until the last one ended); read
+# once the call is done. One record a `sample` call: the step, whether training had started
+# (the shim's train_loop mark), its seconds and each pass's, written at exit.
 _SAMPLES: list = []
 
 
@@ -425,23 +427,27 @@ def _time_sampling(module):
     def timed_sample(self, *args, **kwargs):
         torch = sys.modules["torch"]
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
         record = {
             "step": args[0] if args else kwargs.get("step"),
             "after_training_started": bool(_MM.get("training_marked")),
             "forward_s": [],
         }
-        started = []
+        marks = []  # (start, end) of each no_grad pass: CUDA events, or monotonic seconds
+
+        def now():
+            if not cuda:
+                return time.monotonic()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
 
         def pre(_module, _args):
             if not torch.is_grad_enabled():
-                sync()
-                started.append(time.monotonic())
+                marks.append([now(), None])
 
         def post(_module, _args, _out):
-            if started:
-                sync()
-                record["forward_s"].append(time.monotonic() - started.pop())
+            if marks and marks[-1][1] is None:
+                marks[-1][1] = now()
 
         transformer = self.sd.unet
         hooks = [
@@ -452,7 +458,13 @@ def _time_sampling(module):
         try:
             return sample(self, *args, **kwargs)
         finally:
+            if cuda:
+                torch.cuda.synchronize()
             record["wall_s"] = time.monotonic() - t0
+            for start, end in marks:
+                if end is not None:
+                    seconds = start.elapsed_time(end) / 1e3 if cuda else end - start
+                    record["forward_s"].append(seconds)
             for hook in hooks:
                 hook.remove()
             _SAMPLES.append(record)

@@ -403,6 +403,50 @@ def test_ai_toolkits_first_train_loop_step_marks_training(tmp_path):
     assert before <= marks[0].t <= time.time()
 
 
+def test_ai_toolkits_sampling_passes_are_timed_each_no_grad_forward(tmp_path):
+    """The shim's WS_AITK_SAMPLING wraps ``BaseSDTrainProcess.sample``: one record a call,
+    its step and one time per no_grad forward of ``self.sd.unet`` (a forward with grad is
+    not a sampling pass); a jobs/process module shaped like ai-toolkit's stands in for it."""
+    jobs = tmp_path / "jobs" / "process"
+    jobs.mkdir(parents=True)
+    (tmp_path / "jobs" / "__init__.py").write_text("")
+    (jobs / "__init__.py").write_text("")
+    (jobs / "BaseSDTrainProcess.py").write_text(
+        "import torch\n"
+        "class BaseSDTrainProcess:\n"
+        "    def sample(self, step):\n"
+        "        x = torch.ones(2, 4)\n"
+        "        self.sd.unet(x)\n"
+        "        with torch.no_grad():\n"
+        "            for _ in range(3):\n"
+        "                x = self.sd.unet(x)\n"
+        "        return x.sum().item()\n"
+    )
+    trainer = (
+        "import types, torch\n"
+        "from jobs.process.BaseSDTrainProcess import BaseSDTrainProcess\n"
+        "p = BaseSDTrainProcess()\n"
+        "p.sd = types.SimpleNamespace(unet=torch.nn.Linear(4, 4))\n"
+        "torch.nn.init.eye_(p.sd.unet.weight); torch.nn.init.zeros_(p.sd.unet.bias)\n"
+        "print(p.sample(7))\n"
+    )
+    out_file = tmp_path / "sampling.json"
+    shim = Path(card.__file__).parent / "aitk_shim"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(shim), str(tmp_path)]),
+        "WS_AITK_SAMPLING": str(out_file),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", trainer], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out == "8.0\n"  # the call's own result, through the wrapper
+    (record,) = json.loads(out_file.read_text())["samples"]
+    assert (record["step"], record["after_training_started"]) == (7, False)
+    assert len(record["forward_s"]) == 3 and all(s >= 0 for s in record["forward_s"])
+    assert record["wall_s"] >= sum(record["forward_s"])
+
+
 class FakeTorch:
     """torch as the helper uses it, over a device of `free` bytes whose driver takes
     `overhead` more per allocation and makes none larger than `largest`."""
