@@ -10,11 +10,11 @@ few blocks of width 128, on the CPU too) at 1024² for ``--steps`` steps:
 
 The pipeline is this module's ``pipeline`` (generate's ``--pipeline``): the prompt's embedding
 is seeded noise in place of a text encoder's, and each denoising step is one forward pass of
-the streamed transformer (``sampling.timed``: the device synchronised around each), an Euler
-step of a flow-matching schedule, the final latents the "image". With ``WS_GEN_BARRIER`` set a
-process prints ``ATTACHED`` once its transformer is attached and waits for a line on stdin
-before it denoises: both processes of the pair are attached, and measured, before either
-starts, and then they run at once.
+the streamed transformer (``sampling.back_to_back``: the steps run one after the other, each
+timed by CUDA events between them), an Euler step of a flow-matching schedule, the final
+latents the "image". With ``WS_GEN_BARRIER`` set a process prints ``ATTACHED`` once its
+transformer is attached and waits for a line on stdin before it denoises: both processes of the
+pair are attached, and measured, before either starts, and then they run at once.
 
 Recorded: each process's per-step seconds (the first step apart: the first pass also learns
 the plan), its counters (``Handle.stats()``'s sampling line), whether its latents are
@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 from tests.bench.aitk.measure import memory_kib
 from tests.bench.provenance import command, commit
-from tests.bench.sampling import GiB, device_name, timed
+from tests.bench.sampling import GiB, back_to_back, device_name
 
 ROOT = Path(__file__).resolve().parents[2]
 BARRIER = "WS_GEN_BARRIER"
@@ -120,7 +120,7 @@ class Flux2Loop:
         if os.environ.get(BARRIER):
             print(ATTACHED, flush=True)
             sys.stdin.readline()
-        times = timed(step, num_inference_steps, self.sync)
+        times = back_to_back(step, num_inference_steps, self.sync)
         print(STEPS + json.dumps({"step_s": times}), flush=True)
         return SimpleNamespace(images=[state["latents"].float().cpu()])
 
