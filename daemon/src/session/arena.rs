@@ -183,6 +183,8 @@ pub struct StagingArena {
     slot: u64,
     /// The slot after the last block placed on one.
     next_slot: u64,
+    /// See `keep_small_inside_slots`.
+    small_inside: bool,
     blocks: BTreeMap<u64, Block>,
     index: HashMap<GroupId, u64>,
     /// Where the next gap search starts: just after the last placement.
@@ -206,6 +208,7 @@ impl StagingArena {
             align,
             slot: 0,
             next_slot: 0,
+            small_inside: false,
             blocks: BTreeMap::new(),
             index: HashMap::new(),
             next_fit: 0,
@@ -224,6 +227,12 @@ impl StagingArena {
     pub fn with_slot(mut self, slot: u64) -> StagingArena {
         self.slot = slot.next_multiple_of(self.align);
         self
+    }
+
+    /// Whether blocks of at most half a slot keep inside one where they can (`place`): on
+    /// for forward-only passes (sampling, inference), off for training (see `inside_slots`).
+    pub fn keep_small_inside_slots(&mut self, on: bool) {
+        self.small_inside = on;
     }
 
     pub fn capacity(&self) -> u64 {
@@ -529,15 +538,20 @@ impl StagingArena {
     }
 
     /// Whether a `len`-byte block keeps inside one slot where it can: one of at most half a
-    /// slot (the others go on slots, `on_slot`). Placed next-fit, such blocks drift across
-    /// the slots' boundaries (two of FLUX's single blocks are a little less than a double
-    /// block), and one reaching into a slot keeps a largest block out of it while it is held
-    /// or needed soon: at the turn from single to double blocks a prefetch of the double
-    /// block then found no slot until the single blocks were released, and the link idled
-    /// (the sampling pass, daemon/DESIGN.md). Kept inside slots, two of them share one, and
-    /// a slot is free once its two are.
+    /// slot (the others go on slots, `on_slot`), while `keep_small_inside_slots` is on.
+    /// Placed next-fit, such blocks drift across the slots' boundaries (two of FLUX's single
+    /// blocks are a little less than a double block), and one reaching into a slot keeps a
+    /// largest block out of it while it is held or needed soon: in a forward-only pass, at the
+    /// turn from the last single blocks to the first double block, that block's prefetch then
+    /// found no slot until the single blocks were released, and the link idled. Kept inside
+    /// slots, two of them share one, and a slot is free once its two are. Not in training: a
+    /// small block can then evict only inside one slot, more often a block the GPU is still
+    /// reading, and FLUX.1's single blocks waited twice as long (daemon/DESIGN.md).
     fn inside_slots(&self, len: u64) -> bool {
-        self.slot != 0 && len * 2 <= self.slot && self.capacity / self.slot >= 2
+        self.small_inside
+            && self.slot != 0
+            && len * 2 <= self.slot
+            && self.capacity / self.slot >= 2
     }
 
     /// Where a `len`-byte block starting at or after `at` first fits inside one slot.
@@ -1537,6 +1551,7 @@ mod tests {
     #[test]
     fn small_blocks_keep_inside_one_slot() {
         let mut arena = StagingArena::new(300, 1).with_slot(100);
+        arena.keep_small_inside_slots(true);
         for (group, offset) in [(1, 0), (2, 45), (3, 100), (4, 145), (5, 200), (6, 245)] {
             assert_eq!(cached(&mut arena, group, 45), offset);
         }
@@ -1552,6 +1567,7 @@ mod tests {
         cached(&mut arena, 2, 60);
         place_ok(&mut arena, 3, 170);
         let mut arena = arena.with_slot(100);
+        arena.keep_small_inside_slots(true);
         assert!(arena.remove(2));
         assert_eq!(arena.place(4, 50, never, None).unwrap().offset, 70);
     }
