@@ -257,7 +257,7 @@ impl Actor {
             } => self.on_acquire(group, ticket, kind),
             Command::Release { ticket } => self.on_release(ticket),
             Command::Plan { groups, kind } => {
-                self.set_kind(kind);
+                self.kind = kind.unwrap_or(self.kind);
                 self.on_plan(groups)
             }
             Command::GpuWait(report) => self.on_gpu_wait(&report),
@@ -277,14 +277,6 @@ impl Actor {
             let visited = &self.p.shared.stats.plan_entries_visited;
             visited.store(plan.work().entries, Ordering::Relaxed);
         }
-    }
-
-    /// The kind of pass the next acquires belong to (None: unchanged): what the stats count
-    /// them as, and how the arena places small blocks (`keep_small_inside_slots`).
-    fn set_kind(&mut self, kind: Option<PassKind>) {
-        self.kind = kind.unwrap_or(self.kind);
-        self.arena
-            .keep_small_inside_slots(self.kind == PassKind::Sample);
     }
 
     fn fault(&mut self, ticket: u64, kind: FaultKind, message: impl Into<String>) {

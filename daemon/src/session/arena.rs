@@ -183,8 +183,6 @@ pub struct StagingArena {
     slot: u64,
     /// The slot after the last block placed on one.
     next_slot: u64,
-    /// See `keep_small_inside_slots`.
-    small_inside: bool,
     blocks: BTreeMap<u64, Block>,
     index: HashMap<GroupId, u64>,
     /// Where the next gap search starts: just after the last placement.
@@ -208,7 +206,6 @@ impl StagingArena {
             align,
             slot: 0,
             next_slot: 0,
-            small_inside: false,
             blocks: BTreeMap::new(),
             index: HashMap::new(),
             next_fit: 0,
@@ -227,12 +224,6 @@ impl StagingArena {
     pub fn with_slot(mut self, slot: u64) -> StagingArena {
         self.slot = slot.next_multiple_of(self.align);
         self
-    }
-
-    /// Whether blocks of at most half a slot keep inside one where they can (`place`): on
-    /// for forward-only passes (sampling, inference), off for training (see `inside_slots`).
-    pub fn keep_small_inside_slots(&mut self, on: bool) {
-        self.small_inside = on;
     }
 
     pub fn capacity(&self) -> u64 {
@@ -279,26 +270,18 @@ impl StagingArena {
             (Placement { offset, evicted }, len)
         };
         let slot = self.on_slot(len, &next_use, evict_only_after);
-        let inside = self.inside_slots(len);
         let placed = match slot {
             Some(SlotOffer::Free(offset)) => Some(self.take_slot(gap(offset))),
-            _ => self.find_gap(len, inside).map(gap),
+            _ => self.find_gap(len).map(gap),
         }
         .or_else(|| match slot {
             Some(SlotOffer::Evicting(placement, cover)) => Some(self.take_slot((placement, cover))),
             _ => None,
         });
-        // A block of at most half a slot keeps inside one where it can: a free gap inside
-        // one, else a window of victims inside one, and only then anywhere.
-        let placed = match placed {
-            Some(placed) => Ok(placed),
-            None if inside => self
-                .evict_for(len, &next_use, evict_only_after, true)
-                .or_else(|e| self.find_gap(len, false).map(gap).ok_or(e))
-                .or_else(|_| self.evict_for(len, &next_use, evict_only_after, false)),
-            None => self.evict_for(len, &next_use, evict_only_after, false),
+        let (placement, cover) = match placed {
+            Some(placed) => placed,
+            None => self.evict_for(len, &next_use, evict_only_after)?,
         };
-        let (placement, cover) = placed?;
         self.insert(group, placement.offset, len, cover);
         Ok(placement)
     }
@@ -537,61 +520,28 @@ impl StagingArena {
         (placement, cover)
     }
 
-    /// Whether a `len`-byte block keeps inside one slot where it can: one of at most half a
-    /// slot (the others go on slots, `on_slot`), while `keep_small_inside_slots` is on.
-    /// Placed next-fit, such blocks drift across the slots' boundaries (two of FLUX's single
-    /// blocks are a little less than a double block), and one reaching into a slot keeps a
-    /// largest block out of it while it is held or needed soon: in a forward-only pass, at the
-    /// turn from the last single blocks to the first double block, that block's prefetch then
-    /// found no slot until the single blocks were released, and the link idled. Kept inside
-    /// slots, two of them share one, and a slot is free once its two are. Not in training: a
-    /// small block can then evict only inside one slot, more often a block the GPU is still
-    /// reading, and FLUX.1's single blocks waited twice as long (daemon/DESIGN.md).
-    fn inside_slots(&self, len: u64) -> bool {
-        self.small_inside
-            && self.slot != 0
-            && len * 2 <= self.slot
-            && self.capacity / self.slot >= 2
-    }
-
-    /// Where a `len`-byte block starting at or after `at` first fits inside one slot.
-    fn inside_slot_from(&self, at: u64, len: u64) -> u64 {
-        let boundary = (at / self.slot + 1) * self.slot;
-        if at + len > boundary { boundary } else { at }
-    }
-
     /// Next-fit: the first gap from the cursor on, then, wrapping once, the
-    /// first whole gap that starts before it; with `inside`, the first place in a gap
-    /// that keeps the block inside one slot.
-    fn find_gap(&self, len: u64, inside: bool) -> Option<u64> {
-        let place = |(start, end): (u64, u64)| {
-            let at = if inside {
-                self.inside_slot_from(start, len)
-            } else {
-                start
-            };
-            (at + len <= end).then_some(at)
-        };
+    /// first whole gap that starts before it.
+    fn find_gap(&self, len: u64) -> Option<u64> {
+        let fits = |&(start, end): &(u64, u64)| end - start >= len;
         let cursor = self.next_fit;
-        self.gaps_from(cursor).find_map(place).or_else(|| {
-            self.gaps_from(0)
-                .take_while(|&(start, _)| start < cursor)
-                .find_map(place)
-        })
+        self.gaps_from(cursor)
+            .find(fits)
+            .or_else(|| {
+                self.gaps_from(0)
+                    .take_while(|&(start, _)| start < cursor)
+                    .find(fits)
+            })
+            .map(|(start, _)| start)
     }
 
-    /// With `inside`, only windows inside one slot (`inside_slots`).
     fn evict_for(
         &mut self,
         len: u64,
         next_use: &impl Fn(GroupId) -> Option<u64>,
         evict_only_after: Option<u64>,
-        inside: bool,
     ) -> Result<(Placement, u64), AllocError> {
-        let mut segments = self.segments(next_use, evict_only_after);
-        if inside {
-            segments = split_at_slots(segments, self.slot);
-        }
+        let segments = self.segments(next_use, evict_only_after);
         let window = best_window(&segments, len).ok_or(AllocError::NoSpace { len })?;
         let mut evicted = Vec::new();
         let mut cover = len;
@@ -661,43 +611,6 @@ fn victim_kind(
             score,
         },
     }
-}
-
-/// `segments` with a barrier of no length at each multiple of `slot`, so that no window
-/// crosses one: a free segment across one is split there; a victim across one becomes a
-/// barrier (evicting it for a window on one side would free its bytes on the other, which
-/// its readers may still read, outside the new block's cover).
-fn split_at_slots(segments: Vec<Segment>, slot: u64) -> Vec<Segment> {
-    let barrier = |offset| Segment {
-        offset,
-        len: 0,
-        kind: SegmentKind::Barrier,
-    };
-    let mut out = Vec::with_capacity(segments.len() + 8);
-    for mut segment in segments {
-        let end = segment.offset + segment.len;
-        let mut boundary = (segment.offset / slot + 1) * slot;
-        if end > boundary && segment.kind != SegmentKind::Free {
-            segment.kind = SegmentKind::Barrier;
-        }
-        if segment.kind == SegmentKind::Free {
-            while end > boundary {
-                out.push(Segment {
-                    len: boundary - segment.offset,
-                    ..segment
-                });
-                out.push(barrier(boundary));
-                segment.offset = boundary;
-                segment.len = end - boundary;
-                boundary += slot;
-            }
-        }
-        out.push(segment);
-        if end == boundary {
-            out.push(barrier(boundary));
-        }
-    }
-    out
 }
 
 /// The best window over all runs of segments between barriers.
@@ -1544,44 +1457,6 @@ mod tests {
         assert_eq!((placement.offset, placement.evicted), (0, vec![10]));
     }
 
-    /// Blocks of at most half a slot keep inside one: next-fit, each goes on to the next
-    /// slot where it would cross a boundary (plain next-fit: 0, 45, 90, 135, 180, 225), so a
-    /// slot is free once its own two are; a window of victims is sought inside one slot too,
-    /// and only where there is none, anywhere.
-    #[test]
-    fn small_blocks_keep_inside_one_slot() {
-        let mut arena = StagingArena::new(300, 1).with_slot(100);
-        arena.keep_small_inside_slots(true);
-        for (group, offset) in [(1, 0), (2, 45), (3, 100), (4, 145), (5, 200), (6, 245)] {
-            assert_eq!(cached(&mut arena, group, 45), offset);
-        }
-        // Group 3 is never needed again, the others soon: the window [90, 145) (the gap
-        // before 3 and 3) would do, but it crosses 100; [100, 145) does not.
-        let next = |g: GroupId| (g != 3).then_some(1);
-        let placement = arena.place(7, 45, next, None).unwrap();
-        assert_eq!((placement.offset, placement.evicted), (100, vec![3]));
-
-        // Only a gap across a boundary, and nothing to evict: the block goes there.
-        let mut arena = StagingArena::new(300, 1);
-        place_ok(&mut arena, 1, 70);
-        cached(&mut arena, 2, 60);
-        place_ok(&mut arena, 3, 170);
-        let mut arena = arena.with_slot(100);
-        arena.keep_small_inside_slots(true);
-        assert!(arena.remove(2));
-        assert_eq!(arena.place(4, 50, never, None).unwrap().offset, 70);
-    }
-
-    /// Three 40-byte blocks placed next-fit, the third across the slots' boundary at 100 (as
-    /// a small block placed where no slot could keep it is): the arena then given slots.
-    fn straddling() -> StagingArena {
-        let mut arena = StagingArena::new(300, 1);
-        for (group, offset) in [(10, 0), (11, 40), (12, 80)] {
-            assert_eq!(cached(&mut arena, group, 40), offset);
-        }
-        arena.with_slot(100)
-    }
-
     /// A cached block reaching into a slot from below keeps that slot: evicting it would free
     /// its bytes below the slot, outside the new block's cover, while its readers may still
     /// run. The block goes to the window `evict_for` finds instead; a slot's own victims are
@@ -1589,7 +1464,10 @@ mod tests {
     #[test]
     fn a_block_reaching_into_a_slot_from_below_keeps_the_slot() {
         let far = |_: GroupId| Some(1000);
-        let mut arena = straddling();
+        let mut arena = StagingArena::new(300, 1).with_slot(100);
+        for (group, offset) in [(10, 0), (11, 40), (12, 80)] {
+            assert_eq!(cached(&mut arena, group, 40), offset);
+        }
         // The slot at 100 has 12 reaching into it; the one at 200 is free.
         assert_eq!(arena.place(1, 100, far, None).unwrap().offset, 200);
         assert!(arena.mark_valid(1));
@@ -1601,7 +1479,10 @@ mod tests {
         assert!(arena.mark_valid(2));
         assert_eq!(arena.get(2).unwrap().len, 100);
 
-        let mut arena = straddling();
+        let mut arena = StagingArena::new(300, 1).with_slot(100);
+        for group in [10, 11, 12] {
+            cached(&mut arena, group, 40);
+        }
         assert_eq!(arena.place(1, 100, far, None).unwrap().offset, 200);
         arena.hold(10);
         // Slot 0 holds a held block and slot 100 has 12 reaching in: no slot, so the

@@ -25,8 +25,8 @@ use crate::residency::ResidentLease;
 use crate::scheduler::CopyScheduler;
 use crate::session::layout::layout_groups;
 use crate::session::{
-    CloseReason, Command, Control, DrainDeadline, Event, FaultKind, GpuWaitReport, PassKind,
-    SessionShared, SessionStats, StatsSnapshot,
+    CloseReason, Command, Control, DrainDeadline, Event, FaultKind, GpuWaitReport, SessionShared,
+    SessionStats, StatsSnapshot,
 };
 use crate::store::{Store, test_support};
 
@@ -38,8 +38,6 @@ const PROBE: u64 = u64::MAX;
 /// One session's shape, and whether copies wait until the test opens the backend.
 struct Setup {
     groups: usize,
-    /// Each group's bytes (multiples of the 256-byte alignment); None: BLOCK each.
-    sizes: Option<Vec<u64>>,
     staging_blocks: u64,
     prefetch_depth: usize,
     max_live_tickets: u32,
@@ -57,7 +55,6 @@ impl Default for Setup {
     fn default() -> Self {
         Setup {
             groups: 4,
-            sizes: None,
             staging_blocks: 4,
             prefetch_depth: 2,
             max_live_tickets: 16,
@@ -94,11 +91,9 @@ async fn within<T>(what: &str, f: impl Future<Output = T>) -> T {
         .unwrap_or_else(|_| panic!("timed out waiting for {what}"))
 }
 
-/// A model of tensors `w{i}` of `sizes[i]` bytes, each filled with its index.
-fn model_file(dir: &Path, sizes: &[u64]) -> std::path::PathBuf {
-    let data: Vec<Vec<u8>> = (sizes.iter().enumerate())
-        .map(|(i, &n)| vec![i as u8; n as usize])
-        .collect();
+/// A model of `groups` tensors `w{i}` of BLOCK bytes, each filled with its index.
+fn model_file(dir: &Path, groups: usize) -> std::path::PathBuf {
+    let data: Vec<Vec<u8>> = (0..groups).map(|i| vec![i as u8; BLOCK as usize]).collect();
     let views: Vec<(String, ::safetensors::tensor::TensorView<'_>)> = data
         .iter()
         .enumerate()
@@ -120,20 +115,18 @@ impl Harness {
         let (backend, copies) = FakeBackend::new(setup.hold_copies);
         let limits = test_support::limits(HostQuota::default());
         let store = Store::new(Shm::new(), backend.clone(), limits);
-        let sizes = (setup.sizes.clone()).unwrap_or_else(|| vec![BLOCK; setup.groups]);
-        assert_eq!(sizes.len(), setup.groups);
-        let path = model_file(dir.path(), &sizes);
+        let path = model_file(dir.path(), setup.groups);
         let (model, _) = test_support::load_paths(&store, &[path], 1).unwrap();
         let specs: Vec<(String, Vec<String>)> = (0..setup.groups)
             .map(|i| (format!("g{i}"), vec![format!("w{i}")]))
             .collect();
         let groups = layout_groups(&model, &specs, 256).unwrap();
-        assert!(groups.iter().zip(&sizes).all(|(g, &n)| g.nbytes == n));
+        assert!(groups.iter().all(|g| g.nbytes == BLOCK));
         let scheduler = CopyScheduler::start(backend.clone(), 1).unwrap();
         let pool = setup.events.map(FakePool::new);
         let (control, control_rx) = mpsc::unbounded_channel();
         let (finished_tx, finished) = watch::channel(false);
-        let staging = setup.staging_blocks * sizes.iter().max().unwrap();
+        let staging = setup.staging_blocks * BLOCK;
         let shared = Arc::new(SessionShared {
             id: "s-1".into(),
             number: 1,
@@ -209,14 +202,10 @@ impl Harness {
     }
 
     async fn acquire(&self, group: u32, ticket: u64) {
-        self.acquire_as(group, ticket, None).await;
-    }
-
-    async fn acquire_as(&self, group: u32, ticket: u64, kind: Option<PassKind>) {
         self.send(Command::Acquire {
             group,
             ticket,
-            kind,
+            kind: None,
         })
         .await;
     }
@@ -559,30 +548,6 @@ async fn prefetch_stages_the_plans_next_groups_before_they_are_acquired() {
         (4, 4, 0, 4),
         "every acquire found its group prefetched"
     );
-}
-
-/// A largest group of 1280 bytes (the arena's slots: three of them) and smaller ones of 512:
-/// in a sampling pass two small ones share a slot and the third starts the next slot; in
-/// training they are placed next-fit, the third across the boundary at 1280.
-#[tokio::test]
-async fn small_groups_keep_inside_slots_in_sampling_passes_only() {
-    for (kind, offsets) in [
-        (PassKind::Sample, [0, 512, 1280, 1792, 2560]),
-        (PassKind::Train, [0, 512, 1024, 1536, 2048]),
-    ] {
-        let mut h = Harness::start(Setup {
-            groups: 6,
-            sizes: Some(vec![1280, 512, 512, 512, 512, 512]),
-            staging_blocks: 3,
-            ..Setup::default()
-        })
-        .await;
-        for (i, offset) in offsets.into_iter().enumerate() {
-            let group = i as u32 + 1;
-            h.acquire_as(group, u64::from(group), Some(kind)).await;
-            assert_eq!(h.next().await, staged(u64::from(group), offset), "{kind:?}");
-        }
-    }
 }
 
 #[tokio::test]

@@ -43,7 +43,7 @@ impl Actor {
         if let Err((kind, message)) = self.check_acquire(group, ticket) {
             return self.fault(ticket, kind, message);
         }
-        self.set_kind(kind);
+        self.kind = kind.unwrap_or(self.kind);
         let stats = &self.p.shared.stats;
         let part = stats.kind(self.kind);
         SessionStats::bump(&part.acquires, 1);
