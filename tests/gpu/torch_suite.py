@@ -500,6 +500,53 @@ def device_quantization(client):
     return "; ".join(details)
 
 
+def bnb4_equality(
+    client, quant_type: str, double: bool, dtype, ckpt, group_by="layer", device="cuda"
+):
+    """bitsandbytes' ``Linear4bit`` base layers (the CPU test's model, quantized by bitsandbytes
+    and moved to the GPU) streamed as they are, with three of the largest group for staging and
+    nothing resident, against the same layers in place: losses, outputs, LoRA gradients and
+    no_grad samples equal; every packed byte back after ``detach``."""
+    from weightstream.torch import packed, policy
+
+    from tests.python.torch import test_packed_bnb as tb
+    from tests.python.torch.test_packed import as_bytes
+
+    ref = tb.bnb_model(quant_type, double, dtype).to(device)
+    streamed = tb.bnb_model(quant_type, double, dtype).to(device)
+    ref.ckpt = streamed.ckpt = ckpt
+    mods = tb.layers(streamed)
+    state = {n: tb.streamed_state(m) for n, m in mods.items()}
+    packs = {n: packed.Packed.of(m) for n, m in mods.items()}
+    selected = policy.select(streamed, wst.StreamOptions(min_bytes=0)).streamed
+    alignment = client.info().alignment
+    sizes = policy.choose_groups(streamed, selected, group_by, alignment, None, 0, packs=packs)
+    staging = 3 * max(sizes.sizes)
+    handle = wst.attach(
+        streamed,
+        device,
+        client=client,
+        min_bytes=0,
+        vram_budget=staging,
+        staging_bytes=staging,
+        group_by=group_by,
+    )
+    assert not any(g.resident for g in handle.session.groups), "a group stayed resident"
+    xs = t.inputs(4, dtype, device=device)
+    t.assert_equal_runs(t.train(ref, xs, sample_between=True), t.train(streamed, xs, True))
+    stats = handle.stats()
+    handle.detach(release=True)
+    for name, m in tb.layers(streamed).items():
+        back = tb.streamed_state(m)
+        for k, want in state[name].items():
+            assert torch.equal(as_bytes(back[k]), as_bytes(want)), (name, k)
+    form = stats["packed_formats"][f"bnb.{quant_type}"]
+    return (
+        f"{form['layers']} Linear4bit layers, {form['bits_per_weight']} bits a weight, "
+        f"{stats['acquires']} acquires"
+    )
+
+
 def trainable_equality(ckpt: bool, delay: bool, kind: str = "adamw", master: str = "fp32"):
     """LoRA weights in host memory (``stream_trainable`` + ``HostAdamW``, clipping on) against
     the LoRA on the device with the same optimizer formula on fp32 masters on the CPU: equal
@@ -635,6 +682,18 @@ def main():
             lambda: compute8_equality(
                 client, "int8", torch.bfloat16, "reentrant", rotation=64, grad="int8"
             ),
+        ),
+        (
+            "equal: bitsandbytes Linear4bit nf4, bf16, non-reentrant checkpointing",
+            lambda: bnb4_equality(client, "nf4", False, torch.bfloat16, "non-reentrant"),
+        ),
+        (
+            "equal: bitsandbytes Linear4bit nf4 double quantized, bf16, by block",
+            lambda: bnb4_equality(client, "nf4", True, torch.bfloat16, None, "block"),
+        ),
+        (
+            "equal: bitsandbytes Linear4bit fp4, fp32 weights' dtype, reentrant checkpointing",
+            lambda: bnb4_equality(client, "fp4", False, torch.float32, "reentrant"),
         ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
         (
