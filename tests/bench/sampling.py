@@ -230,6 +230,7 @@ def child_weightstream(args) -> dict:
             vram_budget=int(args.vram_budget_gib * GiB),
             client=daemon.client,
             quantize=args.quantize,
+            compute=args.compute,
             sample_vram_budget=int(sample_budget * GiB) if sample_budget else None,
             sample_staging_bytes=(
                 int(args.sample_staging_gib * GiB) if args.sample_staging_gib else None
@@ -290,6 +291,8 @@ def child_cmd(args, mode: str) -> list[str]:
     cmd += ["--vram-budget-gib", str(args.vram_budget_gib)]
     if args.quantize:
         cmd += ["--quantize", args.quantize]
+    if args.compute != "bf16":
+        cmd += ["--compute", args.compute]
     if args.sample_vram_budget_gib:
         cmd += ["--sample-vram-budget-gib", str(args.sample_vram_budget_gib)]
     if args.sample_staging_gib:
@@ -445,6 +448,12 @@ def parse_args(argv):
         "largest group)",
     )
     p.add_argument("--quantize", choices=["fp8"], default=None)
+    p.add_argument(
+        "--compute",
+        choices=["bf16", "fp8", "int8"],
+        default="bf16",
+        help="attach's compute: how the streamed layers multiply (fp8, int8: W8A8)",
+    )
     p.add_argument(
         "--daemon-log",
         default="warn",
