@@ -117,6 +117,9 @@ def test_the_setting_reads_sizes_from_the_section_and_the_environment():
     env = {"WEIGHTSTREAM_SAMPLE_BUDGET": "20GB"}
     assert Settings.load({"sample_vram_budget": "none"}, env=env).sample_vram_budget == 20 * 10**9
     assert Settings.load({"sample_vram_budget": "none"}, env={}).sample_vram_budget is None
+    assert Settings.load({"sample_vram_budget": "Auto"}, env={}).sample_vram_budget == "auto"
+    env = {"WEIGHTSTREAM_SAMPLE_BUDGET": "auto"}
+    assert Settings.load({}, env=env).sample_vram_budget == "auto"
     with pytest.raises(ValueError) as raised:
         Settings.load({"sample_vram_budget": "lots"}, env={})
     assert str(raised.value) == (

@@ -310,6 +310,76 @@ def test_the_sampling_budget_stages_three_groups_and_keeps_the_rest_resident(
     handle.detach(release=True)
 
 
+class Trainer:
+    """A trainer probe for ``AutoSample``: the allocator's figures it is told."""
+
+    def __init__(self):
+        self.started = 0
+        self.memory = wst.budget.TrainerMemory()
+
+    def start(self):
+        self.started += 1
+
+    def __call__(self):
+        return self.memory
+
+
+def test_an_auto_sampling_budget_measures_the_first_block_then_grows_into_what_is_free(daemon):
+    """``sample_vram_budget="auto"``: the first ``sampling()`` block runs at the training budget
+    and measures the trainer's own memory over it; a later block grows the session to what it
+    holds, plus what the device has free, less that and the margin (here 8 blocks:
+    3 held + 7 free - 1 measured - 1 margin), and gives it back after; a gain under one block
+    reopens nothing, and the growth stops at every group resident plus one of staging."""
+    free = [7 * BLOCK_BYTES]
+    trainer = Trainer()
+    auto = wst.passes.AutoSample(
+        margin=BLOCK_BYTES, probe=lambda: (free[0], 100 * BLOCK_BYTES), trainer_probe=trainer
+    )
+    ref, model, handle = make_pair(daemon, sample_vram_budget=auto)
+    assert handle.options.sample_vram_budget is auto and handle._passes.auto is auto
+    train(ref, model, 1)
+    session = handle.session.id
+    trainer.memory = wst.budget.TrainerMemory(
+        peak_allocated=5 * BLOCK_BYTES, allocated=4 * BLOCK_BYTES, start_allocated=4 * BLOCK_BYTES
+    )
+    with handle.sampling():
+        assert (handle.session.id, handle.vram_budget) == (session, 3 * BLOCK_BYTES)
+        sample(ref, model, 2)
+    assert (trainer.started, auto.need, auto.chosen) == (1, BLOCK_BYTES, 3 * BLOCK_BYTES)
+    with handle.sampling():
+        assert handle.vram_budget == 8 * BLOCK_BYTES
+        assert handle.session.opened.staging_bytes == 3 * BLOCK_BYTES
+        assert [g.resident for g in handle.session.groups].count(True) == 5
+        sample(ref, model, 2)
+    assert handle.vram_budget == 3 * BLOCK_BYTES and handle.session.id != session
+    stats = handle.stats()
+    assert (stats["sample_auto_need"], stats["sample_auto_budget"]) == (
+        BLOCK_BYTES,
+        8 * BLOCK_BYTES,
+    )
+    # Less than a block to gain (3 held + 2.5 free - 1 - 1): the session stays as it is.
+    free[0] = 5 * BLOCK_BYTES // 2
+    session = handle.session.id
+    with handle.sampling():
+        assert (handle.session.id, handle.vram_budget) == (session, 3 * BLOCK_BYTES)
+        sample(ref, model, 1)
+    assert auto.chosen == 3 * BLOCK_BYTES
+    # Room for more than the model: every group resident and one group of staging.
+    free[0] = 100 * BLOCK_BYTES
+    with handle.sampling():
+        assert handle.vram_budget == (BLOCKS + 1) * BLOCK_BYTES
+        assert all(g.resident for g in handle.session.groups)
+        sample(ref, model, 1)
+    handle.detach(release=True)
+
+
+@pytest.mark.no_daemon
+def test_sample_vram_budget_takes_auto():
+    assert wst.StreamOptions(sample_vram_budget=" Auto ").sample_vram_budget == "auto"
+    options = wst.StreamOptions(sample_vram_budget="auto", sample_staging_bytes="1GiB")
+    assert options.sample_staging_bytes == 1 << 30
+
+
 def test_a_sampling_staging_under_the_largest_group_is_refused_at_attach(daemon):
     with pytest.raises(wst.passes.SampleBudgetError) as e:
         make_pair(
@@ -405,7 +475,7 @@ def test_sample_vram_budget_takes_sizes(value, expected):
             "sample_vram_budget: 'lots' is not a size (bytes, or a number with B, KiB, "
             "MiB, GiB, TiB, KB, MB, GB or TB)",
         ),
-        (0, "sample_vram_budget: 0 bytes; expected None or a size above 0"),
+        (0, "sample_vram_budget: 0 bytes; expected None, 'auto' or a size above 0"),
         (-1, "sample_vram_budget: -1 is negative"),
     ],
 )

@@ -191,8 +191,9 @@ def attach(
                 "session's host memory, which reopening the session for sampling would drop; "
                 "leave sample_vram_budget unset"
             )
-        limit = passes.budget_limit(client, device_uuid(device))
-        passes.check_budget(options.sample_vram_budget, limit)
+        if isinstance(options.sample_vram_budget, int):
+            limit = passes.budget_limit(client, device_uuid(device))
+            passes.check_budget(options.sample_vram_budget, limit)
     if trainable not in ("device", "host"):
         raise ValueError(f"trainable={trainable!r}: expected 'device' or 'host'")
     check_master(master)
@@ -331,6 +332,7 @@ def attach(
             module.register_forward_pre_hook(handle._enter_pass),
             module.register_forward_hook(handle._leave_pass, always_call=True),
         ]
+        handle._passes.auto = passes.auto_sample(options, device)
     except BaseException as e:
         _undo(hooks, session, client, uploaded, freed, e)
         raise

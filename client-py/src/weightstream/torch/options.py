@@ -92,7 +92,9 @@ class StreamOptions:
       8-bit layer's input width) applied to the weights once at attach and to the activations
       at each call: spreads outlier channels before the per-row scales are taken.
     - ``sample_vram_budget``: the session's device budget while sampling
-      (``Handle.sampling()``): bytes, or a size such as ``"20GiB"`` (``weightstream.sizes``).
+      (``Handle.sampling()``): bytes, or a size such as ``"20GiB"`` (``weightstream.sizes``),
+      or ``"auto"`` (``passes.AutoSample``, or an instance of it: what the device has free at
+      each ``sampling()``, less what the trainer's first sampling block took and a margin).
       ``None`` (the default): sampling runs at the training budget. More than the device has
       or the daemon allows is refused (``passes.SampleBudgetError``) at ``attach`` and at
       ``sampling()``.
@@ -116,7 +118,7 @@ class StreamOptions:
     compute: Literal["bf16", "fp8", "int8"] = "bf16"
     grad_compute: Literal["bf16", "fp8", "int8"] | None = None
     rotation: int = 0
-    sample_vram_budget: int | str | None = None
+    sample_vram_budget: int | str | object | None = None
     sample_staging_bytes: int | str | None = None
 
     def __post_init__(self):
@@ -131,16 +133,26 @@ class StreamOptions:
         if self.dequantize not in DEQUANTIZE:
             raise ValueError(f"dequantize={self.dequantize!r}: expected 'auto', 'layer' or 'group'")
         fp8.format_name(self.quantize)  # raises for an unknown format
-        if self.sample_vram_budget is not None:
-            n = parse_size("sample_vram_budget", self.sample_vram_budget)
+        budget = self.sample_vram_budget
+        # "auto", or a passes.AutoSample (not imported here: it needs the policy module,
+        # which needs these options) carrying its own probes and margin.
+        auto = isinstance(budget, str) and budget.strip().lower() == "auto"
+        if auto:
+            object.__setattr__(self, "sample_vram_budget", "auto")
+        elif hasattr(budget, "choose"):
+            auto = True
+        elif budget is not None:
+            n = parse_size("sample_vram_budget", budget)
             if n == 0:
-                raise ValueError("sample_vram_budget: 0 bytes; expected None or a size above 0")
+                raise ValueError(
+                    "sample_vram_budget: 0 bytes; expected None, 'auto' or a size above 0"
+                )
             object.__setattr__(self, "sample_vram_budget", n)
         if self.sample_staging_bytes is not None:
             n = parse_size("sample_staging_bytes", self.sample_staging_bytes)
             if n == 0:
                 raise ValueError("sample_staging_bytes: 0 bytes; expected None or a size above 0")
-            if self.sample_vram_budget is None or n > self.sample_vram_budget:
+            if self.sample_vram_budget is None or (not auto and n > self.sample_vram_budget):
                 raise ValueError(
                     f"sample_staging_bytes={n}: it is part of sample_vram_budget "
                     f"({self.sample_vram_budget}); set sample_vram_budget at least as large"

@@ -22,7 +22,9 @@ Sampling in one thread while another thread trains on the same handle would shar
 tickets: ``enter``/``check`` raise ``ConcurrentPasses`` instead.
 
 ``sampling(handle)`` is ``Handle.sampling()``: the session grown to
-``StreamOptions.sample_vram_budget`` for the passes inside, given back after.
+``StreamOptions.sample_vram_budget`` for the passes inside, given back after; with
+``sample_vram_budget="auto"`` (``AutoSample``), to what the device has free then, less what
+the trainer's own sampling passes took the first time and a margin.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass, fields
 from weightstream.errors import WeightstreamError
 from weightstream.session import device_uuid
 from weightstream.sizes import size_text
+from weightstream.torch import budget as auto_budget
 from weightstream.torch.policy import STAGED_GROUPS
 
 TRAIN, SAMPLE = "train", "sample"
@@ -122,6 +125,8 @@ class Passes:
         #: The plan the daemon was last sent (None: none yet).
         self.sent: list[int] | None = None
         self.counters = {k: KindCounters() for k in KINDS}
+        #: ``sample_vram_budget="auto"``'s policy and what it measured (attach sets it).
+        self.auto: AutoSample | None = None
         self._recorder: ForwardRecorder | None = ForwardRecorder()
         self._seen = (0, 0, 0, 0)
         #: Thread id -> [kind, depth] of the attached module's forwards running in it.
@@ -184,6 +189,8 @@ class Passes:
         out = {"pass_kind": self.kind}
         for kind in KINDS:
             out.update(self.counters[kind].stats(kind))
+        if self.auto is not None:
+            out.update(self.auto.stats())
         out["forward_plan_length"] = len(self.forward)
         out["forward_plan_recorded"] = self._recorder is None
         return out
@@ -232,6 +239,73 @@ def _words(kind: str) -> str:
 
 
 # --- the sampling budget ------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class AutoSample:
+    """``sample_vram_budget="auto"``: the sampling budget chosen from what the device has free
+    when ``Handle.sampling()`` begins. The first ``sampling()`` block runs at the training
+    budget and measures the trainer's own device memory over it (its allocator's peak less
+    what it held at the start: the sampling passes' activations); each later block empties
+    torch's cache and grows the session to what it holds plus what the device has free, less
+    that measure and a margin, at most every group resident (plus the daemon's least staging)
+    and the daemon's limits. A gain of less than the largest group is not worth a reopen (it
+    copies the resident groups again), and the block runs at the training budget. ``margin``:
+    bytes left free (None: ``budget.default_margin`` of the device, as ``vram_budget="auto"``
+    keeps); ``probe()``: the device's (free, total) bytes; ``trainer_probe``: as
+    ``budget.AutoBudget``'s (None: from ``torch``). Pass an instance as ``sample_vram_budget``
+    to choose them; ``need`` and ``chosen`` say what it measured and chose
+    (``Handle.stats()``'s ``sample_auto_need`` and ``sample_auto_budget``)."""
+
+    margin: int | None = None
+    probe: Callable[[], tuple[int, int]] | None = None
+    trainer_probe: Callable[[], auto_budget.TrainerMemory] | None = None
+    #: The trainer's own device bytes over the first block (None until it ended).
+    need: int | None = None
+    #: The budget the last block ran at.
+    chosen: int = 0
+
+    def bind(self, device) -> AutoSample:
+        """The probes of ``device`` where none were given. Returns self."""
+        if self.probe is None:
+            cuda = getattr(device, "type", None) == "cuda"
+            self.probe = auto_budget._cuda_probe(device) if cuda else auto_budget._host_probe
+        if self.trainer_probe is None:
+            self.trainer_probe = auto_budget._TorchTrainer(device)
+        return self
+
+    def start(self):
+        start = getattr(self.trainer_probe, "start", None)
+        if start is not None:
+            start()
+
+    def measured(self):
+        """The first block ended: what the trainer took over it."""
+        t = self.trainer_probe()
+        self.need = max(0, max(t.peak_allocated, t.allocated) - t.start_allocated)
+
+    def choose(self, held: int, sizes: list[int], limit: int | None) -> int | None:
+        """The budget for a block, from the session's ``held`` device bytes (staging and
+        resident groups, which the reopen gives back first), the groups' ``sizes`` and the
+        daemon's ``limit``; None: not worth a reopen."""
+        free, total = self.probe()
+        margin = self.margin if self.margin is not None else auto_budget.default_margin(total)
+        target = min(held + free - (self.need or 0) - margin, sum(sizes) + max(sizes))
+        if limit is not None:
+            target = min(target, limit)
+        return target if target >= held + max(sizes) else None
+
+    def stats(self) -> dict:
+        return {"sample_auto_need": self.need, "sample_auto_budget": self.chosen}
+
+
+def auto_sample(options, device) -> AutoSample | None:
+    """``options.sample_vram_budget`` as an ``AutoSample`` bound to ``device``: a new one for
+    ``"auto"``, the one given; None when it is a number or unset."""
+    budget = options.sample_vram_budget
+    if budget == "auto":
+        return AutoSample().bind(device)
+    return budget.bind(device) if isinstance(budget, AutoSample) else None
 
 
 def budget_limit(client, device_uuid: str) -> tuple[int, str] | None:
@@ -297,18 +371,49 @@ def sampling(handle):
     """``Handle.sampling()``: see there."""
     budget = handle.options.sample_vram_budget
     old_budget, old_staging = handle.vram_budget, handle.session.opened.staging_bytes
-    if budget is None or budget <= old_budget:
-        yield handle
-        return
-    if handle.session.holds_state:
+    if budget is not None and handle.session.holds_state:
         raise SampleBudgetError(
             "sample_vram_budget: the session holds trainable state in host memory "
             "(trainable='host'), which reopening it at another budget would drop; leave "
             "sample_vram_budget unset with trainable='host'"
         )
-    check_budget(budget, budget_limit(handle.client, device_uuid(handle.device)))
-    handle.set_budget(budget, sample_staging(handle, budget), keep_plan=True)
+    limit = budget_limit(handle.client, device_uuid(handle.device))
+    auto = handle._passes.auto
+    if auto is not None:
+        if auto.need is None:
+            auto.chosen = old_budget
+            auto.start()
+            try:
+                yield handle
+            finally:
+                auto.measured()
+            return
+        _empty_device_cache(handle.device)
+        groups = handle.session.groups
+        held = old_staging + sum(g.nbytes for g in groups if g.resident)
+        budget = auto.choose(held, [g.nbytes for g in groups], limit and limit[0])
+        auto.chosen = budget or old_budget
+    if budget is None or budget <= old_budget:
+        yield handle
+        return
+    check_budget(budget, limit)
+    staging = min(budget, sample_staging(handle, budget))
+    if auto is not None:
+        # Room for every group: the rest of the budget stages (at least the largest group).
+        sizes = [g.nbytes for g in handle.session.groups]
+        if budget - sum(sizes) >= max(sizes):
+            staging = min(staging, budget - sum(sizes))
+    handle.set_budget(budget, staging, keep_plan=True)
     try:
         yield handle
     finally:
         handle.set_budget(old_budget, old_staging, keep_plan=True)
+
+
+def _empty_device_cache(device):
+    """The trainer's cached, unused device blocks given back, so that the device's free
+    memory counts them (``AutoSample``)."""
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()

@@ -101,9 +101,10 @@ class Settings:
     - ``sample_vram_budget``: device bytes of each session while ai-toolkit samples (its
       ``sample``, at step 0 and every ``sample_every`` steps): the session grows to it for the
       sampling passes and gives it back before the next training step
-      (``StreamOptions.sample_vram_budget``, ``Handle.sampling()``). Default ``none``: sampling
-      at the training budget (its passes follow the forward plan either way). Not with
-      ``trainable: host``.
+      (``StreamOptions.sample_vram_budget``, ``Handle.sampling()``); ``auto``: what the device
+      has free when sampling begins, less what the first sampling took and a margin. Default
+      ``none``: sampling at the training budget (its passes follow the forward plan either
+      way). Not with ``trainable: host``.
     - ``load_from_files``: with ``layer_offloading``, a loader that reads the model with
       safetensors' ``load_file`` and assigns it (FLUX.2's) never reads the streamed Linear/Conv2d
       weights: the daemon loads the same files (in 8 bits where ai-toolkit would quantize to
@@ -127,7 +128,7 @@ class Settings:
     trainable: str = "device"
     trainable_delay: bool = True
     trainable_master: str | None = None
-    sample_vram_budget: int | None = None
+    sample_vram_budget: int | str | None = None
     load_from_files: bool = True
 
     def __post_init__(self):
@@ -168,6 +169,8 @@ def _convert(key: str, what: str, value):
     if key == "sample_vram_budget":
         if value is None or str(value).strip().lower() in ("none", ""):
             return None
+        if str(value).strip().lower() == "auto":
+            return "auto"
         return parse_size(what, value) or None
     if key in ("vram_budget", "staging_bytes", "min_bytes"):
         if key == "vram_budget" and str(value).lower() in ("none", "default", ""):
