@@ -507,31 +507,15 @@ def bnb4_equality(
     and moved to the GPU) streamed as they are, with three of the largest group for staging and
     nothing resident, against the same layers in place: losses, outputs, LoRA gradients and
     no_grad samples equal; every packed byte back after ``detach``."""
-    from weightstream.torch import packed, policy
-
     from tests.python.torch import test_packed_bnb as tb
-    from tests.python.torch.test_packed import as_bytes
+    from tests.python.torch.test_packed import as_bytes, attach_packed
 
     ref = tb.bnb_model(quant_type, double, dtype).to(device)
     streamed = tb.bnb_model(quant_type, double, dtype).to(device)
     ref.ckpt = streamed.ckpt = ckpt
     mods = tb.layers(streamed)
     state = {n: tb.streamed_state(m) for n, m in mods.items()}
-    packs = {n: packed.Packed.of(m) for n, m in mods.items()}
-    selected = policy.select(streamed, wst.StreamOptions(min_bytes=0)).streamed
-    alignment = client.info().alignment
-    sizes = policy.choose_groups(streamed, selected, group_by, alignment, None, 0, packs=packs)
-    staging = 3 * max(sizes.sizes)
-    handle = wst.attach(
-        streamed,
-        device,
-        client=client,
-        min_bytes=0,
-        vram_budget=staging,
-        staging_bytes=staging,
-        group_by=group_by,
-    )
-    assert not any(g.resident for g in handle.session.groups), "a group stayed resident"
+    handle = attach_packed(client, streamed, mods, group_by, "streamed", device)
     xs = t.inputs(4, dtype, device=device)
     t.assert_equal_runs(t.train(ref, xs, sample_between=True), t.train(streamed, xs, True))
     stats = handle.stats()

@@ -140,20 +140,21 @@ FORMS = [
 ]
 
 
-def attach_packed(daemon, streamed, layers: dict, group_by: str, where: str):
-    """``streamed`` attached with a staging arena of three of its largest groups and, where
-    ``where`` is "mixed", room for its three smallest groups to stay resident ("streamed":
-    none); checks the groups are the sizes policy lays out with the packed ``layers``."""
+def attach_packed(client, streamed, layers: dict, group_by: str, where: str, device: str = "cpu"):
+    """``streamed`` attached on ``device`` with a staging arena of three of its largest groups
+    and, where ``where`` is "mixed", room for its three smallest groups to stay resident
+    ("streamed": none); checks the groups are the sizes policy lays out with the packed
+    ``layers``."""
     selected = policy.select(streamed, wst.StreamOptions(min_bytes=0)).streamed
     packs = {n: packed.Packed.of(m) for n, m in selected if n in layers}
-    alignment = daemon.client.info().alignment
+    alignment = client.info().alignment
     sizes = policy.choose_groups(streamed, selected, group_by, alignment, None, 0, packs=packs)
     staging = 3 * max(sizes.sizes)
     budget = staging if where == "streamed" else staging + sum(sorted(sizes.sizes)[:3])
     handle = wst.attach(
         streamed,
-        "cpu",
-        client=daemon.client,
+        device,
+        client=client,
         min_bytes=0,
         vram_budget=budget,
         staging_bytes=staging,
@@ -185,7 +186,7 @@ def test_attach_equals_the_same_packed_layers_in_place(
         n: {k: t.clone() for k, t in packed.inner(m, packed.form_of(m)).items()}
         for n, m in layers.items()
     }
-    handle = attach_packed(daemon, streamed, layers, group_by, where)
+    handle = attach_packed(daemon.client, streamed, layers, group_by, where)
     # The daemon holds each inner tensor as it is: its dtype, shape and bytes.
     (model,) = daemon.client.list_models().models
     held = {t.name: t for t in model.tensors}
@@ -242,7 +243,7 @@ def test_an_ara_applied_before_quantizing_runs_as_ai_toolkit_runs_it(daemon, qty
     layers = packed_layers(streamed)
     name, layer = next(iter(layers.items()))
     before = layer.weight
-    handle = attach_packed(daemon, streamed, layers, "layer", "streamed")
+    handle = attach_packed(daemon.client, streamed, layers, "layer", "streamed")
     w = layer.weight
     assert placeholder.is_placeholder(w) and not isinstance(w, nn.Parameter)
     assert (w.shape, w.dtype, w.streamed_name) == (before.shape, dtype, f"{name}.weight")

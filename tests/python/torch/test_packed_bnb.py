@@ -108,7 +108,7 @@ def test_attach_equals_the_same_linear4bit_layers_in_place(
     assert len(mods) == 18 and {packed.form_of(m).name for m in mods.values()} == {form}
     state = {n: streamed_state(m) for n, m in mods.items()}
     codes = {n: code_tables(m) for n, m in mods.items()}
-    handle = attach_packed(daemon, streamed, mods, group_by, where)
+    handle = attach_packed(daemon.client, streamed, mods, group_by, where)
     # The daemon holds each streamed tensor as it is, under bitsandbytes' state dict names.
     (manifest,) = daemon.client.list_models().models
     held = {t.name: t for t in manifest.tensors}
