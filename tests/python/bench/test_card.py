@@ -364,6 +364,20 @@ def test_a_process_the_command_leaves_running_is_ended(tmp_path, monkeypatch):
     assert exited()
 
 
+def run_with_shim(stand_ins: Path, script: str, env: dict) -> str:
+    """``script`` run in a Python with the bench shim (tests/bench/aitk_shim) first on its path
+    and ``stand_ins`` (modules shaped like ai-toolkit's) after it, ``env`` added; its stdout."""
+    shim = Path(card.__file__).parent / "aitk_shim"
+    path = os.pathsep.join([str(shim), str(stand_ins)])
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": path, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 def test_ai_toolkits_first_train_loop_step_marks_training(tmp_path):
     """The bench shim (tests/bench/aitk_shim, first on ai-toolkit's PYTHONPATH) appends the
     training marker at the first ``Timer.start('train_loop')``, once, with the run's label; a
@@ -386,17 +400,9 @@ def test_ai_toolkits_first_train_loop_step_marks_training(tmp_path):
         "print(t.started)\n"
     )
     phases = tmp_path / "phases"
-    shim = Path(card.__file__).parent / "aitk_shim"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(shim), str(tmp_path)]),
-        card.PHASE_ENV: str(phases),
-        "WS_PHASE_LABEL": "weightstream",
-    }
     before = time.time()
-    out = subprocess.run(
-        [sys.executable, "-c", trainer], env=env, capture_output=True, text=True, check=True
-    ).stdout
+    env = {card.PHASE_ENV: str(phases), "WS_PHASE_LABEL": "weightstream"}
+    out = run_with_shim(tmp_path, trainer, env)
     assert out == "['load', 'train_loop', 'train_loop']\n"
     marks = [card.parse_marker(x, 0.0) for x in phases.read_text().splitlines()]
     assert [(m.phase, m.label) for m in marks] == [("training", "weightstream")]
@@ -431,15 +437,7 @@ def test_ai_toolkits_sampling_passes_are_timed_each_no_grad_forward(tmp_path):
         "print(p.sample(7))\n"
     )
     out_file = tmp_path / "sampling.json"
-    shim = Path(card.__file__).parent / "aitk_shim"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(shim), str(tmp_path)]),
-        "WS_AITK_SAMPLING": str(out_file),
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", trainer], env=env, capture_output=True, text=True, check=True
-    ).stdout
+    out = run_with_shim(tmp_path, trainer, {"WS_AITK_SAMPLING": str(out_file)})
     assert out == "8.0\n"  # the call's own result, through the wrapper
     (record,) = json.loads(out_file.read_text())["samples"]
     assert (record["step"], record["after_training_started"]) == (7, False)
