@@ -392,7 +392,7 @@ def sampling(handle):
         groups = handle.session.groups
         held = old_staging + sum(g.nbytes for g in groups if g.resident)
         budget = auto.choose(held, [g.nbytes for g in groups], limit and limit[0])
-        auto.chosen = budget or old_budget
+        auto.chosen = budget if budget is not None and budget > old_budget else old_budget
     if budget is None or budget <= old_budget:
         yield handle
         return
