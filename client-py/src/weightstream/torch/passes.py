@@ -371,23 +371,27 @@ def sampling(handle):
     """``Handle.sampling()``: see there."""
     budget = handle.options.sample_vram_budget
     old_budget, old_staging = handle.vram_budget, handle.session.opened.staging_bytes
-    if budget is not None and handle.session.holds_state:
+    if budget is None:
+        yield handle
+        return
+    if handle.session.holds_state:
         raise SampleBudgetError(
             "sample_vram_budget: the session holds trainable state in host memory "
             "(trainable='host'), which reopening it at another budget would drop; leave "
             "sample_vram_budget unset with trainable='host'"
         )
-    limit = budget_limit(handle.client, device_uuid(handle.device))
     auto = handle._passes.auto
+    if auto is not None and auto.need is None:
+        auto.chosen = old_budget
+        auto.start()
+        try:
+            yield handle
+        finally:
+            auto.measured()
+        return
+    limit = None
     if auto is not None:
-        if auto.need is None:
-            auto.chosen = old_budget
-            auto.start()
-            try:
-                yield handle
-            finally:
-                auto.measured()
-            return
+        limit = budget_limit(handle.client, device_uuid(handle.device))
         _empty_device_cache(handle.device)
         groups = handle.session.groups
         held = old_staging + sum(g.nbytes for g in groups if g.resident)
@@ -396,7 +400,7 @@ def sampling(handle):
     if budget is None or budget <= old_budget:
         yield handle
         return
-    check_budget(budget, limit)
+    check_budget(budget, limit or budget_limit(handle.client, device_uuid(handle.device)))
     staging = min(budget, sample_staging(handle, budget))
     if auto is not None:
         # Room for every group: the rest of the budget stages (at least the largest group).
