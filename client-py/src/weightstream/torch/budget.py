@@ -46,6 +46,21 @@ def default_margin(total: int) -> int:
     return max(MARGIN_FLOOR, int(total * MARGIN_SHARE))
 
 
+def ceiling(sizes: list[int]) -> int:
+    """Every group resident, plus the daemon's least staging (one of the largest): a larger
+    budget would never be used."""
+    return sum(sizes) + max(sizes)
+
+
+def staging_for(budget: int, sizes: list[int], staged: int | None = None) -> int:
+    """The staging part of ``budget``: the least staging (one of the largest group) when every
+    group fits resident beside it (``ceiling``), else ``staged`` (None: three of the largest,
+    double buffering and one re-acquire, the daemon's own default floor), at most all of it."""
+    if budget >= ceiling(sizes):
+        return max(sizes)
+    return min(budget, STAGED_GROUPS * max(sizes) if staged is None else staged)
+
+
 class AutoBudgetError(WeightstreamError):
     """The device no longer has room for the session's minimum next to the trainer."""
 
@@ -188,17 +203,13 @@ class AutoBudget:
 
     @property
     def ceiling(self) -> int:
-        """Every group resident, plus the daemon's least staging (one of the largest): more
-        would never be used."""
-        return sum(self.sizes) + self.largest
+        """``ceiling`` of the groups."""
+        return ceiling(self.sizes)
 
     def staging_for(self, budget: int) -> int:
-        """The staging part of ``budget``: three of the largest (double buffering and one
-        re-acquire, the daemon's own default floor) when the budget has room beyond it, the
-        least staging when everything is resident, all of it below that."""
-        if budget >= self.ceiling:
-            return self.largest
-        return min(budget, STAGED_GROUPS * self.largest)
+        """``staging_for`` of the groups: three of the largest, or one where every group is
+        resident."""
+        return staging_for(budget, self.sizes)
 
     def _margin(self, total: int) -> int:
         return self.margin if self.margin is not None else default_margin(total)

@@ -290,7 +290,7 @@ class AutoSample:
         daemon's ``limit``; None: not worth a reopen."""
         free, total = self.probe()
         margin = self.margin if self.margin is not None else auto_budget.default_margin(total)
-        target = min(held + free - (self.need or 0) - margin, sum(sizes) + max(sizes))
+        target = min(held + free - (self.need or 0) - margin, auto_budget.ceiling(sizes))
         if limit is not None:
             target = min(target, limit)
         return target if target >= held + max(sizes) else None
@@ -402,11 +402,10 @@ def sampling(handle):
         return
     check_budget(budget, limit or budget_limit(handle.client, device_uuid(handle.device)))
     staging = min(budget, sample_staging(handle, budget))
-    if auto is not None:
-        # Room for every group: the rest of the budget stages (at least the largest group).
-        sizes = [g.nbytes for g in handle.session.groups]
-        if budget - sum(sizes) >= max(sizes):
-            staging = min(staging, budget - sum(sizes))
+    if auto is not None:  # its budget may reach every group resident: one group then stages
+        staging = auto_budget.staging_for(
+            budget, [g.nbytes for g in handle.session.groups], staging
+        )
     handle.set_budget(budget, staging, keep_plan=True)
     try:
         yield handle
