@@ -4,6 +4,8 @@ session's ``Handle.sampling()``, the session grown for it and given back; read f
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -26,7 +28,7 @@ BLOCK = 2 * (2048 + 256)
 
 
 @pytest.mark.parametrize("budget", [None, 6 * BLOCK])
-def test_ai_toolkits_sample_runs_at_the_sampling_budget(daemon, aitk, tmp_path, budget):  # noqa: F811
+def test_ai_toolkits_sample_runs_at_the_sampling_budget(daemon, aitk, tmp_path, budget, capsys):  # noqa: F811
     from toolkit.memory_management import MemoryManager
 
     aitk(
@@ -49,9 +51,19 @@ def test_ai_toolkits_sample_runs_at_the_sampling_budget(daemon, aitk, tmp_path, 
             budgets.append(manager.handle.vram_budget)
         return model_loss(m, x)
 
+    capsys.readouterr()
     got = new_process(tmp_path / "got", train_config(steps=2), model, loss_of)
     got.run()
     assert budgets == [budget or 3 * BLOCK]
+    # One line for the sample: its one pass over the model's three blocks, streamed at the
+    # training budget (three blocks' staging), or at the sampling one with all three resident
+    # (no streamed group: no pass counted).
+    lines = [x for x in capsys.readouterr().out.splitlines() if "sampled in" in x]
+    streamed = "1 pass, 3/3" if budget is None else "0 passes, 0/0"
+    assert [re.sub(r"[0-9.]+ s\b", "T s", x) for x in lines] == [
+        f"weightstream-aitk: sampled in T s: Model {streamed} acquires in flight, GPU waited "
+        f"T s, at {budget or 3 * BLOCK} bytes"
+    ]
     assert manager.handle.vram_budget == 3 * BLOCK, "given back after sample"
     assert torch.equal(ref.samples[0], got.samples[0])
     assert all(torch.equal(a, b) for a, b in zip(ref.losses, got.losses, strict=True))

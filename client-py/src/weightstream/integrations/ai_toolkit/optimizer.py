@@ -71,6 +71,7 @@ import contextlib
 import functools
 import importlib.util
 import math
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -79,6 +80,7 @@ from torch import nn
 
 from weightstream.integrations.ai_toolkit.manager import MemoryManager
 from weightstream.integrations.ai_toolkit.settings import Settings
+from weightstream.sizes import size_text
 from weightstream.torch import policy
 from weightstream.torch.host import HostAdamW, HostPlan, Trainable, TrainableError, clip_grads_
 
@@ -555,19 +557,50 @@ def _synced(method):
 
 def _sampling(method, settings: Callable[[], Settings]):
     """``sample``: with ``sample_vram_budget`` set, every attached module's session grown to
-    it while ai-toolkit samples (``Handle.sampling()``), given back after."""
+    it while ai-toolkit samples (``Handle.sampling()``), given back after; either way, one line
+    on stdout once it returns (``sample_summary``)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        if settings().sample_vram_budget is None:
-            return method(self, *args, **kwargs)
+        managers = [m for m in MemoryManager.attached() if m.handle is not None]
+        before = [m.handle.stats() for m in managers]
+        start = time.monotonic()
         with contextlib.ExitStack() as stack:
-            for manager in MemoryManager.attached():
-                if manager.handle is not None:
+            if settings().sample_vram_budget is not None:
+                for manager in managers:
                     stack.enter_context(manager.handle.sampling())
-            return method(self, *args, **kwargs)
+            budgets = [m.handle.vram_budget for m in managers]
+            result = method(self, *args, **kwargs)
+        if managers:
+            after = [m.handle.stats() for m in managers]
+            names = [type(m.module).__name__ for m in managers]
+            seconds = time.monotonic() - start
+            print(sample_summary(seconds, names, budgets, before, after), flush=True)
+        return result
 
     return wrapper
+
+
+def sample_summary(seconds: float, names, budgets, before, after) -> str:
+    """One line on an ai-toolkit ``sample``: per attached module (``names``), the sampling
+    passes it ran, how many of their acquires were in flight already, how long the device
+    waited for weights, and the session's budget while sampling (``budgets``, bytes); with
+    ``sample_vram_budget: auto``, what the trainer took over its first sample (``stats()``
+    ``before`` and ``after`` the call)."""
+    parts = []
+    for name, budget, b, a in zip(names, budgets, before, after, strict=True):
+        passes = a["sample_passes"] - b["sample_passes"]
+        part = (
+            f"{name} {passes} pass{'' if passes == 1 else 'es'}, "
+            f"{a['sample_hits'] - b['sample_hits']}/{a['sample_acquires'] - b['sample_acquires']}"
+            f" acquires in flight, GPU waited "
+            f"{(a['sample_gpu_wait_ns'] - b['sample_gpu_wait_ns']) / 1e9:.2f} s, "
+            f"at {size_text(budget)}"
+        )
+        if a.get("sample_auto_need") is not None:
+            part += f" (auto; the trainer took {size_text(a['sample_auto_need'])} sampling)"
+        parts.append(part)
+    return f"weightstream-aitk: sampled in {seconds:.1f} s: " + "; ".join(parts)
 
 
 def _keep_state_on_host(accelerator):
