@@ -244,12 +244,14 @@ def _words(kind: str) -> str:
 @dataclass(eq=False)
 class AutoSample:
     """``sample_vram_budget="auto"``: the sampling budget chosen from what the device has free
-    when ``Handle.sampling()`` begins. The first ``sampling()`` block runs at the training
-    budget and measures the trainer's own device memory over it (its allocator's peak less
-    what it held at the start: the sampling passes' activations); each later block empties
-    torch's cache and grows the session to what it holds plus what the device has free, less
-    that measure and a margin, at most every group resident (plus the daemon's least staging)
-    and the daemon's limits. A gain of less than the largest group is not worth a reopen (it
+    when ``Handle.sampling()`` begins. Each block empties torch's cache and grows the session
+    to what it holds plus what the device has free, less the trainer's need and a margin, at
+    most every group resident (plus the daemon's least staging) and the daemon's limits. The
+    need is measured over the first block (the trainer's allocator's peak less what it held at
+    the start: the sampling passes' activations, a VAE's decode); until then, half of what is
+    free beyond the margin is left to the trainer (a first sample may come before any
+    training step, where ``vram_budget="auto"`` runs at its minimum: two of the largest group,
+    nothing in flight ahead). A gain of less than the largest group is not worth a reopen (it
     copies the resident groups again), and the block runs at the training budget. ``margin``:
     bytes left free (None: ``budget.default_margin`` of the device, as ``vram_budget="auto"``
     keeps); ``probe()``: the device's (free, total) bytes; ``trainer_probe``: as
@@ -290,7 +292,8 @@ class AutoSample:
         daemon's ``limit``; None: not worth a reopen."""
         free, total = self.probe()
         margin = self.margin if self.margin is not None else auto_budget.default_margin(total)
-        target = min(held + free - (self.need or 0) - margin, auto_budget.ceiling(sizes))
+        room = free - self.need - margin if self.need is not None else max(0, free - margin) // 2
+        target = min(held + room, auto_budget.ceiling(sizes))
         if limit is not None:
             target = min(target, limit)
         return target if target >= held + max(sizes) else None
@@ -381,14 +384,6 @@ def sampling(handle):
             "sample_vram_budget unset with trainable='host'"
         )
     auto = handle._passes.auto
-    if auto is not None and auto.need is None:
-        auto.chosen = old_budget
-        auto.start()
-        try:
-            yield handle
-        finally:
-            auto.measured()
-        return
     limit = None
     if auto is not None:
         limit = budget_limit(handle.client, device_uuid(handle.device))
@@ -397,20 +392,27 @@ def sampling(handle):
         held = old_staging + sum(g.nbytes for g in groups if g.resident)
         budget = auto.choose(held, [g.nbytes for g in groups], limit and limit[0])
         auto.chosen = budget if budget is not None and budget > old_budget else old_budget
-    if budget is None or budget <= old_budget:
-        yield handle
-        return
-    check_budget(budget, limit or budget_limit(handle.client, device_uuid(handle.device)))
-    staging = min(budget, sample_staging(handle, budget))
-    if auto is not None:  # its budget may reach every group resident: one group then stages
-        staging = auto_budget.staging_for(
-            budget, [g.nbytes for g in handle.session.groups], staging
-        )
-    handle.set_budget(budget, staging, keep_plan=True)
+    grow = budget is not None and budget > old_budget
+    if grow:
+        check_budget(budget, limit or budget_limit(handle.client, device_uuid(handle.device)))
+        staging = min(budget, sample_staging(handle, budget))
+        if auto is not None:  # its budget may reach every group resident: one group then stages
+            staging = auto_budget.staging_for(
+                budget, [g.nbytes for g in handle.session.groups], staging
+            )
+        handle.set_budget(budget, staging, keep_plan=True)
+    measure = auto is not None and auto.need is None
+    if measure:
+        auto.start()
     try:
         yield handle
     finally:
-        handle.set_budget(old_budget, old_staging, keep_plan=True)
+        try:
+            if measure:
+                auto.measured()
+        finally:
+            if grow:
+                handle.set_budget(old_budget, old_staging, keep_plan=True)
 
 
 def _empty_device_cache(device):

@@ -102,7 +102,8 @@ class Settings:
       ``sample``, at step 0 and every ``sample_every`` steps): the session grows to it for the
       sampling passes and gives it back before the next training step
       (``StreamOptions.sample_vram_budget``, ``Handle.sampling()``); ``auto``: what the device
-      has free when sampling begins, less what the first sampling took and a margin. Default
+      has free when sampling begins, less what the first sampling took (before that, half of
+      what is free is left to the trainer) and a margin. Default
       ``none``: sampling at the training budget (its passes follow the forward plan either
       way). Not with ``trainable: host``.
     - ``load_from_files``: with ``layer_offloading``, a loader that reads the model with
