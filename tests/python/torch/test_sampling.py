@@ -36,11 +36,12 @@ class Net(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
         self.skip: set[int] = set()  # blocks a pass leaves out (a model changed between passes)
+        self.order = list(range(BLOCKS))  # the blocks in the order a pass runs them
 
     def forward(self, x):
-        for i, block in enumerate(self.blocks):
+        for i in self.order:
             if i not in self.skip:
-                x = block(x)
+                x = self.blocks[i](x)
         return x
 
 
@@ -487,3 +488,24 @@ def test_sample_vram_budget_refuses_what_is_not_a_size(value, message):
     with pytest.raises(ValueError) as raised:
         wst.StreamOptions(sample_vram_budget=value)
     assert str(raised.value) == message
+
+
+def test_the_forward_plan_has_resident_groups_where_they_ran(daemon):
+    """A first sampling pass recorded at a sampling budget, some groups resident there: the
+    forward plan has them where their layers ran, not where the module order has them, so
+    that at the training budget, which streams them, every acquire is in flight (a model run
+    out of its declaration order: blocks swapped in pairs)."""
+    ref, model, handle = make_pair(daemon, sample_vram_budget=f"{6 * BLOCK_BYTES}")
+    ref.order = model.order = [1, 0, 3, 2, 5, 4, 7, 6]
+    with handle.sampling():
+        resident = [i for i, g in enumerate(handle.session.groups) if g.resident]
+        assert len(resident) == 3
+        sample(ref, model, 3)
+    stats = handle.stats()
+    assert stats["forward_plan_recorded"] and handle._passes.forward == model.order
+    assert stats["sample_passes"] == 3
+    before = counts(handle, "sample")
+    sample(ref, model, 3)
+    assert delta(counts(handle, "sample"), before) == (24, 24, 0)
+    assert handle.stats()["sample_passes"] == 6
+    handle.detach(release=True)

@@ -1,8 +1,7 @@
 """``Handle``: what ``attach`` returns. It holds the group tickets the streamed layers share
 (one acquire per group and pass), records the first step's plan and keeps the lookahead along
 it (or, for passes under ``no_grad``, along the forward plan: ``passes``), pins the resident
-groups, and puts everything back in ``detach`` (or, for a module being
-discarded, only closes the session in ``close``)."""
+groups, and puts everything back in ``detach`` (or only closes the session in ``close``)."""
 
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ class StreamedLayer:
 
 @dataclass
 class _Held:
-    """The group ticket the layers of one block share while they run (none for a resident
-    group's dequantizations: ``Handle._resident_held``)."""
+    """The group ticket a block's layers share while they run (``Handle._resident_held``)."""
 
     group: int
     ticket: object
@@ -381,6 +379,13 @@ class Handle:
     def _resident_groups(self) -> frozenset[int]:
         return frozenset(i for i, g in enumerate(self.session.groups) if g.resident)
 
+    def _saw_resident(self, group: int):  # a resident layer ran: record the first sampling pass
+        p = self._passes
+        if not torch.is_grad_enabled() and p.record_sample(group, self._resident_groups, False):
+            if p.kind == passes.SAMPLE:  # from the streamed group next, as it ran
+                plan, resident = p.forward, self._resident_groups()
+                self._install(plan, passes.next_streamed(plan, plan.index(group), resident))
+
     def _switch(self, kind: str, group: int):
         """A pass of ``kind`` begins at an acquire of ``group``: its plan comes in force. The
         waits so far go to the kind that ends (on CUDA, once the device measured them)."""
@@ -518,13 +523,8 @@ class Handle:
 
     def sampling(self):
         """A context for sampling passes between training steps (``with handle.sampling():
-        pipe(...)``): with ``StreamOptions.sample_vram_budget`` above the session's budget,
-        the session grows to it for the passes inside (no activations for backward, no
-        gradients and no optimizer work are on the device meanwhile) and shrinks back when
-        the block ends, both plans kept (``set_budget(keep_plan=True)``). A budget above the
-        device's memory or the daemon's limits raises ``passes.SampleBudgetError`` before
-        anything changes. Without a sampling budget it changes nothing: sampling passes
-        follow the forward plan with or without it."""
+        pipe(...)``), the session grown to ``StreamOptions.sample_vram_budget`` inside
+        (``passes.sampling``)."""
         return passes.sampling(self)
 
     def _enter_pass(self, module, args):

@@ -33,6 +33,11 @@ class Layer(Protocol):
     #: may run on as they are (autograd may keep them); else None (an 8-bit weight is
     #: dequantized per call by ``weights``, even when resident).
     fixed: tuple | None
+    #: A resident group's views (``fixed``'s, or its 8-bit weight's); else None.
+    pinned: tuple | None
+    #: Its group's index in the session, and the ``Handle`` that streams it.
+    group: int
+    handle: object
     #: "formula" or "recompute" (see ``StreamOptions.input_grad``).
     input_grad: str
     #: Whether ``weights`` gives its group's dequantization of an 8-bit weight: a new tensor,
@@ -222,6 +227,8 @@ def forward(layer: Layer, x, *args, **kwargs):
         raise TypeError(f"{layer.name}: streamed modules take one input")
     if layer.compute_fallback is not None:
         layer.compute_fallback.count()
+    if layer.pinned is not None and layer.handle._passes.recording:
+        layer.handle._saw_resident(layer.group)  # where it runs in a pass, for a later budget
     if layer.fixed is not None:
         # A resident group: its views stay valid for the whole session, so the module's own
         # operation runs on them as is (autograd may keep them for backward); in 8-bit

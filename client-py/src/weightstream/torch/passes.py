@@ -89,7 +89,10 @@ class ForwardRecorder:
         self.groups: list[int] = []
 
     def add(self, group: int) -> list[int] | None:
-        """Records ``group``; returns the pass once ``group`` starts the next one."""
+        """Records ``group`` (once for consecutive layers of one group); returns the pass once
+        ``group`` starts the next one."""
+        if self.groups and group == self.groups[-1]:
+            return None
         if self.groups and group == self.groups[0]:
             return self.groups
         self.groups.append(group)
@@ -110,6 +113,15 @@ def with_resident(recorded: list[int], before: list[int], resident: frozenset[in
             nxt = next((place[h] for h in before[i + 1 :] if h in place), len(recorded))
             keys[g] = (nxt, 0, i)
     return sorted(keys, key=keys.__getitem__)
+
+
+def next_streamed(plan: list[int], after: int, resident: frozenset[int]) -> int | None:
+    """The first group of ``plan`` not in ``resident`` after position ``after`` (-1: from the
+    start), wrapping to the start; None where every group is resident."""
+    n = len(plan)
+    return next(
+        (g for g in (plan[(after + k) % n] for k in range(1, n + 1)) if g not in resident), None
+    )
 
 
 class Passes:
@@ -142,19 +154,31 @@ class Passes:
     def plan_of(self, kind: str) -> list[int] | None:
         return self.train if kind == TRAIN else self.forward
 
-    def record_sample(self, group: int, resident: Callable[[], frozenset[int]] = frozenset) -> bool:
-        """A sampling acquire of ``group``: counts a pass at the forward plan's first group,
-        and records the first pass; True when it completed just now (``forward`` is the new
-        forward plan). ``resident()``: the session's resident groups, which a pass does not
-        acquire; they keep their places of the plan so far in the recorded one, which a
-        session at another budget (``Handle.sampling()``'s) streams them by."""
+    @property
+    def recording(self) -> bool:
+        """Whether the first sampling pass is still being recorded."""
+        return self._recorder is not None
+
+    def record_sample(
+        self,
+        group: int,
+        resident: Callable[[], frozenset[int]] = frozenset,
+        acquired: bool = True,
+    ) -> bool:
+        """A sampling acquire of ``group`` (``acquired``), or a layer of a resident ``group``
+        run in a sampling pass while the first is recorded: counts a pass at an acquire of
+        the forward plan's first streamed group, and records the first pass; True when it
+        completed just now (``forward`` is the new forward plan). ``resident()``: the
+        session's resident groups, which a pass does not acquire: the recorded pass has them
+        where their layers ran (a session at another budget, ``Handle.sampling()``'s, may
+        stream them), or where none ran, at their places of the plan so far."""
         done = False
         if self._recorder is not None:
             recorded = self._recorder.add(group)
             if recorded is not None:
                 recorded = with_resident(recorded, self.forward, resident())
                 self.forward, self._recorder, done = recorded, None, True
-        if self.forward and group == self.forward[0]:
+        if acquired and group == next_streamed(self.forward, -1, resident()):
             self.counters[SAMPLE].passes += 1
         return done
 
@@ -371,7 +395,13 @@ def sample_staging(handle, budget: int) -> int:
 
 @contextlib.contextmanager
 def sampling(handle):
-    """``Handle.sampling()``: see there."""
+    """``Handle.sampling()``: with ``StreamOptions.sample_vram_budget`` above the session's
+    budget, the session grows to it for the passes inside (no activations for backward, no
+    gradients and no optimizer work are on the device meanwhile) and shrinks back when the
+    block ends, both plans kept (``set_budget(keep_plan=True)``). A budget above the device's
+    memory or the daemon's limits raises ``SampleBudgetError`` before anything changes.
+    Without a sampling budget it changes nothing: sampling passes follow the forward plan with
+    or without it."""
     budget = handle.options.sample_vram_budget
     old_budget, old_staging = handle.vram_budget, handle.session.opened.staging_bytes
     if budget is None:
