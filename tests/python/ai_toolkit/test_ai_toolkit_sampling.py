@@ -128,7 +128,7 @@ def test_the_setting_reads_sizes_from_the_section_and_the_environment():
     assert Settings.load({"sample_vram_budget": "2GiB"}, env={}).sample_vram_budget == 2 << 30
     env = {"WEIGHTSTREAM_SAMPLE_BUDGET": "20GB"}
     assert Settings.load({"sample_vram_budget": "none"}, env=env).sample_vram_budget == 20 * 10**9
-    assert Settings.load({"sample_vram_budget": "none"}, env={}).sample_vram_budget is None
+    assert Settings.load({"sample_vram_budget": "none"}, env={}).sample_vram_budget == "none"
     assert Settings.load({"sample_vram_budget": "Auto"}, env={}).sample_vram_budget == "auto"
     env = {"WEIGHTSTREAM_SAMPLE_BUDGET": "auto"}
     assert Settings.load({}, env=env).sample_vram_budget == "auto"
@@ -217,3 +217,23 @@ def test_a_managed_text_encoder_follows_its_forward_plan(daemon, aitk, tmp_path)
     assert manager.handle.stats()["train_acquires"] > 0
     MemoryManager.free(model)
     MemoryManager.free(te)
+
+
+@pytest.mark.parametrize(
+    ("settings", "want"),
+    [
+        ({}, "auto"),  # vram_budget auto (ai-toolkit offloads every layer): auto
+        ({"sample_vram_budget": "none"}, None),
+        ({"sample_vram_budget": 6 * BLOCK}, 6 * BLOCK),
+        ({"vram_budget": 3 * BLOCK}, None),  # a budget the job chose: none unless set
+        ({"trainable": "host"}, None),  # the LoRA's state in the session: never reopened
+    ],
+)
+def test_the_sampling_budget_is_auto_where_the_session_is(daemon, aitk, settings, want):  # noqa: F811
+    from toolkit.memory_management import MemoryManager
+
+    aitk(socket=daemon.socket, min_bytes=0, **settings)
+    model = Model().to(DTYPE)
+    manager = MemoryManager.attach(model, "cpu")
+    assert manager.handle.options.sample_vram_budget == want
+    MemoryManager.free(model)

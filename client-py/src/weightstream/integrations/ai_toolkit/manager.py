@@ -92,7 +92,7 @@ class MemoryManager:
         ignore = _ignored_names(module, ignore_modules)
         _refuse_ostris_quantized(module, ignore)
         settings = current()
-        options = _options(settings, ignore)
+        options = _options(settings, ignore, _budget(settings, offload_percent))
         base = [(n, m) for n, m in _base_layers(module) if n not in ignore]
         with _frozen(base) as was_trainable:
             candidates = policy.select(module, options).streamed
@@ -274,7 +274,7 @@ class MemoryManager:
 # --- choosing the layers --------------------------------------------------------------------
 
 
-def _options(s: Settings, ignore: set[str]) -> wst.StreamOptions:
+def _options(s: Settings, ignore: set[str], budget) -> wst.StreamOptions:
     return wst.StreamOptions(
         min_bytes=s.min_bytes,
         group_by=s.group_by,
@@ -286,8 +286,17 @@ def _options(s: Settings, ignore: set[str]) -> wst.StreamOptions:
         compute=s.compute,
         grad_compute=s.grad_compute,
         rotation=s.rotation,
-        sample_vram_budget=s.sample_vram_budget,
+        sample_vram_budget=_sample_budget(s, budget),
     )
+
+
+def _sample_budget(settings: Settings, budget):
+    """The sampling budget: the one set (``none``: none), else ``"auto"`` where the session's
+    ``budget`` is and the LoRA trains on the device."""
+    chosen = settings.sample_vram_budget
+    if chosen is None:
+        return "auto" if budget == "auto" and settings.trainable == "device" else None
+    return None if chosen == "none" else chosen
 
 
 def _from_files(client, module, chosen, settings: Settings, options: wst.StreamOptions):

@@ -410,7 +410,7 @@ def hook_trainer_module(module, settings: Callable[[], Settings]):
     module.get_optimizer = hooked
     cls.run = _run(cls.run)
     cls.save = _synced(cls.save)
-    cls.sample = _sampling(_synced(cls.sample), settings)
+    cls.sample = _sampling(_synced(cls.sample))
     cls._weightstream_trainable = True
 
 
@@ -555,10 +555,10 @@ def _synced(method):
     return wrapper
 
 
-def _sampling(method, settings: Callable[[], Settings]):
-    """``sample``: with ``sample_vram_budget`` set, every attached module's session grown to
-    it while ai-toolkit samples (``Handle.sampling()``), given back after; either way, one line
-    on stdout once it returns (``sample_summary``)."""
+def _sampling(method):
+    """``sample``: every attached module's session grown to its ``sample_vram_budget`` while
+    ai-toolkit samples (``Handle.sampling()``, which changes nothing without one), given back
+    after; one line on stdout once it returns (``sample_summary``)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
@@ -566,9 +566,8 @@ def _sampling(method, settings: Callable[[], Settings]):
         before = [m.handle.stats() for m in managers]
         start = time.monotonic()
         with contextlib.ExitStack() as stack:
-            if settings().sample_vram_budget is not None:
-                for manager in managers:
-                    stack.enter_context(manager.handle.sampling())
+            for manager in managers:
+                stack.enter_context(manager.handle.sampling())
             budgets = [m.handle.vram_budget for m in managers]
             result = method(self, *args, **kwargs)
         if managers:

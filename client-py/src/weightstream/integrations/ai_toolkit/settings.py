@@ -103,9 +103,12 @@ class Settings:
       sampling passes and gives it back before the next training step
       (``StreamOptions.sample_vram_budget``, ``Handle.sampling()``); ``auto``: what the device
       has free when sampling begins, less what the first sampling took (before that, half of
-      what is free is left to the trainer) and a margin. Default
-      ``none``: sampling at the training budget (its passes follow the forward plan either
-      way). Not with ``trainable: host``.
+      what is free is left to the trainer) and a margin; ``none``: sampling at the training
+      budget (its passes follow the forward plan either way). Default: ``auto`` where the
+      session's ``vram_budget`` is ``auto`` and ``trainable`` is ``device`` (before the first
+      training step ``vram_budget: auto`` runs at its minimum, two of the largest group, with
+      nothing in flight: ai-toolkit's sample at step 0 would fetch every group on demand),
+      else ``none``. Not with ``trainable: host``.
     - ``load_from_files``: with ``layer_offloading``, a loader that reads the model with
       safetensors' ``load_file`` and assigns it (FLUX.2's) never reads the streamed Linear/Conv2d
       weights: the daemon loads the same files (in 8 bits where ai-toolkit would quantize to
@@ -133,7 +136,7 @@ class Settings:
     load_from_files: bool = True
 
     def __post_init__(self):
-        if self.sample_vram_budget is not None and self.trainable == "host":
+        if self.sample_vram_budget not in (None, "none") and self.trainable == "host":
             raise ValueError(
                 "weightstream.sample_vram_budget with trainable: host: the LoRA's state lives "
                 "in the session's host memory, which reopening the session for sampling would "
@@ -167,12 +170,12 @@ class Settings:
 def _convert(key: str, what: str, value):
     if key == "socket":
         return str(value)
-    if key == "sample_vram_budget":
-        if value is None or str(value).strip().lower() in ("none", ""):
+    if key == "sample_vram_budget":  # None: not set (the default), "none": set to none
+        if value is None:
             return None
-        if str(value).strip().lower() == "auto":
-            return "auto"
-        return parse_size(what, value) or None
+        if str(value).strip().lower() in ("none", "auto"):
+            return str(value).strip().lower()
+        return parse_size(what, value) or "none"
     if key in ("vram_budget", "staging_bytes", "min_bytes"):
         if key == "vram_budget" and str(value).lower() in ("none", "default", ""):
             return None
