@@ -147,32 +147,43 @@ def sampling_phase(
 
 
 def weightstream_run(
-    model, inputs, n, handle, train_step, sync, around=contextlib.nullcontext, device=None
+    model,
+    inputs,
+    n,
+    handle,
+    train_step,
+    sync,
+    around=contextlib.nullcontext,
+    device=None,
+    allocs=lambda: 0,
 ) -> dict:
     """Sampling before any training step, two training steps, sampling again, two more steps:
-    the phases' records, and the training steps' seconds (the second is the one just before
+    the phases' records, the training steps' seconds (the second is the one just before
     sampling, the third the one right after, the fourth the next: what the third loses once
-    only). ``around``: what holds each sampling phase (the trainer's share of the card while
-    the session has grown)."""
+    only), and the trainer allocator's device allocations in each step (``allocs()``: a
+    running count; on CUDA, torch's ``num_device_alloc``: a step after sampling that allocates
+    again what sampling's budget had it give back). ``around``: what holds each sampling phase
+    (the trainer's share of the card while the session has grown)."""
     record = {"before": sampling_phase(model, inputs, n, handle, sync, around, device)}
-    steps = []
-    for _ in range(2):
+    steps, made = [], []
+
+    def step():
         sync()
-        t = time.monotonic()
+        t, a = time.monotonic(), allocs()
         train_step()
         sync()
         steps.append(time.monotonic() - t)
+        made.append(allocs() - a)
+
+    step()
+    step()
     counts = kind_counts(handle.stats())
     record["after"] = sampling_phase(model, inputs, n, handle, sync, around, device)
-    for _ in range(2):
-        sync()
-        t = time.monotonic()
-        train_step()
-        sync()
-        steps.append(time.monotonic() - t)
-        if len(steps) == 3:
-            record["train_counters_step_after"] = difference(kind_counts(handle.stats()), counts)
+    step()
+    record["train_counters_step_after"] = difference(kind_counts(handle.stats()), counts)
+    step()
     record["train_step_s"] = steps
+    record["train_step_device_allocs"] = made
     return record
 
 
@@ -276,6 +287,7 @@ def child_weightstream(args) -> dict:
             torch.cuda.synchronize,
             around or contextlib.nullcontext,
             lambda: scrape(f"http://127.0.0.1:{port}/metrics"),
+            lambda: torch.cuda.memory_stats().get("num_device_alloc", 0),
         )
         record["bytes_per_pass"] = streamed_bytes_per_pass(handle)
         # Not detach: it would give FLUX.2's weights back to the device, over the card.
@@ -397,6 +409,9 @@ def markdown(report: dict) -> str:
         line = f"Training step before / after sampling: {steps[1]:.3f} / {steps[2]:.3f} s"
         if len(steps) > 3:
             line += f" (the next: {steps[3]:.3f} s)"
+        made = res["weightstream"].get("train_step_device_allocs")
+        if made:
+            line += f"; the trainer's device allocations in each step: {made}"
         lines += ["", line]
     return "\n".join(lines) + "\n"
 

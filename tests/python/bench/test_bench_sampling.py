@@ -27,7 +27,10 @@ def test_the_phases_count_each_kind_of_pass(daemon):
 
     forward = model.forward
     model.forward = lambda x=X: forward(x)  # the bench calls model(**inputs)
-    record = sampling.weightstream_run(model, {}, 5, handle, train_step, lambda: None)
+    calls = iter(range(100))
+    record = sampling.weightstream_run(
+        model, {}, 5, handle, train_step, lambda: None, allocs=lambda: 2 * next(calls)
+    )
     before, after = record["before"]["counters"], record["after"]["counters"]
     # Five passes timed alone, then four back to back: 9 passes of 8 blocks.
     assert (before["sample_acquires"], before["sample_hits"], before["sample_passes"]) == (
@@ -38,6 +41,7 @@ def test_the_phases_count_each_kind_of_pass(daemon):
     assert (after["sample_acquires"], after["sample_hits"], after["train_acquires"]) == (72, 72, 0)
     step = record["train_counters_step_after"]
     assert (step["train_acquires"], step["train_hits"]) == (15, 15)
+    assert record["train_step_device_allocs"] == [2, 2, 2, 2]
     assert len(record["train_step_s"]) == 4 and len(record["before"]["pass_s"]) == 4
     assert record["before"]["back_to_back_s"] > 0
     assert sampling.streamed_bytes_per_pass(handle) == 8 * 132352
@@ -113,6 +117,7 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
             },
             "after": {"first_pass_s": 1.1, "median_s": 1.0},
             "train_step_s": [3.0, 2.0, 2.1, 2.05],
+            "train_step_device_allocs": [9, 0, 4, 0],
         },
     }
     r = sampling.ratios(results, 25 * 10**9)
@@ -133,7 +138,10 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
         in md
     )
     assert "| weightstream | after training | 1.100 | 1.000 | 2.00 | 1.00 | - | - | - |" in md
-    assert "Training step before / after sampling: 2.000 / 2.100 s (the next: 2.050 s)" in md
+    assert (
+        "Training step before / after sampling: 2.000 / 2.100 s (the next: 2.050 s); the "
+        "trainer's device allocations in each step: [9, 0, 4, 0]"
+    ) in md
     assert (
         "\n\n- before training, the passes after the first: the daemon copied 23.61 GB/s, its "
         "copy thread throttled by the link cap 81.2 % of the time, the copy engine busy 95.3 %\n"
