@@ -237,3 +237,39 @@ def test_the_sampling_budget_is_auto_where_the_session_is(daemon, aitk, settings
     manager = MemoryManager.attach(model, "cpu")
     assert manager.handle.options.sample_vram_budget == want
     MemoryManager.free(model)
+
+
+def test_an_auto_sampling_budget_grows_the_largest_session_only(daemon, aitk, tmp_path):  # noqa: F811
+    """With ``auto``, ai-toolkit's sample grows only the session that streams the most bytes
+    (here the text encoder's six groups, not the model's three); a session with a size of
+    its own grows to it; all are back at their training budgets for the next step."""
+    from toolkit.memory_management import MemoryManager
+
+    aitk(
+        socket=daemon.socket,
+        min_bytes=0,
+        vram_budget=3 * BLOCK,
+        staging_bytes=3 * BLOCK,
+        sample_vram_budget="auto",
+    )
+    te = TextEncoder().to(DTYPE)
+    te_handle = MemoryManager.attach(te, "cpu").handle
+    te.requires_grad_(False)
+    model = Model().to(DTYPE)
+    handle = MemoryManager.attach(model, "cpu").handle
+    assert (len(te_handle.session.groups), len(handle.session.groups)) == (6, 3)
+    budgets = []
+
+    def loss_of(m, x):
+        if not torch.is_grad_enabled():
+            budgets.append((te_handle.vram_budget, handle.vram_budget))
+        with torch.no_grad():
+            x = te(x)
+        return model_loss(m, x)
+
+    new_process(tmp_path / "got", train_config(steps=2), model, loss_of).run()
+    [(te_budget, model_budget)] = budgets
+    assert te_budget > 3 * BLOCK and model_budget == 3 * BLOCK
+    assert (te_handle.vram_budget, handle.vram_budget) == (3 * BLOCK, 3 * BLOCK)
+    MemoryManager.free(model)
+    MemoryManager.free(te)

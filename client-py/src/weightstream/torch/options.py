@@ -94,8 +94,8 @@ class StreamOptions:
     - ``sample_vram_budget``: the session's device budget while sampling
       (``Handle.sampling()``): bytes, or a size such as ``"20GiB"`` (``weightstream.sizes``),
       or ``"auto"`` (``passes.AutoSample``, or an instance of it: what the device has free at
-      each ``sampling()``, less what the trainer's first sampling block took, or half of it before
-      that is measured, and a margin).
+      each ``sampling()``, less what the trainer's first sampling block took and a margin;
+      before that is measured, half of what is free beyond the margin).
       ``None`` (the default): sampling runs at the training budget. More than the device has
       or the daemon allows is refused (``passes.SampleBudgetError``) at ``attach`` and at
       ``sampling()``.

@@ -556,18 +556,23 @@ def _synced(method):
 
 
 def _sampling(method):
-    """``sample``: every attached module's session grown to its ``sample_vram_budget`` while
+    """``sample``: the attached modules' sessions grown to their ``sample_vram_budget`` while
     ai-toolkit samples (``Handle.sampling()``, which changes nothing without one), given back
-    after; one line on stdout once it returns (``sample_summary``)."""
+    after; with ``auto``, only the session that streams the most bytes (the transformer: a
+    text encoder encodes a prompt once a sample, and each ``auto`` session would take its
+    share of what the trainer has free); one line on stdout once it returns
+    (``sample_summary``)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         managers = [m for m in MemoryManager.attached() if m.handle is not None]
+        managers.sort(key=lambda m: -sum(g.nbytes for g in m.handle.session.groups))
         before = [m.handle.stats() for m in managers]
         start = time.monotonic()
         with contextlib.ExitStack() as stack:
-            for manager in managers:
-                stack.enter_context(manager.handle.sampling())
+            for i, manager in enumerate(managers):
+                if i == 0 or manager.handle.options.sample_vram_budget != "auto":
+                    stack.enter_context(manager.handle.sampling())
             budgets = [m.handle.vram_budget for m in managers]
             result = method(self, *args, **kwargs)
         if managers:

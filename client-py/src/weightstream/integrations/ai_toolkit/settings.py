@@ -103,7 +103,8 @@ class Settings:
       sampling passes and gives it back before the next training step
       (``StreamOptions.sample_vram_budget``, ``Handle.sampling()``); ``auto``: what the device
       has free when sampling begins, less what the first sampling took (before that, half of
-      what is free is left to the trainer) and a margin; ``none``: sampling at the training
+      what is free is left to the trainer) and a margin, for the attached session that
+      streams the most bytes only (the transformer's); ``none``: sampling at the training
       budget (its passes follow the forward plan either way). Default: ``auto`` where the
       session's ``vram_budget`` is ``auto`` and ``trainable`` is ``device`` (before the first
       training step ``vram_budget: auto`` runs at its minimum, two of the largest group, with
