@@ -89,10 +89,7 @@ class ForwardRecorder:
         self.groups: list[int] = []
 
     def add(self, group: int) -> list[int] | None:
-        """Records ``group`` (once for consecutive layers of one group); returns the pass once
-        ``group`` starts the next one."""
-        if self.groups and group == self.groups[-1]:
-            return None
+        """Records ``group``; returns the pass once ``group`` starts the next one."""
         if self.groups and group == self.groups[0]:
             return self.groups
         self.groups.append(group)
@@ -173,8 +170,9 @@ class Passes:
         where their layers ran (a session at another budget, ``Handle.sampling()``'s, may
         stream them), or where none ran, at their places of the plan so far."""
         done = False
-        if self._recorder is not None:
-            recorded = self._recorder.add(group)
+        recorder = self._recorder
+        if recorder is not None and (acquired or recorder.groups[-1:] != [group]):
+            recorded = recorder.add(group)  # a resident group once for its layers in a row
             if recorded is not None:
                 recorded = with_resident(recorded, self.forward, resident())
                 self.forward, self._recorder, done = recorded, None, True
