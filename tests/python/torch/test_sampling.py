@@ -509,3 +509,24 @@ def test_the_forward_plan_has_resident_groups_where_they_ran(daemon):
     assert delta(counts(handle, "sample"), before) == (24, 24, 0)
     assert handle.stats()["sample_passes"] == 6
     handle.detach(release=True)
+
+
+def test_running_out_of_memory_at_the_sampling_budget_says_which_budget(daemon):
+    """An out-of-memory error in a block the session grew for carries a note naming the
+    budget and what to do; the session is back at the training budget."""
+    ref, model, handle = make_pair(daemon, sample_vram_budget=f"{6 * BLOCK_BYTES}")
+    with pytest.raises(torch.OutOfMemoryError) as e:
+        with handle.sampling():
+            sample(ref, model, 1)
+            raise torch.OutOfMemoryError("out of memory")
+    assert e.value.__notes__ == [
+        f"weightstream: the session had grown to sample_vram_budget={6 * BLOCK_BYTES} bytes "
+        f"for these passes, from {3 * BLOCK_BYTES} bytes; a smaller sample_vram_budget, or "
+        "none, leaves the trainer more of the device"
+    ]
+    assert handle.vram_budget == 3 * BLOCK_BYTES
+    with pytest.raises(ValueError) as e:  # any other error passes as it is
+        with handle.sampling():
+            raise ValueError("x")
+    assert not hasattr(e.value, "__notes__")
+    handle.detach(release=True)

@@ -434,6 +434,15 @@ def sampling(handle):
         auto.start()
     try:
         yield handle
+    except Exception as e:
+        if grow and type(e).__name__ == "OutOfMemoryError":  # torch's, CUDA's or the CPU's
+            how = " (auto: half of what was free, the trainer's need unmeasured)" if measure else ""
+            e.add_note(
+                f"weightstream: the session had grown to sample_vram_budget={size_text(budget)}"
+                f"{how} for these passes, from {size_text(old_budget)}; a smaller "
+                "sample_vram_budget, or none, leaves the trainer more of the device"
+            )
+        raise
     finally:
         try:
             if measure:
