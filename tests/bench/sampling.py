@@ -121,17 +121,24 @@ def sampling_phase(
     model, inputs, n, handle, sync, around=contextlib.nullcontext, device=None
 ) -> dict:
     """``n`` passes inside ``around()`` and, within it, ``handle.sampling()``: times and the
-    counters they moved; with ``device`` (the daemon's device metrics, by name), what the copy
-    thread did over the passes after the first (``link_use``)."""
+    counters they moved, and the seconds ``sampling()`` took to begin and to end (at a sampling
+    budget: the session opened again at the other budget, its resident groups copied); with
+    ``device`` (the daemon's device metrics, by name), what the copy thread did over the passes
+    after the first (``link_use``)."""
     before = kind_counts(handle.stats())
-    with around(), handle.sampling():
-        times = timed_passes(model, inputs, 1, sync)
-        start, metrics = time.monotonic(), device() if device else None
-        times += timed_passes(model, inputs, n - 1, sync)
-        seconds = time.monotonic() - start
-        moved = difference(device(), metrics) if device else None
-        flowing = back_to_back(lambda: model(**inputs), n - 1, sync) if n > 1 else None
-        streamed = streamed_bytes_per_pass(handle)  # at the sampling budget, where one is set
+    with around():
+        sync()
+        began = time.monotonic()
+        with handle.sampling():
+            sync()
+            enter_s = time.monotonic() - began
+            times, flowing, streamed, moved, seconds = _passes(
+                model, inputs, n, handle, sync, device
+            )
+            sync()
+            ending = time.monotonic()
+        sync()
+        exit_s = time.monotonic() - ending
     record = {
         "first_pass_s": times[0],
         "pass_s": times[1:],
@@ -140,10 +147,25 @@ def sampling_phase(
         "back_to_back_s": statistics.median(flowing) if flowing else None,
         "counters": difference(kind_counts(handle.stats()), before),
         "bytes_per_pass": streamed,
+        "enter_s": enter_s,
+        "exit_s": exit_s,
     }
     if moved is not None and n > 1:
         record["link"] = link_use(moved, seconds)
     return record
+
+
+def _passes(model, inputs, n, handle, sync, device):
+    """``sampling_phase``'s passes: (their seconds, back to back ones, the streamed bytes a
+    pass, the device metrics they moved, the seconds of the passes after the first)."""
+    times = timed_passes(model, inputs, 1, sync)
+    start, metrics = time.monotonic(), device() if device else None
+    times += timed_passes(model, inputs, n - 1, sync)
+    seconds = time.monotonic() - start
+    moved = difference(device(), metrics) if device else None
+    flowing = back_to_back(lambda: model(**inputs), n - 1, sync) if n > 1 else None
+    streamed = streamed_bytes_per_pass(handle)  # at the sampling budget, where one is set
+    return times, flowing, streamed, moved, seconds
 
 
 def weightstream_run(
@@ -403,6 +425,13 @@ def markdown(report: dict) -> str:
                 f"{link['gb_per_s']:.2f} GB/s, its copy thread throttled by the link cap "
                 f"{100 * link['throttled_share']:.1f} % of the time, the copy engine busy "
                 f"{100 * link['busy_share']:.1f} %"
+            )
+    for phase in ("before", "after"):
+        rec = res.get("weightstream", {}).get(phase, {})
+        if rec.get("enter_s") is not None:
+            lines.append(
+                f"- {phase} training, `sampling()` began in {rec['enter_s']:.3f} s and ended in "
+                f"{rec['exit_s']:.3f} s (at a sampling budget: the session opened again)"
             )
     steps = res.get("weightstream", {}).get("train_step_s")
     if steps:

@@ -42,6 +42,7 @@ def test_the_phases_count_each_kind_of_pass(daemon):
     step = record["train_counters_step_after"]
     assert (step["train_acquires"], step["train_hits"]) == (15, 15)
     assert record["train_step_device_allocs"] == [2, 2, 2, 2]
+    assert record["before"]["enter_s"] >= 0 and record["after"]["exit_s"] >= 0
     assert len(record["train_step_s"]) == 4 and len(record["before"]["pass_s"]) == 4
     assert record["before"]["back_to_back_s"] > 0
     assert sampling.streamed_bytes_per_pass(handle) == 8 * 132352
@@ -115,7 +116,7 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
                 "back_to_back_s": 1.1,
                 "link": {"gb_per_s": 23.61, "throttled_share": 0.812, "busy_share": 0.953},
             },
-            "after": {"first_pass_s": 1.1, "median_s": 1.0},
+            "after": {"first_pass_s": 1.1, "median_s": 1.0, "enter_s": 0.7, "exit_s": 0.4},
             "train_step_s": [3.0, 2.0, 2.1, 2.05],
             "train_step_device_allocs": [9, 0, 4, 0],
         },
@@ -138,6 +139,10 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
         in md
     )
     assert "| weightstream | after training | 1.100 | 1.000 | 2.00 | 1.00 | - | - | - |" in md
+    assert (
+        "- after training, `sampling()` began in 0.700 s and ended in 0.400 s (at a sampling "
+        "budget: the session opened again)"
+    ) in md
     assert (
         "Training step before / after sampling: 2.000 / 2.100 s (the next: 2.050 s); the "
         "trainer's device allocations in each step: [9, 0, 4, 0]"
