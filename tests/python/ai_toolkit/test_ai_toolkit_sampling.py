@@ -241,8 +241,8 @@ def test_the_sampling_budget_is_auto_where_the_session_is(daemon, aitk, settings
 
 def test_an_auto_sampling_budget_grows_the_largest_session_only(daemon, aitk, tmp_path):  # noqa: F811
     """With ``auto``, ai-toolkit's sample grows only the session that streams the most bytes
-    (here the text encoder's six groups, not the model's three); a session with a size of
-    its own grows to it; all are back at their training budgets for the next step."""
+    (here the text encoder's six groups, not the model's three); both are back at their
+    training budgets for the next step."""
     from toolkit.memory_management import MemoryManager
 
     aitk(
