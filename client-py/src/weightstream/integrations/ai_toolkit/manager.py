@@ -292,7 +292,7 @@ def _options(s: Settings, ignore: set[str], budget) -> wst.StreamOptions:
 
 def _sample_budget(settings: Settings, budget):
     """The sampling budget: the one set (``none``: none), else ``"auto"`` where the session's
-    ``budget`` is and the LoRA trains on the device."""
+    ``budget`` is ``"auto"`` too and the LoRA trains on the device, else none."""
     chosen = settings.sample_vram_budget
     if chosen is None:
         return "auto" if budget == "auto" and settings.trainable == "device" else None
