@@ -530,3 +530,17 @@ def test_running_out_of_memory_at_the_sampling_budget_says_which_budget(daemon):
             raise ValueError("x")
     assert not hasattr(e.value, "__notes__")
     handle.detach(release=True)
+
+
+def test_passes_are_counted_at_the_first_streamed_group_of_each_session(daemon):
+    """A pass is counted at the forward plan's first streamed group: block 0 at the training
+    budget, and at a sampling budget that keeps block 0 resident, the first block it streams."""
+    ref, model, handle = make_pair(daemon, sample_vram_budget=f"{9 * BLOCK_BYTES}")
+    sample(ref, model, 3)
+    assert handle.stats()["sample_passes"] == 3
+    with handle.sampling():
+        assert handle.session.groups[0].resident
+        sample(ref, model, 3)
+    sample(ref, model, 2)
+    assert handle.stats()["sample_passes"] == 8
+    handle.detach(release=True)

@@ -137,6 +137,9 @@ class Passes:
         #: ``sample_vram_budget="auto"``'s policy and what it measured (attach sets it).
         self.auto: AutoSample | None = None
         self._recorder: ForwardRecorder | None = ForwardRecorder()
+        #: The forward plan's first streamed group (``first_streamed``), until the plan or the
+        #: session changes; ``...``: not known yet.
+        self._first: object = ...
         self._seen = (0, 0, 0, 0)
         #: Thread id -> [kind, depth] of the attached module's forwards running in it.
         self._running: dict[int, list] = {}
@@ -176,9 +179,17 @@ class Passes:
             if recorded is not None:
                 recorded = with_resident(recorded, self.forward, resident())
                 self.forward, self._recorder, done = recorded, None, True
-        if acquired and group == next_streamed(self.forward, -1, resident()):
+                self._first = ...
+        if acquired and group == self.first_streamed(resident):
             self.counters[SAMPLE].passes += 1
         return done
+
+    def first_streamed(self, resident: Callable[[], frozenset[int]]) -> int | None:
+        """The forward plan's first group not in ``resident()``, where a sampling pass is
+        counted: worked out once per plan and session, not at every acquire."""
+        if self._first is ...:
+            self._first = next_streamed(self.forward, -1, resident())
+        return self._first
 
     def count(self, kind: str, hit: bool, off_plan: bool):
         c = self.counters[kind]
@@ -204,8 +215,10 @@ class Passes:
         self._seen = now
 
     def reopened(self):
-        """The session was opened again: its wait totals start from zero."""
+        """The session was opened again: its wait totals start from zero, its resident groups
+        may be others."""
         self._seen = (0, 0, 0, 0)
+        self._first = ...
 
     def stats(self) -> dict:
         out = {"pass_kind": self.kind}
