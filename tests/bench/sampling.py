@@ -120,16 +120,17 @@ def link_use(moved: dict, seconds: float) -> dict:
 def sampling_phase(
     model, inputs, n, handle, sync, around=contextlib.nullcontext, device=None
 ) -> dict:
-    """``n`` passes inside ``around()`` and, within it, ``handle.sampling()``: times and the
+    """``n`` passes inside ``handle.sampling()`` and, within it, ``around()``: times and the
     counters they moved, and the seconds ``sampling()`` took to begin and to end (at a sampling
-    budget: the session opened again at the other budget, its resident groups copied); with
+    budget: the session opened again at the other budget, its resident groups copied, and the
+    trainer's allocator given back what it gave up for sampling in one allocation); with
     ``device`` (the daemon's device metrics, by name), what the copy thread did over the passes
     after the first (``link_use``)."""
     before = kind_counts(handle.stats())
-    with around():
-        sync()
-        began = time.monotonic()
-        with handle.sampling():
+    sync()
+    began = time.monotonic()
+    with handle.sampling():
+        with around():
             sync()
             enter_s = time.monotonic() - began
             times, flowing, streamed, moved, seconds = _passes(
@@ -137,8 +138,8 @@ def sampling_phase(
             )
             sync()
             ending = time.monotonic()
-        sync()
-        exit_s = time.monotonic() - ending
+    sync()
+    exit_s = time.monotonic() - ending
     record = {
         "first_pass_s": times[0],
         "pass_s": times[1:],
@@ -274,20 +275,22 @@ def child_weightstream(args) -> dict:
         )
         total = torch.cuda.get_device_properties(0).total_memory
 
-        def hold(session_gib):
+        def hold(session_gib, empty=True):
             """The trainer's allocator held to the card less the session's budget."""
-            torch.cuda.empty_cache()
+            if empty:
+                torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction((args.card_gib - session_gib) * GiB / total)
 
         @contextlib.contextmanager
         def card_while_sampling():
-            # The session grows into what training's activations and gradients would take: the
-            # trainer gives that up first, and has it back once the session has shrunk.
+            # Inside sampling(): the session has grown into what training's activations and
+            # gradients would take (the trainer's cache emptied for it); the trainer's share
+            # is back before the session shrinks and sampling() reserves that share again.
             hold(sample_budget)
             try:
                 yield
             finally:
-                hold(args.vram_budget_gib)
+                hold(args.vram_budget_gib, empty=False)
 
         if args.card_gib:
             hold(args.vram_budget_gib)

@@ -44,6 +44,7 @@ from tests.python.ai_toolkit.test_ai_toolkit import (
     prompts,
     transformer_inputs,
 )
+from tests.python.torch import aitk_layouts
 
 META = torch.device("meta")
 
@@ -112,6 +113,37 @@ def test_the_guard_keeps_linear_and_conv_weights_on_the_cpu_and_moves_the_rest(g
     assert guard.pending_bytes() == sum(
         p.nbytes for m in layers(model).values() for p in m.parameters()
     )
+
+
+class AraNetwork(nn.Module):
+    """ai-toolkit's accuracy recovery adapter as ``quantize_model`` makes it (27a03a91): a
+    ``LoRASpecialNetwork`` of ``LoRAModule``s (each holding the layer it wraps in
+    ``org_module``), ``force_to(device_torch)``, then ``_update_torch_multiplier``: the
+    multiplier made where the first module's ``lora_down`` is; its forward multiplies the
+    LoRA's output by it."""
+
+    def __init__(self, layer: nn.Linear, rank: int = 2):
+        super().__init__()
+        self.ara = aitk_layouts.Ara(layer, rank)
+        self.torch_multiplier = torch.ones(1)
+
+    def force_to(self, device, dtype):
+        self.to(device, dtype)
+        self.torch_multiplier = torch.ones(1).to(self.ara.lora_down.weight.device, dtype=dtype)
+
+
+def test_an_adapters_layers_move_as_asked_the_base_layer_is_held(guard):
+    """The ARA on the device with its multiplier, the layer it wraps held on the CPU (with the
+    ARA's layers held, the multiplier stayed on the CPU and the ARA's forward on the device
+    multiplied tensors of two devices)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    network = AraNetwork(model[1])
+    network.force_to(META, DTYPE)
+    assert {p.device.type for p in network.parameters()} == {"meta"}
+    assert network.torch_multiplier.device.type == "meta"
+    model.to(META)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert {id(m) for m, _ in guard.pending()} == {id(model[0]), id(model[1])}
 
 
 def test_cuda_is_guarded_too(guard):

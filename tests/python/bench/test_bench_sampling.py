@@ -79,8 +79,9 @@ def test_a_phase_records_what_the_copy_thread_did_from_the_daemons_metrics(tmp_p
 
 
 def test_a_sampling_budget_phase_is_held_by_around_and_streams_less(daemon):
-    """With ``sample_vram_budget`` the phase runs inside ``around`` (the GPU child gives the
-    trainer's share of the card up there) and records the bytes a pass streams at the
+    """With ``sample_vram_budget`` the passes run inside ``around`` (the GPU child holds the
+    trainer to its share of the card there), itself inside ``sampling()``: the session has
+    grown before it and shrinks after it. The phase records the bytes a pass streams at the
     sampling budget: 3 of the 8 blocks (staging), the other 5 resident."""
     _, model, handle = make_pair(daemon, sample_vram_budget=f"{8 * BLOCK_BYTES}")
     forward = model.forward
@@ -94,7 +95,7 @@ def test_a_sampling_budget_phase_is_held_by_around_and_streams_less(daemon):
         held.append(("exit", handle.vram_budget))
 
     phase = sampling.sampling_phase(model, {}, 3, handle, lambda: None, around)
-    assert held == [("enter", 3 * BLOCK_BYTES), ("exit", 3 * BLOCK_BYTES)]
+    assert held == [("enter", 8 * BLOCK_BYTES), ("exit", 8 * BLOCK_BYTES)]
     assert phase["bytes_per_pass"] == 3 * 132352
     assert sampling.streamed_bytes_per_pass(handle) == 8 * 132352  # given back after
     handle.detach(release=True)

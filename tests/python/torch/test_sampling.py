@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 import weightstream.torch as wst
+import weightstream.torch.passes as ws_passes
 from torch import nn
 
 DIM = 64
@@ -544,3 +545,65 @@ def test_passes_are_counted_at_the_first_streamed_group_of_each_session(daemon):
     sample(ref, model, 2)
     assert handle.stats()["sample_passes"] == 8
     handle.detach(release=True)
+
+
+def test_the_trainer_gives_its_cache_up_to_grow_and_takes_it_back_in_one_block(daemon, monkeypatch):
+    """A fixed sampling budget: the trainer's cached device blocks are given back before the
+    session grows, and after it shrinks the allocator is given back what it held when the
+    block began, in one allocation (the step after sampling allocated each of its blocks
+    again: 124 device allocations and a 2.6 % slower step on FLUX.2-dev)."""
+    _, model, handle = make_pair(daemon, sample_vram_budget=f"{8 * BLOCK_BYTES}")
+    events = []
+    monkeypatch.setattr(ws_passes, "_device_reserved", lambda device: 1000)
+    monkeypatch.setattr(
+        ws_passes,
+        "_empty_device_cache",
+        lambda device: events.append(("empty", handle.vram_budget)),
+    )
+    monkeypatch.setattr(
+        ws_passes,
+        "_reserve_again",
+        lambda device, before: events.append(("reserve", before, handle.vram_budget)),
+    )
+    with handle.sampling():
+        events.append(("passes", handle.vram_budget))
+    assert events == [
+        ("empty", 3 * BLOCK_BYTES),
+        ("passes", 8 * BLOCK_BYTES),
+        ("reserve", 1000, 3 * BLOCK_BYTES),
+    ]
+    handle.detach(release=True)
+
+
+class Allocator:
+    """torch.cuda's reserved bytes and torch.empty, as ``_reserve_again`` uses them."""
+
+    def __init__(self, reserved, fails=False):
+        self.reserved, self.fails, self.asked = reserved, fails, []
+
+    def empty(self, n, dtype, device):
+        self.asked.append((n, dtype, device))
+        if self.fails:
+            raise torch.OutOfMemoryError("out of memory")
+
+
+@pytest.mark.parametrize(
+    "before, now, env, fails, got",
+    [
+        (10 << 30, 4 << 30, "", False, 6 << 30),
+        (4 << 30, 4 << 30, "", False, 0),  # nothing was given up
+        (4 << 30, 5 << 30, "", False, 0),
+        (10 << 30, 4 << 30, "max_split_size_mb:512", False, 0),  # torch would not split it
+        (10 << 30, 4 << 30, "", True, 0),  # less free than before: the step allocates
+    ],
+)
+def test_reserving_again_asks_for_what_was_given_up(monkeypatch, before, now, env, fails, got):
+    alloc = Allocator(now, fails)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: alloc.reserved)
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "native")
+    monkeypatch.setattr(torch, "empty", alloc.empty)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", env)
+    assert ws_passes._reserve_again("cuda:0", before) == got
+    asks = [(before - now, torch.uint8, "cuda:0")] if before > now and not env else []
+    assert alloc.asked == asks
+    assert ws_passes._reserve_again("cpu", None) == 0

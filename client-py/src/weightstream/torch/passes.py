@@ -411,13 +411,17 @@ def sampling(handle):
     gradients and no optimizer work are on the device meanwhile) and shrinks back when the
     block ends, both plans kept (``set_budget(keep_plan=True)``). A budget above the device's
     memory or the daemon's limits raises ``SampleBudgetError`` before anything changes.
-    Without a sampling budget it changes nothing: sampling passes follow the forward plan with
-    or without it."""
+    Before it grows, the trainer's allocator gives its cached, unused device blocks back (the
+    session grows into them); when the block ends it takes back what it gave in one device
+    allocation (``_reserve_again``), so that the next training step does not allocate them
+    again one by one. Without a sampling budget it changes nothing: sampling passes follow
+    the forward plan with or without it."""
     budget = handle.options.sample_vram_budget
     old_budget, old_staging = handle.vram_budget, handle.session.opened.staging_bytes
     if budget is None:
         yield handle
         return
+    reserved = _device_reserved(handle.device)
     if handle.session.holds_state:
         raise SampleBudgetError(
             "sample_vram_budget: the session holds trainable state in host memory "
@@ -435,6 +439,8 @@ def sampling(handle):
         auto.chosen = budget if budget is not None and budget > old_budget else old_budget
     grow = budget is not None and budget > old_budget
     if grow:
+        if auto is None:
+            _empty_device_cache(handle.device)
         check_budget(budget, limit or budget_limit(handle.client, device_uuid(handle.device)))
         staging = min(budget, sample_staging(handle, budget))
         if auto is not None:  # its budget may reach every group resident: one group then stages
@@ -463,6 +469,7 @@ def sampling(handle):
         finally:
             if grow:
                 handle.set_budget(old_budget, old_staging, keep_plan=True)
+            _reserve_again(handle.device, reserved)
 
 
 def _empty_device_cache(device):
@@ -472,3 +479,41 @@ def _empty_device_cache(device):
         import torch
 
         torch.cuda.empty_cache()
+
+
+def _device_reserved(device) -> int | None:
+    """The bytes the trainer's allocator holds on a CUDA device (None elsewhere)."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    return torch.cuda.memory_reserved(device)
+
+
+def _reserve_again(device, before: int | None) -> int:
+    """The device memory the trainer's allocator gave up for sampling taken back as one
+    cached block, allocated and freed at once: torch's allocator splits it for the next
+    training step's tensors, which that step would otherwise allocate one by one. Returns its
+    bytes: 0 where nothing was given up, the device has less free now, or torch's allocator is
+    not its native one or does not split blocks that large (``max_split_size_mb``)."""
+    if before is None:
+        return 0
+    import torch
+
+    short = before - torch.cuda.memory_reserved(device)
+    if short <= 0 or torch.cuda.memory.get_allocator_backend() != "native" or _split_limited():
+        return 0
+    try:
+        torch.empty(short, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        return 0  # the step allocates as it goes
+    return short
+
+
+def _split_limited() -> bool:
+    import os
+
+    conf = ",".join(
+        os.environ.get(k, "") for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
+    return "max_split_size_mb" in conf

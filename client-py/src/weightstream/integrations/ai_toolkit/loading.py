@@ -12,7 +12,8 @@ trainer's ``load_model`` runs with ``layer_offloading: true``, ``LoadingPhase``:
 
 - installs a ``PlacementGuard``: ``nn.Module.to`` / ``nn.Module.cuda`` towards an accelerator
   keep the weights and biases of every Linear and Conv2d layer (what weightstream streams) on
-  the CPU, cast to the dtype asked for, and move everything else; the guard remembers where each
+  the CPU, cast to the dtype asked for, and move everything else, an adapter's layers (an
+  accuracy recovery adapter's ``LoRAModule``) included; the guard remembers where each
   held layer was last sent. Quantization then runs where the weights are, on the CPU, and
   ``MemoryManager.attach`` uploads them from host memory. ``attach`` forgets the layers of the
   module it attaches (it places them: streamed, or moved with the rest);
@@ -113,11 +114,7 @@ class PlacementGuard:
             if device is not None:
                 self.release(module)  # its layers' last destination is not held
             return self._original_to(module, *args, **kwargs)
-        held = [
-            m
-            for m in module.modules()
-            if isinstance(m, STREAMABLE) and any(True for _ in m.parameters(recurse=False))
-        ]  # placeholders among them stay as they are: the daemon holds those weights
+        held = _held_layers(module)  # placeholders stay as they are: the daemon holds those
         # The held layers' parameters leave their modules for the time of torch's own move,
         # so that everything else moves exactly as torch moves it.
         aside = [(m, dict(m._parameters)) for m in held]
@@ -173,6 +170,30 @@ class PlacementGuard:
         for m, device in placed:
             self._original_to(m, device)
         return len(placed)
+
+
+def _is_adapter(m: nn.Module) -> bool:
+    """ai-toolkit's LoRA modules (``LoRAModule``, the accuracy recovery adapter's too) hold the
+    layer they wrap in ``org_module``."""
+    return "org_module" in vars(m)
+
+
+def _held_layers(module: nn.Module) -> list[nn.Module]:
+    """The Linear/Conv2d layers with parameters in ``module``, but an adapter's: weightstream
+    streams base weights, never an adapter's, and ai-toolkit puts a network's multiplier where
+    its first ``lora_down`` is when it moves the network (``force_to``), so the adapter moves as
+    asked (an ARA's layers held on the CPU left its multiplier there, and its forward failed
+    on the device)."""
+    held, seen, todo = [], set(), [module]
+    while todo:
+        m = todo.pop()
+        if id(m) in seen or _is_adapter(m):
+            continue
+        seen.add(id(m))
+        if isinstance(m, STREAMABLE) and any(True for _ in m.parameters(recurse=False)):
+            held.append(m)
+        todo.extend(reversed(list(m.children())))
+    return held
 
 
 def _cuda_device(device) -> torch.device:
