@@ -199,7 +199,9 @@ def weightstream_run(
         made.append(allocs() - a)
 
     step()
+    counts = kind_counts(handle.stats())
     step()
+    record["train_counters_step_before"] = difference(kind_counts(handle.stats()), counts)
     counts = kind_counts(handle.stats())
     record["after"] = sampling_phase(model, inputs, n, handle, sync, around, device)
     step()
@@ -444,6 +446,12 @@ def markdown(report: dict) -> str:
         made = res["weightstream"].get("train_step_device_allocs")
         if made:
             line += f"; the trainer's device allocations in each step: {made}"
+        waits = [
+            res["weightstream"].get(f"train_counters_step_{k}", {}).get("train_gpu_wait_ns")
+            for k in ("before", "after")
+        ]
+        if None not in waits:
+            line += f"; GPU wait before / after: {waits[0] / 1e6:.0f} / {waits[1] / 1e6:.0f} ms"
         lines += ["", line]
     return "\n".join(lines) + "\n"
 

@@ -41,6 +41,8 @@ def test_the_phases_count_each_kind_of_pass(daemon):
     assert (after["sample_acquires"], after["sample_hits"], after["train_acquires"]) == (72, 72, 0)
     step = record["train_counters_step_after"]
     assert (step["train_acquires"], step["train_hits"]) == (15, 15)
+    step = record["train_counters_step_before"]
+    assert (step["train_acquires"], step["train_hits"], step["train_passes"]) == (15, 14, 1)
     assert record["train_step_device_allocs"] == [2, 2, 2, 2]
     assert record["before"]["enter_s"] >= 0 and record["after"]["exit_s"] >= 0
     assert len(record["train_step_s"]) == 4 and len(record["before"]["pass_s"]) == 4
@@ -120,6 +122,8 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
             "after": {"first_pass_s": 1.1, "median_s": 1.0, "enter_s": 0.7, "exit_s": 0.4},
             "train_step_s": [3.0, 2.0, 2.1, 2.05],
             "train_step_device_allocs": [9, 0, 4, 0],
+            "train_counters_step_before": {"train_gpu_wait_ns": 250_000_000},
+            "train_counters_step_after": {"train_gpu_wait_ns": 320_400_000},
         },
     }
     r = sampling.ratios(results, 25 * 10**9)
@@ -146,7 +150,8 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
     ) in md
     assert (
         "Training step before / after sampling: 2.000 / 2.100 s (the next: 2.050 s); the "
-        "trainer's device allocations in each step: [9, 0, 4, 0]"
+        "trainer's device allocations in each step: [9, 0, 4, 0]; GPU wait before / after: "
+        "250 / 320 ms"
     ) in md
     assert (
         "\n\n- before training, the passes after the first: the daemon copied 23.61 GB/s, its "
