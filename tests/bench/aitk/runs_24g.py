@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -311,9 +312,29 @@ def launch(run: dict, common: dict, args, cuda: bool) -> dict:
     log = work / name / "trainer.log"
     if log.exists():
         result["trainable_host"] = trainable_report(log.read_text(errors="replace"))
+    result["dropped_bytes"] = drop_outputs(work / name)
     result.update(run)
     result["yaml"] = spec["yaml"]
     return result
+
+
+def drop_outputs(folder: Path) -> int:
+    """A finished run's saved files (its LoRA, ``optimizer.pt``) and ai-toolkit's caches in
+    its data folder (``_latent_cache``, text embeddings) removed, its logs and loss database
+    kept: the next run needs the disk (FLUX.2-dev at full size in bf16 leaves 1.4 GB of a
+    64 GiB disk, where ai-toolkit's text embedding cache failed for want of room once a run
+    before it had saved). Returns the bytes removed."""
+    gone = [p for p in folder.glob("output/**/*") if p.suffix in (".safetensors", ".pt")]
+    gone += [p for p in folder.glob("data/**/_*cache*") if p.is_dir()]
+    freed = 0
+    for p in gone:
+        files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+        freed += sum(f.stat().st_size for f in files)
+        if p.is_file():
+            p.unlink()
+        else:
+            shutil.rmtree(p)
+    return freed
 
 
 #: The line weightstream-aitk prints when ``trainable: host`` takes the LoRA

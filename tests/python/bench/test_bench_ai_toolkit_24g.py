@@ -465,3 +465,22 @@ def test_the_sampler_reads_the_rss_fields_of_a_status():
         "RssFile": 1.0,
         "RssShmem": 0.0,
     }
+
+
+def test_a_finished_runs_saves_and_caches_are_dropped_its_logs_kept(tmp_path):
+    run = tmp_path / "weightstream-r32-full"
+    files = {
+        "output/ws_24g_lora/ws_24g_lora.safetensors": 300,
+        "output/ws_24g_lora/optimizer.pt": 200,
+        "output/ws_24g_lora/loss_log.db": 7,
+        "data/_latent_cache/a.safetensors": 40,
+        "data/_t_e_cache/a.safetensors": 30,
+        "data/a.jpg": 5,
+        "trainer.log": 3,
+    }
+    for name, size in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_bytes(b"x" * size)
+    assert runs_24g.drop_outputs(run) == 570
+    left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
+    assert left == ["data/a.jpg", "output/ws_24g_lora/loss_log.db", "trainer.log"]
