@@ -280,17 +280,30 @@ def run_one(
         p = folder / name
         if p.exists():
             result[name.removesuffix(".json")] = json.loads(p.read_text())
+    result.update(logged_steps(folder, started))
     if rc != 0:
         result["log_tail"] = tail
         print(tail, flush=True)
         return result, None
-    db = next(folder.glob("output/*/loss_log.db"))
-    result.update(read_log(db))
+    return result, lora_tensors(folder / "output")
+
+
+def logged_steps(folder: Path, started: float) -> dict:
+    """What ai-toolkit's UILogger logged of a run's steps (``read_log``) and the time from the
+    launch (``started``, a ``time.time()``) to its first step; also of a run that failed or
+    was stopped after some steps (a 60 s step stopped at the timeout still has its gaps).
+    Empty where nothing was logged."""
+    db = next(folder.glob("output/*/loss_log.db"), None)
+    if db is None:
+        return {}
+    out = read_log(db)
+    if not out["logged_steps"]:
+        return {}
     # UILogger's wall times are time.time() when each step was logged: the first one's, from
     # the launch, is the time to the first step done.
     times = read_log_times(db)
-    result["first_step_s"] = times[0] - started if times else None
-    return result, lora_tensors(folder / "output")
+    out["first_step_s"] = times[0] - started if times else None
+    return out
 
 
 def stubs_called(result: dict) -> list:

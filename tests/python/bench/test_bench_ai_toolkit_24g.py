@@ -4,13 +4,14 @@ writes, the figures it takes from a run), on the CPU; the bench itself runs ai-t
 from __future__ import annotations
 
 import json
+import sqlite3
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from tests.bench.aitk import report_24g, runs_24g
+from tests.bench.aitk import measure, report_24g, runs_24g
 from tests.bench.aitk.measure import RSS_FIELDS, Sampler
 
 pytestmark = pytest.mark.no_daemon
@@ -484,3 +485,34 @@ def test_a_finished_runs_saves_and_caches_are_dropped_its_logs_kept(tmp_path):
     assert runs_24g.drop_outputs(run) == 570
     left = sorted(str(p.relative_to(run)) for p in run.rglob("*") if p.is_file())
     assert left == ["data/a.jpg", "output/ws_24g_lora/loss_log.db", "trainer.log"]
+
+
+def write_loss_log(folder, steps):
+    """ai-toolkit's UILogger database (``toolkit/logging_aitk.py``'s tables) with ``steps``:
+    (step, wall time, loss)."""
+    db = folder / "output" / "ws_24g_lora" / "loss_log.db"
+    db.parent.mkdir(parents=True)
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE steps (step INTEGER PRIMARY KEY, wall_time REAL NOT NULL)")
+    con.execute(
+        "CREATE TABLE metrics (step INTEGER NOT NULL, key TEXT NOT NULL, value_real REAL, "
+        "value_text TEXT, PRIMARY KEY (step, key))"
+    )
+    for step, wall, loss in steps:
+        con.execute("INSERT INTO steps VALUES (?, ?)", (step, wall))
+        con.execute("INSERT INTO metrics VALUES (?, 'loss/loss', ?, NULL)", (step, loss))
+    con.commit()
+    con.close()
+
+
+def test_a_stopped_runs_logged_steps_are_read_too(tmp_path):
+    """A run stopped at its timeout after three steps of ~60 s: its gaps and its time to the
+    first step, which the figures give as s/step beside the timeout."""
+    assert measure.logged_steps(tmp_path, 1000.0) == {}
+    write_loss_log(tmp_path, [(0, 1160.0, 2.5), (1, 1221.0, 2.25), (2, 1285.5, 2.0)])
+    got = measure.logged_steps(tmp_path, 1000.0)
+    assert got["first_step_s"] == 160.0
+    assert got["step_gaps_s"] == [61.0, 64.5]
+    assert got["losses"] == [2.5, 2.25, 2.0]
+    figures = runs_24g.summarize({"rc": "timeout", **got})
+    assert (figures["s_per_step"], figures["steps_timed"]) == (64.5, 1)
