@@ -377,11 +377,11 @@ impl Client {
     /// exchange cut short, is [`ClientError::Unavailable`], as for the gRPC socket.
     pub(crate) async fn handoff<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&Path) -> Result<T, ClientError> + Send + 'static,
+        f: impl FnOnce(&ResolvedSocket) -> Result<T, ClientError> + Send + 'static,
     ) -> Result<T, ClientError> {
-        let path = handoff::handoff_path(&self.socket.path);
-        let socket = path.clone();
-        let result = tokio::task::spawn_blocking(move || f(&path))
+        let handoff = handoff::handoff_socket(&self.socket);
+        let socket = handoff.path.clone();
+        let result = tokio::task::spawn_blocking(move || f(&handoff))
             .await
             .map_err(|e| ClientError::Protocol(format!("the handoff task failed: {e}")))?;
         result.map_err(|e| match e {

@@ -28,6 +28,8 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
+use crate::socket::ResolvedSocket;
+
 /// The most fds one `SCM_RIGHTS` message can carry (the kernel's `SCM_MAX_FD`).
 pub const MAX_FDS: usize = 253;
 /// The longest line either side sends, `\n` included.
@@ -42,6 +44,20 @@ pub fn handoff_path(socket: &Path) -> PathBuf {
     let mut path = socket.as_os_str().to_owned();
     path.push(".fd");
     PathBuf::from(path)
+}
+
+/// The handoff socket of the daemon at `socket`, checked as that socket is: a found one's
+/// peer must be this user, root or the system socket's owner; a named one's may also be the
+/// owner of the socket file ([`ResolvedSocket::check_peer`]).
+///
+/// [`ResolvedSocket::check_peer`]: crate::socket::ResolvedSocket::check_peer
+pub fn handoff_socket(socket: &ResolvedSocket) -> ResolvedSocket {
+    let path = handoff_path(&socket.path);
+    ResolvedSocket {
+        tried: vec![path.clone()],
+        path,
+        explicit: socket.explicit,
+    }
 }
 
 /// True for a well-formed token or secret: 32 lowercase hex characters.
@@ -78,9 +94,9 @@ fn invalid(message: impl Into<String>) -> HandoffError {
 // --- client side -------------------------------------------------------------------------
 
 /// Passes 1 to 253 open files to the daemon listening at `socket`, its handoff socket
-/// ([`handoff_path`] of the gRPC socket); returns the token that names them in one later
+/// ([`handoff_socket`] of the gRPC socket); returns the token that names them in one later
 /// request (`LoadModelRequest.fd_token`).
-pub fn put_fds(socket: &Path, fds: &[BorrowedFd<'_>]) -> Result<String, HandoffError> {
+pub fn put_fds(socket: &ResolvedSocket, fds: &[BorrowedFd<'_>]) -> Result<String, HandoffError> {
     if fds.is_empty() || fds.len() > MAX_FDS {
         return Err(invalid(format!(
             "{} files: one handoff passes 1 to {MAX_FDS} (the kernel's limit per message)",
@@ -101,7 +117,7 @@ pub fn put_fds(socket: &Path, fds: &[BorrowedFd<'_>]) -> Result<String, HandoffE
 
 /// Fetches from the handoff socket `socket` the fd that `secret` names
 /// (`BeginUploadResponse.fd_secret`, `Region.fd_secret`) and the size of the region it holds.
-pub fn get_fd(socket: &Path, secret: &str) -> Result<(OwnedFd, u64), HandoffError> {
+pub fn get_fd(socket: &ResolvedSocket, secret: &str) -> Result<(OwnedFd, u64), HandoffError> {
     if !is_secret(secret) {
         return Err(invalid(format!(
             "fd_secret: {SECRET_LEN} lowercase hex characters expected, got {} characters",
@@ -152,10 +168,10 @@ fn wait_for_close(stream: &UnixStream, deadline: Instant) {
     }
 }
 
-fn connect(socket: &Path) -> Result<(UnixStream, Instant), HandoffError> {
+fn connect(socket: &ResolvedSocket) -> Result<(UnixStream, Instant), HandoffError> {
     let deadline = Instant::now() + TIMEOUT;
-    let stream = UnixStream::connect(socket).map_err(|source| HandoffError::Connect {
-        path: socket.to_path_buf(),
+    let stream = UnixStream::connect(&socket.path).map_err(|source| HandoffError::Connect {
+        path: socket.path.clone(),
         source,
     })?;
     check_daemon(socket, &stream)?;
@@ -164,22 +180,21 @@ fn connect(socket: &Path) -> Result<(UnixStream, Instant), HandoffError> {
 
 /// The handoff socket under the gRPC socket's rules: its directory, when it is the fallback
 /// one, as [`ResolvedSocket::check_dir`] says; its peer as [`ResolvedSocket::check_peer`] says
-/// of a socket the caller named (the caller, root, the system socket's owner, or the socket
-/// file's owner). Fds go out and come in here: never to or from a place another user made.
+/// of the gRPC socket, found or named ([`handoff_socket`]). Fds go out and come in here: never
+/// to or from a place another user made.
 ///
 /// [`ResolvedSocket::check_dir`]: crate::socket::ResolvedSocket::check_dir
 /// [`ResolvedSocket::check_peer`]: crate::socket::ResolvedSocket::check_peer
-fn check_daemon(socket: &Path, stream: &UnixStream) -> Result<(), HandoffError> {
+fn check_daemon(socket: &ResolvedSocket, stream: &UnixStream) -> Result<(), HandoffError> {
     let caller = rustix::process::getuid().as_raw();
-    let named = crate::socket::ResolvedSocket::explicit(socket);
-    let found = crate::socket::ResolvedSocket {
+    let found = ResolvedSocket {
         explicit: false,
-        ..named.clone()
+        ..socket.clone()
     };
     found.check_dir(caller).map_err(HandoffError::Invalid)?;
     let peer = crate::socket::peer_uid(stream).map_err(HandoffError::Io)?;
     let system = Path::new(crate::socket::SYSTEM_SOCKET);
-    (named.check_peer(peer, caller, system)).map_err(HandoffError::Invalid)
+    (socket.check_peer(peer, caller, system)).map_err(HandoffError::Invalid)
 }
 
 /// The text after `OK ` and the fds that came with it, or the daemon's `ERR` as an error.
@@ -494,9 +509,14 @@ mod tests {
     /// (so that a client that never connects fails its test instead of hanging it).
     fn serve<T: Send + 'static>(
         serve: impl FnOnce(UnixStream) -> T + Send + 'static,
-    ) -> (tempfile::TempDir, PathBuf, std::thread::JoinHandle<T>) {
+    ) -> (
+        tempfile::TempDir,
+        ResolvedSocket,
+        std::thread::JoinHandle<T>,
+    ) {
         let dir = tempfile::tempdir().unwrap();
-        let path = handoff_path(&dir.path().join("ws.sock"));
+        let socket = handoff_socket(&ResolvedSocket::explicit(dir.path().join("ws.sock")));
+        let path = socket.path.clone();
         let listener = UnixListener::bind(&path).unwrap();
         listener.set_nonblocking(true).unwrap();
         let server = std::thread::spawn(move || {
@@ -515,7 +535,23 @@ mod tests {
                 }
             }
         });
-        (dir, path, server)
+        (dir, socket, server)
+    }
+
+    #[test]
+    fn the_handoff_socket_is_checked_as_its_grpc_socket_is_found_or_named() {
+        let grpc = Path::new("/run/weightstream/weightstream.sock");
+        let found = ResolvedSocket {
+            path: grpc.to_path_buf(),
+            tried: vec![PathBuf::from("/tmp/a.sock"), grpc.to_path_buf()],
+            explicit: false,
+        };
+        let fd = Path::new("/run/weightstream/weightstream.sock.fd");
+        for (socket, named) in [(found, false), (ResolvedSocket::explicit(grpc), true)] {
+            let handoff = handoff_socket(&socket);
+            assert_eq!((handoff.path.as_path(), handoff.explicit), (fd, named));
+            assert_eq!(handoff.tried, [fd]);
+        }
     }
 
     #[test]
@@ -834,7 +870,7 @@ mod tests {
 
     #[test]
     fn client_checks_its_arguments_before_connecting() {
-        let nowhere = Path::new("/nonexistent/ws.sock.fd");
+        let nowhere = &ResolvedSocket::explicit("/nonexistent/ws.sock.fd");
         let file = File::open("/dev/null").unwrap();
         let too_many = vec![file.as_fd(); MAX_FDS + 1];
         let cases = [

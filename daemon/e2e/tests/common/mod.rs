@@ -24,7 +24,7 @@ use weightstream_client::handoff::{self, HandoffError};
 use weightstream_client::proto::client_message::Msg;
 use weightstream_client::proto::server_message::Msg as Reply;
 use weightstream_client::proto::weight_stream_client::WeightStreamClient;
-use weightstream_client::{Acquired, Client, Session, proto};
+use weightstream_client::{Acquired, Client, ResolvedSocket, Session, proto};
 use weightstream_daemon::config::{BackendChoice, ConfigFile};
 use weightstream_daemon::core::Daemon;
 use weightstream_daemon::server::{self, ServeError, ServerHandle, StopReport};
@@ -486,20 +486,25 @@ pub fn fd_secret(region: &proto::Region) -> &str {
     }
 }
 
+/// The handoff socket of the daemon at `socket`, a socket the test named.
+fn named_handoff(socket: &Path) -> ResolvedSocket {
+    handoff::handoff_socket(&ResolvedSocket::explicit(socket))
+}
+
 /// `GET <secret>` on the handoff socket of `socket`, off the runtime (it blocks).
 pub async fn fetch_fd(socket: &Path, secret: &str) -> Result<(OwnedFd, u64), HandoffError> {
-    let (path, secret) = (handoff::handoff_path(socket), secret.to_string());
-    tokio::task::spawn_blocking(move || handoff::get_fd(&path, &secret))
+    let (handoff, secret) = (named_handoff(socket), secret.to_string());
+    tokio::task::spawn_blocking(move || handoff::get_fd(&handoff, &secret))
         .await
         .expect("handoff task")
 }
 
 /// `PUT` of `files` on the handoff socket of `socket`; the token.
 pub async fn put_files(socket: &Path, files: Vec<std::fs::File>) -> Result<String, HandoffError> {
-    let path = handoff::handoff_path(socket);
+    let handoff = named_handoff(socket);
     tokio::task::spawn_blocking(move || {
         let fds: Vec<_> = files.iter().map(|f| f.as_fd()).collect();
-        handoff::put_fds(&path, &fds)
+        handoff::put_fds(&handoff, &fds)
     })
     .await
     .expect("handoff task")
