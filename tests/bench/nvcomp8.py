@@ -1,0 +1,205 @@
+"""Benchmark (GPU): nvCOMP's lossless codecs on the daemon's 8-bit weights, on the device: the
+bytes each saves and how fast the device decodes them, against the link they would spare
+(issue #50's compression: "≥ 30 % fewer bytes per step on FLUX.2 8-bit, and a faster step
+wherever the link binds"). ``entropy8.py`` bounds what an order-0 coder can save on the CPU;
+this measures what nvCOMP (``nvidia-nvcomp-cu13``, its Python API) does: per 8-bit format the
+quantizers make (``fp8_e4m3_block64``, the per-row fp8 and int8 of 8-bit compute) and per
+codec (``ANS`` on bytes, ``ANS`` told the codes are FP8 E4M3 (``data_type="|f1"``) for the
+fp8 formats, ``Bitcomp``, ``GDeflate``, ``Zstd``), the codes compressed once on the device,
+then decoded ``--repeat`` times on torch's stream, timed with CUDA events, and checked equal
+byte for byte. The scales stay as they are.
+
+Weights: ``entropy8.py``'s (seeded Gaussian and Student-t weights of a FLUX-sized linear, or
+the 2-D tensors of ``--safetensors`` files). On the GPU machine, the two wheels carried in
+``--wheels`` (``nvidia-nvcomp-cu13`` and ``nvidia-libnvcomp-cu13``, 34 MB together):
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/nvc .nvc/*.whl
+    PYTHONPATH=/tmp/nvc:client-py/src python3 -m tests.bench.nvcomp8 --out $OUT
+
+Results: $OUT/nvcomp8.json and nvcomp8.md, with the command, the commit and the device. A codec
+that fails is reported with its error and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from tests.bench import entropy8
+from tests.bench.provenance import command, commit
+
+#: Codec label -> ``nvcomp.Codec`` keyword arguments (the algorithm, and its options).
+CODECS = {
+    "ANS": {"algorithm": "ANS"},
+    "ANS fp8": {"algorithm": "ANS", "data_type": "|f1"},
+    "Bitcomp": {"algorithm": "Bitcomp"},
+    "GDeflate": {"algorithm": "GDeflate"},
+    "Zstd": {"algorithm": "Zstd"},
+}
+#: The link the decoded bytes would otherwise cross (a 4090's PCIe Gen4 x16).
+LINK_GBPS = 25.0
+
+
+def applies(label: str, fmt: str) -> bool:
+    """``ANS fp8`` codes FP8 E4M3 only."""
+    return label != "ANS fp8" or fmt.startswith("fp8")
+
+
+def nbytes(array) -> int:
+    """The bytes of an nvCOMP ``Array`` (its buffer, else its DLPack view's)."""
+    size = getattr(array, "buffer_size", None)
+    if isinstance(size, int):
+        return size
+    import torch
+
+    t = torch.from_dlpack(array)
+    return t.numel() * t.element_size()
+
+
+def run_codec(codes, options: dict, repeat: int, nvcomp) -> dict:
+    """``codes`` (a uint8 CUDA tensor) compressed once and decoded ``repeat`` times on torch's
+    current stream: the compressed bytes, the seconds to encode, the median seconds to decode,
+    and whether every decode equals ``codes``."""
+    import torch
+
+    stream = torch.cuda.current_stream().cuda_stream
+    codec = nvcomp.Codec(cuda_stream=stream, **options)
+    source = nvcomp.as_array(codes, cuda_stream=stream)
+
+    def timed(fn):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return out, begin.elapsed_time(end) / 1e3
+
+    encoded, encode_s = timed(lambda: codec.encode(source))
+    decodes, equal = [], True
+    for _ in range(repeat):
+        decoded, seconds = timed(lambda: codec.decode(encoded))
+        decodes.append(seconds)
+        got = torch.from_dlpack(decoded).reshape(-1).view(torch.uint8)
+        equal = equal and torch.equal(got, codes.reshape(-1))
+    decodes.sort()
+    return {
+        "compressed_bytes": nbytes(encoded),
+        "encode_s": encode_s,
+        "decode_s": decodes[len(decodes) // 2],
+        "equal": equal,
+    }
+
+
+def measure(name: str, w, codecs: dict, repeat: int, run=run_codec, nvcomp=None) -> list[dict]:
+    """Rows of one weight: per format and codec, the bytes stored (codes and scales), the
+    bytes after coding the codes, the share saved, and the decode speed next to the link."""
+    rows = []
+    for fmt, (codes, scale_bytes) in entropy8.formats(w).items():
+        stored = codes.numel() + scale_bytes
+        on_device = codes.to("cuda") if run is run_codec else codes
+        for label, options in codecs.items():
+            if not applies(label, fmt):
+                continue
+            row = {"weights": name, "format": fmt, "codec": label, "bytes": stored}
+            try:
+                got = run(on_device, options, repeat, nvcomp)
+            except Exception as e:  # a codec the library or the data refuses: said, not fatal
+                rows.append({**row, "error": f"{type(e).__name__}: {e}"})
+                continue
+            coded = got["compressed_bytes"] + scale_bytes
+            decode_gbps = codes.numel() / got["decode_s"] / 1e9 if got["decode_s"] else None
+            rows.append(
+                {
+                    **row,
+                    **got,
+                    "coded_bytes": coded,
+                    "saved": 1 - coded / stored,
+                    "decode_gbps": decode_gbps,
+                    # The link time the saving spares, over the decode time it costs.
+                    "spared_over_decode": (
+                        (stored - coded) / (LINK_GBPS * 1e9) / got["decode_s"]
+                        if got["decode_s"]
+                        else None
+                    ),
+                }
+            )
+    return rows
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# nvCOMP on the 8-bit formats, on the device",
+        "",
+        f"- command: `{report['command']}`",
+        f"- commit: {report['commit']}; device: {report['device']}; nvCOMP {report['nvcomp']}",
+        f"- each format's codes compressed once and decoded {report['repeat']} times (the "
+        "median); scales stored as they are; spared / decode: the link time the saving spares "
+        f"at {LINK_GBPS:g} GB/s over the time the decode takes (above 1: a faster copy where "
+        "the link binds, if the decode overlaps nothing else)",
+        "",
+        "| weights | format | codec | saved | decode GB/s | spared / decode | equal |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in report["rows"]:
+        head = f"| {r['weights']} | {r['format']} | {r['codec']} |"
+        if "error" in r:
+            lines.append(f"{head} {r['error'][:80]} | - | - | - |")
+            continue
+        gbps = f"{r['decode_gbps']:.1f}" if r["decode_gbps"] else "-"
+        ratio = f"{r['spared_over_decode']:.2f}" if r["spared_over_decode"] is not None else "-"
+        lines.append(
+            f"{head} {100 * r['saved']:.1f} % | {gbps} | {ratio} | "
+            f"{'yes' if r['equal'] else '**no**'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m tests.bench.nvcomp8")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-nvcomp8"))
+    p.add_argument("--safetensors", nargs="*", default=[], help="real weights' files")
+    p.add_argument("--codecs", default=",".join(CODECS), help="of " + ", ".join(CODECS))
+    p.add_argument("--repeat", type=int, default=9)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    unknown = [c for c in args.codecs.split(",") if c not in CODECS]
+    if unknown:
+        p.error(f"--codecs: {', '.join(unknown)} unknown; known: {', '.join(CODECS)}")
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("nvcomp8 runs on a CUDA device (entropy8.py is the CPU's bound)")
+    try:
+        from nvidia import nvcomp
+    except ImportError:
+        p.error(
+            "nvCOMP's Python API is missing: pip install nvidia-nvcomp-cu13 (or --target DIR "
+            "of the carried wheels, on PYTHONPATH)"
+        )
+    codecs = {c: CODECS[c] for c in args.codecs.split(",")}
+    weights = entropy8.from_files(args.safetensors) if args.safetensors else entropy8.synthetic()
+    rows = [
+        row
+        for name, w in weights.items()
+        for row in measure(name, w, codecs, args.repeat, nvcomp=nvcomp)
+    ]
+    report = {
+        "command": command(),
+        "commit": commit(),
+        "device": torch.cuda.get_device_name(),
+        "nvcomp": getattr(nvcomp, "__version__", "unknown"),
+        "repeat": args.repeat,
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "nvcomp8.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "nvcomp8.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""tests/bench/nvcomp8.py's rows and report on the CPU, a fake codec standing for nvCOMP (the
+codecs themselves run on the GPU machine only)."""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from tests.bench import nvcomp8
+
+W = torch.randn(64, 128, generator=torch.Generator().manual_seed(0)) * 0.02
+
+
+def deflate(codes, options, repeat, nvcomp):
+    """Stands for ``run_codec``: zlib's bytes, 1 µs a decode; Bitcomp refused."""
+    if options["algorithm"] == "Bitcomp":
+        raise RuntimeError("unsupported data type")
+    packed = zlib.compress(codes.numpy().tobytes(), 9)
+    assert codes.dtype == torch.uint8 and repeat == 3 and nvcomp is None
+    return {"compressed_bytes": len(packed), "encode_s": 0.002, "decode_s": 1e-6, "equal": True}
+
+
+def test_each_format_gets_each_codec_fp8_coding_for_the_fp8_formats_only():
+    rows = nvcomp8.measure("w", W, nvcomp8.CODECS, 3, run=deflate)
+    got = [(r["format"], r["codec"]) for r in rows]
+    assert got == [
+        (fmt, codec)
+        for fmt in ("fp8_e4m3_block64", "fp8_row", "int8_row")
+        for codec in nvcomp8.CODECS
+        if codec != "ANS fp8" or fmt != "int8_row"
+    ]
+    row = next(r for r in rows if (r["format"], r["codec"]) == ("fp8_row", "ANS"))
+    codes = 64 * 128
+    scales = 64 * 4
+    packed = len(zlib.compress(row_codes("fp8_row").numpy().tobytes(), 9))
+    assert row["bytes"] == codes + scales
+    assert row["coded_bytes"] == packed + scales
+    assert row["saved"] == 1 - (packed + scales) / (codes + scales)
+    assert row["decode_gbps"] == codes / 1e-6 / 1e9
+    assert row["spared_over_decode"] == (codes - packed) / 25e9 / 1e-6
+    refused = next(r for r in rows if r["codec"] == "Bitcomp")
+    assert refused["error"] == "RuntimeError: unsupported data type"
+    assert "saved" not in refused
+
+
+def row_codes(fmt):
+    return nvcomp8.entropy8.formats(W)[fmt][0]
+
+
+def test_the_report_gives_each_row_and_each_error():
+    rows = nvcomp8.measure("w", W, {"ANS": nvcomp8.CODECS["ANS"]}, 3, run=deflate)
+    rows.append({"weights": "w", "format": "int8_row", "codec": "Bitcomp", "error": "E: x"})
+    report = {
+        "command": "cmd",
+        "commit": "abc",
+        "device": "H100",
+        "nvcomp": "6.0.0",
+        "repeat": 3,
+        "rows": rows,
+    }
+    md = nvcomp8.markdown(report)
+    r = rows[0]
+    assert (
+        f"| w | fp8_e4m3_block64 | ANS | {100 * r['saved']:.1f} % | 8.2 | "
+        f"{r['spared_over_decode']:.2f} | yes |"
+    ) in md
+    assert "| w | int8_row | Bitcomp | E: x | - | - | - |" in md
+    assert "- commit: abc; device: H100; nvCOMP 6.0.0" in md
