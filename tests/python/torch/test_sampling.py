@@ -632,6 +632,7 @@ def test_the_idle_segments_are_given_back_and_made_again_on_their_streams(monkey
             segment(2 << 20, small=True),
             segment(40 << 20, active=512),  # a tensor lives there: it stays
             segment(30 << 20, device=1),
+            segment(8 << 20, segment_pool_id=(1, 0)),  # a CUDA graph's pool
         ],
     )
     device = torch.device("cuda", 0)

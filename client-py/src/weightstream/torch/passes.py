@@ -492,7 +492,8 @@ def _give_back(device) -> list[tuple[int, int, bool]] | None:
 
 def _idle_segments(device) -> list[tuple[int, int, bool]] | None:
     """The device's segments (cudaMalloc'd blocks) of torch's allocator in which no tensor
-    lives: what ``empty_cache`` frees."""
+    lives: what ``empty_cache`` frees; of its default pool (a CUDA graph's private pool is
+    made again by its graph, not here)."""
     import torch
 
     if torch.cuda.memory.get_allocator_backend() != "native":
@@ -508,7 +509,7 @@ def _idle_segments(device) -> list[tuple[int, int, bool]] | None:
     return [
         (s["total_size"], s["stream"], s["segment_type"] == "small")
         for s in segments
-        if s["active_size"] == 0
+        if s["active_size"] == 0 and tuple(s.get("segment_pool_id", (0, 0))) == (0, 0)
     ]
 
 
