@@ -492,8 +492,8 @@ def _give_back(device) -> list[tuple[int, int, bool]] | None:
 
 def _idle_segments(device) -> list[tuple[int, int, bool]] | None:
     """The device's segments (cudaMalloc'd blocks) of torch's allocator in which no tensor
-    lives: what ``empty_cache`` frees; of its default pool (a CUDA graph's private pool is
-    made again by its graph, not here)."""
+    lives, of its default pool: what ``empty_cache`` frees (a CUDA graph's private pool keeps
+    its segments)."""
     import torch
 
     if torch.cuda.memory.get_allocator_backend() != "native":
