@@ -21,14 +21,13 @@ Results: $OUT/entropy8.json and entropy8.md, with the command and the commit.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import zlib
 from pathlib import Path
 
-from tests.bench.provenance import command, commit
+from tests.bench.provenance import command, commit, write_report
 
 #: nvCOMP's batched APIs' default chunk (64 KiB).
 CHUNK = 64 << 10
@@ -127,6 +126,11 @@ def from_files(paths: list[str]) -> dict:
     return out
 
 
+def weights(paths: list[str]) -> dict:
+    """The 2-D tensors of the safetensors files ``paths``, else the seeded random ones."""
+    return from_files(paths) if paths else synthetic()
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# How far lossless coding could shrink the 8-bit formats (CPU)",
@@ -147,19 +151,21 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m tests.bench.entropy8")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-entropy8"))
+def parser(name: str) -> argparse.ArgumentParser:
+    """The arguments of this bench and of those that measure its weights: ``--out`` (``$OUT``
+    by default) and ``--safetensors`` (``weights``)."""
+    p = argparse.ArgumentParser(prog=f"python3 -m tests.bench.{name}")
+    p.add_argument("--out", default=os.environ.get("OUT", f"/tmp/ws-{name}"))
     p.add_argument("--safetensors", nargs="*", default=[], help="real weights' files")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser("entropy8")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    weights = from_files(args.safetensors) if args.safetensors else synthetic()
-    rows = [row for name, w in weights.items() for row in measure(name, w)]
+    rows = [row for name, w in weights(args.safetensors).items() for row in measure(name, w)]
     report = {"command": command(), "commit": commit(), "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "entropy8.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "entropy8.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, "entropy8", report, markdown(report))
     return 0
 
 

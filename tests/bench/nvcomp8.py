@@ -22,14 +22,10 @@ that fails is reported with its error and the others still run.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-from pathlib import Path
 
 from tests.bench import entropy8
-from tests.bench.provenance import command, commit
+from tests.bench.provenance import command, commit, write_report
 
 #: Codec label -> ``nvcomp.Codec`` keyword arguments (the algorithm, and its options).
 CODECS = {
@@ -158,9 +154,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m tests.bench.nvcomp8")
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/ws-nvcomp8"))
-    p.add_argument("--safetensors", nargs="*", default=[], help="real weights' files")
+    p = entropy8.parser("nvcomp8")
     p.add_argument("--codecs", default=",".join(CODECS), help="of " + ", ".join(CODECS))
     p.add_argument("--repeat", type=int, default=9)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -179,10 +173,9 @@ def main(argv=None) -> int:
             "of the carried wheels, on PYTHONPATH)"
         )
     codecs = {c: CODECS[c] for c in args.codecs.split(",")}
-    weights = entropy8.from_files(args.safetensors) if args.safetensors else entropy8.synthetic()
     rows = [
         row
-        for name, w in weights.items()
+        for name, w in entropy8.weights(args.safetensors).items()
         for row in measure(name, w, codecs, args.repeat, nvcomp=nvcomp)
     ]
     report = {
@@ -193,11 +186,7 @@ def main(argv=None) -> int:
         "repeat": args.repeat,
         "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "nvcomp8.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "nvcomp8.md").write_text(markdown(report))
-    print(markdown(report))
+    write_report(args.out, "nvcomp8", report, markdown(report))
     return 0
 
 

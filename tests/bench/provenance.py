@@ -31,3 +31,15 @@ def command() -> str:
     except ValueError:
         return "python3 " + " ".join(sys.argv)
     return " ".join(["python3", "-m", module, *sys.argv[1:]])
+
+
+def write_report(out: str | Path, stem: str, report: dict, markdown: str) -> None:
+    """``report`` as ``OUT/STEM.json`` and ``markdown`` as ``OUT/STEM.md`` (the folder made),
+    the Markdown printed too."""
+    import json
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown)
+    print(markdown)
