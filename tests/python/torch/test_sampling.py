@@ -653,7 +653,7 @@ def test_making_segments_again_stops_where_the_device_has_less_free(monkeypatch)
     assert alloc.asked == [(64 << 20, 0)]
 
 
-def test_an_allocator_that_maps_memory_as_it_grows_is_left_alone(monkeypatch):
+def test_an_allocator_that_maps_memory_as_it_grows_gives_back_but_is_not_remade(monkeypatch):
     alloc = Allocator(monkeypatch, [segment(64 << 20, is_expandable=True)])
     assert ws_passes._give_back(torch.device("cuda", 0)) is None
     assert alloc.emptied == 1
