@@ -150,6 +150,8 @@ def sampling_phase(
         "bytes_per_pass": streamed,
         "enter_s": enter_s,
         "exit_s": exit_s,
+        # The trainer's idle segments given back for the passes and made again after them.
+        "segments": {k: v for k, v in handle.stats().items() if k.startswith("sampling_segm")},
     }
     if moved is not None and n > 1:
         record["link"] = link_use(moved, seconds)
@@ -434,9 +436,17 @@ def markdown(report: dict) -> str:
     for phase in ("before", "after"):
         rec = res.get("weightstream", {}).get(phase, {})
         if rec.get("enter_s") is not None:
+            seg = rec.get("segments") or {}
+            made = (
+                f"; the trainer's idle segments: {seg['sampling_segments_given']} given back, "
+                f"{seg['sampling_segments_made']} made again "
+                f"({seg['sampling_segments_made_bytes'] / 2**30:.2f} GiB)"
+                if seg
+                else ""
+            )
             lines.append(
                 f"- {phase} training, `sampling()` began in {rec['enter_s']:.3f} s and ended in "
-                f"{rec['exit_s']:.3f} s (at a sampling budget: the session opened again)"
+                f"{rec['exit_s']:.3f} s (at a sampling budget: the session opened again){made}"
             )
     steps = res.get("weightstream", {}).get("train_step_s")
     if steps:

@@ -45,6 +45,11 @@ def test_the_phases_count_each_kind_of_pass(daemon):
     assert (step["train_acquires"], step["train_hits"], step["train_passes"]) == (15, 14, 1)
     assert record["train_step_device_allocs"] == [2, 2, 2, 2]
     assert record["before"]["enter_s"] >= 0 and record["after"]["exit_s"] >= 0
+    assert record["after"]["segments"] == {  # on the CPU nothing is given back
+        "sampling_segments_given": 0,
+        "sampling_segments_made": 0,
+        "sampling_segments_made_bytes": 0,
+    }
     assert len(record["train_step_s"]) == 4 and len(record["before"]["pass_s"]) == 4
     assert record["before"]["back_to_back_s"] > 0
     assert sampling.streamed_bytes_per_pass(handle) == 8 * 132352
@@ -119,7 +124,17 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
                 "back_to_back_s": 1.1,
                 "link": {"gb_per_s": 23.61, "throttled_share": 0.812, "busy_share": 0.953},
             },
-            "after": {"first_pass_s": 1.1, "median_s": 1.0, "enter_s": 0.7, "exit_s": 0.4},
+            "after": {
+                "first_pass_s": 1.1,
+                "median_s": 1.0,
+                "enter_s": 0.7,
+                "exit_s": 0.4,
+                "segments": {
+                    "sampling_segments_given": 124,
+                    "sampling_segments_made": 124,
+                    "sampling_segments_made_bytes": 3 << 30,
+                },
+            },
             "train_step_s": [3.0, 2.0, 2.1, 2.05],
             "train_step_device_allocs": [9, 0, 4, 0],
             "train_counters_step_before": {"train_gpu_wait_ns": 250_000_000},
@@ -146,7 +161,8 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
     assert "| weightstream | after training | 1.100 | 1.000 | 2.00 | 1.00 | - | - | - |" in md
     assert (
         "- after training, `sampling()` began in 0.700 s and ended in 0.400 s (at a sampling "
-        "budget: the session opened again)"
+        "budget: the session opened again); the trainer's idle segments: 124 given back, 124 "
+        "made again (3.00 GiB)"
     ) in md
     assert (
         "Training step before / after sampling: 2.000 / 2.100 s (the next: 2.050 s); the "

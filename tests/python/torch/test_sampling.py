@@ -562,11 +562,13 @@ def test_the_trainer_gives_its_idle_segments_up_to_grow_and_makes_them_again_aft
         return given
 
     monkeypatch.setattr(ws_passes, "_give_back", give_back)
-    monkeypatch.setattr(
-        ws_passes,
-        "_restore_segments",
-        lambda device, segments: events.append(("restore", segments, handle.vram_budget)),
-    )
+
+    def restore(device, segments):
+        events.append(("restore", segments, handle.vram_budget))
+        return 1, 20 << 20
+
+    monkeypatch.setattr(ws_passes, "_restore_segments", restore)
+    assert handle.stats()["sampling_segments_given"] == 0
     with handle.sampling():
         events.append(("passes", handle.vram_budget))
     assert events == [
@@ -574,6 +576,9 @@ def test_the_trainer_gives_its_idle_segments_up_to_grow_and_makes_them_again_aft
         ("passes", 8 * BLOCK_BYTES),
         ("restore", given, 3 * BLOCK_BYTES),
     ]
+    stats = handle.stats()
+    got = [stats[f"sampling_segments_{k}"] for k in ("given", "made", "made_bytes")]
+    assert got == [1, 1, 20 << 20]
     handle.detach(release=True)
 
 
@@ -639,17 +644,17 @@ def test_the_idle_segments_are_given_back_and_made_again_on_their_streams(monkey
     given = ws_passes._give_back(device)
     assert given == [(64 << 20, 0, False), (20 << 20, 7, False), (2 << 20, 0, True)]
     assert alloc.emptied == 1
-    assert ws_passes._restore_segments(device, given) == 86 << 20
+    assert ws_passes._restore_segments(device, given) == (3, 86 << 20)
     assert alloc.emptied == 2, "sampling's own cached blocks first"
     assert alloc.asked == [(64 << 20, 0), (20 << 20, 7), (1 << 20, 0), (1 << 20, 0)]
     assert ws_passes._give_back(torch.device("cpu")) is None
-    assert ws_passes._restore_segments(device, None) == 0
+    assert ws_passes._restore_segments(device, None) == (0, 0)
 
 
 def test_making_segments_again_stops_where_the_device_has_less_free(monkeypatch):
     alloc = Allocator(monkeypatch, room=80 << 20)
     given = [(64 << 20, 0, False), (20 << 20, 0, False), (2 << 20, 0, True)]
-    assert ws_passes._restore_segments(torch.device("cuda", 0), given) == 64 << 20
+    assert ws_passes._restore_segments(torch.device("cuda", 0), given) == (1, 64 << 20)
     assert alloc.asked == [(64 << 20, 0)]
 
 

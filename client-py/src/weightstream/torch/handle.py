@@ -587,7 +587,7 @@ class Handle:
         (under ``no_grad``) and training passes apart (``passes``): ``train_*`` and
         ``sample_*`` (``KindCounters``: acquires, hits, hit rate, acquires off the plan,
         passes, and the waits above while that kind's plan was in force), ``pass_kind``, and
-        the forward plan's ``forward_plan_length`` and ``forward_plan_recorded``;
+        ``forward_plan_length``/``_recorded``, ``sampling()``'s ``sampling_segments_*``;
         ``packed_formats``, each packed format streamed (``packed``) -> its layers, bytes, bytes
         and bits per weight (``packed.summary``)."""
         out = {} if self._auto is None else self._auto.stats()

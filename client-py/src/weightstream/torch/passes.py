@@ -144,6 +144,8 @@ class Passes:
         #: Thread id -> [kind, depth] of the attached module's forwards running in it.
         self._running: dict[int, list] = {}
         self._lock = threading.Lock()
+        #: The last ``sampling()`` block's trainer segments: given back, made again, their bytes.
+        self.segments = {"given": 0, "made": 0, "made_bytes": 0}
 
     def begin(self, kind: str, session):
         """``kind``'s plan comes in force; the daemon counts the session's next acquires, their
@@ -228,6 +230,7 @@ class Passes:
             out.update(self.auto.stats())
         out["forward_plan_length"] = len(self.forward)
         out["forward_plan_recorded"] = self._recorder is None
+        out.update({f"sampling_segments_{k}": v for k, v in self.segments.items()})
         return out
 
     # --- threads ------------------------------------------------------------------------
@@ -469,7 +472,12 @@ def sampling(handle):
         finally:
             if grow:
                 handle.set_budget(old_budget, old_staging, keep_plan=True)
-            _restore_segments(handle.device, given)
+            made, made_bytes = _restore_segments(handle.device, given)
+            handle._passes.segments = {
+                "given": len(given or ()),
+                "made": made,
+                "made_bytes": made_bytes,
+            }
 
 
 #: The small pool's largest block: two fill one of its 2 MiB segments.
@@ -513,18 +521,19 @@ def _idle_segments(device) -> list[tuple[int, int, bool]] | None:
     ]
 
 
-def _restore_segments(device, segments) -> int:
+def _restore_segments(device, segments) -> tuple[int, int]:
     """The segments ``_give_back`` gave made again, of the same sizes on the same streams,
     once sampling's own cached blocks are given back: the trainer's allocator is as the
     training step before sampling left it, and the step after allocates nothing anew (on
-    FLUX.2-dev it allocated 124 blocks again, one step 2.6 % slower). Returns the bytes made;
-    it stops at an allocation that fails (less is free now): the step allocates the rest."""
+    FLUX.2-dev it allocated 124 blocks again, one step 2.6 % slower). Returns the segments and
+    bytes made; it stops at an allocation that fails (less is free now): the step allocates
+    the rest."""
     if not segments:
-        return 0
+        return 0, 0
     import torch
 
     torch.cuda.empty_cache()
-    held, made = [], 0
+    held, made, count = [], 0, 0
     try:
         for size, stream, small in segments:
             with torch.cuda.stream(_stream_of(device, stream)):
@@ -535,12 +544,12 @@ def _restore_segments(device, segments) -> int:
                     ]
                 else:
                     held.append(torch.empty(size, dtype=torch.uint8, device=device))
-            made += size
+            made, count = made + size, count + 1
     except torch.OutOfMemoryError:
         pass
     finally:
         del held  # each block back to its stream's pool, cached
-    return made
+    return count, made
 
 
 def _stream_of(device, pointer: int):
