@@ -57,6 +57,35 @@ def test_a_streamed_pipeline_generates_the_same_image(daemon):
     handles["transformer"].detach(release=True)
 
 
+def sixteen_blocks() -> StandInPipeline:
+    pipe = StandInPipeline()
+    torch.manual_seed(1)
+    net = pipe.transformer
+    net.blocks.extend(type(net.blocks[0])() for _ in range(8))
+    net.order = list(range(16))
+    net.requires_grad_(False)
+    return pipe
+
+
+def test_a_streamed_denoiser_stages_three_blocks_and_keeps_the_rest_resident(daemon):
+    """16 blocks at a budget of 14: the daemon's default for training stages a quarter (3.5
+    blocks: 10 resident); forward-only passes stage three (the sampling staging), so 11 stay
+    resident and 5 stream a step; the image the same."""
+    ref, pipe = sixteen_blocks(), sixteen_blocks()
+    handles = generate.stream_components(
+        pipe, None, "cpu", vram_budget=14 * BLOCK, client=daemon.client, min_bytes=0
+    )
+    handle = handles["transformer"]
+    assert handle.session.opened.staging_bytes == 3 * BLOCK
+    assert [g.resident for g in handle.session.groups].count(True) == 11
+    want = generate.generate(ref, {}, "a prompt", 6, 64, seed=3)
+    got = generate.generate(pipe, handles, "a prompt", 6, 64, seed=3)
+    assert torch.equal(got, want)
+    s = handle.stats()
+    assert (s["sample_passes"], s["sample_acquires"], s["sample_hits"]) == (6, 30, 29)
+    handle.detach(release=True)
+
+
 def test_a_component_the_pipeline_lacks_is_named(daemon):
     with pytest.raises(ValueError) as raised:
         generate.stream_components(StandInPipeline(), ["unet"], "cpu", client=daemon.client)

@@ -662,3 +662,23 @@ def test_an_allocator_that_maps_memory_as_it_grows_gives_back_but_is_not_remade(
     alloc = Allocator(monkeypatch, [segment(64 << 20, is_expandable=True)])
     assert ws_passes._give_back(torch.device("cuda", 0)) is None
     assert alloc.emptied == 1
+
+
+def test_a_budget_shrunk_before_the_first_sampling_pass_streams_along_the_forward_plan(daemon):
+    """The forward plan before any sampling pass is the module order of every group, those
+    resident at attach too: a session opened again at a smaller budget streams them, and
+    they are on the plan (they were off it, served on demand)."""
+    torch.manual_seed(0)
+    ref = Net()
+    for name, p in ref.named_parameters():
+        p.requires_grad = "lora" in name
+    model = copy.deepcopy(ref)
+    handle = wst.attach(
+        model, "cpu", client=daemon.client, min_bytes=0, vram_budget=6 * BLOCK_BYTES
+    )
+    assert [g.resident for g in handle.session.groups].count(True) == 3
+    handle.set_budget(3 * BLOCK_BYTES, keep_plan=True)
+    assert not any(g.resident for g in handle.session.groups)
+    sample(ref, model, 5)
+    assert counts(handle, "sample") == (40, 39, 0)
+    handle.detach(release=True)

@@ -176,9 +176,8 @@ class Handle:
     _compute: compute_plan.Plan = field(default_factory=compute_plan.Plan)
 
     def __post_init__(self):
-        if self._passes is None:
-            groups = self.session.groups
-            self._passes = passes.Passes([g for g, x in enumerate(groups) if not x.resident])
+        if self._passes is None:  # the module order, resident groups too: a budget may change
+            self._passes = passes.Passes(list(range(len(self.session.groups))))
 
     # --- used by the streamed layers ----------------------------------------------------
 
