@@ -4,11 +4,12 @@ A *training* pass (grad enabled) follows the training plan: the first step's acq
 (forward, recompute, backward; ``policy.PlanRecorder``). A *sampling* pass (under ``no_grad``
 or ``inference_mode``: a trainer's samples, or inference) follows the *forward plan*: before
 any such pass completes, the groups in the order their layers are registered (what a forward
-of most models walks; resident ones too, which a later budget may stream), then the first sampling pass as it ran (it ends when its first
-group is acquired again; the groups resident in its session, which it did not acquire, keep
-their places). Both plans are cyclic: the lookahead wraps from the last group to
-the first, so consecutive denoising steps (and classifier-free guidance's two passes, or its
-batch of two) stream without a miss. Sampling passes are never recorded into the training plan.
+of most models walks; resident ones too, which a later budget may stream), then the first
+sampling pass as it ran (it ends when its first group is acquired again; the groups resident
+in its session, which it did not acquire, keep their places). Both plans are cyclic: the
+lookahead wraps from the last group to the first, so consecutive denoising steps (and
+classifier-free guidance's two passes, or its batch of two) stream without a miss. Sampling
+passes are never recorded into the training plan.
 
 ``Passes`` keeps both plans, says which one is in force (the client's ``policy.Lookahead``
 and the daemon's plan follow one at a time), and counts per kind: acquires, hits (the reply
