@@ -52,12 +52,17 @@ class Net(nn.Module):
 BLOCK_BYTES = 132352
 
 
-def make_pair(daemon, **options):
+def make_models():
+    """The reference and the model to stream: the same weights, the LoRA layers trainable."""
     torch.manual_seed(0)
     ref = Net()
     for name, p in ref.named_parameters():
         p.requires_grad = "lora" in name
-    model = copy.deepcopy(ref)
+    return ref, copy.deepcopy(ref)
+
+
+def make_pair(daemon, **options):
+    ref, model = make_models()
     handle = wst.attach(
         model, "cpu", client=daemon.client, min_bytes=0, vram_budget=3 * BLOCK_BYTES, **options
     )
@@ -668,11 +673,7 @@ def test_a_budget_shrunk_before_the_first_sampling_pass_streams_along_the_forwar
     """The forward plan before any sampling pass is the module order of every group, those
     resident at attach too: a session opened again at a smaller budget streams them, and
     they are on the plan (they were off it, served on demand)."""
-    torch.manual_seed(0)
-    ref = Net()
-    for name, p in ref.named_parameters():
-        p.requires_grad = "lora" in name
-    model = copy.deepcopy(ref)
+    ref, model = make_models()
     handle = wst.attach(
         model, "cpu", client=daemon.client, min_bytes=0, vram_budget=6 * BLOCK_BYTES
     )
