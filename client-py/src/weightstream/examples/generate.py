@@ -27,7 +27,6 @@ from torch import nn
 import weightstream
 import weightstream.torch as wst
 from weightstream.sizes import parse_size
-from weightstream.torch.passes import sample_staging
 
 #: The pipeline components that stream by default: the denoiser, whichever the pipeline has.
 DENOISERS = ("transformer", "unet")
@@ -79,15 +78,16 @@ def stream_components(
         module = components[name].requires_grad_(False)
         files = model_files.get(name)
         model = client.load_model(files).model_id if files else model_ids.get(name)
-        handle = wst.attach(
-            module, device, vram_budget=vram_budget, client=client, model=model, **options
+        staging = "forward" if isinstance(vram_budget, int) else 0  # every pass forward-only
+        handles[name] = wst.attach(
+            module,
+            device,
+            vram_budget=vram_budget,
+            staging_bytes=staging,
+            client=client,
+            model=model,
+            **options,
         )
-        staging = sample_staging(handle, handle.vram_budget)
-        if isinstance(vram_budget, int) and staging < handle.session.opened.staging_bytes:
-            # Forward-only passes need the link a few groups ahead: what staging does not
-            # need stays resident, and every pass streams that much less.
-            handle.set_budget(handle.vram_budget, staging)
-        handles[name] = handle
     for name, module in components.items():
         if name not in handles:
             module.to(device)

@@ -72,7 +72,7 @@ def attach(
     options: StreamOptions | None = None,
     *,
     vram_budget: int | str | AutoBudget | None = None,
-    staging_bytes: int = 0,
+    staging_bytes: int | str = 0,
     model: str | None = None,
     names: dict[str, str] | None = None,
     client: Client | None = None,
@@ -97,7 +97,9 @@ def attach(
       less a margin, and shrinks when another job needs room (``budget``). A budget under
       the largest group (or ``staging_bytes`` under it or over the budget) raises
       ``ValueError`` with the minimum before any weight is freed.
-    - ``staging_bytes``: the part of it for streaming (default: the daemon's choice).
+    - ``staging_bytes``: the part of it for streaming (default: the daemon's choice);
+      ``"forward"``: three of the largest group, as a sampling budget stages, for a module
+      that runs forward-only passes (inference): what staging does not take stays resident.
     - ``pin``: the upload (when there is one) stays in the daemon after this process exits,
       never evicted, until ``Client.release_model`` (``weightstream release``) gives it back.
       By default the upload is released once this process's connection and the session are
@@ -254,7 +256,7 @@ def attach(
             options.group_by,
             alignment,
             vram_budget,
-            staging_bytes,
+            0 if staging_bytes == "forward" else staging_bytes,
             quantized,
             compute.rowwise(),
             packs,
@@ -277,6 +279,8 @@ def attach(
             vram_budget, staging_bytes = auto.budget, auto.staging
         elif vram_budget is None:
             vram_budget = policy.default_budget(grouping.sizes)
+        if staging_bytes == "forward":
+            staging_bytes = passes.forward_staging(vram_budget, max(grouping.sizes))
         policy.check_budget(grouping, vram_budget, staging_bytes)  # before anything is freed
         passes.check_sample_staging(options.sample_staging_bytes, max(grouping.sizes))
         # The daemon allocates the session's budget on the device: the trainer's copies there

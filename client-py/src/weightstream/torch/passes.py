@@ -405,7 +405,13 @@ def sample_staging(handle, budget: int) -> int:
     staging = handle.options.sample_staging_bytes  # checked at attach
     if staging is not None:
         return staging
-    return min(budget, STAGED_GROUPS * max(g.nbytes for g in handle.session.groups))
+    return forward_staging(budget, max(g.nbytes for g in handle.session.groups))
+
+
+def forward_staging(budget: int, largest: int) -> int:
+    """``STAGED_GROUPS`` of the ``largest`` group, at most ``budget``: the staging forward-only
+    passes need (a sampling budget's; ``attach(staging_bytes="forward")``'s)."""
+    return min(budget, STAGED_GROUPS * largest)
 
 
 @contextlib.contextmanager
