@@ -10,8 +10,9 @@ then decoded ``--repeat`` times on torch's stream, timed with CUDA events, and c
 byte for byte. The scales stay as they are.
 
 Weights: ``entropy8.py``'s (seeded Gaussian and Student-t weights of a FLUX-sized linear, or
-the 2-D tensors of ``--safetensors`` files). On the GPU machine, the two wheels carried in
-``--wheels`` (``nvidia-nvcomp-cu13`` and ``nvidia-libnvcomp-cu13``, 34 MB together):
+the 2-D tensors of ``--safetensors`` files). On the GPU machine, the wheels carried in
+``.nvc/`` (``nvidia-nvcomp-cu13`` and ``nvidia-libnvcomp-cu13``, 34 MB together, and
+``zstandard``):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/nvc .nvc/*.whl
     PYTHONPATH=/tmp/nvc:client-py/src python3 -m tests.bench.nvcomp8 --out $OUT
@@ -34,7 +35,14 @@ CODECS = {
     "Bitcomp": {"algorithm": "Bitcomp"},
     "GDeflate": {"algorithm": "GDeflate"},
     "Zstd": {"algorithm": "Zstd"},
+    # Zstandard frames made on the CPU (``zstandard``, one per chunk of ``frames`` bytes) and
+    # decoded by nvCOMP's batched Zstd (``RAW`` bitstreams): the form a host copy coded on the
+    # CPU would take.
+    "Zstd CPU 64K": {"algorithm": "Zstd", "frames": 64 << 10, "level": 3},
+    "Zstd CPU 1M": {"algorithm": "Zstd", "frames": 1 << 20, "level": 3},
 }
+#: Where each frame starts in the coded buffer: nvCOMP's decoders want aligned inputs.
+FRAME_ALIGN = 16
 #: The link the decoded bytes would otherwise cross (a 4090's PCIe Gen4 x16).
 LINK_GBPS = 25.0
 
@@ -55,10 +63,75 @@ def nbytes(array) -> int:
     return t.numel() * t.element_size()
 
 
+def frames(data: bytes, chunk: int, level: int) -> tuple[bytearray, list[int], list[int]]:
+    """``data`` coded as one Zstandard frame per ``chunk`` bytes (the last may be shorter):
+    the frames laid out at ``FRAME_ALIGN``-byte offsets in one buffer, their offsets and sizes."""
+    import zstandard
+
+    coder = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    coded = [coder.compress(data[i : i + chunk]) for i in range(0, len(data), chunk)]
+    offsets, at = [], 0
+    for frame in coded:
+        offsets.append(at)
+        at += -(-len(frame) // FRAME_ALIGN) * FRAME_ALIGN
+    buf = bytearray(at)
+    for offset, frame in zip(offsets, coded, strict=True):
+        buf[offset : offset + len(frame)] = frame
+    return buf, offsets, [len(f) for f in coded]
+
+
+def run_frames(codes, options: dict, repeat: int, nvcomp) -> dict:
+    """``codes`` coded on the CPU in Zstandard frames (``frames``) and decoded ``repeat`` times
+    by nvCOMP on torch's current stream into one buffer: the coded bytes with their padding,
+    the CPU's seconds to encode, the median seconds to decode, and whether each decode equals
+    ``codes``. The decode's configuration is made once, before the timed decodes."""
+    import time
+
+    import torch
+
+    chunk = options["frames"]
+    data = codes.reshape(-1).cpu().numpy().tobytes()
+    begin = time.perf_counter()
+    buf, offsets, sizes = frames(data, chunk, options["level"])
+    encode_s = time.perf_counter() - begin
+    stream = torch.cuda.current_stream().cuda_stream
+    codec = nvcomp.Codec(
+        algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, cuda_stream=stream
+    )
+    coded = torch.frombuffer(buf, dtype=torch.uint8).to("cuda")
+    source = nvcomp.as_arrays(coded, offsets, sizes, cuda_stream=stream)
+    out = torch.empty(len(data), dtype=torch.uint8, device="cuda")
+    starts = list(range(0, len(data), chunk))
+    target = nvcomp.as_arrays(
+        out, starts, [min(chunk, len(data) - s) for s in starts], cuda_stream=stream
+    )
+    config = codec.decompression_config(source)
+    decodes, equal = [], True
+    for _ in range(repeat):
+        out.zero_()
+        begin_ev = torch.cuda.Event(enable_timing=True)
+        end_ev = torch.cuda.Event(enable_timing=True)
+        begin_ev.record()
+        codec.decode(source, out=target, decompression_config=config)
+        end_ev.record()
+        end_ev.synchronize()
+        decodes.append(begin_ev.elapsed_time(end_ev) / 1e3)
+        equal = equal and torch.equal(out, codes.reshape(-1).to("cuda"))
+    decodes.sort()
+    return {
+        "compressed_bytes": len(buf),
+        "encode_s": encode_s,
+        "decode_s": decodes[len(decodes) // 2],
+        "equal": equal,
+    }
+
+
 def run_codec(codes, options: dict, repeat: int, nvcomp) -> dict:
     """``codes`` (a uint8 CUDA tensor) compressed once and decoded ``repeat`` times on torch's
     current stream: the compressed bytes, the seconds to encode, the median seconds to decode,
-    and whether every decode equals ``codes``."""
+    and whether every decode equals ``codes``. Options with ``frames``: ``run_frames``."""
+    if "frames" in options:
+        return run_frames(codes, options, repeat, nvcomp)
     import torch
 
     stream = torch.cuda.current_stream().cuda_stream

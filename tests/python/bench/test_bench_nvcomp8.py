@@ -67,3 +67,16 @@ def test_the_report_gives_each_row_and_each_error():
     ) in md
     assert "| w | int8_row | Bitcomp | E: x | - | - | - |" in md
     assert "- commit: abc; device: H100; nvCOMP 6.0.0" in md
+
+
+def test_frames_are_aligned_zstandard_frames_of_each_chunk():
+    import zstandard
+
+    data = row_codes("int8_row").numpy().tobytes() * 3  # 24 KiB
+    buf, offsets, sizes = nvcomp8.frames(data, 10_000, 3)
+    assert offsets[0] == 0 and all(o % nvcomp8.FRAME_ALIGN == 0 for o in offsets)
+    assert len(offsets) == len(sizes) == 3
+    assert len(buf) == offsets[-1] + -(-sizes[-1] // 16) * 16
+    decoder = zstandard.ZstdDecompressor()
+    got = [decoder.decompress(bytes(buf[o : o + n])) for o, n in zip(offsets, sizes, strict=True)]
+    assert got == [data[:10_000], data[10_000:20_000], data[20_000:]]
