@@ -63,6 +63,19 @@ def nbytes(array) -> int:
     return t.numel() * t.element_size()
 
 
+def timed(fn):
+    """``fn()`` on torch's current stream: its result and the seconds between CUDA events
+    recorded before and after it."""
+    import torch
+
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, begin.elapsed_time(end) / 1e3
+
+
 def frames(data: bytes, chunk: int, level: int) -> tuple[bytearray, list[int], list[int]]:
     """``data`` coded as one Zstandard frame per ``chunk`` bytes (the last may be shorter):
     the frames laid out at ``FRAME_ALIGN``-byte offsets in one buffer, their offsets and sizes."""
@@ -109,13 +122,8 @@ def run_frames(codes, options: dict, repeat: int, nvcomp) -> dict:
     decodes, equal = [], True
     for _ in range(repeat):
         out.zero_()
-        begin_ev = torch.cuda.Event(enable_timing=True)
-        end_ev = torch.cuda.Event(enable_timing=True)
-        begin_ev.record()
-        codec.decode(source, out=target, decompression_config=config)
-        end_ev.record()
-        end_ev.synchronize()
-        decodes.append(begin_ev.elapsed_time(end_ev) / 1e3)
+        _, seconds = timed(lambda: codec.decode(source, out=target, decompression_config=config))
+        decodes.append(seconds)
         equal = equal and torch.equal(out, codes.reshape(-1).to("cuda"))
     decodes.sort()
     return {
@@ -137,14 +145,6 @@ def run_codec(codes, options: dict, repeat: int, nvcomp) -> dict:
     stream = torch.cuda.current_stream().cuda_stream
     codec = nvcomp.Codec(cuda_stream=stream, **options)
     source = nvcomp.as_array(codes, cuda_stream=stream)
-
-    def timed(fn):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        out = fn()
-        end.record()
-        end.synchronize()
-        return out, begin.elapsed_time(end) / 1e3
 
     encoded, encode_s = timed(lambda: codec.encode(source))
     decodes, equal = [], True
