@@ -531,6 +531,54 @@ def bnb4_equality(
     )
 
 
+#: The packed forms' checks (test_packed's ``FORMS``, each once): (form, dtype, ckpt,
+#: autocast, group_by, where); "mixed": the three smallest groups resident, the rest streamed.
+PACKED_CASES = [
+    ("aitk.uint4", torch.bfloat16, "non-reentrant", False, "block", "mixed"),
+    ("aitk.uint3", torch.bfloat16, None, False, "layer", "streamed"),
+    ("aitk.nvfp4", torch.float32, "reentrant", True, "layer", "streamed"),
+    ("aitk.convrot8", torch.bfloat16, None, False, "layer", "streamed"),
+    ("aitk.convrot4", torch.bfloat16, "non-reentrant", False, "block", "streamed"),
+    ("aitk.convrotint3", torch.bfloat16, "reentrant", False, "layer", "streamed"),
+    ("aitk.convrotint8", torch.bfloat16, "non-reentrant", False, "block", "mixed"),
+    ("torchao.NF4Tensor", torch.bfloat16, "non-reentrant", False, "layer", "streamed"),
+    ("torchao.IntxUnpackedToInt8Tensor", torch.float32, None, True, "block", "mixed"),
+]
+
+
+def packed_name(form, dtype, ckpt, autocast, group_by, where) -> str:
+    """A ``PACKED_CASES`` check's name: "equal: packed FORM, DTYPE, CHECKPOINTING, BY, ..."."""
+    precision = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    return ", ".join(
+        [
+            f"equal: packed {form}",
+            precision + (" under bf16 autocast" if autocast else ""),
+            f"{ckpt} checkpointing" if ckpt else "no checkpointing",
+            f"by {group_by}",
+            "resident and streamed groups" if where == "mixed" else "all groups streamed",
+        ]
+    )
+
+
+def packed_equality(client, form, dtype, ckpt, autocast, group_by, where, device="cuda"):
+    """ai-toolkit's ``OstrisLinear`` forms (``aitk_layouts``' stand-ins, each with a trainable
+    ARA) and torchao's ``NF4Tensor`` / ``IntxUnpackedToInt8Tensor``: test_packed's model of
+    ``form`` moved to ``device``, streamed as it is against the same packed layers in place
+    there (``test_packed.packed_equality``, the CPU test's one implementation): the daemon
+    holds every inner tensor byte for byte, losses, outputs, ARA/LoRA and input gradients and
+    no_grad samples equal, every inner byte back after ``detach``. test_packed imports
+    torchao: it needs the carried wheel for every form."""
+    from tests.python.torch import test_packed as tp
+
+    args = (form, dtype, ckpt, autocast, group_by, where)
+    stats = tp.packed_equality(client, *args, device=device)
+    summary = stats["packed_formats"][form]
+    return (
+        f"{summary['layers']} layers, {summary['bits_per_weight']} bits a weight, "
+        f"{stats['acquires']} acquires"
+    )
+
+
 def trainable_equality(ckpt: bool, delay: bool, kind: str = "adamw", master: str = "fp32"):
     """LoRA weights in host memory (``stream_trainable`` + ``HostAdamW``, clipping on) against
     the LoRA on the device with the same optimizer formula on fp32 masters on the CPU: equal
@@ -678,6 +726,10 @@ def main():
         (
             "equal: bitsandbytes Linear4bit fp4, fp32 weights' dtype, reentrant checkpointing",
             lambda: bnb4_equality(client, "fp4", False, torch.float32, "reentrant"),
+        ),
+        *(
+            (packed_name(*case), lambda case=case: packed_equality(client, *case))
+            for case in PACKED_CASES
         ),
         ("hit rate >= 95 % after the first step", lambda: hit_rate(client)),
         (

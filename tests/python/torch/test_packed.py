@@ -90,10 +90,14 @@ def _unwrap_peft(model):
     return model
 
 
-def build(form: str, dtype):
+def build(form: str, dtype, device: str = "cpu"):
+    """``form``'s model and its ARAs (none for torchao's forms), made on the CPU and moved to
+    ``device`` (the packed inner tensors with them)."""
     if form.startswith("torchao."):
-        return torchao_model(form, dtype)
-    return aitk_model(form.removeprefix("aitk."), dtype)
+        model, aras = torchao_model(form, dtype)
+    else:
+        model, aras = aitk_model(form.removeprefix("aitk."), dtype)
+    return model.to(device), [ara.to(device) for ara in aras]
 
 
 ARA = "the ARA side LoRA (ara_lora_ref), trainable or frozen as ai-toolkit made it"
@@ -120,11 +124,12 @@ def packed_layers(model) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if packed.form_of(m) is not None}
 
 
-def train_run(model, aras, dtype, autocast=False, steps=3):
-    """``run`` with the ARAs' parameters trained too (AdamW over every trainable parameter)."""
+def train_run(model, aras, dtype, autocast=False, steps=3, device="cpu"):
+    """``run`` with the ARAs' parameters trained too (AdamW over every trainable parameter),
+    its inputs on ``device``."""
     holder = nn.ModuleList([model, *aras])
     holder.forward = model.forward
-    return run(holder, steps, dtype, sample_between=True, autocast=autocast)
+    return run(holder, steps, dtype, device=device, sample_between=True, autocast=autocast)
 
 
 FORMS = [
@@ -166,19 +171,16 @@ def attach_packed(client, streamed, layers: dict, group_by: str, where: str, dev
     return handle
 
 
-@pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize(
-    "dtype,ckpt,autocast,group_by,where",
-    [
-        (torch.bfloat16, None, False, "layer", "streamed"),
-        (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
-        (torch.float32, "reentrant", True, "layer", "streamed"),
-    ],
-)
-def test_attach_equals_the_same_packed_layers_in_place(
-    daemon, form, dtype, ckpt, autocast, group_by, where
-):
-    (ref, ref_aras), (streamed, aras) = build(form, dtype), build(form, dtype)
+def packed_equality(
+    client, form, dtype, ckpt, autocast, group_by, where, device: str = "cpu"
+) -> dict:
+    """``form``'s model (``build``) on ``device`` streamed as it is (``attach_packed``) against
+    the same packed layers in place there: the daemon holds each inner tensor byte for byte,
+    the summary names the form with its bytes per weight, the runs (``train_run``) are equal
+    (torch.equal), and ``detach`` gives the quantizer's state back, the same bytes. Returns the
+    handle's stats, read before ``detach``. The CPU test below and the GPU suite's
+    "equal: packed ..." checks (``tests/gpu/torch_suite.py``, ``device="cuda"``)."""
+    (ref, ref_aras), (streamed, aras) = build(form, dtype, device), build(form, dtype, device)
     ref.ckpt = streamed.ckpt = ckpt
     layers = packed_layers(streamed)
     assert len(layers) == 18 and {packed.form_of(m).name for m in layers.values()} == {form}
@@ -186,9 +188,10 @@ def test_attach_equals_the_same_packed_layers_in_place(
         n: {k: t.clone() for k, t in packed.inner(m, packed.form_of(m)).items()}
         for n, m in layers.items()
     }
-    handle = attach_packed(daemon.client, streamed, layers, group_by, where)
+    handle = attach_packed(client, streamed, layers, group_by, where, device)
+    model_id = handle.model_id
     # The daemon holds each inner tensor as it is: its dtype, shape and bytes.
-    (model,) = daemon.client.list_models().models
+    (model,) = [m for m in client.list_models().models if m.model_id == model_id]
     held = {t.name: t for t in model.tensors}
     kind = packed.form_of(ref.get_submodule(next(iter(layers)))).kind
     for name, tensors in inner.items():
@@ -201,10 +204,10 @@ def test_attach_equals_the_same_packed_layers_in_place(
                 list(t.shape),
                 t.nbytes,
             ), (name, k)
-    summary = handle.stats()["packed_formats"]
+    stats = handle.stats()
     nbytes = sum(t.nbytes for ts in inner.values() for t in ts.values())
     weights = sum(m.in_features * m.out_features for m in layers.values())
-    assert summary == {
+    assert stats["packed_formats"] == {
         form: {
             "layers": 18,
             "bytes": nbytes,
@@ -215,8 +218,10 @@ def test_attach_equals_the_same_packed_layers_in_place(
         }
     }
     assert_equal_runs(
-        train_run(ref, ref_aras, dtype, autocast), train_run(streamed, aras, dtype, autocast)
+        train_run(ref, ref_aras, dtype, autocast, device=device),
+        train_run(streamed, aras, dtype, autocast, device=device),
     )
+    stats = handle.stats()
     handle.detach(release=True)
     # The quantizer's state again, the same bytes.
     for name, tensors in inner.items():
@@ -226,6 +231,23 @@ def test_attach_equals_the_same_packed_layers_in_place(
         assert set(back) == set(tensors), name
         for k, t in tensors.items():
             assert torch.equal(as_bytes(back[k]), as_bytes(t)), (name, k)
+    assert model_id not in {m.model_id for m in client.list_models().models}
+    return stats
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize(
+    "dtype,ckpt,autocast,group_by,where",
+    [
+        (torch.bfloat16, None, False, "layer", "streamed"),
+        (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
+        (torch.float32, "reentrant", True, "layer", "streamed"),
+    ],
+)
+def test_attach_equals_the_same_packed_layers_in_place(
+    daemon, form, dtype, ckpt, autocast, group_by, where
+):
+    packed_equality(daemon.client, form, dtype, ckpt, autocast, group_by, where)
     assert daemon.client.list_models().models == []
 
 

@@ -151,9 +151,9 @@ def quantize_fp8_block64(t):
     return quantize.quantize_fp8_block64(t)
 
 
-def run(model, steps, dtype, **kwargs):
-    """``train`` on fresh inputs; also returns each step's input gradient."""
-    xs = inputs(steps, dtype)
+def run(model, steps, dtype, *, device="cpu", **kwargs):
+    """``train`` on fresh inputs on ``device``; also returns each step's input gradient."""
+    xs = inputs(steps, dtype, device)
     return (*train(model, xs, **kwargs), [x.grad.clone() for x in xs])
 
 
