@@ -335,7 +335,13 @@ class _Copier:
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    """``t``'s bytes, flat. A tensor torch calls contiguous may still have a size-1 dimension
+    of any stride (one element of stride 64: torchao's NF4Tensor on CUDA), which a byte view
+    refuses: such a one is copied to a dense tensor first."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = torch.empty_like(flat, memory_format=torch.contiguous_format).copy_(flat)
+    return flat.view(torch.uint8)
 
 
 def _pieces(t) -> list[tuple[int, torch.Tensor]]:

@@ -106,12 +106,15 @@ def test_an_upload_by_tensor_copies_stores_the_same_bytes(daemon):
         "c": torch.randint(0, 100, (3, 4, 5), generator=g),
         "s": torch.tensor(2.5, dtype=torch.float16),
         "big": torch.randn(3000, generator=g),
+        # One element with a stride of 64 (contiguous to torch: torchao's NF4Tensor on CUDA
+        # holds such a tensor), which a flat view cannot reinterpret as bytes.
+        "one": torch.arange(128, dtype=torch.bfloat16).as_strided((1,), (64,)),
     }
     begun = daemon.client.begin_upload("copied", tensors)
     at = {t.name: t for t in begun.tensors}
     placements = [at[n] for n in tensors]
     # offsets are 4096-aligned: a is 8448 bytes, t+c fit in 8192 bytes from t, s would not
-    assert _upload.windows(placements, limit=8192) == [[0], [1, 2], [3], [4]]
+    assert _upload.windows(placements, limit=8192) == [[0], [1, 2], [3], [4], [5]]
     fd, size = daemon.client.fetch_fd(begun.fd_secret)
     _upload.write_by_copy(fd, size, placements, list(tensors.values()), pin=False)
     copied, dedup = daemon.client.commit_upload(begun.upload_id)
