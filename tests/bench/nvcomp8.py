@@ -76,6 +76,18 @@ def timed(fn):
     return out, begin.elapsed_time(end) / 1e3
 
 
+def repeated(repeat: int, decode, same) -> tuple[float, bool]:
+    """``decode()`` (giving its result and seconds) ``repeat`` times: the median seconds, and
+    whether ``same(result)`` held every time."""
+    seconds, equal = [], True
+    for _ in range(repeat):
+        out, s = decode()
+        seconds.append(s)
+        equal = equal and same(out)
+    seconds.sort()
+    return seconds[len(seconds) // 2], equal
+
+
 def frames(data: bytes, chunk: int, level: int) -> tuple[bytearray, list[int], list[int]]:
     """``data`` coded as one Zstandard frame per ``chunk`` bytes (the last may be shorter):
     the frames laid out at ``FRAME_ALIGN``-byte offsets in one buffer, their offsets and sizes."""
@@ -107,29 +119,28 @@ def run_frames(codes, options: dict, repeat: int, nvcomp) -> dict:
     begin = time.perf_counter()
     buf, offsets, sizes = frames(data, chunk, options["level"])
     encode_s = time.perf_counter() - begin
-    stream = torch.cuda.current_stream().cuda_stream
+    stream = torch.cuda.current_stream().cuda_stream if codes.is_cuda else 0
     codec = nvcomp.Codec(
         algorithm="Zstd", bitstream_kind=nvcomp.BitstreamKind.RAW, cuda_stream=stream
     )
-    coded = torch.frombuffer(buf, dtype=torch.uint8).to("cuda")
+    coded = torch.frombuffer(buf, dtype=torch.uint8).to(codes.device)
     source = nvcomp.as_arrays(coded, offsets, sizes, cuda_stream=stream)
-    out = torch.empty(len(data), dtype=torch.uint8, device="cuda")
+    out = torch.empty(len(data), dtype=torch.uint8, device=codes.device)
     starts = list(range(0, len(data), chunk))
     target = nvcomp.as_arrays(
         out, starts, [min(chunk, len(data) - s) for s in starts], cuda_stream=stream
     )
     config = codec.decompression_config(source)
-    decodes, equal = [], True
-    for _ in range(repeat):
-        out.zero_()
-        _, seconds = timed(lambda: codec.decode(source, out=target, decompression_config=config))
-        decodes.append(seconds)
-        equal = equal and torch.equal(out, codes.reshape(-1).to("cuda"))
-    decodes.sort()
+
+    def decode():
+        out.zero_()  # an entry the decode left alone would keep the last decode's bytes
+        return timed(lambda: codec.decode(source, out=target, decompression_config=config))
+
+    decode_s, equal = repeated(repeat, decode, lambda _: torch.equal(out, codes.reshape(-1)))
     return {
         "compressed_bytes": len(buf),
         "encode_s": encode_s,
-        "decode_s": decodes[len(decodes) // 2],
+        "decode_s": decode_s,
         "equal": equal,
     }
 
@@ -147,17 +158,17 @@ def run_codec(codes, options: dict, repeat: int, nvcomp) -> dict:
     source = nvcomp.as_array(codes, cuda_stream=stream)
 
     encoded, encode_s = timed(lambda: codec.encode(source))
-    decodes, equal = [], True
-    for _ in range(repeat):
-        decoded, seconds = timed(lambda: codec.decode(encoded))
-        decodes.append(seconds)
-        got = torch.from_dlpack(decoded).reshape(-1).view(torch.uint8)
-        equal = equal and torch.equal(got, codes.reshape(-1))
-    decodes.sort()
+
+    def same(decoded) -> bool:
+        return torch.equal(
+            torch.from_dlpack(decoded).reshape(-1).view(torch.uint8), codes.reshape(-1)
+        )
+
+    decode_s, equal = repeated(repeat, lambda: timed(lambda: codec.decode(encoded)), same)
     return {
         "compressed_bytes": nbytes(encoded),
         "encode_s": encode_s,
-        "decode_s": decodes[len(decodes) // 2],
+        "decode_s": decode_s,
         "equal": equal,
     }
 

@@ -80,3 +80,46 @@ def test_frames_are_aligned_zstandard_frames_of_each_chunk():
     decoder = zstandard.ZstdDecompressor()
     got = [decoder.decompress(bytes(buf[o : o + n])) for o, n in zip(offsets, sizes, strict=True)]
     assert got == [data[:10_000], data[10_000:20_000], data[20_000:]]
+
+
+class FakeNvcomp:
+    """Stands for nvCOMP's Python API on the CPU: ``as_arrays`` carves views, the codec's
+    ``decode`` of a batch writes each Zstandard frame into its entry of ``out``."""
+
+    class BitstreamKind:
+        RAW = "raw"
+
+    class Codec:
+        def __init__(self, algorithm, bitstream_kind, cuda_stream):
+            assert (algorithm, bitstream_kind, cuda_stream) == ("Zstd", "raw", 0)
+            self.decodes = 0
+
+        def decompression_config(self, source):
+            return ("config", len(source))
+
+        def decode(self, source, out, decompression_config):
+            import zstandard
+
+            assert decompression_config == ("config", len(source)) == ("config", len(out))
+            for frame, entry in zip(source, out, strict=True):
+                got = zstandard.ZstdDecompressor().decompress(frame.numpy().tobytes())
+                entry.copy_(torch.frombuffer(bytearray(got), dtype=torch.uint8))
+
+    @staticmethod
+    def as_arrays(buffer, offsets, sizes, cuda_stream):
+        return [buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
+
+
+def test_frames_decode_into_one_buffer_equal_to_the_codes(monkeypatch):
+    calls = []
+
+    def timed(fn):
+        calls.append(fn)
+        return fn(), 0.5 + len(calls)
+
+    monkeypatch.setattr(nvcomp8, "timed", timed)
+    codes = row_codes("int8_row")
+    got = nvcomp8.run_frames(codes, {"frames": 3000, "level": 3}, 3, FakeNvcomp)
+    buf, _, _ = nvcomp8.frames(codes.numpy().tobytes(), 3000, 3)
+    assert got["compressed_bytes"] == len(buf) and got["equal"] is True
+    assert got["decode_s"] == 2.5 and len(calls) == 3  # the median of 1.5, 2.5, 3.5

@@ -235,15 +235,16 @@ def packed_equality(
     return stats
 
 
+#: (dtype, checkpointing, autocast, group_by, where) of the packed layers' equality tests.
+RUNS = [
+    (torch.bfloat16, None, False, "layer", "streamed"),
+    (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
+    (torch.float32, "reentrant", True, "layer", "streamed"),
+]
+
+
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize(
-    "dtype,ckpt,autocast,group_by,where",
-    [
-        (torch.bfloat16, None, False, "layer", "streamed"),
-        (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
-        (torch.float32, "reentrant", True, "layer", "streamed"),
-    ],
-)
+@pytest.mark.parametrize("dtype,ckpt,autocast,group_by,where", RUNS)
 def test_attach_equals_the_same_packed_layers_in_place(
     daemon, form, dtype, ckpt, autocast, group_by, where
 ):

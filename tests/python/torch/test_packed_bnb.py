@@ -22,7 +22,13 @@ from torch import nn
 from weightstream import _dtypes
 from weightstream.torch import packed, placeholder
 
-from tests.python.torch.test_packed import as_bytes, assert_refused, attach_packed, train_run
+from tests.python.torch.test_packed import (
+    RUNS,
+    as_bytes,
+    assert_refused,
+    attach_packed,
+    train_run,
+)
 from tests.python.torch.test_torch import make_model
 from tests.python.torch.test_torch_fp8 import assert_equal_runs
 
@@ -90,14 +96,7 @@ STAYS = "the code tables (quant_state.code; state2.code with double quantization
 
 @pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
 @pytest.mark.parametrize("double", [False, True], ids=["single", "double"])
-@pytest.mark.parametrize(
-    "dtype,ckpt,autocast,group_by,where",
-    [
-        (torch.bfloat16, None, False, "layer", "streamed"),
-        (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
-        (torch.float32, "reentrant", True, "layer", "streamed"),
-    ],
-)
+@pytest.mark.parametrize("dtype,ckpt,autocast,group_by,where", RUNS)
 def test_attach_equals_the_same_linear4bit_layers_in_place(
     daemon, quant_type, double, dtype, ckpt, autocast, group_by, where
 ):
