@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+from tests.bench.benchlib.runner import result_of
 from tests.bench.provenance import command, commit
 from tests.gpu.link_cap import free_port, scrape
 
@@ -356,13 +357,6 @@ def child_cmd(args, mode: str) -> list[str]:
     return cmd
 
 
-def result_of(mode: str, stdout: str) -> dict:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(RESULT):
-            return json.loads(line[len(RESULT) :])
-    return {"error": f"{mode}: no {RESULT.strip()} line"}
-
-
 def ratios(results: dict, link: int | None) -> dict:
     """Each weightstream phase's median pass over the resident one, and over the larger of
     it and the pass's bytes over the link (the issue's target: at most 1.05); the same for the
@@ -424,6 +418,12 @@ def markdown(report: dict) -> str:
                 f"{p['median_s']:.3f} | {cells[0]} | {cells[1]} | "
                 f"{num(p.get('back_to_back_s'), '.3f')} | {cells[2]} | {cells[3]} |"
             )
+    failed = [(mode, r) for mode, r in res.items() if "error" in r]
+    if failed:
+        lines.append("")
+    for mode, r in failed:  # a child with no RESULT line: its exit status and stderr's tail
+        tail = " / ".join(x.strip() for x in r["error"].strip().splitlines()[-3:])
+        lines.append(f"- {mode} failed (exit status {r.get('returncode')}): `{tail}`")
     links = [
         (ph, res.get("weightstream", {}).get(ph, {}).get("link")) for ph in ("before", "after")
     ]
@@ -492,7 +492,7 @@ def parent(args) -> int:
     for mode in ("resident", "weightstream"):
         proc = subprocess.run(child_cmd(args, mode), capture_output=True, text=True)
         (out / f"sampling-{mode}.log").write_text(proc.stdout + proc.stderr)
-        results[mode] = result_of(mode, proc.stdout)
+        results[mode] = result_of(mode, proc.stdout, proc.stderr)
         results[mode]["returncode"] = proc.returncode
     from weightstream.sizes import parse_rate
 

@@ -223,3 +223,24 @@ def test_the_weightstream_child_holds_itself_to_the_card():
         "25GB/s",
     ]
     assert "--card-gib" not in sampling.child_cmd(args, "resident")
+
+
+def test_a_child_that_gives_no_result_is_reported_with_its_error():
+    """A child that dies before its RESULT line (the GPU machine without diffusers, say): the
+    report names it, its exit status and the last lines of its stderr."""
+    from tests.bench.benchlib.runner import result_of
+
+    stderr = (
+        "Traceback (most recent call last):\n  File x\n"
+        "ModuleNotFoundError: No module named 'diffusers'\n"
+    )
+    results = {"resident": {**result_of("resident", "loading\n", stderr), "returncode": 1}}
+    results["weightstream"] = {**result_of("weightstream", "RESULT {}\n", ""), "returncode": 0}
+    md = sampling.markdown(
+        {"command": "cmd", "commit": "abc", "device": "H100", "results": results, "ratios": {}}
+    )
+    assert (
+        "- resident failed (exit status 1): `Traceback (most recent call last): / File x / "
+        "ModuleNotFoundError: No module named 'diffusers'`"
+    ) in md
+    assert "weightstream failed" not in md
