@@ -725,7 +725,8 @@ fn route(routes: &Mutex<Routes>, reply: Reply) {
 
 /// Writes the tensors into the upload region the daemon created (`region`, from the handoff
 /// socket). The mapping is dropped on return: the daemon seals the region against writes at
-/// commit, which fails while a writable mapping is alive.
+/// commit, which fails while a writable mapping is alive, so a process forked meanwhile (by
+/// another thread of this one) does not inherit it (`MADV_DONTFORK`).
 pub(crate) fn write_upload(
     region: OwnedFd,
     begun: &proto::BeginUploadResponse,
@@ -739,6 +740,9 @@ pub(crate) fn write_upload(
     // SAFETY: the daemon made this region for this upload alone (only our uid can fetch its
     // fd), sealed it against shrinking, and reads it only after commit.
     let mut map = unsafe { MmapMut::map_mut(&file) }.map_err(err)?;
+    if !map.is_empty() {
+        map.advise(memmap2::Advice::DontFork).map_err(err)?;
+    }
     for (slot, t) in begun.tensors.iter().zip(tensors) {
         let start = slot.offset as usize;
         let dst = map.get_mut(start..start + t.bytes.len()).ok_or_else(|| {

@@ -271,6 +271,9 @@ def write_by_copy(
     devices = sorted({_located(t) for t in tensors if _located(t).type == "cuda"}, key=str)
     try:
         mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # A process forked meanwhile must not inherit the writable mapping: the daemon's seal
+        # at commit fails while one is alive.
+        mapped.madvise(mmap.MADV_DONTFORK)
     finally:
         os.close(fd)
     region = None

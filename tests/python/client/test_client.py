@@ -123,6 +123,42 @@ def test_an_upload_by_tensor_copies_stores_the_same_bytes(daemon):
     assert dedup and native.model_id == copied.model_id
 
 
+def test_a_process_forked_while_an_upload_is_written_leaves_it_committable(daemon, monkeypatch):
+    """A fork by another thread while the region is mapped writable (a trainer's data loader, a
+    compile worker) must not leave the child holding the writable mapping: the daemon seals
+    the region at commit, which fails while one is alive. The child here lives on past the
+    commit."""
+    from weightstream import _upload
+
+    tensors = {"w": torch.arange(4096, dtype=torch.float32)}
+    begun = daemon.client.begin_upload("forked", tensors)
+    read, write = os.pipe()
+    children = []
+    run = _upload._Copier.run
+
+    def forking(self, windows):
+        run(self, windows)
+        pid = os.fork()
+        if pid == 0:  # the child: waits for the parent's word, then leaves
+            os.close(write)
+            os.read(read, 1)
+            os._exit(0)
+        children.append(pid)
+
+    monkeypatch.setattr(_upload._Copier, "run", forking)
+    try:
+        write_begun(daemon.client, begun, tensors, pin=False)
+        assert len(children) == 1
+        model, dedup = daemon.client.commit_upload(begun.upload_id)
+        assert not dedup and model.total_bytes >= 4 * 4096
+    finally:
+        os.close(read)
+        os.write(write, b"x")
+        os.close(write)
+        for pid in children:
+            assert os.waitpid(pid, 0)[1] == 0
+
+
 class FakeDriver:
     """Stands in for cudaHostRegister/Unregister: records the windows locked, refuses the
     registration numbered ``refuse`` (from 0)."""
