@@ -19,6 +19,7 @@ import torch
 import weightstream.torch as wst
 import weightstream.torch.passes as ws_passes
 from torch import nn
+from weightstream.errors import RequestRejected
 
 DIM = 64
 BLOCKS = 8
@@ -686,4 +687,86 @@ def test_a_budget_shrunk_before_the_first_sampling_pass_streams_along_the_forwar
     assert not any(g.resident for g in handle.session.groups)
     sample(ref, model, 5)
     assert counts(handle, "sample") == (40, 39, 0)
+    handle.detach(release=True)
+
+
+def resident_copied(handle) -> int:
+    """Bytes the session copied into its resident regions when it opened: the daemon counts
+    them in its total, not under a pass kind (read while no copy is in flight)."""
+    s = handle.session.stats()
+    return s.bytes_copied - sum(k.bytes_copied for k in s.kinds)
+
+
+def kept_resident_pair(daemon):
+    """A pair at a training budget of five blocks (three staged, blocks 1 and 5 resident) and
+    a sampling budget of eight (three staged, blocks 0, 2, 3, 5 and 7 resident)."""
+    ref, model = make_models()
+    handle = wst.attach(
+        model,
+        "cpu",
+        client=daemon.client,
+        min_bytes=0,
+        vram_budget=5 * BLOCK_BYTES,
+        staging_bytes=3 * BLOCK_BYTES,
+        sample_vram_budget=f"{8 * BLOCK_BYTES}",
+        lookahead=0,
+    )
+    assert [i for i, g in enumerate(handle.session.groups) if g.resident] == [1, 5]
+    return ref, model, handle
+
+
+def test_the_training_sessions_resident_groups_stay_on_the_device_through_sampling(daemon):
+    """At the end of a ``sampling()`` block the session opens again at the training budget; the
+    groups resident both at the sampling budget and at the training budget stay on the device
+    meanwhile (a session of those alone holds them), and the reopened session shares them
+    instead of copying them again: only the training set's other groups are copied. (No
+    lookahead: no copy is in flight where the test reads the counts.)"""
+    ref, model, handle = kept_resident_pair(daemon)
+    trained = [1, 5]
+    assert resident_copied(handle) == 2 * BLOCK_BYTES
+    train(ref, model, 2)
+    with handle.sampling():
+        assert [i for i, g in enumerate(handle.session.groups) if g.resident] == [0, 2, 3, 5, 7]
+        sample(ref, model, 2)
+    assert [i for i, g in enumerate(handle.session.groups) if g.resident] == trained
+    # Group 5, resident in both, was kept; group 1 was copied again.
+    assert resident_copied(handle) == BLOCK_BYTES
+    stats = handle.stats()
+    kept = (stats["sampling_resident_kept_groups"], stats["sampling_resident_kept_bytes"])
+    assert kept == (1, BLOCK_BYTES)
+    # Only the training session is left open: the holder closed.
+    assert [s.label for s in daemon.client.list_sessions()] == [handle.session.label]
+    train(ref, model, 1)
+    sample(ref, model, 1)
+    handle.detach(release=True)
+
+
+def test_where_the_resident_groups_cannot_be_kept_the_session_copies_them_again(
+    daemon, monkeypatch
+):
+    """The session that would hold them refused (the device's memory, a quota): the block ends
+    as before, copying the training set's resident groups again."""
+    ref, model, handle = kept_resident_pair(daemon)
+    train(ref, model, 1)
+    opened = []
+    open_session = daemon.client.open_session
+
+    def refusing(model_id, groups, vram_budget, **kwargs):
+        opened.append(kwargs["label"])
+        if kwargs["label"].endswith("(resident groups kept)"):
+            raise RequestRejected("RESOURCE_EXHAUSTED", "vram_budget: over the device's memory")
+        return open_session(model_id, groups, vram_budget, **kwargs)
+
+    monkeypatch.setattr(daemon.client, "open_session", refusing)
+    with handle.sampling():
+        sample(ref, model, 2)
+    assert opened == [
+        handle.session.label,
+        f"{handle.session.label} (resident groups kept)",
+        handle.session.label,
+    ]
+    assert resident_copied(handle) == 2 * BLOCK_BYTES
+    stats = handle.stats()
+    assert (stats["sampling_resident_kept_groups"], stats["sampling_resident_kept_bytes"]) == (0, 0)
+    train(ref, model, 1)
     handle.detach(release=True)

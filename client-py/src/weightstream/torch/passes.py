@@ -147,6 +147,9 @@ class Passes:
         self._lock = threading.Lock()
         #: The last ``sampling()`` block's trainer segments: given back, made again, their bytes.
         self.segments = {"given": 0, "made": 0, "made_bytes": 0}
+        #: The last ``sampling()`` block's resident groups kept on the device through the
+        #: session's reopening at the training budget (``_keep_resident``): groups, bytes.
+        self.kept = {"groups": 0, "bytes": 0}
 
     def begin(self, kind: str, session):
         """``kind``'s plan comes in force; the daemon counts the session's next acquires, their
@@ -232,6 +235,7 @@ class Passes:
         out["forward_plan_length"] = len(self.forward)
         out["forward_plan_recorded"] = self._recorder is None
         out.update({f"sampling_segments_{k}": v for k, v in self.segments.items()})
+        out.update({f"sampling_resident_kept_{k}": v for k, v in self.kept.items()})
         return out
 
     # --- threads ------------------------------------------------------------------------
@@ -424,10 +428,12 @@ def sampling(handle):
     Before it grows, the trainer's allocator gives its cached, unused device segments back (the
     session grows into them); when the block ends it makes the same segments again
     (``_restore_segments``), so that the next training step finds them as the step before
-    sampling left them. Without a sampling budget it changes nothing: sampling passes follow
+    sampling left them; the groups resident at both budgets stay on the device meanwhile
+    (``_keep_resident``). Without a sampling budget it changes nothing: sampling passes follow
     the forward plan with or without it."""
     budget = handle.options.sample_vram_budget
     old_budget, old_staging = handle.vram_budget, handle.session.opened.staging_bytes
+    trained = [g.resident for g in handle.session.groups]  # the training session's resident set
     if budget is None:
         yield handle
         return
@@ -478,13 +484,50 @@ def sampling(handle):
                 auto.measured()
         finally:
             if grow:
-                handle.set_budget(old_budget, old_staging, keep_plan=True)
+                with _keep_resident(handle, trained):
+                    handle.set_budget(old_budget, old_staging, keep_plan=True)
             made, made_bytes = _restore_segments(handle.device, given)
             handle._passes.segments = {
                 "given": len(given or ()),
                 "made": made,
                 "made_bytes": made_bytes,
             }
+
+
+@contextlib.contextmanager
+def _keep_resident(handle, wanted: list[bool]):
+    """The groups resident both in the session now and in ``wanted`` (the resident set of the
+    session the block reopens, as it was before: its budget and split are the same, and so is
+    the daemon's choice) stay on the device while the session is opened again: a session of
+    those groups alone holds them resident, sharing the regions they are in (the daemon shares
+    a model's resident groups between the sessions on a device), so the reopened session shares
+    them instead of copying them again, and the next training step does not wait for their
+    copies. That session costs one of its groups of staging while it is open; where the daemon
+    cannot open it (the device's memory, a quota), the reopening copies them as before."""
+    groups = handle.session.groups
+    keep = [g for g, w in zip(groups, wanted, strict=True) if g.resident and w]
+    handle._passes.kept = {"groups": 0, "bytes": 0}
+    holder = None
+    if keep:
+        sizes = [g.nbytes for g in keep]
+        try:
+            holder = handle.client.open_session(
+                handle.model_id,
+                [(g.name, [t.name for t in g.tensors]) for g in keep],
+                sum(sizes) + max(sizes),
+                staging_bytes=max(sizes),
+                device=handle.device,
+                label=f"{handle.session.label} (resident groups kept)",
+            )
+        except WeightstreamError:
+            holder = None
+        else:
+            handle._passes.kept = {"groups": len(keep), "bytes": sum(sizes)}
+    try:
+        yield
+    finally:
+        if holder is not None:
+            holder.close()
 
 
 #: The small pool's largest block: two fill one of its 2 MiB segments.
