@@ -152,7 +152,11 @@ def sampling_phase(
         "enter_s": enter_s,
         "exit_s": exit_s,
         # The trainer's idle segments given back for the passes and made again after them.
-        "segments": {k: v for k, v in handle.stats().items() if k.startswith("sampling_segm")},
+        "segments": {
+            k: v
+            for k, v in handle.stats().items()
+            if k.startswith(("sampling_segm", "sampling_resident_kept"))
+        },
     }
     if moved is not None and n > 1:
         record["link"] = link_use(moved, seconds)
@@ -444,6 +448,12 @@ def markdown(report: dict) -> str:
                 if seg
                 else ""
             )
+            if "sampling_resident_kept_groups" in seg:
+                made += (
+                    f"; resident groups kept through the reopen: "
+                    f"{seg['sampling_resident_kept_groups']} "
+                    f"({seg['sampling_resident_kept_bytes'] / 2**30:.2f} GiB)"
+                )
             lines.append(
                 f"- {phase} training, `sampling()` began in {rec['enter_s']:.3f} s and ended in "
                 f"{rec['exit_s']:.3f} s (at a sampling budget: the session opened again){made}"

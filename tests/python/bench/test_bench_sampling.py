@@ -49,6 +49,8 @@ def test_the_phases_count_each_kind_of_pass(daemon):
         "sampling_segments_given": 0,
         "sampling_segments_made": 0,
         "sampling_segments_made_bytes": 0,
+        "sampling_resident_kept_groups": 0,
+        "sampling_resident_kept_bytes": 0,
     }
     assert len(record["train_step_s"]) == 4 and len(record["before"]["pass_s"]) == 4
     assert record["before"]["back_to_back_s"] > 0
@@ -133,6 +135,8 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
                     "sampling_segments_given": 124,
                     "sampling_segments_made": 124,
                     "sampling_segments_made_bytes": 3 << 30,
+                    "sampling_resident_kept_groups": 12,
+                    "sampling_resident_kept_bytes": 6 << 30,
                 },
             },
             "train_step_s": [3.0, 2.0, 2.1, 2.05],
@@ -162,7 +166,7 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
     assert (
         "- after training, `sampling()` began in 0.700 s and ended in 0.400 s (at a sampling "
         "budget: the session opened again); the trainer's idle segments: 124 given back, 124 "
-        "made again (3.00 GiB)"
+        "made again (3.00 GiB); resident groups kept through the reopen: 12 (6.00 GiB)"
     ) in md
     assert (
         "Training step before / after sampling: 2.000 / 2.100 s (the next: 2.050 s); the "
