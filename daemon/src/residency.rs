@@ -2,8 +2,11 @@
 //! sessions of the same model on the same device.
 //!
 //! A session asks for the groups its budget lets it keep; those already resident for that
-//! (model, device) are shared, the rest are copied into one new region. A region is freed when
-//! the last lease that uses it is dropped (the registry keeps only weak references).
+//! (model, device) are shared, the rest are copied, each into a region of its own. A region is
+//! freed when the last lease that uses it is dropped (the registry keeps only weak references):
+//! a region per group, so that a session keeps alive only the groups it uses (with one region
+//! for several groups, a session sharing one of them kept all of them on the device, past its
+//! budget, once the session that made the region ended).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
@@ -97,9 +100,8 @@ impl ResidencyRegistry {
                 None => missing.push(want),
             }
         }
-        if !missing.is_empty() {
-            let region = place_missing(backend, scheduler, session, device, missing).await?;
-            lease.copied_bytes = region.region.size();
+        for region in place_missing(backend, scheduler, session, device, missing).await? {
+            lease.copied_bytes += region.region.size();
             live.push(Arc::downgrade(&region));
             let index = lease_index(&mut lease, region.clone());
             for (key, offset) in &region.offsets {
@@ -120,41 +122,46 @@ fn lease_index(lease: &mut ResidentLease, region: Arc<ResidentRegion>) -> usize 
     }
 }
 
+/// Copies each missing group into a region of its own; the copies run together, and the
+/// regions come back once all have ended.
 async fn place_missing(
     backend: &dyn Backend,
     scheduler: &CopyScheduler,
     session: u64,
     device: usize,
     missing: Vec<ResidentWant>,
-) -> Result<Arc<ResidentRegion>, ResidencyError> {
+) -> Result<Vec<Arc<ResidentRegion>>, ResidencyError> {
     let align = backend.alignment();
-    let mut offsets = HashMap::new();
-    let mut spans = Vec::new();
-    let mut end = 0u64;
+    let mut placed = Vec::with_capacity(missing.len());
+    let mut copies = Vec::with_capacity(missing.len());
     for want in missing {
-        let at = align_up(end, align);
-        end = at + want.nbytes;
-        spans.extend(want.spans.into_iter().map(|(s, rel)| (s, at + rel)));
-        offsets.insert(want.key, at);
+        let region =
+            backend.alloc_region(device, align_up(want.nbytes.max(1), align), "resident")?;
+        let (tx, rx) = oneshot::channel();
+        scheduler.submit(
+            device,
+            CopyRequest {
+                session,
+                tag: NO_GROUP,
+                priority: Priority::Demand,
+                // Resident groups have no ready event: the copy completes before any Staged.
+                work: Work::Copy(CopyJob {
+                    synchronous: true,
+                    ..CopyJob::copy(region.clone(), want.spans)
+                }),
+                done: Box::new(move |outcome| {
+                    let _ = tx.send(outcome);
+                }),
+            },
+        );
+        copies.push(rx);
+        placed.push(Arc::new(ResidentRegion {
+            region,
+            offsets: HashMap::from([(want.key, 0)]),
+        }));
     }
-    let region = backend.alloc_region(device, end, "resident")?;
-    let (tx, rx) = oneshot::channel();
-    scheduler.submit(
-        device,
-        CopyRequest {
-            session,
-            tag: NO_GROUP,
-            priority: Priority::Demand,
-            // Resident groups have no ready event: the copy completes before any Staged.
-            work: Work::Copy(CopyJob {
-                synchronous: true,
-                ..CopyJob::copy(region.clone(), spans)
-            }),
-            done: Box::new(move |outcome| {
-                let _ = tx.send(outcome);
-            }),
-        },
-    );
-    rx.await.map_err(|_| ResidencyError::Abandoned)?.result?;
-    Ok(Arc::new(ResidentRegion { region, offsets }))
+    for copy in copies {
+        copy.await.map_err(|_| ResidencyError::Abandoned)?.result?;
+    }
+    Ok(placed)
 }

@@ -439,8 +439,8 @@ async fn shared_memory_has_no_name_and_reaches_clients_as_fds_only() {
         .unwrap();
     run_step(&session, &[0, 1, 2, 3], &expected).await;
     let regions = &session.layout().regions;
-    assert_eq!(regions.len(), 2);
-    for (region, kind) in regions.iter().zip(["staging", "resident"]) {
+    assert_eq!(regions.len(), 3, "staging and a region per resident group");
+    for (region, kind) in regions.iter().zip(["staging", "resident", "resident"]) {
         let (fd, _) = fetch_fd(&daemon.socket, fd_secret(region)).await.unwrap();
         passed(&fd, kind);
         let file = std::fs::File::from(fd);

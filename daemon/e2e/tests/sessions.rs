@@ -269,7 +269,11 @@ async fn eight_concurrent_sessions_share_one_copy() {
     );
     assert_eq!(f.daemon.shm_count("model"), 1);
     assert_eq!(f.daemon.shm_count("staging"), tasks);
-    assert_eq!(f.daemon.shm_count("resident"), 1);
+    assert_eq!(
+        f.daemon.shm_count("resident"),
+        2,
+        "a region per resident group"
+    );
     within("tasks released", checked.wait()).await;
     for h in handles {
         within("session task", h).await.expect("session task");
@@ -285,7 +289,8 @@ async fn eight_concurrent_sessions_share_one_copy() {
     );
 }
 
-/// Two sessions on one model share its resident groups: the second maps the first's region.
+/// Two sessions on one model share its resident groups: the second maps the first's regions,
+/// one per group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resident_groups_are_shared_between_sessions() {
     let f = fixture(14, 6).await;
@@ -297,7 +302,7 @@ async fn resident_groups_are_shared_between_sessions() {
     let second = second_client.open_session(f.options(2, 8)).await.unwrap();
     for s in [&first, &second] {
         let layout = s.layout();
-        assert_eq!(layout.regions.len(), 2, "{:?}", layout.regions);
+        assert_eq!(layout.regions.len(), 1 + n as usize, "{:?}", layout.regions);
         assert_eq!(layout.resident_bytes, u64::from(n) * LAYER as u64);
         assert!(layout.groups.iter().all(|g| g.resident));
     }
@@ -308,17 +313,19 @@ async fn resident_groups_are_shared_between_sessions() {
         fd_secret(&b.regions[1]),
         "a secret per session"
     );
-    assert_eq!(
-        region_inode(socket, &a.regions[1]).await,
-        region_inode(socket, &b.regions[1]).await,
-        "one resident region"
-    );
+    for i in 1..=n as usize {
+        assert_eq!(
+            region_inode(socket, &a.regions[i]).await,
+            region_inode(socket, &b.regions[i]).await,
+            "one region of each resident group"
+        );
+    }
     assert_ne!(
         region_inode(socket, &a.regions[0]).await,
         region_inode(socket, &b.regions[0]).await,
         "staging is per session"
     );
-    assert_eq!(f.daemon.shm_count("resident"), 1);
+    assert_eq!(f.daemon.shm_count("resident"), n as usize);
 
     let step = forward_backward(n);
     for (s, client) in [(&first, &mut first_client), (&second, &mut second_client)] {
@@ -337,13 +344,50 @@ async fn resident_groups_are_shared_between_sessions() {
         fd_secret(&b.regions[1]).to_string(),
     );
     first.close().await.unwrap();
-    assert_eq!(f.daemon.shm_count("resident"), 1);
+    assert_eq!(f.daemon.shm_count("resident"), n as usize);
     assert!(fetch_fd(socket, &first_secret).await.is_err());
     assert!(fetch_fd(socket, &second_secret).await.is_ok());
     run_step(&second, &step, &f.expected).await;
     second.close().await.unwrap();
     assert_eq!(f.daemon.shm_count("resident"), 0);
     assert_eq!(f.daemon.shm_count("staging"), 0);
+}
+
+/// A session that shares some of another session's resident groups keeps only those on the
+/// device once the other ends: a region per group, not the other session's whole set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_group_outlives_its_maker_alone() {
+    let f = fixture(15, 6).await;
+    let n = f.group_count();
+    let mut first_client = f.daemon.client().await;
+    let mut second_client = f.daemon.client().await;
+    let first = first_client.open_session(f.options(2, 8)).await.unwrap();
+    assert!(first.layout().groups.iter().all(|g| g.resident));
+    // Staging of 2 layers and room for 1 resident: shared from the first session.
+    let second = second_client.open_session(f.options(2, 3)).await.unwrap();
+    let layout = second.layout().clone();
+    assert_eq!(layout.groups.iter().filter(|g| g.resident).count(), 1);
+    let sizes: Vec<u64> = layout.regions.iter().map(|r| r.size).collect();
+    assert_eq!(
+        sizes,
+        [2 * LAYER as u64, LAYER as u64],
+        "staging, then the one group"
+    );
+    let before = stats(&mut second_client, second.id()).await;
+    assert_eq!(
+        before.bytes_copied, 0,
+        "nothing copied to open: the group was resident"
+    );
+    first.close().await.unwrap();
+    assert_eq!(
+        f.daemon.shm_count("resident"),
+        1,
+        "the other {} groups went",
+        n - 1
+    );
+    run_step(&second, &forward_backward(n), &f.expected).await;
+    second.close().await.unwrap();
+    assert_eq!(f.daemon.shm_count("resident"), 0);
 }
 
 /// A client process that dies mid-step (its connection drops; no CloseSession, no Release)

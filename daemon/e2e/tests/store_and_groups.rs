@@ -162,7 +162,11 @@ async fn every_group_carries_the_files_bytes() {
         .await
         .unwrap();
     let layout = resident.layout().clone();
-    assert_eq!(layout.regions.len(), 2, "staging and one resident region");
+    assert_eq!(
+        layout.regions.len(),
+        1 + multi.len(),
+        "staging and a resident region per group"
+    );
     for (g, spec) in layout.groups.iter().zip(&multi) {
         assert!(g.resident, "{}", g.name);
         assert_eq!(g.name, spec.name);

@@ -729,8 +729,10 @@ def test_the_training_sessions_resident_groups_stay_on_the_device_through_sampli
         assert [i for i, g in enumerate(handle.session.groups) if g.resident] == [0, 2, 3, 5, 7]
         sample(ref, model, 2)
     assert [i for i, g in enumerate(handle.session.groups) if g.resident] == trained
-    # Group 5, resident in both, was kept; group 1 was copied again.
+    # Group 5, resident in both, was kept; group 1 was copied again. The session holds a
+    # region per resident group: none of the sampling session's other groups stays with it.
     assert resident_copied(handle) == BLOCK_BYTES
+    assert [r.size for r in handle.session.opened.regions[1:]] == [BLOCK_BYTES] * 2
     stats = handle.stats()
     kept = (stats["sampling_resident_kept_groups"], stats["sampling_resident_kept_bytes"])
     assert kept == (1, BLOCK_BYTES)
