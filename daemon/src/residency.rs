@@ -28,29 +28,19 @@ pub struct ResidentWant {
     pub spans: Vec<(HostSlice, u64)>,
 }
 
-pub struct ResidentRegion {
-    region: Arc<dyn DeviceRegion>,
-    offsets: HashMap<GroupKey, u64>,
-}
-
-impl ResidentRegion {
-    pub fn region(&self) -> &Arc<dyn DeviceRegion> {
-        &self.region
-    }
-}
-
 /// One session's share of the resident set.
 #[derive(Default)]
 pub struct ResidentLease {
-    pub regions: Vec<Arc<ResidentRegion>>,
-    /// group key -> (index into `regions`, offset in that region)
-    pub placements: HashMap<GroupKey, (usize, u64)>,
+    /// A region per group, each holding that group alone (at offset 0).
+    pub regions: Vec<Arc<dyn DeviceRegion>>,
+    /// group key -> index into `regions`
+    pub placements: HashMap<GroupKey, usize>,
     /// Bytes this lease copied itself (the rest were already resident).
     pub copied_bytes: u64,
 }
 
-/// Live resident regions per (model id, device).
-type ResidentSets = HashMap<(String, usize), Vec<Weak<ResidentRegion>>>;
+/// Live resident regions per (model id, device), by group.
+type ResidentSets = HashMap<(String, usize), HashMap<GroupKey, Weak<dyn DeviceRegion>>>;
 
 #[derive(Default)]
 pub struct ResidencyRegistry {
@@ -85,40 +75,27 @@ impl ResidencyRegistry {
         // Held across the copy so that two sessions opening at once share one copy.
         let mut sets = self.sets.lock().await;
         let live = sets.entry((model_id.to_string(), device)).or_default();
-        live.retain(|w| w.strong_count() > 0);
+        live.retain(|_, w| w.strong_count() > 0);
         let mut missing = Vec::new();
         for want in wanted {
-            let found = live.iter().filter_map(Weak::upgrade).find_map(|r| {
-                let offset = *r.offsets.get(&want.key)?;
-                Some((r, offset))
-            });
-            match found {
-                Some((region, offset)) => {
-                    let index = lease_index(&mut lease, region);
-                    lease.placements.insert(want.key, (index, offset));
-                }
+            match live.get(&want.key).and_then(Weak::upgrade) {
+                Some(region) => lease.hold(want.key, region),
                 None => missing.push(want),
             }
         }
-        for region in place_missing(backend, scheduler, session, device, missing).await? {
-            lease.copied_bytes += region.region.size();
-            live.push(Arc::downgrade(&region));
-            let index = lease_index(&mut lease, region.clone());
-            for (key, offset) in &region.offsets {
-                lease.placements.insert(key.clone(), (index, *offset));
-            }
+        for (key, region) in place_missing(backend, scheduler, session, device, missing).await? {
+            lease.copied_bytes += region.size();
+            live.insert(key.clone(), Arc::downgrade(&region));
+            lease.hold(key, region);
         }
         Ok(lease)
     }
 }
 
-fn lease_index(lease: &mut ResidentLease, region: Arc<ResidentRegion>) -> usize {
-    match lease.regions.iter().position(|r| Arc::ptr_eq(r, &region)) {
-        Some(i) => i,
-        None => {
-            lease.regions.push(region);
-            lease.regions.len() - 1
-        }
+impl ResidentLease {
+    fn hold(&mut self, key: GroupKey, region: Arc<dyn DeviceRegion>) {
+        self.placements.insert(key, self.regions.len());
+        self.regions.push(region);
     }
 }
 
@@ -130,7 +107,7 @@ async fn place_missing(
     session: u64,
     device: usize,
     missing: Vec<ResidentWant>,
-) -> Result<Vec<Arc<ResidentRegion>>, ResidencyError> {
+) -> Result<Vec<(GroupKey, Arc<dyn DeviceRegion>)>, ResidencyError> {
     let align = backend.alignment();
     let mut placed = Vec::with_capacity(missing.len());
     let mut copies = Vec::with_capacity(missing.len());
@@ -155,10 +132,7 @@ async fn place_missing(
             },
         );
         copies.push(rx);
-        placed.push(Arc::new(ResidentRegion {
-            region,
-            offsets: HashMap::from([(want.key, 0)]),
-        }));
+        placed.push((want.key, region));
     }
     for copy in copies {
         copy.await.map_err(|_| ResidencyError::Abandoned)?.result?;

@@ -387,17 +387,12 @@ impl Daemon {
         let resident_of = groups
             .iter()
             .map(|g| {
-                let (region, offset) = lease.placements.get(&g.key)?;
-                Some((*region as u32 + 1, *offset))
+                let region = lease.placements.get(&g.key)?;
+                Some((*region as u32 + 1, 0))
             })
             .collect();
         let mut exported = vec![(staging.size(), staging.export())];
-        exported.extend(
-            lease
-                .regions
-                .iter()
-                .map(|r| (r.region().size(), r.region().export())),
-        );
+        exported.extend(lease.regions.iter().map(|r| (r.size(), r.export())));
         let events = self.backend.event_pool(device, EVENTS_PER_SESSION)?;
         let event_handles = events.as_ref().map_or_else(Vec::new, |p| p.handles());
         let id = format!("s-{number}");
