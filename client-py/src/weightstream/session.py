@@ -33,6 +33,12 @@ from weightstream.quantize import FORMATS, Fp8Weight
 from weightstream.regions import CudaRegion, HostRegion, StateRegion
 
 
+def group_specs(groups) -> list[tuple[str, list[str]]]:
+    """``(name, tensor names)`` of a session's ``groups`` (its layouts): what
+    ``Client.open_session`` takes to open a session of the same groups."""
+    return [(g.name, [t.name for t in g.tensors]) for g in groups]
+
+
 def device_uuid(device: torch.device) -> str:
     """The protocol names GPUs by UUID (CUDA_VISIBLE_DEVICES renumbers them)."""
     if device.type != "cuda":

@@ -16,7 +16,7 @@ from weightstream import _fused_dequant, quantize
 from weightstream.client import Client
 from weightstream.errors import SessionFault
 from weightstream.quantize import Fp8Weight
-from weightstream.session import Session
+from weightstream.session import Session, group_specs
 from weightstream.torch import budget, compute8, compute_plan, ops, packed, passes, policy
 from weightstream.torch.hooks import HookRegistry
 from weightstream.torch.options import StreamOptions
@@ -490,11 +490,10 @@ class Handle:
         self._drop_lookahead()
         self._unpin()
         old = self.session
-        groups = [(g.name, [t.name for t in g.tensors]) for g in old.groups]
         old.close()
         self.session = self.client.open_session(
             self.model_id,
-            groups,
+            group_specs(old.groups),
             vram_budget,
             staging_bytes=staging_bytes,
             device=self.device,

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from weightstream.errors import WeightstreamError
-from weightstream.session import device_uuid
+from weightstream.session import device_uuid, group_specs
 from weightstream.sizes import size_text
 from weightstream.torch import budget as auto_budget
 from weightstream.torch.policy import STAGED_GROUPS
@@ -433,10 +433,10 @@ def sampling(handle):
     the forward plan with or without it."""
     budget = handle.options.sample_vram_budget
     old_budget, old_staging = handle.vram_budget, handle.session.opened.staging_bytes
-    trained = [g.resident for g in handle.session.groups]  # the training session's resident set
     if budget is None:
         yield handle
         return
+    trained = [g.resident for g in handle.session.groups]  # the training session's resident set
     given = None  # the trainer's segments given back for the passes
     if handle.session.holds_state:
         raise SampleBudgetError(
@@ -483,8 +483,9 @@ def sampling(handle):
             if measure:
                 auto.measured()
         finally:
+            kept = {"groups": 0, "bytes": 0}
             if grow:
-                with _keep_resident(handle, trained):
+                with _keep_resident(handle, trained) as kept:
                     handle.set_budget(old_budget, old_staging, keep_plan=True)
             made, made_bytes = _restore_segments(handle.device, given)
             handle._passes.segments = {
@@ -492,6 +493,7 @@ def sampling(handle):
                 "made": made,
                 "made_bytes": made_bytes,
             }
+            handle._passes.kept = kept
 
 
 @contextlib.contextmanager
@@ -503,17 +505,18 @@ def _keep_resident(handle, wanted: list[bool]):
     a model's resident groups between the sessions on a device), so the reopened session shares
     them instead of copying them again, and the next training step does not wait for their
     copies. That session costs one of its groups of staging while it is open; where the daemon
-    cannot open it (the device's memory, a quota), the reopening copies them as before."""
+    cannot open it (the device's memory, a quota), the reopening copies them as before.
+    Yields what it keeps: groups, bytes."""
     groups = handle.session.groups
     keep = [g for g, w in zip(groups, wanted, strict=True) if g.resident and w]
-    handle._passes.kept = {"groups": 0, "bytes": 0}
+    kept = {"groups": 0, "bytes": 0}
     holder = None
     if keep:
         sizes = [g.nbytes for g in keep]
         try:
             holder = handle.client.open_session(
                 handle.model_id,
-                [(g.name, [t.name for t in g.tensors]) for g in keep],
+                group_specs(keep),
                 sum(sizes) + max(sizes),
                 staging_bytes=max(sizes),
                 device=handle.device,
@@ -522,9 +525,9 @@ def _keep_resident(handle, wanted: list[bool]):
         except WeightstreamError:
             holder = None
         else:
-            handle._passes.kept = {"groups": len(keep), "bytes": sum(sizes)}
+            kept = {"groups": len(keep), "bytes": sum(sizes)}
     try:
-        yield
+        yield kept
     finally:
         if holder is not None:
             holder.close()
