@@ -365,6 +365,27 @@ def trainable_report(log: str) -> dict | None:
     }
 
 
+def streaming_summary(result: dict) -> list:
+    """Each streamed module's daemon session as the shim read it when ai-toolkit freed or
+    detached it, or at exit (the last reading a module): the GPU's wait for copies a step,
+    the hit rate, the wait for the daemon's replies."""
+    last: dict = {}
+    for s in (result.get("stubs") or {}).get("memory_manager", {}).get("session_stats") or []:
+        if "gpu_wait_ns_per_step" in s:
+            last[s["module"]] = s
+    return [
+        {
+            "module": module,
+            "gpu_wait_ms_per_step": [round(ns / 1e6, 1) for ns in s["gpu_wait_ns_per_step"]],
+            "hit_rate": s.get("hit_rate"),
+            "acquires": s.get("acquires"),
+            "reply_wait_ms": round(s.get("reply_wait_ns", 0) / 1e6, 1),
+            "bytes_copied": s.get("bytes_copied"),
+        }
+        for module, s in last.items()
+    ]
+
+
 def summarize(result: dict) -> dict:
     """The figures of one run: s/step (median of the logged steps' gaps after the first, the
     first holding the warm-up), time to the first step, torch's peaks while loading and while
@@ -385,6 +406,7 @@ def summarize(result: dict) -> dict:
         "launcher_loading": loading,
         "trainable_host": result.get("trainable_host"),
         "sampling": sampling_summary(result),
+        "streaming": streaming_summary(result),
     }
     tail = result.get("log_tail") or ""
     for line in tail.splitlines():

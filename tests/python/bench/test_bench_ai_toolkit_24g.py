@@ -427,6 +427,39 @@ def test_the_report_gives_a_host_runs_lora_memory():
     )
 
 
+def test_the_report_gives_each_streamed_modules_waits_from_its_last_reading():
+    (run,) = runs_24g.parse_runs("weightstream:r32:25GB/s")
+    reading = {"acquires": 10, "hit_rate": 0.5, "bytes_copied": 7, "reply_wait_ns": 2_500_000}
+    stats = [
+        {"module": "Flux2", "when": "free", "gpu_wait_ns_per_step": [9_000_000], **reading},
+        {"module": "Mistral", "when": "free", "error": "RuntimeError('closed')"},
+        {
+            "module": "Flux2",
+            "when": "exit",
+            "gpu_wait_ns_per_step": [1_250_000, 300_000],
+            **reading,
+            "acquires": 40,
+        },
+    ]
+    result = dict(run, rc=0, stubs={"memory_manager": {"session_stats": stats}})
+    result["summary"] = runs_24g.summarize(result)
+    assert result["summary"]["streaming"] == [
+        {
+            "module": "Flux2",
+            "gpu_wait_ms_per_step": [1.2, 0.3],
+            "hit_rate": 0.5,
+            "acquires": 40,
+            "reply_wait_ms": 2.5,
+            "bytes_copied": 7,
+        }
+    ]
+    text = report_24g.markdown({"calls": [report_call([result])]})
+    assert (
+        "- weightstream r32 25GB/s: Flux2's session: GPU wait for copies [1.2, 0.3] ms a step,"
+        " hit rate 0.5, 40 acquires, 2.5 ms waiting for replies\n"
+    ) in text
+
+
 def test_the_host_memory_at_a_runs_end_is_its_last_sample():
     timeline = [
         {"t": 0.0, "RssAnon": 1.0, "RssFile": 0.5, "RssShmem": 0.0, "MemAvailable": 120.0},
