@@ -187,14 +187,31 @@ class ConvRot8:
 
     def forward(self, m, x):
         xr = rotate(x, m.cr8_rot_size)
-        with torch.no_grad():
-            w = (m.cr8_qdata.float() * m.cr8_scales.view(torch.float32)[:, None]).to(x.dtype)
         if x.requires_grad:
             with torch.no_grad():
                 s = (xr.abs().amax(-1, keepdim=True).float() / 127).clamp(min=1e-12)
                 xq = ((xr.float() / s).round().clamp(-127, 127) * s).to(x.dtype)
             xr = xr + (xq - xr).detach()
-        return F.linear(xr, w, m.bias)
+        return _Int8Linear.apply(xr, m.cr8_qdata, m.cr8_scales, m.bias)
+
+
+class _Int8Linear(torch.autograd.Function):
+    """As ai-toolkit's convrot8 does: the int8 codes and their scales kept for the backward
+    (``save_for_backward``), dequantized again there for the input's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, qdata, scales, bias):
+        ctx.save_for_backward(qdata, scales)
+        return F.linear(x, _int8_weight(qdata, scales, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qdata, scales = ctx.saved_tensors
+        return grad @ _int8_weight(qdata, scales, grad.dtype), None, None, None
+
+
+def _int8_weight(qdata: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
+    return (qdata.float() * scales.view(torch.float32)[:, None]).to(dtype)
 
 
 def rotate(x: torch.Tensor, rot: int) -> torch.Tensor:

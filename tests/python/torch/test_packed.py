@@ -145,11 +145,13 @@ FORMS = [
 ]
 
 
-def attach_packed(client, streamed, layers: dict, group_by: str, where: str, device: str = "cpu"):
+def attach_packed(
+    client, streamed, layers: dict, group_by: str, where: str, device: str = "cpu", **options
+):
     """``streamed`` attached on ``device`` with a staging arena of three of its largest groups
     and, where ``where`` is "mixed", room for its three smallest groups to stay resident
     ("streamed": none); checks the groups are the sizes policy lays out with the packed
-    ``layers``."""
+    ``layers``. ``options``: more of ``attach``'s."""
     selected = policy.select(streamed, wst.StreamOptions(min_bytes=0)).streamed
     packs = {n: packed.Packed.of(m) for n, m in selected if n in layers}
     alignment = client.info().alignment
@@ -164,6 +166,7 @@ def attach_packed(client, streamed, layers: dict, group_by: str, where: str, dev
         vram_budget=budget,
         staging_bytes=staging,
         group_by=group_by,
+        **options,
     )
     assert [g.nbytes for g in handle.session.groups] == sizes.sizes
     resident = [g.resident for g in handle.session.groups]
@@ -240,6 +243,9 @@ RUNS = [
     (torch.bfloat16, None, False, "layer", "streamed"),
     (torch.bfloat16, "non-reentrant", False, "block", "mixed"),
     (torch.float32, "reentrant", True, "layer", "streamed"),
+    # A group a layer in a non-reentrant checkpoint: the staging space of a layer's codes is
+    # reused before its backward, which may keep them (convrot8's Function does).
+    (torch.bfloat16, "non-reentrant", False, "layer", "streamed"),
 ]
 
 
@@ -250,6 +256,37 @@ def test_attach_equals_the_same_packed_layers_in_place(
 ):
     packed_equality(daemon.client, form, dtype, ckpt, autocast, group_by, where)
     assert daemon.client.list_models().models == []
+
+
+@pytest.mark.parametrize("dequantize,more", [("auto", 0), ("layer", 1)])
+def test_in_a_checkpoint_a_packed_layers_quantizer_runs_as_often_as_in_place(
+    daemon, monkeypatch, dequantize, more
+):
+    """Under torch's non-reentrant checkpoint the backward runs on the recompute's forward, as
+    in place (twice a layer and step); ``dequantize="layer"`` runs it once more for the input
+    gradient, holding one layer's dequantized weight at a time."""
+    calls = []
+    forward = aitk.UIntX.forward
+    monkeypatch.setattr(aitk.UIntX, "forward", lambda q, m, x: calls.append(m) or forward(q, m, x))
+    (ref, ref_aras), (streamed, aras) = (
+        build("aitk.uint4", torch.bfloat16),
+        build("aitk.uint4", torch.bfloat16),
+    )
+    ref.ckpt = streamed.ckpt = "non-reentrant"
+    layers = packed_layers(streamed)
+    handle = attach_packed(
+        daemon.client, streamed, layers, "layer", "streamed", dequantize=dequantize
+    )
+    runs = []
+    for model, model_aras in ((ref, ref_aras), (streamed, aras)):
+        calls.clear()
+        runs.append(train_run(model, model_aras, torch.bfloat16, steps=2))
+        runs.append(len(calls))
+    assert_equal_runs(runs[0], runs[2])
+    # 18 layers, 2 steps: a forward, the checkpoint's recompute and a sampling pass each.
+    assert runs[1] == 18 * 2 * 3
+    assert runs[3] == runs[1] + 18 * 2 * more
+    handle.detach(release=True)
 
 
 @pytest.mark.parametrize("qtype", ["uint4", "uint3"])

@@ -2,12 +2,13 @@
 forward and again in backward and saves no view of streamed memory (the staging space is
 reused once released) nor any dequantized weight (an 8-bit weight is dequantized again for
 backward), with backward's input gradient computed exactly as autograd computes it for the
-layer with its weights in place. One exception needs no Function: inside torch's non-reentrant
-checkpoint, a layer whose 8-bit weight is dequantized with its group's runs its operation as
-it is (``forward``). A layer in 8-bit compute (``StreamOptions.compute``) gets a
-``compute8.W8Weight`` from ``weights`` and computes ``compute8``'s forward and input gradient
-(always through ``StreamedOp``, or ``compute8``'s own Function on a resident group's views):
-autograd cannot differentiate an 8-bit matmul, and the input gradient needs no saved input.
+layer with its weights in place. Two exceptions need no Function, inside torch's non-reentrant
+checkpoint: a layer whose 8-bit weight is dequantized with its group's runs its operation as
+it is (``forward``), and so does an ai-toolkit packed layer (``packed_in_checkpoint``). A
+layer in 8-bit compute (``StreamOptions.compute``) gets a ``compute8.W8Weight`` from
+``weights`` and computes ``compute8``'s forward and input gradient (always through
+``StreamedOp``, or ``compute8``'s own Function on a resident group's views): autograd cannot
+differentiate an 8-bit matmul, and the input gradient needs no saved input.
 
 ``forward(layer, x)`` is what runs in place of ``nn.Linear.forward``/``nn.Conv2d.forward``.
 ``layer`` is anything with the attributes of ``Layer``; ``op`` and ``input_grad`` are looked up
@@ -80,11 +81,9 @@ _TOP_SAVED_TENSORS_HOOKS = _top_saved_tensors_hooks()
 #: The pack hooks of torch's non-reentrant checkpoint (``torch.utils.checkpoint``,
 #: ``use_reentrant=False``): the forward's keeps no tensor, the recompute's keeps each until
 #: the backward unpacks it.
+_RECOMPUTE_PACK_HOOK = "_recomputation_hook.__init__.<locals>.pack_hook"
 CHECKPOINT_PACK_HOOKS = frozenset(
-    {
-        "_checkpoint_hook.__init__.<locals>.pack_hook",
-        "_recomputation_hook.__init__.<locals>.pack_hook",
-    }
+    {"_checkpoint_hook.__init__.<locals>.pack_hook", _RECOMPUTE_PACK_HOOK}
 )
 
 
@@ -249,4 +248,41 @@ def forward(layer: Layer, x, *args, **kwargs):
         # (a view) for an input's gradient. So the op runs as it is, and its backward is
         # autograd's own: no Function, no second acquire, as with the weights in place.
         return op(layer.module, x, *layer.weights(True))
+    if (
+        layer.packed is not None
+        and layer.packed.form.kind == packed.BUFFERS
+        and layer.handle.options.dequantize != "layer"
+        and in_checkpoint()
+    ):
+        return packed_in_checkpoint(layer, x)
     return StreamedOp.apply(layer, x)
+
+
+def packed_in_checkpoint(layer: Layer, x):
+    """A packed layer of ai-toolkit's (``packed.BUFFERS``: its quantizer reads its buffers off
+    the module) inside torch's non-reentrant checkpoint runs its quantizer's forward as it is,
+    and autograd's own backward follows, as with the layer in place: the recompute's forward
+    is the only one the backward needs, where ``StreamedOp`` would run it a third time for the
+    input gradient. What autograd saves from the recompute for the backward (the quantizer's
+    dequantized weight, a new tensor) lives until the layer's backward, as in place: a
+    checkpointed block's dequantized weights at once (``dequantize="layer"`` keeps
+    ``StreamedOp``). A saved tensor that is streamed memory (a quantizer's own Function that
+    keeps its codes for the backward: ai-toolkit's convrot) is copied as the checkpoint's
+    recompute keeps it: the staging space is reused once the group is released. ai-toolkit's
+    quantizers keep tensors only through ``save_for_backward``, which these hooks see."""
+    weight, bias = layer.weights(True)
+    pack, unpack = _TOP_SAVED_TENSORS_HOOKS(False)
+    if getattr(pack, "__qualname__", None) != _RECOMPUTE_PACK_HOOK:
+        # The checkpoint's first forward keeps no tensor: nothing to copy.
+        return op(layer.module, x, weight, bias)
+    streamed = {t.untyped_storage().data_ptr() for t in weight.tensors.values()}
+    if bias is not None:
+        streamed.add(bias.untyped_storage().data_ptr())
+
+    def keep(t):
+        if type(t) is torch.Tensor and t.untyped_storage().data_ptr() in streamed:
+            t = t.clone()
+        return pack(t)
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, unpack):
+        return op(layer.module, x, weight, bias)

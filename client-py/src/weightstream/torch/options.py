@@ -63,7 +63,12 @@ class StreamOptions:
       (FLUX.2's). A resident group dequantizes the same way, its weights kept for the pass
       that runs it. One group's dequantized weights are kept at a time. Same results, bit for
       bit, in every mode. Weights in a format with its own linear (torchao's) are not
-      dequantized.
+      dequantized. For ai-toolkit's packed layers (``OstrisLinear``) inside torch's
+      non-reentrant checkpoint, ``"auto"`` and ``"group"`` let the backward use what the
+      checkpoint's recompute saved, as in place (its quantizer's forward runs twice a step,
+      and a block's dequantized weights live from its recompute to its backward);
+      ``"layer"`` runs that forward a third time for each input gradient instead, holding one
+      layer's dequantized weight at a time.
     - ``early_release``: a streamed group whose every layer dequantizes by group gives its
       staging space back as soon as its first layer call of a pass has dequantized its
       weights and copied its biases (one more small kernel per group and pass), instead of
