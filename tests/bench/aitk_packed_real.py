@@ -4,6 +4,7 @@ the same quantized layers in place.
 
     python3 -m tests.bench.aitk_packed_real --aitk .aitk --bin target/debug/weightstream \\
         --out tests/bench/results          # -> $OUT/aitk_packed_real.{json,md}
+    ... --checkpoint                       # each block checkpointed: ..._checkpoint.{json,md}
 
 What runs, unchanged, from ``--aitk`` (ai-toolkit's source at the pinned commit, laid out by
 tests/bench/ai_toolkit_prepare.sh; never part of this repository): ``toolkit.util.quantize``'s
@@ -54,6 +55,9 @@ TOKENS, STEPS = 6, 3
 DTYPE_NAME = "bfloat16"
 #: Where the models are quantized and trained, and the daemon's backend (``--device``).
 DEVICE = "cpu"
+#: Each block under torch's non-reentrant checkpoint, as ai-toolkit's FLUX.2 runs its blocks
+#: with ``gradient_checkpointing`` (``--checkpoint``).
+CHECKPOINT = False
 #: The qtypes that come with an accuracy recovery adapter in ai-toolkit's UI (``uint3``/``uint4``
 #: "with ARA": Qwen-Image, HiDream, Wan 2.2).
 ARA_QTYPES = ("uint3", "uint4")
@@ -104,7 +108,10 @@ def make_model(torch, seed: int):
 
         def forward(self, h):
             for block in self.transformer_blocks:
-                h = block(h)
+                if CHECKPOINT and torch.is_grad_enabled():
+                    h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+                else:
+                    h = block(h)
             return h
 
     torch.manual_seed(seed)
@@ -471,7 +478,12 @@ def markdown(report: dict) -> str:
         f"{report['device']}; torch {report['torch']}; {report['dtype']} weights, "
         f"{BLOCKS} blocks of Linears {HIDDEN}->{HIDDEN} (bias), {HIDDEN}->{MLP} (bias), "
         f"{MLP}->{HIDDEN}; {STEPS} training steps with a rank-{RANK} ai-toolkit LoRA, then one "
-        "no_grad forward.",
+        "no_grad forward"
+        + (
+            "; each block under torch's non-reentrant checkpoint."
+            if report.get("checkpoint")
+            else "."
+        ),
         "",
         "| qtype | status | form | layers | bits/weight | compared (grads) | stand-in layout | "
         "LoRA made after attach | reason |",
@@ -524,9 +536,15 @@ def main(argv=None) -> int:
         help="cpu (the daemon's host backend) or cuda (its CUDA backend): where ai-toolkit "
         "quantizes the models and both copies train",
     )
+    ap.add_argument(
+        "--checkpoint",
+        action="store_true",
+        help="each block under torch's non-reentrant checkpoint, both copies (ai-toolkit's "
+        "gradient_checkpointing); writes aitk_packed_real_checkpoint.{json,md}",
+    )
     args = ap.parse_args(argv)
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, CHECKPOINT
+    DEVICE, CHECKPOINT = args.device, args.checkpoint
 
     install_aitk(Path(args.aitk))
     import torch
@@ -563,12 +581,14 @@ def main(argv=None) -> int:
         "machine": platform.processor() or platform.machine(),
         "torch": torch.__version__,
         "dtype": DTYPE_NAME,
+        "checkpoint": CHECKPOINT,
         "qtypes": results,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "aitk_packed_real.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "aitk_packed_real.md").write_text(markdown(report))
+    name = "aitk_packed_real_checkpoint" if CHECKPOINT else "aitk_packed_real"
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{name}.md").write_text(markdown(report))
     failed = [e["qtype"] for e in results if e["status"] == "fail"]
     print(f"failed: {failed}" if failed else "no failures", flush=True)
     return 1 if failed else 0

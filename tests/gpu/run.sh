@@ -18,12 +18,12 @@ if [ -n "$wheel" ]; then
 else
   export PYTHONPATH="$PWD/client-py/src${PYTHONPATH:+:$PYTHONPATH}"
 fi
-# torchao (the torch suite streams its quantized weights): its wheel carried in .whl/, without
-# its dependencies (the image's torch 2.11 stays).
-torchao_wheel=$(ls .whl/torchao-0.18.0-*.whl 2>/dev/null | head -1)
-if [ -n "$torchao_wheel" ]; then
+# torchao and bitsandbytes (the torch suite streams their quantized weights): their wheels
+# carried in .whl/, without their dependencies (the image's torch 2.11 stays).
+wheels=$(ls .whl/torchao-0.18.0-*.whl .whl/bitsandbytes-*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
   aodir=$(mktemp -d)
-  python3 -m pip install --quiet --no-index --no-deps --target "$aodir" "$torchao_wheel"
+  python3 -m pip install --quiet --no-index --no-deps --target "$aodir" $wheels
   export PYTHONPATH="$PYTHONPATH:$aodir"
 fi
 export PYTHONUNBUFFERED=1

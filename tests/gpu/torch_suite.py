@@ -113,7 +113,7 @@ def fused_dequant():
     """The fused kernel against the documented formula (evaluated by torch on the CPU) on the
     committed edge vectors (zeros, subnormal products, ties, +-448 * scale, tiny and huge
     scales) and on random weights of the shapes FLUX uses, in every compute dtype."""
-    vectors = load_file(str(ROOT / "daemon" / "tests" / "data" / "fp8_vectors.safetensors"))
+    vectors = load_file(str(ROOT / "daemon" / "e2e" / "tests" / "data" / "fp8_vectors.safetensors"))
     cases = [
         (vectors[f"{k[:-2]}.q"].view(torch.float8_e4m3fn), vectors[f"{k[:-2]}.scale"])
         for k in sorted(vectors)

@@ -243,10 +243,13 @@ def markdown(report: dict) -> str:
             elif r.get("mode") == "host" and r["rc"] == 0:
                 lines.append(f"- {r['label']}: no `trainable: host` line in the trainer's log")
             for st in s.get("streaming") or []:
+                per_step = st["gpu_wait_ms_per_step"]
                 lines.append(
-                    f"- {r['label']}: {st['module']}'s session: GPU wait for copies"
-                    f" {st['gpu_wait_ms_per_step']} ms a step, hit rate {st['hit_rate']},"
-                    f" {st['acquires']} acquires, {st['reply_wait_ms']} ms waiting for replies"
+                    f"- {r['label']}: {st['module']}'s session (read at {st['when']}): GPU wait"
+                    f" for copies {st['gpu_wait_ms']} ms"
+                    + (f" ({per_step} ms a step)" if per_step else "")
+                    + f", hit rate {st['hit_rate']:.3f}, {st['acquires']} acquires,"
+                    f" {st['reply_wait_ms']} ms waiting for replies"
                 )
             for rep in s.get("launcher_loading") or []:
                 peak = rep.get("peak") or {}

@@ -367,8 +367,9 @@ def trainable_report(log: str) -> dict | None:
 
 def streaming_summary(result: dict) -> list:
     """Each streamed module's daemon session as the shim read it when ai-toolkit freed or
-    detached it, or at exit (the last reading a module): the GPU's wait for copies a step,
-    the hit rate, the wait for the daemon's replies."""
+    detached it, or at exit (the last reading a module, and when it was taken): the GPU's wait
+    for copies in all and a step (where the trainer ends its steps: ``Handle.end_step``), the
+    hit rate, the wait for the daemon's replies."""
     last: dict = {}
     for s in (result.get("stubs") or {}).get("memory_manager", {}).get("session_stats") or []:
         if "gpu_wait_ns_per_step" in s:
@@ -376,6 +377,8 @@ def streaming_summary(result: dict) -> list:
     return [
         {
             "module": module,
+            "when": s["when"],
+            "gpu_wait_ms": round(s.get("gpu_wait_ns", 0) / 1e6, 1),
             "gpu_wait_ms_per_step": [round(ns / 1e6, 1) for ns in s["gpu_wait_ns_per_step"]],
             "hit_rate": s.get("hit_rate"),
             "acquires": s.get("acquires"),

@@ -433,9 +433,11 @@ def test_the_report_gives_each_streamed_modules_waits_from_its_last_reading():
     stats = [
         {"module": "Flux2", "when": "free", "gpu_wait_ns_per_step": [9_000_000], **reading},
         {"module": "Mistral", "when": "free", "error": "RuntimeError('closed')"},
+        {"module": "Mistral", "when": "free", "gpu_wait_ns_per_step": [], **reading},
         {
             "module": "Flux2",
             "when": "exit",
+            "gpu_wait_ns": 1_550_000,
             "gpu_wait_ns_per_step": [1_250_000, 300_000],
             **reading,
             "acquires": 40,
@@ -443,20 +445,22 @@ def test_the_report_gives_each_streamed_modules_waits_from_its_last_reading():
     ]
     result = dict(run, rc=0, stubs={"memory_manager": {"session_stats": stats}})
     result["summary"] = runs_24g.summarize(result)
-    assert result["summary"]["streaming"] == [
-        {
-            "module": "Flux2",
-            "gpu_wait_ms_per_step": [1.2, 0.3],
-            "hit_rate": 0.5,
-            "acquires": 40,
-            "reply_wait_ms": 2.5,
-            "bytes_copied": 7,
-        }
-    ]
+    assert result["summary"]["streaming"][0] == {
+        "module": "Flux2",
+        "when": "exit",
+        "gpu_wait_ms": 1.6,
+        "gpu_wait_ms_per_step": [1.2, 0.3],
+        "hit_rate": 0.5,
+        "acquires": 40,
+        "reply_wait_ms": 2.5,
+        "bytes_copied": 7,
+    }
     text = report_24g.markdown({"calls": [report_call([result])]})
     assert (
-        "- weightstream r32 25GB/s: Flux2's session: GPU wait for copies [1.2, 0.3] ms a step,"
-        " hit rate 0.5, 40 acquires, 2.5 ms waiting for replies\n"
+        "- weightstream r32 25GB/s: Flux2's session (read at exit): GPU wait for copies 1.6 ms"
+        " ([1.2, 0.3] ms a step), hit rate 0.500, 40 acquires, 2.5 ms waiting for replies\n"
+        "- weightstream r32 25GB/s: Mistral's session (read at free): GPU wait for copies 0.0 ms,"
+        " hit rate 0.500, 10 acquires, 2.5 ms waiting for replies\n"
     ) in text
 
 

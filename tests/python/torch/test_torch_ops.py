@@ -27,6 +27,7 @@ class FakeLayer:
         self.acquires = 0
         self.by_group = False  # its weight is handed out as it is, not a group's dequantization
         self.compute8 = self.compute_fallback = None  # computes in its own dtype
+        self.packed = None  # a plain weight, not a packed layer's tensors
         self.pinned = self.handle = None  # streamed, not resident: no handle asked
         self.group = 0
 

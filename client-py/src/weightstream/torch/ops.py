@@ -50,6 +50,8 @@ class Layer(Protocol):
     #: In an 8-bit compute session, a layer that computes in the trainer's dtype
     #: (``compute_plan.Fallback``: ``count()`` per call); else None.
     compute_fallback: object
+    #: A packed layer's ``packed.Packed`` (``weights`` gives its ``packed.State``); else None.
+    packed: object
 
     def weights(self, training: bool) -> tuple:
         """The (weight, bias) for this pass (views, or a dequantized weight); ``training``: the
