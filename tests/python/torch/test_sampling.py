@@ -111,13 +111,27 @@ def test_sampling_before_any_training_step_follows_the_forward_plan(daemon):
     sample(ref, model, 1)
     # The first pass: the plan comes in force at its first acquire, every later one is a hit.
     assert counts(handle, "sample") == (8, 7, 0)
-    assert not handle.stats()["forward_plan_recorded"], "a pass ends when the next begins"
+    assert handle.stats()["forward_plan_recorded"], "a pass ends when the model's forward returns"
     sample(ref, model, 4)
     assert counts(handle, "sample") == (40, 39, 0), "all 32 acquires after the first pass hit"
     stats = handle.stats()
     assert stats["sample_passes"] == 5 and stats["train_acquires"] == 0
     assert stats["forward_plan_recorded"] and stats["forward_plan_length"] == 8
     assert stats["pass_kind"] == "sample" and stats["misses"] == 0
+    handle.detach(release=True)
+
+
+def test_a_pass_that_runs_a_group_twice_is_recorded_whole(daemon):
+    """A pass ends when the attached model's forward returns, not when its first group comes
+    again: a block run twice in one pass (A, B, A, ...) stays in the forward plan."""
+    ref, model, handle = make_pair(daemon)
+    ref.order = model.order = [0, 1, 0, *range(2, BLOCKS)]
+    sample(ref, model, 1)
+    assert handle._passes.forward == model.order
+    before, misses = counts(handle, "sample"), handle.stats()["misses"]
+    sample(ref, model, 3)
+    assert delta(counts(handle, "sample"), before) == (27, 27, 0), "every acquire on the plan"
+    assert handle.stats()["misses"] == misses
     handle.detach(release=True)
 
 

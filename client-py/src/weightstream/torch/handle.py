@@ -17,7 +17,7 @@ from weightstream.client import Client
 from weightstream.errors import SessionFault
 from weightstream.quantize import Fp8Weight
 from weightstream.session import Session, group_specs
-from weightstream.torch import budget, compute8, compute_plan, ops, packed, passes, policy
+from weightstream.torch import budget, compute8, compute_plan, hooks, ops, packed, passes, policy
 from weightstream.torch.hooks import HookRegistry
 from weightstream.torch.options import StreamOptions
 from weightstream.torch.torchao_weights import Rebuild
@@ -382,8 +382,12 @@ class Handle:
         p = self._passes
         if not torch.is_grad_enabled() and p.record_sample(group, self._resident_groups, False):
             if p.kind == passes.SAMPLE:  # from the streamed group next, as it ran
-                plan, resident = p.forward, self._resident_groups()
-                self._install(plan, passes.next_streamed(plan, plan.index(group), resident))
+                self._follow_forward(p.forward.index(group))
+
+    def _follow_forward(self, after: int):
+        """The forward plan in force from its first streamed group after ``after`` (-1: all)."""
+        plan = self._passes.forward
+        self._install(plan, passes.next_streamed(plan, after, self._resident_groups()))
 
     def _switch(self, kind: str, group: int):
         """A pass of ``kind`` begins at an acquire of ``group``: its plan comes in force. The
@@ -529,7 +533,9 @@ class Handle:
         self._passes.enter(passes.kind_of(torch.is_grad_enabled()))
 
     def _leave_pass(self, module, args, output):
-        self._passes.leave()
+        p = self._passes  # a first sampling pass ends: as it ran, from the next one's start
+        if p.leave() and p.end_sample_pass(self._resident_groups) and p.kind == passes.SAMPLE:
+            self._follow_forward(-1)
 
     def _remove_pass_hooks(self):
         for h in self._pass_hooks:
@@ -654,7 +660,7 @@ class Handle:
         auto.start()
 
     def _auto_arm_on_backward(self, module, args, output):
-        t = _first_grad_tensor(output)
+        t = hooks.first_grad_tensor(output)
         if t is not None:
             t.register_hook(self._auto_arm)
 
@@ -781,18 +787,3 @@ def _copied(tensors: dict) -> dict:
     else:
         parts = [t.clone() for t in values]
     return dict(zip(tensors, parts, strict=True))
-
-
-def _first_grad_tensor(output):
-    """The first tensor requiring grad in a module's output (a tensor, a tuple or list, a
-    dict or a ``ModelOutput``), or None."""
-    if isinstance(output, torch.Tensor):
-        return output if output.requires_grad else None
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (tuple, list)):
-        for item in output:
-            t = _first_grad_tensor(item)
-            if t is not None:
-                return t
-    return None

@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 _ABSENT = object()  # no instance attribute: the class's forward
@@ -216,3 +217,18 @@ class HookRegistry:
     def remove_all(self):
         for name in list(self._hooks):
             self.remove(name)
+
+
+def first_grad_tensor(output):
+    """The first tensor requiring grad in a module's output (a tensor, a tuple or list, a
+    dict or a ``ModelOutput``), or None."""
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            t = first_grad_tensor(item)
+            if t is not None:
+                return t
+    return None

@@ -84,14 +84,18 @@ class KindCounters:
 
 
 class ForwardRecorder:
-    """The first sampling pass's acquisitions: complete when its first group comes again."""
+    """The first sampling pass's acquisitions: complete when the attached module's forward
+    that ran it returns (``Passes.end_sample_pass``), or, for passes that do not go through
+    that forward, when its first group comes again."""
 
     def __init__(self):
         self.groups: list[int] = []
 
-    def add(self, group: int) -> list[int] | None:
-        """Records ``group``; returns the pass once ``group`` starts the next one."""
-        if self.groups and group == self.groups[0]:
+    def add(self, group: int, in_pass: bool) -> list[int] | None:
+        """Records ``group``; returns the pass once ``group`` starts the next one, unless
+        ``in_pass`` (inside the attached module's forward, whose return ends the pass: a pass
+        may run a group twice)."""
+        if not in_pass and self.groups and group == self.groups[0]:
             return self.groups
         self.groups.append(group)
         return None
@@ -181,14 +185,28 @@ class Passes:
         done = False
         recorder = self._recorder
         if recorder is not None and (acquired or recorder.groups[-1:] != [group]):
-            recorded = recorder.add(group)  # a resident group once for its layers in a row
+            # A resident group once for its layers in a row.
+            recorded = recorder.add(group, threading.get_ident() in self._running)
             if recorded is not None:
-                recorded = with_resident(recorded, self.forward, resident())
-                self.forward, self._recorder, done = recorded, None, True
-                self._first = ...
+                done = self._recorded(recorded, resident)
         if acquired and group == self.first_streamed(resident):
             self.counters[SAMPLE].passes += 1
         return done
+
+    def end_sample_pass(self, resident: Callable[[], frozenset[int]]) -> bool:
+        """The attached module's forward of a sampling pass returned (``leave``): the first
+        pass, while recorded, is complete; True when it completed just now."""
+        recorder = self._recorder
+        return (
+            recorder is not None
+            and bool(recorder.groups)
+            and self._recorded(recorder.groups, resident)
+        )
+
+    def _recorded(self, recorded: list[int], resident) -> bool:
+        self.forward = with_resident(recorded, self.forward, resident())
+        self._recorder, self._first = None, ...
+        return True
 
     def first_streamed(self, resident: Callable[[], frozenset[int]]) -> int | None:
         """The forward plan's first group not in ``resident()``, where a sampling pass is
@@ -248,7 +266,9 @@ class Passes:
             entry = self._running.setdefault(me, [kind, 0])
             entry[1] += 1
 
-    def leave(self):
+    def leave(self) -> bool:
+        """The attached module's forward returns in this thread; True where that ends a
+        sampling pass (its outermost call)."""
         me = threading.get_ident()
         with self._lock:
             entry = self._running.get(me)
@@ -256,6 +276,8 @@ class Passes:
                 entry[1] -= 1
                 if entry[1] <= 0:
                     del self._running[me]
+                    return entry[0] == SAMPLE
+        return False
 
     def check(self, kind: str):
         """An acquire of ``kind`` in this thread (a backward's too, which runs in autograd's
