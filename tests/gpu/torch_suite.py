@@ -19,6 +19,8 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
+#: torch's fp8 quantization of the edge cases, the daemon's test fixture.
+FP8_VECTORS = ROOT / "daemon" / "e2e" / "tests" / "data" / "fp8_vectors.safetensors"
 import weightstream  # noqa: E402
 import weightstream.torch as wst  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -113,7 +115,7 @@ def fused_dequant():
     """The fused kernel against the documented formula (evaluated by torch on the CPU) on the
     committed edge vectors (zeros, subnormal products, ties, +-448 * scale, tiny and huge
     scales) and on random weights of the shapes FLUX uses, in every compute dtype."""
-    vectors = load_file(str(ROOT / "daemon" / "e2e" / "tests" / "data" / "fp8_vectors.safetensors"))
+    vectors = load_file(str(FP8_VECTORS))
     cases = [
         (vectors[f"{k[:-2]}.q"].view(torch.float8_e4m3fn), vectors[f"{k[:-2]}.scale"])
         for k in sorted(vectors)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.gpu import torch_suite  # noqa: E402
 
 CHILD = r"""
 import sys
@@ -71,7 +70,7 @@ for name, q, scale in cases:
 
 
 def test_the_kernels_compute_the_formula_under_the_interpreter():
-    vectors = ROOT / "daemon" / "e2e" / "tests" / "data" / "fp8_vectors.safetensors"
+    vectors = torch_suite.FP8_VECTORS  # the GPU suite's check reads the same file
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run(
         [sys.executable, "-c", CHILD, str(vectors)],

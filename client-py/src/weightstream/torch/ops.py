@@ -80,10 +80,10 @@ def _top_saved_tensors_hooks():
 
 
 _TOP_SAVED_TENSORS_HOOKS = _top_saved_tensors_hooks()
+_RECOMPUTE_PACK_HOOK = "_recomputation_hook.__init__.<locals>.pack_hook"
 #: The pack hooks of torch's non-reentrant checkpoint (``torch.utils.checkpoint``,
 #: ``use_reentrant=False``): the forward's keeps no tensor, the recompute's keeps each until
 #: the backward unpacks it.
-_RECOMPUTE_PACK_HOOK = "_recomputation_hook.__init__.<locals>.pack_hook"
 CHECKPOINT_PACK_HOOKS = frozenset(
     {"_checkpoint_hook.__init__.<locals>.pack_hook", _RECOMPUTE_PACK_HOOK}
 )
