@@ -41,9 +41,12 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
         self.skip: set[int] = set()  # blocks a pass leaves out (a model changed between passes)
         self.order = list(range(BLOCKS))  # the blocks in the order a pass runs them
+        self.fail_at: int | None = None  # a pass raises before this block
 
     def forward(self, x):
         for i in self.order:
+            if i == self.fail_at:
+                raise RuntimeError(f"stopped before block {i}")
             if i not in self.skip:
                 x = self.blocks[i](x)
         return x
@@ -132,6 +135,21 @@ def test_a_pass_that_runs_a_group_twice_is_recorded_whole(daemon):
     sample(ref, model, 3)
     assert delta(counts(handle, "sample"), before) == (27, 27, 0), "every acquire on the plan"
     assert handle.stats()["misses"] == misses
+    handle.detach(release=True)
+
+
+def test_a_pass_that_raises_is_not_recorded_as_the_forward_plan(daemon):
+    ref, model, handle = make_pair(daemon)
+    model.fail_at = 3
+    with torch.no_grad(), pytest.raises(RuntimeError, match="stopped before block 3"):
+        model(X)
+    assert not handle.stats()["forward_plan_recorded"]
+    model.fail_at = None
+    sample(ref, model, 1)
+    assert handle._passes.forward == list(range(BLOCKS)), "the next pass from its start"
+    before = counts(handle, "sample")
+    sample(ref, model, 2)
+    assert delta(counts(handle, "sample"), before) == (16, 16, 0)
     handle.detach(release=True)
 
 

@@ -534,7 +534,8 @@ class Handle:
 
     def _leave_pass(self, module, args, output):
         p = self._passes  # a first sampling pass ends: as it ran, from the next one's start
-        if p.leave() and p.end_sample_pass(self._resident_groups) and p.kind == passes.SAMPLE:
+        ended = p.leave() and p.end_sample_pass(self._resident_groups, output is not None)
+        if ended and p.kind == passes.SAMPLE:  # (torch passes None where the forward raised)
             self._follow_forward(-1)
 
     def _remove_pass_hooks(self):

@@ -193,15 +193,17 @@ class Passes:
             self.counters[SAMPLE].passes += 1
         return done
 
-    def end_sample_pass(self, resident: Callable[[], frozenset[int]]) -> bool:
+    def end_sample_pass(self, resident: Callable[[], frozenset[int]], ran: bool = True) -> bool:
         """The attached module's forward of a sampling pass returned (``leave``): the first
-        pass, while recorded, is complete; True when it completed just now."""
+        pass, while recorded, is complete; True when it completed just now. One that raised
+        (not ``ran``) is dropped: the next pass is recorded from its start."""
         recorder = self._recorder
-        return (
-            recorder is not None
-            and bool(recorder.groups)
-            and self._recorded(recorder.groups, resident)
-        )
+        if recorder is None or not recorder.groups:
+            return False
+        if not ran:
+            self._recorder = ForwardRecorder()
+            return False
+        return self._recorded(recorder.groups, resident)
 
     def _recorded(self, recorded: list[int], resident) -> bool:
         self.forward = with_resident(recorded, self.forward, resident())
