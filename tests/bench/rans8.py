@@ -111,28 +111,29 @@ def encode(data: np.ndarray, lanes: int = LANES) -> Coded:
     return Coded(n, lanes, freq16, x.astype(np.uint32), offsets, words)
 
 
-def tables(c: Coded) -> tuple[np.ndarray, np.ndarray]:
-    """The decoder's tables: the byte of each of the 4096 slots (uint8), and each byte's
-    ``freq << 16 | cum`` (uint32)."""
+def table(c: Coded) -> np.ndarray:
+    """The decoder's table, one uint32 a slot of the 4096: its byte (bits 0-7), the byte's
+    frequency less 1 (bits 8-19) and the slot's place in the byte's range (slot - cum, bits
+    20-31), so that a step reads one entry."""
     freq = c.freq.astype(np.uint32)
     cum = np.concatenate([[0], np.cumsum(freq)[:-1]]).astype(np.uint32)
-    return np.repeat(np.arange(256, dtype=np.uint8), freq), (freq << 16) | cum
+    byte = np.repeat(np.arange(256, dtype=np.uint32), freq)
+    slot = np.arange(1 << SCALE_BITS, dtype=np.uint32)
+    return byte | ((freq[byte] - 1) << 8) | ((slot - cum[byte]) << 20)
 
 
 def decode_numpy(c: Coded) -> np.ndarray:
     """The bytes ``c`` codes (uint8[n]), decoded on the CPU, all lanes a step at a time."""
-    lut, packed = tables(c)
-    freq, cum = (packed >> 16).astype(np.int64), (packed & 0xFFFF).astype(np.int64)
+    entries = table(c).astype(np.int64)
     words = c.words.astype(np.int64)
     x = c.states.astype(np.int64)
     at = c.offsets[:-1].astype(np.int64)
     steps = -(-c.n // c.lanes)
     out = np.empty((steps, c.lanes), np.uint8)
     for t in range(steps):
-        slot = x & ((1 << SCALE_BITS) - 1)
-        s = lut[slot]
-        out[t] = s
-        x = freq[s] * (x >> SCALE_BITS) + slot - cum[s]
+        e = entries[x & ((1 << SCALE_BITS) - 1)]
+        out[t] = e & 0xFF
+        x = (((e >> 8) & 0xFFF) + 1) * (x >> SCALE_BITS) + (e >> 20)
         need = x < L
         x[need] = (x[need] << 16) | words[at[need]]
         at += need
@@ -150,7 +151,7 @@ def kernel():
 
         # n and lanes as arguments at any value (Triton makes an argument of 1 a constant).
         @triton.jit(do_not_specialize=["n", "lanes"])
-        def rans8_decode(states, offsets, words, lut, packed, out, n, lanes, B: tl.constexpr):
+        def rans8_decode(states, offsets, words, table, out, n, lanes, B: tl.constexpr):
             lane = tl.program_id(0) * B + tl.arange(0, B)
             live = lane < lanes
             x = tl.load(states + lane, mask=live, other=65536).to(tl.uint32, bitcast=True)
@@ -158,11 +159,9 @@ def kernel():
             dst = out + lane
             left = n  # bytes from this step's first on: one step while any are left
             while left > 0:
-                slot = (x & 4095).to(tl.int32)
-                s = tl.load(lut + slot).to(tl.int32)
-                e = tl.load(packed + s).to(tl.uint32, bitcast=True)
-                tl.store(dst, s.to(tl.uint8), mask=live & (lane < left))
-                x = (e >> 16) * (x >> 12) + (slot.to(tl.uint32) - (e & 0xFFFF))
+                e = tl.load(table + (x & 4095).to(tl.int32)).to(tl.uint32, bitcast=True)
+                tl.store(dst, (e & 0xFF).to(tl.uint8), mask=live & (lane < left))
+                x = (((e >> 8) & 0xFFF) + 1) * (x >> 12) + (e >> 20)
                 need = live & (x < 65536)
                 w = tl.load(words + at, mask=need, other=0).to(tl.uint32) & 0xFFFF
                 x = tl.where(need, (x << 16) | w, x)
@@ -182,13 +181,11 @@ def to_device(c: Coded, device) -> dict:
     (uint32 and uint16 as int32 and int16 of the same bits)."""
     import torch
 
-    lut, packed = tables(c)
     arrays = {
         "states": c.states.view(np.int32),
         "offsets": c.offsets.view(np.int32),
         "words": c.words.view(np.int16) if c.words.size else np.zeros(1, np.int16),
-        "lut": lut,
-        "packed": packed.view(np.int32),
+        "table": table(c).view(np.int32),
     }
     return {k: torch.from_numpy(np.ascontiguousarray(a)).to(device) for k, a in arrays.items()}
 
@@ -201,8 +198,7 @@ def launch(c: Coded, on: dict, out) -> None:
         on["states"],
         on["offsets"],
         on["words"],
-        on["lut"],
-        on["packed"],
+        on["table"],
         out,
         c.n,
         c.lanes,
