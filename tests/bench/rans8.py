@@ -22,7 +22,8 @@ equal byte for byte; and the link time the saving spares at 25 GB/s over the dec
 ``run_codec``). On the GPU machine (the nvCOMP wheels as ``nvcomp8.py`` installs them):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/nvc .nvc/*.whl
-    PYTHONPATH=/tmp/nvc:client-py/src python3 -m tests.bench.rans8 --out $OUT [--lanes K] [--mib M]
+    PYTHONPATH=/tmp/nvc:client-py/src python3 -m tests.bench.rans8 --out $OUT \\
+        [--lanes K,...] [--mib M]
 
 Results: $OUT/rans8.json and rans8.md, with the command, the commit and the device.
 """
@@ -251,7 +252,8 @@ def markdown(report: dict) -> str:
         "",
         f"- command: `{report['command']}`",
         f"- commit: {report['commit']}; device: {report['device']}; nvCOMP: {report['nvcomp']}",
-        f"- rANS: {report['lanes']} lanes, 12-bit frequencies, one table a format's codes; "
+        f"- rANS: {', '.join(map(str, report['lanes']))} lanes, 12-bit frequencies, one table "
+        "a format's codes; "
         "saved counts its table, states and offsets; scales stored as they are",
         f"- each decode run {report['repeat']} times (the median); spared / decode: the link "
         f"time the saving spares at {nvcomp8.LINK_GBPS:g} GB/s over the time the decode takes",
@@ -276,7 +278,7 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     p = entropy8.parser("rans8")
     p.add_argument("--repeat", type=int, default=9)
-    p.add_argument("--lanes", type=int, default=LANES)
+    p.add_argument("--lanes", default=f"{LANES},{4 * LANES}", help="lane counts, comma-separated")
     p.add_argument("--mib", type=float, default=0, help="each weight's first rows of M MiB")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     import torch
@@ -290,7 +292,8 @@ def main(argv=None) -> int:
         from nvidia import nvcomp
     except ImportError:
         nvcomp = None
-    codecs = {f"rANS {args.lanes} lanes": {"lanes": args.lanes}}
+    lanes = [int(k) for k in args.lanes.split(",")]
+    codecs = {f"rANS {k} lanes": {"lanes": k} for k in lanes}
     if nvcomp is not None:
         codecs["ANS"] = nvcomp8.CODECS["ANS"]
     rows = []
@@ -304,7 +307,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(),
         "nvcomp": getattr(nvcomp, "__version__", "unknown") if nvcomp else "not installed",
         "repeat": args.repeat,
-        "lanes": args.lanes,
+        "lanes": lanes,
         "rows": rows,
     }
     write_report(args.out, "rans8", report, markdown(report))
