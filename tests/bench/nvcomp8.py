@@ -223,18 +223,20 @@ def markdown(report: dict) -> str:
         "| weights | format | codec | saved | decode GB/s | spared / decode | equal |",
         "|---|---|---|---|---|---|---|",
     ]
-    for r in report["rows"]:
-        head = f"| {r['weights']} | {r['format']} | {r['codec']} |"
-        if "error" in r:
-            lines.append(f"{head} {r['error'][:80]} | - | - | - |")
-            continue
-        gbps = f"{r['decode_gbps']:.1f}" if r["decode_gbps"] else "-"
-        ratio = f"{r['spared_over_decode']:.2f}" if r["spared_over_decode"] is not None else "-"
-        lines.append(
-            f"{head} {100 * r['saved']:.1f} % | {gbps} | {ratio} | "
-            f"{'yes' if r['equal'] else '**no**'} |"
-        )
+    lines += [table_row(r) for r in report["rows"]]
     return "\n".join(lines) + "\n"
+
+
+def table_row(r: dict, more: tuple[str, ...] = ()) -> str:
+    """A row's line of the table: weights, format, codec, saved, decode GB/s, spared / decode,
+    equal, and the cells ``more`` (a row that failed: its error and dashes)."""
+    head = f"| {r['weights']} | {r['format']} | {r['codec']} |"
+    if "error" in r:
+        return f"{head} {r['error'][:80]} |" + " - |" * (3 + len(more))
+    gbps = f"{r['decode_gbps']:.1f}" if r["decode_gbps"] else "-"
+    ratio = f"{r['spared_over_decode']:.2f}" if r["spared_over_decode"] is not None else "-"
+    cells = [f"{100 * r['saved']:.1f} %", gbps, ratio, "yes" if r["equal"] else "**no**", *more]
+    return f"{head} {' | '.join(cells)} |"
 
 
 def main(argv=None) -> int:

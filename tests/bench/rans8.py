@@ -262,16 +262,9 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
-        head = f"| {r['weights']} | {r['format']} | {r['codec']} |"
-        if "error" in r:
-            lines.append(f"{head} {r['error'][:80]} | - | - | - | - |")
-            continue
         where = f"CPU {r['encode_mbps']:.0f} MB/s" if "encode_mbps" in r else "device"
-        lines.append(
-            f"{head} {100 * r['saved']:.1f} % | {r['decode_gbps']:.1f} | "
-            f"{r['spared_over_decode']:.2f} | {'yes' if r['equal'] else '**no**'} | "
-            f"{r['encode_s']:.3f} s ({where}) |"
-        )
+        encode = f"{r['encode_s']:.3f} s ({where})" if "encode_s" in r else "-"
+        lines.append(nvcomp8.table_row(r, (encode,)))
     return "\n".join(lines) + "\n"
 
 

@@ -118,3 +118,21 @@ def test_main_without_a_cuda_device_says_so_and_exits_2(monkeypatch, capsys, tmp
     assert exit_.value.code == 2
     assert "rans8 needs a CUDA device: its decoder runs on the GPU" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_report_has_a_row_a_codec_with_where_it_encoded():
+    row = {"weights": "w", "format": "fp8_row", "saved": 0.125, "decode_gbps": 150.0}
+    row |= {"spared_over_decode": 0.9, "equal": True, "encode_s": 1.5}
+    rows = [
+        {**row, "codec": "rANS 64 lanes", "encode_mbps": 30.0},
+        {**row, "codec": "ANS", "equal": False},
+        {"weights": "w", "format": "int8_row", "codec": "ANS", "error": "E: x"},
+    ]
+    report = {"command": "c", "commit": "k", "device": "d", "nvcomp": "6", "repeat": 9}
+    md = rans8.markdown({**report, "lanes": [64], "rows": rows})
+    assert (
+        "| w | fp8_row | rANS 64 lanes | 12.5 % | 150.0 | 0.90 | yes | 1.500 s (CPU 30 MB/s) |"
+        in md
+    )
+    assert "| w | fp8_row | ANS | 12.5 % | 150.0 | 0.90 | **no** | 1.500 s (device) |" in md
+    assert "| w | int8_row | ANS | E: x | - | - | - | - |" in md
