@@ -282,7 +282,8 @@ def packed_in_checkpoint(layer: Layer, x):
         streamed.add(bias.untyped_storage().data_ptr())
 
     def keep(t):
-        if type(t) is torch.Tensor and t.untyped_storage().data_ptr() in streamed:
+        plain = type(t) is torch.Tensor and t.layout == torch.strided
+        if plain and t.untyped_storage().data_ptr() in streamed:
             t = t.clone()
         return pack(t)
 
