@@ -89,14 +89,21 @@ CHECKPOINT_PACK_HOOKS = frozenset(
 )
 
 
-def in_checkpoint() -> bool:
-    """True while the innermost saved-tensor hooks are torch's non-reentrant checkpoint's (its
-    forward, or its recompute in the backward); False elsewhere, and where this torch's
-    checkpoint cannot be recognised."""
+def checkpoint_hooks() -> tuple | None:
+    """The innermost saved-tensor hooks, (pack, unpack), where they are torch's non-reentrant
+    checkpoint's (its forward, or its recompute in the backward); None elsewhere, and where
+    this torch's checkpoint cannot be recognised."""
     if _TOP_SAVED_TENSORS_HOOKS is None:
-        return False
+        return None
     top = _TOP_SAVED_TENSORS_HOOKS(False)
-    return top is not None and getattr(top[0], "__qualname__", None) in CHECKPOINT_PACK_HOOKS
+    if top is not None and getattr(top[0], "__qualname__", None) in CHECKPOINT_PACK_HOOKS:
+        return top
+    return None
+
+
+def in_checkpoint() -> bool:
+    """True while the innermost saved-tensor hooks are torch's non-reentrant checkpoint's."""
+    return checkpoint_hooks() is not None
 
 
 def op(module: nn.Module, x, weight, bias, compute=None):
@@ -254,13 +261,13 @@ def forward(layer: Layer, x, *args, **kwargs):
         layer.packed is not None
         and layer.packed.form.kind == packed.BUFFERS
         and layer.handle.options.dequantize != "layer"
-        and in_checkpoint()
+        and (hooks := checkpoint_hooks()) is not None
     ):
-        return packed_in_checkpoint(layer, x)
+        return packed_in_checkpoint(layer, x, hooks)
     return StreamedOp.apply(layer, x)
 
 
-def packed_in_checkpoint(layer: Layer, x):
+def packed_in_checkpoint(layer: Layer, x, hooks: tuple):
     """A packed layer of ai-toolkit's (``packed.BUFFERS``: its quantizer reads its buffers off
     the module) inside torch's non-reentrant checkpoint runs its quantizer's forward as it is,
     and autograd's own backward follows, as with the layer in place: the recompute's forward
@@ -271,10 +278,11 @@ def packed_in_checkpoint(layer: Layer, x):
     ``StreamedOp``). A saved tensor that is streamed memory (a quantizer's own Function that
     keeps its codes for the backward: ai-toolkit's convrot) is copied as the checkpoint's
     recompute keeps it: the staging space is reused once the group is released. ai-toolkit's
-    quantizers keep tensors only through ``save_for_backward``, which these hooks see."""
+    quantizers keep tensors only through ``save_for_backward``, which these hooks see.
+    ``hooks``: the checkpoint's (``checkpoint_hooks``)."""
     weight, bias = layer.weights(True)
-    pack, unpack = _TOP_SAVED_TENSORS_HOOKS(False)
-    if getattr(pack, "__qualname__", None) != _RECOMPUTE_PACK_HOOK:
+    pack, unpack = hooks
+    if pack.__qualname__ != _RECOMPUTE_PACK_HOOK:
         # The checkpoint's first forward keeps no tensor: nothing to copy.
         return op(layer.module, x, weight, bias)
     streamed = {t.untyped_storage().data_ptr() for t in weight.tensors.values()}
