@@ -33,6 +33,8 @@ struct State {
     session: Option<ws::Session>,
     /// Submitted, not yet waited for: ticket -> its reply.
     pending: HashMap<u64, ws::Submitted>,
+    /// Replies taken by `settle`, not yet by `wait`: ticket -> (group, reply).
+    settled: HashMap<u64, (u32, Result<ws::proto::Staged, ws::ClientError>)>,
     layout: Option<Py<records::OpenSessionResponse>>,
 }
 
@@ -64,6 +66,7 @@ impl Session {
                 generation: generation(),
                 session: Some(session),
                 pending: HashMap::new(),
+                settled: HashMap::new(),
                 layout: Some(layout),
             }),
         })
@@ -102,6 +105,10 @@ impl Session {
     }
 
     fn wait_inner(&self, py: Python<'_>, ticket: u64) -> PyResult<records::Staged> {
+        let settled = self.state()?.settled.remove(&ticket);
+        if let Some((group, reply)) = settled {
+            return self.staged(ticket, group, reply.py_err()?, None);
+        }
         let mut submitted = self
             .state()?
             .pending
@@ -211,6 +218,12 @@ impl Session {
     fn try_wait(&self, ticket: u64) -> PyResult<Option<records::Staged>> {
         let (group, reply) = {
             let mut state = self.state()?;
+            if let Some(settled) = state.settled.remove(&ticket) {
+                drop(state);
+                return self
+                    .staged(ticket, settled.0, settled.1.py_err()?, None)
+                    .map(Some);
+            }
             let submitted = state
                 .pending
                 .get_mut(&ticket)
@@ -225,6 +238,26 @@ impl Session {
             }
         };
         self.staged(ticket, group, reply.py_err()?, None).map(Some)
+    }
+
+    /// Waits (GIL released) until `ticket`'s reply has come, and keeps it for `wait` (or
+    /// `try_wait`), which then returns it at once. The time spent here is not counted as a
+    /// wait for weights: a caller settles tickets between steps, on purpose.
+    fn settle(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
+        let mut submitted = {
+            let mut state = self.state()?;
+            if state.settled.contains_key(&ticket) {
+                return Ok(());
+            }
+            (state.pending.remove(&ticket)).ok_or_else(|| PyKeyError::new_err(ticket))?
+        };
+        let reply = match submitted.try_staged() {
+            Some(reply) => reply,
+            None => park_on(py, &mut submitted)?,
+        };
+        let group = submitted.group();
+        self.state()?.settled.insert(ticket, (group, reply));
+        Ok(())
     }
 
     /// Adds a wait of `ns` nanoseconds for `group` that the caller measured (on CUDA: on its
@@ -387,6 +420,7 @@ impl Session {
         let session = {
             let mut state = self.state()?;
             state.pending.clear();
+            state.settled.clear();
             state.layout = None;
             state.session.take()
         };

@@ -238,11 +238,17 @@ impl Collector for DaemonCollector {
         let per_session = |f: &dyn Fn(usize) -> f64| -> Vec<([(&str, &str); 4], f64)> {
             labels.iter().enumerate().map(|(i, l)| (*l, f(i))).collect()
         };
-        let session_counters: [Series; 8] = [
+        let session_counters: [Series; 9] = [
             (
                 "weightstream_session_streamed_bytes",
                 "Bytes copied to the device for the session.",
                 &|i| stats[i].bytes_copied as f64,
+            ),
+            (
+                "weightstream_session_bytes_from_device",
+                "Bytes staged for the session from another session's resident groups, within \
+                 the device (not over the link).",
+                &|i| stats[i].bytes_from_device as f64,
             ),
             (
                 "weightstream_session_copies",

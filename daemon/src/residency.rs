@@ -39,12 +39,15 @@ pub struct ResidentLease {
     pub copied_bytes: u64,
 }
 
-/// Live resident regions per (model id, device), by group.
-type ResidentSets = HashMap<(String, usize), HashMap<GroupKey, Weak<dyn DeviceRegion>>>;
+/// Live resident regions per model id and device, by group.
+type ResidentSets = HashMap<String, HashMap<usize, HashMap<GroupKey, Weak<dyn DeviceRegion>>>>;
 
 #[derive(Default)]
 pub struct ResidencyRegistry {
-    sets: Mutex<ResidentSets>,
+    /// Held only to read or change the map, never across an await.
+    sets: std::sync::Mutex<ResidentSets>,
+    /// Held across a lease's copies, so that two sessions opening at once share one copy.
+    leasing: Mutex<()>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -72,23 +75,47 @@ impl ResidencyRegistry {
         if wanted.is_empty() {
             return Ok(lease);
         }
-        // Held across the copy so that two sessions opening at once share one copy.
-        let mut sets = self.sets.lock().await;
-        let live = sets.entry((model_id.to_string(), device)).or_default();
-        live.retain(|_, w| w.strong_count() > 0);
+        let _leasing = self.leasing.lock().await;
         let mut missing = Vec::new();
-        for want in wanted {
-            match live.get(&want.key).and_then(Weak::upgrade) {
-                Some(region) => lease.hold(want.key, region),
-                None => missing.push(want),
+        {
+            let mut sets = self.sets();
+            let live = sets.entry(model_id.to_string()).or_default();
+            let live = live.entry(device).or_default();
+            live.retain(|_, w| w.strong_count() > 0);
+            for want in wanted {
+                match live.get(&want.key).and_then(Weak::upgrade) {
+                    Some(region) => lease.hold(want.key, region),
+                    None => missing.push(want),
+                }
             }
         }
-        for (key, region) in place_missing(backend, scheduler, session, device, missing).await? {
+        let placed = place_missing(backend, scheduler, session, device, missing).await?;
+        let mut sets = self.sets();
+        let live = sets.entry(model_id.to_string()).or_default();
+        let live = live.entry(device).or_default();
+        for (key, region) in placed {
             lease.copied_bytes += region.size();
             live.insert(key.clone(), Arc::downgrade(&region));
             lease.hold(key, region);
         }
         Ok(lease)
+    }
+
+    /// The region that holds `key` of `model_id` resident on `device`, if a session keeps one
+    /// there now (its bytes are the group's, laid out as in a staging block, from offset 0):
+    /// a staging copy can come from it instead of over the link.
+    pub fn region(
+        &self,
+        model_id: &str,
+        device: usize,
+        key: &str,
+    ) -> Option<Arc<dyn DeviceRegion>> {
+        let sets = self.sets();
+        sets.get(model_id)?.get(&device)?.get(key)?.upgrade()
+    }
+
+    fn sets(&self) -> std::sync::MutexGuard<'_, ResidentSets> {
+        self.sets.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 

@@ -101,7 +101,10 @@ pub enum CopyError {
 #[derive(Debug)]
 pub struct CopyOutcome {
     pub result: Result<(), CopyError>,
+    /// Bytes over the link (a copy's from the store, a grant's).
     pub bytes: u64,
+    /// Bytes copied within the device (from a resident region).
+    pub from_device: u64,
     /// How long the backend's `copy` took: the copy itself on the host, queueing it on CUDA.
     pub elapsed: Duration,
 }
@@ -151,7 +154,7 @@ impl Work {
     /// What its next turn charges: a whole copy, or a grant's next piece.
     fn turn_bytes(&self) -> u64 {
         match self {
-            Work::Copy(job) => job.bytes(),
+            Work::Copy(job) => job.link_bytes(),
             Work::Grant { left, .. } => (*left).min(PACED_CHUNK),
         }
     }
@@ -445,6 +448,7 @@ impl CopyScheduler {
             return (req.done)(CopyOutcome {
                 result: Ok(()),
                 bytes,
+                from_device: 0,
                 elapsed: Duration::ZERO,
             });
         }
@@ -596,6 +600,7 @@ fn cancel(req: CopyRequest) {
     (req.done)(CopyOutcome {
         result: Err(CopyError::Cancelled),
         bytes: 0,
+        from_device: 0,
         elapsed: Duration::ZERO,
     });
 }
@@ -735,7 +740,10 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
                 }
             }
         };
-        let bytes = req.work.bytes();
+        let (bytes, from_device) = match &req.work {
+            Work::Copy(job) => (job.link_bytes(), job.device_bytes()),
+            Work::Grant { bytes, .. } => (*bytes, 0),
+        };
         let turn = req.work.turn_bytes();
         let CopyRequest {
             session,
@@ -746,11 +754,12 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
         } = req;
         let started = Instant::now();
         let (ran, grant_left) = match (work, &mut link) {
-            (Work::Copy(job), None) => (Ran::once(backend.copy(device, job)), None),
-            (Work::Copy(job), Some(bucket)) => {
+            // A copy within the device does not cross the link: not paced.
+            (Work::Copy(job), Some(bucket)) if job.link_bytes() > 0 => {
                 let ran = run_paced(device, queue, backend, clock, bucket, job);
                 (ran, None)
             }
+            (Work::Copy(job), _) => (Ran::once(backend.copy(device, job)), None),
             (Work::Grant { left, .. }, None) => (Ran::nothing(), Some(left - turn)),
             (Work::Grant { left, .. }, Some(bucket)) => {
                 let ran = pace_grant_piece(queue, clock, bucket, turn);
@@ -792,6 +801,7 @@ fn copy_loop(device: usize, queue: &DeviceQueue, backend: &dyn Backend, clock: &
         done(CopyOutcome {
             result,
             bytes,
+            from_device,
             elapsed,
         });
     }
@@ -842,6 +852,7 @@ fn back_loop(queue: &DeviceQueue, clock: &dyn Clock, mut bucket: TokenBucket) {
         (req.done)(CopyOutcome {
             result,
             bytes,
+            from_device: 0,
             elapsed: Duration::ZERO,
         });
         state = queue.lock();
@@ -951,6 +962,7 @@ fn split_job(job: CopyJob, chunk: u64) -> Vec<CopyJob> {
     let CopyJob {
         region,
         spans,
+        mut from_device,
         events,
         wait,
         record,
@@ -989,6 +1001,8 @@ fn split_job(job: CopyJob, chunk: u64) -> Vec<CopyJob> {
             CopyJob {
                 region: region.clone(),
                 spans,
+                // Copies within the device go with the first piece, unpaced.
+                from_device: std::mem::take(&mut from_device),
                 events: events.clone(),
                 wait: wait.take().unwrap_or_default(),
                 record: if last { record } else { None },
@@ -1427,6 +1441,74 @@ mod pacing_tests {
 
         let (_, stats, clock) = run_on_fake_clock(None, &[], &jobs);
         assert_eq!((clock.now(), stats.throttled_ns), (Duration::ZERO, 0));
+    }
+
+    /// A copy within the device does not cross the link: under a device limit and a session
+    /// share it goes at once, unthrottled and uncharged (the bytes over the link are counted
+    /// apart from it), and its bytes land where it says.
+    #[test]
+    fn a_copy_within_the_device_is_neither_paced_nor_charged() {
+        let (backend, tensor) = backend_and_tensor();
+        let resident = backend.alloc_region(0, 48 * MIB, "resident").unwrap();
+        let staging = backend.alloc_region(0, 48 * MIB, "staging").unwrap();
+        let clock = Arc::new(FakeClock::default());
+        let pacing = Pacing {
+            device_limit: rate(100_000_000),
+            clock: clock.clone(),
+        };
+        let scheduler = CopyScheduler::start_paced(backend.clone(), 1, pacing).unwrap();
+        let _share = scheduler.set_share(0, 1, rate(100_000_000).unwrap());
+        let (tx, rx) = mpsc::channel();
+        let fill = job_of(&resident, &tensor, 48);
+        let within = CopyJob::within(
+            staging.clone(),
+            crate::backend::DeviceSlice {
+                region: resident.clone(),
+                offset: 10,
+                len: 40 * MIB,
+            },
+            MIB,
+        );
+        // Filled directly, as a resident region is before any staging copy reads it.
+        backend.copy(0, fill).unwrap();
+        for (tag, job) in [(0, within), (1, job_of(&staging, &tensor, 8))] {
+            let (tx, clock) = (tx.clone(), clock.clone());
+            scheduler.submit(
+                0,
+                CopyRequest {
+                    session: 1,
+                    tag,
+                    priority: Priority::Demand,
+                    work: Work::Copy(job),
+                    done: Box::new(move |o| {
+                        assert!(o.result.is_ok(), "{:?}", o.result);
+                        tx.send((tag, o.bytes, o.from_device, clock.now())).unwrap();
+                    }),
+                },
+            );
+        }
+        let got: Vec<_> = (0..2)
+            .map(|_| rx.recv_timeout(Duration::from_secs(10)).unwrap())
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (0, 0, 40 * MIB, Duration::ZERO),
+                (1, 8 * MIB, 0, Duration::ZERO)
+            ],
+            "the 16 MiB burst holds the 8 MiB over the link; the 40 MiB within take none of it"
+        );
+        let stats = scheduler.stats(0);
+        assert_eq!((stats.bytes, stats.throttled_ns), (8 * MIB, 0));
+        scheduler.shutdown();
+        let read = |r: &Arc<dyn crate::backend::DeviceRegion>, at: u64, len: u64| {
+            crate::backend::host::tests::read_region(r, at, len)
+        };
+        assert_eq!(
+            read(&staging, 8 * MIB, 32 * MIB),
+            read(&resident, 10 + 7 * MIB, 32 * MIB),
+            "past the 8 MiB copied over it, the bytes within the device are the resident ones"
+        );
     }
 
     /// A grant of `bytes` for `session` that reports (tag, result, fake time) to `tx`.

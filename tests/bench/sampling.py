@@ -454,6 +454,12 @@ def markdown(report: dict) -> str:
                     f"{seg['sampling_resident_kept_groups']} "
                     f"({seg['sampling_resident_kept_bytes'] / 2**30:.2f} GiB)"
                 )
+            if seg.get("sampling_resident_kept_staged_groups"):
+                made += (
+                    f"; the groups the next step stages first, staged within the device: "
+                    f"{seg['sampling_resident_kept_staged_groups']} "
+                    f"({seg['sampling_resident_kept_staged_bytes'] / 2**30:.2f} GiB)"
+                )
             lines.append(
                 f"- {phase} training, `sampling()` began in {rec['enter_s']:.3f} s and ended in "
                 f"{rec['exit_s']:.3f} s (at a sampling budget: the session opened again){made}"

@@ -155,6 +155,28 @@ class Suite:
         assert after.bytes_copied > 0 and after.reuses > 0
         return f"hit rate {hits / acquires:.3f}, copied {after.bytes_copied / MiB:.0f} MiB"
 
+    def staged_within_device(self):
+        """A session with every small group resident, and the small session beside it: its
+        staging copies come from the first's resident regions, within the device (none over
+        the link), byte for byte."""
+        groups = self.small_groups()
+        sizes = {t.name: t.nbytes for t in self.manifest.tensors}
+        everything = sum(sizes[g] for g, _ in groups) + 96 * MiB * 2
+        holder = wsgpu.Session(
+            self.client, self.manifest.model_id, budget=everything, staging=96 * MiB, groups=groups
+        )
+        try:
+            assert all(g.resident for g in holder.opened.groups), "not all resident"
+            session = self.small_session()
+            wrong = self.run_steps(session, 2)
+            stats = session.stats()
+            session.close()
+        finally:
+            holder.close()
+        assert wrong == 0, f"{wrong} groups with wrong bytes"
+        assert stats.bytes_copied == 0 and stats.bytes_from_device > 0, stats
+        return f"{stats.bytes_from_device / MiB:.0f} MiB within the device, {stats.copies} copies"
+
     def ordering(self):
         big = [t for t in self.manifest.tensors if t.name.startswith("big.")]
         groups = [(t.name, [t.name]) for t in big]
@@ -277,6 +299,7 @@ class Suite:
         if not hasattr(self, "manifest"):
             return self.finish()
         self.check("bytes: every group exact under a plan, >= 95 % hits", self.bytes_under_plan)
+        self.check("staged from another session's resident groups", self.staged_within_device)
         self.check("ordering: ready event orders reads; control sees stale", self.ordering)
         self.check("two consumer processes at once, one host copy", self.two_consumers)
         self.check("SIGKILL mid-step: memory back, the other goes on", self.sigkill)

@@ -199,6 +199,11 @@ class Session:
             return self._ticket(self._native.wait(number), stream)
         return self._timed(number, stream, block=True)
 
+    def settle(self, number: int) -> None:
+        """Blocks until ticket ``number``'s reply has come, keeping it for ``wait`` or
+        ``poll``; not counted as a wait for weights (a caller settles between steps)."""
+        self._native.settle(number)
+
     def poll(self, number: int, stream: torch.cuda.Stream | None = None) -> Ticket | None:
         """``wait(number)`` if the ticket's reply has come, else None at once (the ticket is
         still to be waited for)."""

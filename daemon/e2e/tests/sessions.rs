@@ -390,6 +390,38 @@ async fn a_shared_group_outlives_its_maker_alone() {
     assert_eq!(f.daemon.shm_count("resident"), 0);
 }
 
+/// A group another session keeps resident on the device is staged from its region, within the
+/// device: the same bytes, none of them over the link; once that session ends, over the link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn staging_copies_come_from_another_sessions_resident_groups() {
+    let f = fixture(16, 6).await;
+    let n = f.group_count();
+    let mut first_client = f.daemon.client().await;
+    let mut second_client = f.daemon.client().await;
+    let first = first_client.open_session(f.options(2, 8)).await.unwrap();
+    assert!(first.layout().groups.iter().all(|g| g.resident));
+    // Staging of 2 layers, nothing resident: every group of a step is staged.
+    let second = second_client.open_session(f.options(2, 2)).await.unwrap();
+    assert!(second.layout().groups.iter().all(|g| !g.resident));
+    let step = forward_backward(n);
+    run_step(&second, &step, &f.expected).await;
+    let st = stats(&mut second_client, second.id()).await;
+    assert_eq!(st.bytes_copied, 0, "{st:?}");
+    assert_eq!(st.bytes_from_device, st.copies * LAYER as u64, "{st:?}");
+    assert!(st.copies >= u64::from(n), "{st:?}");
+    first.close().await.unwrap();
+    run_step(&second, &step, &f.expected).await;
+    let after = stats(&mut second_client, second.id()).await;
+    assert_eq!(after.bytes_from_device, st.bytes_from_device, "{after:?}");
+    assert_eq!(
+        after.bytes_copied,
+        (after.copies - st.copies) * LAYER as u64,
+        "{after:?}"
+    );
+    assert!(after.copies > st.copies, "{after:?}");
+    second.close().await.unwrap();
+}
+
 /// A client process that dies mid-step (its connection drops; no CloseSession, no Release)
 /// loses its session and staging memory; another session keeps working.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

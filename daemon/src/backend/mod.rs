@@ -94,12 +94,25 @@ pub trait EventPool: Send + Sync {
     fn as_any(&self) -> &dyn Any;
 }
 
+/// Bytes already on the device: `len` bytes at `offset` of `region` (a resident region of the
+/// same device, whose bytes never change once it is made).
+#[derive(Clone)]
+pub struct DeviceSlice {
+    pub region: Arc<dyn DeviceRegion>,
+    pub offset: u64,
+    pub len: u64,
+}
+
 /// One unit of work for a device's copy thread: once the events it waits on are complete,
-/// copy store slices into a region and record an event.
+/// copy store slices (over the link) and device slices (within the device) into a region and
+/// record an event.
 pub struct CopyJob {
     pub region: Arc<dyn DeviceRegion>,
     /// (source, destination offset in the region).
     pub spans: Vec<(HostSlice, u64)>,
+    /// (source, destination offset in the region): copies within the device, which do not
+    /// cross the link (not paced, not charged to any share).
+    pub from_device: Vec<(DeviceSlice, u64)>,
     pub events: Option<Arc<dyn EventPool>>,
     /// Events to wait on before writing (the free events of the space's previous occupants).
     pub wait: Vec<u32>,
@@ -115,17 +128,60 @@ impl CopyJob {
         CopyJob {
             region,
             spans,
+            from_device: Vec::new(),
             events: None,
             wait: Vec::new(),
             record: None,
             synchronous: false,
         }
     }
-}
 
-impl CopyJob {
+    /// A copy within the device: `from`'s bytes into `region` at `offset`.
+    pub fn within(region: Arc<dyn DeviceRegion>, from: DeviceSlice, offset: u64) -> CopyJob {
+        CopyJob {
+            from_device: vec![(from, offset)],
+            ..CopyJob::copy(region, Vec::new())
+        }
+    }
+
+    /// Bytes the job writes, from wherever they come.
     pub fn bytes(&self) -> u64 {
+        self.link_bytes() + self.device_bytes()
+    }
+
+    /// Bytes that cross the link (from the store's host memory).
+    pub fn link_bytes(&self) -> u64 {
         self.spans.iter().map(|(s, _)| s.len() as u64).sum()
+    }
+
+    /// Bytes copied within the device.
+    pub fn device_bytes(&self) -> u64 {
+        self.from_device.iter().map(|(s, _)| s.len).sum()
+    }
+
+    /// Each span's destination range lies in the region, and each device slice in its source:
+    /// `OutOfBounds` names the first that does not.
+    pub fn check_bounds(&self) -> Result<(), BackendError> {
+        let size = self.region.size();
+        let fits = |offset: u64, bytes: u64, size: u64| match offset
+            .checked_add(bytes)
+            .is_some_and(|end| end <= size)
+        {
+            true => Ok(()),
+            false => Err(BackendError::OutOfBounds {
+                offset,
+                bytes,
+                size,
+            }),
+        };
+        for (src, offset) in &self.spans {
+            fits(*offset, src.len() as u64, size)?;
+        }
+        for (src, offset) in &self.from_device {
+            fits(src.offset, src.len, src.region.size())?;
+            fits(*offset, src.len, size)?;
+        }
+        Ok(())
     }
 
     /// Whether every event the job waits on is complete, so it can run without a device-side

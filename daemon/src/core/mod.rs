@@ -122,7 +122,7 @@ pub struct Daemon {
     pub fd_drops: FdDrops,
     /// What the handoff socket's `GET` hands out: uploads' and host regions' fds.
     pub secrets: FdSecrets,
-    residency: ResidencyRegistry,
+    residency: Arc<ResidencyRegistry>,
     /// Sessions and device bytes per uid and per device, for the quotas.
     pub ledger: Arc<SessionLedger>,
     sessions: Mutex<HashMap<String, LiveSession>>,
@@ -189,7 +189,7 @@ impl Daemon {
             shm,
             fd_drops: FdDrops::default(),
             secrets: FdSecrets::default(),
-            residency: ResidencyRegistry::default(),
+            residency: Arc::default(),
             ledger,
             sessions: Mutex::new(HashMap::new()),
             retired: Mutex::new(vec![SessionTotals::default(); devices.len()]),
@@ -427,6 +427,7 @@ impl Daemon {
             alignment: align,
             resident: lease,
             resident_of,
+            residents: self.residency.clone(),
             scheduler: self.scheduler.clone(),
             max_live_tickets: self.config.limits.max_live_tickets,
             max_waiting_grants: self.config.limits.max_waiting_grants,

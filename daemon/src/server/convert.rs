@@ -314,6 +314,7 @@ pub fn session_stats(s: &StatsSnapshot) -> pb::SessionStats {
         misses: s.misses,
         resident_hits: s.resident_hits,
         bytes_copied: s.bytes_copied,
+        bytes_from_device: s.bytes_from_device,
         copies: s.copies,
         prefetches: s.prefetches,
         acquire_pending_ns: s.acquire_pending_ns,

@@ -27,7 +27,7 @@ use super::{
     PassKind, SessionShared, SessionStats,
 };
 use crate::backend::{DeviceRegion, EventPool};
-use crate::residency::ResidentLease;
+use crate::residency::{ResidencyRegistry, ResidentLease};
 use crate::scheduler::{CopyOutcome, CopyScheduler, Priority};
 use crate::store::Model;
 
@@ -41,6 +41,9 @@ pub struct ActorParts {
     pub resident: ResidentLease,
     /// Per group: (region index as the client numbers it, offset) when resident.
     pub resident_of: Vec<Option<(u32, u64)>>,
+    /// Every session's resident groups: a group another session keeps resident on this device
+    /// is staged from there, within the device, instead of over the link.
+    pub residents: Arc<ResidencyRegistry>,
     pub scheduler: Arc<CopyScheduler>,
     pub max_live_tickets: u32,
     pub max_waiting_grants: u32,

@@ -13,6 +13,9 @@ pub struct SessionStats {
     pub misses: AtomicU64,
     pub resident_hits: AtomicU64,
     pub bytes_copied: AtomicU64,
+    /// Bytes staged from another session's resident region, within the device (not in
+    /// `bytes_copied`, which is what crossed the link).
+    pub bytes_from_device: AtomicU64,
     pub copies: AtomicU64,
     pub prefetches: AtomicU64,
     /// Wall-clock time with at least one acquire waiting for its Staged (see `pending`).
@@ -97,6 +100,7 @@ pub struct StatsSnapshot {
     pub misses: u64,
     pub resident_hits: u64,
     pub bytes_copied: u64,
+    pub bytes_from_device: u64,
     pub copies: u64,
     pub prefetches: u64,
     pub acquire_pending_ns: u64,
@@ -132,6 +136,7 @@ impl SessionStats {
             misses: zero(),
             resident_hits: zero(),
             bytes_copied: zero(),
+            bytes_from_device: zero(),
             copies: zero(),
             prefetches: zero(),
             acquire_pending_ns: zero(),
@@ -199,6 +204,7 @@ impl SessionStats {
             misses: get(&self.misses),
             resident_hits: get(&self.resident_hits),
             bytes_copied: get(&self.bytes_copied),
+            bytes_from_device: get(&self.bytes_from_device),
             copies: get(&self.copies),
             prefetches: get(&self.prefetches),
             acquire_pending_ns: get(&self.acquire_pending_ns),

@@ -51,6 +51,8 @@ def test_the_phases_count_each_kind_of_pass(daemon):
         "sampling_segments_made_bytes": 0,
         "sampling_resident_kept_groups": 0,
         "sampling_resident_kept_bytes": 0,
+        "sampling_resident_kept_staged_groups": 0,
+        "sampling_resident_kept_staged_bytes": 0,
     }
     assert len(record["train_step_s"]) == 4 and len(record["before"]["pass_s"]) == 4
     assert record["before"]["back_to_back_s"] > 0
@@ -137,6 +139,8 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
                     "sampling_segments_made_bytes": 3 << 30,
                     "sampling_resident_kept_groups": 12,
                     "sampling_resident_kept_bytes": 6 << 30,
+                    "sampling_resident_kept_staged_groups": 6,
+                    "sampling_resident_kept_staged_bytes": 3 << 30,
                 },
             },
             "train_step_s": [3.0, 2.0, 2.1, 2.05],
@@ -166,7 +170,8 @@ def test_the_report_compares_with_the_resident_pass_and_the_link():
     assert (
         "- after training, `sampling()` began in 0.700 s and ended in 0.400 s (at a sampling "
         "budget: the session opened again); the trainer's idle segments: 124 given back, 124 "
-        "made again (3.00 GiB); resident groups kept through the reopen: 12 (6.00 GiB)"
+        "made again (3.00 GiB); resident groups kept through the reopen: 12 (6.00 GiB); the "
+        "groups the next step stages first, staged within the device: 6 (3.00 GiB)"
     ) in md
     assert (
         "Training step before / after sampling: 2.000 / 2.100 s (the next: 2.050 s); the "

@@ -97,6 +97,8 @@ def test_counters_match_list_sessions_after_a_known_workload(served):
     assert only(m, "weightstream_session_prefetch_misses_total", **who) == st.misses
     assert only(m, "weightstream_session_copies_total", **who) == st.copies
     assert only(m, "weightstream_session_streamed_bytes_total", **who) == st.bytes_copied
+    # No other session keeps the model's groups resident: nothing staged within the device.
+    assert only(m, "weightstream_session_bytes_from_device_total", **who) == 0
     assert only(m, "weightstream_session_gpu_wait_seconds_total", **who) == pytest.approx(
         st.gpu_wait_ns / 1e9, rel=1e-9
     )

@@ -122,6 +122,31 @@ def test_release_and_acquire_is_one_call(daemon):
         assert info.stats.acquires == 5
 
 
+def test_a_settled_ticket_is_waited_for_at_once_and_counts_no_wait(daemon):
+    """``settle`` blocks until the reply has come and keeps it: the later ``wait`` (or
+    ``poll``) returns it, and neither the client's waits for weights nor its reply waits
+    count the time settling blocked."""
+    manifest, tensors, groups = upload(daemon.client)
+    names = list(tensors)
+    with daemon.client.open_session(manifest.model_id, groups, 1 << 20) as session:
+        numbers = [session.submit(g) for g in range(len(groups))]
+        for n in numbers:
+            session.settle(n)
+            session.settle(n)  # twice: nothing more
+        waited = (session.gpu_wait().waits, session.reply_wait().waits)
+        assert waited == (0, 0)
+        first = session.poll(numbers[0])
+        assert first is not None and torch.equal(first.tensors[0], tensors[names[0]])
+        session.release(first)
+        for g, n in enumerate(numbers[1:], start=1):
+            ticket = session.wait(n)
+            assert torch.equal(ticket.tensors[0], tensors[names[g]])
+            session.release(ticket)
+        assert (session.gpu_wait().waits, session.reply_wait().waits) == (0, 0)
+        with pytest.raises(KeyError):
+            session.settle(numbers[0])
+
+
 @pytest.mark.no_daemon
 def test_blocking_calls_release_the_gil(tmp_path):
     """While ``reconnect`` waits for a daemon that never comes, another Python thread runs."""

@@ -729,7 +729,7 @@ def resident_copied(handle) -> int:
     return s.bytes_copied - sum(k.bytes_copied for k in s.kinds)
 
 
-def kept_resident_pair(daemon):
+def kept_resident_pair(daemon, lookahead=0):
     """A pair at a training budget of five blocks (three staged, blocks 1 and 5 resident) and
     a sampling budget of eight (three staged, blocks 0, 2, 3, 5 and 7 resident)."""
     ref, model = make_models()
@@ -741,7 +741,7 @@ def kept_resident_pair(daemon):
         vram_budget=5 * BLOCK_BYTES,
         staging_bytes=3 * BLOCK_BYTES,
         sample_vram_budget=f"{8 * BLOCK_BYTES}",
-        lookahead=0,
+        lookahead=lookahead,
     )
     assert [i for i, g in enumerate(handle.session.groups) if g.resident] == [1, 5]
     return ref, model, handle
@@ -766,11 +766,35 @@ def test_the_training_sessions_resident_groups_stay_on_the_device_through_sampli
     assert resident_copied(handle) == BLOCK_BYTES
     assert [r.size for r in handle.session.opened.regions[1:]] == [BLOCK_BYTES] * 2
     stats = handle.stats()
-    kept = (stats["sampling_resident_kept_groups"], stats["sampling_resident_kept_bytes"])
-    assert kept == (1, BLOCK_BYTES)
+    kept = [stats[f"sampling_resident_kept_{k}"] for k in ws_passes.NOTHING_KEPT]
+    assert kept == [1, BLOCK_BYTES, 3, 3 * BLOCK_BYTES], "and blocks 0, 2 and 3, staged first"
     # Only the training session is left open: the holder closed.
     assert [s.label for s in daemon.client.list_sessions()] == [handle.session.label]
     train(ref, model, 1)
+    sample(ref, model, 1)
+    handle.detach(release=True)
+
+
+def test_the_groups_the_next_step_stages_first_are_staged_within_the_device(daemon):
+    """Blocks 0, 2 and 3, resident at the sampling budget, are the first the reopened training
+    session stages (its streamed blocks are 0, 2, 3, 4, 6 and 7, its staging three blocks):
+    they stay on the device while it reopens, and the daemon stages them from there, within
+    the device, before the block ends (the look-ahead's acquires answered): the next step
+    finds them staged, and none of their bytes crossed the link."""
+    ref, model, handle = kept_resident_pair(daemon, lookahead=None)
+    train(ref, model, 2)
+    with handle.sampling():
+        sample(ref, model, 2)
+    stats = handle.stats()
+    kept = [stats[f"sampling_resident_kept_{k}"] for k in ws_passes.NOTHING_KEPT]
+    assert kept == [1, BLOCK_BYTES, 3, 3 * BLOCK_BYTES]
+    s = handle.session.stats()
+    assert (s.bytes_from_device, s.bytes_copied - resident_copied(handle)) == (3 * BLOCK_BYTES, 0)
+    assert [s.label for s in daemon.client.list_sessions()] == [handle.session.label]
+    before = counts(handle, "train")
+    train(ref, model, 1)
+    acquires, hits, _ = delta(counts(handle, "train"), before)
+    assert hits == acquires, (hits, acquires)
     sample(ref, model, 1)
     handle.detach(release=True)
 

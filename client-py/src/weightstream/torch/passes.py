@@ -126,6 +126,10 @@ def next_streamed(plan: list[int], after: int, resident: frozenset[int]) -> int 
     )
 
 
+#: What ``_keep_resident`` kept (``stats()["sampling_resident_kept_*"]``), where it kept none.
+NOTHING_KEPT = {"groups": 0, "bytes": 0, "staged_groups": 0, "staged_bytes": 0}
+
+
 class Passes:
     """A handle's plans and counters per kind; ``kind``: whose plan is in force (None before
     the first acquire)."""
@@ -153,7 +157,7 @@ class Passes:
         self.segments = {"given": 0, "made": 0, "made_bytes": 0}
         #: The last ``sampling()`` block's resident groups kept on the device through the
         #: session's reopening at the training budget (``_keep_resident``): groups, bytes.
-        self.kept = {"groups": 0, "bytes": 0}
+        self.kept = dict(NOTHING_KEPT)
 
     def begin(self, kind: str, session):
         """``kind``'s plan comes in force; the daemon counts the session's next acquires, their
@@ -507,10 +511,12 @@ def sampling(handle):
             if measure:
                 auto.measured()
         finally:
-            kept = {"groups": 0, "bytes": 0}
+            kept = dict(NOTHING_KEPT)
             if grow:
-                with _keep_resident(handle, trained) as kept:
+                first = _first_staged(handle, trained, old_staging, budget - old_budget)
+                with _keep_resident(handle, trained, first) as kept:
                     handle.set_budget(old_budget, old_staging, keep_plan=True)
+                    _settle_lookahead(handle)
             made, made_bytes = _restore_segments(handle.device, given)
             handle._passes.segments = {
                 "given": len(given or ()),
@@ -520,20 +526,60 @@ def sampling(handle):
             handle._passes.kept = kept
 
 
+def _first_staged(handle, wanted: list[bool], staging: int, room: int) -> frozenset[int]:
+    """The groups the session reopened with ``wanted`` resident and ``staging`` bytes of
+    staging stages first, resident now: along the plan its look-ahead follows from the start
+    (the next step's first acquires), its streamed groups, each once, until they fill the
+    staging; of those, the ones resident in the session now, at most ``room`` bytes of them
+    (what the grown budget had beyond the one the block reopens)."""
+    p, groups = handle._passes, handle.session.groups
+    plan = (p.plan_of(p.kind) if p.kind is not None else None) or []
+    first, seen, filled, held = set(), set(), 0, 0
+    for g in plan:
+        if g in seen or wanted[g]:
+            continue
+        seen.add(g)
+        filled += groups[g].nbytes
+        if filled > staging:
+            break
+        if groups[g].resident and held + groups[g].nbytes <= room:
+            first.add(g)
+            held += groups[g].nbytes
+    return frozenset(first)
+
+
+def _settle_lookahead(handle):
+    """Waits until the daemon has answered the look-ahead's acquires in flight (the replies
+    kept for the step that takes them, ``Session.settle``): by then it has placed their copies,
+    from the regions ``_keep_resident`` holds where they are there."""
+    with handle._lock:
+        ahead = list(handle._lookahead.ahead) if handle._lookahead is not None else []
+    for _, number in ahead:
+        handle.session.settle(number)
+
+
 @contextlib.contextmanager
-def _keep_resident(handle, wanted: list[bool]):
+def _keep_resident(handle, wanted: list[bool], first: frozenset[int] = frozenset()):
     """The groups resident both in the session now and in ``wanted`` (the resident set of the
     session the block reopens, as it was before: its budget and split are the same, and so is
     the daemon's choice) stay on the device while the session is opened again: a session of
     those groups alone holds them resident, sharing the regions they are in (the daemon shares
     a model's resident groups between the sessions on a device), so the reopened session shares
     them instead of copying them again, and the next training step does not wait for their
-    copies. That session costs one of its groups of staging while it is open; where the daemon
-    cannot open it (the device's memory, a quota), the reopening copies them as before.
-    Yields what it keeps: groups, bytes."""
+    copies. So do the groups in ``first`` (``_first_staged``: resident now, staged first by the
+    reopened session): the daemon stages a group from a region that holds it resident on the
+    device, within the device, instead of over the link, so the next step finds the groups it
+    acquires first staged, as the step before sampling found them. That session costs one of
+    its groups of staging while it is open; where the daemon cannot open it (the device's
+    memory, a quota), the reopening copies them as before. Yields what it keeps: groups,
+    bytes of those resident at both budgets, and of ``first`` (``staged_``)."""
     groups = handle.session.groups
-    keep = [g for g, w in zip(groups, wanted, strict=True) if g.resident and w]
-    kept = {"groups": 0, "bytes": 0}
+    keep = [
+        g
+        for i, (g, w) in enumerate(zip(groups, wanted, strict=True))
+        if g.resident and (w or i in first)
+    ]
+    kept = dict(NOTHING_KEPT)
     holder = None
     if keep:
         sizes = [g.nbytes for g in keep]
@@ -549,7 +595,13 @@ def _keep_resident(handle, wanted: list[bool]):
         except WeightstreamError:
             holder = None
         else:
-            kept = {"groups": len(keep), "bytes": sum(sizes)}
+            staged = [groups[i].nbytes for i in first]
+            kept = {
+                "groups": len(keep) - len(staged),
+                "bytes": sum(sizes) - sum(staged),
+                "staged_groups": len(staged),
+                "staged_bytes": sum(staged),
+            }
     try:
         yield kept
     finally:

@@ -74,6 +74,7 @@ const SYMBOLS: &[&str] = &[
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoDAsync_v2",
     "cuMemcpyDtoH_v2", // tests read back with it
     "cuStreamCreateWithPriority",
     "cuStreamDestroy_v2",
@@ -401,6 +402,24 @@ pub unsafe fn memcpy_htod_async(
     // SAFETY: both ranges outlive the copy and the stream is live (see above).
     let r = unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, stream) };
     check(r, "cuMemcpyHtoDAsync_v2")
+}
+
+/// Queues a copy of `len` bytes from device memory at `src` to device memory at `dst` on
+/// `stream`.
+///
+/// # Safety
+/// `dst..dst + len` and `src..src + len` lie in live allocations of the stream's context,
+/// which is current; both stay allocated until the stream has passed the copy, and nothing
+/// writes the source range before then.
+pub unsafe fn memcpy_dtod_async(
+    dst: sys::CUdeviceptr,
+    src: sys::CUdeviceptr,
+    len: usize,
+    stream: sys::CUstream,
+) -> Result<(), CudaError> {
+    // SAFETY: both ranges outlive the copy and the stream is live (see above).
+    let r = unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream) };
+    check(r, "cuMemcpyDtoDAsync_v2")
 }
 
 /// Page-locks `len` bytes at `ptr` (`flags`: `HOST_REGISTER_PORTABLE`, with

@@ -140,6 +140,13 @@ impl Device {
 
 /// A staging or resident region: a cuMemAlloc allocation exported once by IPC. Dropping it
 /// waits for the copy stream, then frees (`DeviceAlloc`).
+/// The allocation behind a region of this backend.
+fn alloc_of(region: &Arc<dyn DeviceRegion>) -> Result<&DeviceAlloc, BackendError> {
+    (region.as_any().downcast_ref::<CudaRegion>())
+        .map(|r| &r.alloc)
+        .ok_or_else(|| BackendError::Copy("not a CUDA region".into()))
+}
+
 struct CudaRegion {
     alloc: DeviceAlloc,
     size: u64,
@@ -250,28 +257,20 @@ impl Backend for CudaBackend {
     /// after the copies are queued can drop a source early.
     fn copy(&self, device: usize, job: CopyJob) -> Result<CopyTiming, BackendError> {
         let d = &self.devices[device];
+        job.check_bounds()?;
         let CopyJob {
             region,
             spans,
+            from_device,
             events,
             wait,
             record,
             synchronous,
         } = job;
-        let region = region
-            .as_any()
-            .downcast_ref::<CudaRegion>()
-            .ok_or_else(|| BackendError::Copy("not a CUDA region".into()))?;
-        for (src, offset) in &spans {
-            let len = src.len() as u64;
-            if offset.checked_add(len).is_none_or(|end| end > region.size) {
-                return Err(BackendError::OutOfBounds {
-                    offset: *offset,
-                    bytes: len,
-                    size: region.size,
-                });
-            }
-        }
+        let region = alloc_of(&region)?;
+        let within = (from_device.iter())
+            .map(|(src, at)| Ok((alloc_of(&src.region)?, src.offset, src.len, *at)))
+            .collect::<Result<Vec<_>, BackendError>>()?;
         let pool = events
             .as_deref()
             .and_then(|p| p.as_any().downcast_ref::<CudaEvents>());
@@ -288,15 +287,20 @@ impl Backend for CudaBackend {
                 d.stream.wait(event(w)?).map_err(copy_err)?;
             }
         }
-        let timing = match d.copies().spare.pop() {
-            Some(t) => t,
-            None => TimingPair::new(&d.ctx).map_err(copy_err)?,
-        };
-        let batch = d
-            .stream
-            .copy(&region.alloc, spans, timing)
-            .map_err(copy_err)?;
-        d.copies().in_flight.push_back(batch);
+        if !spans.is_empty() {
+            let timing = match d.copies().spare.pop() {
+                Some(t) => t,
+                None => TimingPair::new(&d.ctx).map_err(copy_err)?,
+            };
+            let batch = d.stream.copy(region, spans, timing).map_err(copy_err)?;
+            d.copies().in_flight.push_back(batch);
+        }
+        // Within the device: untimed (the busy time is the link's).
+        for (src, src_offset, len, at) in within {
+            (d.stream)
+                .copy_within(region, at, src, src_offset, len)
+                .map_err(copy_err)?;
+        }
         if let Some(r) = record {
             d.stream.record(event(r)?).map_err(copy_err)?;
         }
@@ -508,6 +512,7 @@ mod tests {
         let job = CopyJob {
             region: region.clone(),
             spans: vec![(source.clone(), 0)],
+            from_device: Vec::new(),
             events: Some(events.clone()),
             wait: vec![2],
             record: Some(1),

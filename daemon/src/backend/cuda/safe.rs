@@ -209,6 +209,55 @@ impl CopyStream {
     }
 }
 
+impl CopyStream {
+    /// Queues a copy of `len` bytes at `src_offset` of `src` into `dst` at `dst_offset`, both
+    /// allocations of this stream. Nothing outlives the call: each allocation's Drop waits for
+    /// this stream before freeing, so neither is freed under the copy.
+    pub fn copy_within(
+        &self,
+        dst: &DeviceAlloc,
+        dst_offset: u64,
+        src: &DeviceAlloc,
+        src_offset: u64,
+        len: u64,
+    ) -> Result<(), CudaError> {
+        const CALL: &str = "cuMemcpyDtoDAsync_v2";
+        let ours = |a: &DeviceAlloc| std::ptr::eq(Arc::as_ptr(&a.writer), self);
+        if !ours(dst) || !ours(src) {
+            let text = "an allocation is written by another stream".into();
+            return Err(CudaError::invalid(CALL, text));
+        }
+        for (alloc, offset) in [(dst, dst_offset), (src, src_offset)] {
+            if offset.checked_add(len).is_none_or(|end| end > alloc.bytes) {
+                let text = format!("{len} bytes at {offset} overrun {} bytes", alloc.bytes);
+                return Err(CudaError::invalid(CALL, text));
+            }
+        }
+        if std::ptr::eq(dst, src) {
+            return Err(CudaError::invalid(
+                CALL,
+                "an allocation copied into itself".into(),
+            ));
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        self.ctx.bind()?;
+        // SAFETY: the context is bound. Both ranges lie in live allocations of this stream
+        // (checked above), borrowed for the call; each allocation's Drop synchronizes this
+        // stream before freeing, so both outlive the queued copy. The source is a resident
+        // region, whose bytes are written once, synchronously, before any copy reads them.
+        unsafe {
+            ffi::memcpy_dtod_async(
+                dst.ptr + dst_offset,
+                src.ptr + src_offset,
+                len as usize,
+                self.raw,
+            )
+        }
+    }
+}
+
 impl Drop for CopyStream {
     fn drop(&mut self) {
         // Queued work completes on its own; owners of what it reads hold `Arc`s of this stream

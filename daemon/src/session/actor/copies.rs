@@ -1,7 +1,7 @@
 //! Copies into the staging arena: queueing them, prefetch along the plan, and their ends.
 
 use super::{Actor, CopyDone};
-use crate::backend::CopyJob;
+use crate::backend::{CopyJob, DeviceSlice};
 use crate::scheduler::{CopyError, CopyOutcome, CopyRequest, Priority, TIMELINE, Work};
 use crate::session::plan::GroupId;
 use crate::session::{FaultKind, SessionStats};
@@ -17,12 +17,25 @@ impl Actor {
         evicted: &[GroupId],
     ) -> bool {
         let layout = &self.p.groups[group as usize];
-        let spans = layout
-            .tensors
-            .iter()
-            .map(|&(t, rel)| (self.p.model.slice(t), offset + rel))
-            .collect();
-        let mut job = CopyJob::copy(self.p.staging.clone(), spans);
+        let shared = &self.p.shared;
+        let resident = (self.p.residents).region(&shared.model_id, shared.device, &layout.key);
+        let mut job = match resident {
+            // Resident for another session: the same bytes in the same layout, on the device.
+            Some(region) => {
+                let from = DeviceSlice {
+                    region,
+                    offset: 0,
+                    len: layout.nbytes,
+                };
+                CopyJob::within(self.p.staging.clone(), from, offset)
+            }
+            None => {
+                let spans = (layout.tensors.iter())
+                    .map(|&(t, rel)| (self.p.model.slice(t), offset + rel))
+                    .collect();
+                CopyJob::copy(self.p.staging.clone(), spans)
+            }
+        };
         if let Some(book) = &mut self.events {
             match book.place(group, evicted) {
                 Ok(ev) => {
@@ -158,6 +171,7 @@ impl Actor {
                 SessionStats::bump(&stats.copies, 1);
                 SessionStats::bump(&stats.bytes_copied, outcome.bytes);
                 SessionStats::bump(&stats.kind(self.kind).bytes_copied, outcome.bytes);
+                SessionStats::bump(&stats.bytes_from_device, outcome.from_device);
                 self.arena.mark_valid(group);
                 let offset = self.arena.get(group).map_or(0, |b| b.offset);
                 for ticket in waiters {

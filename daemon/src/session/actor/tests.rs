@@ -153,6 +153,7 @@ impl Harness {
             alignment: 256,
             resident: ResidentLease::default(),
             resident_of: vec![None; setup.groups],
+            residents: Arc::default(),
             scheduler: scheduler.clone(),
             max_live_tickets: setup.max_live_tickets,
             max_waiting_grants: setup.max_waiting_grants,
