@@ -6,7 +6,8 @@
 //! freed when the last lease that uses it is dropped (the registry keeps only weak references):
 //! a region per group, so that a session keeps alive only the groups it uses (with one region
 //! for several groups, a session sharing one of them kept all of them on the device, past its
-//! budget, once the session that made the region ended).
+//! budget, once the session that made the region ended). A session that stages a group another
+//! session keeps resident copies it from that region, within the device ([`ResidencyRegistry::region`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Weak};
