@@ -413,6 +413,7 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
+    use crate::backend::DeviceSlice;
     use crate::mem::filled_for_tests;
     use crate::mem::shm::Shm;
     use crate::mem::{HostArena, HostSlice};
@@ -546,6 +547,51 @@ mod tests {
         assert!(busy <= wall && (5.0..100.0).contains(&rate), "{busy:?}");
         assert_eq!(backend.poll_copies(0), CopyPoll::default());
         assert!(region_bytes(&region, n) == data, "the bytes differ");
+    }
+
+    /// On a GPU: a copy within the device moves the bytes it names, its source region let go
+    /// while the copy is queued (the region's Drop waits for the copy stream); a range past
+    /// either region, or a region copied into itself, fails before anything is queued.
+    #[test]
+    #[ignore = "needs a CUDA device"]
+    fn on_a_gpu_a_copy_within_the_device_lands_though_its_source_is_let_go() {
+        let backend = Arc::new(CudaBackend::new().expect("a CUDA device"));
+        let n = 64 << 20;
+        let data = pattern(n);
+        let source = source_with(&backend, &data);
+        let resident = backend.alloc_region(0, n as u64, "resident").unwrap();
+        let mut fill = CopyJob::copy(resident.clone(), vec![(source, 0)]);
+        fill.synchronous = true;
+        backend.copy(0, fill).unwrap();
+        backend.poll_copies(0); // the fill's time, reported
+        let staging = backend.alloc_region(0, n as u64, "staging").unwrap();
+        let from = |region: &Arc<dyn DeviceRegion>, offset: u64, len: u64| DeviceSlice {
+            region: region.clone(),
+            offset,
+            len,
+        };
+        let half = n as u64 / 2;
+        let job = CopyJob::within(staging.clone(), from(&resident, 1000, half), 0);
+        assert_eq!(backend.copy(0, job).unwrap(), CopyTiming::Queued);
+        drop(resident);
+        assert!(region_bytes(&staging, half as usize) == data[1000..1000 + half as usize]);
+        let other = backend.alloc_region(0, 4096, "resident").unwrap();
+        let past = CopyJob::within(staging.clone(), from(&other, 4000, 200), 0);
+        assert!(matches!(
+            backend.copy(0, past),
+            Err(BackendError::OutOfBounds {
+                offset: 4000,
+                bytes: 200,
+                size: 4096
+            })
+        ));
+        let itself = CopyJob::within(staging.clone(), from(&staging, 0, 10), 100);
+        assert!(backend.copy(0, itself).is_err());
+        assert_eq!(
+            backend.poll_copies(0).busy,
+            Duration::ZERO,
+            "copies within are untimed"
+        );
     }
 
     /// On a GPU: dropping the backend with copies in flight waits for them before releasing
