@@ -238,7 +238,7 @@ pub(crate) mod tests {
         assert_eq!(
             e,
             format!(
-                "copy of 20 bytes to offset {} does not fit the {MIB}-byte region",
+                "copy of 20 bytes from offset {} reads past the {MIB}-byte source region",
                 MIB - 10
             )
         );

@@ -70,6 +70,8 @@ pub enum BackendError {
     },
     #[error("copy of {bytes} bytes to offset {offset} does not fit the {size}-byte region")]
     OutOfBounds { offset: u64, bytes: u64, size: u64 },
+    #[error("copy of {bytes} bytes from offset {offset} reads past the {size}-byte source region")]
+    SourceOutOfBounds { offset: u64, bytes: u64, size: u64 },
     #[error("copy failed: {0}")]
     Copy(String),
     #[error("cannot create {count} interprocess events: {reason}")]
@@ -163,23 +165,38 @@ impl CopyJob {
     /// `OutOfBounds` names the first that does not.
     pub fn check_bounds(&self) -> Result<(), BackendError> {
         let size = self.region.size();
-        let fits = |offset: u64, bytes: u64, size: u64| match offset
-            .checked_add(bytes)
-            .is_some_and(|end| end <= size)
-        {
-            true => Ok(()),
-            false => Err(BackendError::OutOfBounds {
-                offset,
-                bytes,
-                size,
-            }),
+        let fits = |offset: u64, bytes: u64, size: u64| {
+            offset.checked_add(bytes).is_some_and(|end| end <= size)
         };
         for (src, offset) in &self.spans {
-            fits(*offset, src.len() as u64, size)?;
+            let bytes = src.len() as u64;
+            if !fits(*offset, bytes, size) {
+                let offset = *offset;
+                return Err(BackendError::OutOfBounds {
+                    offset,
+                    bytes,
+                    size,
+                });
+            }
         }
         for (src, offset) in &self.from_device {
-            fits(src.offset, src.len, src.region.size())?;
-            fits(*offset, src.len, size)?;
+            let (bytes, source) = (src.len, src.region.size());
+            if !fits(src.offset, bytes, source) {
+                let offset = src.offset;
+                return Err(BackendError::SourceOutOfBounds {
+                    offset,
+                    bytes,
+                    size: source,
+                });
+            }
+            if !fits(*offset, bytes, size) {
+                let offset = *offset;
+                return Err(BackendError::OutOfBounds {
+                    offset,
+                    bytes,
+                    size,
+                });
+            }
         }
         Ok(())
     }

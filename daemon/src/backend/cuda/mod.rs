@@ -579,7 +579,7 @@ mod tests {
         let past = CopyJob::within(staging.clone(), from(&other, 4000, 200), 0);
         assert!(matches!(
             backend.copy(0, past),
-            Err(BackendError::OutOfBounds {
+            Err(BackendError::SourceOutOfBounds {
                 offset: 4000,
                 bytes: 200,
                 size: 4096
