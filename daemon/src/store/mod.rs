@@ -12,7 +12,8 @@
 //! `load` (safetensors files into an arena), `upload` (client-written regions, sealed into
 //! arenas), `state` (sessions' state regions: host memory charged like the rest, never shared),
 //! `pin` (page-locking an arena through a `HostPinner`); `formats` sums a model's formats for
-//! `status`; `safetensors` parses headers;
+//! `status`; `safetensors` parses headers; `rans8` codes 8-bit weights losslessly (interleaved
+//! rANS, the format of `tests/bench/rans8.py`);
 //! `parallel` spreads reading and hashing over threads, `phases` times them.
 //! This file holds the types they share. Memory itself (memfds, arenas, slices) lives in
 //! `crate::mem`.
@@ -24,6 +25,7 @@ mod phases;
 mod pin;
 pub mod prequantized;
 pub mod quantize;
+pub mod rans8;
 mod registry;
 mod reserve;
 pub mod safetensors;
