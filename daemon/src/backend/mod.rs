@@ -162,41 +162,33 @@ impl CopyJob {
     }
 
     /// Each span's destination range lies in the region, and each device slice in its source:
-    /// `OutOfBounds` names the first that does not.
+    /// `OutOfBounds` (or `SourceOutOfBounds`) names the first that does not.
     pub fn check_bounds(&self) -> Result<(), BackendError> {
         let size = self.region.size();
         let fits = |offset: u64, bytes: u64, size: u64| {
             offset.checked_add(bytes).is_some_and(|end| end <= size)
         };
+        let into = |offset: u64, bytes: u64| match fits(offset, bytes, size) {
+            true => Ok(()),
+            false => Err(BackendError::OutOfBounds {
+                offset,
+                bytes,
+                size,
+            }),
+        };
         for (src, offset) in &self.spans {
-            let bytes = src.len() as u64;
-            if !fits(*offset, bytes, size) {
-                let offset = *offset;
-                return Err(BackendError::OutOfBounds {
-                    offset,
-                    bytes,
-                    size,
-                });
-            }
+            into(*offset, src.len() as u64)?;
         }
         for (src, offset) in &self.from_device {
-            let (bytes, source) = (src.len, src.region.size());
-            if !fits(src.offset, bytes, source) {
-                let offset = src.offset;
+            let source = src.region.size();
+            if !fits(src.offset, src.len, source) {
                 return Err(BackendError::SourceOutOfBounds {
-                    offset,
-                    bytes,
+                    offset: src.offset,
+                    bytes: src.len,
                     size: source,
                 });
             }
-            if !fits(*offset, bytes, size) {
-                let offset = *offset;
-                return Err(BackendError::OutOfBounds {
-                    offset,
-                    bytes,
-                    size,
-                });
-            }
+            into(*offset, src.len)?;
         }
         Ok(())
     }
