@@ -194,7 +194,7 @@ impl Client {
     /// (an exception it raises is raised once the load is done). The reference lasts as
     /// `retention` says ("cached", "connection", "pinned"). `tensors` names the tensors to load
     /// (their names in the files); empty: every tensor.
-    #[pyo3(signature = (paths, name="", progress=None, quantize=None, retention="cached", tensors=Vec::new()))]
+    #[pyo3(signature = (paths, name="", progress=None, quantize=None, retention="cached", tensors=Vec::new(), coding="none"))]
     #[allow(clippy::too_many_arguments)]
     fn load_model(
         &self,
@@ -205,10 +205,12 @@ impl Client {
         quantize: Option<&str>,
         retention: &str,
         tensors: Vec<String>,
+        coding: &str,
     ) -> PyResult<records::ModelManifest> {
         let from = ws::LoadedFrom {
             paths,
             quantization: quantization(quantize.unwrap_or("none"))?,
+            coding: parse_coding(coding)?,
             tensors,
         };
         let mut c = self.client(py)?.with_retention(parse_retention(retention)?);
@@ -239,7 +241,8 @@ impl Client {
     /// commit. Returns the manifest and whether an identical model was stored. The reference
     /// lasts as `retention` says ("cached", "connection", "pinned"). `labels` (name ->
     /// (format, weights)) labels raw tensors as parts of a packed format (`TensorInfo.format`).
-    #[pyo3(signature = (name, tensors, quantize=Vec::new(), retention="cached", labels=HashMap::new()))]
+    #[pyo3(signature = (name, tensors, quantize=Vec::new(), retention="cached", labels=HashMap::new(), coding="none"))]
+    #[allow(clippy::too_many_arguments)]
     fn upload_model(
         &self,
         py: Python<'_>,
@@ -248,8 +251,10 @@ impl Client {
         quantize: Vec<String>,
         retention: &str,
         labels: HashMap<String, (String, u64)>,
+        coding: &str,
     ) -> PyResult<(records::ModelManifest, bool)> {
         let retention = parse_retention(retention)?;
+        let coding = parse_coding(coding)?;
         let quantize = quantize_set(quantize, tensors.iter().map(|t| t.0.as_str()))?;
         check_labels(&labels, tensors.iter().map(|t| t.0.as_str()))?;
         let mut data = Vec::with_capacity(tensors.len());
@@ -271,7 +276,10 @@ impl Client {
                 tensor
             });
         }
-        let mut c = self.client(py)?.with_retention(retention);
+        let mut c = self
+            .client(py)?
+            .with_retention(retention)
+            .with_coding(coding);
         let infos = data.iter().map(TensorData::info).collect();
         let begun = block_on(py, c.begin_upload(&name, infos, false))?.py_err()?;
         // Written and committed in one wait; whatever ends it early (an error, a signal such
@@ -362,14 +370,17 @@ impl Client {
 
     /// Commits a begun (filled, unmapped) upload: the manifest, and whether an identical model
     /// was already stored. The reference lasts as `retention` says.
-    #[pyo3(signature = (upload_id, retention="cached"))]
+    #[pyo3(signature = (upload_id, retention="cached", coding="none"))]
     fn commit_upload(
         &self,
         py: Python<'_>,
         upload_id: String,
         retention: &str,
+        coding: &str,
     ) -> PyResult<(records::ModelManifest, bool)> {
-        let mut c = self.client(py)?.with_retention(parse_retention(retention)?);
+        let mut c = (self.client(py)?)
+            .with_retention(parse_retention(retention)?)
+            .with_coding(parse_coding(coding)?);
         let (manifest, dedup) =
             block_on(py, async move { c.commit_upload(&upload_id).await })?.py_err()?;
         Ok((records::manifest(py, manifest)?, dedup))
@@ -504,6 +515,15 @@ fn quantization(value: &str) -> PyResult<proto::Quantization> {
         PyValueError::new_err(format!(
             "quantize: {value:?} is not supported: the accepted values are None, \"none\", \
              \"fp8_e4m3_block64\", \"fp8\" (its alias), \"fp8_e4m3_row\", \"int8_row\""
+        ))
+    })
+}
+
+/// `coding=`: how the daemon holds the model ("none", "rans8").
+fn parse_coding(value: &str) -> PyResult<proto::Coding> {
+    ws::parse_coding(value).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "coding: {value:?} is not supported: the accepted values are \"none\", \"rans8\""
         ))
     })
 }

@@ -6,7 +6,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
-use weightstream_client::{proto, quantization_name};
+use weightstream_client::{coding_name, proto, quantization_name};
 
 /// `Name(field=repr, ...)`.
 fn repr(obj: &Bound<'_, PyAny>, name: &str, fields: &[&str]) -> PyResult<String> {
@@ -154,7 +154,9 @@ record! {
     /// (`quantization` "fp8_e4m3_block64", else "none") has dtype F8_E4M3 and its bytes are
     /// data, padding and fp32 scales of `scale_shape` at `scale_offset`. `format`: its
     /// uploader's label for the packed format it is part of ("" if none), `weights` the weights
-    /// it stands for.
+    /// it stands for. `coding` ("none", "rans8"): how the daemon holds it; a coded tensor's
+    /// `nbytes` are its decoded bytes, `stored_nbytes` the coded ones, `coded_lanes` its
+    /// coder's lanes.
     TensorInfo {
         name: String,
         dtype: i32,
@@ -165,6 +167,9 @@ record! {
         scale_offset: u64,
         format: String,
         weights: u64,
+        coding: String,
+        stored_nbytes: u64,
+        coded_lanes: u32,
     }
 }
 
@@ -205,12 +210,13 @@ record! {
 record! {
     /// A load's or a commit's time in the daemon, phase by phase (nanoseconds; 0: the call did
     /// not go through it): arena allocation, reading, sealing, quantizing, hashing (while
-    /// page-locking), page-locking, the whole call, and the bytes read or uploaded.
+    /// page-locking), page-locking, the whole call, the bytes read or uploaded, and coding.
     StorePhases {
         alloc_ns: u64,
         read_ns: u64,
         seal_ns: u64,
         quantize_ns: u64,
+        code_ns: u64,
         hash_ns: u64,
         pin_ns: u64,
         total_ns: u64,
@@ -237,7 +243,9 @@ record! {
 
 record! {
     /// A tensor in a group: as in `TensorInfo`, at `offset` from the group's start (its
-    /// scales, when quantized, at `offset + scale_offset`).
+    /// scales, when quantized, at `offset + scale_offset`). A coded one (`coding` "rans8")
+    /// holds `stored_nbytes` of coded bytes at `offset`, which decode to the `nbytes` the other
+    /// fields describe (offsets then from the decoded bytes' start).
     TensorPlacement {
         name: String,
         dtype: i32,
@@ -247,6 +255,9 @@ record! {
         quantization: String,
         scale_shape: Vec<u64>,
         scale_offset: u64,
+        coding: String,
+        stored_nbytes: u64,
+        coded_lanes: u32,
     }
 }
 
@@ -497,6 +508,9 @@ pub(crate) fn manifest(py: Python<'_>, m: proto::ModelManifest) -> PyResult<Mode
                     scale_offset: t.scale_offset,
                     format: t.format,
                     weights: t.weights,
+                    coding: coding_name(t.coding),
+                    stored_nbytes: t.stored_nbytes,
+                    coded_lanes: t.coded_lanes,
                 },
             )
         })?,
@@ -526,6 +540,7 @@ pub(crate) fn manifest(py: Python<'_>, m: proto::ModelManifest) -> PyResult<Mode
                     read_ns: p.read_ns,
                     seal_ns: p.seal_ns,
                     quantize_ns: p.quantize_ns,
+                    code_ns: p.code_ns,
                     hash_ns: p.hash_ns,
                     pin_ns: p.pin_ns,
                     total_ns: p.total_ns,
@@ -671,6 +686,9 @@ pub(crate) fn layout(
                                 quantization: quantization_name(t.quantization),
                                 scale_shape: t.scale_shape.clone(),
                                 scale_offset: t.scale_offset,
+                                coding: coding_name(t.coding),
+                                stored_nbytes: t.stored_nbytes,
+                                coded_lanes: t.coded_lanes,
                             },
                         )
                     })?,

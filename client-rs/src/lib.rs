@@ -131,6 +131,9 @@ impl<'a> TensorData<'a> {
             scale_offset: 0,
             format: self.format.to_string(),
             weights: self.weights,
+            coding: 0,
+            stored_nbytes: 0,
+            coded_lanes: 0,
         }
     }
 }
@@ -150,6 +153,18 @@ pub fn parse_quantization(value: &str) -> Option<proto::Quantization> {
     }
 }
 
+/// The spellings [`parse_coding`] accepts, for messages and help texts.
+pub const CODINGS: &str = "none, rans8";
+
+/// A coding by name ("none", "rans8": `proto::Coding`).
+pub fn parse_coding(value: &str) -> Option<proto::Coding> {
+    match value {
+        "none" => Some(proto::Coding::None),
+        "rans8" => Some(proto::Coding::Rans8),
+        _ => None,
+    }
+}
+
 /// The formats a client may write pre-quantized into an upload, by the names
 /// [`quantization_name`] gives them: "fp8_e4m3_block64", "fp8_e4m3_row", "int8_row",
 /// "torchao_float8_rowwise", "torchao_int8_rowwise".
@@ -161,6 +176,16 @@ pub fn prequantized_format(name: &str) -> Option<proto::Quantization> {
         "torchao_float8_rowwise" => Some(proto::Quantization::TorchaoFloat8Rowwise),
         "torchao_int8_rowwise" => Some(proto::Quantization::TorchaoInt8Rowwise),
         _ => None,
+    }
+}
+
+/// The lowercase name of a coding ("none", "rans8"); values this client does not know as
+/// "unknown(N)".
+pub fn coding_name(value: i32) -> String {
+    match proto::Coding::try_from(value) {
+        Ok(proto::Coding::None) => "none".into(),
+        Ok(proto::Coding::Rans8) => "rans8".into(),
+        Err(_) => format!("unknown({value})"),
     }
 }
 
@@ -221,6 +246,8 @@ pub fn row_layout(shape: &[u64]) -> Option<([u64; 2], u64, u64)> {
 pub struct LoadedFrom {
     pub paths: Vec<PathBuf>,
     pub quantization: proto::Quantization,
+    /// `LoadModelRequest.coding`.
+    pub coding: proto::Coding,
     /// Names in the files (`LoadModelRequest.tensors`); their order does not matter.
     pub tensors: Vec<String>,
 }
@@ -238,6 +265,8 @@ pub struct Client {
     loaded: Arc<Mutex<HashMap<String, LoadedFrom>>>,
     /// How long the model references this client takes (LoadModel, CommitUpload) last.
     retention: proto::Retention,
+    /// How the daemon holds the models this client loads and commits (`Coding`).
+    coding: proto::Coding,
 }
 
 impl Client {
@@ -309,6 +338,7 @@ impl Client {
             socket,
             loaded: Arc::default(),
             retention: proto::Retention::Cached,
+            coding: proto::Coding::None,
         }
     }
 
@@ -319,6 +349,16 @@ impl Client {
     /// share the connection.
     pub fn with_retention(mut self, retention: proto::Retention) -> Client {
         self.retention = retention;
+        self
+    }
+
+    /// This client, asking the daemon to hold the models it loads ([`Client::load_model`]) and
+    /// commits ([`Client::commit_upload`]) coded as `coding` says: `Rans8` codes the 8-bit
+    /// tensors losslessly (fewer bytes over the link; the staged bytes of a coded tensor are
+    /// then its coded form, `TensorPlacement.coding`, which the caller decodes), `None` (the
+    /// default) holds them as they are.
+    pub fn with_coding(mut self, coding: proto::Coding) -> Client {
+        self.coding = coding;
         self
     }
 
@@ -435,6 +475,7 @@ impl Client {
         let from = LoadedFrom {
             paths: paths.to_vec(),
             quantization,
+            coding: self.coding,
             tensors: Vec::new(),
         };
         self.load_model_from(&from, name, progress).await
@@ -468,6 +509,7 @@ impl Client {
             quantization: from.quantization as i32,
             retention: self.retention as i32,
             tensors: from.tensors.clone(),
+            coding: from.coding as i32,
         };
         let mut events = self
             .rpc
@@ -579,6 +621,7 @@ impl Client {
         let request = proto::CommitUploadRequest {
             upload_id: upload_id.to_string(),
             retention: self.retention as i32,
+            coding: self.coding as i32,
         };
         let r = self.rpc.commit_upload(request).await;
         let committed = r.map_err(|s| self.status(s))?.into_inner();

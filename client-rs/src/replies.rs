@@ -119,11 +119,17 @@ impl Acquired<'_> {
         &self.staged
     }
 
-    /// The bytes of tensor `i` of the group; None in device memory (CUDA backend), which
-    /// this client does not map.
+    /// The bytes of tensor `i` of the group as staged; None in device memory (CUDA
+    /// backend), which this client does not map. A coded tensor's (`coding` CODING_RANS8) are
+    /// its `stored_nbytes` of coded bytes, which this client does not decode.
     pub fn tensor(&self, i: usize) -> Option<&[u8]> {
         let t = &self.layout.tensors[i];
-        Some(&self.bytes?[t.offset as usize..(t.offset + t.nbytes) as usize])
+        let len = if t.coding == proto::Coding::None as i32 {
+            t.nbytes
+        } else {
+            t.stored_nbytes
+        };
+        Some(&self.bytes?[t.offset as usize..(t.offset + len) as usize])
     }
 
     pub fn tensor_by_name(&self, name: &str) -> Option<&[u8]> {
@@ -133,10 +139,12 @@ impl Acquired<'_> {
 
     /// Tensor `i` of the group split into its data and its scales when it is quantized
     /// (`None` when it is not, or in device memory): e4m3fn bytes in the tensor's shape, and
-    /// little-endian fp32 scales of its `scale_shape`.
+    /// little-endian fp32 scales of its `scale_shape`. None for a coded tensor too.
     pub fn quantized(&self, i: usize) -> Option<QuantizedView<'_>> {
         let t = &self.layout.tensors[i];
-        if t.quantization == proto::Quantization::None as i32 {
+        if t.quantization == proto::Quantization::None as i32
+            || t.coding != proto::Coding::None as i32
+        {
             return None;
         }
         let bytes = self.tensor(i)?;

@@ -412,6 +412,7 @@ async fn a_load_of_some_tensors_names_them_and_remembers_them() {
     let from = LoadedFrom {
         paths: vec![path],
         quantization: weightstream_client::proto::Quantization::Fp8E4m3Row,
+        coding: weightstream_client::proto::Coding::None,
         tensors: vec!["l.weight".into(), "k.weight".into()],
     };
     let manifest = client.load_model_from(&from, "", |_| {}).await.unwrap();

@@ -10,7 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use weightstream_client::{Client, LoadedFrom, proto, quantization_name, resolve_sources};
 
-use super::{CliResult, Deadline, human, parse_quantize, saved, shown};
+use super::{CliResult, Deadline, human, parse_coding, parse_quantize, saved, shown};
 
 /// The longest a load may go without a progress report: a phase reports once when it begins
 /// (page-locking a large model takes a while), however short `--timeout` is.
@@ -34,6 +34,11 @@ pub struct LoadArgs {
     /// The store keeps only the quantized copy; the other tensors keep their dtype.
     #[arg(long, env = "WEIGHTSTREAM_QUANTIZE", default_value = "none", value_parser = parse_quantize)]
     quantize: proto::Quantization,
+    /// Hold the model coded: none, or rans8 (the 8-bit tensors of 1 MiB or more coded
+    /// losslessly, where that saves at least 1/32 of their bytes: fewer bytes to hold and to
+    /// copy to the device; the Python client decodes them on the device after each copy).
+    #[arg(long, env = "WEIGHTSTREAM_CODING", default_value = "none", value_parser = parse_coding)]
+    coding: proto::Coding,
     /// Print the result as one JSON object (model, bytes, the daemon's phases in seconds, and
     /// the command's own wall time) instead of text; no progress bar.
     #[arg(long)]
@@ -121,6 +126,7 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs, deadline: Deadline) ->
         let from = LoadedFrom {
             paths: paths.clone(),
             quantization: args.quantize,
+            coding: args.coding,
             tensors,
         };
         let load = client.load_model_from(&from, name, |p| {

@@ -251,6 +251,15 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type CliResult<T = ()> = Result<T, BoxError>;
 
 /// `--quantize`: none, fp8_e4m3_block64, fp8 (its alias), fp8_e4m3_row, int8_row.
+fn parse_coding(value: &str) -> Result<weightstream_client::proto::Coding, String> {
+    weightstream_client::parse_coding(value).ok_or_else(|| {
+        format!(
+            "'{value}': the accepted values are {}",
+            weightstream_client::CODINGS
+        )
+    })
+}
+
 fn parse_quantize(value: &str) -> Result<weightstream_client::proto::Quantization, String> {
     weightstream_client::parse_quantization(value).ok_or_else(|| {
         format!(

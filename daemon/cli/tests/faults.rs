@@ -172,6 +172,7 @@ async fn child_trainer() {
     let commit = proto::CommitUploadRequest {
         retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id.clone(),
+        ..Default::default()
     };
     let committed = raw.commit_upload(commit).await.unwrap().into_inner();
     let child_manifest = committed.manifest.unwrap();

@@ -598,6 +598,7 @@ async fn uploads_in_progress_are_limited_per_uid_and_a_commit_frees_the_place() 
     raw.commit_upload(proto::CommitUploadRequest {
         retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id,
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -879,6 +879,7 @@ async fn bad_uploads_are_refused_precisely() {
     let commit = |id: &str| proto::CommitUploadRequest {
         retention: proto::Retention::Cached as i32,
         upload_id: id.to_string(),
+        ..Default::default()
     };
     let status = stranger
         .commit_upload(commit(&begun.upload_id))

@@ -233,6 +233,7 @@ async fn an_upload_is_sealed_by_the_daemon() {
     let commit = || proto::CommitUploadRequest {
         retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id.clone(),
+        ..Default::default()
     };
     let status = raw.commit_upload(commit()).await.unwrap_err();
     let mapped_writable = format!(
@@ -341,6 +342,7 @@ async fn an_uploader_that_closes_the_seals_is_told_so() {
     let commit = proto::CommitUploadRequest {
         retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id.clone(),
+        ..Default::default()
     };
     let status = raw.commit_upload(commit).await.unwrap_err();
     let closed = format!(
@@ -418,6 +420,7 @@ async fn shared_memory_has_no_name_and_reaches_clients_as_fds_only() {
     raw.commit_upload(proto::CommitUploadRequest {
         retention: proto::Retention::Cached as i32,
         upload_id: begun.upload_id,
+        ..Default::default()
     })
     .await
     .unwrap();

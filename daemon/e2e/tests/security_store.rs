@@ -457,6 +457,7 @@ async fn another_uids_ids_answer_as_ids_that_do_not_exist() {
     raw.commit_upload(proto::CommitUploadRequest {
         retention: proto::Retention::Cached as i32,
         upload_id: uploads[0].clone(),
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -37,6 +37,7 @@ fn commit(upload_id: &str) -> proto::CommitUploadRequest {
     proto::CommitUploadRequest {
         retention: proto::Retention::Cached as i32,
         upload_id: upload_id.into(),
+        ..Default::default()
     }
 }
 

@@ -25,6 +25,7 @@ use crate::residency::{ResidencyError, ResidencyRegistry, ResidentWant};
 use crate::scheduler::{CopyScheduler, Pacing};
 use crate::session::layout::{BudgetError, LayoutError, layout_groups, split_budget};
 use crate::session::{ActorParts, CloseReason, DrainDeadline, SessionShared, SessionStats};
+use crate::store::coding::Coding;
 use crate::store::{
     LoadSource, Model, Owner, Retention, StateTicket, Store, StoreError, StoreLimits, Stored,
     TensorDecl, UploadTicket, held_by_clients,
@@ -272,10 +273,10 @@ impl Daemon {
         peer: &Peer,
         upload_id: &str,
         retention: Retention,
+        coding: Coding,
     ) -> Result<Stored, CoreError> {
-        let committed = self
-            .store
-            .commit_upload(peer.owner(), upload_id, retention)?;
+        let committed =
+            (self.store).commit_upload_coded(peer.owner(), upload_id, retention, coding)?;
         (self.secrets).revoke(&SecretOwner::Upload(upload_id.to_string()));
         Ok(committed)
     }

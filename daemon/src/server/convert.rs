@@ -5,6 +5,7 @@ use weightstream_proto::v1 as pb;
 use crate::backend::{BackendKind, RegionHandle};
 use crate::core::{Daemon, OpenedSession, Peer};
 use crate::session::{PassKind, SessionShared, StatsSnapshot};
+use crate::store::coding::Coding;
 use crate::store::formats::formats;
 use crate::store::quantize::Quantization;
 use crate::store::safetensors::DType;
@@ -69,6 +70,34 @@ fn quantized_fields(t: &StoredTensor) -> (i32, Vec<u64>, u64) {
             q.scale_offset,
         ),
     }
+}
+
+/// A stored tensor's bytes once decoded, its coding, stored bytes (0: not coded) and coder's
+/// lanes, as the wire spells them.
+fn coded_fields(t: &StoredTensor) -> (u64, i32, u64, u32) {
+    match &t.coded {
+        None => (t.nbytes, pb::Coding::None as i32, 0, 0),
+        Some(c) => (
+            c.decoded_nbytes,
+            coding_to_pb(c.coding) as i32,
+            t.nbytes,
+            c.lanes,
+        ),
+    }
+}
+
+pub fn coding_to_pb(c: Coding) -> pb::Coding {
+    match c {
+        Coding::None => pb::Coding::None,
+        Coding::Rans8 => pb::Coding::Rans8,
+    }
+}
+
+pub fn coding_from_pb(value: i32) -> Option<Coding> {
+    Some(match pb::Coding::try_from(value).ok()? {
+        pb::Coding::None => Coding::None,
+        pb::Coding::Rans8 => Coding::Rans8,
+    })
 }
 
 pub fn retention_from_pb(value: i32) -> Option<Retention> {
@@ -186,11 +215,15 @@ pub fn manifest(model: &Model, entry: Option<&ModelEntry>) -> pb::ModelManifest 
             .iter()
             .map(|t| {
                 let (quantization, scale_shape, scale_offset) = quantized_fields(t);
+                let (nbytes, coding, stored_nbytes, coded_lanes) = coded_fields(t);
                 pb::TensorInfo {
                     name: t.name.clone(),
                     dtype: dtype_to_pb(t.dtype) as i32,
                     shape: t.shape.clone(),
-                    nbytes: t.nbytes,
+                    nbytes,
+                    coding,
+                    stored_nbytes,
+                    coded_lanes,
                     quantization,
                     scale_shape,
                     scale_offset,
@@ -240,6 +273,7 @@ fn phases(p: &Phases) -> pb::StorePhases {
         read_ns: ns(p.read),
         seal_ns: ns(p.seal),
         quantize_ns: ns(p.quantize),
+        code_ns: ns(p.code),
         hash_ns: ns(p.hash),
         pin_ns: ns(p.pin),
         total_ns: ns(p.total),
@@ -283,12 +317,16 @@ pub fn opened(o: &OpenedSession) -> pb::OpenSessionResponse {
                     .map(|&(t, offset)| {
                         let t = &o.model.tensors[t];
                         let (quantization, scale_shape, scale_offset) = quantized_fields(t);
+                        let (nbytes, coding, stored_nbytes, coded_lanes) = coded_fields(t);
                         pb::TensorPlacement {
                             name: t.name.clone(),
                             dtype: dtype_to_pb(t.dtype) as i32,
                             shape: t.shape.clone(),
                             offset,
-                            nbytes: t.nbytes,
+                            nbytes,
+                            coding,
+                            stored_nbytes,
+                            coded_lanes,
                             quantization,
                             scale_shape,
                             scale_offset,

@@ -138,10 +138,10 @@ impl WeightStream for Service {
                 });
                 let _ = progress_tx.blocking_send(Ok(pb::LoadModelEvent { event: Some(event) }));
             };
-            let result = daemon.store.load(
+            let result = daemon.store.load_coded(
                 &sources,
                 &req.name,
-                req.quantization,
+                (req.quantization, req.coding),
                 &req.tensors,
                 (peer.owner(), req.retention),
                 &mut progress,
@@ -214,7 +214,7 @@ impl WeightStream for Service {
         let stored = self
             .blocking
             .spawn(what, move || {
-                daemon.commit_upload(&peer, &req.upload_id, req.retention)
+                daemon.commit_upload(&peer, &req.upload_id, req.retention, req.coding)
             })
             .await
             .map_err(|source| EdgeError::Task {

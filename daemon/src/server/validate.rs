@@ -8,11 +8,12 @@ use std::num::NonZeroU64;
 use weightstream_proto::handoff;
 use weightstream_proto::v1 as pb;
 
-use super::convert::{dtype_from_pb, quantization_from_pb, retention_from_pb};
+use super::convert::{coding_from_pb, dtype_from_pb, quantization_from_pb, retention_from_pb};
 use crate::config::{CopyRate, Limits, MIN_COPY_BANDWIDTH, Rate};
 use crate::core::OpenRequest;
 use crate::core::random_secret;
 use crate::mem::shm::UploadPages;
+use crate::store::coding::Coding;
 use crate::store::prequantized::torchao_layout;
 use crate::store::quantize::{Quantization, QuantizeError, StoredLayout, Target};
 use crate::store::safetensors::{DType, tensor_nbytes};
@@ -88,6 +89,14 @@ pub enum ValidationError {
          1, RETENTION_PINNED = 2)"
     )]
     UnknownRetention(i32),
+    #[error("{field}: {value} is not a known coding (CODING_NONE = 0, CODING_RANS8 = 1)")]
+    UnknownCoding { field: &'static str, value: i32 },
+    /// The coding fields of a tensor are the daemon's to set.
+    #[error(
+        "{field}: set by the daemon, 0 in BeginUpload: ask for coding in CommitUpload \
+         (CommitUploadRequest.coding)"
+    )]
+    CodingInUpload { field: String },
     /// A pre-quantized format is read from files as published (a LoadModel with quantization
     /// none of such a file), never asked for.
     #[error(
@@ -179,6 +188,7 @@ pub struct ValidLoadModel {
     pub name: String,
     pub fd_token: String,
     pub quantization: Quantization,
+    pub coding: Coding,
     pub retention: Retention,
     /// The tensors to load; that each is in the files is the load's check (it reads them).
     pub tensors: Selection,
@@ -219,6 +229,7 @@ pub struct ValidBeginUpload {
 pub struct ValidCommitUpload {
     pub upload_id: String,
     pub retention: Retention,
+    pub coding: Coding,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -302,6 +313,7 @@ impl Validation {
             name: req.name,
             fd_token: req.fd_token,
             quantization,
+            coding: coding("coding", req.coding)?,
             retention: retention(req.retention)?,
             tensors: self.selection(req.tensors)?,
         })
@@ -409,6 +421,7 @@ impl Validation {
         Ok(ValidCommitUpload {
             upload_id: req.upload_id,
             retention: retention(req.retention)?,
+            coding: coding("coding", req.coding)?,
         })
     }
 
@@ -533,6 +546,17 @@ impl Validation {
                     field: format!("{field}.shape"),
                     shape: t.shape.clone(),
                 })?;
+            for (name, set) in [
+                ("coding", t.coding != 0),
+                ("stored_nbytes", t.stored_nbytes != 0),
+                ("coded_lanes", t.coded_lanes != 0),
+            ] {
+                if set {
+                    return Err(ValidationError::CodingInUpload {
+                        field: format!("{field}.{name}"),
+                    });
+                }
+            }
             let quant = upload_quantization(&field, &t, dtype)?;
             let quantization = quantization_from_pb(t.quantization).unwrap_or_default();
             let label = label::label(&field, &t.format, t.weights, quantization)?;
@@ -575,6 +599,10 @@ impl Validation {
 
 fn retention(value: i32) -> Result<Retention> {
     retention_from_pb(value).ok_or(ValidationError::UnknownRetention(value))
+}
+
+fn coding(field: &'static str, value: i32) -> Result<Coding> {
+    coding_from_pb(value).ok_or(ValidationError::UnknownCoding { field, value })
 }
 
 fn quantization(field: &str, value: i32) -> Result<Quantization> {

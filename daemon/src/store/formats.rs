@@ -1,7 +1,8 @@
 //! A model's formats, for `status`: each tensor counts in one format, its client's label where
 //! it has one (a packed layer's raw tensors, which the daemon cannot name), else the
 //! quantization the daemon holds it in, else its dtype; per format its tensors, bytes and
-//! weights, whose ratio is the format's bytes per weight.
+//! weights, whose ratio is the format's bytes per weight. A coded tensor (`coding`) counts in
+//! its format with the coding's name added, at its coded bytes.
 //!
 //! Labels are metadata: they enter neither the model's id nor its dedup, so they cannot split
 //! one host copy of the same bytes into two.
@@ -36,11 +37,15 @@ pub struct FormatUse {
 pub fn formats(tensors: &[StoredTensor]) -> Vec<FormatUse> {
     let mut by_name: BTreeMap<String, FormatUse> = BTreeMap::new();
     for t in tensors {
-        let (name, weights) = match (&t.label, t.quantization()) {
+        let (mut name, weights) = match (&t.label, t.quantization()) {
             (Some(label), _) => (label.name.clone(), label.weights),
             (None, Quantization::None) => (dtype_format(t.dtype), elements(&t.shape)),
             (None, q) => (q.name().to_string(), elements(&t.shape)),
         };
+        // A coded tensor's bytes are its coded ones: its own format ("fp8_e4m3_block64+rans8").
+        if let Some(c) = &t.coded {
+            name = format!("{name}+{}", c.coding.name());
+        }
         let entry = by_name.entry(name.clone()).or_insert(FormatUse {
             name,
             tensors: 0,
@@ -98,8 +103,8 @@ const QUANTIZATIONS: [Quantization; 8] = [
 ];
 
 /// The most bytes a manifest's `formats` takes for the formats the daemon names (a dtype or a
-/// quantization each, 64 bytes at most apiece), whatever the model.
-pub const DAEMON_FORMATS_BYTES: u64 = 64 * (DType::ALL.len() + QUANTIZATIONS.len() - 1) as u64;
+/// quantization each, coded or not, 64 bytes at most apiece), whatever the model.
+pub const DAEMON_FORMATS_BYTES: u64 = 2 * 64 * (DType::ALL.len() + QUANTIZATIONS.len() - 1) as u64;
 
 /// Host bytes the labels of a model's tensors take besides their entries (charged with its
 /// description): each label's name and 16 for its count.
@@ -141,6 +146,7 @@ mod tests {
             nbytes,
             quantized: Option::None,
             label: Option::None,
+            coded: Option::None,
         }
     }
 

@@ -23,6 +23,7 @@ use std::time::Instant;
 
 use rustix::fs::FileType;
 
+use super::coding::{Coding, coded_id};
 use super::phases::{Phases, Stored};
 use super::prequantized::{self, PreLayout};
 use super::quantize::{
@@ -146,12 +147,26 @@ impl Store {
         name: &str,
         quantization: Quantization,
         selection: &Selection,
+        held: (Owner, Retention),
+        progress: Progress<'_>,
+    ) -> Result<Stored, StoreError> {
+        let how = (quantization, Coding::None);
+        self.load_coded(sources, name, how, selection, held, progress)
+    }
+
+    /// [`Store::load`], the model then coded as `coding` says ([`super::coding`]).
+    pub fn load_coded(
+        &self,
+        sources: &[LoadSource],
+        name: &str,
+        (quantization, coding): (Quantization, Coding),
+        selection: &Selection,
         (owner, retention): (Owner, Retention),
         progress: Progress<'_>,
     ) -> Result<Stored, StoreError> {
         let started = Instant::now();
         let mut phases = Phases::default();
-        let (key, opened) = file_key(sources, quantization, selection)?;
+        let (key, opened) = file_key(sources, (quantization, coding), selection)?;
         let (plan, headers) = self.plan_load(&opened, quantization, selection)?;
         let total: u64 = plan.iter().map(Planned::input_bytes).sum();
         let last = Path::new(sources.last().map_or("", |s| s.name.as_str()));
@@ -159,7 +174,10 @@ impl Store {
         // (nothing allocated); the model is theirs only if the bytes are still the same.
         if self.has_file_key(&key) {
             let digests = phases.time(|p| &mut p.hash, || digest_files(&plan))?;
-            let id = model_id(&headers, &digests, quantization, selection);
+            let id = coded_id(
+                &model_id(&headers, &digests, quantization, selection),
+                coding,
+            );
             if let Some(model) = self.add_ref(&id, owner, retention) {
                 progress(total, total, last);
                 phases.total = started.elapsed();
@@ -197,7 +215,10 @@ impl Store {
         )?;
         phases.input_bytes = total;
         // The model is what was read: its id is the digest of those bytes.
-        let id = model_id(&headers, &digests, quantization, selection);
+        let id = coded_id(
+            &model_id(&headers, &digests, quantization, selection),
+            coding,
+        );
         if let Some(model) = self.add_ref(&id, owner, retention) {
             // The same bytes are stored already (other files, or the same ones changed back):
             // the copy just made goes, unpinned.
@@ -210,6 +231,20 @@ impl Store {
             });
         }
         let tensors = stored_tensors(plan);
+        if coding != Coding::None {
+            progress(total, total, Path::new("coding the weights"));
+        }
+        let coded = phases.time(
+            |p| &mut p.code,
+            || self.code(owner.uid, &segment, &tensors, coding),
+        )?;
+        let (segment, tensors) = match coded {
+            Some(coded) => {
+                drop(segment);
+                coded
+            }
+            None => (segment, tensors),
+        };
         progress(total, total, Path::new("page-locking host memory"));
         let arena = phases.time(|p| &mut p.pin, || self.pin(segment, &tensors))?;
         phases.nothing_pinned_unless(arena.is_pinned());
@@ -385,6 +420,7 @@ fn stored_tensors(plan: Plan<'_>) -> Vec<StoredTensor> {
                 None => p.quantized.as_ref().map(QuantizedLayout::made),
             },
             label: None,
+            coded: None,
         })
         .collect()
 }
@@ -857,7 +893,7 @@ fn disjoint_mut<'a>(arena: &'a mut [u8], ranges: &[(usize, usize)]) -> Vec<&'a m
 /// decides (a writable shared mapping changes a file and none of these).
 fn file_key<'a>(
     sources: &'a [LoadSource],
-    quantization: Quantization,
+    (quantization, coding): (Quantization, Coding),
     selection: &Selection,
 ) -> Result<(String, Vec<Opened<'a>>), StoreError> {
     let mut hasher = blake3::Hasher::new();
@@ -890,6 +926,9 @@ fn file_key<'a>(
         });
     }
     hasher.update(format!("quantization:{quantization}\n").as_bytes());
+    if coding != Coding::None {
+        hasher.update(format!("coding:{}\n", coding.name()).as_bytes());
+    }
     selection.hash_into(&mut hasher);
     Ok((hasher.finalize().to_hex().to_string(), opened))
 }
@@ -1088,7 +1127,8 @@ mod tests {
         let sources = sources(&[path]);
         // Unquantized, the weight is one piece; quantized, two chunks of rows.
         for (quantization, ranges) in [(Quantization::None, 2), (Quantization::Fp8E4m3Block64, 3)] {
-            let (_, opened) = file_key(&sources, quantization, &Selection::All).unwrap();
+            let (_, opened) =
+                file_key(&sources, (quantization, Coding::None), &Selection::All).unwrap();
             let (plan, _) = store
                 .plan_load(&opened, quantization, &Selection::All)
                 .unwrap();

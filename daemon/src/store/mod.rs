@@ -13,12 +13,13 @@
 //! arenas), `state` (sessions' state regions: host memory charged like the rest, never shared),
 //! `pin` (page-locking an arena through a `HostPinner`); `formats` sums a model's formats for
 //! `status`; `safetensors` parses headers; `rans8` codes 8-bit weights losslessly (interleaved
-//! rANS, the format of `tests/bench/rans8.py`);
+//! rANS, the format of `tests/bench/rans8.py`) and `coding` codes a filled arena with it;
 //! `parallel` spreads reading and hashing over threads, `phases` times them.
 //! This file holds the types they share. Memory itself (memfds, arenas, slices) lives in
 //! `crate::mem`.
 
 mod cache;
+pub mod coding;
 pub mod formats;
 mod load;
 mod phases;
@@ -38,6 +39,7 @@ use std::collections::HashMap;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use self::coding::CodedLayout;
 use self::formats::FormatLabel;
 pub use self::load::{LoadSource, Progress, Selection};
 pub use self::phases::{Phases, Stored};
@@ -209,6 +211,9 @@ pub struct StoredTensor {
     /// Its client's name for the packed format it is part of (uploads only): metadata, not
     /// part of the model's id ([`formats`]).
     pub label: Option<FormatLabel>,
+    /// Of a coded tensor ([`coding`]): how, and what it decodes to; `nbytes` are then the
+    /// coded bytes the arena holds.
+    pub coded: Option<CodedLayout>,
 }
 
 /// A quantized tensor's format and where its scales are (see [`StoredLayout`]): its dtype is
@@ -262,8 +267,8 @@ pub fn metadata_bytes<'a>(name: &str, tensors: impl IntoIterator<Item = (&'a str
 pub const MESSAGE_ENVELOPE: u64 = 1024;
 
 /// The most bytes a model's manifest takes on the wire (protobuf): per tensor its name, at most
-/// 10 bytes per dimension (a varint) and 64 for its other fields (dtype, size, format, scales,
-/// framing); the model's name, 256 for the manifest's own fields and
+/// 10 bytes per dimension (a varint) and 96 for its other fields (dtype, size, format, scales,
+/// coding, framing); the model's name, 256 for the manifest's own fields and
 /// [`formats::DAEMON_FORMATS_BYTES`] for the formats the daemon names (its client's labels:
 /// `labels`, [`formats::label_description_bytes`]).
 pub fn description_bytes<'a>(
@@ -273,7 +278,7 @@ pub fn description_bytes<'a>(
 ) -> u64 {
     let entries: u64 = tensors
         .into_iter()
-        .map(|(name, rank)| name.len() as u64 + 10 * rank as u64 + 64)
+        .map(|(name, rank)| name.len() as u64 + 10 * rank as u64 + 96)
         .sum();
     entries + name.len() as u64 + 256 + formats::DAEMON_FORMATS_BYTES + labels
 }

@@ -18,6 +18,8 @@ pub struct Phases {
     pub seal: Duration,
     /// A commit that quantizes: the new arena, made and filled.
     pub quantize: Duration,
+    /// With a coding: the tensors coded into the model's arena ([`super::coding`]).
+    pub code: Duration,
     /// A commit: hashing the bytes into the model's id; runs while the arena is pinned.
     pub hash: Duration,
     /// Page-locking the arena (zero on the host backend, which locks nothing).

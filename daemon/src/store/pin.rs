@@ -145,6 +145,7 @@ mod tests {
             nbytes,
             quantized: None,
             label: None,
+            coded: None,
         }
     }
 

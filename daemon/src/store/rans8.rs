@@ -64,6 +64,90 @@ impl Coded {
     }
 }
 
+/// Bytes of the decoder's table at the head of a coded blob (`u32[4096]`).
+pub const TABLE_BYTES: u64 = 4 * TOTAL as u64;
+/// The steps a lane takes in [`lanes_for`]'s choice: each lane costs 8 bytes (its state and
+/// offset), so 1.6 % of the bytes it codes; the device decodes a step of every lane at once.
+pub const STEPS_PER_LANE: u64 = 512;
+/// The most lanes [`lanes_for`] gives.
+pub const MAX_LANES: u32 = 1 << 18;
+
+/// The lanes to code `n` bytes in: a lane per [`STEPS_PER_LANE`] bytes, at least 1 and at most
+/// [`MAX_LANES`].
+pub fn lanes_for(n: u64) -> u32 {
+    u32::try_from((n / STEPS_PER_LANE).clamp(1, u64::from(MAX_LANES))).unwrap_or(MAX_LANES)
+}
+
+impl Coded {
+    /// The bytes of its blob ([`Coded::write_blob`]).
+    pub fn blob_nbytes(&self) -> u64 {
+        TABLE_BYTES
+            + 4 * (self.states.len() + self.offsets.len()) as u64
+            + 2 * self.words.len() as u64
+    }
+
+    /// Writes its blob into `out` (of [`Coded::blob_nbytes`]), as the store holds a coded
+    /// tensor (the proto's `CODING_RANS8`), little endian: the decoder's table (`u32[4096]`),
+    /// the states, the offsets, the words.
+    pub fn write_blob(&self, out: &mut [u8]) {
+        assert_eq!(out.len() as u64, self.blob_nbytes(), "a blob's room");
+        let (head, rest) = out.split_at_mut(TABLE_BYTES as usize);
+        for (dst, v) in head.chunks_exact_mut(4).zip(table(&self.freq)) {
+            dst.copy_from_slice(&v.to_le_bytes());
+        }
+        let (states, rest) = rest.split_at_mut(4 * self.states.len());
+        for (dst, v) in states.chunks_exact_mut(4).zip(&self.states) {
+            dst.copy_from_slice(&v.to_le_bytes());
+        }
+        let (offsets, words) = rest.split_at_mut(4 * self.offsets.len());
+        for (dst, v) in offsets.chunks_exact_mut(4).zip(&self.offsets) {
+            dst.copy_from_slice(&v.to_le_bytes());
+        }
+        for (dst, v) in words.chunks_exact_mut(2).zip(&self.words) {
+            dst.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    /// The [`Coded`] a blob of `n` bytes in `lanes` lanes holds, its table checked against the
+    /// frequencies it gives (what a decoder needs to trust it; [`decode`] checks the rest).
+    pub fn from_blob(blob: &[u8], n: u64, lanes: u32) -> Result<Coded, RansError> {
+        let fixed = TABLE_BYTES + 8 * u64::from(lanes) + 4;
+        let len = blob.len() as u64;
+        if lanes == 0 {
+            return Err(RansError::NoLanes);
+        }
+        if len < fixed || !(len - fixed).is_multiple_of(2) {
+            return Err(RansError::BlobLength { len, lanes });
+        }
+        let u32s = |b: &[u8]| -> Vec<u32> {
+            (b.chunks_exact(4))
+                .map(|c| u32::from_le_bytes(c.try_into().expect("4 bytes")))
+                .collect()
+        };
+        let (head, rest) = blob.split_at(TABLE_BYTES as usize);
+        let entries = u32s(head);
+        let mut freq = [0u16; 256];
+        for e in &entries {
+            freq[(e & 0xFF) as usize] += 1;
+        }
+        if table(&freq) != entries {
+            return Err(RansError::BadTable);
+        }
+        let (states, rest) = rest.split_at(4 * lanes as usize);
+        let (offsets, words) = rest.split_at(4 * (lanes as usize + 1));
+        Ok(Coded {
+            n,
+            lanes,
+            freq,
+            states: u32s(states),
+            offsets: u32s(offsets),
+            words: (words.chunks_exact(2))
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect(),
+        })
+    }
+}
+
 /// Why bytes cannot be coded, or a [`Coded`] cannot be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RansError {
@@ -109,6 +193,13 @@ pub enum RansError {
         read: usize,
         expected: usize,
     },
+    #[error(
+        "a blob of {len} bytes cannot hold {lanes} lanes: the table, the states and offsets \
+         and whole words take 16384 + 8 * lanes + 4 + 2 * words bytes"
+    )]
+    BlobLength { len: u64, lanes: u32 },
+    #[error("the blob's table is not the table of the frequencies it gives")]
+    BadTable,
     #[error("lane {lane} ends in state {state}, not {STATE_MIN}: the coded data is corrupt")]
     FinalState { lane: usize, state: u32 },
 }

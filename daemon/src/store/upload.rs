@@ -17,6 +17,7 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::coding::{Coding, coded_id};
 use super::formats::{FormatLabel, label_bytes, label_description_bytes};
 use super::phases::{Phases, Stored};
 use super::quantize::{
@@ -134,6 +135,7 @@ impl Store {
                 nbytes: t.nbytes,
                 quantized,
                 label: t.label,
+                coded: None,
             });
             at_commit.push(later);
             offset = offset.saturating_add(t.nbytes);
@@ -190,6 +192,19 @@ impl Store {
         owner: Owner,
         upload_id: &str,
         retention: Retention,
+    ) -> Result<Stored, StoreError> {
+        self.commit_upload_coded(owner, upload_id, retention, Coding::None)
+    }
+
+    /// [`Store::commit_upload`], the model then coded as `coding` says ([`super::coding`]):
+    /// hashed before it is coded (a model stored already is not coded again), then coded into
+    /// a new arena, which is pinned.
+    pub fn commit_upload_coded(
+        &self,
+        owner: Owner,
+        upload_id: &str,
+        retention: Retention,
+        coding: Coding,
     ) -> Result<Stored, StoreError> {
         let started = Instant::now();
         let mut phases = Phases::default();
@@ -248,21 +263,53 @@ impl Store {
         } else {
             (segment, upload.tensors, None)
         };
-        // Hashed while it is pinned: a new model (the rule) waits for the longer of the two
-        // rather than both; a duplicate (the exception) drops a pin it did not need.
-        let (id, in_place) = std::thread::scope(|scope| {
-            let pinning = scope.spawn(|| {
-                let started = Instant::now();
-                (self.pin_in_place(&segment, &tensors), started.elapsed())
+        let (id, segment, tensors, in_place) = if coding == Coding::None {
+            // Hashed while it is pinned: a new model (the rule) waits for the longer of the
+            // two rather than both; a duplicate (the exception) drops a pin it did not need.
+            let (id, in_place) = std::thread::scope(|scope| {
+                let pinning = scope.spawn(|| {
+                    let started = Instant::now();
+                    (self.pin_in_place(&segment, &tensors), started.elapsed())
+                });
+                let id = phases.time(
+                    |p| &mut p.hash,
+                    || content_identity(&tensors, segment.bytes()),
+                );
+                let (in_place, took) = pinning.join().expect("pinning does not panic");
+                phases.pin += took;
+                (id, in_place)
             });
-            let id = phases.time(
+            (id, segment, tensors, in_place)
+        } else {
+            let content = phases.time(
                 |p| &mut p.hash,
                 || content_identity(&tensors, segment.bytes()),
             );
-            let (in_place, took) = pinning.join().expect("pinning does not panic");
-            phases.pin += took;
-            (id, in_place)
-        });
+            let id = coded_id(&content, coding);
+            if let Some(model) = self.add_ref(&id, owner, retention) {
+                phases.total = started.elapsed();
+                return Ok(Stored {
+                    model,
+                    existed: true,
+                    phases,
+                });
+            }
+            let coded = phases.time(
+                |p| &mut p.code,
+                || self.code(owner.uid, &segment, &tensors, coding),
+            )?;
+            let (segment, tensors) = match coded {
+                Some(coded) => {
+                    drop(segment);
+                    coded
+                }
+                None => (segment, tensors),
+            };
+            let pinning = Instant::now();
+            let in_place = self.pin_in_place(&segment, &tensors);
+            phases.pin += pinning.elapsed();
+            (id, segment, tensors, in_place)
+        };
         if let Some(model) = self.add_ref(&id, owner, retention) {
             phases.nothing_pinned_unless(matches!(in_place, Ok(Some(_))));
             drop(in_place); // unlocked before the segment is unmapped
@@ -674,6 +721,7 @@ mod tests {
             nbytes: arena.len() as u64,
             quantized: None,
             label: None,
+            coded: None,
         };
         let id = content_identity(&[t("w")], &arena);
         assert_eq!(id, content_identity(&[t("w")], &arena.clone()));

@@ -644,6 +644,7 @@ pub async fn upload_keeping_the_fd(
         .commit_upload(proto::CommitUploadRequest {
             retention: proto::Retention::Cached as i32,
             upload_id: begun.upload_id,
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -307,6 +307,7 @@ pub async fn act(action: &str, socket: &Path, args: &[String]) -> String {
                     "commit" => (rpc.commit_upload(proto::CommitUploadRequest {
                         retention: proto::Retention::Cached as i32,
                         upload_id: id,
+                        ..Default::default()
                     }))
                     .await
                     .map(|_| ()),

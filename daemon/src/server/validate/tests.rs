@@ -61,6 +61,22 @@ fn each_bad_upload_names_its_field_and_limit() {
             "tensors[0].nbytes: 4 disagrees with shape [2, 3] of F32 (24 bytes)",
         ),
         (
+            vec![pb::TensorInfo {
+                coding: pb::Coding::Rans8 as i32,
+                ..tensor("a", f32, &[1], 0)
+            }],
+            "tensors[0].coding: set by the daemon, 0 in BeginUpload: ask for coding in \
+             CommitUpload (CommitUploadRequest.coding)",
+        ),
+        (
+            vec![pb::TensorInfo {
+                stored_nbytes: 4,
+                ..tensor("a", f32, &[1], 0)
+            }],
+            "tensors[0].stored_nbytes: set by the daemon, 0 in BeginUpload: ask for coding \
+             in CommitUpload (CommitUploadRequest.coding)",
+        ),
+        (
             vec![labelled("a", &"x".repeat(65), 6)],
             "tensors[0].format: 65 bytes, the limit is 64",
         ),
@@ -237,4 +253,34 @@ fn a_load_selection_is_a_set_of_names_within_the_limits() {
     let ab = Selection::Only(["a".to_string(), "b".to_string()].into());
     assert_eq!(load(&["b", "a"]), Ok(ab.clone()));
     assert_eq!(load(&["a", "b"]), Ok(ab));
+}
+
+/// A coding is CODING_NONE or CODING_RANS8, in a load and in a commit; another value is named.
+#[test]
+fn a_coding_is_one_the_daemon_knows() {
+    let v = Validation::new(&Limits::default());
+    let load = |coding: i32| {
+        v.load_model(pb::LoadModelRequest {
+            paths: vec!["/m/a.safetensors".into()],
+            fd_token: "0".repeat(handoff::SECRET_LEN),
+            coding,
+            ..Default::default()
+        })
+        .map(|l| l.coding)
+        .map_err(|e| e.to_string())
+    };
+    let commit = |coding: i32| {
+        v.commit_upload(pb::CommitUploadRequest {
+            upload_id: "up-1".into(),
+            coding,
+            ..Default::default()
+        })
+        .map(|c| c.coding)
+        .map_err(|e| e.to_string())
+    };
+    let unknown = "coding: 2 is not a known coding (CODING_NONE = 0, CODING_RANS8 = 1)";
+    assert_eq!(load(2), Err(unknown.into()));
+    assert_eq!(commit(2), Err(unknown.into()));
+    assert_eq!(load(1), Ok(Coding::Rans8));
+    assert_eq!(commit(0), Ok(Coding::None));
 }
