@@ -88,6 +88,13 @@ def main(model: str = "flux1"):
         help="weightstream modes stream the weights in 8 bits (fp8_e4m3_block64); their "
         "losses are compared with resident-fp8, which the default modes then include",
     )
+    parser.add_argument(
+        "--coding",
+        choices=["none", "rans8"],
+        default="none",
+        help="weightstream modes: attach's coding (rans8: the daemon holds the 8-bit weights "
+        "coded losslessly, the trainer decodes each group on the device)",
+    )
     parser.add_argument("--budgets", nargs="+", type=float, default=[24, 16, 12, 8])
     parser.add_argument(
         "--trainer-gib",

@@ -27,6 +27,7 @@ from safetensors.torch import load_file  # noqa: E402
 from weightstream import _fused_dequant, _upload, quantize  # noqa: E402
 
 from tests.daemon import Daemon  # noqa: E402
+from tests.python.client import test_coded  # noqa: E402
 from tests.python.torch import test_torch as t  # noqa: E402
 from tests.python.torch import test_torch_fp8 as t8  # noqa: E402
 
@@ -662,6 +663,10 @@ def main():
         (
             "equal: fp8 by group with early release, resident and streamed groups, by block",
             lambda: by_block_8bit(dequantize="auto", mixed=True, early_release=True),
+        ),
+        (
+            "equal: fp8 streaming held coded (rans8), decoded on the device, by layer",
+            lambda: test_coded.coded_training(client, "cuda"),
         ),
         (
             "fp8 quantized on the device as it is copied == the daemon's model",

@@ -94,6 +94,7 @@ class Client:
         *,
         retention: str = "cached",
         tensors: Iterable[str] | None = None,
+        coding: str = "none",
     ) -> ModelManifest:
         """Loads safetensors into the store: files, ``*.safetensors.index.json`` files (their
         shards) or directories (their ``*.safetensors``). This process opens the files, with
@@ -109,10 +110,16 @@ class Client:
         each once); ``None`` or empty: every tensor. The daemon reads, holds and charges only
         these, and refuses a name none of the files holds (``InvalidArgument``). The model id
         covers the selection: the same files and names give the same model, other names
-        another one; the manifest lists only the tensors loaded."""
+        another one; the manifest lists only the tensors loaded.
+
+        ``coding="rans8"``: the daemon holds the 8-bit tensors (quantized weights and other
+        one-byte tensors) of 1 MiB or more coded losslessly where that saves at least 1/32 of
+        their bytes, so fewer bytes are held and copied to the device; a session decodes them
+        on the device after each copy (``Session``), bit for bit. ``"none"``: as they are. The
+        model id covers the coding."""
         paths = [os.path.abspath(p) for p in paths]
         names = [] if tensors is None else list(tensors)
-        return self._native.load_model(paths, name, progress, quantize, retention, names)
+        return self._native.load_model(paths, name, progress, quantize, retention, names, coding)
 
     def upload_model(
         self,
@@ -124,6 +131,7 @@ class Client:
         retention: str = "cached",
         quantize_on: str = "auto",
         labels: Mapping[str, tuple[str, int]] | None = None,
+        coding: str = "none",
     ) -> tuple[ModelManifest, bool]:
         """Writes tensors into a shared-memory region the daemon makes (the native client
         fetches its fd from the handoff socket, copies each tensor's bytes in with the GIL
@@ -152,6 +160,9 @@ class Client:
         manifest's ``formats`` then counts their bytes and bits per weight under that name.
         Labels are metadata: the same bytes uploaded with other labels (or none) are the same
         model, which keeps the labels of the upload that stored it.
+
+        ``coding``: how the daemon holds the model, as ``load_model`` says (coded at commit,
+        after quantizing).
 
         Whatever raises between the daemon's begin and its commit (a device out of memory
         while quantizing, a tensor whose bytes differ from its declaration, a refused commit,
@@ -192,9 +203,10 @@ class Client:
                 phases=phases,
                 retention=retention,
                 labels=labels,
+                coding=coding,
             )
         else:
-            out = self._upload_native(name, tensors, quantize, retention, labels)
+            out = self._upload_native(name, tensors, quantize, retention, labels, coding)
         if phases is not None:
             phases.update(daemon_phases(out[0].phases))
             phases["total_s"] = round(time.monotonic() - started, 4)
@@ -207,6 +219,7 @@ class Client:
         quantize: Iterable[str],
         retention: str,
         labels: dict[str, tuple[str, int]],
+        coding: str = "none",
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` through the native client's memcpy path (tensors in host memory)."""
         from weightstream import _dtypes
@@ -220,7 +233,7 @@ class Client:
             held.append(src)  # alive, and unchanged by us, until the call returns
             data = (src.data_ptr(), src.nbytes)
             payload.append((n, _dtypes.to_wire(t.dtype), list(t.shape), data))
-        result = self._native.upload_model(name, payload, list(quantize), retention, labels)
+        result = self._native.upload_model(name, payload, list(quantize), retention, labels, coding)
         del held
         return result
 
@@ -234,6 +247,7 @@ class Client:
         phases: dict | None = None,
         retention: str = "cached",
         labels: dict[str, tuple[str, int]] | None = None,
+        coding: str = "none",
     ) -> tuple[ModelManifest, bool]:
         """``upload_model`` by tensor copies into the mapped region (``_upload``): for tensors on
         a CUDA device, page-locked a window at a time (``pin``) so that each copy is one DMA at
@@ -262,9 +276,10 @@ class Client:
             )
             t = time.monotonic()
             quantizes = "quantizes, " if quantize else ""
+            quantizes += "codes, " if coding != "none" else ""
             progress.phase(f"committing: the daemon {quantizes}seals, hashes and page-locks it")
             try:
-                out = self.commit_upload(begun.upload_id, retention=retention)
+                out = self.commit_upload(begun.upload_id, retention=retention, coding=coding)
             except RequestRejected as e:
                 # A non-finite weight quantized here made a non-finite scale, which the commit
                 # refuses (dropping the upload): the error the daemon gives when it quantizes.
@@ -329,11 +344,12 @@ class Client:
         )
 
     def commit_upload(
-        self, upload_id: str, *, retention: str = "cached"
+        self, upload_id: str, *, retention: str = "cached", coding: str = "none"
     ) -> tuple[ModelManifest, bool]:
         """The last step of ``upload_model``: the manifest of a filled upload, and whether an
-        identical model was already stored. ``retention``: see ``RETENTIONS``."""
-        return self._native.commit_upload(upload_id, retention)
+        identical model was already stored. ``retention``: see ``RETENTIONS``; ``coding``: see
+        ``load_model``."""
+        return self._native.commit_upload(upload_id, retention, coding)
 
     def abort_upload(self, upload_id: str) -> None:
         """Drops an upload this client began and will not commit (writing it failed): the

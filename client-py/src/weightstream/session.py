@@ -19,6 +19,7 @@ session sums the waits per group and per step and reports them to the daemon (it
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from weightstream import _dtypes
+from weightstream import _dtypes, _rans8
 from weightstream._wait_timer import WaitTimer
 from weightstream.protocol import OpenSessionResponse, SessionStats, Staged
 from weightstream.quantize import FORMATS, Fp8Weight
@@ -73,6 +74,40 @@ def tensor_view(base: torch.Tensor, start: int, t) -> torch.Tensor | Fp8Weight:
 
 #: Views kept per (group, region, offset) before the cache starts over.
 VIEW_CACHE_ENTRIES = 8192
+#: Where each decoded tensor of a coded group starts in its decoded buffer: a multiple of this.
+DECODED_ALIGN = 256
+
+
+@dataclass
+class Decoding:
+    """How a group's coded tensors (``coding`` "rans8") are decoded at one staged place:
+    their blobs in the region (``_rans8.CodedTensor``) and where each goes in the group's
+    decoded buffer of ``size`` bytes (``dst``: tensor index -> offset); ``plan`` is the
+    decoder's launch plan for the place (on CUDA), made once."""
+
+    coded: list
+    dst: dict[int, int]
+    size: int
+    plan: Any = None
+
+
+def decoding_for(base: torch.Tensor, start: int, tensors) -> Decoding:
+    """The ``Decoding`` of a group staged at byte ``start`` of ``base`` (its placements
+    ``tensors``): each coded tensor's blob at ``start + offset``, ``stored_nbytes`` long,
+    decoding to its ``nbytes`` at the next multiple of ``DECODED_ALIGN``."""
+    coded, dst, size = [], {}, 0
+    for i, t in enumerate(tensors):
+        if t.coding == "none":
+            continue
+        if t.coding != "rans8":
+            raise ValueError(f"tensor {t.name!r}: unknown coding {t.coding!r}")
+        ct = _rans8.CodedTensor(start + t.offset, t.stored_nbytes, size, t.nbytes, t.coded_lanes)
+        _rans8.check(ct)
+        coded.append(ct)
+        dst[i] = size
+        size += -(-t.nbytes // DECODED_ALIGN) * DECODED_ALIGN
+    plan = _rans8.plan_for(base, coded, base.device) if base.device.type == "cuda" else None
+    return Decoding(coded, dst, size, plan)
 
 
 @dataclass
@@ -127,6 +162,8 @@ class Session:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._regions = None
         self._generation = 0
+        #: Bytes decoded from coded groups, all openings together (``_decoded``).
+        self.decoded_bytes = 0
         self._state: list[StateRegion] = []
         self._native = client._native.open_session(
             model_id,
@@ -150,6 +187,11 @@ class Session:
         self.model_id = self._native.model_id
         self.groups = list(self.opened.groups)
         self._view_cache: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        self._decodings: dict[tuple[int, int, int], Decoding] = {}
+        # Groups with a coded tensor: decoded at each acquire (``_decoded``).
+        self._coded_groups = {
+            i for i, g in enumerate(self.groups) if any(t.coding != "none" for t in g.tensors)
+        }
         self._events: dict[int, torch.cuda.Event] = {}
         self._regions = [self._map(r) for r in self.opened.regions]
         self._generation += 1
@@ -251,29 +293,53 @@ class Session:
         return ticket
 
     def _ticket(self, staged: Staged, stream) -> Ticket:
+        s = None
         if staged.ready_event:
             s = stream if stream is not None else torch.cuda.current_stream(self.device)
             s.wait_event(self._event(staged.ready_event))
-        views = self._views(staged)
+        views = self._views(staged, s)
         return Ticket(staged.ticket, staged.group, staged, views, self._generation)
 
-    def _views(self, staged: Staged) -> list[torch.Tensor | Fp8Weight]:
+    def _views(self, staged: Staged, stream=None) -> list[torch.Tensor | Fp8Weight]:
         """The group's tensors at the staged place. A group comes back to the same few places
         (resident, or its usual slots of the staging ring), so the views are kept: building
-        them costs three tensor operations per tensor, on every acquire."""
+        them costs three tensor operations per tensor, on every acquire. A group with coded
+        tensors is decoded instead, on ``stream`` (CUDA), into a new buffer each time."""
         key = (staged.group, staged.region, staged.offset)
         views = self._view_cache.get(key)
         if views is not None:
             return views
         base = self._regions[staged.region].bytes
-        views = [
-            tensor_view(base, staged.offset + t.offset, t)
-            for t in self.groups[staged.group].tensors
-        ]
+        tensors = self.groups[staged.group].tensors
+        if staged.group in self._coded_groups:
+            return self._decoded(key, base, staged.offset, tensors, stream)
+        views = [tensor_view(base, staged.offset + t.offset, t) for t in tensors]
         if len(self._view_cache) >= VIEW_CACHE_ENTRIES:
             self._view_cache.clear()
         self._view_cache[key] = views
         return views
+
+    def _decoded(self, key, base: torch.Tensor, start: int, tensors, stream) -> list:
+        """A coded group's views: its coded tensors decoded (one kernel on CUDA, on ``stream``,
+        after the copy it waits for) into a buffer allocated on that stream, which the views
+        keep alive; the other tensors viewed in place. The daemon reuses the staged bytes only
+        after the release's free event, recorded after the decode."""
+        decoding = self._decodings.get(key)
+        if decoding is None:
+            if len(self._decodings) >= VIEW_CACHE_ENTRIES:
+                self._decodings.clear()
+            decoding = self._decodings[key] = decoding_for(base, start, tensors)
+        on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with on:
+            out = torch.empty(decoding.size, dtype=torch.uint8, device=base.device)
+            _rans8.decode_into(base, decoding.coded, out, decoding.plan)
+        self.decoded_bytes += decoding.size
+        return [
+            tensor_view(out, decoding.dst[i], t)
+            if i in decoding.dst
+            else tensor_view(base, start + t.offset, t)
+            for i, t in enumerate(tensors)
+        ]
 
     def release(self, ticket: Ticket, stream: torch.cuda.Stream | None = None):
         """Gives the group back. On CUDA, records its free event on ``stream`` (default: the

@@ -231,19 +231,21 @@ impl Store {
             });
         }
         let tensors = stored_tensors(plan);
-        if coding != Coding::None {
+        let (segment, tensors) = if coding == Coding::None {
+            (segment, tensors)
+        } else {
             progress(total, total, Path::new("coding the weights"));
-        }
-        let coded = phases.time(
-            |p| &mut p.code,
-            || self.code(owner.uid, &segment, &tensors, coding),
-        )?;
-        let (segment, tensors) = match coded {
-            Some(coded) => {
-                drop(segment);
-                coded
+            let coded = phases.time(
+                |p| &mut p.code,
+                || self.code(owner.uid, &segment, &tensors, coding),
+            )?;
+            match coded {
+                Some(coded) => {
+                    drop(segment);
+                    coded
+                }
+                None => (segment, tensors),
             }
-            None => (segment, tensors),
         };
         progress(total, total, Path::new("page-locking host memory"));
         let arena = phases.time(|p| &mut p.pin, || self.pin(segment, &tensors))?;

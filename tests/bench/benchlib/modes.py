@@ -407,8 +407,10 @@ def mode_weightstream(args, record, compute: str = "bf16"):
         quantize=args.quantize,
         dequantize=args.dequantize,
         early_release=args.early_release,
+        coding=args.coding,
         **compute_options,
     )
+    record["coding"] = args.coding
     record["dequantize"] = args.dequantize
     record["early_release"] = args.early_release
     record["attach_s"] = round(time.monotonic() - started, 1)

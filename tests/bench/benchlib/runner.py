@@ -136,6 +136,7 @@ def child_cmd(args, mode: str, socket: str) -> list[str]:
         cmd += ["--aitk", args.aitk]
     if args.quantize:
         cmd += ["--quantize", args.quantize]
+    cmd += ["--coding", args.coding]
     return cmd
 
 

@@ -242,6 +242,7 @@ def attach(
         compute,
         prepared,
         names or {},
+        options.coding,
     )
     phases = {"model_s": time.monotonic() - t}
     phases.update({f"upload_{k}": v for k, v in upload_phases.items()})
@@ -401,6 +402,7 @@ def _model_of(
     compute: compute_plan.Plan,
     prepared: dict,
     names: dict[str, str],
+    coding: str = "none",
 ):
     """The daemon's model of the streamed tensors: uploaded (then also returned as the id to
     release if attach fails; ``phases`` filled as ``Client.upload_model`` says; its reference
@@ -435,6 +437,7 @@ def _model_of(
         retention=retention,
         quantize_on=options_module.QUANTIZE_ON,
         labels=labels,
+        coding=coding,
     )
     return manifest, manifest.model_id
 

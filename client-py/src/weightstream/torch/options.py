@@ -21,6 +21,8 @@ INPUT_GRADS = ("formula", "recompute")
 #: the 8-bit modes of ``compute8``.
 COMPUTES = ("bf16", "fp8", "int8")
 DEQUANTIZE = ("auto", "layer", "group")
+#: ``coding``: how the daemon holds the uploaded model (``Client.load_model(coding=)``).
+CODINGS = ("none", "rans8")
 #: Where an upload's 8-bit weights are quantized (``Client.upload_model(quantize_on=)``):
 #: ``"auto"``, on their device for weights on a CUDA device (half the bytes to write, nothing
 #: to quantize at commit), by the daemon for weights in host memory (its quantizer on every
@@ -110,6 +112,11 @@ class StreamOptions:
       pass, so that a forward-only pass streams fewer bytes. Training's own split is the
       daemon's default (a quarter of the budget, at least three of the largest group). Less
       than the largest group is refused at ``attach`` (``passes.SampleBudgetError``).
+    - ``coding``: ``"rans8"`` has the daemon hold the uploaded model's 8-bit tensors of 1 MiB
+      or more coded losslessly where that saves at least 1/32 of their bytes
+      (``Client.load_model(coding=)``): fewer bytes over the link, each group decoded on the
+      device after its copy (one Triton kernel a group, on the compute stream), bit for bit.
+      For 8-bit weights (``quantize``, ``compute``); ``"none"`` (the default): as they are.
     """
 
     input_grad: Literal["formula", "recompute"] = "formula"
@@ -126,6 +133,7 @@ class StreamOptions:
     rotation: int = 0
     sample_vram_budget: int | str | object | None = None
     sample_staging_bytes: int | str | None = None
+    coding: Literal["none", "rans8"] = "none"
 
     def __post_init__(self):
         if self.input_grad not in INPUT_GRADS:
@@ -138,6 +146,8 @@ class StreamOptions:
             raise ValueError(f"lookahead={self.lookahead}: expected None, 0 or more")
         if self.dequantize not in DEQUANTIZE:
             raise ValueError(f"dequantize={self.dequantize!r}: expected 'auto', 'layer' or 'group'")
+        if self.coding not in CODINGS:
+            raise ValueError(f"coding={self.coding!r}: expected 'none' or 'rans8'")
         fp8.format_name(self.quantize)  # raises for an unknown format
         budget = self.sample_vram_budget
         # "auto", or a passes.AutoSample (not imported here: it needs the policy module,
