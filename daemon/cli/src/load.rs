@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use weightstream_client::{Client, LoadedFrom, proto, quantization_name, resolve_sources};
+use weightstream_client::{
+    Client, LoadedFrom, coding_name, proto, quantization_name, resolve_sources,
+};
 
 use super::{CliResult, Deadline, human, parse_coding, parse_quantize, saved, shown};
 
@@ -183,6 +185,21 @@ pub async fn run(socket: Option<PathBuf>, args: LoadArgs, deadline: Deadline) ->
             saved(file_bytes, manifest.total_bytes)
         );
     }
+    if args.coding != proto::Coding::None {
+        let coded: Vec<_> = (manifest.tensors.iter())
+            .filter(|t| t.coding != proto::Coding::None as i32)
+            .collect();
+        let decoded: u64 = coded.iter().map(|t| t.nbytes).sum();
+        let stored: u64 = coded.iter().map(|t| t.stored_nbytes).sum();
+        out!(
+            "{}: {} of {} tensors coded, {} held as {}",
+            coding_name(args.coding as i32),
+            coded.len(),
+            manifest.tensors.len(),
+            human(decoded),
+            human(stored)
+        );
+    }
     if let Some(p) = &manifest.phases {
         out!("{}", phases_line(p, wall, quantized));
     }
@@ -214,6 +231,9 @@ fn phases_line(p: &proto::StorePhases, wall: f64, quantized: bool) -> String {
         secs(p.read_ns),
         gb_per_s(p.input_bytes, p.read_ns),
     );
+    if p.code_ns > 0 {
+        line += &format!(", coded in {:.1} s", secs(p.code_ns));
+    }
     if p.hash_ns > 0 {
         line += &format!(
             ", checked against the stored copy in {:.1} s",
@@ -250,6 +270,7 @@ fn to_json(
         "phases": {
             "alloc_s": secs(p.alloc_ns),
             "read_s": secs(p.read_ns),
+            "code_s": secs(p.code_ns),
             "hash_s": secs(p.hash_ns),
             "pin_s": secs(p.pin_ns),
             "total_s": secs(p.total_ns),
@@ -280,6 +301,11 @@ mod tests {
              page-locked in 8.0 s (8.0 GB/s); 20.5 s for this command"
         );
         assert!(phases_line(&p, 20.5, true).contains("read and quantized 59.6 GiB"));
+        let coded = proto::StorePhases {
+            code_ns: 3_000_000_000,
+            ..p
+        };
+        assert!(phases_line(&coded, 20.5, true).contains("(6.4 GB/s), coded in 3.0 s, page-"));
         let host = proto::StorePhases { pin_ns: 0, ..p };
         assert!(!phases_line(&host, 20.5, false).contains("page-locked"));
     }

@@ -659,3 +659,49 @@ fn load_tensors_loads_the_named_tensors_alone() {
         (Some(1), String::new(), empty)
     );
 }
+
+/// `load --quantize fp8 --coding rans8` says what it coded and how long coding took; the
+/// daemon's status counts the model at its coded bytes.
+#[test]
+fn a_coded_load_says_what_it_coded() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("ws.sock");
+    // A bell of weights (a sum of four draws of a linear congruential stream), 1024 x 1024.
+    let mut x = 1u32;
+    let data: Vec<u8> = (0..1024 * 1024)
+        .flat_map(|_| {
+            let mut sum = 0.0f32;
+            for _ in 0..4 {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                sum += (x >> 8) as f32 / (1 << 24) as f32 - 0.5;
+            }
+            (sum * 0.02).to_le_bytes()
+        })
+        .collect();
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1024, 1024], &data)
+            .unwrap();
+    let model = dir.path().join("m.safetensors");
+    safetensors::serialize_to_file(vec![("l.weight", view)], None, &model).unwrap();
+    let _daemon = Reaped(
+        weightstream()
+            .args(["serve", "--backend", "host", "--socket"])
+            .arg(&socket)
+            .spawn()
+            .unwrap(),
+    );
+    wait_until("the socket", || socket.exists());
+    let load = weightstream()
+        .args(["load", "--quantize", "fp8", "--coding", "rans8", "--socket"])
+        .arg(&socket)
+        .arg(&model)
+        .output()
+        .unwrap();
+    let loaded = String::from_utf8_lossy(&load.stdout);
+    assert!(load.status.success(), "{loaded}");
+    assert!(
+        loaded.contains("rans8: 1 of 1 tensors coded, 1.1 MiB held as 931.1 KiB"),
+        "{loaded}"
+    );
+    assert!(loaded.contains(", coded in "), "{loaded}");
+}

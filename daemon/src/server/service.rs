@@ -64,6 +64,7 @@ fn log_stored(what: &'static str, stored: &crate::store::Stored) {
         read_secs = p.read.as_secs_f64(),
         seal_secs = p.seal.as_secs_f64(),
         quantize_secs = p.quantize.as_secs_f64(),
+        code_secs = p.code.as_secs_f64(),
         hash_secs = p.hash.as_secs_f64(),
         pin_secs = p.pin.as_secs_f64(),
         "{what}"
