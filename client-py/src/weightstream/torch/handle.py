@@ -594,7 +594,8 @@ class Handle:
         passes, and the waits above while that kind's plan was in force), ``pass_kind``, and
         ``forward_plan_length``/``_recorded``, ``sampling()``'s ``sampling_segments_*``;
         ``packed_formats``, each packed format streamed (``packed``) -> its layers, bytes, bytes
-        and bits per weight (``packed.summary``)."""
+        and bits per weight (``packed.summary``); ``decoded_bytes``, the bytes decoded from
+        coded groups (``StreamOptions.coding``)."""
         out = {} if self._auto is None else self._auto.stats()
         self._passes.attribute_waits(self.session)
         out.update(self._passes.stats())
@@ -625,6 +626,7 @@ class Handle:
         out["dequant_peak_bytes"] = self._dequant_peak
         out["dequant_scratch_peak_bytes"] = self._dequant_scratch_peak
         out["packed_formats"] = packed.summary(self.streamed.values())
+        out["decoded_bytes"] = self.session.decoded_bytes
         if self._compute.mode is not None:
             out.update(self._compute_stats())
         if self.trainable is not None:
