@@ -590,6 +590,9 @@ def test_offload_percent_and_ignore_modules(daemon, toolkit):
             "WEIGHTSTREAM_GRAD_COMPUTE: 'int4': expected one of bf16, fp8, int8",
         ),
         ({"rotation": "big"}, {}, "weightstream.rotation: 'big': expected 0 or a block size"),
+        ({"coding": "rans8"}, {}, Settings(coding="rans8")),
+        ({"coding": "rans8"}, {"WEIGHTSTREAM_CODING": "none"}, Settings()),
+        ({"coding": "zstd"}, {}, "weightstream.coding: 'zstd': expected one of none, rans8"),
         (
             {"trainable": "host", "trainable_delay": False},
             {},

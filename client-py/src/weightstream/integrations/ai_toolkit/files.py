@@ -452,6 +452,7 @@ class Source:
     # The streamed tensors' names in the files: all the daemon loads of them (an embedding, a
     # head, a vision tower in the same shards are the trainer's to read).
     keys: list[str] = field(default_factory=list)
+    coding: str = "none"  # how the daemon holds them (``Settings.coding``)
 
     def text(self) -> str:
         if self.why:
@@ -499,6 +500,7 @@ def source(module: nn.Module, chosen, settings) -> Source | None:
         names=names,
         keys=sorted({k for _, k in keys}),
     )
+    src.coding = settings.coding
     if settings.compute in LOAD_AS:
         src.quantize = LOAD_AS[settings.compute]
     else:
@@ -515,5 +517,6 @@ def load(client, module: nn.Module, src: Source) -> str:
         quantize=src.quantize,
         retention="connection",
         tensors=src.keys,
+        coding=src.coding,
     )
     return manifest.model_id

@@ -287,6 +287,7 @@ def _options(s: Settings, ignore: set[str], budget) -> wst.StreamOptions:
         grad_compute=s.grad_compute,
         rotation=s.rotation,
         sample_vram_budget=_sample_budget(s, budget),
+        coding=s.coding,
     )
 
 

@@ -30,6 +30,7 @@ ENV = {
     "trainable_master": "WEIGHTSTREAM_TRAINABLE_MASTER",
     "sample_vram_budget": "WEIGHTSTREAM_SAMPLE_BUDGET",
     "load_from_files": "WEIGHTSTREAM_LOAD_FROM_FILES",
+    "coding": "WEIGHTSTREAM_CODING",
 }
 
 #: The values of ``trainable``.
@@ -38,6 +39,8 @@ TRAINABLE = ("device", "host")
 DEQUANTIZE = ("auto", "layer", "group")
 #: The values of ``compute`` (``StreamOptions.compute``) and ``grad_compute``.
 COMPUTE = ("bf16", "fp8", "int8")
+#: The values of ``coding`` (``StreamOptions.coding``).
+CODINGS = ("none", "rans8")
 #: The values of ``trainable_master`` (``weightstream.torch.trainable.MASTERS``).
 MASTERS = ("fp32", "none")
 
@@ -116,6 +119,8 @@ class Settings:
       ``float8``/``qfloat8``, or ``quantize: fp8``) and the layers attach by its model's id
       (``files``). Default ``true``: where the files cannot serve (a key renamed, a cast, another
       qtype) the weights are read and uploaded as before, and the loading line says why.
+    - ``coding``: ``rans8`` has the daemon hold the 8-bit weights coded losslessly, decoded on
+      the device after each copy (``StreamOptions.coding``); ``none`` (the default): as they are.
     """
 
     socket: str | None = None
@@ -135,6 +140,7 @@ class Settings:
     trainable_master: str | None = None
     sample_vram_budget: int | str | None = None
     load_from_files: bool = True
+    coding: str = "none"
 
     def __post_init__(self):
         if self.sample_vram_budget not in (None, "none") and self.trainable == "host":
@@ -193,6 +199,10 @@ def _convert(key: str, what: str, value):
         if value not in ("fp8", "fp8_e4m3_block64"):
             raise ValueError(f"{what}: {value!r}: expected 'fp8' or 'none'")
         return "fp8"
+    if key == "coding":
+        if value not in CODINGS:
+            raise ValueError(f"{what}: {value!r}: expected one of {', '.join(CODINGS)}")
+        return value
     if key == "dequantize":
         if value not in DEQUANTIZE:
             raise ValueError(f"{what}: {value!r}: expected one of {', '.join(DEQUANTIZE)}")
