@@ -21,6 +21,7 @@ PY_SRC = ROOT / "client-py" / "src" / "weightstream"
 PY_MAX_LINES = 800
 _PY_LEAVES = {"_native", "errors", "protocol", "sizes", "_dtypes", "_deprecated"}
 _PY_CORE = _PY_LEAVES | {"_cuda", "_fused_dequant", "_quant8", "quantize", "_wait_timer"}
+_PY_CORE |= {"_rans8"}
 _PY_CORE |= {"regions", "_upload"}
 _PY_CLIENT = _PY_CORE | {"session", "client"}
 PY_ALLOWED = {
@@ -35,6 +36,7 @@ PY_ALLOWED = {
     "regions": _PY_LEAVES | {"_cuda"},
     "quantize": _PY_LEAVES | {"_fused_dequant"},
     "_fused_dequant": _PY_LEAVES,
+    "_rans8": set(),
     "_quant8": set(),
     "_wait_timer": _PY_LEAVES,
     "_cuda": set(),
