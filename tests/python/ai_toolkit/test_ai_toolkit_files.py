@@ -322,3 +322,27 @@ def test_the_setting_reads_from_the_job_and_the_environment():
 def teardown_module():
     for name in [n for n in sys.modules if n == "toolkit" or n.startswith("toolkit.")]:
         del sys.modules[name]
+
+
+def test_coding_reaches_the_daemons_load_of_the_files(daemon, flux2, tmp_path):
+    """``coding: rans8``: the daemon loads the files coded (a model of its own: the same files
+    and tensors loaded as they are are another model)."""
+    path = tmp_path / "flux2-dev.safetensors"
+    write(path)
+    ai_toolkit.configure(
+        Settings(socket=daemon.socket, vram_budget=BUDGET, staging_bytes=BUDGET, coding="rans8")
+    )
+    sd = flux2.cls("cpu", config(name_or_path=str(path)))
+    sd.load_model()
+    sd.model.requires_grad_(False)  # the trainer freezes the base (BaseSDTrainProcess)
+    src = sd.model._memory_manager.files
+    assert (src.why, src.coding, src.quantize) == ("", "rans8", "fp8")
+    (coded,) = daemon.client.list_models().models
+    plain = daemon.client.load_model([str(path)], quantize="fp8", tensors=src.keys)
+    coded_again = daemon.client.load_model(
+        [str(path)], quantize="fp8", tensors=src.keys, coding="rans8"
+    )
+    assert plain.model_id != coded.model_id == coded_again.model_id
+    with torch.no_grad():
+        assert torch.equal(sd.model(inputs()), in_place(path, True)(inputs()))
+    flux2.tk.package.MemoryManager.free(sd.model)
