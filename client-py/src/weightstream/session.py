@@ -5,10 +5,11 @@ The protocol is the native client's (``weightstream._native.Session``, over clie
 runtime's reader task routes each ``Staged`` or ``Fault`` to its ticket; ``wait`` blocks in
 Rust with the GIL released. No Python thread runs on this path. What stays here is the torch
 glue: mapping the regions (host shared memory from the fd the native client fetched, CUDA IPC
-handles through ``regions``), the tensor views of a staged group, and the CUDA events a ticket is
-ordered by. A daemon that stops or dies fails every waiting ticket and the next ``submit`` at
-once with ``DaemonUnavailable``; ``Session.reconnect`` re-opens the session against the daemon
-that comes back on the socket.
+handles through ``regions``), the tensor views of a staged group (a group with tensors the
+daemon holds coded decoded first, ``_decoded``), and the CUDA events a ticket is ordered by.
+A daemon that stops or dies fails every waiting ticket and the next ``submit`` at once with
+``DaemonUnavailable``; ``Session.reconnect`` re-opens the session against the daemon that
+comes back on the socket.
 
 The session measures how long the trainer's compute waited for weights: on the host backend the
 native ``wait`` counts the time it blocked for a ticket not yet staged; on CUDA the compute
