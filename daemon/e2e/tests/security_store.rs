@@ -137,7 +137,7 @@ async fn no_model_and_no_page_of_models_outgrows_a_message() {
     }
     ids.sort();
 
-    let refused = "the model's description (its tensors' names and shapes) takes up to 70467 \
+    let refused = "the model's description (its tensors' names and shapes) takes up to 79875 \
                    bytes, more than one message holds with the rest of an answer: \
                    limits.max_message_bytes = 65536";
     let big = write_model(dir.path(), "big.safetensors", &model(9, 400));

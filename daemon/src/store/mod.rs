@@ -267,8 +267,8 @@ pub fn metadata_bytes<'a>(name: &str, tensors: impl IntoIterator<Item = (&'a str
 pub const MESSAGE_ENVELOPE: u64 = 1024;
 
 /// The most bytes a model's manifest takes on the wire (protobuf): per tensor its name, at most
-/// 10 bytes per dimension (a varint) and 96 for its other fields (dtype, size, format, scales,
-/// coding, framing); the model's name, 256 for the manifest's own fields and
+/// 10 bytes per dimension (a varint) and 84 for its other fields (dtype, size, scales, weights,
+/// framing: 64; a coded tensor's coding, stored size and lanes: 20); the model's name, 256 for the manifest's own fields and
 /// [`formats::DAEMON_FORMATS_BYTES`] for the formats the daemon names (its client's labels:
 /// `labels`, [`formats::label_description_bytes`]).
 pub fn description_bytes<'a>(
@@ -278,7 +278,7 @@ pub fn description_bytes<'a>(
 ) -> u64 {
     let entries: u64 = tensors
         .into_iter()
-        .map(|(name, rank)| name.len() as u64 + 10 * rank as u64 + 96)
+        .map(|(name, rank)| name.len() as u64 + 10 * rank as u64 + 84)
         .sum();
     entries + name.len() as u64 + 256 + formats::DAEMON_FORMATS_BYTES + labels
 }
