@@ -20,8 +20,8 @@ session sums the waits per group and per step and reports them to the daemon (it
 
 from __future__ import annotations
 
-import contextlib
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -77,6 +77,8 @@ def tensor_view(base: torch.Tensor, start: int, t) -> torch.Tensor | Fp8Weight:
 VIEW_CACHE_ENTRIES = 8192
 #: Where each decoded tensor of a coded group starts in its decoded buffer: a multiple of this.
 DECODED_ALIGN = 256
+#: Whether a coded group decodes on a stream of its own (``Session._decoded``).
+DECODE_STREAM = os.environ.get("WEIGHTSTREAM_DECODE_STREAM", "1") != "0"
 
 
 @dataclass
@@ -189,6 +191,7 @@ class Session:
         self.groups = list(self.opened.groups)
         self._view_cache: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         self._decodings: dict[tuple[int, int, int], Decoding] = {}
+        self._decode_stream: torch.cuda.Stream | None = None
         # Groups with a coded tensor: decoded at each acquire (``_decoded``).
         self._coded_groups = {
             i for i, g in enumerate(self.groups) if any(t.coding != "none" for t in g.tensors)
@@ -298,14 +301,14 @@ class Session:
         if staged.ready_event:
             s = stream if stream is not None else torch.cuda.current_stream(self.device)
             s.wait_event(self._event(staged.ready_event))
-        views = self._views(staged, s)
+        views = self._views(staged, s if s is not None else stream)
         return Ticket(staged.ticket, staged.group, staged, views, self._generation)
 
     def _views(self, staged: Staged, stream=None) -> list[torch.Tensor | Fp8Weight]:
         """The group's tensors at the staged place. A group comes back to the same few places
         (resident, or its usual slots of the staging ring), so the views are kept: building
         them costs three tensor operations per tensor, on every acquire. A group with coded
-        tensors is decoded instead, on ``stream`` (CUDA), into a new buffer each time."""
+        tensors is decoded instead, for ``stream`` (CUDA), into a new buffer each time."""
         key = (staged.group, staged.region, staged.offset)
         views = self._view_cache.get(key)
         if views is not None:
@@ -313,27 +316,48 @@ class Session:
         base = self._regions[staged.region].bytes
         tensors = self.groups[staged.group].tensors
         if staged.group in self._coded_groups:
-            return self._decoded(key, base, staged.offset, tensors, stream)
+            return self._decoded(key, base, staged, tensors, stream)
         views = [tensor_view(base, staged.offset + t.offset, t) for t in tensors]
         if len(self._view_cache) >= VIEW_CACHE_ENTRIES:
             self._view_cache.clear()
         self._view_cache[key] = views
         return views
 
-    def _decoded(self, key, base: torch.Tensor, start: int, tensors, stream) -> list:
-        """A coded group's views: its coded tensors decoded (one kernel on CUDA, on ``stream``,
-        after the copy it waits for) into a buffer allocated on that stream, which the views
-        keep alive; the other tensors viewed in place. The daemon reuses the staged bytes only
-        after the release's free event, recorded after the decode."""
+    def _decoded(self, key, base: torch.Tensor, staged: Staged, tensors, stream) -> list:
+        """A coded group's views: its coded tensors decoded into a new buffer, which the views
+        keep alive; the other tensors viewed in place. On CUDA one kernel decodes them on the
+        session's decode stream as soon as the copy has landed (its ready event), beside the
+        compute stream's queued work rather than behind it, and ``stream`` (the compute
+        stream: default, the current one) waits for the decode; the buffer is recorded on
+        ``stream`` for the allocator. ``WEIGHTSTREAM_DECODE_STREAM=0`` decodes on ``stream``
+        itself. The daemon reuses the staged bytes only after the release's free event,
+        recorded on ``stream`` after the decode."""
+        start = staged.offset
         decoding = self._decodings.get(key)
         if decoding is None:
             if len(self._decodings) >= VIEW_CACHE_ENTRIES:
                 self._decodings.clear()
             decoding = self._decodings[key] = decoding_for(base, start, tensors)
-        on = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with on:
-            out = torch.empty(decoding.size, dtype=torch.uint8, device=base.device)
+        if base.device.type != "cuda":
+            out = torch.empty(decoding.size, dtype=torch.uint8)
             _rans8.decode_into(base, decoding.coded, out, decoding.plan)
+        else:
+            s = stream if stream is not None else torch.cuda.current_stream(base.device)
+            ds = s
+            if DECODE_STREAM:
+                if self._decode_stream is None:
+                    self._decode_stream = torch.cuda.Stream(base.device)
+                ds = self._decode_stream
+                if staged.ready_event:
+                    ds.wait_event(self._event(staged.ready_event))
+            with torch.cuda.stream(ds):
+                out = torch.empty(decoding.size, dtype=torch.uint8, device=base.device)
+                _rans8.decode_into(base, decoding.coded, out, decoding.plan)
+            if ds is not s:
+                done = torch.cuda.Event()
+                done.record(ds)
+                s.wait_event(done)
+                out.record_stream(s)
         self.decoded_bytes += decoding.size
         return [
             tensor_view(out, decoding.dst[i], t)
