@@ -46,6 +46,7 @@ class FakeSession:
         self.submitted: dict[int, int] = {}
         self.held = 0
         self.step = 0
+        self.decoded_bytes = 0
 
     def group_index(self, name):
         return [g.name for g in self.groups].index(name)
@@ -129,6 +130,7 @@ class FakeClient:
         retention="cached",
         quantize_on="auto",
         labels=None,
+        coding="none",
     ):
         names = set(quantize)
         for n, t in tensors.items():
