@@ -4,15 +4,13 @@ size against the bytes' empirical entropy, the Triton decoder under Triton's int
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.bench import rans8
+from tests.python.interpreted import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -86,21 +84,8 @@ for name, (data, lanes) in cases.items():
 
 def test_the_triton_decoder_gives_back_the_bytes_under_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "client-py" / "src")]),
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.splitlines() == [
+    lines = run_interpreted(CHILD)
+    assert lines == [
         "uniform equal",
         "skewed equal",
         "one byte repeated equal",

@@ -6,16 +6,14 @@ documented input-gradient formula, exactly."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from weightstream import quantize
 from weightstream.torch import compute8
+
+from tests.python.interpreted import run_interpreted
 
 INTERPRETED = r"""
 import torch
@@ -87,12 +85,7 @@ for out in (torch.float16, torch.float32):
 
 def test_kernels_equal_the_torch_formulas_under_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run(
-        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = out.stdout.splitlines()
+    lines = run_interpreted(INTERPRETED, timeout=600)
     quant = [ln for ln in lines if ln.split()[0] in ("64", "1500", "2051")]
     assert len(quant) == 3 * 3 * 2 * 2
     assert all(ln.endswith("['quantize_rows'] equal") for ln in quant), quant

@@ -7,15 +7,12 @@ interpreter rounds to bfloat16 unlike the GPU (its bf16 results are checked on t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("triton")
 
 from tests.gpu import torch_suite  # noqa: E402
+from tests.python.interpreted import run_interpreted
 
 CHILD = r"""
 import sys
@@ -71,16 +68,7 @@ for name, q, scale in cases:
 
 def test_the_kernels_compute_the_formula_under_the_interpreter():
     vectors = torch_suite.FP8_VECTORS  # the GPU suite's check reads the same file
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(vectors)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = out.stdout.splitlines()
+    lines = run_interpreted(CHILD, str(vectors))
     by_case = {}
     for line in lines:
         name, rest = line.split(" torch.", 1)
@@ -172,20 +160,12 @@ def test_the_group_kernel_computes_the_formula_for_each_weight_under_the_interpr
     block holds them) dequantized in one launch into views of one tensor, each equal to the
     formula; its plan runs again on the same layout and refuses another; weights one launch
     cannot take are refused (None: dequantized one by one)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run(
-        [sys.executable, "-c", GROUP_CHILD],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
+    lines = run_interpreted(GROUP_CHILD)
     shapes = ("(70, 128)", "(7, 64, 3, 3)", "(2, 8192)", "(16, 64)")
     want = []
     for dtype in ("float16", "float32"):
         want += [f"{shape} torch.{dtype} equal" for shape in shapes] + ["one tensor 1"]
-    assert out.stdout.splitlines() == [
+    assert lines == [
         *want,
         "again True",
         "moved None",

@@ -9,9 +9,6 @@ interpreter on the CPU (its pointers cast from the descriptor's int64 addresses)
 from __future__ import annotations
 
 import mmap
-import os
-import subprocess
-import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +20,7 @@ from weightstream import _rans8
 from weightstream._rans8 import CodedTensor
 
 from tests.bench import rans8
+from tests.python.interpreted import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[3]
 #: What the output holds where no tensor decodes.
@@ -218,23 +216,10 @@ print("corrupt offsets read nothing past the blob")
 
 def test_the_group_kernel_decodes_every_tensor_under_the_interpreter():
     pytest.importorskip("triton")
-    env = dict(
-        os.environ,
-        TRITON_INTERPRET="1",
-        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "client-py" / "src")]),
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
+    lines = run_interpreted(CHILD)
     blocks = [-(-lanes // _rans8.BLOCK) for _, lanes in CASES.values()]
     programs = [i for i, k in enumerate(blocks) for _ in range(k)]
-    assert out.stdout.splitlines() == [
+    assert lines == [
         f"programs {programs}",
         "group equal",
         "again equal",
