@@ -78,22 +78,23 @@ pub fn coded_id(id: &str, coding: Coding) -> String {
 }
 
 impl Store {
-    /// `tensors` of `segment` coded as `coding` says, in a new segment of the coded size, and
-    /// where each tensor is there; `None` where nothing is worth coding (the segment stays).
-    /// The new segment is reserved from `uid`'s host quota while both exist.
+    /// `tensors` of `segment` coded as `coding` says: a new segment of the coded size, and
+    /// where each tensor is there (`segment` dropped); `segment` and `tensors` as they are where
+    /// nothing is worth coding. The new segment is reserved from `uid`'s host quota while both
+    /// exist.
     pub(super) fn code(
         &self,
         uid: u32,
-        segment: &ShmSegment,
-        tensors: &[StoredTensor],
+        segment: ShmSegment,
+        tensors: Vec<StoredTensor>,
         coding: Coding,
-    ) -> Result<Option<(ShmSegment, Vec<StoredTensor>)>, StoreError> {
+    ) -> Result<(ShmSegment, Vec<StoredTensor>), StoreError> {
         if coding == Coding::None {
-            return Ok(None);
+            return Ok((segment, tensors));
         }
         let src = segment.bytes();
         let mut coded: Vec<Option<Coded>> = Vec::with_capacity(tensors.len());
-        for t in tensors {
+        for t in &tensors {
             let bytes = &src[t.offset as usize..(t.offset + t.nbytes) as usize];
             // A tensor the coder refuses (one whose words 32-bit offsets cannot address: more
             // than 8 GiB coded) stays as it is.
@@ -105,7 +106,7 @@ impl Store {
             coded.push(c.filter(|c| c.blob_nbytes() <= t.nbytes - t.nbytes / MIN_SAVING));
         }
         if coded.iter().all(Option::is_none) {
-            return Ok(None);
+            return Ok((segment, tensors));
         }
         let mut placed = Vec::with_capacity(tensors.len());
         let mut offset = 0u64;
@@ -144,8 +145,8 @@ impl Store {
         }
         // The new arena counts itself once its model is inserted; until then the caller's
         // reservation of the uncoded bytes covers it (the coded arena is never larger).
-        drop(reserved);
-        Ok(Some((out, placed)))
+        drop((reserved, segment));
+        Ok((out, placed))
     }
 }
 

@@ -235,17 +235,10 @@ impl Store {
             (segment, tensors)
         } else {
             progress(total, total, Path::new("coding the weights"));
-            let coded = phases.time(
+            phases.time(
                 |p| &mut p.code,
-                || self.code(owner.uid, &segment, &tensors, coding),
-            )?;
-            match coded {
-                Some(coded) => {
-                    drop(segment);
-                    coded
-                }
-                None => (segment, tensors),
-            }
+                || self.code(owner.uid, segment, tensors, coding),
+            )?
         };
         progress(total, total, Path::new("page-locking host memory"));
         let arena = phases.time(|p| &mut p.pin, || self.pin(segment, &tensors))?;

@@ -294,17 +294,10 @@ impl Store {
                     phases,
                 });
             }
-            let coded = phases.time(
+            let (segment, tensors) = phases.time(
                 |p| &mut p.code,
-                || self.code(owner.uid, &segment, &tensors, coding),
+                || self.code(owner.uid, segment, tensors, coding),
             )?;
-            let (segment, tensors) = match coded {
-                Some(coded) => {
-                    drop(segment);
-                    coded
-                }
-                None => (segment, tensors),
-            };
             let pinning = Instant::now();
             let in_place = self.pin_in_place(&segment, &tensors);
             phases.pin += pinning.elapsed();
