@@ -105,15 +105,15 @@ impl Session {
     }
 
     fn wait_inner(&self, py: Python<'_>, ticket: u64) -> PyResult<records::Staged> {
-        let settled = self.state()?.settled.remove(&ticket);
-        if let Some((group, reply)) = settled {
-            return self.staged(ticket, group, reply.py_err()?, None);
-        }
-        let mut submitted = self
-            .state()?
-            .pending
-            .remove(&ticket)
-            .ok_or_else(|| PyKeyError::new_err(ticket))?;
+        // One lock for both: a reply kept by `settle`, else the ticket still pending.
+        let mut submitted = {
+            let mut state = self.state()?;
+            if let Some((group, reply)) = state.settled.remove(&ticket) {
+                drop(state);
+                return self.staged(ticket, group, reply.py_err()?, None);
+            }
+            (state.pending.remove(&ticket)).ok_or_else(|| PyKeyError::new_err(ticket))?
+        };
         let group = submitted.group();
         let (reply, blocked) = match submitted.try_staged() {
             Some(reply) => (reply, None),
