@@ -72,6 +72,14 @@ impl Shm {
     /// A new memfd of `size` bytes, sealed against resizing; not mapped, pages not reserved
     /// yet.
     fn memfd(self: &Arc<Self>, kind: &'static str, size: u64) -> io::Result<Memfd> {
+        let memfd = self.memfd_of_any_size(kind, size)?;
+        memfd.seal(SealFlags::SHRINK | SealFlags::GROW)?;
+        Ok(memfd)
+    }
+
+    /// [`Shm::memfd`], not sealed: only [`ShmSegment::shrink_to`] seals it, and nothing hands
+    /// out an fd of it before (`Memfd::reopen` refuses).
+    fn memfd_of_any_size(self: &Arc<Self>, kind: &'static str, size: u64) -> io::Result<Memfd> {
         let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
         // The name only labels the fd in /proc/PID/fd ("/memfd:weightstream-model (deleted)").
         let fd = rustix::fs::memfd_create(format!("weightstream-{kind}"), flags)?;
@@ -85,7 +93,6 @@ impl Shm {
             holders: Mutex::new(Vec::new()),
         };
         rustix::fs::ftruncate(&memfd.fd, size)?;
-        memfd.seal(SealFlags::SHRINK | SealFlags::GROW)?;
         Ok(memfd)
     }
 
@@ -95,6 +102,28 @@ impl Shm {
         let memfd = self.memfd(kind, size)?;
         let map = map(&memfd, Access::ReadWrite)?;
         if let Map::Write(m) = &map {
+            memfd.reserve_by(|offset, len| m.advise_range(Advice::PopulateWrite, offset, len))?;
+        }
+        Ok(ShmSegment {
+            memfd: Arc::new(memfd),
+            map,
+        })
+    }
+
+    /// A segment the daemon writes and then shrinks to what it wrote ([`ShmSegment::shrink_to`]),
+    /// mapped read-write: a model arena being coded. Not sealed against resizing until then,
+    /// and no fd of it is handed out before. With `Pages::Reserved` its pages are reserved
+    /// here, as [`Shm::create`] does; with `Pages::AsWritten` its writer reserves each range
+    /// before writing it ([`ShmSegment::reserve_range`]), so only what it writes is allocated.
+    pub fn create_shrinkable(
+        self: &Arc<Self>,
+        kind: &'static str,
+        size: u64,
+        pages: Pages,
+    ) -> io::Result<ShmSegment> {
+        let memfd = self.memfd_of_any_size(kind, size)?;
+        let map = map(&memfd, Access::ReadWrite)?;
+        if let (Map::Write(m), Pages::Reserved) = (&map, pages) {
             memfd.reserve_by(|offset, len| m.advise_range(Advice::PopulateWrite, offset, len))?;
         }
         Ok(ShmSegment {
@@ -134,6 +163,15 @@ impl Shm {
         }
         Ok(Arc::new(memfd))
     }
+}
+
+/// When a shrinkable segment's pages are reserved ([`Shm::create_shrinkable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pages {
+    /// At creation, all of them.
+    Reserved,
+    /// By its writer, range by range ([`ShmSegment::reserve_range`]).
+    AsWritten,
 }
 
 /// Who faults an upload region's pages in.
@@ -245,6 +283,12 @@ impl Memfd {
     /// path).
     fn reopen(&self, access: Access) -> io::Result<OwnedFd> {
         use std::os::fd::AsRawFd;
+        // A segment still shrinkable would SIGBUS in a holder's mapping once shrunk.
+        if !self.seals()?.contains(SealFlags::SHRINK | SealFlags::GROW) {
+            return Err(io::Error::other(
+                "a segment is shared only once its size is sealed",
+            ));
+        }
         let path = format!("/proc/self/fd/{}", self.fd.as_raw_fd());
         let mode = match access {
             Access::ReadWrite => OFlags::RDWR,
@@ -375,8 +419,10 @@ fn map(memfd: &Memfd, access: Access) -> io::Result<Map> {
         Access::ReadWrite => {
             let file = File::from(memfd.fd.try_clone()?);
             // SAFETY: a memfd this daemon just made, sized and sealed against shrinking (no
-            // SIGBUS); nobody else holds an fd of it yet, and the fds handed out later are
-            // read-only or come after `forbid_new_writers`, so only this mapping writes it.
+            // SIGBUS), or shrinkable, which no fd is handed out of and only
+            // `ShmSegment::shrink_to` resizes, after dropping this mapping; nobody else holds an
+            // fd of it yet, and the fds handed out later are read-only or come after
+            // `forbid_new_writers`, so only this mapping writes it.
             Ok(Map::Write(unsafe {
                 memmap2::MmapOptions::new().len(len).map_mut(&file)?
             }))
@@ -417,11 +463,75 @@ impl ShmSegment {
         matches!(self.map, Map::Read(_))
     }
 
+    /// Whether this is a writable segment not sealed against resizing yet
+    /// ([`Shm::create_shrinkable`]).
+    pub fn is_shrinkable(&self) -> bool {
+        !self.is_read_only()
+            && self
+                .memfd
+                .seals()
+                .is_ok_and(|s| !s.contains(SealFlags::SHRINK))
+    }
+
     pub fn bytes(&self) -> &[u8] {
         match &self.map {
             Map::Write(m) => m,
             Map::Read(m) => m,
         }
+    }
+
+    /// Reserves the pages of `offset..offset + len` (rounded out to pages) of a segment made
+    /// with `Pages::AsWritten`, before they are written: a full tmpfs or cgroup is this error,
+    /// never a SIGBUS at the write. Several threads for a large range, as at creation.
+    pub fn reserve_range(&self, offset: u64, len: u64) -> io::Result<()> {
+        let Map::Write(m) = &self.map else {
+            return Err(io::Error::other("a read-only segment is not written"));
+        };
+        let page = rustix::param::page_size() as u64;
+        let start = offset / page * page;
+        let end = (offset + len).min(self.size());
+        if end <= start {
+            return Ok(());
+        }
+        let populate =
+            |o: usize, l: usize| m.advise_range(Advice::PopulateWrite, start as usize + o, l);
+        match populate_parallel((end - start) as usize, &populate) {
+            Ok(true) => Ok(()),
+            Ok(false) => Ok(rustix::fs::fallocate(
+                &self.memfd.fd,
+                FallocateFlags::empty(),
+                start,
+                end - start,
+            )?),
+            Err(e) => Err(self.memfd.reserve_error(e)),
+        }
+    }
+
+    /// The segment cut to its first `len` bytes and sealed against resizing (the rest of its
+    /// pages freed): for a segment of [`Shm::create_shrinkable`], whose only holder is this.
+    /// Also seals one that keeps its size.
+    pub fn shrink_to(self, len: u64) -> io::Result<ShmSegment> {
+        let ShmSegment { memfd, map: old } = self;
+        let mut memfd = Arc::try_unwrap(memfd)
+            .map_err(|_| io::Error::other("a segment held elsewhere is not resized"))?;
+        if len > memfd.size {
+            return Err(io::Error::other("a segment only shrinks"));
+        }
+        let access = if matches!(old, Map::Write(_)) {
+            Access::ReadWrite
+        } else {
+            Access::ReadOnly
+        };
+        // Unmapped before the file shrinks: no mapping ever reaches past its end.
+        drop(old);
+        rustix::fs::ftruncate(&memfd.fd, len)?;
+        memfd.size = len;
+        memfd.seal(SealFlags::SHRINK | SealFlags::GROW)?;
+        let map = map(&memfd, access)?;
+        Ok(ShmSegment {
+            memfd: Arc::new(memfd),
+            map,
+        })
     }
 
     /// The bytes to fill; `None` for a sealed, read-only segment.
@@ -542,6 +652,44 @@ mod tests {
         assert_eq!((host().uid_bytes, host().total_bytes), (8192, 8192));
         drop(client);
         assert_eq!((host().uid_bytes, shm.held().count()), (0, 0));
+    }
+
+    /// A shrinkable segment: no fd of it is handed out until it is cut and sealed; with
+    /// `Pages::AsWritten` only the ranges reserved are allocated; `shrink_to` frees the rest
+    /// and the bytes before the cut stay.
+    #[test]
+    fn a_shrinkable_segment_is_shared_only_once_cut_to_size() {
+        let shm = Shm::new();
+        let page = rustix::param::page_size() as u64;
+        let mut seg = (shm)
+            .create_shrinkable("model", 64 * page, Pages::AsWritten)
+            .unwrap();
+        let blocks = |s: &ShmSegment| rustix::fs::fstat(s.memfd().fd()).unwrap().st_blocks * 512;
+        assert_eq!(blocks(&seg), 0, "nothing reserved yet");
+        assert!(seg.is_shrinkable());
+        let refused = seg.memfd().share(Access::ReadOnly).unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "a segment is shared only once its size is sealed"
+        );
+        seg.reserve_range(page + 1, 2 * page).unwrap();
+        assert_eq!(blocks(&seg) as u64, 3 * page, "the pages the range touches");
+        seg.bytes_mut().unwrap()[page as usize + 1] = 9;
+        let seg = seg.shrink_to(2 * page).unwrap();
+        assert_eq!(
+            (seg.size(), seg.bytes().len()),
+            (2 * page, 2 * page as usize)
+        );
+        assert_eq!(blocks(&seg) as u64, page, "the pages past the cut are gone");
+        assert_eq!(seg.bytes()[page as usize + 1], 9);
+        assert!(!seg.is_shrinkable());
+        let ro = File::from(seg.memfd().share(Access::ReadOnly).unwrap());
+        assert_eq!(
+            rustix::fs::ftruncate(&ro, 0).unwrap_err(),
+            rustix::io::Errno::INVAL
+        );
+        assert!(seg.shrink_to(page).is_err(), "sealed");
+        assert_eq!(shm.live("model"), 0);
     }
 
     /// A writable shared mapping, as a client makes one (memmap2's raw map needs no unsafe).

@@ -18,7 +18,7 @@ use super::rans8::{self, Coded};
 use super::safetensors::DType;
 use super::{Store, StoreError, StoredTensor, TENSOR_ALIGN};
 use crate::mem::align_up;
-use crate::mem::shm::ShmSegment;
+use crate::mem::shm::{Pages, ShmSegment};
 
 /// How a model's tensors are held in its host copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -78,82 +78,125 @@ pub fn coded_id(id: &str, coding: Coding) -> String {
 }
 
 impl Store {
-    /// `tensors` of `segment` coded as `coding` says: a new segment of the coded size, and
-    /// where each tensor is there (`segment` dropped); `segment` and `tensors` as they are where
-    /// nothing is worth coding. The new segment is reserved from `uid`'s host quota while both
-    /// exist.
+    /// `tensors` of `segment` coded as `coding` says: the segment of the coded size and where
+    /// each tensor is there; `segment` and `tensors` as they are where nothing is worth coding.
+    ///
+    /// Tensors are written one at a time in their order in `segment`, each where the last one
+    /// ended (aligned), so one tensor's blob is on the heap at a time. A segment the daemon
+    /// writes and may shrink ([`Shm::create_shrinkable`], a load's) is coded in place: a
+    /// tensor's new place never starts past its old one, which has been read by then. Any
+    /// other (a sealed upload) is coded into a new shrinkable segment of its size whose pages
+    /// are reserved as they are written, reserved from `uid`'s host quota while both exist.
+    /// Either is then shrunk to the coded size.
+    ///
+    /// [`Shm::create_shrinkable`]: crate::mem::shm::Shm::create_shrinkable
     pub(super) fn code(
         &self,
         uid: u32,
-        segment: ShmSegment,
+        mut segment: ShmSegment,
         tensors: Vec<StoredTensor>,
         coding: Coding,
     ) -> Result<(ShmSegment, Vec<StoredTensor>), StoreError> {
         if coding == Coding::None {
             return Ok((segment, tensors));
         }
-        let src = segment.bytes();
-        let mut coded: Vec<Option<Coded>> = Vec::with_capacity(tensors.len());
-        for t in &tensors {
-            let bytes = &src[t.offset as usize..(t.offset + t.nbytes) as usize];
-            // A tensor the coder refuses (one whose words 32-bit offsets cannot address: more
-            // than 8 GiB coded) stays as it is.
-            let c = codable(t).then(|| rans8::encode(bytes, rans8::lanes_for(t.nbytes)));
-            let c = c.and_then(|c| {
-                c.inspect_err(|e| tracing::warn!(tensor = %t.name, "not coded: {e}"))
-                    .ok()
-            });
-            coded.push(c.filter(|c| c.blob_nbytes() <= t.nbytes - t.nbytes / MIN_SAVING));
-        }
-        if coded.iter().all(Option::is_none) {
-            return Ok((segment, tensors));
-        }
-        let mut placed = Vec::with_capacity(tensors.len());
-        let mut offset = 0u64;
-        for (t, c) in tensors.iter().zip(&coded) {
-            offset = align_up(offset, TENSOR_ALIGN);
-            let mut p = t.clone();
-            p.offset = offset;
-            if let Some(c) = c {
-                p.nbytes = c.blob_nbytes();
+        let arena_error = |bytes| move |source| StoreError::Arena { bytes, source };
+        let in_place = segment.is_shrinkable();
+        let (mut target, reserved) = if in_place {
+            (None, None)
+        } else {
+            let size = segment.size();
+            let reserved = self.reserve(uid, size, false, "coded model")?;
+            let target = (self.shm)
+                .create_shrinkable("model", size, Pages::AsWritten)
+                .map_err(arena_error(size))?;
+            (Some(target), Some(reserved))
+        };
+        let mut order: Vec<usize> = (0..tensors.len()).collect();
+        order.sort_by_key(|&i| tensors[i].offset);
+        let mut placed = tensors.clone();
+        let mut end = 0u64;
+        for i in order {
+            let t = &tensors[i];
+            let from = t.offset as usize..(t.offset + t.nbytes) as usize;
+            let at = align_up(end, TENSOR_ALIGN);
+            debug_assert!(
+                target.is_some() || at <= t.offset,
+                "a tensor moves back only"
+            );
+            let coded = codable(t)
+                .then(|| rans8::encode(&segment.bytes()[from.clone()], rans8::lanes_for(t.nbytes)))
+                .and_then(|c| {
+                    // A tensor the coder refuses (one whose words 32-bit offsets cannot
+                    // address: more than 8 GiB coded) stays as it is.
+                    c.inspect_err(|e| tracing::warn!(tensor = %t.name, "not coded: {e}"))
+                        .ok()
+                })
+                .filter(|c| c.blob_nbytes() <= t.nbytes - t.nbytes / MIN_SAVING);
+            let nbytes = coded.as_ref().map_or(t.nbytes, Coded::blob_nbytes);
+            let lanes = coded.as_ref().map(|c| c.lanes);
+            let to = at as usize..(at + nbytes) as usize;
+            match (&mut target, coded) {
+                (None, Some(c)) => c.write_blob(&mut writable(&mut segment)[to]),
+                (None, None) if at != t.offset => {
+                    writable(&mut segment).copy_within(from, to.start)
+                }
+                (None, None) => {}
+                (Some(target), coded) => {
+                    target
+                        .reserve_range(at, nbytes)
+                        .map_err(arena_error(nbytes))?;
+                    let dst = &mut writable(target)[to];
+                    match coded {
+                        Some(c) => c.write_blob(dst),
+                        None => dst.copy_from_slice(&segment.bytes()[from]),
+                    }
+                }
+            }
+            if target.is_none() {
+                // The padding after it, as a new arena's: zeros, not the bytes it moved over.
+                let pad = (at + nbytes) as usize..align_up(at + nbytes, TENSOR_ALIGN) as usize;
+                writable(&mut segment)[pad].fill(0);
+            }
+            let p = &mut placed[i];
+            if let Some(lanes) = lanes {
+                p.nbytes = nbytes;
                 p.coded = Some(CodedLayout {
                     coding,
-                    lanes: c.lanes,
+                    lanes,
                     decoded_nbytes: t.nbytes,
                 });
             }
-            offset += p.nbytes;
-            placed.push(p);
+            p.offset = at;
+            end = at + nbytes;
         }
-        let size = align_up(offset, TENSOR_ALIGN);
-        let reserved = self.reserve(uid, size, false, "coded model")?;
-        let mut out = (self.shm)
-            .create("model", size)
-            .map_err(|source| StoreError::Arena {
-                bytes: size,
-                source,
-            })?;
-        let arena = out.bytes_mut().expect("a new segment is writable");
-        for ((t, p), c) in tensors.iter().zip(&placed).zip(coded) {
-            let dst = &mut arena[p.offset as usize..(p.offset + p.nbytes) as usize];
-            match c {
-                Some(c) => c.write_blob(dst),
-                None => {
-                    dst.copy_from_slice(&src[t.offset as usize..(t.offset + t.nbytes) as usize])
-                }
-            }
-        }
-        // The new arena counts itself once its model is inserted; until then the caller's
+        let size = align_up(end, TENSOR_ALIGN);
+        let nothing_coded = placed.iter().all(|p| p.coded.is_none());
+        let segment = match target {
+            Some(_) if nothing_coded => return Ok((segment, tensors)),
+            Some(target) => target,
+            None => segment,
+        };
+        // The coded arena counts itself once its model is inserted; until then the caller's
         // reservation of the uncoded bytes covers it (the coded arena is never larger).
-        drop((reserved, segment));
-        Ok((out, placed))
+        drop(reserved);
+        let segment = segment.shrink_to(size).map_err(arena_error(size))?;
+        Ok((segment, placed))
     }
+}
+
+/// The bytes of a segment this module made or was handed writable.
+fn writable(segment: &mut ShmSegment) -> &mut [u8] {
+    segment
+        .bytes_mut()
+        .expect("a segment coded into is writable")
 }
 
 #[cfg(test)]
 mod tests {
     use std::fs::File;
     use std::os::unix::fs::FileExt;
+    use std::sync::Arc;
 
     use super::*;
     use crate::mem::shm::{Access, UploadPages};
@@ -318,6 +361,87 @@ mod tests {
         assert!(decoded(&coded.model, "l.weight") == plain.model.slice(0).bytes());
         assert_eq!(coded.model.id, coded_id(&plain.model.id, Coding::Rans8));
         assert!(load(Coding::Rans8).existed);
+    }
+
+    /// A segment of `tensors` (name, dtype, bytes) laid out as a load lays them out, made by
+    /// `make`; and where each is.
+    fn laid_out(
+        tensors: &[(&str, DType, &[u8])],
+        make: impl FnOnce(u64) -> ShmSegment,
+    ) -> (ShmSegment, Vec<StoredTensor>) {
+        let mut placed = Vec::new();
+        let mut end = 0;
+        for (name, dtype, bytes) in tensors {
+            let offset = align_up(end, TENSOR_ALIGN);
+            end = offset + bytes.len() as u64;
+            placed.push(StoredTensor {
+                name: name.to_string(),
+                dtype: *dtype,
+                shape: vec![bytes.len() as u64 / dtype.size()],
+                offset,
+                nbytes: bytes.len() as u64,
+                quantized: None,
+                label: None,
+                coded: None,
+            });
+        }
+        let mut segment = make(align_up(end, TENSOR_ALIGN));
+        let arena = segment.bytes_mut().unwrap();
+        for (t, (_, _, bytes)) in placed.iter().zip(tensors) {
+            arena[t.offset as usize..][..bytes.len()].copy_from_slice(bytes);
+        }
+        (segment, placed)
+    }
+
+    /// A load's arena (shrinkable) is coded in place: the same memfd, cut to the coded size and
+    /// sealed against resizing, each tensor moved back to where the one before it now ends;
+    /// the bytes and places are those of the same tensors coded out of a sealed segment into a
+    /// new one, and decode to the tensors' bytes.
+    #[test]
+    fn a_loads_arena_is_coded_in_place_and_cut_to_size() {
+        let store = store_with(HostQuota::default());
+        let (fp8, plain, int8) = (skewed(3 << 20, 11), noise(2 << 20, 12), skewed(5 << 20, 13));
+        let tensors: [(&str, DType, &[u8]); 3] = [
+            ("fp8", DType::F8E4M3, &fp8),
+            ("plain", DType::BF16, &plain),
+            ("int8", DType::I8, &int8),
+        ];
+        let shm = Arc::clone(&store.shm);
+        let (segment, laid) = laid_out(&tensors, |size| {
+            shm.create_shrinkable("model", size, Pages::Reserved)
+                .unwrap()
+        });
+        let inode = |s: &ShmSegment| rustix::fs::fstat(s.memfd().fd()).unwrap().st_ino;
+        let before = inode(&segment);
+        let (coded, placed) = store.code(7, segment, laid.clone(), Coding::Rans8).unwrap();
+        assert_eq!(inode(&coded), before, "coded in place");
+        let ends: Vec<u64> = placed.iter().map(|t| t.offset + t.nbytes).collect();
+        let offsets: Vec<u64> = placed.iter().map(|t| t.offset).collect();
+        assert_eq!(offsets[0], 0);
+        assert_eq!(offsets[1], align_up(ends[0], TENSOR_ALIGN));
+        assert_eq!(offsets[2], align_up(ends[1], TENSOR_ALIGN));
+        assert!(offsets[1] < laid[1].offset, "moved back");
+        assert_eq!(coded.size(), align_up(ends[2], TENSOR_ALIGN));
+        let seals = coded.memfd().seals().unwrap();
+        assert!(seals.contains(rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW));
+        assert_eq!(store.shm.total(), 1);
+
+        let (sealed, laid) = laid_out(&tensors, |size| shm.create("model", size).unwrap());
+        let (copy, copy_placed) = store.code(7, sealed, laid, Coding::Rans8).unwrap();
+        assert_ne!(inode(&copy), before);
+        assert_eq!(copy_placed, placed);
+        assert!(copy.bytes() == coded.bytes(), "the same bytes either way");
+        for (t, (name, _, bytes)) in placed.iter().zip(tensors) {
+            let held = &coded.bytes()[t.offset as usize..(t.offset + t.nbytes) as usize];
+            let back = match &t.coded {
+                None => held.to_vec(),
+                Some(c) => {
+                    let c = rans8::Coded::from_blob(held, c.decoded_nbytes, c.lanes).unwrap();
+                    rans8::decode(&c).unwrap()
+                }
+            };
+            assert!(back == bytes, "{name}");
+        }
     }
 
     #[test]

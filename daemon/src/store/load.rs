@@ -35,6 +35,7 @@ use super::{
     Model, ModelSource, Owner, QuantizedLayout, Retention, Store, StoreError, StoredTensor,
     TENSOR_ALIGN, metadata_bytes,
 };
+use crate::mem::shm::Pages;
 use crate::mem::{align_up, parallel};
 
 /// Load progress is reported at least this often (in bytes); also the most one reader copies
@@ -202,12 +203,18 @@ impl Store {
         );
         let reserved = self.reserve(owner.uid, arena_len + metadata, false, "model")?;
         progress(0, total, Path::new("allocating host memory"));
-        let mut segment = phases
-            .time(|p| &mut p.alloc, || self.shm.create("model", arena_len))
-            .map_err(|source| StoreError::Arena {
-                bytes: arena_len,
-                source,
-            })?;
+        // Coded in place (`Store::code`), then cut to its coded size.
+        let create = || match coding {
+            Coding::None => self.shm.create("model", arena_len),
+            _ => (self.shm).create_shrinkable("model", arena_len, Pages::Reserved),
+        };
+        let mut segment =
+            phases
+                .time(|p| &mut p.alloc, create)
+                .map_err(|source| StoreError::Arena {
+                    bytes: arena_len,
+                    source,
+                })?;
         let arena = segment.bytes_mut().expect("a new segment is writable");
         let digests = phases.time(
             |p| &mut p.read,
