@@ -20,6 +20,11 @@ a row per tensor and one for the layer (``all``). Not uploaded: bitsandbytes' ``
 one-byte tensors of 1 MiB or more, and only where that saves at least 1/32 of their bytes: the
 rows say why a tensor is not coded.
 
+Peak memory: a fresh daemon's ``VmHWM`` (its heap and the shared memory it maps) once it has
+stored one model of 8 FLUX-sized Gaussian layers, as it is and coded: loaded from a bf16 file
+quantized to ``fp8_e4m3_block64`` (the load codes its arena in place), and uploaded as e4m3
+weights (the upload is coded into a new arena).
+
 Weights: ``entropy8.py``'s seeded random ones (a FLUX-sized linear [3072, 12288]; Gaussian,
 std 0.02, and Student-t with 4 and 3 degrees of freedom: heavier tails, as trained weights
 have), or the 2-D floating tensors of ``--safetensors`` files:
@@ -212,6 +217,73 @@ def formats4(w, aitk) -> dict:
     return {**bnb_formats(w), **aitk_formats(w, aitk)}
 
 
+# --- peak memory -----------------------------------------------------------------------------
+
+#: Layers of the peak measurement's model (FLUX-sized, the Gaussian weight's seed each).
+PEAK_LAYERS = 8
+
+
+def vm_hwm_gib(pid: int) -> float:
+    """Process ``pid``'s peak resident memory (``VmHWM``: heap and mapped shared memory)."""
+    with open(f"/proc/{pid}/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib / (1 << 20)
+
+
+def peaks(binary: str, tmp: str, layers: int = PEAK_LAYERS) -> list[dict]:
+    """A fresh daemon's peak resident memory for one model of ``layers`` FLUX-sized layers,
+    stored as it is and coded: loaded from a bf16 file quantized to
+    ``fp8_e4m3_block64``, and uploaded as e4m3 weights (each scaled to e4m3's range)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.daemon import Daemon
+
+    g = torch.Generator().manual_seed(0)
+    bf16 = {
+        f"b{i}.weight": (torch.randn(3072, 12288, generator=g) * 0.02).bfloat16()
+        for i in range(layers)
+    }
+    path = str(Path(tmp) / "peak.safetensors")
+    save_file(bf16, path)
+    fp8 = {
+        n: (w.float() * (448 / w.float().abs().max())).to(torch.float8_e4m3fn)
+        for n, w in bf16.items()
+    }
+    del bf16
+
+    def store(client, how: str, coding: str):
+        if how == "load":
+            return client.load_model(
+                [path], quantize="fp8_e4m3_block64", retention="connection", coding=coding
+            )
+        return client.upload_model("peak", fp8, retention="connection", coding=coding)[0]
+
+    rows = []
+    for how in ("load", "upload"):
+        for coding in ("none", "rans8"):
+            with tempfile.TemporaryDirectory(prefix="ws-peak-", dir=tmp) as d:
+                daemon = Daemon(d, binary=binary)
+                try:
+                    start = vm_hwm_gib(daemon.pid)
+                    model = store(daemon.client, how, coding)
+                    rows.append(
+                        {
+                            "how": how,
+                            "coding": coding,
+                            "bytes_gib": sum(t.nbytes for t in model.tensors) / (1 << 30),
+                            "held_gib": sum(t.stored_nbytes or t.nbytes for t in model.tensors)
+                            / (1 << 30),
+                            "peak_gib": vm_hwm_gib(daemon.pid),
+                            "start_gib": start,
+                        }
+                    )
+                    print(rows[-1], flush=True)
+                finally:
+                    daemon.stop()
+    return rows
+
+
 # --- report ----------------------------------------------------------------------------------
 
 
@@ -248,6 +320,24 @@ def markdown(report: dict) -> str:
             f"{100 * r['saved']:.1f} % | {r['lanes'] or '—'} | {r['coded']} | "
             f"{encode_cell(r)} |"
         )
+    if report.get("peaks"):
+        lines += [
+            "",
+            f"## The daemon's peak memory storing a model ({PEAK_LAYERS} FLUX-sized layers)",
+            "",
+            "- a fresh daemon each; peak: its `VmHWM` (heap and the shared memory it maps) once "
+            "the model is stored; load: a bf16 file quantized to fp8_e4m3_block64; upload: e4m3 "
+            "weights",
+            "",
+            "| stored by | coding | bytes | held | daemon's peak | peak / bytes |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in report["peaks"]:
+            lines.append(
+                f"| {r['how']} | {r['coding']} | {r['bytes_gib']:.3f} GiB | "
+                f"{r['held_gib']:.3f} GiB | {r['peak_gib']:.3f} GiB | "
+                f"{r['peak_gib'] / r['bytes_gib']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -292,12 +382,14 @@ def main(argv=None) -> int:
                     release_all(daemon.client)
         finally:
             daemon.stop()
+        peak_rows = peaks(args.bin, tmp)
     report = {
         "command": command(),
         "commit": commit(),
         "cores": os.cpu_count(),
         "quantizers4": quantizers4(aitk, args.aitk),
         "rows": rows,
+        "peaks": peak_rows,
     }
     write_report(args.out, "coding_cpu", report, markdown(report))
     return 0

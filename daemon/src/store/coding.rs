@@ -9,10 +9,11 @@
 //! deterministic (the blob is a function of the bytes and [`rans8::lanes_for`]), so a model's
 //! id is its uncoded content's with the coding added ([`coded_id`]).
 //!
-//! Memory: the coded tensors' arrays live on the heap until the new arena is made (about the
-//! coded size), and the filled arena until the new one is written: at the peak the uncoded
-//! bytes, the coded ones and the new arena's (the last reserved from the host quota as
-//! "coded model").
+//! Memory: one tensor's blob is on the heap at a time. A load's arena is coded in place and cut
+//! to the coded size: the load's peak is its uncoded arena. An upload's region (sealed, its
+//! uploader's) is coded into a new arena whose pages are reserved as they are written, and
+//! which is reserved from the host quota at the upload's size while both exist: at the peak
+//! the uncoded bytes and the coded ones.
 
 use super::rans8::{self, Coded};
 use super::safetensors::DType;

@@ -94,3 +94,22 @@ def test_the_table_shows_a_tensor_not_coded():
         in md
     )
     assert "- 4-bit quantizers: q" in md
+
+
+def test_peaks_stores_one_model_each_way_in_a_fresh_daemon(tmp_path):
+    from tests.daemon import BIN
+
+    rows = coding_cpu.peaks(BIN, str(tmp_path), layers=1)
+    assert [(r["how"], r["coding"]) for r in rows] == [
+        ("load", "none"),
+        ("load", "rans8"),
+        ("upload", "none"),
+        ("upload", "rans8"),
+    ]
+    # fp8 block64: a byte a weight and a float32 scale per 64; e4m3 uploaded: a byte a weight.
+    weights = 3072 * 12288
+    assert [r["bytes_gib"] * (1 << 30) for r in rows] == [weights * 17 / 16] * 2 + [weights] * 2
+    for r in rows:
+        coded = r["coding"] == "rans8"
+        assert (r["held_gib"] < r["bytes_gib"]) == coded, r
+        assert r["peak_gib"] >= r["held_gib"] > 0 and r["peak_gib"] >= r["start_gib"], r
