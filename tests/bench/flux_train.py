@@ -41,6 +41,16 @@ place (`compute8.to_w8a8_resident`) and streamed W8A8 in one call; `--rotation B
 `--grad-compute` apply to both W8A8 modes, whose deterministic losses are compared with each
 other (`losses_equal_resident`). Not among the default modes.
 
+The host copy coded (attach's `coding=`): `--coding rans8` holds every weightstream mode's
+one-byte weights coded losslessly, the trainer decoding each group on the device
+(`coding_cpu.py` measures what that saves); the modes `weightstream-rans8`,
+`weightstream-w8a8-fp8-rans8` and `weightstream-w8a8-int8-rans8` are those modes coded whatever
+`--coding` says, so one call times a mode and its coded form, and with `--det-steps` checks
+that their losses are equal (`losses_equal_uncoded`): where the link binds, e.g.
+`--model flux1 --modes weightstream-w8a8-fp8 weightstream-w8a8-fp8-rans8 --grad-compute bf16
+--budgets 8 --trainer-gib 6 --min-blocks 0 --copy-bandwidth-limit 12GB/s`. Not among the
+default modes.
+
 ai-toolkit's own layer offloading: `--modes ... aitk` runs its `MemoryManager` (its
 toolkit/memory_management at AITK_COMMIT, laid out in .aitk/ by tests/bench/ai_toolkit_prepare.sh,
 or `--aitk DIR`) at 100 % offload in bf16; `aitk-float8` the same over torchao float8 weights
@@ -55,7 +65,7 @@ import os
 import sys
 
 from tests.bench.benchlib import flux
-from tests.bench.benchlib.runner import MODES, child, parent
+from tests.bench.benchlib.runner import CODED, MODES, child, parent
 from tests.bench.card import LINK_ENV
 
 
@@ -184,7 +194,7 @@ def main(model: str = "flux1"):
     flux.MODEL, flux.RANK, flux.OPTIMIZER = args.model, args.rank, args.optimizer
     if args.modes is None:
         skip = {"job", "aitk", "aitk-float8", "resident-fp8-copying"}
-        skip |= {m for m in MODES if "w8a8" in m}
+        skip |= {m for m in MODES if "w8a8" in m or m.endswith(CODED)}
         skip |= set() if args.quantize else {"resident-fp8"}
         args.modes = [m for m in MODES if m not in skip]
     if args.interleave is not None and len(args.interleave) < 2:

@@ -376,8 +376,9 @@ def nvidia_smi_used_gib(index: int = 0) -> float | None:
         return None
 
 
-def mode_weightstream(args, record, compute: str = "bf16"):
-    """``compute``: ``attach``'s (``--rotation`` and ``--grad-compute`` with it where 8-bit)."""
+def mode_weightstream(args, record, compute: str = "bf16", coding: str | None = None):
+    """``compute``: ``attach``'s (``--rotation`` and ``--grad-compute`` with it where 8-bit);
+    ``coding``: ``attach``'s, else ``--coding``."""
     import torch
     import weightstream
     import weightstream.torch as wst
@@ -407,10 +408,10 @@ def mode_weightstream(args, record, compute: str = "bf16"):
         quantize=args.quantize,
         dequantize=args.dequantize,
         early_release=args.early_release,
-        coding=args.coding,
+        coding=coding or args.coding,
         **compute_options,
     )
-    record["coding"] = args.coding
+    record["coding"] = coding or args.coding
     record["dequantize"] = args.dequantize
     record["early_release"] = args.early_release
     record["attach_s"] = round(time.monotonic() - started, 1)

@@ -52,6 +52,9 @@ from tests.daemon import Daemon
 #: The script the children run (``python -m SCRIPT --child MODE``).
 SCRIPT = "tests.bench.flux_train"
 
+#: The suffix of a mode held coded (``weightstream-rans8``...; its reference: the mode without).
+CODED = "-rans8"
+
 MODES = {
     "resident": mode_resident,
     "resident-fp8": mode_resident_fp8,  # run by default only with --quantize fp8
@@ -65,6 +68,15 @@ MODES = {
     "resident-w8a8-int8": functools.partial(mode_resident_w8a8, compute="int8"),
     "weightstream-w8a8-fp8": functools.partial(mode_weightstream, compute="fp8"),
     "weightstream-w8a8-int8": functools.partial(mode_weightstream, compute="int8"),
+    # The same held coded (attach's coding="rans8", whatever --coding says), each against the
+    # same mode uncoded: only with --modes.
+    "weightstream" + CODED: functools.partial(mode_weightstream, coding="rans8"),
+    "weightstream-w8a8-fp8" + CODED: functools.partial(
+        mode_weightstream, compute="fp8", coding="rans8"
+    ),
+    "weightstream-w8a8-int8" + CODED: functools.partial(
+        mode_weightstream, compute="int8", coding="rans8"
+    ),
     "ramtorch": mode_ramtorch,
     "accelerate-offload": mode_accelerate,
     "diffusers-group-offload": mode_group_offload,
@@ -372,8 +384,16 @@ def check_equality(results):
             m["losses_equal_resident"] = m["det_losses"] == ref
             if m["mode"] == "weightstream" and not m["losses_equal_resident"]:
                 ok = False
+    # Coded: lossless, so the same losses as the same mode uncoded.
+    for m in results["modes"]:
+        uncoded = modes.get(m["mode"].removesuffix(CODED), {})
+        if m["mode"].endswith(CODED) and "det_losses" in m and "det_losses" in uncoded:
+            m["losses_equal_uncoded"] = m["det_losses"] == uncoded["det_losses"]
+            ok = ok and m["losses_equal_uncoded"]
     # 8-bit compute: streamed against the same W8A8 layers in place.
     for m in results["modes"]:
+        if m["mode"].startswith(W8A8_STREAMED) and m["mode"].endswith(CODED):
+            continue
         if m["mode"].startswith(W8A8_STREAMED) and "det_losses" in m:
             ref = modes.get(m["mode"].replace(W8A8_STREAMED, "resident-w8a8-", 1), {})
             if "det_losses" in ref:
