@@ -11,9 +11,8 @@
 //!
 //! Memory: one tensor's blob is on the heap at a time. A load's arena is coded in place and cut
 //! to the coded size: the load's peak is its uncoded arena. An upload's region (sealed, its
-//! uploader's) is coded into a new arena whose pages are reserved as they are written, and
-//! which is reserved from the host quota at the upload's size while both exist: at the peak
-//! the uncoded bytes and the coded ones.
+//! uploader's) is coded into a new arena whose pages are reserved, in memory and from the host
+//! quota, as they are written: at the peak the uncoded bytes and the coded ones.
 
 use super::rans8::{self, Coded};
 use super::safetensors::DType;
@@ -87,8 +86,8 @@ impl Store {
     /// writes and may shrink ([`Shm::create_shrinkable`], a load's) is coded in place: a
     /// tensor's new place never starts past its old one, which has been read by then. Any
     /// other (a sealed upload) is coded into a new shrinkable segment of its size whose pages
-    /// are reserved as they are written, reserved from `uid`'s host quota while both exist.
-    /// Either is then shrunk to the coded size.
+    /// are reserved, in memory and from `uid`'s host quota (while both exist), as they are
+    /// written. Either is then shrunk to the coded size.
     ///
     /// [`Shm::create_shrinkable`]: crate::mem::shm::Shm::create_shrinkable
     pub(super) fn code(
@@ -103,16 +102,17 @@ impl Store {
         }
         let arena_error = |bytes| move |source| StoreError::Arena { bytes, source };
         let in_place = segment.is_shrinkable();
-        let (mut target, reserved) = if in_place {
-            (None, None)
+        let mut target = if in_place {
+            None
         } else {
             let size = segment.size();
-            let reserved = self.reserve(uid, size, false, "coded model")?;
             let target = (self.shm)
                 .create_shrinkable("model", size, Pages::AsWritten)
                 .map_err(arena_error(size))?;
-            (Some(target), Some(reserved))
+            Some(target)
         };
+        // The new arena's bytes as they are written, while both arenas exist.
+        let mut reserved = Vec::new();
         let mut order: Vec<usize> = (0..tensors.len()).collect();
         order.sort_by_key(|&i| tensors[i].offset);
         let mut placed = tensors.clone();
@@ -144,6 +144,8 @@ impl Store {
                 }
                 (None, None) => {}
                 (Some(target), coded) => {
+                    let written = align_up(at + nbytes, TENSOR_ALIGN) - end;
+                    reserved.push(self.reserve(uid, written, false, "coded model")?);
                     target
                         .reserve_range(at, nbytes)
                         .map_err(arena_error(nbytes))?;
@@ -443,6 +445,30 @@ mod tests {
             };
             assert!(back == bytes, "{name}");
         }
+    }
+
+    /// An upload is coded into an arena counted against the quota as it is written: a uid whose
+    /// quota holds the upload and its coded bytes, not two uploads, commits it coded.
+    #[test]
+    fn a_coded_upload_counts_the_coded_bytes_against_the_quota() {
+        let fp8 = skewed(8 << 20, 21);
+        let quota = HostQuota {
+            per_uid_bytes: (8 << 20) + (4 << 20),
+            ..HostQuota::default()
+        };
+        let store = store_with(quota);
+        let stored = commit(
+            &store,
+            "up-q",
+            &[("fp8", DType::F8E4M3, &fp8)],
+            Coding::Rans8,
+        );
+        let t = &stored.model.tensors[0];
+        assert!(
+            t.coded.is_some() && t.nbytes < 3 << 20,
+            "{} coded bytes",
+            t.nbytes
+        );
     }
 
     #[test]
