@@ -15,6 +15,7 @@
 //! quota, as they are written: at the peak the uncoded bytes and the coded ones.
 
 use super::rans8::{self, Coded};
+use super::reserve::Reservation;
 use super::safetensors::DType;
 use super::{Store, StoreError, StoredTensor, TENSOR_ALIGN};
 use crate::mem::align_up;
@@ -85,9 +86,10 @@ impl Store {
     /// ended (aligned), so one tensor's blob is on the heap at a time. A segment the daemon
     /// writes and may shrink ([`Shm::create_shrinkable`], a load's) is coded in place: a
     /// tensor's new place never starts past its old one, which has been read by then. Any
-    /// other (a sealed upload) is coded into a new shrinkable segment of its size whose pages
-    /// are reserved, in memory and from `uid`'s host quota (while both exist), as they are
-    /// written. Either is then shrunk to the coded size.
+    /// other (a sealed upload) is coded into a new shrinkable segment of its size, made at the
+    /// first tensor worth coding (none: `segment` is left as it is), whose pages are reserved,
+    /// in memory and from `uid`'s host quota (while both exist), as they are written. Either is
+    /// then shrunk to the coded size.
     ///
     /// [`Shm::create_shrinkable`]: crate::mem::shm::Shm::create_shrinkable
     pub(super) fn code(
@@ -102,29 +104,18 @@ impl Store {
         }
         let arena_error = |bytes| move |source| StoreError::Arena { bytes, source };
         let in_place = segment.is_shrinkable();
-        let mut target = if in_place {
-            None
-        } else {
-            let size = segment.size();
-            let target = (self.shm)
-                .create_shrinkable("model", size, Pages::AsWritten)
-                .map_err(arena_error(size))?;
-            Some(target)
-        };
-        // The new arena's bytes as they are written, while both arenas exist.
-        let mut reserved = Vec::new();
+        // Out of place, the new arena is made at the first tensor worth coding (the ones
+        // before it copied then): an upload with none is left as it is, never copied.
+        let mut out: Option<NewArena<'_>> = None;
         let mut order: Vec<usize> = (0..tensors.len()).collect();
         order.sort_by_key(|&i| tensors[i].offset);
         let mut placed = tensors.clone();
         let mut end = 0u64;
-        for i in order {
+        for (k, &i) in order.iter().enumerate() {
             let t = &tensors[i];
             let from = t.offset as usize..(t.offset + t.nbytes) as usize;
             let at = align_up(end, TENSOR_ALIGN);
-            debug_assert!(
-                target.is_some() || at <= t.offset,
-                "a tensor moves back only"
-            );
+            debug_assert!(!in_place || at <= t.offset, "a tensor moves back only");
             let coded = codable(t)
                 .then(|| rans8::encode(&segment.bytes()[from.clone()], rans8::lanes_for(t.nbytes)))
                 .and_then(|c| {
@@ -134,57 +125,96 @@ impl Store {
                         .ok()
                 })
                 .filter(|c| c.blob_nbytes() <= t.nbytes - t.nbytes / MIN_SAVING);
-            let nbytes = coded.as_ref().map_or(t.nbytes, Coded::blob_nbytes);
-            let lanes = coded.as_ref().map(|c| c.lanes);
-            let to = at as usize..(at + nbytes) as usize;
-            match (&mut target, coded) {
-                (None, Some(c)) => c.write_blob(&mut writable(&mut segment)[to]),
-                (None, None) if at != t.offset => {
-                    writable(&mut segment).copy_within(from, to.start)
-                }
-                (None, None) => {}
-                (Some(target), coded) => {
-                    let written = align_up(at + nbytes, TENSOR_ALIGN) - end;
-                    reserved.push(self.reserve(uid, written, false, "coded model")?);
-                    target
-                        .reserve_range(at, nbytes)
-                        .map_err(arena_error(nbytes))?;
-                    let dst = &mut writable(target)[to];
-                    match coded {
-                        Some(c) => c.write_blob(dst),
-                        None => dst.copy_from_slice(&segment.bytes()[from]),
-                    }
-                }
-            }
-            if target.is_none() {
-                // The padding after it, as a new arena's: zeros, not the bytes it moved over.
-                let pad = (at + nbytes) as usize..align_up(at + nbytes, TENSOR_ALIGN) as usize;
-                writable(&mut segment)[pad].fill(0);
-            }
             let p = &mut placed[i];
-            if let Some(lanes) = lanes {
-                p.nbytes = nbytes;
+            p.offset = at;
+            if let Some(c) = &coded {
+                p.nbytes = c.blob_nbytes();
                 p.coded = Some(CodedLayout {
                     coding,
-                    lanes,
+                    lanes: c.lanes,
                     decoded_nbytes: t.nbytes,
                 });
             }
-            p.offset = at;
-            end = at + nbytes;
+            end = at + p.nbytes;
+            if in_place {
+                let arena = writable(&mut segment);
+                match coded {
+                    Some(c) => c.write_blob(&mut arena[at as usize..end as usize]),
+                    None if at != t.offset => arena.copy_within(from, at as usize),
+                    None => {}
+                }
+                // The padding after it, as a new arena's: zeros, not the bytes it moved over.
+                arena[end as usize..align_up(end, TENSOR_ALIGN) as usize].fill(0);
+                continue;
+            }
+            let out = match (&mut out, &coded) {
+                (Some(out), _) => out,
+                (None, None) => continue,
+                (None, Some(_)) => {
+                    let size = segment.size();
+                    let arena = (self.shm)
+                        .create_shrinkable("model", size, Pages::AsWritten)
+                        .map_err(arena_error(size))?;
+                    let out = out.insert(NewArena {
+                        store: self,
+                        uid,
+                        arena,
+                        reserved: Vec::new(),
+                    });
+                    for &j in &order[..k] {
+                        out.write(&placed[j], segment.bytes(), &tensors[j], None)?;
+                    }
+                    out
+                }
+            };
+            out.write(&placed[i], segment.bytes(), t, coded.as_ref())?;
         }
         let size = align_up(end, TENSOR_ALIGN);
-        let nothing_coded = placed.iter().all(|p| p.coded.is_none());
-        let segment = match target {
-            Some(_) if nothing_coded => return Ok((segment, tensors)),
-            Some(target) => target,
-            None => segment,
+        let segment = match out {
+            Some(out) => out.arena,
+            None if in_place => segment,
+            None => return Ok((segment, tensors)),
         };
         // The coded arena counts itself once its model is inserted; until then the caller's
         // reservation of the uncoded bytes covers it (the coded arena is never larger).
-        drop(reserved);
         let segment = segment.shrink_to(size).map_err(arena_error(size))?;
         Ok((segment, placed))
+    }
+}
+
+/// The arena an upload is coded into, and the host bytes reserved for what is written in it.
+struct NewArena<'s> {
+    store: &'s Store,
+    uid: u32,
+    arena: ShmSegment,
+    reserved: Vec<Reservation<'s>>,
+}
+
+impl NewArena<'_> {
+    /// Writes tensor `to` (where it goes): `blob`, or else `from`'s bytes of `src` as they
+    /// are; its pages and host bytes (to the next tensor's place) reserved first.
+    fn write(
+        &mut self,
+        to: &StoredTensor,
+        src: &[u8],
+        from: &StoredTensor,
+        blob: Option<&Coded>,
+    ) -> Result<(), StoreError> {
+        let extent = align_up(to.offset + to.nbytes, TENSOR_ALIGN) - to.offset;
+        let reservation = (self.store).reserve(self.uid, extent, false, "coded model")?;
+        self.reserved.push(reservation);
+        (self.arena)
+            .reserve_range(to.offset, to.nbytes)
+            .map_err(|source| StoreError::Arena {
+                bytes: to.nbytes,
+                source,
+            })?;
+        let dst = &mut writable(&mut self.arena)[to.offset as usize..][..to.nbytes as usize];
+        match blob {
+            Some(c) => c.write_blob(dst),
+            None => dst.copy_from_slice(&src[from.offset as usize..][..from.nbytes as usize]),
+        }
+        Ok(())
     }
 }
 
@@ -403,11 +433,13 @@ mod tests {
     #[test]
     fn a_loads_arena_is_coded_in_place_and_cut_to_size() {
         let store = store_with(HostQuota::default());
-        let (fp8, plain, int8) = (skewed(3 << 20, 11), noise(2 << 20, 12), skewed(5 << 20, 13));
-        let tensors: [(&str, DType, &[u8]); 3] = [
-            ("fp8", DType::F8E4M3, &fp8),
+        let (plain, fp8) = (noise(2 << 20, 12), skewed(3 << 20, 11));
+        let (int8, tail) = (skewed(5 << 20, 13), noise(1 << 20, 14));
+        let tensors: [(&str, DType, &[u8]); 4] = [
             ("plain", DType::BF16, &plain),
+            ("fp8", DType::F8E4M3, &fp8),
             ("int8", DType::I8, &int8),
+            ("tail", DType::BF16, &tail),
         ];
         let shm = Arc::clone(&store.shm);
         let (segment, laid) = laid_out(&tensors, |size| {
@@ -418,13 +450,19 @@ mod tests {
         let before = inode(&segment);
         let (coded, placed) = store.code(7, segment, laid.clone(), Coding::Rans8).unwrap();
         assert_eq!(inode(&coded), before, "coded in place");
+        let coded_names: Vec<&str> = (placed.iter())
+            .filter(|t| t.coded.is_some())
+            .map(|t| t.name.as_str())
+            .collect();
+        assert_eq!(coded_names, ["fp8", "int8"]);
         let ends: Vec<u64> = placed.iter().map(|t| t.offset + t.nbytes).collect();
         let offsets: Vec<u64> = placed.iter().map(|t| t.offset).collect();
         assert_eq!(offsets[0], 0);
-        assert_eq!(offsets[1], align_up(ends[0], TENSOR_ALIGN));
-        assert_eq!(offsets[2], align_up(ends[1], TENSOR_ALIGN));
-        assert!(offsets[1] < laid[1].offset, "moved back");
-        assert_eq!(coded.size(), align_up(ends[2], TENSOR_ALIGN));
+        for k in 1..4 {
+            assert_eq!(offsets[k], align_up(ends[k - 1], TENSOR_ALIGN), "{k}");
+        }
+        assert!(offsets[3] < laid[3].offset, "moved back");
+        assert_eq!(coded.size(), align_up(ends[3], TENSOR_ALIGN));
         let seals = coded.memfd().seals().unwrap();
         assert!(seals.contains(rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW));
         assert_eq!(store.shm.total(), 1);
@@ -445,6 +483,23 @@ mod tests {
             };
             assert!(back == bytes, "{name}");
         }
+    }
+
+    /// A sealed segment (an upload's) of which nothing is worth coding is left as it is: the
+    /// same memfd, no other made.
+    #[test]
+    fn an_upload_with_nothing_worth_coding_is_not_copied() {
+        let store = store_with(HostQuota::default());
+        let (random, wide) = (noise(2 << 20, 31), skewed(2 << 20, 32));
+        let tensors: [(&str, DType, &[u8]); 2] =
+            [("random", DType::U8, &random), ("wide", DType::BF16, &wide)];
+        let shm = Arc::clone(&store.shm);
+        let (sealed, laid) = laid_out(&tensors, |size| shm.create("model", size).unwrap());
+        let inode = rustix::fs::fstat(sealed.memfd().fd()).unwrap().st_ino;
+        let (same, placed) = store.code(7, sealed, laid.clone(), Coding::Rans8).unwrap();
+        assert_eq!(rustix::fs::fstat(same.memfd().fd()).unwrap().st_ino, inode);
+        assert_eq!(placed, laid);
+        assert_eq!(store.shm.total(), 1);
     }
 
     /// An upload is coded into an arena counted against the quota as it is written: a uid whose
