@@ -309,10 +309,22 @@ impl Memfd {
         &self,
         populate: impl Fn(usize, usize) -> io::Result<()> + Sync,
     ) -> io::Result<()> {
-        match populate_parallel(self.size as usize, &populate) {
+        self.reserve_range_by(0, self.size, populate)
+    }
+
+    /// [`Memfd::reserve_by`] for the pages of `start..start + len` (`start` on a page).
+    fn reserve_range_by(
+        &self,
+        start: u64,
+        len: u64,
+        populate: impl Fn(usize, usize) -> io::Result<()> + Sync,
+    ) -> io::Result<()> {
+        let at = |offset: usize, n: usize| populate(start as usize + offset, n);
+        match populate_parallel(len as usize, &at) {
             Ok(true) => Ok(()),
-            Ok(false) => self.reserve(),
-            Err(e) => Err(self.reserve_error(e)),
+            Ok(false) => rustix::fs::fallocate(&self.fd, FallocateFlags::empty(), start, len)
+                .map_err(|e| self.reserve_error(e.into(), len)),
+            Err(e) => Err(self.reserve_error(e, len)),
         }
     }
 
@@ -324,7 +336,7 @@ impl Memfd {
             return Ok(());
         }
         rustix::fs::fallocate(&self.fd, FallocateFlags::empty(), 0, self.size)
-            .map_err(|e| self.reserve_error(e.into()))
+            .map_err(|e| self.reserve_error(e.into(), self.size))
     }
 
     /// Whether a page of the memfd is not allocated (`SEEK_HOLE` finds one before the end).
@@ -337,10 +349,10 @@ impl Memfd {
         }
     }
 
-    fn reserve_error(&self, e: io::Error) -> io::Error {
+    fn reserve_error(&self, e: io::Error, bytes: u64) -> io::Error {
         io::Error::new(
             e.kind(),
-            format!("cannot reserve {} bytes of shared memory: {e}", self.size),
+            format!("cannot reserve {bytes} bytes of shared memory: {e}"),
         )
     }
 
@@ -493,18 +505,8 @@ impl ShmSegment {
         if end <= start {
             return Ok(());
         }
-        let populate =
-            |o: usize, l: usize| m.advise_range(Advice::PopulateWrite, start as usize + o, l);
-        match populate_parallel((end - start) as usize, &populate) {
-            Ok(true) => Ok(()),
-            Ok(false) => Ok(rustix::fs::fallocate(
-                &self.memfd.fd,
-                FallocateFlags::empty(),
-                start,
-                end - start,
-            )?),
-            Err(e) => Err(self.memfd.reserve_error(e)),
-        }
+        let populate = |o: usize, l: usize| m.advise_range(Advice::PopulateWrite, o, l);
+        self.memfd.reserve_range_by(start, end - start, populate)
     }
 
     /// The segment cut to its first `len` bytes and sealed against resizing (the rest of its
@@ -512,22 +514,20 @@ impl ShmSegment {
     /// Also seals one that keeps its size.
     pub fn shrink_to(self, len: u64) -> io::Result<ShmSegment> {
         let ShmSegment { memfd, map: old } = self;
+        if !matches!(old, Map::Write(_)) {
+            return Err(io::Error::other("a read-only segment is not resized"));
+        }
         let mut memfd = Arc::try_unwrap(memfd)
             .map_err(|_| io::Error::other("a segment held elsewhere is not resized"))?;
         if len > memfd.size {
             return Err(io::Error::other("a segment only shrinks"));
         }
-        let access = if matches!(old, Map::Write(_)) {
-            Access::ReadWrite
-        } else {
-            Access::ReadOnly
-        };
         // Unmapped before the file shrinks: no mapping ever reaches past its end.
         drop(old);
         rustix::fs::ftruncate(&memfd.fd, len)?;
         memfd.size = len;
         memfd.seal(SealFlags::SHRINK | SealFlags::GROW)?;
-        let map = map(&memfd, access)?;
+        let map = map(&memfd, Access::ReadWrite)?;
         Ok(ShmSegment {
             memfd: Arc::new(memfd),
             map,
